@@ -1,0 +1,108 @@
+"""The in-memory graph between lowering and the flatbuffer writers.
+
+Format-neutral: the same IR is written as Circle or TFLite by circleops.serialize and read
+back from either by circleops.serialize.reader (for inspect and the reference interpreter).
+Names follow the flatbuffer schemas (opcode = BuiltinOperator name, options = the object
+API's field names) so the writers need no per-op code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+# Schema TensorType name <-> torch dtype. bf16 has no numpy dtype: its data is stored as
+# the raw 16-bit pattern.
+TORCH_TO_TYPE: dict[torch.dtype, str] = {
+    torch.float32: "FLOAT32",
+    torch.float16: "FLOAT16",
+    torch.bfloat16: "BFLOAT16",
+    torch.float64: "FLOAT64",
+    torch.int64: "INT64",
+    torch.int32: "INT32",
+    torch.int16: "INT16",
+    torch.int8: "INT8",
+    torch.uint8: "UINT8",
+    torch.bool: "BOOL",
+}
+TYPE_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_TYPE.items()}
+
+ConstData = Union[np.ndarray, torch.Tensor]
+
+
+@dataclass
+class Tensor:
+    """A tensor of a subgraph. ``data`` set means a constant (weights, folded tables).
+
+    ``data`` may stay a torch.Tensor (e.g. a model parameter) so that no copy is made
+    before the writer streams it to the file.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # schema TensorType name, e.g. "FLOAT32"
+    data: ConstData | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TYPE_TO_TORCH[self.dtype]
+
+    @property
+    def is_const(self) -> bool:
+        return self.data is not None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclass
+class Operator:
+    """One operator. ``inputs``/``outputs`` index the subgraph's tensors; -1 = omitted.
+
+    ``options_type`` is the schema's options table name (e.g. "FullyConnectedOptions",
+    "StableHLOCompositeOptions") and ``options`` its fields by object-API name.
+    """
+
+    opcode: str
+    inputs: list[int]
+    outputs: list[int]
+    options_type: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+
+
+@dataclass
+class Subgraph:
+    name: str
+    tensors: list[Tensor] = field(default_factory=list)
+    operators: list[Operator] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+    def add_tensor(self, tensor: Tensor) -> int:
+        self.tensors.append(tensor)
+        return len(self.tensors) - 1
+
+
+@dataclass
+class Signature:
+    """A named entry point: input/output names mapped to tensor indices of one subgraph."""
+
+    key: str
+    subgraph_index: int
+    inputs: dict[str, int]
+    outputs: dict[str, int]
+
+
+@dataclass
+class Model:
+    subgraphs: list[Subgraph] = field(default_factory=list)
+    signatures: list[Signature] = field(default_factory=list)
+    description: str = "circleops"
+    metadata: dict[str, bytes] = field(default_factory=dict)

@@ -1,0 +1,83 @@
+"""The op registry: the fused ``circle::*`` torch ops and their contracts.
+
+schema/ops.yaml is the single source of truth. Each entry there names a module of this
+package (one file per op) that registers the op with ``torch.library.custom_op`` and
+provides ``reference`` (the kernel, written in aten ops so it doubles as the
+decomposition). Adding an op = one file here + one entry in schema/ops.yaml.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "ops.yaml"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One fused op: its contract from schema/ops.yaml and its implementation module."""
+
+    name: str
+    contract: dict[str, Any]
+    module: ModuleType = field(repr=False)
+
+    @property
+    def op(self) -> torch._ops.OpOverloadPacket:
+        """``torch.ops.circle.<name>``."""
+        return getattr(torch.ops.circle, self.name)
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        return self.op.default
+
+    @property
+    def reference(self) -> Callable[..., Any]:
+        """The reference kernel (pure aten, hence also the decomposition)."""
+        return self.module.reference
+
+    @property
+    def schema(self) -> str:
+        return self.contract["schema"]
+
+    @property
+    def circle(self) -> dict[str, Any]:
+        return self.contract["circle"]
+
+    @property
+    def tflite(self) -> dict[str, Any]:
+        return self.contract["tflite"]
+
+    @property
+    def targets(self) -> dict[str, str]:
+        """target profile -> how the op is written there: builtin, decomposed or composite."""
+        return self.contract["targets"]
+
+
+def _load() -> dict[str, OpSpec]:
+    with open(SCHEMA_PATH) as f:
+        contracts = yaml.safe_load(f)["ops"]
+    specs = {}
+    for name, contract in contracts.items():
+        module = importlib.import_module(f"circleops.ops.{name}")
+        specs[name] = OpSpec(name, contract, module)
+    return specs
+
+
+REGISTRY: dict[str, OpSpec] = _load()
+
+
+def by_overload(target: Any) -> OpSpec | None:
+    """The OpSpec for an FX node target (``torch.ops.circle.x.default``), else None."""
+    for spec in REGISTRY.values():
+        if target is spec.overload or target is spec.op:
+            return spec
+    return None
+
+
+__all__ = ["OpSpec", "REGISTRY", "SCHEMA_PATH", "by_overload"]
