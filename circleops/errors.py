@@ -1,0 +1,37 @@
+"""Errors users see. The CLI prints ``str(err)`` of these as one paragraph, no traceback.
+
+Every message says what is wrong (node, op, shape/dtype, path) and what the user can do.
+"""
+from __future__ import annotations
+
+
+class CircleOpsError(Exception):
+    """Base of every error circleops reports to a user."""
+
+
+class ModelLoadError(CircleOpsError):
+    """The model could not be found, read or built."""
+
+
+class ExportError(CircleOpsError):
+    """torch.export failed on the model."""
+
+
+class UnsupportedOpError(CircleOpsError):
+    """The graph holds an op that the chosen target cannot write."""
+
+
+class TargetError(CircleOpsError):
+    """The request does not fit the target (dtype, file size, runtime limits)."""
+
+
+class OutputError(CircleOpsError):
+    """The output path cannot be written."""
+
+
+class RuntimeRunError(CircleOpsError):
+    """A runtime (onert, LiteRT, the reference interpreter) failed to run a file."""
+
+
+class VerifyError(CircleOpsError):
+    """The written file ran but does not match torch."""
