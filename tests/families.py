@@ -1,0 +1,77 @@
+"""The model families circleops supports, as small random-weight configs.
+
+Tests parametrize over FAMILIES, so adding a family here adds its adapter, lowering,
+runtime and TFLite tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_cls: str  # transformers class names, resolved lazily
+    model_cls: str
+    overrides: dict[str, Any]
+    # attention layers the Circle ATTENTION contract cannot express (biases, q/k norms,
+    # soft-capping, sliding windows) stay decomposed: the attention adapter must say so.
+    attention_fusable: bool = True
+
+    def config(self, **kw: Any):
+        import transformers
+
+        cfg = getattr(transformers, self.config_cls)(**{**COMMON, **self.overrides, **kw})
+        cfg._attn_implementation = "eager"
+        cfg.use_cache = False  # exported graphs take explicit caches, never a DynamicCache
+        return cfg
+
+    def build(self, dtype: torch.dtype = torch.float32, seed: int = 0, **kw: Any) -> torch.nn.Module:
+        import transformers
+
+        torch.manual_seed(seed)
+        model = getattr(transformers, self.model_cls)(self.config(**kw))
+        # Random init leaves norm weights at 1 (or 0 for Gemma); perturb them so a
+        # wrong weight multiply cannot pass unnoticed.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        return model.to(dtype).eval()
+
+
+FAMILIES: list[Family] = [
+    Family("llama", "LlamaConfig", "LlamaForCausalLM", {}),
+    Family("mistral", "MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}, attention_fusable=False),  # q/k/v biases
+    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # q/k norms
+    Family("phi3", "Phi3Config", "Phi3ForCausalLM", {}),
+    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}, attention_fusable=False),  # q/k norms
+    Family("gemma", "GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # soft-capping
+    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # q/k norms
+]
+
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+
+
+def example_ids(seq_len: int = 8, vocab: int = COMMON["vocab_size"], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, seq_len), generator=g)
