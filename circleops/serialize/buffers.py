@@ -1,0 +1,144 @@
+"""Constant tensor data -> bytes on disk, without copying the weights.
+
+A constant's data (np.ndarray or torch.Tensor) is turned into a flat uint8 *view* of the
+same memory (bf16 as its raw 16-bit pattern), so the writer can stream it straight from
+the model's parameters to the file. Constants whose bytes are equal are stored once
+(tied embeddings, repeated tables): same object, same torch storage + offset + layout, or
+byte-identical (found by a cheap fingerprint first and confirmed by a full hash only when
+fingerprints collide).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+# TensorType name -> element size in bytes (the types circleops writes).
+ELEMENT_SIZE: dict[str, int] = {
+    "FLOAT32": 4, "FLOAT16": 2, "BFLOAT16": 2, "FLOAT64": 8, "INT64": 8, "INT32": 4,
+    "INT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8,
+}
+
+# TensorType name -> numpy dtype used when reading (bf16 has no numpy dtype: raw bits).
+NUMPY_DTYPE: dict[str, np.dtype] = {
+    "FLOAT32": np.dtype("<f4"), "FLOAT16": np.dtype("<f2"), "BFLOAT16": np.dtype("<u2"),
+    "FLOAT64": np.dtype("<f8"), "INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"),
+    "INT16": np.dtype("<i2"), "INT8": np.dtype("i1"), "UINT8": np.dtype("u1"),
+    "BOOL": np.dtype("?"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+}
+
+_FINGERPRINT_SAMPLE = 4096
+
+
+def as_bytes_view(data: Any, dtype: str, shape: tuple[int, ...], name: str = "?") -> np.ndarray:
+    """A contiguous 1-D uint8 view of a constant's bytes (copies only non-contiguous data).
+
+    Checks that the byte count matches ``shape`` and ``dtype`` so that a lowering bug
+    cannot write a file whose tensors disagree with their buffers.
+    """
+    if isinstance(data, torch.Tensor):
+        t = data.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        arr = t.numpy()
+    else:
+        arr = np.asarray(data)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    flat = arr.reshape(-1).view(np.uint8)
+    expected = int(np.prod(shape, dtype=np.int64)) * ELEMENT_SIZE.get(dtype, arr.dtype.itemsize)
+    if flat.nbytes != expected:
+        raise ValueError(
+            f"constant tensor {name!r}: data has {flat.nbytes} bytes but shape {list(shape)} "
+            f"of {dtype} needs {expected}; the lowering produced inconsistent data")
+    return flat
+
+
+def _identity_key(data: Any) -> tuple | None:
+    """A key equal for two constants that are views of the same memory with the same layout."""
+    if isinstance(data, torch.Tensor):
+        try:
+            storage = data.untyped_storage()
+        except Exception:  # noqa: BLE001 - e.g. tensor subclasses without storage
+            return None
+        return ("torch", storage.data_ptr(), data.storage_offset(), tuple(data.shape),
+                tuple(data.stride()), str(data.dtype))
+    if isinstance(data, np.ndarray):
+        iface = data.__array_interface__
+        return ("numpy", iface["data"][0], data.shape, data.strides, data.dtype.str)
+    return None
+
+
+def _fingerprint(view: np.ndarray) -> bytes:
+    """Cheap hash of size + head + tail + a strided sample: differs for almost all weights."""
+    n = view.nbytes
+    h = hashlib.blake2b(digest_size=16)
+    h.update(n.to_bytes(8, "little"))
+    h.update(view[:_FINGERPRINT_SAMPLE])
+    h.update(view[-_FINGERPRINT_SAMPLE:])
+    if n > 4 * _FINGERPRINT_SAMPLE:
+        step = max(1, n // _FINGERPRINT_SAMPLE)
+        h.update(np.ascontiguousarray(view[::step]))
+    return h.digest()
+
+
+def _full_hash(view: np.ndarray) -> bytes:
+    return hashlib.blake2b(view, digest_size=32).digest()
+
+
+@dataclass
+class BufferTable:
+    """The model's buffers in order; index 0 is the empty sentinel every runtime expects.
+
+    ``datas[i]`` is the uint8 view for buffer i (None for 0 and for non-constant data).
+    """
+
+    datas: list[np.ndarray | None] = field(default_factory=lambda: [None])
+    shared: int = 0  # constants that reused an existing buffer
+    _by_identity: dict[tuple, int] = field(default_factory=dict)
+    _by_fingerprint: dict[bytes, list[int]] = field(default_factory=dict)
+    _full: dict[int, bytes] = field(default_factory=dict)
+
+    def add_raw(self, view: np.ndarray) -> int:
+        """Append a buffer unconditionally (e.g. metadata)."""
+        self.datas.append(view)
+        return len(self.datas) - 1
+
+    def add(self, data: Any, dtype: str, shape: tuple[int, ...], name: str) -> int:
+        """The buffer index holding ``data``: an existing one when the bytes are the same."""
+        ident = _identity_key(data)
+        if ident is not None and ident in self._by_identity:
+            self.shared += 1
+            return self._by_identity[ident]
+        view = as_bytes_view(data, dtype, shape, name)
+        fp = _fingerprint(view)
+        candidates = self._by_fingerprint.setdefault(fp, [])
+        if candidates:
+            digest = _full_hash(view)
+            for idx in candidates:
+                if idx not in self._full:
+                    self._full[idx] = _full_hash(self.datas[idx])
+                if self._full[idx] == digest:
+                    self.shared += 1
+                    if ident is not None:
+                        self._by_identity[ident] = idx
+                    return idx
+        idx = self.add_raw(view)
+        candidates.append(idx)
+        if ident is not None:
+            self._by_identity[ident] = idx
+        return idx
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(d.nbytes for d in self.datas if d is not None)

@@ -1,0 +1,389 @@
+"""ir.Model -> Circle / TFLite file: atomic, deterministic, weights never copied.
+
+The flatbuffer the Builder packs holds only the graph (tables, shapes, options); the
+weights are streamed from the model's own memory to the file after it:
+
+* inline layout (default): every Buffer.data is an ordinary flatbuffer vector placed after
+  the packed tables. A uoffset may point anywhere forward, so Buffer.data points past the
+  end of what the Builder produced and the file is a plain, valid flatbuffer; only the
+  Builder never holds the bytes. Limited to 2 GiB in total (flatbuffer offsets are 32-bit).
+* offset layout (past 2 GiB, or ``weights_after=True``): Buffer.offset/size give absolute
+  file positions of the data after the flatbuffer (the TFLite/Circle large-model convention).
+
+Data starts are aligned to ``ALIGN`` bytes in the file.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import flatbuffers
+import numpy as np
+
+from circleops import ir
+from circleops.errors import OutputError, TargetError, UnsupportedOpError
+from circleops.serialize.buffers import BufferTable
+from circleops.serialize.composite import encode_attributes
+from circleops.serialize.schema import FormatRules, Schema, get_schema
+
+ALIGN = 16
+FLATBUFFER_LIMIT = 2**31 - 1  # flatbuffers' 2 GiB maximum
+_COMPOSITE_OPTIONS = "StableHLOCompositeOptions"
+
+
+@dataclass
+class WriteInfo:
+    """What write_model wrote."""
+
+    path: str
+    fmt: str
+    layout: str  # "inline" or "offset"
+    file_bytes: int
+    flatbuffer_bytes: int  # the packed tables, without the streamed weights
+    weight_bytes: int  # bytes of buffer data (after sharing)
+    buffers: int  # Model.buffers entries, the empty buffer 0 included
+    shared_buffers: int  # constants that reused another constant's buffer
+    seconds: float
+
+
+def _rules(fmt: str) -> FormatRules:
+    if fmt == "circle":
+        from circleops.serialize.circle import RULES
+    elif fmt == "tflite":
+        from circleops.serialize.tflite import RULES
+    else:
+        raise TargetError(f"unknown file format {fmt!r}: use 'circle' or 'tflite'")
+    return RULES
+
+
+# ---------------------------------------------------------------------------------------
+# ir.Model -> object-API tree
+# ---------------------------------------------------------------------------------------
+
+class _Placed:
+    """A Buffer table whose data lies after the packed flatbuffer (see module doc)."""
+
+    __slots__ = ("size", "tail_pos", "abs_offset", "layout")
+
+    def __init__(self, size: int | None):
+        self.size = size  # None: the empty sentinel / no data
+        self.tail_pos = 0  # inline: position of the vector's length prefix past the flatbuffer end
+        self.abs_offset = 0  # offset layout: absolute file position of the data
+        self.layout = "inline"
+
+    def Pack(self, builder: flatbuffers.Builder) -> int:  # noqa: N802 - object-API protocol
+        builder.StartObject(3)
+        if self.size is not None:
+            if self.layout == "inline":
+                # A negative Builder offset = that many bytes past the end of the finished
+                # buffer; PrependUOffsetTRelative turns it into the forward distance.
+                builder.PrependUOffsetTRelativeSlot(0, -self.tail_pos, 0)
+            else:
+                builder.PrependUint64Slot(1, self.abs_offset, 0)
+                builder.PrependUint64Slot(2, self.size, 0)
+        return builder.EndObject()
+
+
+def _option_value(schema: Schema, options_type: str, name: str, value: Any, default: Any) -> Any:
+    if isinstance(value, str) and not (default is None or isinstance(default, str)):
+        enum_name = schema.enum_for_field(options_type, name)
+        members = schema.enum_members(enum_name) if enum_name else {}
+        key = value.upper()
+        if key not in members:
+            raise ValueError(
+                f"{options_type}.{name}={value!r}: not a member of "
+                f"{enum_name or 'a known enum'}; give one of {sorted(members) or 'the integer value'}")
+        return members[key]
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _options(schema: Schema, op: ir.Operator, where: str) -> Any:
+    cls = schema.cls(op.options_type)
+    if cls is None:
+        raise UnsupportedOpError(
+            f"{where}: options table {op.options_type!r} does not exist in the {schema.name} schema")
+    obj = cls()
+    for name, value in op.options.items():
+        if not hasattr(obj, name):
+            fields = sorted(k for k in vars(obj))
+            raise ValueError(f"{where}: {op.options_type} has no field {name!r}; fields: {fields}")
+        if op.options_type == _COMPOSITE_OPTIONS and name == "compositeAttributes":
+            value = encode_attributes(value) if isinstance(value, dict) or value is None else value
+        setattr(obj, name, _option_value(schema, op.options_type, name, value, getattr(obj, name)))
+    return obj
+
+
+def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, BufferTable, list[_Placed]]:
+    """The object-API ModelT and the buffers whose data the file streams after it."""
+    table = BufferTable()
+    opcode_index: dict[tuple[str, int], int] = {}
+    opcodes: list[Any] = []
+
+    def opcode(name: str, version: int, where: str) -> int:
+        key = (name, rules.op_version(name, version))
+        if key not in opcode_index:
+            code = schema.opcodes.get(name)
+            if code is None:
+                raise UnsupportedOpError(
+                    f"{where}: operator {name!r} does not exist in the {schema.name} schema; "
+                    f"choose a target whose lowering writes it differently")
+            oc = schema.cls("OperatorCode")()
+            oc.builtinCode = code
+            oc.deprecatedBuiltinCode = rules.deprecated_code(code)
+            oc.version = key[1]
+            opcode_index[key] = len(opcodes)
+            opcodes.append(oc)
+        return opcode_index[key]
+
+    subgraphs = []
+    for si, sg in enumerate(model.subgraphs):
+        tensors = []
+        for ti, t in enumerate(sg.tensors):
+            tt = schema.cls("Tensor")()
+            shape = [int(d) for d in t.shape]
+            tt.shape = [d if d >= 0 else 1 for d in shape]
+            if any(d < 0 for d in shape):
+                tt.shapeSignature = shape
+            if t.dtype not in schema.tensor_types:
+                raise TargetError(
+                    f"tensor {t.name!r} (subgraph {si}): dtype {t.dtype} does not exist in the "
+                    f"{schema.name} schema")
+            tt.type = schema.tensor_types[t.dtype]
+            tt.name = t.name
+            tt.hasRank = True
+            if t.data is not None:
+                tt.buffer = table.add(t.data, t.dtype, tuple(shape), t.name)
+            tensors.append(tt)
+        operators = []
+        for oi, op in enumerate(sg.operators):
+            where = f"subgraph {si} ({sg.name}) operator {oi} ({op.opcode})"
+            o = schema.cls("Operator")()
+            o.opcodeIndex = opcode(op.opcode, op.version, where)
+            o.inputs = [int(i) for i in op.inputs]
+            o.outputs = [int(i) for i in op.outputs]
+            if op.options_type:
+                try:
+                    attr, tag = schema.union_of(op.options_type)
+                except KeyError:
+                    raise UnsupportedOpError(
+                        f"{where}: options {op.options_type!r} are not in the {schema.name} "
+                        f"schema's BuiltinOptions unions") from None
+                setattr(o, attr, _options(schema, op, where))
+                setattr(o, attr + "Type", tag)
+            operators.append(o)
+        s = schema.cls("SubGraph")()
+        s.tensors = tensors
+        s.operators = operators
+        s.inputs = [int(i) for i in sg.inputs]
+        s.outputs = [int(i) for i in sg.outputs]
+        s.name = sg.name
+        subgraphs.append(s)
+
+    signatures = []
+    for sig in model.signatures:
+        sd = schema.cls("SignatureDef")()
+        sd.signatureKey = sig.key
+        sd.subgraphIndex = sig.subgraph_index
+        maps = []
+        for group in (sig.inputs, sig.outputs):
+            entries = []
+            for name, index in group.items():
+                tm = schema.cls("TensorMap")()
+                tm.name = name
+                tm.tensorIndex = int(index)
+                entries.append(tm)
+            maps.append(entries)
+        sd.inputs, sd.outputs = maps
+        signatures.append(sd)
+
+    metadata = []
+    for name, blob in model.metadata.items():
+        md = schema.cls("Metadata")()
+        md.name = name
+        md.buffer = table.add_raw(np.frombuffer(bytes(blob), dtype=np.uint8))
+        metadata.append(md)
+
+    placed = [_Placed(None if d is None else d.nbytes) for d in table.datas]
+    m = schema.cls("Model")()
+    m.version = schema.version
+    m.operatorCodes = opcodes
+    m.subgraphs = subgraphs
+    m.description = model.description
+    m.buffers = placed
+    if metadata:
+        m.metadata = metadata
+    if signatures:
+        m.signatureDefs = signatures
+    return m, table, placed
+
+
+# ---------------------------------------------------------------------------------------
+# layout and packing
+# ---------------------------------------------------------------------------------------
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pack(m: Any, identifier: bytes) -> bytearray:
+    builder = flatbuffers.Builder(4096)
+    # minalign = ALIGN makes the packed size a multiple of ALIGN, so the tail's alignment
+    # relative to the end of the flatbuffer is also its alignment in the file.
+    builder.Prep(ALIGN, 0)
+    root = m.Pack(builder)
+    builder.Finish(root, file_identifier=identifier)
+    return builder.Output()
+
+
+def _layout_inline(placed: list[_Placed]) -> int:
+    """Tail positions for inline vectors; returns the tail's length."""
+    pos = 0
+    for p in placed:
+        if p.size is None:
+            continue
+        p.layout = "inline"
+        # length prefix (4 bytes) right before ALIGN-aligned data
+        data_start = _align(pos + 4)
+        p.tail_pos = data_start - 4
+        pos = data_start + p.size
+    return pos
+
+
+def _layout_offset(placed: list[_Placed], data_start: int) -> int:
+    pos = data_start
+    for p in placed:
+        if p.size is None:
+            continue
+        p.layout = "offset"
+        pos = _align(pos)
+        p.abs_offset = pos
+        pos += p.size
+    return pos
+
+
+@dataclass
+class _Plan:
+    head: bytes  # the packed flatbuffer
+    layout: str
+    file_bytes: int
+
+
+def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | None) -> _Plan:
+    if not weights_after:
+        tail = _layout_inline(placed)
+        head = bytes(_pack(m, schema.identifier))
+        if len(head) + tail <= FLATBUFFER_LIMIT or weights_after is False:
+            if len(head) + tail > FLATBUFFER_LIMIT:
+                raise TargetError(
+                    f"the model needs {len(head) + tail} bytes, past the 2 GiB flatbuffer limit, "
+                    "and weights_after=False forbids storing the weights after the flatbuffer")
+            return _Plan(head, "inline", _align(len(head) + tail))
+    # Two passes: the first fixes the flatbuffer's size (offset values do not change it:
+    # the uint64 fields are present either way), the second writes the real offsets.
+    _layout_offset(placed, 2 * ALIGN)
+    size = len(_pack(m, schema.identifier))
+    end = _layout_offset(placed, _align(size))
+    head = bytes(_pack(m, schema.identifier))
+    assert len(head) == size, "flatbuffer size changed between layout passes"
+    if len(head) > FLATBUFFER_LIMIT:
+        raise TargetError(f"the graph alone takes {len(head)} bytes, past the 2 GiB flatbuffer limit")
+    return _Plan(head, "offset", end)
+
+
+def _stream(f: BinaryIO, plan: _Plan, placed: list[_Placed], table: BufferTable) -> None:
+    f.write(plan.head)
+    pos = len(plan.head)
+    for p, data in zip(placed, table.datas):
+        if p.size is None:
+            continue
+        if plan.layout == "inline":
+            target = len(plan.head) + p.tail_pos
+            f.write(b"\0" * (target - pos))
+            f.write(p.size.to_bytes(4, "little"))
+            pos = target + 4
+        else:
+            f.write(b"\0" * (p.abs_offset - pos))
+            pos = p.abs_offset
+        f.write(memoryview(data))
+        pos += p.size
+    # A tail pad keeps the file size a multiple of ALIGN (mmap-friendly, deterministic).
+    f.write(b"\0" * (_align(pos) - pos))
+
+
+# ---------------------------------------------------------------------------------------
+# atomic file write
+# ---------------------------------------------------------------------------------------
+
+def _open_temp(path: Path) -> tuple[BinaryIO, str]:
+    directory = path.parent
+    if path.is_dir():
+        raise OutputError(f"cannot write {path}: it is a directory; give a file name")
+    if not directory.is_dir():
+        raise OutputError(f"cannot write {path}: directory {directory} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise OutputError(
+            f"cannot write {path}: {err.strerror or err}; choose a writable directory") from None
+    return os.fdopen(fd, "wb"), tmp
+
+
+def _atomic_write(path: Path, write) -> None:
+    f, tmp = _open_temp(path)
+    try:
+        with f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise OutputError(f"cannot write {path}: {err.strerror or err}") from err
+        raise
+    try:  # make the rename durable; not possible on every file system
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *,
+                weights_after: bool | None = None) -> WriteInfo:
+    """Write ``model`` as a Circle ("circle", identifier CIR0) or TFLite ("tflite", TFL3) file.
+
+    weights_after: None (default) stores the weights inline unless the file would pass
+    2 GiB; True always stores them after the flatbuffer (Buffer.offset/size); False never
+    (a model past 2 GiB is then an error).
+
+    The write is atomic (a temp file in the same directory, fsync, rename): on failure no
+    file is left at ``path``. The same IR always gives the same bytes.
+    """
+    t0 = time.perf_counter()
+    rules = _rules(fmt)
+    schema = get_schema(rules.schema_name)
+    path = Path(path)
+    m, table, placed = _build(model, schema, rules)
+    plan = _plan(m, placed, schema, weights_after)
+    if plan.layout == "offset" and not rules.reads_offset_buffers:
+        raise TargetError(rules.offset_refusal)
+    _atomic_write(path, lambda f: _stream(f, plan, placed, table))
+    return WriteInfo(
+        path=str(path), fmt=fmt, layout=plan.layout, file_bytes=os.path.getsize(path),
+        flatbuffer_bytes=len(plan.head), weight_bytes=table.data_bytes,
+        buffers=len(table.datas), shared_buffers=table.shared,
+        seconds=time.perf_counter() - t0)
