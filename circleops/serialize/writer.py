@@ -124,11 +124,11 @@ def _options(schema: Schema, op: ir.Operator, where: str) -> Any:
 def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, BufferTable, list[_Placed]]:
     """The object-API ModelT and the buffers whose data the file streams after it."""
     table = BufferTable()
-    opcode_index: dict[tuple[str, int], int] = {}
+    opcode_index: dict[tuple[str, int, str | None], int] = {}
     opcodes: list[Any] = []
 
-    def opcode(name: str, version: int, where: str) -> int:
-        key = (name, rules.op_version(name, version))
+    def opcode(name: str, version: int, where: str, custom_code: str | None = None) -> int:
+        key = (name, rules.op_version(name, version), custom_code)
         if key not in opcode_index:
             code = schema.opcodes.get(name)
             if code is None:
@@ -139,6 +139,7 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
             oc.builtinCode = code
             oc.deprecatedBuiltinCode = rules.deprecated_code(code)
             oc.version = key[1]
+            oc.customCode = custom_code
             opcode_index[key] = len(opcodes)
             opcodes.append(oc)
         return opcode_index[key]
@@ -166,9 +167,15 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
         for oi, op in enumerate(sg.operators):
             where = f"subgraph {si} ({sg.name}) operator {oi} ({op.opcode})"
             o = schema.cls("Operator")()
-            o.opcodeIndex = opcode(op.opcode, op.version, where)
             o.inputs = [int(i) for i in op.inputs]
             o.outputs = [int(i) for i in op.outputs]
+            if op.opcode == "CUSTOM":
+                # No options table: the custom code names the op, its options are raw bytes.
+                o.opcodeIndex = opcode(op.opcode, op.version, where, op.options.get("customCode"))
+                raw = op.options.get("customOptions") or b""
+                o.customOptions = np.frombuffer(bytes(raw), dtype=np.uint8) if raw else None
+            else:
+                o.opcodeIndex = opcode(op.opcode, op.version, where)
             if op.options_type:
                 try:
                     attr, tag = schema.union_of(op.options_type)

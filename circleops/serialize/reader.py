@@ -1,0 +1,182 @@
+"""Circle / TFLite file -> ir.Model (for inspect, the reference interpreter and round trips).
+
+Reads any file with the CIR0 or TFL3 identifier, whoever wrote it: weights inline or after
+the flatbuffer (Buffer.offset/size), extended Circle ops, composites (attributes decoded
+from their flexbuffer), signatures, metadata. The file is memory-mapped and constant data
+are read-only numpy views of the map: reading a multi-GB model copies no weights.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from circleops import ir
+from circleops.errors import ModelLoadError
+from circleops.serialize.buffers import NUMPY_DTYPE
+from circleops.serialize.composite import decode_attributes
+from circleops.serialize.schema import Schema, get_schema
+
+IDENTIFIERS = {b"CIR0": "circle", b"TFL3": "tflite"}
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """"circle" or "tflite" from the file identifier; a clear error for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file; give the path of a .circle or .tflite file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory; give the path of a .circle or .tflite file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err.strerror or err}") from None
+    fmt = IDENTIFIERS.get(head[4:8])
+    if fmt is None:
+        raise ModelLoadError(
+            f"{path} is not a Circle or TFLite flatbuffer (file identifier {head[4:8]!r}, "
+            "expected b'CIR0' or b'TFL3'); give a file written by circleops, tico, ONE or the "
+            "TFLite converter")
+    return fmt
+
+
+def _str(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return _str(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):  # nested option tables
+        return {k: _plain(v) for k, v in vars(value).items()}
+    return value
+
+
+def _options(options_obj: Any, options_type: str) -> dict[str, Any]:
+    out = {}
+    for name, value in vars(options_obj).items():
+        if options_type == "StableHLOCompositeOptions" and name == "compositeAttributes":
+            out[name] = decode_attributes(value)
+        else:
+            out[name] = _plain(value)
+    return out
+
+
+def opcode_name(schema: Schema, oc: Any) -> str:
+    """The BuiltinOperator name of an OperatorCode, Circle extended (negative) ops included."""
+    builtin, deprecated = int(oc.builtinCode), int(oc.deprecatedBuiltinCode)
+    if builtin < 0:
+        code = builtin
+    elif deprecated < 0:
+        code = deprecated
+    else:  # TFLite's rule: older files fill only the int8 field
+        code = max(builtin, deprecated)
+    return schema.opnames.get(code, f"UNKNOWN_{code}")
+
+
+def read_model(path: str | os.PathLike) -> ir.Model:
+    """Read a Circle or TFLite file into an ir.Model (constants as read-only mmap views)."""
+    fmt = detect_format(path)
+    schema = get_schema(fmt)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        m = schema.cls("Model").InitFromPackedBuf(buf, 0)
+    except Exception as err:  # noqa: BLE001 - any decoding failure means a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({err}); the file is "
+                             "truncated or corrupt") from None
+    return _to_ir(m, schema, buf, size, str(path))
+
+
+def _buffer_data(m: Any, buf: Any, size: int, path: str) -> list[np.ndarray | None]:
+    datas: list[np.ndarray | None] = []
+    for i, b in enumerate(m.buffers or []):
+        if b is None:
+            datas.append(None)
+        elif b.data is not None and len(b.data):
+            datas.append(np.asarray(b.data, dtype=np.uint8))
+        elif b.offset > 1 and b.size > 0:
+            if b.offset + b.size > size:
+                raise ModelLoadError(
+                    f"{path}: buffer {i} points to bytes {b.offset}..{b.offset + b.size} past the end "
+                    f"of the file ({size} bytes); the file is truncated")
+            datas.append(np.frombuffer(buf, dtype=np.uint8, count=b.size, offset=b.offset))
+        else:
+            datas.append(None)
+    return datas
+
+
+def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
+    datas = _buffer_data(m, buf, size, path)
+    union_names = {attr: schema.union_names(u) for attr, u in
+                   (("builtinOptions", "BuiltinOptions"), ("builtinOptions2", "BuiltinOptions2"))}
+    # One array object per buffer, so shared buffers stay shared when written again.
+    typed: dict[tuple[int, str, tuple], np.ndarray] = {}
+
+    def const(tensor: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        data = datas[tensor.buffer] if 0 <= tensor.buffer < len(datas) else None
+        if data is None:
+            return None
+        key = (tensor.buffer, dtype, shape)
+        if key not in typed:
+            np_dtype = NUMPY_DTYPE.get(dtype)
+            if np_dtype is None or data.nbytes % np_dtype.itemsize:
+                typed[key] = data  # unknown element type: keep the raw bytes
+            else:
+                arr = data.view(np_dtype)
+                typed[key] = arr.reshape(shape) if arr.size == int(np.prod(shape, dtype=np.int64)) else arr
+        return typed[key]
+
+    subgraphs = []
+    for si, sg in enumerate(m.subgraphs or []):
+        out = ir.Subgraph(_str(sg.name) or f"subgraph_{si}")
+        for t in sg.tensors or []:
+            dtype = schema.tensor_type_names.get(int(t.type), f"TYPE_{t.type}")
+            shape = tuple(int(d) for d in (t.shapeSignature if t.shapeSignature is not None
+                                           else (t.shape if t.shape is not None else [])))
+            static = tuple(int(d) for d in (t.shape if t.shape is not None else []))
+            out.tensors.append(ir.Tensor(_str(t.name) or "", shape, dtype, const(t, dtype, static)))
+        for op in sg.operators or []:
+            oc = m.operatorCodes[op.opcodeIndex]
+            name = opcode_name(schema, oc)
+            options_type, options = None, {}
+            for attr in ("builtinOptions", "builtinOptions2"):
+                tag = getattr(op, attr + "Type", 0)
+                if tag and getattr(op, attr) is not None:
+                    options_type = union_names[attr].get(int(tag))
+                    options = _options(getattr(op, attr), options_type)
+            if name == "CUSTOM":
+                options = {"customCode": _str(oc.customCode),
+                           "customOptions": bytes(np.asarray(op.customOptions, dtype=np.uint8))
+                           if op.customOptions is not None else b""}
+            out.operators.append(ir.Operator(
+                name, [int(i) for i in (op.inputs if op.inputs is not None else [])],
+                [int(i) for i in (op.outputs if op.outputs is not None else [])],
+                options_type, options, int(oc.version)))
+        out.inputs = [int(i) for i in (sg.inputs if sg.inputs is not None else [])]
+        out.outputs = [int(i) for i in (sg.outputs if sg.outputs is not None else [])]
+        subgraphs.append(out)
+
+    signatures = []
+    for sd in m.signatureDefs or []:
+        signatures.append(ir.Signature(
+            key=_str(sd.signatureKey) or "", subgraph_index=int(sd.subgraphIndex),
+            inputs={_str(tm.name): int(tm.tensorIndex) for tm in sd.inputs or []},
+            outputs={_str(tm.name): int(tm.tensorIndex) for tm in sd.outputs or []}))
+
+    metadata = {}
+    for md in m.metadata or []:
+        data = datas[md.buffer] if 0 <= md.buffer < len(datas) else None
+        metadata[_str(md.name)] = bytes(data) if data is not None else b""
+
+    return ir.Model(subgraphs=subgraphs, signatures=signatures,
+                    description=_str(m.description) or "", metadata=metadata)
