@@ -180,3 +180,20 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
 
     return ir.Model(subgraphs=subgraphs, signatures=signatures,
                     description=_str(m.description) or "", metadata=metadata)
+
+
+def read_signatures(path: str | os.PathLike) -> list[ir.Signature]:
+    """Only the signatures, in file order, without decoding the rest (fast on big files)."""
+    fmt = detect_format(path)
+    schema = get_schema(fmt)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    root = schema.reader_cls("Model").GetRootAs(buf, 0)
+    out = []
+    for i in range(root.SignatureDefsLength()):
+        sd = root.SignatureDefs(i)
+        maps = []
+        for length, get in ((sd.InputsLength, sd.Inputs), (sd.OutputsLength, sd.Outputs)):
+            maps.append({_str(get(j).Name()): int(get(j).TensorIndex()) for j in range(length())})
+        out.append(ir.Signature(_str(sd.SignatureKey()) or "", int(sd.SubgraphIndex()), *maps))
+    return out
