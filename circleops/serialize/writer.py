@@ -287,12 +287,14 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
     if not weights_after:
         tail = _layout_inline(placed)
         head = bytes(_pack(m, schema.identifier))
-        if len(head) + tail <= FLATBUFFER_LIMIT or weights_after is False:
-            if len(head) + tail > FLATBUFFER_LIMIT:
+        total = _align(len(head) + tail)
+        if total <= FLATBUFFER_LIMIT or weights_after is False:
+            if total > FLATBUFFER_LIMIT:
                 raise TargetError(
-                    f"the model needs {len(head) + tail} bytes, past the 2 GiB flatbuffer limit, "
-                    "and weights_after=False forbids storing the weights after the flatbuffer")
-            return _Plan(head, "inline", _align(len(head) + tail))
+                    f"the model needs {total} bytes, past the 2 GiB flatbuffer limit, "
+                    "and weights_after=False forbids storing the weights after the flatbuffer; "
+                    "leave weights_after unset")
+            return _Plan(head, "inline", total)
     # Two passes: the first fixes the flatbuffer's size (offset values do not change it:
     # the uint64 fields are present either way), the second writes the real offsets.
     _layout_offset(placed, 2 * ALIGN)

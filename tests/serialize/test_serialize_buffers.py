@@ -1,0 +1,134 @@
+"""Tied weights are stored once; writes are atomic; layouts switch at the 2 GiB limit."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from circleops import ir
+from circleops.errors import OutputError, TargetError
+from circleops.serialize import read_model, write_model
+from circleops.serialize import writer as writer_mod
+from serialize import tiny_models
+
+
+def _two_consts(a, b, dtype="FLOAT32") -> ir.Model:
+    sg = ir.Subgraph("main")
+    sg.add_tensor(ir.Tensor("a", tuple(a.shape), dtype, a))
+    sg.add_tensor(ir.Tensor("b", tuple(b.shape), dtype, b))
+    return ir.Model([sg])
+
+
+EMB = torch.randn(64, 16)
+SHARED = {
+    "same object": (EMB, EMB),
+    "same storage view": (EMB[4:8], EMB[4:8]),  # two view objects, same storage + offset
+    "byte-identical copies": (EMB.clone(), EMB.clone().numpy()),
+    "numpy same object": (np.ones((1000,), np.float32),) * 2,
+}
+DIFFERENT = {
+    "different views of one storage": (EMB[0:4], EMB[4:8]),
+    "same head and tail, middle differs": (torch.zeros(100000), torch.zeros(100000).index_fill_(0, torch.tensor([50001]), 1.0)),
+    "same bytes, different shape": (EMB.reshape(-1)[:32].reshape(2, 16), EMB.reshape(-1)[:32].reshape(4, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_shared_constants_stored_once(tmp_path, case):
+    a, b = SHARED[case]
+    info = write_model(_two_consts(a, b), tmp_path / "m.circle")
+    assert (info.buffers, info.shared_buffers) == (2, 1)  # buffer 0 + one shared
+    tensors = read_model(tmp_path / "m.circle").subgraphs[0].tensors
+    assert tensors[0].data is tensors[1].data  # the reader keeps them shared too
+
+
+@pytest.mark.parametrize("case", list(DIFFERENT))
+def test_different_constants_kept_apart(tmp_path, case):
+    a, b = DIFFERENT[case]
+    info = write_model(_two_consts(a, b), tmp_path / "m.circle")
+    back = read_model(tmp_path / "m.circle").subgraphs[0].tensors
+    assert info.shared_buffers == (1 if case == "same bytes, different shape" else 0)
+    for t, src in zip(back, (a, b)):
+        assert t.data.tobytes() == np.ascontiguousarray(src).tobytes()
+
+
+def test_tied_embedding_one_buffer_file_size(tmp_path):
+    emb = torch.randn(1000, 64)  # 256 KB: the file must hold it once
+    info = write_model(_two_consts(emb, emb), tmp_path / "m.circle")
+    assert emb.numel() * 4 <= info.file_bytes < emb.numel() * 4 + 4096
+
+
+def test_inconsistent_data_is_rejected(tmp_path):
+    sg = ir.Subgraph("main")
+    sg.add_tensor(ir.Tensor("w", (3, 3), "FLOAT32", np.zeros((2, 2), np.float32)))
+    with pytest.raises(ValueError, match="'w'.*16 bytes.*needs 36"):
+        write_model(ir.Model([sg]), tmp_path / "m.circle")
+    assert not (tmp_path / "m.circle").exists()
+
+
+def test_unwritable_path(tmp_path):
+    model, _ = tiny_models.fc_add()
+    with pytest.raises(OutputError, match="does not exist"):
+        write_model(model, tmp_path / "missing" / "m.circle")
+    with pytest.raises(OutputError, match="is a directory"):
+        write_model(model, tmp_path)
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(OutputError, match="writable"):
+            write_model(model, ro / "m.circle")
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    model, _ = tiny_models.fc_add()
+    path = tmp_path / "m.circle"
+    path.write_bytes(b"old contents")
+
+    def broken(f, plan, placed, table):
+        f.write(plan.head)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_mod, "_stream", broken)
+    with pytest.raises(OutputError, match="No space left"):
+        write_model(model, path)
+    assert path.read_bytes() == b"old contents"  # the old file is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.circle"]  # no temp file left
+
+
+def test_switches_to_offset_layout_past_the_limit(tmp_path, monkeypatch):
+    model, reference = tiny_models.fc_add()
+    inline = write_model(model, tmp_path / "m.tflite", "tflite")
+    assert inline.layout == "inline"
+    # a limit just below this file's size stands for 2 GiB
+    monkeypatch.setattr(writer_mod, "FLATBUFFER_LIMIT", inline.file_bytes - 1)
+    info = write_model(model, tmp_path / "m.tflite", "tflite")
+    assert info.layout == "offset" and info.flatbuffer_bytes < inline.file_bytes
+    from circleops.runtime import litert
+
+    x = np.ones((1, 4), np.float32)
+    np.testing.assert_allclose(litert.run(tmp_path / "m.tflite", [x])[0], reference(x)[0], rtol=1e-6)
+    with pytest.raises(TargetError, match="2 GiB.*weights_after=False"):
+        write_model(model, tmp_path / "n.tflite", "tflite", weights_after=False)
+    assert not (tmp_path / "n.tflite").exists()
+
+
+def test_enum_option_names_and_errors(tmp_path):
+    from circleops.errors import UnsupportedOpError
+
+    model, _ = tiny_models.fc_add()
+    model.subgraphs[0].operators[1].options = {"fusedActivationFunction": "relu"}
+    write_model(model, tmp_path / "m.circle")
+    assert read_model(tmp_path / "m.circle").subgraphs[0].operators[1].options["fusedActivationFunction"] == 1
+    model.subgraphs[0].operators[1].options = {"fusedActivationFunction": "SWISH"}
+    with pytest.raises(ValueError, match="SWISH.*ActivationFunctionType"):
+        write_model(model, tmp_path / "m.circle")
+    model.subgraphs[0].operators[1].options = {"nope": 1}
+    with pytest.raises(ValueError, match="AddOptions has no field 'nope'"):
+        write_model(model, tmp_path / "m.circle")
+    rms, _ = tiny_models.rms_norm_circle()
+    with pytest.raises(UnsupportedOpError, match="RMS_NORM.*tflite"):
+        write_model(rms, tmp_path / "m.tflite", "tflite")
+    with pytest.raises(TargetError, match="unknown file format 'onnx'"):
+        write_model(rms, tmp_path / "m.onnx", "onnx")
