@@ -1,0 +1,48 @@
+"""The Circle fused ops through the op registry's reference kernels, and STABLEHLO_COMPOSITE.
+
+The registry kernel is the contract (circleops.ops, schema/ops.yaml), so the interpreter
+computes exactly what the torch op computes. Only the Circle conventions are mapped here:
+input order (ROPE is x, sin, cos), layout (INSTANCE_NORM is NHWC) and option encoding.
+"""
+from __future__ import annotations
+
+from circleops.ops import REGISTRY
+from circleops.runtime.kernels import activation, enum_value, kernel, option
+
+_ROPE_MODES = ("GPT_NEOX", "GPT_J")
+
+
+@kernel("RMS_NORM")
+def _rms_norm(op, inputs, ctx):
+    x = inputs[0]
+    gamma = inputs[1] if len(inputs) > 1 else None
+    return [REGISTRY["rms_norm"].reference(x, gamma, float(option(op, "epsilon", default=0.0)))]
+
+
+@kernel("ROPE")
+def _rope(op, inputs, ctx):
+    x, sin, cos = inputs
+    mode = ("gpt_neox", "gpt_j")[enum_value(option(op, "mode", default=0), _ROPE_MODES)]
+    return [REGISTRY["rope"].reference(x, cos, sin, mode)]
+
+
+@kernel("INSTANCE_NORM")
+def _instance_norm(op, inputs, ctx):
+    x, gamma, beta = (list(inputs) + [None, None])[:3]
+    # Circle's INSTANCE_NORM is channels-last; the registry kernel is NCHW.
+    y = REGISTRY["instance_norm"].reference(x.movedim(-1, 1), gamma, beta, float(option(op, "epsilon", default=0.0)))
+    return [activation(y.movedim(1, -1), op)]
+
+
+@kernel("ATTENTION")
+def _attention(op, inputs, ctx):
+    # Inputs in the contract order (x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos).
+    # Outputs: out, then the updated caches if the operator declares them.
+    outs = REGISTRY["attention"].reference(*inputs[:11], float(option(op, "scale", default=0.0)))
+    return list(outs[:len(op.outputs)])
+
+
+@kernel("STABLEHLO_COMPOSITE")
+def _composite(op, inputs, ctx):
+    # A composite means exactly its decomposition subgraph (that is what LiteRT runs).
+    return ctx.call(int(option(op, "decompositionSubgraphIndex", default=0)), list(inputs))

@@ -1,0 +1,184 @@
+"""Matmul, convolution, pooling and resize kernels (TFLite layouts: NHWC, filters OHWI)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from circleops.runtime.kernels import KernelError, activation, enum_value, ints, kernel, option, same_dtype
+
+_PADDING = ("SAME", "VALID")
+
+
+@kernel("FULLY_CONNECTED")
+def _fully_connected(op, inputs, ctx):
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    same_dtype(op, *(t for t in (x, w, b) if t is not None))
+    # TFLite flattens the input to [-1, in]; keepNumDims restores the leading dims.
+    y = F.linear(x.reshape(-1, w.shape[1]), w, b)
+    if option(op, "keepNumDims", default=False):
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    return [activation(y, op)]
+
+
+@kernel("BATCH_MATMUL")
+def _batch_matmul(op, inputs, ctx):
+    a, b = inputs
+    same_dtype(op, a, b)
+    if option(op, "adjX", "adjointLhs", default=False):
+        a = a.transpose(-1, -2)
+    if option(op, "adjY", "adjointRhs", default=False):
+        b = b.transpose(-1, -2)
+    return [torch.matmul(a, b)]
+
+
+def _same_pad(size: int, kernel_size: int, stride: int, dilation: int) -> tuple[int, int]:
+    # TensorFlow SAME: output = ceil(size / stride); the odd pixel of padding goes after.
+    out = -(-size // stride)
+    total = max((out - 1) * stride + (kernel_size - 1) * dilation + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw: int = 1,
+              value: float = 0.0) -> Tensor:
+    if enum_value(option(op, "padding", default=0), _PADDING) == 1:  # VALID
+        return x
+    top, bottom = _same_pad(x.shape[2], kh, sh, dh)
+    left, right = _same_pad(x.shape[3], kw, sw, dw)
+    if top or bottom or left or right:
+        x = F.pad(x, (left, right, top, bottom), value=value)
+    return x
+
+
+def _strides(op) -> tuple[int, int, int, int]:
+    return (int(option(op, "strideH", default=1) or 1), int(option(op, "strideW", default=1) or 1),
+            int(option(op, "dilationHFactor", default=1) or 1), int(option(op, "dilationWFactor", default=1) or 1))
+
+
+@kernel("CONV_2D")
+def _conv_2d(op, inputs, ctx):
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    same_dtype(op, *(t for t in (x, w, b) if t is not None))
+    sh, sw, dh, dw = _strides(op)
+    groups = x.shape[3] // w.shape[3]  # filter OHWI with I = C / groups
+    xc = _pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    y = F.conv2d(xc, w.permute(0, 3, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=groups)
+    return [activation(y.permute(0, 2, 3, 1), op)]
+
+
+@kernel("DEPTHWISE_CONV_2D")
+def _depthwise_conv_2d(op, inputs, ctx):
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    same_dtype(op, *(t for t in (x, w, b) if t is not None))
+    sh, sw, dh, dw = _strides(op)
+    c = x.shape[3]
+    # filter [1, KH, KW, C·M]: output channel c·M + m reads input channel c, which is
+    # torch's grouped-conv order with groups = C.
+    xc = _pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    y = F.conv2d(xc, w.permute(3, 0, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=c)
+    return [activation(y.permute(0, 2, 3, 1), op)]
+
+
+@kernel("TRANSPOSE_CONV")
+def _transpose_conv(op, inputs, ctx):
+    out_shape_t, w, x = inputs[0], inputs[1], inputs[2]
+    b = inputs[3] if len(inputs) > 3 else None
+    same_dtype(op, *(t for t in (x, w, b) if t is not None))
+    sh, sw = int(option(op, "strideH", default=1)), int(option(op, "strideW", default=1))
+    n, oh, ow, oc = ints(out_shape_t)
+    # filter [O, KH, KW, I] -> torch [I, O, KH, KW]; the full result is cropped to the
+    # requested output with TFLite's padding (computed with input and output swapped).
+    y = F.conv_transpose2d(x.permute(0, 3, 1, 2), w.permute(3, 0, 1, 2), None, stride=(sh, sw))
+    top = left = 0
+    if enum_value(option(op, "padding", default=0), _PADDING) == 0:
+        top = max((x.shape[1] - 1) * sh + w.shape[1] - oh, 0) // 2
+        left = max((x.shape[2] - 1) * sw + w.shape[2] - ow, 0) // 2
+    y = y[:, :, top:top + oh, left:left + ow]
+    if y.shape[2] != oh or y.shape[3] != ow:
+        y = F.pad(y, (0, ow - y.shape[3], 0, oh - y.shape[2]))
+    y = y.permute(0, 2, 3, 1)
+    if b is not None:
+        y = y + b
+    return [activation(y, op)]
+
+
+def _pool_args(op) -> tuple[int, int, int, int]:
+    return (int(option(op, "filterHeight", default=1)), int(option(op, "filterWidth", default=1)),
+            int(option(op, "strideH", default=1)), int(option(op, "strideW", default=1)))
+
+
+@kernel("MAX_POOL_2D")
+def _max_pool_2d(op, inputs, ctx):
+    kh, kw, sh, sw = _pool_args(op)
+    xc = _pad_nchw(inputs[0].permute(0, 3, 1, 2), op, kh, kw, sh, sw, value=-math.inf)
+    return [activation(F.max_pool2d(xc, (kh, kw), (sh, sw)).permute(0, 2, 3, 1), op)]
+
+
+@kernel("AVERAGE_POOL_2D")
+def _average_pool_2d(op, inputs, ctx):
+    kh, kw, sh, sw = _pool_args(op)
+    x = inputs[0].permute(0, 3, 1, 2)
+    # TFLite averages over the valid pixels only: divide window sums by window counts.
+    total = F.avg_pool2d(_pad_nchw(x, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    ones = torch.ones((1, 1, x.shape[2], x.shape[3]), dtype=x.dtype)
+    count = F.avg_pool2d(_pad_nchw(ones, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    return [activation((total / count).permute(0, 2, 3, 1), op)]
+
+
+def _resize_size(inputs) -> tuple[int, int]:
+    size = ints(inputs[1])
+    if len(size) != 2:
+        raise KernelError(f"resize size must have 2 values, got {size}")
+    return size[0], size[1]
+
+
+def _nearest_index(out_size: int, in_size: int, align: bool, half: bool) -> Tensor:
+    # TFLite's GetNearestNeighbor, in float32 as the C++ kernel computes it.
+    scale = (in_size - 1) / (out_size - 1) if align and out_size > 1 else in_size / out_size
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    pos = (torch.arange(out_size, dtype=torch.float32) + (0.5 if half else 0.0)) * scale_t
+    # TfLiteRound rounds half away from zero.
+    idx = (torch.sign(pos) * torch.floor(pos.abs() + 0.5)) if align else torch.floor(pos)
+    idx = idx.to(torch.long).clamp(max=in_size - 1)
+    return idx.clamp(min=0) if half else idx
+
+
+@kernel("RESIZE_NEAREST_NEIGHBOR")
+def _resize_nearest(op, inputs, ctx):
+    x = inputs[0]
+    oh, ow = _resize_size(inputs)
+    align = bool(option(op, "alignCorners", default=False))
+    half = bool(option(op, "halfPixelCenters", default=False))
+    x = x.index_select(1, _nearest_index(oh, x.shape[1], align, half))
+    return [x.index_select(2, _nearest_index(ow, x.shape[2], align, half))]
+
+
+def _bilinear_weights(out_size: int, in_size: int, align: bool, half: bool):
+    scale = (in_size - 1) / (out_size - 1) if align and out_size > 1 else in_size / out_size
+    v = torch.arange(out_size, dtype=torch.float32)
+    scaled = (v + 0.5) * scale - 0.5 if half else v * scale
+    lower = torch.floor(scaled).to(torch.long).clamp(min=0)
+    upper = torch.ceil(scaled).to(torch.long).clamp(max=in_size - 1)
+    return lower, upper, scaled - lower.to(torch.float32)
+
+
+@kernel("RESIZE_BILINEAR")
+def _resize_bilinear(op, inputs, ctx):
+    x = inputs[0]
+    oh, ow = _resize_size(inputs)
+    align = bool(option(op, "alignCorners", default=False))
+    half = bool(option(op, "halfPixelCenters", default=False))
+    y0, y1, fy = _bilinear_weights(oh, x.shape[1], align, half)
+    x0, x1, fx = _bilinear_weights(ow, x.shape[2], align, half)
+    fy = fy.to(x.dtype).reshape(1, -1, 1, 1)
+    fx = fx.to(x.dtype).reshape(1, 1, -1, 1)
+    top = x.index_select(1, y0)
+    bottom = x.index_select(1, y1)
+    tl, tr = top.index_select(2, x0), top.index_select(2, x1)
+    bl, br = bottom.index_select(2, x0), bottom.index_select(2, x1)
+    return [tl * (1 - fy) * (1 - fx) + tr * (1 - fy) * fx + bl * fy * (1 - fx) + br * fy * fx]

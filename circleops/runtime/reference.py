@@ -1,0 +1,305 @@
+"""The pure-torch reference interpreter: runs any Circle or TFLite file op by op.
+
+    outputs = reference.run("model.circle", [ids])          # list[np.ndarray] -> list[np.ndarray]
+    interp = reference.Interpreter.load("model.circle")     # reuse the plan (generation loops)
+    logits, k, v = interp.run_torch([ids, k, v])            # torch in, torch out, no copies
+
+Semantics are TFLite/Circle's, computed in each tensor's dtype (an fp16 graph runs in fp16,
+a CAST is a cast). The fused Circle ops run through circleops.ops' reference kernels,
+STABLEHLO_COMPOSITE through its decomposition subgraph. The kernels live in
+circleops.runtime.kernels (one short function per opcode).
+
+Per subgraph a plan is computed once: kernel, input and output indices per operator,
+constants as torch tensors sharing the file's memory, and which intermediates can be freed
+after each operator, so that whole LLMs run with little per-op overhead.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from circleops import ir
+from circleops.errors import RuntimeRunError
+from circleops.runtime.kernels import KERNELS, Kernel, KernelContext, KernelError
+
+__all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
+
+
+def supported_opcodes() -> frozenset[str]:
+    """The BuiltinOperator names the interpreter has a kernel for."""
+    return frozenset(KERNELS)
+
+
+def _to_torch(data: Any, dtype: str, shape: tuple[int, ...]) -> Tensor:
+    """A constant's data as a torch tensor, sharing memory where possible."""
+    if isinstance(data, Tensor):
+        t = data.detach()
+    else:
+        arr = np.asarray(data)
+        if not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
+            arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
+        if not arr.flags.writeable:
+            # Constants are never written to; torch only warns that it could.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr)
+        else:
+            t = torch.from_numpy(arr)
+    want = ir.TYPE_TO_TORCH.get(dtype)
+    if want is not None and t.dtype != want:
+        # bf16 is stored as its raw 16-bit pattern; anything else is converted.
+        raw_bf16 = want == torch.bfloat16 and t.dtype in (torch.uint16, torch.int16)
+        t = t.view(want) if raw_bf16 else t.to(want)
+    if tuple(t.shape) != tuple(shape) and t.numel() == int(np.prod(shape, dtype=np.int64)):
+        t = t.reshape(shape)  # flat buffer data
+    return t
+
+
+@dataclass
+class _Step:
+    index: int
+    op: ir.Operator
+    fn: Kernel
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    ctx: KernelContext
+    checks: tuple[tuple[int, torch.dtype, Optional[tuple[int, ...]]], ...]
+    free: tuple[int, ...]
+
+
+class _Plan:
+    """One subgraph, prepared for execution."""
+
+    def __init__(self, interp: "Interpreter", index: int):
+        sg = interp.model.subgraphs[index]
+        self.subgraph = sg
+        self.index = index
+        self.base: list[Optional[Tensor]] = [
+            _to_torch(t.data, t.dtype, t.shape) if t.data is not None else None for t in sg.tensors]
+        self.inputs = list(sg.inputs)
+        self.outputs = list(sg.outputs)
+        self.steps: list[_Step] = []
+        last_use: dict[int, int] = {}
+        for k, op in enumerate(sg.operators):
+            fn = KERNELS.get(op.opcode)
+            if fn is None:
+                raise RuntimeRunError(
+                    f"reference interpreter: no kernel for opcode {op.opcode} (operator {k} of subgraph "
+                    f"{index} {sg.name!r}, output tensor {_out_name(sg, op)!r}). The interpreter knows "
+                    f"{len(KERNELS)} opcodes (circleops.runtime.reference.supported_opcodes()); add one "
+                    "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")
+            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
+            checks = tuple((j, sg.tensors[j].torch_dtype, self._static_shape(sg.tensors[j])) for j in op.outputs)
+            self.steps.append(_Step(k, op, fn, tuple(op.inputs), tuple(op.outputs), ctx, checks, ()))
+            for j in op.inputs:
+                if j >= 0:
+                    last_use[j] = k
+            for j in op.outputs:
+                last_use.setdefault(j, k)  # an output nobody reads is freed at once
+        keep = set(self.outputs)
+        frees: dict[int, list[int]] = {}
+        for j, k in last_use.items():
+            if j not in keep and self.base[j] is None and j not in self.inputs:
+                frees.setdefault(k, []).append(j)
+        for step in self.steps:
+            step.free = tuple(frees.get(step.index, ()))
+
+    @staticmethod
+    def _static_shape(t: ir.Tensor) -> Optional[tuple[int, ...]]:
+        # Shapes with unknown dims (-1) and empty shapes (some writers leave scalars and
+        # unknown shapes empty) are not checked.
+        shape = tuple(int(d) for d in t.shape)
+        if not shape or any(d < 0 for d in shape):
+            return None
+        return shape
+
+    def execute(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        values = list(self.base)
+        for j, t in zip(self.inputs, inputs):
+            values[j] = t
+        for step in self.steps:
+            args = [values[j] if j >= 0 else None for j in step.inputs]
+            try:
+                results = step.fn(step.op, args, step.ctx)
+            except RuntimeRunError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any kernel failure gets the op's context
+                raise self._error(step, args, err) from err
+            if len(results) < len(step.outputs):
+                raise self._error(step, args, KernelError(
+                    f"kernel returned {len(results)} outputs, the operator declares {len(step.outputs)}"))
+            for (j, dtype, shape), r in zip(step.checks, results):
+                if r.dtype != dtype or (shape is not None and tuple(r.shape) != shape):
+                    raise self._error(step, args, KernelError(
+                        f"output {self.subgraph.tensors[j].name!r} computed as {r.dtype} {list(r.shape)} "
+                        f"but declared {dtype} {list(self.subgraph.tensors[j].shape)}"))
+                values[j] = r
+            for j in step.free:
+                values[j] = None
+        return [values[j] for j in self.outputs]
+
+    def _error(self, step: _Step, args: list, err: Exception) -> RuntimeRunError:
+        tensors = self.subgraph.tensors
+        ins = ", ".join("omitted" if a is None else f"{tensors[j].name!r} {str(a.dtype).replace('torch.', '')}"
+                        f"{list(a.shape)}" for j, a in zip(step.inputs, args))
+        outs = ", ".join(repr(tensors[j].name) for j in step.outputs)
+        return RuntimeRunError(
+            f"reference interpreter: operator {step.index} ({step.op.opcode}) of subgraph {self.index} "
+            f"{self.subgraph.name!r}, output {outs}, failed on inputs ({ins}): {err}. The file is "
+            "inconsistent or uses the op in a way the interpreter does not support.")
+
+
+def _out_name(sg: ir.Subgraph, op: ir.Operator) -> str:
+    return sg.tensors[op.outputs[0]].name if op.outputs and op.outputs[0] >= 0 else "?"
+
+
+_NUMPY_TYPE = {
+    "FLOAT32": np.float32, "FLOAT16": np.float16, "FLOAT64": np.float64, "INT64": np.int64,
+    "INT32": np.int32, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
+    """A user input as a torch tensor (no copy), checked against the model's input tensor."""
+    if isinstance(value, Tensor):
+        x = value.detach()
+    else:
+        arr = np.asarray(value)
+        if t.dtype == "BFLOAT16" and arr.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
+            arr = arr.view(np.uint16)
+            x = torch.from_numpy(np.ascontiguousarray(arr)).view(torch.bfloat16)
+        else:
+            if not arr.flags.c_contiguous or not arr.flags.writeable:
+                arr = np.array(arr, order="C")
+            try:
+                x = torch.from_numpy(arr)
+            except TypeError:
+                raise RuntimeRunError(f"input {position} ({t.name!r}): numpy dtype {arr.dtype} is not supported; "
+                                      f"the model expects {t.dtype}") from None
+    if x.dtype != t.torch_dtype:
+        raise RuntimeRunError(
+            f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
+            f"{t.dtype}; convert it (e.g. arr.astype(np.{_NUMPY_TYPE.get(t.dtype, np.float32).__name__})).")
+    want = tuple(t.shape)
+    if len(want) != x.dim() or any(w >= 0 and w != g for w, g in zip(want, x.shape)):
+        raise RuntimeRunError(
+            f"input {position} ({t.name!r}) has shape {list(x.shape)} but the model expects {list(want)}; "
+            "the file was converted for that shape (convert again with other example inputs for another shape).")
+    return x
+
+
+def _to_numpy(t: Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        try:
+            import ml_dtypes
+
+            return t.contiguous().view(torch.uint16).numpy().copy().view(ml_dtypes.bfloat16)
+        except ImportError:  # no numpy bf16 type: widen, which is exact
+            return t.to(torch.float32).numpy()
+    # A copy: outputs may alias constants or the caller's inputs.
+    return np.array(t.contiguous().numpy(), copy=True)
+
+
+class Interpreter:
+    """Runs an ir.Model; build once and call ``run``/``run_torch`` many times."""
+
+    def __init__(self, model: ir.Model):
+        if not isinstance(model, ir.Model):
+            raise TypeError(f"Interpreter expects a circleops.ir.Model, got {type(model).__name__}")
+        if not model.subgraphs:
+            raise RuntimeRunError("the model has no subgraphs; nothing to run")
+        self.model = model
+        self._plans: dict[int, _Plan] = {}
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "Interpreter":
+        """Read a .circle or .tflite file (weights inline or after the flatbuffer)."""
+        return cls(_read(path))
+
+    def plan(self, subgraph: int = 0) -> _Plan:
+        plan = self._plans.get(subgraph)
+        if plan is None:
+            if not 0 <= subgraph < len(self.model.subgraphs):
+                raise RuntimeRunError(f"subgraph index {subgraph} out of range: the model has "
+                                      f"{len(self.model.subgraphs)} subgraphs")
+            plan = self._plans[subgraph] = _Plan(self, subgraph)
+        return plan
+
+    def _call(self, subgraph: int, inputs: list[Tensor]) -> list[Tensor]:
+        plan = self.plan(subgraph)
+        if len(inputs) != len(plan.inputs):
+            raise KernelError(f"subgraph {subgraph} takes {len(plan.inputs)} inputs, got {len(inputs)}")
+        return plan.execute(inputs)
+
+    def _entry(self, signature: Optional[str]) -> tuple[int, list[int], list[int], list[str]]:
+        """(subgraph index, input and output tensor indices, input names) of the entry point."""
+        if signature is None:
+            sg = self.model.subgraphs[0]
+            return 0, list(sg.inputs), list(sg.outputs), [sg.tensors[j].name for j in sg.inputs]
+        for sig in self.model.signatures:
+            if sig.key == signature:
+                return (sig.subgraph_index, list(sig.inputs.values()), list(sig.outputs.values()),
+                        list(sig.inputs))
+        keys = [s.key for s in self.model.signatures]
+        raise RuntimeRunError(f"no signature {signature!r} in the model; it has {keys or 'none'}")
+
+    def run_torch(self, inputs: Union[Sequence[Any], Mapping[str, Any]], signature: Optional[str] = None
+                  ) -> list[Tensor]:
+        """Run on torch tensors (or numpy arrays); returns torch tensors, which may share
+        memory with the model's constants or the inputs (do not modify them in place)."""
+        index, in_idx, out_idx, names = self._entry(signature)
+        sg = self.model.subgraphs[index]
+        if isinstance(inputs, Mapping):
+            missing = [n for n in names if n not in inputs]
+            if missing:
+                raise RuntimeRunError(f"inputs given by name lack {missing}; the model's inputs are {names}")
+            inputs = [inputs[n] for n in names]
+        inputs = list(inputs)
+        if len(inputs) != len(in_idx):
+            raise RuntimeRunError(f"the model takes {len(in_idx)} inputs {names}, got {len(inputs)}; "
+                                  "pass one array per input, in this order")
+        plan = self.plan(index)
+        tensors = [_input_to_torch(v, sg.tensors[j], f"#{i}") for i, (v, j) in enumerate(zip(inputs, in_idx))]
+        if in_idx != plan.inputs:  # a signature may list the inputs in another order
+            order = {j: t for j, t in zip(in_idx, tensors)}
+            tensors = [order[j] for j in plan.inputs]
+        with torch.no_grad():
+            results = plan.execute(tensors)
+        if out_idx != plan.outputs:
+            by_index = dict(zip(plan.outputs, results))
+            results = [by_index[j] for j in out_idx]
+        return results
+
+    def run(self, inputs: Union[Sequence[Any], Mapping[str, Any]], signature: Optional[str] = None
+            ) -> list[np.ndarray]:
+        """Run on numpy arrays; returns fresh numpy arrays (bf16 as ml_dtypes.bfloat16)."""
+        return [_to_numpy(t) for t in self.run_torch(inputs, signature)]
+
+
+def _read(path: Union[str, os.PathLike]) -> ir.Model:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise RuntimeRunError(f"model file {path!r} does not exist")
+    from circleops.serialize import read_model
+
+    return read_model(path)
+
+
+def run(path_or_model: Union[str, os.PathLike, ir.Model], inputs: Union[Sequence[Any], Mapping[str, Any]],
+        signature: Optional[str] = None) -> list[np.ndarray]:
+    """Run a Circle/TFLite file (or an ir.Model) on ``inputs`` with the reference interpreter.
+
+    ``inputs`` are numpy arrays (or torch tensors) in the order of the subgraph's inputs, or
+    of the signature's inputs when ``signature`` names one; a dict maps input names to
+    arrays. Returns the outputs as numpy arrays. For repeated runs of the same model use
+    :class:`Interpreter` (the file is read and the plan built once).
+    """
+    model = path_or_model if isinstance(path_or_model, ir.Model) else _read(path_or_model)
+    return Interpreter(model).run(inputs, signature)
