@@ -1,0 +1,198 @@
+"""``circleops inspect FILE``: what a Circle or TFLite file holds.
+
+Op histogram, inputs and outputs with shapes and dtypes, constant tensors and bytes by
+dtype, subgraphs, signatures and composites (name, attributes, decomposition subgraph).
+Works on any Circle or TFLite file; ``--json`` prints the same as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a .circle or .tflite file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    summary = summarize(args.file)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=_json_default))
+    else:
+        print(format_text(summary))
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _layout(path: Path, fmt: str) -> dict[str, int]:
+    """How many buffers hold data inline and how many after the flatbuffer (offset/size)."""
+    import mmap
+
+    from circleops.serialize.schema import get_schema
+
+    schema = get_schema(fmt)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    root = schema.reader_cls("Model").GetRootAs(buf, 0)
+    inline = offset = 0
+    for i in range(root.BuffersLength()):
+        b = root.Buffers(i)
+        if b.DataLength() > 0:
+            inline += 1
+        elif b.Offset() > 1 and b.Size() > 0:
+            offset += 1
+    return {"inline": inline, "offset": offset}
+
+
+def _tensor_info(t) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+
+
+def summarize(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain data."""
+    from circleops.serialize.reader import detect_format, read_model
+
+    path = Path(path)
+    fmt = detect_format(path)
+    model = read_model(path)
+    layout = _layout(path, fmt)
+
+    ops: Counter[str] = Counter()
+    subgraphs = []
+    const_by_dtype: dict[str, dict[str, int]] = {}
+    seen_data: set[int] = set()
+    composites: dict[tuple, dict[str, Any]] = {}
+    for si, sg in enumerate(model.subgraphs):
+        sg_ops = Counter(op.opcode for op in sg.operators)
+        ops.update(sg_ops)
+        n_const = 0
+        for t in sg.tensors:
+            if t.data is None:
+                continue
+            n_const += 1
+            entry = const_by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
+            entry["tensors"] += 1
+            if id(t.data) not in seen_data:  # a shared buffer counts once
+                seen_data.add(id(t.data))
+                entry["bytes"] += int(t.data.nbytes)
+        for op in sg.operators:
+            if op.opcode != "STABLEHLO_COMPOSITE":
+                continue
+            o = op.options
+            attrs = o.get("compositeAttributes") or {}
+            key = (o.get("name"), o.get("decompositionSubgraphIndex"), json.dumps(attrs, sort_keys=True, default=_json_default))
+            c = composites.setdefault(key, {
+                "name": o.get("name"), "decomposition_subgraph": o.get("decompositionSubgraphIndex"),
+                "attributes": attrs, "version": o.get("version", 0), "count": 0})
+            c["count"] += 1
+        subgraphs.append({
+            "index": si, "name": sg.name, "ops": len(sg.operators), "tensors": len(sg.tensors),
+            "constants": n_const, "op_histogram": dict(sorted(sg_ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "inputs": [_tensor_info(sg.tensors[i]) for i in sg.inputs],
+            "outputs": [_tensor_info(sg.tensors[i]) for i in sg.outputs],
+        })
+
+    signatures = []
+    for sig in model.signatures:
+        tensors = model.subgraphs[sig.subgraph_index].tensors if sig.subgraph_index < len(model.subgraphs) else []
+
+        def info(name, idx):
+            d = _tensor_info(tensors[idx]) if idx < len(tensors) else {"dtype": "?", "shape": []}
+            return {**d, "name": name, "tensor": d.get("name")}
+
+        signatures.append({
+            "key": sig.key, "subgraph": sig.subgraph_index,
+            "inputs": [info(n, i) for n, i in sig.inputs.items()],
+            "outputs": [info(n, i) for n, i in sig.outputs.items()],
+        })
+
+    return {
+        "file": str(path),
+        "format": fmt,
+        "file_bytes": path.stat().st_size,
+        "description": model.description,
+        "weights": ("after the flatbuffer (Buffer.offset/size)" if layout["offset"] and not layout["inline"]
+                    else "inline" if not layout["offset"] else "mixed inline and after the flatbuffer"),
+        "buffers": layout,
+        "subgraphs": subgraphs,
+        "signatures": signatures,
+        "op_histogram": dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "constants_by_dtype": dict(sorted(const_by_dtype.items())),
+        "constant_bytes": sum(v["bytes"] for v in const_by_dtype.values()),
+        "composites": list(composites.values()),
+        "metadata": {k: len(v) for k, v in model.metadata.items()},
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _io_line(t: dict[str, Any]) -> str:
+    shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+    extra = f"  (tensor {t['tensor']})" if t.get("tensor") and t["tensor"] != t["name"] else ""
+    return f"    {t['name']:<24} {t['dtype']:<9} {shape}{extra}"
+
+
+def format_text(s: dict[str, Any]) -> str:
+    """The human-readable report."""
+    fmt = {"circle": "Circle (CIR0)", "tflite": "TFLite (TFL3)"}[s["format"]]
+    lines = [f"{s['file']}: {fmt}, {_size(s['file_bytes'])}, weights {s['weights']}"]
+    if s["description"]:
+        lines.append(f"description: {s['description']}")
+
+    lines.append(f"\nsubgraphs ({len(s['subgraphs'])}):")
+    for sg in s["subgraphs"]:
+        lines.append(f"  [{sg['index']}] {sg['name']}: {sg['ops']} ops, {sg['tensors']} tensors "
+                     f"({sg['constants']} constant)")
+    main = s["subgraphs"][0] if s["subgraphs"] else None
+    if main:
+        lines.append(f"\ninputs of [0] {main['name']}:")
+        lines += [_io_line(t) for t in main["inputs"]] or ["    (none)"]
+        lines.append(f"outputs of [0] {main['name']}:")
+        lines += [_io_line(t) for t in main["outputs"]] or ["    (none)"]
+
+    lines.append(f"\nsignatures ({len(s['signatures'])}):" if s["signatures"] else "\nsignatures: none")
+    for sig in s["signatures"]:
+        lines.append(f"  {sig['key']!r} -> subgraph {sig['subgraph']}")
+        lines.append("    inputs:")
+        lines += ["  " + _io_line(t) for t in sig["inputs"]]
+        lines.append("    outputs:")
+        lines += ["  " + _io_line(t) for t in sig["outputs"]]
+
+    total = sum(s["op_histogram"].values())
+    lines.append(f"\nops ({total} in all subgraphs):")
+    for name, n in s["op_histogram"].items():
+        lines.append(f"  {name:<28} {n:>6}")
+
+    lines.append(f"\nconstants ({_size(s['constant_bytes'])}):")
+    for dtype, v in s["constants_by_dtype"].items():
+        lines.append(f"  {dtype:<10} {v['tensors']:>6} tensors  {_size(v['bytes']):>10}")
+    if not s["constants_by_dtype"]:
+        lines.append("  (none)")
+
+    if s["composites"]:
+        lines.append(f"\ncomposites ({sum(c['count'] for c in s['composites'])}):")
+        for c in s["composites"]:
+            attrs = ", ".join(f"{k}={v!r}" for k, v in c["attributes"].items())
+            lines.append(f"  {c['name']} x{c['count']}  decomposition subgraph {c['decomposition_subgraph']}"
+                         f"  {{{attrs}}}")
+    if s["metadata"]:
+        lines.append("\nmetadata: " + ", ".join(f"{k} ({n} B)" for k, n in s["metadata"].items()))
+    return "\n".join(lines)
