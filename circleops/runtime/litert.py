@@ -27,7 +27,8 @@ def _check(name: str, value: np.ndarray, detail: dict) -> np.ndarray:
         raise RuntimeRunError(
             f"input {name!r}: got {value.dtype}, the model expects {want}; cast the input "
             f"(e.g. x.astype(np.{want.name}))")
-    return np.ascontiguousarray(value)
+    # not np.ascontiguousarray: it turns a 0-d (scalar) input into shape (1,)
+    return value if value.flags.c_contiguous else np.array(value, order="C")
 
 
 def run(path: str | os.PathLike, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray],
