@@ -56,5 +56,43 @@ def one_op(opcode: str, operands: Sequence[Operand], outputs: Sequence[Any], opt
         shape, dtype = _meta(out)
         op_outputs.append(sg.add_tensor(ir.Tensor(f"out{k}", shape, dtype)))
     sg.outputs = list(op_outputs)
+    if options and options_type is None:
+        options_type = options_table(opcode)
     sg.operators.append(ir.Operator(opcode, op_inputs, op_outputs, options_type, dict(options or {})))
     return ir.Model([sg]), feeds
+
+
+_SPECIAL_OPTIONS = {
+    "MEAN": "ReducerOptions", "SUM": "ReducerOptions", "REDUCE_MAX": "ReducerOptions",
+    "REDUCE_MIN": "ReducerOptions", "REDUCE_PROD": "ReducerOptions", "REDUCE_ANY": "ReducerOptions",
+    "MAX_POOL_2D": "Pool2DOptions", "AVERAGE_POOL_2D": "Pool2DOptions",
+    "MAXIMUM": "MaximumMinimumOptions", "MINIMUM": "MaximumMinimumOptions",
+    "L2_NORMALIZATION": "L2NormOptions", "ATTENTION": "AttentionOptions",
+}
+
+
+def options_table(opcode: str) -> str:
+    """The options table name of ``opcode`` (AddOptions for ADD, ReducerOptions for MEAN...)."""
+    if opcode in _SPECIAL_OPTIONS:
+        return _SPECIAL_OPTIONS[opcode]
+    from circle_schema import circle
+
+    want = opcode.replace("_", "").lower() + "options"
+    for name in dir(circle.BuiltinOptions.BuiltinOptions) + dir(circle.BuiltinOptions2.BuiltinOptions2):
+        if name.lower() == want:
+            return name
+    raise KeyError(f"no options table for {opcode}")
+
+
+def write_and_run(model: ir.Model, feeds: list, fmt: str, path) -> list[np.ndarray]:
+    """Write ``model`` as ``fmt`` and run it in the real runtime: onert (circle) or LiteRT (tflite)."""
+    from circleops.serialize import write_model
+
+    write_model(model, path, fmt)
+    if fmt == "tflite":
+        from circleops.runtime import litert
+
+        return litert.run(path, feeds)
+    import onert
+
+    return [np.asarray(o) for o in onert.infer.session(str(path), "cpu").infer([np.asarray(f) for f in feeds])]
