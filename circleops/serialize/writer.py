@@ -286,7 +286,8 @@ class _Plan:
 def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | None) -> _Plan:
     if not weights_after:
         tail = _layout_inline(placed)
-        head = bytes(_pack(m, schema.identifier))
+        # Past the limit the inline offsets would not even fit 32 bits: do not pack them.
+        head = bytes(_pack(m, schema.identifier)) if tail <= FLATBUFFER_LIMIT else b""
         total = _align(len(head) + tail)
         if total <= FLATBUFFER_LIMIT or weights_after is False:
             if total > FLATBUFFER_LIMIT:

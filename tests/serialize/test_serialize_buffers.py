@@ -132,3 +132,23 @@ def test_enum_option_names_and_errors(tmp_path):
         write_model(rms, tmp_path / "m.tflite", "tflite")
     with pytest.raises(TargetError, match="unknown file format 'onnx'"):
         write_model(rms, tmp_path / "m.onnx", "onnx")
+
+
+def test_weights_alone_past_the_limit(tmp_path, monkeypatch):
+    """Weights past 4 GiB: inline offsets would overflow 32 bits, so they are never packed."""
+    from circleops.runtime import litert
+
+    model, reference = tiny_models.fc_add(torch.randn(3, 8192))
+    real_layout = writer_mod._layout_inline
+
+    def huge_tail(placed):  # pretend the tail is 5 GiB (its offsets overflow uint32)
+        real_layout(placed)
+        for p in placed:
+            p.tail_pos += 5 * 2**30
+        return 5 * 2**30
+
+    monkeypatch.setattr(writer_mod, "_layout_inline", huge_tail)
+    info = write_model(model, tmp_path / "m.tflite", "tflite")
+    assert info.layout == "offset"
+    x = np.random.default_rng(2).standard_normal((1, 8192)).astype(np.float32)
+    np.testing.assert_allclose(litert.run(tmp_path / "m.tflite", [x])[0], reference(x)[0], rtol=1e-4, atol=1e-4)
