@@ -1,0 +1,197 @@
+"""The fused circle ops, written per target profile (schema/ops.yaml ``targets``):
+
+* builtin    -> the Circle builtin, when it can express the node's attributes exactly;
+                otherwise the node is decomposed (numerics are never silently changed)
+* decomposed -> the op's reference kernel traced with make_fx, lowered inline
+* composite  -> STABLEHLO_COMPOSITE whose decomposition subgraph holds the reference kernel
+
+Semantics of the builtins as onert 0.1.0 runs them (probed with hand-built files; the
+tests in tests/onert pin them):
+* RMS_NORM(x, gamma): y = x / sqrt(mean(x², -1) + epsilon) · gamma, in the tensor dtype.
+  fp32 only; x rank 3 or 4 (rank 2 and 5 fail at prepare: "ShapeValidator"), so other
+  ranks are reshaped to [1, N, C] around it.
+* ROPE(x, sin, cos): x [B, H, S, D]; sin/cos must be rank 4 [1, 1, S, D] (rank 2/3 fail
+  at prepare); out = x·cos + rotate_half(x)·sin with HF's sign convention (GPT_NEOX).
+  It reads only the first row (position) of sin/cos for every S, so it is exact only for
+  S == 1: target onert uses it for decode steps only.
+* INSTANCE_NORM, ATTENTION: not runnable on onert -> decomposed for target onert.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from circleops.lowering.context import Value, const_value
+from circleops.lowering.registry import lower
+from circleops.ops import REGISTRY, OpSpec
+
+_FLOAT32 = torch.float32
+
+
+def bind(spec: OpSpec, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(spec.overload._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def fused(ctx, spec: OpSpec, bound: dict[str, Any], builtin: Callable[..., Any]) -> Any:
+    """Write one fused op the way ``ctx.target`` wants it (see the module docstring)."""
+    how = spec.targets[ctx.target]
+    if how == "composite":
+        return composite(ctx, spec, bound)
+    if how.startswith("builtin"):
+        result = builtin(ctx, spec, **bound)
+        if result is not None:
+            return result
+    return ctx.call(spec.reference, **bound)
+
+
+def composite(ctx, spec: OpSpec, bound: dict[str, Any]) -> Any:
+    """STABLEHLO_COMPOSITE(tensor args) with the reference kernel as its decomposition."""
+    tensors = {n: v for n, v in bound.items() if isinstance(v, Value)}
+    attributes = {key: bound[arg] for key, arg in spec.tflite["attributes"].items()}
+    with ctx.subgraph(f"{spec.name}_{ctx.node.name}") as index:
+        inner = {n: ctx.input(v.shape, v.dtype, n) if n in tensors else v for n, v in bound.items()}
+        result = ctx.call(spec.reference, **inner)
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        ctx.sg.outputs = [ctx.index(o) for o in outs]
+    ys = ctx.emit("STABLEHLO_COMPOSITE", list(tensors.values()), "StableHLOCompositeOptions",
+                  outs=[(o.shape, o.dtype) for o in outs], name=spec.tflite["composite"],
+                  decompositionSubgraphIndex=index, compositeAttributes=attributes, version=0)
+    return ys if isinstance(result, (tuple, list)) else ys[0]
+
+
+def _options(spec: OpSpec, bound: dict[str, Any]) -> dict[str, Any]:
+    """The builtin's options from the contract's option_fields / option_values."""
+    values = spec.circle.get("option_values", {})
+    return {field: values.get(arg, {}).get(bound[arg], bound[arg])
+            for field, arg in spec.circle["option_fields"].items()}
+
+
+# ------------------------------------------------------------------------ rms_norm
+def _weight_plus(ctx, w: Value, offset: float, dtype: torch.dtype) -> Value:
+    """offset + w in ``dtype``, in the reference kernel's order (folded for constants)."""
+    w = ctx.cast(w, dtype)
+    if offset == 0.0:
+        return w
+    if w.is_const:
+        return const_value(offset + w.const)
+    return ctx.add(offset, w, dtype)
+
+
+def _rms_norm_builtin(ctx, spec, x, weight, eps, offset, multiply, policy):
+    native = x.dtype == _FLOAT32
+    if policy == "scaled" or (policy == "native" and not native):
+        return None  # computed in the input dtype by design: only the decomposition says so
+    c = x.shape[-1]
+    after = None  # a multiply that happens after the cast back to x.dtype
+    if weight is None:
+        gamma = ctx.const(torch.ones(c, dtype=_FLOAT32))
+    elif multiply == "fp32":
+        gamma = _weight_plus(ctx, weight, offset, _FLOAT32)
+    elif native:
+        gamma = ctx.cast(_weight_plus(ctx, weight, offset, weight.dtype), _FLOAT32)
+    else:
+        # fp16/bf16 Llama-style: normalize in fp32, cast back, then w · y in the input dtype.
+        # RMS_NORM runs as an fp32 island with gamma = 1 (exact), the multiply stays outside.
+        gamma = ctx.const(torch.ones(c, dtype=_FLOAT32))
+        after = _weight_plus(ctx, weight, offset, weight.dtype)
+    h = ctx.cast(x, _FLOAT32)
+    if ctx.target == "onert" and h.rank not in (3, 4):
+        h = ctx.reshape(h, (1, -1, c))
+    y = ctx.emit(spec.circle["builtin"], [h, gamma], spec.circle["options"], out_shape=h.shape,
+                 out_dtype=_FLOAT32, **_options(spec, {"eps": float(eps)}))
+    y = ctx.cast(ctx.reshape(y, x.shape), x.dtype)
+    if after is not None:
+        y = ctx.mul(after, y, ctx.out_dtype)
+    return ctx.cast(y, ctx.out_dtype)
+
+
+@lower(torch.ops.circle.rms_norm)
+def _(ctx, node, *args, **kwargs):
+    spec = REGISTRY["rms_norm"]
+    return fused(ctx, spec, bind(spec, args, kwargs), _rms_norm_builtin)
+
+
+# ------------------------------------------------------------------------ rope
+def _table(ctx, t: Value) -> Value:
+    """cos/sin as rank 4 [B, 1, S, R], the layout ROPE takes."""
+    if t.rank == 2:
+        return ctx.reshape(t, (1, 1) + t.shape)
+    if t.rank == 3:
+        return ctx.reshape(t, (t.shape[0], 1) + t.shape[1:])
+    return t
+
+
+def _rope_builtin(ctx, spec, x, cos, sin, mode):
+    if spec.targets[ctx.target] == "builtin_if_single_position" and (x.shape[2] != 1 or mode != "gpt_neox"):
+        return None  # onert reads only the first row of the tables, and has GPT_NEOX only
+    dtype = ctx.out_dtype
+    x = ctx.cast(x, dtype)
+    cos, sin = _table(ctx, ctx.cast(cos, dtype)), _table(ctx, ctx.cast(sin, dtype))
+    r, d = cos.shape[-1], x.shape[-1]
+    named = {"x": ctx.slice(x, -1, 0, r), "cos": cos, "sin": sin}
+    y = ctx.emit(spec.circle["builtin"], [named[n] for n in spec.circle["inputs"]], spec.circle["options"],
+                 out_shape=named["x"].shape, out_dtype=dtype, **_options(spec, {"mode": mode}))
+    if r < d:  # partial rotary: the rest of the head passes through
+        y = ctx.concat([y, ctx.slice(x, -1, r, d)], -1)
+    return y
+
+
+@lower(torch.ops.circle.rope)
+def _(ctx, node, *args, **kwargs):
+    spec = REGISTRY["rope"]
+    return fused(ctx, spec, bind(spec, args, kwargs), _rope_builtin)
+
+
+# ------------------------------------------------------------------------ attention
+def _attention_builtin(ctx, spec, **bound):
+    d = bound["k_cache"].shape[3]
+    if bound["scale"] not in (0.0, d ** -0.5):
+        return None  # AttentionOptions has no scale field
+    out_shape, out_dtype = ctx.out[0].shape, ctx.out[0].dtype
+    inputs = [bound[n] for n in spec.circle["inputs"]]
+    out = ctx.emit(spec.circle["builtin"], inputs, spec.circle["options"], out_shape=out_shape,
+                   out_dtype=out_dtype, **_options(spec, bound))
+    # ONE's kernel has one output and writes the new k/v into k_cache/v_cache in place:
+    # the op's updated caches are those same tensors.
+    return out, bound["k_cache"], bound["v_cache"]
+
+
+@lower(torch.ops.circle.attention)
+def _(ctx, node, *args, **kwargs):
+    spec = REGISTRY["attention"]
+    return fused(ctx, spec, bind(spec, args, kwargs), _attention_builtin)
+
+
+# ------------------------------------------------------------------------ instance_norm
+def _instance_norm_builtin(ctx, spec, x, weight, bias, eps):
+    c = x.shape[1]
+    gamma = ctx.cast(weight, _FLOAT32) if weight is not None else ctx.const(torch.ones(c, dtype=_FLOAT32))
+    beta = ctx.cast(bias, _FLOAT32) if bias is not None else ctx.const(torch.zeros(c, dtype=_FLOAT32))
+    to_last = [0, *range(2, x.rank), 1]  # NCHW -> NHWC: Circle's INSTANCE_NORM is channels-last
+    h = ctx.transpose(ctx.cast(x, _FLOAT32), to_last)
+    y = ctx.emit(spec.circle["builtin"], [h, gamma, beta], spec.circle["options"], out_shape=h.shape,
+                 out_dtype=_FLOAT32, fusedActivationFunction=0, **_options(spec, {"eps": float(eps)}))
+    back = [0, x.rank - 1, *range(1, x.rank - 1)]
+    return ctx.cast(ctx.transpose(y, back), x.dtype)
+
+
+def instance_norm(ctx, x, weight, bias, eps):
+    """Instance norm of NCHW ``x`` for ctx.target (shared with aten.instance_norm)."""
+    spec = REGISTRY["instance_norm"]
+    return fused(ctx, spec, {"x": x, "weight": weight, "bias": bias, "eps": float(eps)}, _instance_norm_builtin)
+
+
+@lower(torch.ops.circle.instance_norm)
+def _(ctx, node, *args, **kwargs):
+    spec = REGISTRY["instance_norm"]
+    return fused(ctx, spec, bind(spec, args, kwargs), _instance_norm_builtin)

@@ -1,0 +1,402 @@
+"""The state one lowering works with: values, the subgraph being built, and helpers.
+
+A ``Value`` is what an FX node lowers to: a tensor of the subgraph being built, or a
+constant (a torch tensor not yet written into any subgraph). Constants are materialized
+lazily, once per subgraph, the first time an operator uses them, so constants that only
+feed folded computations (RoPE tables, masks, shape arithmetic) never reach the file, and
+the same torch tensor (a tied embedding / lm_head weight) becomes one tensor.
+
+The helpers (``reshape``, ``transpose``, ``cast``, ``binary``, ...) fold when their
+inputs are constants, so a lowering can write ``ctx.transpose(weight, perm)`` and get a
+pre-transposed constant for free.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from circleops import ir
+from circleops.errors import TargetError, UnsupportedOpError
+
+TARGETS = ("circle", "onert", "tflite")
+
+# Builtins a target's runtime lacks, so that generic lowerings pick another formulation
+# (measured on onert 0.1.0; see tests/onert and shared/FACTS.md).
+MISSING_BUILTINS: dict[str, frozenset[str]] = {
+    "circle": frozenset(),
+    "tflite": frozenset(),
+    "onert": frozenset({
+        "MIRROR_PAD",               # load fails
+        "RESIZE_NEAREST_NEIGHBOR",  # "KernelGenerator: NYI"
+        "INSTANCE_NORM",            # "KernelGenerator: NYI"
+        "ATTENTION",                # "Unsupported operation"
+    }),
+}
+
+
+class Value:
+    """A lowered tensor: ``index`` in subgraph ``sg``, or a constant ``const``."""
+
+    __slots__ = ("shape", "dtype", "index", "const", "name", "sg")
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, *, index: int | None = None,
+                 const: torch.Tensor | None = None, name: str = "", sg: ir.Subgraph | None = None):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.index = index
+        self.const = const
+        self.name = name
+        self.sg = sg
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_const(self) -> bool:
+        return self.const is not None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        kind = "const" if self.is_const else f"#{self.index}"
+        return f"Value({self.name or '?'} {kind} {list(self.shape)} {self.dtype})"
+
+
+def is_value(x: Any) -> bool:
+    return isinstance(x, Value)
+
+
+def const_value(t: torch.Tensor, name: str = "") -> Value:
+    return Value(t.shape, t.dtype, const=t, name=name)
+
+
+def source_line(node: torch.fx.Node | None) -> str:
+    """The user's source line that produced ``node`` (the last frame of its stack trace)."""
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return f"{lines[i]}: {code}" if code else lines[i]
+    return "(no source location recorded)"
+
+
+def _scalar_dtype(x: Any) -> torch.dtype:
+    if isinstance(x, bool):
+        return torch.bool
+    if isinstance(x, int):
+        return torch.int64
+    return torch.float32
+
+
+def result_type(*xs: Any) -> torch.dtype:
+    """torch's type promotion over Values and Python scalars (0-dim tensors rank as scalars)."""
+    probes = []
+    for x in xs:
+        if isinstance(x, Value):
+            probes.append(torch.empty(() if x.rank == 0 else (0,), dtype=x.dtype))
+        elif x is not None:
+            probes.append(x)
+    out = probes[0]
+    if len(probes) == 1:
+        return out.dtype if isinstance(out, torch.Tensor) else _scalar_dtype(out)
+    dtype = torch.result_type(probes[0], probes[1])
+    for p in probes[2:]:
+        dtype = torch.promote_types(dtype, p.dtype if isinstance(p, torch.Tensor) else _scalar_dtype(p))
+    return dtype
+
+
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*[tuple(s) for s in shapes]))
+
+
+class LoweringContext:
+    """Builds one ir.Model; lowerings call ``emit`` and the helpers below."""
+
+    def __init__(self, target: str, model: ir.Model):
+        if target not in TARGETS:
+            raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+        self.target = target
+        self.model = model
+        self.sg: ir.Subgraph = None  # type: ignore[assignment] - set by subgraph()
+        self.node: torch.fx.Node | None = None  # the node being lowered (any graph)
+        self.root: torch.fx.Node | None = None  # the exported program's node being lowered
+        self.decomposing: list[Any] = []  # ops being decomposed (guards recursion)
+        self._consts: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._names = itertools.count()
+        self._traces: dict[Any, torch.fx.GraphModule] = {}
+
+    # ---------------------------------------------------------------- target queries
+    def supports(self, opcode: str) -> bool:
+        """Whether the target's runtime executes builtin ``opcode``."""
+        return opcode not in MISSING_BUILTINS[self.target]
+
+    # ---------------------------------------------------------------- the current node
+    @property
+    def out(self) -> Any:
+        """The current node's fake value (shape/dtype of what the lowering must produce)."""
+        return self.node.meta.get("val") if self.node is not None else None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.out.shape)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self.out.dtype
+
+    def _name(self, hint: str = "") -> str:
+        base = self.node.name if self.node is not None else "t"
+        return f"{base}{'_' + hint if hint else ''}_{next(self._names)}"
+
+    # ---------------------------------------------------------------- tensors
+    def new(self, shape: Sequence[int], dtype: torch.dtype, name: str | None = None) -> Value:
+        """A fresh non-constant tensor of the current subgraph."""
+        name = name or self._name()
+        shape = tuple(int(d) for d in shape)
+        if dtype not in ir.TORCH_TO_TYPE:
+            raise UnsupportedOpError(self._where(f"produces a {dtype} tensor, which has no Circle/TFLite type")
+                                     + " Cast to a supported dtype (float32, float16, int32, int64, bool) in the model.")
+        idx = self.sg.add_tensor(ir.Tensor(name, shape, ir.TORCH_TO_TYPE[dtype]))
+        return Value(shape, dtype, index=idx, name=name, sg=self.sg)
+
+    def input(self, shape: Sequence[int], dtype: torch.dtype, name: str) -> Value:
+        """A new input of the current subgraph."""
+        v = self.new(shape, dtype, name)
+        self.sg.inputs.append(v.index)
+        return v
+
+    def const(self, value: Any, dtype: torch.dtype | None = None, name: str = "") -> Value:
+        """A constant Value from a Python scalar/list, numpy array or torch tensor."""
+        if isinstance(value, Value):
+            return self.cast(value, dtype) if dtype is not None else value
+        if isinstance(value, np.ndarray):
+            t = torch.from_numpy(value)
+            t = t.to(dtype) if dtype is not None else t
+        elif isinstance(value, torch.Tensor):
+            t = value.detach().to(dtype) if dtype is not None else value.detach()
+        else:
+            t = torch.tensor(value, dtype=dtype if dtype is not None else _scalar_dtype(value))
+        return const_value(t, name)
+
+    def i32(self, values: Sequence[int]) -> Value:
+        """An int32 vector constant (shapes, perms, axes, slice bounds)."""
+        return const_value(torch.tensor([int(v) for v in values], dtype=torch.int32))
+
+    def index(self, v: Value | None) -> int:
+        """The tensor index of ``v`` in the current subgraph (materializing a constant)."""
+        if v is None:
+            return -1
+        if not isinstance(v, Value):
+            raise TypeError(f"expected a Value, got {type(v).__name__}: {v!r}")
+        if v.const is None:
+            if v.sg is not self.sg:
+                raise UnsupportedOpError(self._where(f"uses {v} outside the subgraph that defines it"))
+            return v.index
+        key = (id(self.sg), id(v.const))
+        hit = self._consts.get(key)
+        if hit is None:
+            data = v.const
+            if data.dtype not in ir.TORCH_TO_TYPE:
+                raise UnsupportedOpError(self._where(f"needs a {data.dtype} constant, which has no Circle/TFLite type"))
+            name = v.name or self._name("const")
+            idx = self.sg.add_tensor(ir.Tensor(name, tuple(data.shape), ir.TORCH_TO_TYPE[data.dtype], data))
+            hit = (v.const, idx)  # keeps the tensor alive, so id() cannot be reused
+            self._consts[key] = hit
+        return hit[1]
+
+    # ---------------------------------------------------------------- operators
+    def emit(self, opcode: str, inputs: Sequence[Value | None], options_type: str | None = None, *,
+             out_shape: Sequence[int] | None = None, out_dtype: torch.dtype | None = None,
+             outs: Sequence[tuple[Sequence[int], torch.dtype]] | None = None, op_version: int = 1,
+             **options: Any) -> Any:
+        """Append one operator; returns its output Value (a list of them when ``outs`` is given).
+
+        The output shape/dtype default to the current node's; ``options`` are the fields of
+        ``options_type`` by object-API name.
+        """
+        ins = [self.index(v) for v in inputs]
+        if outs is None:
+            shape = self.out_shape if out_shape is None else out_shape
+            dtype = self.out_dtype if out_dtype is None else out_dtype
+            results = [self.new(shape, dtype)]
+        else:
+            results = [self.new(s, d) for s, d in outs]
+        self.sg.operators.append(ir.Operator(opcode, ins, [r.index for r in results], options_type,
+                                             dict(options), op_version))
+        return results if outs is not None else results[0]
+
+    # ---------------------------------------------------------------- helpers
+    def reshape(self, x: Value, shape: Sequence[int]) -> Value:
+        shape = tuple(int(d) for d in shape)
+        if -1 in shape:
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(x.numel // known if d == -1 else d for d in shape)
+        if shape == x.shape:
+            return x
+        if x.is_const:
+            return const_value(x.const.reshape(shape))
+        return self.emit("RESHAPE", [x, self.i32(shape)], out_shape=shape, out_dtype=x.dtype)
+
+    def transpose(self, x: Value, perm: Sequence[int]) -> Value:
+        perm = [p % max(x.rank, 1) for p in perm]
+        if perm == sorted(perm):
+            return x
+        if x.is_const:
+            return const_value(x.const.permute(perm))
+        shape = tuple(x.shape[p] for p in perm)
+        return self.emit("TRANSPOSE", [x, self.i32(perm)], out_shape=shape, out_dtype=x.dtype)
+
+    def cast(self, x: Any, dtype: torch.dtype) -> Value:
+        """``x`` (Value or Python scalar) as ``dtype``; a CAST op only when needed."""
+        if not isinstance(x, Value):
+            return self.const(x, dtype)
+        if x.dtype == dtype:
+            return x
+        if x.is_const:
+            return const_value(x.const.to(dtype))
+        return self.emit("CAST", [x], out_shape=x.shape, out_dtype=dtype)
+
+    def unary(self, opcode: str, x: Value, options_type: str | None = None, **options: Any) -> Value:
+        return self.emit(opcode, [x], options_type, out_shape=x.shape, out_dtype=x.dtype, **options)
+
+    def binary(self, opcode: str, a: Any, b: Any, options_type: str | None = None, *,
+               dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+               **options: Any) -> Value:
+        """An elementwise binary op computed in ``dtype`` (default: promotion of a and b).
+
+        Inputs of another dtype get a CAST (Circle/TFLite ops take one dtype); Python
+        scalars become constants of ``dtype``.
+        """
+        dtype = dtype or result_type(a, b)
+        a, b = self.cast(a, dtype), self.cast(b, dtype)
+        shape = broadcast_shape(a.shape, b.shape)
+        return self.emit(opcode, [a, b], options_type, out_shape=shape, out_dtype=out_dtype or dtype, **options)
+
+    def add(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
+        return self.binary("ADD", a, b, "AddOptions", dtype=dtype)
+
+    def sub(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
+        return self.binary("SUB", a, b, "SubOptions", dtype=dtype)
+
+    def mul(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
+        return self.binary("MUL", a, b, "MulOptions", dtype=dtype)
+
+    def div(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
+        return self.binary("DIV", a, b, "DivOptions", dtype=dtype)
+
+    def slice(self, x: Value, dim: int, start: int, end: int, step: int = 1) -> Value:
+        """x[..., start:end:step, ...] along ``dim`` (bounds already normalized)."""
+        dim %= x.rank
+        n = len(range(start, end, step))
+        if start == 0 and step == 1 and end >= x.shape[dim]:
+            return x
+        if x.is_const:
+            idx = [slice(None)] * x.rank
+            idx[dim] = slice(start, end, step)
+            return const_value(x.const[tuple(idx)])
+        begin = [0] * x.rank
+        stop = list(x.shape)
+        strides = [1] * x.rank
+        begin[dim], stop[dim], strides[dim] = start, end, step
+        shape = list(x.shape)
+        shape[dim] = n
+        return self.emit("STRIDED_SLICE", [x, self.i32(begin), self.i32(stop), self.i32(strides)],
+                         "StridedSliceOptions", out_shape=shape, out_dtype=x.dtype)
+
+    def gather(self, x: Value, indices: Value | Sequence[int], axis: int) -> Value:
+        axis %= x.rank
+        if not isinstance(indices, Value):
+            indices = self.i32(indices)
+        shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+        if x.is_const and indices.is_const:
+            return const_value(x.const.index_select(axis, indices.const.reshape(-1).long()).reshape(shape))
+        return self.emit("GATHER", [x, indices], "GatherOptions", out_shape=shape, out_dtype=x.dtype,
+                         axis=axis, batchDims=0)
+
+    def concat(self, xs: Sequence[Value], axis: int, dtype: torch.dtype | None = None) -> Value:
+        xs = [x for x in xs if x.numel > 0] or list(xs[:1])
+        dtype = dtype or xs[0].dtype
+        xs = [self.cast(x, dtype) for x in xs]
+        if len(xs) == 1:
+            return xs[0]
+        axis %= xs[0].rank
+        shape = list(xs[0].shape)
+        shape[axis] = sum(x.shape[axis] for x in xs)
+        if all(x.is_const for x in xs):
+            return const_value(torch.cat([x.const for x in xs], axis))
+        return self.emit("CONCATENATION", list(xs), "ConcatenationOptions", out_shape=shape, out_dtype=dtype,
+                         axis=axis, fusedActivationFunction=0)
+
+    # ---------------------------------------------------------------- subgraphs
+    @contextlib.contextmanager
+    def subgraph(self, name: str) -> Iterator[int]:
+        """Build a new subgraph of the model; yields its index."""
+        prev = self.sg
+        sg = ir.Subgraph(name)
+        self.model.subgraphs.append(sg)
+        self.sg = sg
+        try:
+            yield len(self.model.subgraphs) - 1
+        finally:
+            self.sg = prev
+
+    # ---------------------------------------------------------------- tracing
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Lower ``fn(*args, **kwargs)`` inline: trace it with make_fx over the Values'
+        shapes and dtypes (other arguments are baked in) and lower the traced aten nodes
+        through the same registry. Returns fn's result with tensors replaced by Values.
+        """
+        from circleops.lowering.program import lower_graph
+
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Value)]
+        key = None
+        try:
+            key = (fn, spec, tuple((leaf.shape, leaf.dtype) if isinstance(leaf, Value) else ("py", type(leaf), leaf)
+                                   for leaf in leaves))
+            hash(key)
+        except TypeError:
+            key = None
+        gm = self._traces.get(key) if key is not None else None
+        if gm is None:
+            gm = _trace(fn, leaves, spec, slots)
+            if key is not None:
+                self._traces[key] = gm
+        return lower_graph(self, gm.graph, [leaves[i] for i in slots], module=gm)
+
+    # ---------------------------------------------------------------- errors
+    def _where(self, what: str) -> str:
+        node = self.root or self.node
+        inner = f" (inside {self.node.target} node {self.node.name!r})" if self.node is not None and self.node is not node else ""
+        if node is None:
+            return what
+        return f"node {node.name!r} ({node.target}){inner} {what}; at {source_line(node)}."
+
+    def unsupported(self, what: str, hint: str) -> UnsupportedOpError:
+        """An UnsupportedOpError naming the node, its source line, and what to do."""
+        return UnsupportedOpError(f"{self._where(what)} {hint}")
+
+
+def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int]) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def traced(*tensors: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(slots, tensors):
+            filled[i] = t
+        a, k = pytree.tree_unflatten(filled, spec)
+        return fn(*a, **k)
+
+    metas = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in slots]
+    return make_fx(traced, pre_dispatch=True)(*metas)

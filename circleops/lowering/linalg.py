@@ -1,0 +1,69 @@
+"""Matrix products: linear -> FULLY_CONNECTED, matmul/bmm -> BATCH_MATMUL."""
+from __future__ import annotations
+
+import torch
+
+from circleops.lowering.registry import lower
+
+aten = torch.ops.aten
+
+
+def fully_connected(ctx, x, weight, bias=None):
+    """x [..., in] · weightᵀ [out, in] (+ bias), torch Linear layout = TFLite's FC layout."""
+    dtype = ctx.out_dtype
+    x, weight = ctx.cast(x, dtype), ctx.cast(weight, dtype)
+    bias = ctx.cast(bias, dtype) if bias is not None else None
+    out_shape = x.shape[:-1] + (weight.shape[0],)
+    if x.rank == 2 or ctx.target == "onert":
+        # onert ignores keepNumDims and returns [N, out]: flatten explicitly and restore.
+        flat = ctx.reshape(x, (-1, x.shape[-1]))
+        y = ctx.emit("FULLY_CONNECTED", [flat, weight, bias], "FullyConnectedOptions",
+                     out_shape=(flat.shape[0], weight.shape[0]), out_dtype=dtype,
+                     fusedActivationFunction=0, keepNumDims=False)
+        return ctx.reshape(y, out_shape)
+    return ctx.emit("FULLY_CONNECTED", [x, weight, bias], "FullyConnectedOptions", out_shape=out_shape,
+                    out_dtype=dtype, fusedActivationFunction=0, keepNumDims=True)
+
+
+@lower(aten.linear)
+def _(ctx, node, x, weight, bias=None):
+    if x.rank == 1:
+        return ctx.reshape(fully_connected(ctx, ctx.reshape(x, (1, -1)), weight, bias), ctx.out_shape)
+    return fully_connected(ctx, x, weight, bias)
+
+
+def batch_matmul(ctx, a, b):
+    """a @ b for ranks >= 2 with broadcast batch dims. No adjX/adjY: onert ignores them."""
+    dtype = ctx.out_dtype
+    a, b = ctx.cast(a, dtype), ctx.cast(b, dtype)
+    if b.rank == 2 and b.is_const:
+        # a constant right-hand matrix is a FULLY_CONNECTED weight, stored transposed
+        return fully_connected(ctx, a, ctx.transpose(b, (1, 0)))
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = tuple(batch) + (a.shape[-2], b.shape[-1])
+    return ctx.emit("BATCH_MATMUL", [a, b], "BatchMatMulOptions", out_shape=shape, out_dtype=dtype,
+                    adjointLhs=False, adjointRhs=False)
+
+
+@lower(aten.matmul)
+def _(ctx, node, a, b):
+    if a.rank >= 2 and b.rank >= 2:
+        return batch_matmul(ctx, a, b)
+    a2 = ctx.reshape(a, (1, a.shape[0])) if a.rank == 1 else a
+    b2 = ctx.reshape(b, (b.shape[0], 1)) if b.rank == 1 else b
+    return ctx.reshape(batch_matmul(ctx, a2, b2), ctx.out_shape)
+
+
+@lower(aten.mm, aten.bmm)
+def _(ctx, node, a, b):
+    return batch_matmul(ctx, a, b)
+
+
+@lower(aten.addmm)
+def _(ctx, node, bias, a, b, beta=1, alpha=1):
+    y = batch_matmul(ctx, a, b)
+    if alpha != 1:
+        y = ctx.mul(y, alpha)
+    if beta == 0:
+        return y
+    return ctx.add(y, bias if beta == 1 else ctx.mul(bias, beta))

@@ -1,0 +1,222 @@
+"""ExportedProgram -> ir.Model: walk the graph once, fold, lower node by node.
+
+The export's default IR is lowered directly (aten.linear -> FULLY_CONNECTED, ...) without
+``run_decompositions()``: only a node with no lowering of its own is decomposed, by
+tracing its decomposition locally and lowering the result inline.
+
+Constant folding happens during the walk (see circleops.passes.fold for the rules): a node
+whose tensor inputs are all constants is evaluated with torch and becomes a constant, and
+only nodes the outputs depend on are visited (dead code never reaches the file).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from circleops import ir
+from circleops.errors import TargetError, UnsupportedOpError
+from circleops.lowering.context import LoweringContext, Value, const_value, source_line
+from circleops.lowering.registry import lowering_for
+from circleops.passes.fold import evaluate, is_foldable, live_nodes
+
+_CONST_INPUTS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _program_dtype(ep: torch.export.ExportedProgram) -> torch.dtype | None:
+    """The float dtype most of the program's weights and inputs have (None: no floats)."""
+    sizes: dict[torch.dtype, int] = {}
+    for t in list(ep.state_dict.values()) + list(ep.constants.values()):
+        if isinstance(t, torch.Tensor) and t.dtype in _FLOATS:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dtype in _FLOATS:
+                sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def _as_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if str(dtype) not in names:
+        raise TargetError(f"unknown dtype {dtype!r}: use float32, float16 or bfloat16")
+    return names[str(dtype)]
+
+
+def _check_dtype(ep: torch.export.ExportedProgram, target: str, dtype: Any) -> None:
+    found = _program_dtype(ep)
+    if dtype is not None:
+        want = _as_dtype(dtype)
+        if found is not None and found != want:
+            raise TargetError(
+                f"the exported program computes in {found} but dtype={want} was requested: convert "
+                f"the model (model.to({want})) before torch.export, or pass dtype=None")
+        found = want
+    if target == "onert" and found not in (None, torch.float32):
+        raise TargetError(
+            f"target 'onert' runs float32 only (onert refuses {found} tensors), but the program "
+            f"computes in {found}: export the model in float32 (model.float()), or use target "
+            f"'circle' (fp16 for NPU compilers) or 'tflite'")
+
+
+def _check_float32(model: ir.Model) -> None:
+    for sg in model.subgraphs:
+        for t in sg.tensors:
+            if t.dtype in ("FLOAT16", "BFLOAT16", "FLOAT64"):
+                raise TargetError(
+                    f"target 'onert' runs float32 only, but tensor {t.name!r} is {t.dtype}: make the "
+                    f"model compute in float32 (no .half()/autocast), or use target 'circle'")
+
+
+def _static(node: torch.fx.Node) -> None:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
+        raise TargetError(
+            f"input {node.name!r} has a dynamic shape {list(v.shape)}: circleops writes static "
+            f"shapes; export without dynamic_shapes (one program per sequence length)")
+
+
+def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any = None) -> ir.Model:
+    """Lower an ExportedProgram to an ir.Model for ``target`` ("circle", "onert" or "tflite").
+
+    Parameters, buffers and lifted constants become constant tensors whose data is the
+    torch tensor itself (no copy; shared tensors are written once); user inputs become
+    the main subgraph's inputs and the user outputs (flattened) its outputs.
+
+    ``dtype``: the float dtype the program is expected to compute in (None: taken from
+    its weights and inputs). Target "onert" requires float32; a mismatch is a TargetError.
+    """
+    ctx = LoweringContext(target, ir.Model(description=f"circleops ({target})"))
+    _check_dtype(ep, target, dtype)
+    with ctx.subgraph("main"):
+        sg = ctx.sg
+        graph = ep.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        env: list[Any] = []
+        sig_inputs: dict[str, int] = {}
+        for spec, node in zip(ep.graph_signature.input_specs, placeholders):
+            if spec.kind in _CONST_INPUTS:
+                t = ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
+                env.append(const_value(t.detach(), name=spec.target))
+            elif spec.kind == InputKind.USER_INPUT:
+                _static(node)
+                v = node.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    value = ctx.input(v.shape, v.dtype, node.name)
+                    sig_inputs[node.name] = value.index
+                    env.append(value)
+                else:
+                    env.append(v)  # a specialized Python scalar
+            else:
+                raise UnsupportedOpError(
+                    f"input {node.name!r} is a {spec.kind.name} input, which circleops cannot "
+                    f"write; export a module whose inputs are tensors")
+        results = lower_graph(ctx, graph, env, module=ep.graph_module)
+        sig_outputs: dict[str, int] = {}
+        for i, (spec, value) in enumerate(zip(ep.graph_signature.output_specs, results)):
+            if spec.kind != OutputKind.USER_OUTPUT:
+                continue
+            if not isinstance(value, Value):
+                if value is None:
+                    continue
+                value = ctx.const(value)
+            idx = ctx.index(value)
+            sg.outputs.append(idx)
+            sig_outputs[f"output_{len(sig_outputs)}"] = idx
+    ctx.model.signatures.append(ir.Signature("serving_default", 0, sig_inputs, sig_outputs))
+    if target == "onert":
+        _check_float32(ctx.model)
+    return ctx.model
+
+
+def _materialize(x: Any) -> Any:
+    return x.const if isinstance(x, Value) else x
+
+
+def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[Any],
+                module: torch.nn.Module | None = None) -> Any:
+    """Lower ``graph`` into ctx's current subgraph; ``inputs`` are its placeholders' Values.
+
+    Returns the output node's argument with nodes replaced by Values.
+    """
+    env: dict[torch.fx.Node, Any] = {}
+    it = iter(inputs)
+    live = live_nodes(graph)
+    outer_node = ctx.node
+    top = ctx.root is None
+    result = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(it)
+            continue
+        if node not in live:
+            continue
+        if node.op == "output":
+            result = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
+            break
+        if node.op == "get_attr":
+            obj = getattr(module, node.target)
+            env[node] = const_value(obj.detach(), name=node.target) if isinstance(obj, torch.Tensor) else obj
+            continue
+        if node.op != "call_function":
+            raise UnsupportedOpError(f"node {node.name!r}: {node.op} nodes are not supported; at {source_line(node)}")
+        args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, (node.args, node.kwargs))
+        if node.target is operator.getitem:
+            env[node] = args[0][args[1]]
+            continue
+        ctx.node = node
+        if top:
+            ctx.root = node
+        try:
+            env[node] = _lower_node(ctx, node, args, kwargs)
+        finally:
+            ctx.node = outer_node
+            if top:
+                ctx.root = None
+    return result
+
+
+def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    leaves = pytree.tree_leaves((args, kwargs))
+    if is_foldable(node) and not any(isinstance(x, Value) and not x.is_const for x in leaves):
+        targs, tkwargs = pytree.tree_map_only(Value, _materialize, (args, kwargs))
+        return pytree.tree_map_only(torch.Tensor, const_value, evaluate(node.target, targs, tkwargs))
+    fn = lowering_for(node.target)
+    if fn is not None:
+        return fn(ctx, node, *args, **kwargs)
+    return _decompose(ctx, node, args, kwargs)
+
+
+def _decomposition(target: Any) -> Any:
+    from torch._decomp import decomposition_table
+
+    fn = decomposition_table.get(target)
+    if fn is None and isinstance(target, torch._ops.OpOverload) and target.has_kernel_for_dispatch_key(
+            torch._C.DispatchKey.CompositeImplicitAutograd):
+        fn = target.decompose
+    return fn
+
+
+def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Lower a node with no lowering of its own through its decomposition, traced locally."""
+    target = node.target
+    fn = _decomposition(target) if target not in ctx.decomposing else None
+    if fn is None:
+        raise ctx.unsupported(
+            f"calls {target}, which has no lowering for target {ctx.target!r} and no decomposition into ops that do",
+            "Replace that call in the model with supported ops, register a lowering with "
+            "@circleops.lowering.lower(<op>), or wrap it in a circle op (circleops.ops).")
+    ctx.decomposing.append(target)
+    try:
+        return ctx.call(fn, *args, **kwargs)
+    finally:
+        ctx.decomposing.pop()

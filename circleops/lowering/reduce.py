@@ -1,0 +1,121 @@
+"""Reductions: mean, sum, max/min, prod, any/all, argmax/argmin, cumsum."""
+from __future__ import annotations
+
+import torch
+
+from circleops.lowering.registry import lower
+
+aten = torch.ops.aten
+
+
+def _axes(x, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.rank))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return sorted({int(d) % max(x.rank, 1) for d in dims})
+
+
+def reduce(ctx, opcode, x, dim, keepdim, dtype=None):
+    """Reduce ``x`` over ``dim`` with a TFLite reducer (MEAN, SUM, REDUCE_MAX, ...)."""
+    x = ctx.cast(x, dtype or (ctx.out_dtype if x.dtype != torch.bool else x.dtype))
+    axes = _axes(x, dim)
+    shape = [1 if i in axes else d for i, d in enumerate(x.shape)] if keepdim else \
+        [d for i, d in enumerate(x.shape) if i not in axes]
+    return ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=shape, out_dtype=x.dtype,
+                    keepDims=bool(keepdim))
+
+
+@lower(aten.mean.dim)
+def _(ctx, node, x, dim, keepdim=False, dtype=None):
+    return reduce(ctx, "MEAN", x, dim, keepdim)
+
+
+@lower(aten.mean.default)
+def _(ctx, node, x, dtype=None):
+    return reduce(ctx, "MEAN", x, None, False)
+
+
+@lower(aten.sum.dim_IntList)
+def _(ctx, node, x, dim, keepdim=False, dtype=None):
+    return reduce(ctx, "SUM", x, dim, keepdim)
+
+
+@lower(aten.sum.default)
+def _(ctx, node, x, dtype=None):
+    return reduce(ctx, "SUM", x, None, False)
+
+
+@lower(aten.amax)
+def _(ctx, node, x, dim=(), keepdim=False):
+    return reduce(ctx, "REDUCE_MAX", x, dim, keepdim)
+
+
+@lower(aten.amin)
+def _(ctx, node, x, dim=(), keepdim=False):
+    return reduce(ctx, "REDUCE_MIN", x, dim, keepdim)
+
+
+@lower(aten.max.default)
+def _(ctx, node, x):
+    return reduce(ctx, "REDUCE_MAX", x, None, False)
+
+
+@lower(aten.min.default)
+def _(ctx, node, x):
+    return reduce(ctx, "REDUCE_MIN", x, None, False)
+
+
+@lower(aten.prod.dim_int)
+def _(ctx, node, x, dim, keepdim=False, dtype=None):
+    return reduce(ctx, "REDUCE_PROD", x, dim, keepdim)
+
+
+@lower(aten.any.dim, aten.any.dims)
+def _(ctx, node, x, dim=None, keepdim=False):
+    return reduce(ctx, "REDUCE_ANY", ctx.cast(x, torch.bool), dim, keepdim, torch.bool)
+
+
+@lower(aten.all.dim, aten.all.dims)
+def _(ctx, node, x, dim=None, keepdim=False):
+    # all(x) = not any(not x)
+    inverted = ctx.unary("LOGICAL_NOT", ctx.cast(x, torch.bool))
+    return ctx.unary("LOGICAL_NOT", reduce(ctx, "REDUCE_ANY", inverted, dim, keepdim, torch.bool))
+
+
+def _arg(ctx, opcode, x, dim, keepdim):
+    if dim is None:
+        x, dim = ctx.reshape(x, (-1,)), 0
+    dim %= x.rank
+    shape = [d for i, d in enumerate(x.shape) if i != dim]
+    y = ctx.emit(opcode, [x, ctx.i32([dim])], "ArgMaxOptions" if opcode == "ARG_MAX" else "ArgMinOptions",
+                 out_shape=shape, out_dtype=torch.int64, outputType="INT64")
+    if keepdim:
+        y = ctx.reshape(y, [1 if i == dim else d for i, d in enumerate(x.shape)])
+    return y
+
+
+@lower(aten.argmax)
+def _(ctx, node, x, dim=None, keepdim=False):
+    return _arg(ctx, "ARG_MAX", x, dim, keepdim)
+
+
+@lower(aten.argmin)
+def _(ctx, node, x, dim=None, keepdim=False):
+    return _arg(ctx, "ARG_MIN", x, dim, keepdim)
+
+
+@lower(aten.max.dim)
+def _(ctx, node, x, dim, keepdim=False):
+    return [reduce(ctx, "REDUCE_MAX", x, dim, keepdim), _arg(ctx, "ARG_MAX", x, dim, keepdim)]
+
+
+@lower(aten.min.dim)
+def _(ctx, node, x, dim, keepdim=False):
+    return [reduce(ctx, "REDUCE_MIN", x, dim, keepdim), _arg(ctx, "ARG_MIN", x, dim, keepdim)]
+
+
+@lower(aten.cumsum)
+def _(ctx, node, x, dim, dtype=None):
+    x = ctx.cast(x, ctx.out_dtype)
+    return ctx.emit("CUMSUM", [x, ctx.const(int(dim) % x.rank, torch.int32)], "CumsumOptions",
+                    exclusive=False, reverse=False)

@@ -1,0 +1,190 @@
+"""Shape and data movement: views, transposes, slices, concatenation, gathers, padding."""
+from __future__ import annotations
+
+import torch
+
+from circleops.lowering.context import const_value
+from circleops.lowering.registry import lower
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------ views
+@lower(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze,
+       aten.unsqueeze, aten.view_as, aten.reshape_as, aten.expand_dims if hasattr(aten, "expand_dims") else aten.unsqueeze)
+def _(ctx, node, x, *args, **kwargs):
+    return ctx.reshape(x, ctx.out_shape)
+
+
+@lower(aten.expand, aten.expand_as, aten.broadcast_to)
+def _(ctx, node, x, *args, **kwargs):
+    shape = ctx.out_shape
+    if shape == x.shape:
+        return x
+    if x.numel == torch.Size(shape).numel():  # only adds leading ones
+        return ctx.reshape(x, shape)
+    # BROADCAST_TO version 2: LiteRT rejects version 1 (shared/FACTS.md)
+    return ctx.emit("BROADCAST_TO", [x, ctx.i32(shape)], op_version=2)
+
+
+@lower(aten.permute)
+def _(ctx, node, x, dims):
+    return ctx.transpose(x, dims)
+
+
+@lower(aten.transpose.int, aten.swapaxes, aten.swapdims)
+def _(ctx, node, x, dim0, dim1):
+    perm = list(range(x.rank))
+    perm[dim0 % x.rank], perm[dim1 % x.rank] = perm[dim1 % x.rank], perm[dim0 % x.rank]
+    return ctx.transpose(x, perm)
+
+
+@lower(aten.t, aten.numpy_T)
+def _(ctx, node, x):
+    return ctx.transpose(x, list(reversed(range(x.rank))))
+
+
+# ------------------------------------------------------------------------ slicing
+def _bound(i, size, default):
+    if i is None:
+        return default
+    i = int(i)
+    if i < 0:
+        i += size
+    return min(max(i, 0), size)
+
+
+@lower(aten.slice.Tensor)
+def _(ctx, node, x, dim=0, start=None, end=None, step=1):
+    size = x.shape[dim % x.rank]
+    return ctx.slice(x, dim, _bound(start, size, 0), _bound(end, size, size), int(step))
+
+
+@lower(aten.narrow)
+def _(ctx, node, x, dim, start, length):
+    start = _bound(start, x.shape[dim % x.rank], 0)
+    return ctx.slice(x, dim, start, start + int(length))
+
+
+@lower(aten.select.int)
+def _(ctx, node, x, dim, index):
+    index = int(index) % x.shape[dim % x.rank]
+    return ctx.reshape(ctx.slice(x, dim, index, index + 1), ctx.out_shape)
+
+
+def _pieces(ctx, x, dim, sizes):
+    out, start = [], 0
+    for s in sizes:
+        out.append(ctx.slice(x, dim, start, start + s))
+        start += s
+    return out
+
+
+@lower(aten.split.Tensor, aten.split_with_sizes, aten.chunk, aten.tensor_split.sections,
+       aten.split.sizes if hasattr(aten.split, "sizes") else aten.split_with_sizes)
+def _(ctx, node, x, *args, **kwargs):
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    sizes = [int(v.shape[dim % x.rank]) for v in node.meta["val"]]
+    return _pieces(ctx, x, dim, sizes)
+
+
+@lower(aten.unbind.int)
+def _(ctx, node, x, dim=0):
+    shape = list(x.shape)
+    del shape[dim % x.rank]
+    return [ctx.reshape(p, shape) for p in _pieces(ctx, x, dim, [1] * x.shape[dim % x.rank])]
+
+
+@lower(aten.cat, aten.concat, aten.concatenate)
+def _(ctx, node, tensors, dim=0):
+    return ctx.concat(tensors, dim, ctx.out_dtype)
+
+
+@lower(aten.stack)
+def _(ctx, node, tensors, dim=0):
+    dim %= tensors[0].rank + 1
+    shape = list(tensors[0].shape)
+    shape.insert(dim, 1)
+    return ctx.concat([ctx.reshape(t, shape) for t in tensors], dim, ctx.out_dtype)
+
+
+# ------------------------------------------------------------------------ gathers
+@lower(aten.embedding)
+def _(ctx, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return ctx.gather(weight, indices, 0)
+
+
+@lower(aten.index_select)
+def _(ctx, node, x, dim, index):
+    return ctx.gather(x, index, dim)
+
+
+@lower(aten.index.Tensor)
+def _(ctx, node, x, indices):
+    present = [i for i, t in enumerate(indices) if t is not None]
+    if len(present) != 1 or indices[present[0]].dtype == torch.bool:
+        raise ctx.unsupported("indexes with several index tensors or a boolean mask",
+                              "Use a single integer index tensor per indexing (index_select/gather), "
+                              "or compute the index from constants so it folds.")
+    return ctx.gather(x, indices[present[0]], present[0])
+
+
+# ------------------------------------------------------------------------ constants of a shape
+def _filled(ctx, value):
+    return const_value(torch.full(ctx.out_shape, value, dtype=ctx.out_dtype))
+
+
+@lower(aten.zeros_like, aten.new_zeros, aten.empty_like, aten.new_empty)
+def _(ctx, node, *args, **kwargs):
+    return _filled(ctx, 0)
+
+
+@lower(aten.ones_like, aten.new_ones)
+def _(ctx, node, *args, **kwargs):
+    return _filled(ctx, 1)
+
+
+@lower(aten.full_like)
+def _(ctx, node, x, fill_value, **kwargs):
+    return _filled(ctx, fill_value)
+
+
+@lower(aten.new_full)
+def _(ctx, node, x, size, fill_value, **kwargs):
+    return _filled(ctx, fill_value)
+
+
+@lower(aten.sym_size.int)
+def _(ctx, node, x, dim):
+    return x.shape[dim]
+
+
+# ------------------------------------------------------------------------ tiling, padding, flips
+@lower(aten.repeat)
+def _(ctx, node, x, repeats):
+    x = ctx.reshape(x, (1,) * (len(repeats) - x.rank) + x.shape)
+    return ctx.emit("TILE", [x, ctx.i32(repeats)])
+
+
+def _paddings(rank, pad):
+    """torch's flat pad list (last dim first) -> [[before, after]] per dim."""
+    rows = [[0, 0] for _ in range(rank)]
+    for i in range(len(pad) // 2):
+        rows[rank - 1 - i] = [int(pad[2 * i]), int(pad[2 * i + 1])]
+    return rows
+
+
+@lower(aten.constant_pad_nd)
+def _(ctx, node, x, pad, value=0):
+    rows = _paddings(x.rank, pad)
+    if any(v < 0 for row in rows for v in row):
+        raise ctx.unsupported("pads by a negative amount", "Slice the tensor instead.")
+    paddings = const_value(torch.tensor(rows, dtype=torch.int32))
+    if value == 0:
+        return ctx.emit("PAD", [x, paddings])
+    return ctx.emit("PADV2", [x, paddings, ctx.const(value, x.dtype)])
+
+
+@lower(aten.flip)
+def _(ctx, node, x, dims):
+    return ctx.emit("REVERSE_V2", [x, ctx.i32([d % x.rank for d in dims])])
