@@ -29,8 +29,9 @@ def _rope(op, inputs, ctx):
 @kernel("INSTANCE_NORM")
 def _instance_norm(op, inputs, ctx):
     x, gamma, beta = (list(inputs) + [None, None])[:3]
-    # Circle's INSTANCE_NORM is channels-last; the registry kernel is NCHW.
-    y = REGISTRY["instance_norm"].reference(x.movedim(-1, 1), gamma, beta, float(option(op, "epsilon", default=0.0)))
+    # Circle's INSTANCE_NORM is channels-last; the registry kernel is NCHW. A contiguous
+    # copy makes the reductions sum in the same order as the torch op (bit-equal results).
+    y = REGISTRY["instance_norm"].reference(x.movedim(-1, 1).contiguous(), gamma, beta, float(option(op, "epsilon", default=0.0)))
     return [activation(y.movedim(1, -1), op)]
 
 

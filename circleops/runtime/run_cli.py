@@ -1,0 +1,125 @@
+"""``circleops run FILE --input x.npy ...``: run a Circle or TFLite file on .npy inputs.
+
+The reference interpreter (pure torch, every op circleops writes) is the default runtime;
+``--runtime onert`` or ``--runtime litert`` run the file in a real runtime instead, and
+``--compare`` runs a second runtime and reports the largest difference per output.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from circleops.errors import RuntimeRunError
+
+RUNTIMES = ("reference", "onert", "litert")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="the .circle or .tflite file")
+    parser.add_argument("--input", "-i", action="append", nargs="+", default=[], metavar="NPY",
+                        help="input arrays as .npy files, in the model's input order (repeat or list several)")
+    parser.add_argument("--output-dir", "-o", metavar="DIR",
+                        help="write each output as DIR/output_<i>.npy (default: only print a summary)")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="reference",
+                        help="reference: circleops' torch interpreter (default); onert: the ONE runtime "
+                             "(Circle files); litert: LiteRT (TFLite files)")
+    parser.add_argument("--signature", metavar="KEY", help="run this signature instead of the main subgraph")
+    parser.add_argument("--compare", choices=RUNTIMES, metavar="RUNTIME",
+                        help="also run on RUNTIME and print the max abs difference per output")
+
+
+def _load_inputs(paths: Sequence[str]) -> list[np.ndarray]:
+    arrays = []
+    for p in paths:
+        if not os.path.isfile(p):
+            raise RuntimeRunError(f"input file {p!r} does not exist; give one .npy file per model input")
+        try:
+            arrays.append(np.load(p, allow_pickle=False))
+        except (ValueError, OSError) as err:
+            raise RuntimeRunError(f"input file {p!r} is not a .npy array ({err}); save inputs with np.save") from None
+    return arrays
+
+
+def runner(runtime: str):
+    """The ``run(path, inputs, signature=None)`` function of ``runtime`` (imports it)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"circleops.runtime.{runtime}")
+    except ImportError as err:
+        raise RuntimeRunError(f"runtime {runtime!r} is not available ({err}); install circleops[{runtime}] "
+                              "or use --runtime reference") from None
+
+    def run(path: str, inputs: list[np.ndarray], signature: str | None = None) -> list[np.ndarray]:
+        if signature is not None:
+            return module.run(path, inputs, signature=signature)
+        return module.run(path, inputs)
+
+    return run
+
+
+def _output_names(path: str, signature: str | None, count: int) -> list[str]:
+    """Output tensor names for the summary (best effort: indices if the file cannot be read)."""
+    try:
+        from circleops.serialize import read_model
+
+        model = read_model(path)
+        if signature is not None:
+            sig = next(s for s in model.signatures if s.key == signature)
+            return list(sig.outputs)
+        sg = model.subgraphs[0]
+        return [sg.tensors[j].name for j in sg.outputs]
+    except Exception:  # noqa: BLE001 - names are cosmetic
+        return [f"output_{i}" for i in range(count)]
+
+
+def _summary(a: np.ndarray) -> str:
+    if a.size == 0:
+        return ""
+    try:
+        f = a.astype(np.float64)  # also bf16 (ml_dtypes)
+    except (TypeError, ValueError):
+        return ""
+    finite = np.isfinite(f)
+    text = f"min {f[finite].min():.6g} max {f[finite].max():.6g} mean {f[finite].mean():.6g}" if finite.any() else ""
+    if not finite.all():
+        text += f" non-finite {int((~finite).sum())}"
+    return text
+
+
+def main(args: argparse.Namespace) -> int:
+    path = args.file
+    if not os.path.isfile(path):
+        raise RuntimeRunError(f"model file {path!r} does not exist; give the path of a .circle or .tflite file")
+    inputs = _load_inputs([p for group in args.input for p in group])
+    run = runner(args.runtime)  # imported before the clock starts: the time is the run's
+    t0 = time.perf_counter()
+    outputs = [np.asarray(o) for o in run(path, inputs, args.signature)]
+    seconds = time.perf_counter() - t0
+    names = _output_names(path, args.signature, len(outputs))
+    print(f"{path}: {len(outputs)} outputs from {args.runtime} in {seconds * 1e3:.1f} ms (file read included)")
+    others = [np.asarray(o) for o in runner(args.compare)(path, inputs, args.signature)] if args.compare else None
+    out_dir = Path(args.output_dir) if args.output_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    for i, a in enumerate(outputs):
+        name = names[i] if i < len(names) else f"output_{i}"
+        line = f"  [{i}] {name}: {a.dtype} {list(a.shape)} {_summary(a)}"
+        if others is not None:
+            b = others[i]
+            if b.shape != a.shape:
+                line += f" | {args.compare}: shape {list(b.shape)} differs"
+            else:
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                line += f" | max abs diff vs {args.compare}: {np.nanmax(diff) if diff.size else 0.0:.3g}"
+        print(line)
+        if out_dir is not None:
+            np.save(out_dir / f"output_{i}.npy", a)
+    if out_dir is not None:
+        print(f"wrote {len(outputs)} arrays to {out_dir}/output_<i>.npy")
+    return 0
