@@ -30,6 +30,22 @@ ENUM_FIELDS: dict[Any, str] = {
 }
 
 
+# Ops whose options table is not named after the op (the rest match by name: MUL -> MulOptions).
+OPTIONS_OF: dict[str, str] = {
+    **{op: "ReducerOptions" for op in ("MEAN", "SUM", "REDUCE_PROD", "REDUCE_MAX", "REDUCE_MIN",
+                                       "REDUCE_ANY", "REDUCE_ALL")},
+    "MAXIMUM": "MaximumMinimumOptions",
+    "MINIMUM": "MaximumMinimumOptions",
+    "AVERAGE_POOL_2D": "Pool2DOptions",
+    "MAX_POOL_2D": "Pool2DOptions",
+    "L2_POOL_2D": "Pool2DOptions",
+    "L2_NORMALIZATION": "L2NormOptions",
+    "LSTM": "LSTMOptions",
+    "RNN": "RNNOptions",
+    "UNIDIRECTIONAL_SEQUENCE_RNN": "SequenceRNNOptions",
+}
+
+
 @dataclass
 class Schema:
     """Access to one generated schema package."""
@@ -100,6 +116,25 @@ class Schema:
             if isinstance(tag, int):
                 return attr, tag
         raise KeyError(options_type)
+
+    @functools.cached_property
+    def _options_by_key(self) -> dict[str, str]:
+        out = {}
+        for union in ("BuiltinOptions2", "BuiltinOptions"):  # BuiltinOptions wins on clashes
+            for name in self.enum_members(union):
+                if name != "NONE":
+                    out[name.lower().removesuffix("options")] = name
+        return out
+
+    def default_options_type(self, opcode: str) -> str | None:
+        """The options table an op carries (e.g. MUL -> MulOptions, MEAN -> ReducerOptions).
+
+        Runtimes may dereference an op's options without a null check (onert crashes on a
+        MUL without MulOptions), so the writer emits a default table when the IR gives none.
+        """
+        if opcode in OPTIONS_OF:
+            return OPTIONS_OF[opcode]
+        return self._options_by_key.get(opcode.replace("_", "").lower())
 
     def union_names(self, union: str) -> dict[int, str]:
         return {v: k for k, v in self.enum_members(union).items()}

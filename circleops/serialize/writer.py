@@ -105,19 +105,26 @@ def _option_value(schema: Schema, options_type: str, name: str, value: Any, defa
     return value
 
 
-def _options(schema: Schema, op: ir.Operator, where: str) -> Any:
-    cls = schema.cls(op.options_type)
+def _implied_options(op: ir.Operator, sg: ir.Subgraph, schema: Schema) -> dict[str, Any]:
+    """Options for an op the IR gave none: defaults, except what the tensors determine."""
+    if op.opcode == "CAST" and op.inputs and op.outputs:
+        return {"inDataType": sg.tensors[op.inputs[0]].dtype, "outDataType": sg.tensors[op.outputs[0]].dtype}
+    return {}
+
+
+def _options(schema: Schema, options_type: str, options: dict[str, Any], where: str) -> Any:
+    cls = schema.cls(options_type)
     if cls is None:
         raise UnsupportedOpError(
-            f"{where}: options table {op.options_type!r} does not exist in the {schema.name} schema")
+            f"{where}: options table {options_type!r} does not exist in the {schema.name} schema")
     obj = cls()
-    for name, value in op.options.items():
+    for name, value in options.items():
         if not hasattr(obj, name):
             fields = sorted(k for k in vars(obj))
-            raise ValueError(f"{where}: {op.options_type} has no field {name!r}; fields: {fields}")
-        if op.options_type == _COMPOSITE_OPTIONS and name == "compositeAttributes":
+            raise ValueError(f"{where}: {options_type} has no field {name!r}; fields: {fields}")
+        if options_type == _COMPOSITE_OPTIONS and name == "compositeAttributes":
             value = encode_attributes(value) if isinstance(value, dict) or value is None else value
-        setattr(obj, name, _option_value(schema, op.options_type, name, value, getattr(obj, name)))
+        setattr(obj, name, _option_value(schema, options_type, name, value, getattr(obj, name)))
     return obj
 
 
@@ -176,14 +183,16 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
                 o.customOptions = np.frombuffer(bytes(raw), dtype=np.uint8) if raw else None
             else:
                 o.opcodeIndex = opcode(op.opcode, op.version, where)
-            if op.options_type:
+            options_type = op.options_type or schema.default_options_type(op.opcode)
+            if options_type:
                 try:
-                    attr, tag = schema.union_of(op.options_type)
+                    attr, tag = schema.union_of(options_type)
                 except KeyError:
                     raise UnsupportedOpError(
-                        f"{where}: options {op.options_type!r} are not in the {schema.name} "
+                        f"{where}: options {options_type!r} are not in the {schema.name} "
                         f"schema's BuiltinOptions unions") from None
-                setattr(o, attr, _options(schema, op, where))
+                options = op.options if op.options_type else _implied_options(op, sg, schema)
+                setattr(o, attr, _options(schema, options_type, options, where))
                 setattr(o, attr + "Type", tag)
             operators.append(o)
         s = schema.cls("SubGraph")()
