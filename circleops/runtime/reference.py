@@ -26,7 +26,7 @@ from torch import Tensor
 
 from circleops import ir
 from circleops.errors import RuntimeRunError
-from circleops.runtime.kernels import KERNELS, Kernel, KernelContext, KernelError
+from circleops.runtime.kernels import IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
 
 __all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
 
@@ -71,6 +71,7 @@ class _Step:
     ctx: KernelContext
     checks: tuple[tuple[int, torch.dtype, Optional[tuple[int, ...]]], ...]
     free: tuple[int, ...]
+    writes: tuple[int, ...] = ()  # input tensors updated in place with the extra results
 
 
 class _Plan:
@@ -96,7 +97,12 @@ class _Plan:
                     "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")
             ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
             checks = tuple((j, sg.tensors[j].torch_dtype, self._static_shape(sg.tensors[j])) for j in op.outputs)
-            self.steps.append(_Step(k, op, fn, tuple(op.inputs), tuple(op.outputs), ctx, checks, ()))
+            writes = ()
+            if op.opcode in IN_PLACE and len(op.outputs) == 1:
+                writes = tuple(op.inputs[p] for p in IN_PLACE[op.opcode])
+                # The updated tensor is then a result: check it like a declared output.
+                checks += tuple((j, sg.tensors[j].torch_dtype, self._static_shape(sg.tensors[j])) for j in writes)
+            self.steps.append(_Step(k, op, fn, tuple(op.inputs), tuple(op.outputs), ctx, checks, (), writes))
             for j in op.inputs:
                 if j >= 0:
                     last_use[j] = k
@@ -131,7 +137,7 @@ class _Plan:
                 raise
             except Exception as err:  # noqa: BLE001 - any kernel failure gets the op's context
                 raise self._error(step, args, err) from err
-            if len(results) < len(step.outputs):
+            if len(results) < len(step.outputs) + len(step.writes):
                 raise self._error(step, args, KernelError(
                     f"kernel returned {len(results)} outputs, the operator declares {len(step.outputs)}"))
             for (j, dtype, shape), r in zip(step.checks, results):

@@ -162,3 +162,19 @@ def test_composite_runs_its_decomposition_like_litert(tmp_path):
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6)
     (real,) = write_and_run(model, [xv], "tflite", tmp_path / "composite.tflite")
     np.testing.assert_allclose(ours, real, rtol=0, atol=1e-5)
+
+
+def test_attention_with_one_output_updates_the_caches_in_place():
+    """ONE's ATTENTION declares one output and writes k/v into the cache tensors: graph
+    outputs that name the cache tensors see the updated caches, the caller's arrays do not change."""
+    named, options, expected = _attention(torch.float32)
+    model, feeds = circle_model("attention", named, options, expected[:1])
+    sg = model.subgraphs[0]
+    op = sg.operators[0]
+    sg.outputs = [op.outputs[0], op.inputs[8], op.inputs[9]]
+    before = [f.clone() for f in feeds]
+    got = Interpreter(model).run_torch(feeds)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for f, b in zip(feeds, before):
+        assert torch.equal(f, b)

@@ -43,15 +43,25 @@ Kernel = Callable[[ir.Operator, list[Optional[Tensor]], KernelContext], Sequence
 
 KERNELS: dict[str, Kernel] = {}
 
+# opcode -> input positions an operator updates in place when it declares fewer outputs
+# than its kernel returns (ONE's ATTENTION has one output and writes k/v into the caches).
+IN_PLACE: dict[str, tuple[int, ...]] = {}
 
-def kernel(*opcodes: str) -> Callable[[Kernel], Kernel]:
-    """Register ``fn`` as the kernel of each BuiltinOperator name in ``opcodes``."""
+
+def kernel(*opcodes: str, in_place: tuple[int, ...] = ()) -> Callable[[Kernel], Kernel]:
+    """Register ``fn`` as the kernel of each BuiltinOperator name in ``opcodes``.
+
+    ``in_place``: input positions that receive the kernel's extra results (beyond the
+    outputs the operator declares), for ops whose runtime updates those inputs in place.
+    """
 
     def register(fn: Kernel) -> Kernel:
         for name in opcodes:
             if name in KERNELS:
                 raise ValueError(f"kernel for {name} registered twice")
             KERNELS[name] = fn
+            if in_place:
+                IN_PLACE[name] = in_place
         return fn
 
     return register
@@ -133,5 +143,5 @@ def same_dtype(op: ir.Operator, *tensors: Tensor) -> None:
 # Importing the modules registers their kernels.
 from circleops.runtime.kernels import elementwise, fused, nn, reduce, shape  # noqa: E402,F401
 
-__all__ = ["KERNELS", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
+__all__ = ["KERNELS", "IN_PLACE", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
            "activation", "ints", "scalar", "axis_of", "same_dtype"]

@@ -35,12 +35,13 @@ def _instance_norm(op, inputs, ctx):
     return [activation(y.movedim(1, -1), op)]
 
 
-@kernel("ATTENTION")
+@kernel("ATTENTION", in_place=(8, 9))
 def _attention(op, inputs, ctx):
     # Inputs in the contract order (x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos).
-    # Outputs: out, then the updated caches if the operator declares them.
-    outs = REGISTRY["attention"].reference(*inputs[:11], float(option(op, "scale", default=0.0)))
-    return list(outs[:len(op.outputs)])
+    # Returns out, k_cache', v_cache'. An operator with three outputs gets all three; with
+    # one output (ONE's kernel, which updates the caches in place) the interpreter stores
+    # the new caches in the k_cache/v_cache tensors, as that kernel would.
+    return list(REGISTRY["attention"].reference(*inputs[:11], float(option(op, "scale", default=0.0))))
 
 
 @kernel("STABLEHLO_COMPOSITE")
