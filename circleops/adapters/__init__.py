@@ -1,0 +1,59 @@
+"""Adapters: route Hugging Face modules to the fused circle ops for torch.export.
+
+    from circleops.adapters import patched_llama_modules
+    with patched_llama_modules():
+        ep = torch.export.export(model, (input_ids,))
+
+Each family (one file here, one :class:`~circleops.adapters._family.Family` row) gives
+``patched_<family>_rmsnorm()``, ``_rope()``, ``_attention()`` and ``_modules()``;
+:func:`patched_modules` covers every family at once. :func:`fuse` / :func:`unfuse` do the
+same to one model instance, for good. Importing this package does not import
+transformers; a family's modeling module is imported when its patch is entered.
+"""
+from __future__ import annotations
+
+from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from circleops.adapters._attention import StaticKV, attention_blockers
+from circleops.adapters._family import Family
+from circleops.adapters._instance import fuse, is_fused, unfuse
+from circleops.adapters._patching import AttentionDecision, PatchSession, UnusedPatchWarning
+from circleops.adapters.gemma import patched_gemma_attention, patched_gemma_modules, patched_gemma_rmsnorm, patched_gemma_rope
+from circleops.adapters.gemma2 import patched_gemma2_attention, patched_gemma2_modules, patched_gemma2_rmsnorm, patched_gemma2_rope
+from circleops.adapters.gemma3 import patched_gemma3_attention, patched_gemma3_modules, patched_gemma3_rmsnorm, patched_gemma3_rope
+from circleops.adapters.llama import patched_llama_attention, patched_llama_modules, patched_llama_rmsnorm, patched_llama_rope
+from circleops.adapters.mistral import patched_mistral_attention, patched_mistral_modules, patched_mistral_rmsnorm, patched_mistral_rope
+from circleops.adapters.olmo2 import patched_olmo2_attention, patched_olmo2_modules, patched_olmo2_rmsnorm, patched_olmo2_rope
+from circleops.adapters.phi3 import patched_phi3_attention, patched_phi3_modules, patched_phi3_rmsnorm, patched_phi3_rope
+from circleops.adapters.qwen2 import patched_qwen2_attention, patched_qwen2_modules, patched_qwen2_rmsnorm, patched_qwen2_rope
+from circleops.adapters.qwen3 import patched_qwen3_attention, patched_qwen3_modules, patched_qwen3_rmsnorm, patched_qwen3_rope
+
+FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3)]
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+
+
+def patched_modules(*, attention: bool = True) -> PatchSession:
+    """Every supported family's adapters at once (RMSNorm, RoPE and, unless
+    ``attention=False``, attention). Export inside the ``with``."""
+    return PatchSession("patched_modules", [p for f in FAMILIES for p in f.patches(attention=attention)])
+
+
+def family_of(model) -> Family | None:
+    """The supported family whose classes ``model`` is built from, or None."""
+    import sys
+
+    for fam in FAMILIES:
+        module = sys.modules.get(fam.module)
+        if module is None:
+            continue
+        attention_cls = getattr(module, fam.attention_class)
+        if any(type(m) is attention_cls for m in model.modules()):
+            return fam
+    return None
+
+
+__all__ = [
+    "FAMILIES", "BY_NAME", "Family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
+    "attention_blockers", "family_of", "fuse", "unfuse", "is_fused", "patched_modules",
+    *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3")
+      for k in ("rmsnorm", "rope", "attention", "modules")],
+]

@@ -1,0 +1,210 @@
+"""Reversible, nestable patches of module/class attributes, with a record of what ran.
+
+A :class:`Patch` names an attribute by strings (module path, optional class name,
+attribute), so declaring one imports nothing; the target is resolved when a
+:class:`PatchSession` is entered. On exit every attribute is put back exactly as it was
+(the same function object in the class ``__dict__``, or no entry at all if it was
+inherited), exceptions included, and sessions nest.
+
+Usage is counted per patch label by :func:`mark_ran`, which the replacements call. It is
+wrapped in ``torch.compiler.assume_constant_result`` so that it really executes while
+Dynamo traces (strict ``torch.export``), where a plain Python side effect would only be
+simulated and then dropped.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+_MISSING = object()
+
+# label -> number of calls of any replacement carrying that label (all sessions together,
+# so an inner session's calls count for an outer session patching the same target)
+_CALLS: dict[str, int] = {}
+
+# sessions currently entered, innermost last; decisions are recorded into each of them
+_ACTIVE: list["PatchSession"] = []
+
+
+class UnusedPatchWarning(UserWarning):
+    """A patch was active but nothing it replaced ran (typically: export after the ``with``)."""
+
+
+def _mark_ran(label: str) -> int:
+    _CALLS[label] = _CALLS.get(label, 0) + 1
+    return 0
+
+
+# Built at import: Dynamo refuses to trace a call of assume_constant_result itself.
+_traced_mark_ran = torch.compiler.assume_constant_result(_mark_ran)
+
+
+def mark_ran(label: str) -> None:
+    """Record that the replacement labelled ``label`` ran (also while Dynamo traces)."""
+    _traced_mark_ran(label)
+
+
+@dataclass(frozen=True)
+class AttentionDecision:
+    """What the attention adapter did with one attention layer."""
+
+    module: str  # class name, e.g. "Qwen2Attention"
+    layer: int
+    fused: bool
+    reason: str = ""  # why it stayed decomposed; empty when fused
+
+    def __str__(self) -> str:
+        where = f"{self.module}[layer {self.layer}]"
+        return f"{where}: circle.attention" if self.fused else f"{where}: left decomposed: {self.reason}"
+
+
+# (attention class name, layer index) -> decision, the latest one wins. Read by
+# circleops.passes.fusion to explain attention that an exported graph left decomposed.
+DECISIONS: dict[tuple[str, int], AttentionDecision] = {}
+
+
+def _record(module: str, layer: int, fused: bool, reason: str) -> int:
+    decision = AttentionDecision(module, layer, fused, reason)
+    DECISIONS[(module, layer)] = decision
+    for session in _ACTIVE:
+        if decision not in session.decisions:
+            session.decisions.append(decision)
+    return 0
+
+
+_traced_record = torch.compiler.assume_constant_result(_record)
+
+
+def record_attention(module: str, layer: int, fused: bool, reason: str = "") -> None:
+    """Record an attention adapter decision (also while Dynamo traces)."""
+    _traced_record(module, int(layer), bool(fused), reason)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One attribute to replace while a session is active.
+
+    ``build(original)`` returns the replacement; ``original`` is what the attribute held
+    when the session was entered (an outer session's replacement when nested).
+    """
+
+    module: str  # dotted module path, e.g. "transformers.models.llama.modeling_llama"
+    owner: Optional[str]  # class name inside that module, or None for a module-level name
+    attr: str
+    build: Callable[[Any], Any] = field(compare=False)
+    label: str  # what warnings and reports call it; also the usage-count key
+    group: str = ""  # family name: unused patches are reported per group
+
+    def resolve(self) -> Any:
+        module = importlib.import_module(self.module)
+        return module if self.owner is None else getattr(module, self.owner)
+
+
+def pristine(owner: Any, attr: str) -> Any:
+    """``owner.attr`` as it is with no session active (the value the outermost active
+    session saved), so instance-level fusing never wraps a session's replacement."""
+    for session in _ACTIVE:  # outermost first
+        for saved_owner, saved_attr, before in session._saved_log:
+            if saved_owner is owner and saved_attr == attr and before is not _MISSING:
+                return before
+    return getattr(owner, attr)
+
+
+class PatchSession:
+    """A context manager applying a set of patches; reusable, nestable, exception-safe.
+
+    ``decisions`` lists what the attention adapter did with each layer it saw while the
+    session was active.
+    """
+
+    def __init__(self, name: str, patches: Iterable[Patch]):
+        self.name = name
+        self.patches: tuple[Patch, ...] = tuple(patches)
+        self.decisions: list[AttentionDecision] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved_log: tuple[tuple[Any, str, Any], ...] = ()
+        self._start: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<PatchSession {self.name}: {', '.join(p.label for p in self.patches)}>"
+
+    @property
+    def active(self) -> bool:
+        return self in _ACTIVE
+
+    def __enter__(self) -> "PatchSession":
+        if self.active:
+            raise RuntimeError(f"{self.name}() is already active; create a new one to nest")
+        self._saved = []
+        self.decisions = []
+        try:
+            for patch in self.patches:
+                owner = patch.resolve()
+                before = owner.__dict__.get(patch.attr, _MISSING)
+                current = getattr(owner, patch.attr)
+                self._saved.append((owner, patch.attr, before))
+                setattr(owner, patch.attr, patch.build(current))
+        except BaseException:
+            self._restore()
+            raise
+        self._saved_log = tuple(self._saved)
+        self._start = {p.label: _CALLS.get(p.label, 0) for p in self.patches}
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._restore()
+        self._saved_log = ()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if exc_type is None:
+            self._warn_unused()
+        return False
+
+    def _restore(self) -> None:
+        # reverse order, so a target patched twice in one session ends as it began
+        while self._saved:
+            owner, attr, before = self._saved.pop()
+            if before is _MISSING:
+                try:
+                    delattr(owner, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, attr, before)
+
+    def ran(self, label: str) -> bool:
+        """Whether the replacement labelled ``label`` ran since this session was entered."""
+        return _CALLS.get(label, 0) > self._start.get(label, 0)
+
+    def unused(self) -> list[str]:
+        """Labels of patches that never ran, judged per group (family).
+
+        A family none of whose patches ran is unused as a whole; when no family ran at
+        all, every label is returned. When some family ran, only the idle patches of
+        families that partly ran are returned, so ``patched_modules()`` (every family)
+        does not complain about the families the model does not belong to.
+        """
+        groups: dict[str, list[Patch]] = {}
+        for p in self.patches:
+            groups.setdefault(p.group, []).append(p)
+        ran_groups = {g for g, ps in groups.items() if any(self.ran(p.label) for p in ps)}
+        if not ran_groups:
+            return [p.label for p in self.patches]
+        return [p.label for g in ran_groups for p in groups[g] if not self.ran(p.label)]
+
+    def _warn_unused(self) -> None:
+        idle = self.unused()
+        if idle:
+            warnings.warn(
+                f"{self.name}(): these patched classes/functions never ran while the patch was "
+                f"active: {', '.join(idle)}. Export (or run) the model inside the `with` block; "
+                "a model built inside it and exported after it closed is not patched "
+                "(use circleops.fuse(model) to patch one model for good).",
+                UnusedPatchWarning,
+                stacklevel=3,
+            )
