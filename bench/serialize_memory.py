@@ -27,7 +27,7 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build(gb: float, hidden: int = 2048):
+def build(gb: float, hidden: int = 2048, transposed: bool = False):
     import torch
 
     from circleops import ir
@@ -42,6 +42,8 @@ def build(gb: float, hidden: int = 2048):
     cur = x
     for i in range(n_layers):
         w = emb if i in (0, n_layers - 1) else torch.empty(hidden, hidden).uniform_(-0.05, 0.05, generator=g)
+        if transposed:  # non-contiguous views: the writer copies each one only while writing it
+            w = w.t()
         wi = sg.add_tensor(ir.Tensor(f"layer{i}.weight", (hidden, hidden), "FLOAT32", w))
         y = sg.add_tensor(ir.Tensor(f"h{i}", (1, hidden), "FLOAT32"))
         sg.operators.append(ir.Operator("FULLY_CONNECTED", [cur, wi, -1], [y], "FullyConnectedOptions", {}))
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--weights-after", action="store_true")
     ap.add_argument("--path")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--transposed", action="store_true", help="weights as non-contiguous w.t() views")
     args = ap.parse_args()
 
     import torch  # noqa: F401 - imported before the baseline
@@ -66,7 +69,7 @@ def main() -> None:
     from circleops.serialize import write_model
 
     base = rss_mb()
-    model, weight_bytes, n = build(args.gb)
+    model, weight_bytes, n = build(args.gb, transposed=args.transposed)
     after_build = rss_mb()
     path = args.path or os.path.join(tempfile.gettempdir(), f"bench_serialize.{args.fmt}")
     t0 = time.perf_counter()

@@ -64,6 +64,33 @@ def as_bytes_view(data: Any, dtype: str, shape: tuple[int, ...], name: str = "?"
     return flat
 
 
+def _is_contiguous(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return data.is_contiguous() and data.device.type == "cpu"
+    return not isinstance(data, np.ndarray) or data.flags.c_contiguous
+
+
+class LazyBytes:
+    """A constant whose bytes need a copy (non-contiguous, off-CPU): made only while used.
+
+    Holding the contiguous copy of every transposed weight until the file is written would
+    double the memory for those weights; this makes the copy per tensor, when streamed.
+    """
+
+    __slots__ = ("data", "dtype", "shape", "name", "nbytes")
+
+    def __init__(self, data: Any, dtype: str, shape: tuple[int, ...], name: str, nbytes: int):
+        self.data, self.dtype, self.shape, self.name, self.nbytes = data, dtype, shape, name, nbytes
+
+    def view(self) -> np.ndarray:
+        return as_bytes_view(self.data, self.dtype, self.shape, self.name)
+
+
+def materialize(entry: "np.ndarray | LazyBytes") -> np.ndarray:
+    """The uint8 bytes of a buffer entry (a copy for a LazyBytes; drop it after use)."""
+    return entry.view() if isinstance(entry, LazyBytes) else entry
+
+
 def _identity_key(data: Any) -> tuple | None:
     """A key equal for two constants that are views of the same memory with the same layout."""
     if isinstance(data, torch.Tensor):
@@ -100,16 +127,17 @@ def _full_hash(view: np.ndarray) -> bytes:
 class BufferTable:
     """The model's buffers in order; index 0 is the empty sentinel every runtime expects.
 
-    ``datas[i]`` is the uint8 view for buffer i (None for 0 and for non-constant data).
+    ``datas[i]`` is the uint8 view for buffer i, or a LazyBytes (None for buffer 0); read
+    it through :func:`materialize`.
     """
 
-    datas: list[np.ndarray | None] = field(default_factory=lambda: [None])
+    datas: list[np.ndarray | LazyBytes | None] = field(default_factory=lambda: [None])
     shared: int = 0  # constants that reused an existing buffer
     _by_identity: dict[tuple, int] = field(default_factory=dict)
     _by_fingerprint: dict[bytes, list[int]] = field(default_factory=dict)
     _full: dict[int, bytes] = field(default_factory=dict)
 
-    def add_raw(self, view: np.ndarray) -> int:
+    def add_raw(self, view: np.ndarray | LazyBytes) -> int:
         """Append a buffer unconditionally (e.g. metadata)."""
         self.datas.append(view)
         return len(self.datas) - 1
@@ -127,12 +155,14 @@ class BufferTable:
             digest = _full_hash(view)
             for idx in candidates:
                 if idx not in self._full:
-                    self._full[idx] = _full_hash(self.datas[idx])
+                    self._full[idx] = _full_hash(materialize(self.datas[idx]))
                 if self._full[idx] == digest:
                     self.shared += 1
                     if ident is not None:
                         self._by_identity[ident] = idx
                     return idx
+        if not _is_contiguous(data):
+            view = LazyBytes(data, dtype, shape, name, view.nbytes)  # the copy is dropped here
         idx = self.add_raw(view)
         candidates.append(idx)
         if ident is not None:

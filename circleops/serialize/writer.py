@@ -26,7 +26,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import OutputError, TargetError, UnsupportedOpError
-from circleops.serialize.buffers import BufferTable
+from circleops.serialize.buffers import BufferTable, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
 
@@ -331,7 +331,7 @@ def _stream(f: BinaryIO, plan: _Plan, placed: list[_Placed], table: BufferTable)
         else:
             f.write(b"\0" * (p.abs_offset - pos))
             pos = p.abs_offset
-        f.write(memoryview(data))
+        f.write(memoryview(materialize(data)))  # a LazyBytes copy lives only for this write
         pos += p.size
     # A tail pad keeps the file size a multiple of ALIGN (mmap-friendly, deterministic).
     f.write(b"\0" * (_align(pos) - pos))
