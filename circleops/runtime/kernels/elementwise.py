@@ -81,10 +81,6 @@ def _zeros_like(x: Tensor) -> Tensor:
     return torch.zeros_like(x)
 
 
-def _ones_like(x: Tensor) -> Tensor:
-    return torch.ones_like(x)
-
-
 _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "NEG": torch.neg,
     "ABS": torch.abs,
@@ -109,7 +105,6 @@ _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "SIGN": torch.sign,
     "LOGICAL_NOT": torch.logical_not,
     "ZEROS_LIKE": _zeros_like,
-    "ONES_LIKE": _ones_like,
 }
 
 
