@@ -15,6 +15,7 @@ import importlib
 import os
 import sys
 import time
+import types
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -79,7 +80,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                    runtime=runtime, tolerance=tolerance, example_args=example_args,
                    reference=lambda: _run_torch(module, example_args, model),
                    timings=timings, progress=progress, warn_list=warn_list,
-                   source=type(model).__name__, parameters=_count_params(model))
+                   source=type(model).__name__, parameters=_count_params(model),
+                   output_names=["logits"] if isinstance(module, CausalLMLogits) else None)
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
@@ -305,7 +307,8 @@ def _export_message(module: torch.nn.Module, err: BaseException) -> str:
 def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dtype, fuse: str,
             runtime: str | None, tolerance: float | None, example_args: tuple,
             reference: Callable[[], list[torch.Tensor]], timings: dict[str, float],
-            progress: Progress | None, warn_list: list[str], source: str, parameters: int) -> Report:
+            progress: Progress | None, warn_list: list[str], source: str, parameters: int,
+            output_names: list[str] | None = None) -> Report:
     fusion_report = None
     if fuse in ("auto", "patterns"):
         _stage(progress, "fuse")
@@ -320,6 +323,8 @@ def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dt
     from circleops.lowering import lower_program
 
     ir_model = lower_program(ep, target, dtype=torch_dtype)
+    if output_names:
+        _name_outputs(ir_model, output_names)
     timings["lower"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=target, format=fmt, dtype=DTYPE_NAMES.get(torch_dtype, str(torch_dtype)),
@@ -360,6 +365,21 @@ def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dt
                 f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
                 f"Convert without verify to inspect the file (circleops inspect), and report the model.")
     return report
+
+
+def _name_outputs(model: Any, names: list[str]) -> None:
+    """Give the main subgraph's outputs meaningful names (``logits``), in the tensors and
+    in the signature."""
+    sub = model.subgraphs[0]
+    if len(sub.outputs) != len(names):
+        return
+    taken = {t.name for t in sub.tensors}
+    for idx, name in zip(sub.outputs, names):
+        if name not in taken:
+            sub.tensors[idx].name = name
+    for sig in model.signatures:
+        if sig.subgraph_index == 0 and len(sig.outputs) == len(names):
+            sig.outputs = dict(zip(names, sig.outputs.values()))
 
 
 def _remove(path: Path) -> None:
@@ -420,3 +440,14 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     tol = rel * max(1.0, scale)
     return VerifyResult(runtime=runtime, max_abs_error=err, tolerance=tol, reference_max_abs=scale,
                         passed=bool(err <= tol))
+
+
+class _CallableModule(types.ModuleType):
+    """``circleops.convert`` names both this module and the function: importing the module
+    binds the package attribute to the module, so the module forwards calls to ``convert``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Report:
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
