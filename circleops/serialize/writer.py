@@ -105,11 +105,23 @@ def _option_value(schema: Schema, options_type: str, name: str, value: Any, defa
     return value
 
 
-def _implied_options(op: ir.Operator, sg: ir.Subgraph, schema: Schema) -> dict[str, Any]:
-    """Options for an op the IR gave none: defaults, except what the tensors determine."""
-    if op.opcode == "CAST" and op.inputs and op.outputs:
-        return {"inDataType": sg.tensors[op.inputs[0]].dtype, "outDataType": sg.tensors[op.outputs[0]].dtype}
-    return {}
+# Option fields that name a tensor's dtype: (inputs or outputs, position). Their default
+# (0 = FLOAT32) would be wrong for e.g. ARG_MAX (LiteRT fails at prepare) or CAST.
+_DTYPE_FIELDS: dict[str, tuple[str, int]] = {
+    "inDataType": ("inputs", 0), "outDataType": ("outputs", 0), "outType": ("outputs", 0),
+    "outputType": ("outputs", 0), "idxOutType": ("outputs", 1),
+}
+
+
+def _implied_options(op: ir.Operator, sg: ir.Subgraph, options_type: str, schema: Schema) -> dict[str, Any]:
+    """Options for an op the IR gave none: defaults, except dtypes the tensors determine."""
+    implied = {}
+    for name in vars(schema.cls(options_type)()):
+        side, pos = _DTYPE_FIELDS.get(name, (None, 0))
+        indices = getattr(op, side) if side else []
+        if pos < len(indices) and indices[pos] >= 0:
+            implied[name] = sg.tensors[indices[pos]].dtype
+    return implied
 
 
 def _options(schema: Schema, options_type: str, options: dict[str, Any], where: str) -> Any:
@@ -191,7 +203,7 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
                     raise UnsupportedOpError(
                         f"{where}: options {options_type!r} are not in the {schema.name} "
                         f"schema's BuiltinOptions unions") from None
-                options = op.options if op.options_type else _implied_options(op, sg, schema)
+                options = op.options if op.options_type else _implied_options(op, sg, options_type, schema)
                 setattr(o, attr, _options(schema, options_type, options, where))
                 setattr(o, attr + "Type", tag)
             operators.append(o)

@@ -89,3 +89,41 @@ def test_litert_run_errors(tmp_path):
     write_model(model, circle_path, "circle")
     with pytest.raises(RuntimeRunError, match="LiteRT cannot load"):
         litert.run(circle_path, [np.zeros((1, 4), np.float32)])
+
+
+def _no_options_model(opcode, in_dtype, out_dtype, out_shape, const=None):
+    from circleops import ir
+
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (2, 3), in_dtype))
+    ins = [x] + ([sg.add_tensor(ir.Tensor("c", const.shape, "INT32", const))] if const is not None else [])
+    y = sg.add_tensor(ir.Tensor("y", out_shape, out_dtype))
+    sg.operators.append(ir.Operator(opcode, ins, [y]))  # no options_type: the writer fills it
+    sg.inputs, sg.outputs = [x], [y]
+    return ir.Model([sg])
+
+
+@pytest.mark.parametrize("fmt", ["tflite", "circle"])
+@pytest.mark.parametrize("opcode,in_dtype,out_dtype,out_shape,const,reference", [
+    ("ARG_MIN", "FLOAT32", "INT32", (2,), np.array([1], np.int32), lambda x: x.argmin(1).astype(np.int32)),
+    ("CAST", "FLOAT32", "INT32", (2, 3), None, lambda x: x.astype(np.int32)),
+    ("MUL", "FLOAT32", "FLOAT32", (2, 3), None, lambda x: x * x),
+])
+def test_ops_without_options_get_a_table(tmp_path, fmt, opcode, in_dtype, out_dtype, out_shape, const, reference):
+    """A default options table (dtype fields from the tensors): onert crashes without one,
+    LiteRT's ARG_MIN fails with a FLOAT32 outputType."""
+    model = _no_options_model(opcode, in_dtype, out_dtype, out_shape, const)
+    if opcode == "MUL":
+        op = model.subgraphs[0].operators[0]
+        op.inputs = [0, 0]
+    path = tmp_path / f"m.{fmt}"
+    write_model(model, path, fmt)
+    assert read_model(path).subgraphs[0].operators[0].options_type is not None
+    x = np.array([[1.5, -2.0, 3.0], [0.25, 7.0, -1.0]], np.float32)
+    if fmt == "tflite":
+        from circleops.runtime import litert
+
+        got = litert.run(path, [x])[0]
+    else:
+        got = _onert_run(path, [x])[0]
+    np.testing.assert_array_equal(got, reference(x))
