@@ -1,4 +1,4 @@
-"""ir.Model -> Circle / TFLite file: atomic, deterministic, weights never copied.
+"""ir.Model -> Circle / TFLite file: atomic, deterministic, weights streamed (not copied).
 
 The flatbuffer the Builder packs holds only the graph (tables, shapes, options); the
 weights are streamed from the model's own memory to the file after it:

@@ -93,3 +93,15 @@ def test_dynamic_dims_kept(tmp_path):
     path = tmp_path / "m.tflite"
     write_model(tiny_models.mixed_constants(), path, "tflite")
     assert read_model(path).subgraphs[0].tensors[-1].shape == (-1, 3)
+
+
+def test_rewrite_in_place(tmp_path):
+    """Reading a file (its constants map the file) and writing it back to the same path is
+    safe: the new file replaces the old one by rename, the map keeps the old bytes."""
+    path = tmp_path / "m.circle"
+    write_model(tiny_models.mixed_constants(), path, "circle")
+    before = path.read_bytes()
+    model = read_model(path)
+    write_model(model, path, "circle")
+    assert path.read_bytes() == before
+    assert model.subgraphs[0].tensors[0].data.shape == (4, 3)  # still readable
