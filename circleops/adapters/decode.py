@@ -1,0 +1,107 @@
+"""A decoder step with an explicit static KV cache, ready for torch.export.
+
+    step = DecoderWithCache(model, max_len=64)
+    caches = step.empty_caches()
+    logits, *caches = step(input_ids, torch.tensor([0]), *caches)          # prefill, S = N
+    logits, *caches = step(next_id, torch.tensor([N]), *caches)            # decode, S = 1
+
+    ep = torch.export.export(step, (input_ids, pos, *caches))              # one graph per S
+
+Every attention layer becomes one circle.attention taking its caches in ONE's layout
+[1, C, Hkv, D] (C = max_len) and returning them updated; the additive mask and the RoPE
+cos/sin are computed inside from ``pos``, so the exported graph's inputs are just the
+token ids, the position and the caches. Families whose attention the Circle ATTENTION
+contract cannot express (biases, q/k norms, soft-capping, sliding windows, other score
+scales, partial rotary) are refused with a :class:`~circleops.errors.CircleOpsError`
+naming the layers and reasons; they are not run decomposed here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from circleops.adapters._attention import KV_KWARG, StaticKV, attention_blockers, projection_weights
+from circleops.adapters._instance import fuse
+from circleops.errors import CircleOpsError
+
+
+def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or lm_head is None or not all(hasattr(base, n) for n in needed):
+        raise CircleOpsError(
+            f"DecoderWithCache needs a Hugging Face *ForCausalLM (model.model with {', '.join(needed)}, and "
+            f"model.lm_head); got {type(model).__name__}. Pass the causal-LM model, not its base model.")
+    return base, lm_head
+
+
+class DecoderWithCache(torch.nn.Module):
+    """One prefill or decode step of a causal LM over explicit static caches.
+
+    ``forward(input_ids [1, S], pos int64 [1], *k_caches, *v_caches)`` returns
+    ``(logits [1, S, V], *new_k_caches, *new_v_caches)``; each cache is [1, C, Hkv, D]
+    with C = ``max_len``, and the S new tokens are written at slots pos .. pos+S-1.
+
+    The model's modules are fused in place (as :func:`circleops.fuse` does; undo with
+    :func:`circleops.unfuse`); run HF's own ``generate`` on it still works, decomposed.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_len: int):
+        super().__init__()
+        base, _ = _parts(model)
+        config = model.config
+        if max_len < 1:
+            raise CircleOpsError(f"DecoderWithCache: max_len must be at least 1, got {max_len}.")
+        blocked = []
+        for i, layer in enumerate(base.layers):
+            attn = getattr(layer, "self_attn", None)
+            reasons = ["no self_attn module"] if attn is None else attention_blockers(attn)
+            if reasons:
+                blocked.append(f"layer {i} ({type(attn).__name__}): {'; '.join(reasons)}")
+        if getattr(config, "final_logit_softcapping", None) is not None:
+            blocked.append(f"final logit soft-capping at {config.final_logit_softcapping}")
+        if blocked:
+            raise CircleOpsError(
+                f"DecoderWithCache: {type(model).__name__}'s attention cannot be expressed as circle.attention "
+                f"(the Circle ATTENTION contract), so it has no explicit-cache decode graph: {' | '.join(blocked)}. "
+                "Export its plain forward with circleops.adapters.patched_modules() instead (attention stays "
+                "decomposed there).")
+        self.model = fuse(model)
+        self.max_len = int(max_len)
+        self.num_layers = len(base.layers)
+        attn = base.layers[0].self_attn
+        _, wk, _ = projection_weights(attn)
+        self.head_dim = int(attn.head_dim)
+        self.kv_heads = int(wk.shape[0]) // self.head_dim
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """[1, C, Hkv, D], ONE's cache layout."""
+        return (1, self.max_len, self.kv_heads, self.head_dim)
+
+    def empty_caches(self, dtype: torch.dtype | None = None) -> list[Tensor]:
+        """Zero k caches then zero v caches, one per layer (2 × num_layers tensors)."""
+        ref = next(self.model.parameters())
+        return [torch.zeros(self.cache_shape, dtype=dtype or ref.dtype, device=ref.device)
+                for _ in range(2 * self.num_layers)]
+
+    def forward(self, input_ids: Tensor, pos: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        n = self.num_layers
+        if len(caches) != 2 * n:
+            raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
+        base, lm_head = _parts(self.model)
+        s = input_ids.shape[1]
+        positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
+        hidden = base.embed_tokens(input_ids)
+        cos, sin = base.rotary_emb(hidden, positions)
+        # slot c is visible to new token i iff c <= pos + i: written already, or now
+        slots = torch.arange(self.max_len, device=input_ids.device)
+        visible = slots[None, :] <= positions[0, :, None]  # [S, C]
+        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S, C]
+        kv = StaticKV(list(caches[:n]), list(caches[n:]), pos)
+        for layer in base.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions,
+                           **{KV_KWARG: kv})
+        logits = lm_head(base.norm(hidden))
+        return (logits, *kv.k, *kv.v)
