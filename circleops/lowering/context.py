@@ -41,6 +41,14 @@ MISSING_BUILTINS: dict[str, frozenset[str]] = {
 }
 
 
+# Elementwise unary builtins: they commute with a transpose of their input.
+LAYOUT_FREE = frozenset({
+    "RELU", "RELU6", "RELU_N1_TO_1", "LEAKY_RELU", "LOGISTIC", "TANH", "GELU", "HARD_SWISH",
+    "NEG", "ABS", "EXP", "LOG", "SQRT", "RSQRT", "SIN", "COS", "FLOOR", "CEIL", "ROUND", "SIGN",
+    "SQUARE", "LOGICAL_NOT",
+})
+
+
 class Value:
     """A lowered tensor: ``index`` in subgraph ``sg``, or a constant ``const``."""
 
@@ -134,7 +142,9 @@ class LoweringContext:
         self.decomposing: list[Any] = []  # ops being decomposed (guards recursion)
         self._consts: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._names = itertools.count()
-        self._traces: dict[Any, torch.fx.GraphModule] = {}
+        # TRANSPOSE outputs -> (its input, perm), so that transpose(transpose(x)) composes:
+        # NCHW <-> NHWC pairs around consecutive channels-last ops cancel.
+        self._transposed: dict[tuple[int, int], tuple[Value, list[int]]] = {}
 
     # ---------------------------------------------------------------- target queries
     def supports(self, opcode: str) -> bool:
@@ -254,8 +264,14 @@ class LoweringContext:
             return x
         if x.is_const:
             return const_value(x.const.permute(perm))
+        producer = self._transposed.get((id(self.sg), x.index))
+        if producer is not None:
+            src, inner = producer
+            return self.transpose(src, [inner[p] for p in perm])
         shape = tuple(x.shape[p] for p in perm)
-        return self.emit("TRANSPOSE", [x, self.i32(perm)], out_shape=shape, out_dtype=x.dtype)
+        y = self.emit("TRANSPOSE", [x, self.i32(perm)], out_shape=shape, out_dtype=x.dtype)
+        self._transposed[(id(self.sg), y.index)] = (x, perm)
+        return y
 
     def cast(self, x: Any, dtype: torch.dtype) -> Value:
         """``x`` (Value or Python scalar) as ``dtype``; a CAST op only when needed."""
@@ -267,7 +283,18 @@ class LoweringContext:
             return const_value(x.const.to(dtype))
         return self.emit("CAST", [x], out_shape=x.shape, out_dtype=dtype)
 
+    def transposed(self, x: Any) -> tuple[Value, list[int]] | None:
+        """(src, perm) when ``x`` is the output of a TRANSPOSE(src, perm) emitted here."""
+        if not isinstance(x, Value) or x.is_const:
+            return None
+        return self._transposed.get((id(self.sg), x.index))
+
     def unary(self, opcode: str, x: Value, options_type: str | None = None, **options: Any) -> Value:
+        t = self.transposed(x) if opcode in LAYOUT_FREE else None
+        if t is not None:
+            # op(transpose(src)) = transpose(op(src)): the transpose can then cancel with the
+            # next one (NHWC conv -> relu -> NHWC conv keeps no NCHW detour)
+            return self.transpose(self.unary(opcode, t[0], options_type, **options), t[1])
         return self.emit(opcode, [x], options_type, out_shape=x.shape, out_dtype=x.dtype, **options)
 
     def binary(self, opcode: str, a: Any, b: Any, options_type: str | None = None, *,
@@ -280,6 +307,16 @@ class LoweringContext:
         """
         dtype = dtype or result_type(a, b)
         a, b = self.cast(a, dtype), self.cast(b, dtype)
+        ta, tb = self.transposed(a), self.transposed(b)
+        if ta and tb and ta[1] == tb[1] and a.shape == b.shape:  # same layout: compute in the source's
+            y = self.binary(opcode, ta[0], tb[0], options_type, dtype=dtype, out_dtype=out_dtype, **options)
+            return self.transpose(y, ta[1])
+        if ta and b.numel == 1 and b.rank <= a.rank:
+            y = self.binary(opcode, ta[0], b, options_type, dtype=dtype, out_dtype=out_dtype, **options)
+            return self.transpose(y, ta[1])
+        if tb and a.numel == 1 and a.rank <= b.rank:
+            y = self.binary(opcode, a, tb[0], options_type, dtype=dtype, out_dtype=out_dtype, **options)
+            return self.transpose(y, tb[1])
         shape = broadcast_shape(a.shape, b.shape)
         return self.emit(opcode, [a, b], options_type, out_shape=shape, out_dtype=out_dtype or dtype, **options)
 
@@ -368,11 +405,13 @@ class LoweringContext:
             hash(key)
         except TypeError:
             key = None
-        gm = self._traces.get(key) if key is not None else None
+        gm = _TRACES.get(key) if key is not None else None
         if gm is None:
             gm = _trace(fn, leaves, spec, slots)
             if key is not None:
-                self._traces[key] = gm
+                if len(_TRACES) >= _TRACE_CACHE_SIZE:
+                    _TRACES.pop(next(iter(_TRACES)))
+                _TRACES[key] = gm
         return lower_graph(self, gm.graph, [leaves[i] for i in slots], module=gm)
 
     # ---------------------------------------------------------------- errors
@@ -386,6 +425,12 @@ class LoweringContext:
     def unsupported(self, what: str, hint: str) -> UnsupportedOpError:
         """An UnsupportedOpError naming the node, its source line, and what to do."""
         return UnsupportedOpError(f"{self._where(what)} {hint}")
+
+
+# make_fx traces of decompositions, by (fn, argument shapes/dtypes, baked arguments): the
+# same norm at the same shape is traced once per process, not once per layer.
+_TRACES: dict[Any, torch.fx.GraphModule] = {}
+_TRACE_CACHE_SIZE = 256
 
 
 def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int]) -> torch.fx.GraphModule:

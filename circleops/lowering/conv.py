@@ -89,16 +89,25 @@ _INDEX = {
 
 def pad(ctx, x, pad_list, mode, value=0.0):
     rows = _paddings(x.rank, pad_list)
+    t = ctx.transposed(x)
+    if t is not None:  # pad the channels-last source instead: the transposes then cancel
+        src, perm = t
+        src_rows = [None] * x.rank
+        for i, p in enumerate(perm):
+            src_rows[p] = rows[i]
+        flat = [v for row in reversed(src_rows) for v in row]
+        return ctx.transpose(pad(ctx, src, flat, mode, value), perm)
+    out = dict(out_shape=[d + a + b for d, (a, b) in zip(x.shape, rows)], out_dtype=x.dtype)
     if mode == "constant":
         paddings = const_value(torch.tensor(rows, dtype=torch.int32))
         if not value:
-            return ctx.emit("PAD", [x, paddings])
-        return ctx.emit("PADV2", [x, paddings, ctx.const(value, x.dtype)])
+            return ctx.emit("PAD", [x, paddings], **out)
+        return ctx.emit("PADV2", [x, paddings, ctx.const(value, x.dtype)], **out)
     if mode not in _INDEX:
         raise ctx.unsupported(f"pads in mode {mode!r}", "Use constant, reflect, replicate or circular padding.")
     if mode == "reflect" and ctx.supports("MIRROR_PAD"):
         return ctx.emit("MIRROR_PAD", [x, const_value(torch.tensor(rows, dtype=torch.int32))],
-                        "MirrorPadOptions", mode="REFLECT")
+                        "MirrorPadOptions", mode="REFLECT", **out)
     # exact everywhere: gather each padded dim with a constant index table
     for dim, (before, after) in enumerate(rows):
         if before or after:

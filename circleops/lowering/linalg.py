@@ -41,8 +41,9 @@ def batch_matmul(ctx, a, b):
         return fully_connected(ctx, a, ctx.transpose(b, (1, 0)))
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     shape = tuple(batch) + (a.shape[-2], b.shape[-1])
-    return ctx.emit("BATCH_MATMUL", [a, b], "BatchMatMulOptions", out_shape=shape, out_dtype=dtype,
-                    adjointLhs=False, adjointRhs=False)
+    # no adjoint fields: their defaults (False) are what we want, and the Circle and TFLite
+    # schemas name them differently (adjointLhs / adjX)
+    return ctx.emit("BATCH_MATMUL", [a, b], "BatchMatMulOptions", out_shape=shape, out_dtype=dtype)
 
 
 @lower(aten.matmul)

@@ -132,10 +132,36 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
             idx = ctx.index(value)
             sg.outputs.append(idx)
             sig_outputs[f"output_{len(sig_outputs)}"] = idx
-    ctx.model.signatures.append(ir.Signature("serving_default", 0, sig_inputs, sig_outputs))
+    remap = [prune(g) for g in ctx.model.subgraphs]
+    ctx.model.signatures.append(ir.Signature(
+        "serving_default", 0, {k: remap[0][i] for k, i in sig_inputs.items()},
+        {k: remap[0][i] for k, i in sig_outputs.items()}))
     if target == "onert":
         _check_float32(ctx.model)
     return ctx.model
+
+
+def prune(sg: ir.Subgraph) -> dict[int, int]:
+    """Drop operators whose outputs nothing uses (e.g. a transpose that a composed
+    transpose bypassed) and tensors no operator or boundary refers to; returns the
+    old -> new tensor index map."""
+    needed = set(sg.outputs)
+    kept = []
+    for op in reversed(sg.operators):
+        if any(o in needed for o in op.outputs):
+            kept.append(op)
+            needed.update(i for i in op.inputs if i >= 0)
+    kept.reverse()
+    used = needed | set(sg.inputs) | {o for op in kept for o in op.outputs}
+    remap = {old: new for new, old in enumerate(sorted(used))}
+    sg.tensors = [sg.tensors[i] for i in sorted(used)]
+    for op in kept:
+        op.inputs = [remap[i] if i >= 0 else -1 for i in op.inputs]
+        op.outputs = [remap[i] for i in op.outputs]
+    sg.operators = kept
+    sg.inputs = [remap[i] for i in sg.inputs]
+    sg.outputs = [remap[i] for i in sg.outputs]
+    return remap
 
 
 def _materialize(x: Any) -> Any:

@@ -55,6 +55,14 @@ def run(path: str | os.PathLike, inputs: Sequence[np.ndarray], backends: str = "
     import onert  # heavy native library: loaded on first use
 
     path = str(Path(path))
+    if not os.path.isfile(path):
+        raise RuntimeRunError(f"cannot run {path}: no such file")
+    if Path(path).suffix not in (".circle", ".tflite"):
+        # onert picks its loader by the file extension ("Failed to open onert loader")
+        with tempfile.TemporaryDirectory() as tmp:
+            link = os.path.join(tmp, Path(path).name + ".circle")
+            os.symlink(os.path.abspath(path), link)
+            return run(link, inputs, backends)
     inputs = [np.ascontiguousarray(a) for a in inputs]
     failure: Exception | None = None
     outputs: list[np.ndarray] = []
