@@ -61,14 +61,25 @@ def _(ctx, node, x, y):
     return ctx.binary("FLOOR_MOD", x, y, dtype=ctx.out_dtype)
 
 
+def minmax(ctx, opcode, x, y, dtype):
+    """MAXIMUM / MINIMUM in ``dtype``. onert has no integer MAXIMUM, no int64 MINIMUM and
+    no integer SELECT_V2 ("Max: unsupported data type"): there, integers compute
+    x + (y - x) · [y > x] (resp. [y < x]) with ops it runs on int64."""
+    if ctx.target == "onert" and not dtype.is_floating_point:
+        x, y = ctx.cast(x, dtype), ctx.cast(y, dtype)
+        take_y = ctx.binary("GREATER" if opcode == "MAXIMUM" else "LESS", y, x, out_dtype=torch.bool)
+        return ctx.add(x, ctx.mul(ctx.sub(y, x), ctx.cast(take_y, dtype)))
+    return ctx.binary(opcode, x, y, dtype=dtype)
+
+
 @lower(aten.maximum, aten.max.other)
 def _(ctx, node, x, y):
-    return ctx.binary("MAXIMUM", x, y, dtype=ctx.out_dtype)
+    return minmax(ctx, "MAXIMUM", x, y, ctx.out_dtype)
 
 
 @lower(aten.minimum, aten.min.other)
 def _(ctx, node, x, y):
-    return ctx.binary("MINIMUM", x, y, dtype=ctx.out_dtype)
+    return minmax(ctx, "MINIMUM", x, y, ctx.out_dtype)
 
 
 @lower(aten.pow.Tensor_Scalar)
@@ -141,27 +152,27 @@ def _(ctx, node, x, negative_slope=0.01):
 
 @lower(aten.hardtanh)
 def _(ctx, node, x, min_val=-1.0, max_val=1.0):
-    return ctx.binary("MINIMUM", ctx.binary("MAXIMUM", x, min_val, dtype=x.dtype), max_val, dtype=x.dtype)
+    return minmax(ctx, "MINIMUM", minmax(ctx, "MAXIMUM", x, min_val, x.dtype), max_val, x.dtype)
 
 
 @lower(aten.clamp.default, aten.clamp.Tensor, aten.clip.default)
 def _(ctx, node, x, min=None, max=None):
     y = ctx.cast(x, ctx.out_dtype)
     if min is not None:
-        y = ctx.binary("MAXIMUM", y, min, dtype=ctx.out_dtype)
+        y = minmax(ctx, "MAXIMUM", y, min, ctx.out_dtype)
     if max is not None:
-        y = ctx.binary("MINIMUM", y, max, dtype=ctx.out_dtype)
+        y = minmax(ctx, "MINIMUM", y, max, ctx.out_dtype)
     return y
 
 
 @lower(aten.clamp_min)
 def _(ctx, node, x, min):
-    return ctx.binary("MAXIMUM", x, min, dtype=ctx.out_dtype)
+    return minmax(ctx, "MAXIMUM", x, min, ctx.out_dtype)
 
 
 @lower(aten.clamp_max)
 def _(ctx, node, x, max):
-    return ctx.binary("MINIMUM", x, max, dtype=ctx.out_dtype)
+    return minmax(ctx, "MINIMUM", x, max, ctx.out_dtype)
 
 
 # ------------------------------------------------------------------------ comparisons, logic
@@ -193,6 +204,14 @@ def _logic(opcode):
 
 for _op, _code in _LOGIC.items():
     lower(_op)(_logic(_code))
+
+
+@lower(aten.bitwise_not)
+def _(ctx, node, x):
+    # ~mask on a bool tensor (HF and DecoderWithCache build masks this way)
+    if x.dtype != torch.bool:
+        raise ctx.unsupported(f"computes a bitwise not on {x.dtype}", "Only boolean logic is supported.")
+    return ctx.unary("LOGICAL_NOT", x)
 
 
 @lower(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
@@ -132,6 +133,9 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
             idx = ctx.index(value)
             sg.outputs.append(idx)
             sig_outputs[f"output_{len(sig_outputs)}"] = idx
+    if target == "onert":
+        _copy_consumed_outputs(sg)
+        sig_outputs = {name: sg.outputs[k] for k, name in enumerate(sig_outputs)}
     remap = [prune(g) for g in ctx.model.subgraphs]
     ctx.model.signatures.append(ir.Signature(
         "serving_default", 0, {k: remap[0][i] for k, i in sig_inputs.items()},
@@ -139,6 +143,20 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
     if target == "onert":
         _check_float32(ctx.model)
     return ctx.model
+
+
+def _copy_consumed_outputs(sg: ir.Subgraph) -> None:
+    """onert 0.1.0 corrupts a subgraph output that a TRANSPOSE or RESHAPE also reads (its
+    buffer is reused; measured, see tests/onert): such outputs get their own RESHAPE copy."""
+    consumed = {i for op in sg.operators for i in op.inputs}
+    for k, idx in enumerate(sg.outputs):
+        if idx in consumed:
+            t = sg.tensors[idx]
+            shape = sg.add_tensor(ir.Tensor(f"{t.name}_shape", (len(t.shape),), "INT32",
+                                            np.array(t.shape, dtype=np.int32)))
+            copy = sg.add_tensor(ir.Tensor(f"{t.name}_out", t.shape, t.dtype))
+            sg.operators.append(ir.Operator("RESHAPE", [idx, shape], [copy]))
+            sg.outputs[k] = copy
 
 
 def prune(sg: ir.Subgraph) -> dict[int, int]:
