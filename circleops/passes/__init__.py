@@ -1,0 +1,1 @@
+"""Graph passes on an ExportedProgram (fusion, folding, dtype policy), one module each."""
