@@ -3,7 +3,8 @@
 schema/ops.yaml is the single source of truth. Each entry there names a module of this
 package (one file per op) that registers the op with ``torch.library.custom_op`` and
 provides ``reference`` (the kernel, written in aten ops so it doubles as the
-decomposition). Adding an op = one file here + one entry in schema/ops.yaml.
+decomposition). Adding an op = one file here + one entry in schema/ops.yaml; the module provides
+``reference`` and ``sample_inputs(dtype)``, and tests/ops runs the generic checks on it.
 """
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ class OpSpec:
     def targets(self) -> dict[str, str]:
         """target profile -> how the op is written there: builtin, decomposed or composite."""
         return self.contract["targets"]
+
+    @property
+    def autocast(self) -> str:
+        """What the op does under torch.autocast: "fp32", "lower_precision" or "none"."""
+        return self.contract["autocast"]
+
+    def sample_inputs(self, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+        """``(args, kwargs)`` pairs exercising every attribute, for generic tests."""
+        return self.module.sample_inputs(dtype)
 
 
 def _load() -> dict[str, OpSpec]:

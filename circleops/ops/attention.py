@@ -3,20 +3,35 @@
 Inputs, in the order of the Circle ATTENTION contract:
   x        [B, S, E]            hidden states of the S new tokens
   wq       [Hq·D, E]            torch Linear layout (out, in); Hq = wq.shape[0] / D
-  wk, wv   [Hkv·D, E]           Hkv = k_cache.shape[2]; Hq % Hkv == 0 (GQA, MQA allowed)
+  wk, wv   [Hkv·D, E]           Hkv = k_cache.shape[2]; Hq % Hkv == 0 (GQA and MQA allowed)
   wo       [E, Hq·D]
   cos, sin [S, D] or [B, S, D]  RoPE tables for the S new positions (GPT-NeoX layout)
-  mask     [S, C], [B, S, C] or [B, 1, S, C]  additive (0 / -inf or dtype min) over cache slots
+  mask     [S, C], [B, S, C] or [B, 1, S, C]  additive (0, or -inf / dtype min) over cache slots
   k_cache  [B, C, Hkv, D]       ONE's cache layout (slot-major, not HF's [B, H, S, D])
   v_cache  [B, C, Hkv, D]
-  pos      int64 [1]            slot of the first new token
+  pos      int64 or int32 [1]   slot of the first new token, 0 <= pos < C
 Attribute: scale (0 means 1/sqrt(D)).
 
-Semantics: q, k, v = x·wqᵀ, x·wkᵀ, x·wvᵀ; q and k get RoPE; the new k and v are written at
-slots pos .. pos+S-1 of the caches (slots outside that range are copied unchanged; writes
-past C are dropped); scores = q·Kᵀ·scale + mask over all C slots; softmax in fp32, cast
-back; then ·V and ·woᵀ. Returns (out [B, S, E], k_cache', v_cache'): the cache update is
-functional in torch, and in place in an NPU kernel.
+Semantics, step by step (the reference kernel below is exactly this):
+  1. compute dtype T = promote(x, wq, wk, wv, wo); cos and sin are cast to T.
+  2. q = x·wqᵀ, k = x·wkᵀ, v = x·wvᵀ, split into heads of D.
+  3. q and k get GPT-NeoX RoPE with cos/sin (circle::rope).
+  4. KV-cache update: the new k and v (RoPE'd k, plain v), cast to the cache dtype, are
+     written at slots pos .. pos+S-1; every other slot is copied unchanged; writes that
+     would land at slot >= C are dropped. The update happens BEFORE attending, so the new
+     tokens attend to themselves (the mask decides which slots are visible; a causal
+     prefill at pos 0 uses mask[i, j] = 0 for j <= i, else -inf, over all C slots).
+  5. scores = q·Kᵀ·scale + mask over all C slots of the updated cache, each kv head shared
+     by Hq/Hkv query heads; softmax in fp32 (fp64 for fp64 input), cast back to T (HF
+     eager attention's order).
+  6. out = (probs·V)·woᵀ, heads concatenated in order.
+Returns (out [B, S, E] in T, k_cache' [B, C, Hkv, D], v_cache' [B, C, Hkv, D] in the cache
+dtypes). In torch the update is functional (the inputs are not modified); an NPU kernel,
+ONE's included, writes the same values into k_cache/v_cache in place and returns only out.
+A decode step after a prefill of P tokens is pos = P, S = 1, mask[0, j] = 0 for j <= P.
+
+Autocast: like linear and scaled_dot_product_attention, the op follows the active autocast
+dtype: every floating input (caches included) is cast to it, so the outputs are in it.
 """
 from __future__ import annotations
 
@@ -25,28 +40,29 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from circleops.ops import rope as _rope
+from circleops.ops._common import at_least_fp32, check, register_autocast_lower_precision
 
 NAME = "attention"
 
 
 def _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos) -> None:
-    torch._check(x.dim() == 3, lambda: f"circle::attention: x must be [B, S, E], got {list(x.shape)}")
-    torch._check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-                 lambda: f"circle::attention: k_cache and v_cache must both be [B, C, Hkv, D], got {list(k_cache.shape)} and {list(v_cache.shape)}")
+    check(x.dim() == 3, lambda: f"circle::attention: x must be [B, S, E], got {list(x.shape)}")
+    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+          lambda: f"circle::attention: k_cache and v_cache must both be [B, C, Hkv, D], got {list(k_cache.shape)} and {list(v_cache.shape)}")
     d, hkv = k_cache.shape[3], k_cache.shape[2]
-    torch._check(wq.dim() == 2 and wq.shape[0] % d == 0 and wq.shape[1] == x.shape[-1],
-                 lambda: f"circle::attention: wq must be [Hq*{d}, {x.shape[-1]}], got {list(wq.shape)}")
-    torch._check((wq.shape[0] // d) % hkv == 0,
-                 lambda: f"circle::attention: query heads {wq.shape[0] // d} must be a multiple of kv heads {hkv}")
+    check(wq.dim() == 2 and wq.shape[0] % d == 0 and wq.shape[1] == x.shape[-1],
+          lambda: f"circle::attention: wq must be [Hq*{d}, {x.shape[-1]}], got {list(wq.shape)}")
+    check((wq.shape[0] // d) % hkv == 0,
+          lambda: f"circle::attention: query heads {wq.shape[0] // d} must be a multiple of kv heads {hkv}")
     for name, w in (("wk", wk), ("wv", wv)):
-        torch._check(w.dim() == 2 and w.shape[0] == hkv * d and w.shape[1] == x.shape[-1],
-                     lambda: f"circle::attention: {name} must be [{hkv * d}, {x.shape[-1]}], got {list(w.shape)}")
-    torch._check(wo.dim() == 2 and wo.shape[1] == wq.shape[0],
-                 lambda: f"circle::attention: wo must be [E, {wq.shape[0]}], got {list(wo.shape)}")
-    torch._check(pos.numel() == 1 and not pos.is_floating_point(),
-                 lambda: f"circle::attention: pos must be an integer tensor [1], got {pos.dtype} {list(pos.shape)}")
-    torch._check(mask.shape[-1] == k_cache.shape[1],
-                 lambda: f"circle::attention: mask's last dim must be the cache size {k_cache.shape[1]}, got {list(mask.shape)}")
+        check(w.dim() == 2 and w.shape[0] == hkv * d and w.shape[1] == x.shape[-1],
+              lambda: f"circle::attention: {name} must be [{hkv * d}, {x.shape[-1]}], got {list(w.shape)}")
+    check(wo.dim() == 2 and wo.shape[1] == wq.shape[0],
+          lambda: f"circle::attention: wo must be [E, {wq.shape[0]}], got {list(wo.shape)}")
+    check(pos.numel() == 1 and not pos.is_floating_point(),
+          lambda: f"circle::attention: pos must be an integer tensor [1], got {pos.dtype} {list(pos.shape)}")
+    check(mask.shape[-1] == k_cache.shape[1],
+          lambda: f"circle::attention: mask's last dim must be the cache size {k_cache.shape[1]}, got {list(mask.shape)}")
 
 
 def update_cache(cache: Tensor, new: Tensor, pos: Tensor) -> Tensor:
@@ -69,11 +85,21 @@ def _expand_kv(t: Tensor, groups: int) -> Tensor:
     return t[:, :, None].expand(b, h, groups, c, d).reshape(b, h * groups, c, d)
 
 
+def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> torch.dtype:
+    """T: the dtype the projections and attention run in."""
+    dtype = x.dtype
+    for w in (wq, wk, wv, wo):
+        dtype = torch.promote_types(dtype, w.dtype)
+    return dtype
+
+
 def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
               mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
               scale: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The reference kernel (also the decomposition)."""
     _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
+    dtype = compute_dtype(x, wq, wk, wv, wo)
+    x, wq, wk, wv, wo, cos, sin = (t.to(dtype) for t in (x, wq, wk, wv, wo, cos, sin))
     b, s, _ = x.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     hq = wq.shape[0] // d
@@ -87,11 +113,11 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     keys = _expand_kv(k_cache.transpose(1, 2), hq // hkv)
     values = _expand_kv(v_cache.transpose(1, 2), hq // hkv)
     scaling = scale if scale != 0.0 else d ** -0.5
-    scores = torch.matmul(q, keys.transpose(2, 3).to(q.dtype)) * scaling
+    scores = torch.matmul(q, keys.transpose(2, 3).to(dtype)) * scaling
     m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
     scores = scores + m
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.to(q.dtype)).transpose(1, 2).reshape(b, s, hq * d)
+    probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
+    out = torch.matmul(probs, values.to(dtype)).transpose(1, 2).reshape(b, s, hq * d)
     return F.linear(out, wo), k_cache, v_cache
 
 
@@ -107,7 +133,7 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
 @attention.register_fake
 def _(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, scale=0.0):
     _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
-    out_dtype = torch.promote_types(x.dtype, wo.dtype)
+    out_dtype = compute_dtype(x, wq, wk, wv, wo)
     return (x.new_empty((*x.shape[:2], wo.shape[0]), dtype=out_dtype),
             torch.empty_like(k_cache, memory_format=torch.contiguous_format),
             torch.empty_like(v_cache, memory_format=torch.contiguous_format))
@@ -135,3 +161,39 @@ def _backward(ctx, g_out, g_k, g_v):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+register_autocast_lower_precision("circle::attention")
+
+
+def causal_mask(s: int, c: int, pos: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The additive mask [S, C] for S new tokens written at slot ``pos``: token i sees slots <= pos + i."""
+    visible = torch.arange(c)[None, :] <= (pos + torch.arange(s))[:, None]
+    return torch.zeros(s, c, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+
+def sample_inputs(dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    """(args, kwargs): prefill and decode, GQA and MQA, every mask layout, int32 pos, mixed dtypes."""
+    g = torch.Generator().manual_seed(0)
+
+    def layer(e=16, hq=4, hkv=2, d=4, s=3, c=8, pos=0, b=1, wdtype=dtype, cache_dtype=dtype):
+        def r(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale)
+        x = r(b, s, e).to(dtype)
+        wq, wk, wv = (r(h * d, e, scale=e ** -0.5).to(wdtype) for h in (hq, hkv, hkv))
+        wo = r(e, hq * d, scale=(hq * d) ** -0.5).to(wdtype)
+        angles = (pos + torch.arange(s, dtype=torch.float64))[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))
+        angles = torch.cat((angles, angles), -1)
+        k_cache, v_cache = (r(b, c, hkv, d).to(cache_dtype) for _ in range(2))
+        return [x, wq, wk, wv, wo, angles.cos().to(dtype), angles.sin().to(dtype),
+                causal_mask(s, c, pos, dtype), k_cache, v_cache, torch.tensor([pos])]
+
+    prefill = layer()
+    decode = layer(s=1, pos=5)
+    mqa = layer(hkv=1, b=2)
+    mqa[7] = mqa[7][None].expand(2, 3, 8)  # [B, S, C]
+    mha = layer(hq=2, hkv=2, s=2, pos=6)  # writes past the cache end are dropped
+    mha[7] = mha[7][None, None]  # [B, 1, S, C]
+    mha[10] = mha[10].to(torch.int32)
+    samples = [(tuple(prefill), {}), (tuple(decode), {}), (tuple(mqa), {"scale": 0.3}), (tuple(mha), {})]
+    if dtype != torch.float32 and dtype != torch.float64:
+        samples.append((tuple(layer(wdtype=torch.float32, cache_dtype=torch.float32)), {}))  # fp32 weights and caches
+    return samples
