@@ -18,6 +18,7 @@ tests in tests/onert pin them):
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -166,10 +167,30 @@ def _attention_builtin(ctx, spec, **bound):
     return out, bound["k_cache"], bound["v_cache"]
 
 
+_ROPE_AS_OP = SimpleNamespace(reference=lambda x, cos, sin, mode="gpt_neox": torch.ops.circle.rope(x, cos, sin, mode))
+
+
+def _attention_with_rope_op(**bound):
+    """attention's reference kernel with its q/k RoPE traced as circle.rope, so that a
+    decomposed attention still gets the rope lowering's choice (on onert: the ROPE
+    builtin in a one-token decode step, decomposed for a prefill)."""
+    from circleops.ops import attention as kernel
+
+    saved = kernel._rope
+    kernel._rope = _ROPE_AS_OP
+    try:
+        return REGISTRY["attention"].reference(**bound)
+    finally:
+        kernel._rope = saved
+
+
 @lower(torch.ops.circle.attention)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["attention"]
-    return fused(ctx, spec, bind(spec, args, kwargs), _attention_builtin)
+    bound = bind(spec, args, kwargs)
+    if spec.targets[ctx.target] == "decomposed":
+        return ctx.call(_attention_with_rope_op, **bound)
+    return fused(ctx, spec, bound, _attention_builtin)
 
 
 # ------------------------------------------------------------------------ instance_norm
