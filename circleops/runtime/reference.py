@@ -96,12 +96,12 @@ class _Plan:
                     f"{len(KERNELS)} opcodes (circleops.runtime.reference.supported_opcodes()); add one "
                     "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")
             ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
-            checks = tuple((j, sg.tensors[j].torch_dtype, self._static_shape(sg.tensors[j])) for j in op.outputs)
-            writes = ()
+            writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:
+                # The updated tensors are results too: checked like declared outputs.
                 writes = tuple(op.inputs[p] for p in IN_PLACE[op.opcode])
-                # The updated tensor is then a result: check it like a declared output.
-                checks += tuple((j, sg.tensors[j].torch_dtype, self._static_shape(sg.tensors[j])) for j in writes)
+            checks = tuple((j, self._dtype(sg.tensors[j], k, op), self._static_shape(sg.tensors[j]))
+                           for j in (*op.outputs, *writes))
             self.steps.append(_Step(k, op, fn, tuple(op.inputs), tuple(op.outputs), ctx, checks, (), writes))
             for j in op.inputs:
                 if j >= 0:
@@ -115,6 +115,15 @@ class _Plan:
                 frees.setdefault(k, []).append(j)
         for step in self.steps:
             step.free = tuple(frees.get(step.index, ()))
+
+    def _dtype(self, t: ir.Tensor, k: int, op: ir.Operator) -> torch.dtype:
+        dtype = ir.TYPE_TO_TORCH.get(t.dtype)
+        if dtype is None:
+            raise RuntimeRunError(
+                f"reference interpreter: tensor {t.name!r} (output of operator {k}, {op.opcode}, subgraph "
+                f"{self.index}) has type {t.dtype}, which the interpreter does not compute with (quantized "
+                f"and exotic types are not supported); supported: {sorted(ir.TYPE_TO_TORCH)}.")
+        return dtype
 
     @staticmethod
     def _static_shape(t: ir.Tensor) -> Optional[tuple[int, ...]]:
@@ -188,6 +197,9 @@ def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
             except TypeError:
                 raise RuntimeRunError(f"input {position} ({t.name!r}): numpy dtype {arr.dtype} is not supported; "
                                       f"the model expects {t.dtype}") from None
+    if t.dtype not in ir.TYPE_TO_TORCH:
+        raise RuntimeRunError(f"input {position} ({t.name!r}) has type {t.dtype}, which the reference "
+                              "interpreter does not support (quantized and exotic types)")
     if x.dtype != t.torch_dtype:
         raise RuntimeRunError(
             f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
