@@ -63,7 +63,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     target, fmt, fuse = _check_options(target, fuse)
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
-    runtime = _resolve_runtime(verify, target)
+    runtime = _resolve_runtime(verify, target, torch_dtype)
     check_target_dtype(target, torch_dtype)
     example_args = tuple(example_args)
 
@@ -81,7 +81,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                    reference=lambda: _run_torch(module, example_args, model),
                    timings=timings, progress=progress, warn_list=warn_list,
                    source=type(model).__name__, parameters=_count_params(model),
-                   output_names=["logits"] if isinstance(module, CausalLMLogits) else None)
+                   output_names=["logits"] if isinstance(module, CausalLMLogits) else None,
+                   fusion_model=module)
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
@@ -106,7 +107,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
             f"the ExportedProgram's weights are {DTYPE_NAMES.get(program_dtype, program_dtype)} but dtype "
             f"{DTYPE_NAMES.get(torch_dtype, torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
-    runtime = _resolve_runtime(verify, target)
+    runtime = _resolve_runtime(verify, target, torch_dtype)
     check_target_dtype(target, torch_dtype)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
@@ -143,10 +144,14 @@ def _resolve_dtype(dtype: str | torch.dtype | None, model: torch.nn.Module | Non
         raise TargetError(f"unknown dtype {dtype!r}: use fp32 or fp16.") from None
 
 
-def _resolve_runtime(verify: bool | str | None, target: str) -> str | None:
+def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype = torch.float32) -> str | None:
     if not verify:
         return None
     if verify is True:
+        if target == "tflite" and dtype != torch.float32:
+            # LiteRT's CPU kernels take fp32 activations only (FULLY_CONNECTED refuses fp16
+            # input at prepare), so an fp16 graph is checked by the reference interpreter.
+            return "reference"
         return DEFAULT_RUNTIME[target]
     if verify not in RUNTIMES:
         raise TargetError(f"unknown verify runtime {verify!r}: choose one of {', '.join(RUNTIMES)}.")
@@ -308,14 +313,14 @@ def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dt
             runtime: str | None, tolerance: float | None, example_args: tuple,
             reference: Callable[[], list[torch.Tensor]], timings: dict[str, float],
             progress: Progress | None, warn_list: list[str], source: str, parameters: int,
-            output_names: list[str] | None = None) -> Report:
+            output_names: list[str] | None = None, fusion_model: torch.nn.Module | None = None) -> Report:
     fusion_report = None
     if fuse in ("auto", "patterns"):
         _stage(progress, "fuse")
         t = time.perf_counter()
         from circleops.passes.fusion import fuse_patterns
 
-        ep, fusion_report = fuse_patterns(ep)
+        ep, fusion_report = fuse_patterns(ep, model=fusion_model)
         timings["fuse"] = time.perf_counter() - t
 
     _stage(progress, "lower")

@@ -40,12 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="runtime for --verify (default: onert for onert, litert for tflite, "
-                             "reference for circle); implies --verify")
+                             "reference for circle and for fp16 tflite); implies --verify")
     parser.add_argument("--tolerance", type=float, default=None, metavar="REL",
                         help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    from circleops import graphs  # --graphs / --max-cache-len (prefill + decode graphs for generate)
+
+    graphs.add_arguments(parser)
 
 
 class _Progress:
@@ -82,6 +85,10 @@ def main(args: argparse.Namespace) -> int:
     from circleops import models
     from circleops.errors import OutputError, TargetError
 
+    if getattr(args, "graphs", None):
+        from circleops import graphs
+
+        return graphs.main(args)
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
                           "or --config config.json for random weights.")
@@ -96,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
-        api._resolve_runtime(verify, args.target)
+        api._resolve_runtime(verify, args.target, dtype)
 
     exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
     stages = ["load"] + ([] if exported_input else ["export"])
