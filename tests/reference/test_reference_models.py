@@ -115,3 +115,53 @@ def test_fp16_circle_file_computes_in_fp16(tmp_path):
     assert ours.dtype == np.float16
     # fp16 rounding of every intermediate, as torch fp16 does: close, not equal to fp32.
     assert _max_diff(ours, want16.float().numpy()) <= 1e-2 * max(1.0, float(want16.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def decoder_files(tmp_path_factory):
+    """Prefill and decode graphs of the tiny Llama with static KV caches, for circle and onert."""
+    from circleops.adapters.decode import DecoderWithCache
+
+    model = BY_NAME["llama"].build()
+    ids = example_ids(6)
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)[0, 6:].tolist()
+    step = DecoderWithCache(model, max_len=16)
+    caches = step.empty_caches()
+    root = tmp_path_factory.mktemp("decoder")
+    files = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kind, args in (("prefill", (ids, torch.tensor([0]))), ("decode", (ids[:, :1], torch.tensor([6])))):
+            ep = torch.export.export(step, (*args, *caches))
+            for target in ("circle", "onert"):
+                files[kind, target] = root / f"{kind}_{target}.circle"
+                save(ep, files[kind, target], target=target, fuse="none")
+    return files, ids.numpy(), [c.numpy() for c in caches], hf
+
+
+def test_greedy_generation_with_in_place_attention_matches_hf(decoder_files):
+    """target circle writes ATTENTION with one output whose caches are updated in place:
+    prefill + decode steps in the interpreter generate HF's greedy tokens."""
+    files, ids, caches, hf = decoder_files
+    decode = reference.Interpreter(read_model(files["decode", "circle"]))
+    assert "ATTENTION" in {op.opcode for op in decode.model.subgraphs[0].operators}
+    logits, *caches = reference.run(files["prefill", "circle"], [ids, np.array([0]), *caches])
+    tokens, pos = [int(logits[0, -1].argmax())], ids.shape[1]
+    while len(tokens) < len(hf):
+        logits, *caches = decode.run([np.array([[tokens[-1]]]), np.array([pos]), *caches])
+        tokens.append(int(logits[0, -1].argmax()))
+        pos += 1
+    assert tokens == hf
+
+
+def test_onert_decode_step_matches_the_interpreter(decoder_files):
+    """The onert decode graph (one position: ROPE builtin, decomposed attention)."""
+    files, ids, caches, _ = decoder_files
+    inputs = [ids[:, :1], np.array([3]), *caches]
+    ours = reference.run(files["decode", "onert"], inputs)
+    real = onert.run(files["decode", "onert"], inputs)
+    assert "ROPE" in {op.opcode for op in read_model(files["decode", "onert"]).subgraphs[0].operators}
+    assert len(ours) == len(real)
+    for a, b in zip(ours, real):
+        assert _max_diff(a, b) <= 1e-5
