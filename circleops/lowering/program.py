@@ -142,6 +142,11 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
         {k: remap[0][i] for k, i in sig_outputs.items()}))
     if target == "onert":
         _check_float32(ctx.model)
+    if target == "tflite":
+        # fp16 ops without a LiteRT CPU kernel compute in fp32 (see tflite_fp16)
+        from circleops.lowering.tflite_fp16 import legalize_fp16
+
+        legalize_fp16(ctx.model)
     return ctx.model
 
 
@@ -261,6 +266,6 @@ def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: d
             "@circleops.lowering.lower(<op>), or wrap it in a circle op (circleops.ops).")
     ctx.decomposing.append(target)
     try:
-        return ctx.call(fn, *args, **kwargs)
+        return ctx.call(fn, *args, _decompose=True, **kwargs)
     finally:
         ctx.decomposing.pop()
