@@ -26,6 +26,7 @@ import torch
 from circleops.lowering.context import Value, const_value
 from circleops.lowering.registry import lower
 from circleops.ops import REGISTRY, OpSpec
+from circleops.ops._common import at_least_fp32
 
 _FLOAT32 = torch.float32
 
@@ -116,10 +117,24 @@ def _rms_norm_builtin(ctx, spec, x, weight, eps, offset, multiply, policy):
     return ctx.cast(y, ctx.out_dtype)
 
 
+def _offset_folded(bound: dict[str, Any]) -> dict[str, Any]:
+    """A constant weight with its offset added, and offset 0: the same values the reference
+    kernel multiplies by (in the dtype it adds them in). odml.rms_norm's second input is the
+    multiplier itself (LiteRT's delegates compute x̂·scale), so Gemma's 1 + w goes in whole."""
+    w, offset = bound["weight"], bound["offset"]
+    if offset == 0.0 or not isinstance(w, Value) or not w.is_const:
+        return bound
+    t = w.const.to(at_least_fp32(bound["x"].dtype)) if bound["multiply"] == "fp32" else w.const
+    return {**bound, "weight": const_value(offset + t), "offset": 0.0}
+
+
 @lower(torch.ops.circle.rms_norm)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["rms_norm"]
-    return fused(ctx, spec, bind(spec, args, kwargs), _rms_norm_builtin)
+    bound = bind(spec, args, kwargs)
+    if spec.targets[ctx.target] == "composite":
+        bound = _offset_folded(bound)
+    return fused(ctx, spec, bound, _rms_norm_builtin)
 
 
 # ------------------------------------------------------------------------ rope
