@@ -266,6 +266,6 @@ def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: d
             "@circleops.lowering.lower(<op>), or wrap it in a circle op (circleops.ops).")
     ctx.decomposing.append(target)
     try:
-        return ctx.call(fn, *args, _decompose=True, **kwargs)
+        return ctx.call(fn, *args, **kwargs)
     finally:
         ctx.decomposing.pop()
