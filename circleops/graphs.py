@@ -1,0 +1,639 @@
+"""Prefill and decode graphs of a causal LM over a static KV cache, for ``circleops generate``.
+
+    from circleops.graphs import convert_graphs
+    report = convert_graphs(model, "out/", target="onert", prefill_len=64, max_cache_len=256,
+                            tokenizer=tokenizer, verify=True)
+
+Both graphs are one :class:`~circleops.adapters.decode.DecoderWithCache` step exported at
+two sequence lengths:
+
+* prefill: ``input_ids [1, N]`` (the prompt, right-padded to N), ``pos [1] = 0`` and the
+  caches in; ``logits [1, N, V]`` and the caches holding the N tokens out. Padding needs no
+  mask of its own: the causal mask already hides it from the real tokens, and its cache
+  slots (P..N-1 for a prompt of P tokens) are hidden from every later step by the decode
+  mask (slot c visible iff c <= pos) and overwritten by the tokens decoded there.
+* decode: ``input_ids [1, 1]``, ``pos [1]`` and the caches in; ``logits [1, 1, V]`` and the
+  caches with that token's k/v written at ``pos`` out.
+
+Caches are ``[1, C, Hkv, D]`` (ONE's layout, C = ``max_cache_len``), all k caches then all
+v caches, one per layer, fp32 for an fp32 model.
+
+Files: onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature
+(measured: tests/generate/test_graphs.py), so target onert writes two files
+(prefill.circle, decode.circle). Circle and TFLite targets write one file with a
+``prefill`` and a ``decode`` signature whose subgraphs share every weight buffer: the
+reference interpreter and LiteRT run either signature. ``manifest.json`` records which.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
+
+GRAPH_NAMES = ("prefill", "decode")
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "circleops-generate"
+MANIFEST_VERSION = 1
+TOKENIZER_DIR = "tokenizer"
+DEFAULT_PREFILL_LEN = 64
+DEFAULT_MAX_CACHE_LEN = 256
+# Which runtime runs a target's files by default, and which can run them at all.
+DEFAULT_RUNTIME = {"onert": "onert", "circle": "reference", "tflite": "litert"}
+RUNTIMES = {"onert": ("onert", "reference"), "circle": ("reference",), "tflite": ("litert", "reference")}
+# The onert runtime gets one file per graph (see the module docstring).
+ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
+
+Progress = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------- manifest
+
+@dataclass
+class Manifest:
+    """What ``circleops generate`` needs to run the written graphs (``out/manifest.json``).
+
+    ``files[g]`` is the file of graph g (relative to the directory) and ``signatures[g]``
+    the signature to run in it (None: the file's main subgraph). ``inputs``/``outputs``
+    name the graphs' inputs and outputs in order (the same for both graphs).
+    """
+
+    directory: Path
+    target: str
+    dtype: str
+    files: dict[str, str]
+    signatures: dict[str, str | None]
+    prefill_len: int
+    max_cache_len: int
+    num_layers: int
+    cache_shape: list[int]
+    vocab_size: int
+    inputs: list[str]
+    outputs: list[str]
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    tokenizer: str | None = None
+    source: str = ""
+
+    @property
+    def default_runtime(self) -> str:
+        return DEFAULT_RUNTIME[self.target]
+
+    def path(self, graph: str) -> Path:
+        return self.directory / self.files[graph]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": self.source,
+            "target": self.target, "dtype": self.dtype, "default_runtime": self.default_runtime,
+            "files": self.files, "signatures": self.signatures,
+            "one_file_per_graph": len(set(self.files.values())) > 1,
+            "prefill_len": self.prefill_len, "max_cache_len": self.max_cache_len,
+            "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": "[1, C, Hkv, D]",
+            "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
+            "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
+        }
+
+    def write(self) -> Path:
+        path = self.directory / MANIFEST
+        tmp = path.with_name(f".{MANIFEST}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """The manifest of a directory written by ``circleops convert --graphs``."""
+    d = Path(directory)
+    if d.is_dir():
+        path = d / MANIFEST
+    elif d.name == MANIFEST and d.is_file():
+        path, d = d, d.parent
+    else:
+        raise ModelLoadError(f"{directory} is not a directory: pass the directory that `circleops convert "
+                             f"MODEL --graphs prefill,decode -o DIR` wrote.")
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{d} has no {MANIFEST}, so it was not written by `circleops convert --graphs`. Run "
+            f"`circleops convert MODEL --graphs prefill,decode --target onert -o {d}` first.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
+    if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
+        raise ModelLoadError(f"{path} is not a circleops generate manifest of version {MANIFEST_VERSION} "
+                             f"(format {data.get('format')!r}, version {data.get('version')!r}). Convert again "
+                             f"with --graphs.")
+    try:
+        m = Manifest(directory=d, target=data["target"], dtype=data["dtype"], files=data["files"],
+                     signatures=data["signatures"], prefill_len=int(data["prefill_len"]),
+                     max_cache_len=int(data["max_cache_len"]), num_layers=int(data["num_layers"]),
+                     cache_shape=list(data["cache_shape"]), vocab_size=int(data["vocab_size"]),
+                     inputs=list(data["inputs"]), outputs=list(data["outputs"]),
+                     eos_token_ids=list(data.get("eos_token_ids") or []),
+                     pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
+                     source=data.get("source", ""))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
+    if m.target not in DEFAULT_RUNTIME:
+        raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
+    return m
+
+
+# --------------------------------------------------------------------------- options
+
+def parse_graph_names(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"prefill,decode"`` -> ("prefill", "decode"), in canonical order; unknown names refused."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    unknown = [n for n in names if n not in GRAPH_NAMES]
+    if unknown or not names:
+        raise TargetError(f"--graphs takes a comma-separated list of {', '.join(GRAPH_NAMES)}; got "
+                          f"{','.join(names) or 'nothing'}. Use --graphs prefill,decode for circleops generate.")
+    return tuple(n for n in GRAPH_NAMES if n in names)
+
+
+def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | None, source: str) -> None:
+    """1 <= prefill length <= cache length <= the model's position limit."""
+    if prefill_len < 1 or max_cache_len < 1:
+        raise TargetError(f"--seq-len (prefill length, {prefill_len}) and --max-cache-len ({max_cache_len}) "
+                          f"must be at least 1.")
+    if prefill_len > max_cache_len:
+        raise TargetError(f"the prefill length --seq-len {prefill_len} is larger than the cache, --max-cache-len "
+                          f"{max_cache_len}: the prefill writes all its {prefill_len} slots into the cache. Use "
+                          f"--max-cache-len >= --seq-len.")
+    if max_positions is not None and max_cache_len > max_positions:
+        raise TargetError(f"--max-cache-len {max_cache_len} is more than {source} supports "
+                          f"(max_position_embeddings {max_positions}). Choose --max-cache-len <= {max_positions}.")
+
+
+# --------------------------------------------------------------------------- build, export, lower
+
+def decoder_step(model: Any, max_cache_len: int) -> Any:
+    """The model as a :class:`DecoderWithCache` (fuses the model's modules in place)."""
+    from circleops.adapters.decode import DecoderWithCache
+
+    return DecoderWithCache(model, max_len=max_cache_len)
+
+
+def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
+    """Export inputs of ``graph``: token ids, pos, zero caches."""
+    import torch
+
+    s = prefill_len if graph == "prefill" else 1
+    pos = 0 if graph == "prefill" else prefill_len
+    ids = torch.zeros((1, s), dtype=torch.int64)
+    return (ids, torch.tensor([pos], dtype=torch.int64), *step.empty_caches())
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names of both graphs, in order."""
+    caches = [f"k_cache_{i}" for i in range(num_layers)] + [f"v_cache_{i}" for i in range(num_layers)]
+    return ["input_ids", "pos", *caches], ["logits", *(f"new_{c}" for c in caches)]
+
+
+def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
+    """torch.export of one step at the graph's sequence length (errors as ExportError)."""
+    import torch
+
+    from circleops.convert import export
+
+    with torch.no_grad():
+        return export(step, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
+
+
+def lower_graph(ep: Any, graph: str, target: str, num_layers: int, dtype: Any = None) -> Any:
+    """Lower one exported step; its subgraph is named ``graph`` and its signature key is
+    ``graph`` with the io names of :func:`io_names`."""
+    from circleops.lowering import lower_program
+
+    model = lower_program(ep, target, dtype=dtype)
+    sub = model.subgraphs[0]
+    sub.name = graph
+    ins, outs = io_names(num_layers)
+    if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
+        raise CircleOpsError(f"internal: the {graph} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
+                             f"outputs, expected {len(ins)} and {len(outs)}.")
+    inputs = set(sub.inputs)
+    for idx, name in zip(sub.inputs, ins):
+        sub.tensors[idx].name = name
+    for idx, name in zip(sub.outputs, outs):
+        if idx not in inputs:  # an in-place cache update (Circle ATTENTION) outputs the input itself
+            sub.tensors[idx].name = name
+    sig = model.signatures[0]
+    sig.key = graph
+    sig.inputs = dict(zip(ins, sub.inputs))
+    sig.outputs = dict(zip(outs, sub.outputs))
+    return model
+
+
+def merge_models(models: dict[str, Any]) -> Any:
+    """One ir.Model holding every graph's subgraphs, one signature per graph.
+
+    Constants keep their tensors (the model's parameters), so the writer stores each
+    weight once and both subgraphs point at the same buffer.
+    """
+    from circleops import ir
+
+    merged = ir.Model(description=" + ".join(f"{g}" for g in models) + " (circleops)")
+    for graph, model in models.items():
+        offset = len(merged.subgraphs)
+        for sub in model.subgraphs:
+            if offset:
+                for op in sub.operators:
+                    for key, value in list(op.options.items()):
+                        # STABLEHLO_COMPOSITE's decomposition, IF/WHILE/CALL_ONCE bodies
+                        if key.endswith("SubgraphIndex") and isinstance(value, int):
+                            op.options[key] = value + offset
+            merged.subgraphs.append(sub)
+        for sig in model.signatures:
+            merged.signatures.append(ir.Signature(sig.key, sig.subgraph_index + offset, sig.inputs, sig.outputs))
+        merged.metadata.update(model.metadata)
+    return merged
+
+
+# --------------------------------------------------------------------------- convert
+
+@dataclass
+class GraphInfo:
+    name: str
+    file: str
+    signature: str | None
+    ops: dict[str, int]
+    file_size: int
+    inputs: list[tuple[str, list[int], str]]
+    outputs: list[tuple[str, list[int], str]]
+    max_abs_error: float | None = None
+
+
+@dataclass
+class GraphsReport:
+    """What ``convert_graphs`` wrote."""
+
+    directory: str
+    target: str
+    dtype: str
+    graphs: dict[str, GraphInfo]
+    manifest: Manifest | None
+    timings: dict[str, float] = field(default_factory=dict)
+    verify_runtime: str | None = None
+    tolerance: float | None = None
+    source: str = ""
+
+    @property
+    def one_file_per_graph(self) -> bool:
+        return len({g.file for g in self.graphs.values()}) > 1
+
+    def summary(self) -> str:
+        lines = [f"circleops: wrote {len(self.graphs)} graph(s) of {self.source or 'the model'} to {self.directory}/ "
+                 f"(target {self.target}, {self.dtype})"]
+        if self.one_file_per_graph:
+            lines.append(f"  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
+                         f"signature, so the weights are stored in each file")
+        else:
+            lines.append(f"  files: one file, a signature per graph, weights shared between them")
+        for g in self.graphs.values():
+            where = g.file + (f" [signature {g.signature}]" if g.signature else "")
+            ops = ", ".join(f"{k} {v}" for k, v in sorted(g.ops.items(), key=lambda kv: -kv[1])
+                            if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
+            lines.append(f"  {g.name:8s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
+            lines.append(f"           {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+        if self.manifest is not None:
+            m = self.manifest
+            lines.append(f"  manifest.json: prefill length {m.prefill_len}, cache length {m.max_cache_len}, "
+                         f"tokenizer {m.tokenizer or 'none'}, eos ids {m.eos_token_ids}")
+        if self.verify_runtime:
+            errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
+            lines.append(f"  verify ({self.verify_runtime}, against the model's own forward): max abs logit error "
+                         f"{errs} (tolerance {self.tolerance:.3g}): passed")
+        lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
+                     + f", total {sum(self.timings.values()):.1f} s")
+        return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _io(items: list[tuple[str, list[int], str]]) -> str:
+    caches = [x for x in items if "cache" in x[0]]
+    rest = [f"{n} {s}" for n, s, _ in items if "cache" not in n]
+    if caches:
+        rest.append(f"{len(caches)} caches {caches[0][1]}")
+    return ", ".join(rest)
+
+
+def _eos_ids(model: Any) -> list[int]:
+    ids: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if value is not None:
+            ids += list(value) if isinstance(value, (list, tuple)) else [value]
+    return sorted({int(i) for i in ids})
+
+
+def _pad_id(model: Any, eos: list[int]) -> int:
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return int(pad) if pad is not None else (eos[0] if eos else 0)
+
+
+def _prepare_dir(out_dir: Path, files: list[str]) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"-o {out_dir} is a file; with --graphs, -o names a directory (e.g. -o out/).")
+    parent = out_dir.parent if str(out_dir.parent) else Path(".")
+    if not out_dir.exists():
+        if not parent.is_dir():
+            raise OutputError(f"cannot create {out_dir}: the directory {parent} does not exist. Create it first.")
+        try:
+            out_dir.mkdir()
+        except OSError as err:
+            raise OutputError(f"cannot create {out_dir}: {err.strerror}. Choose a directory you can write.") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write into {out_dir}: permission denied. Choose a directory you can write.")
+    # A manifest describes a complete set of files: drop the old one before any file changes.
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+
+
+def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[str] = GRAPH_NAMES,
+                   target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
+                   max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
+                   verify: bool | str = False, tolerance: float | None = None, source: str = "",
+                   progress: Progress | None = None) -> GraphsReport:
+    """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
+    with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
+
+    ``model`` is a Hugging Face causal LM whose attention layers circle.attention can
+    express (Llama, Mistral, Phi3, Gemma; see DecoderWithCache); it is fused in place.
+    ``verify``: run the written graphs (True: the target's default runtime, or name one)
+    against the model's own forward: a prefill of a half-length prompt, then one decode
+    step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
+    """
+    import torch
+
+    from circleops import convert as api
+
+    graphs = parse_graph_names(graphs)
+    if target not in DEFAULT_RUNTIME:
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(DEFAULT_RUNTIME)}.")
+    torch_dtype = api._model_dtype(model) or torch.float32
+    api.check_target_dtype(target, torch_dtype)
+    runtime = None
+    if verify:
+        runtime = DEFAULT_RUNTIME[target] if verify is True else str(verify)
+        if runtime not in RUNTIMES[target]:
+            raise TargetError(f"runtime {runtime} cannot run target {target}'s files; use one of "
+                              f"{', '.join(RUNTIMES[target])}.")
+    config = getattr(model, "config", None)
+    check_lengths(prefill_len, max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
+    out_dir = Path(out_dir)
+    fmt = api.FORMATS[target]
+    files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
+    _prepare_dir(out_dir, sorted(set(files.values())))
+    timings: dict[str, float] = {}
+
+    def stage(name: str) -> float:
+        if progress is not None:
+            progress(name)
+        return time.perf_counter()
+
+    model.eval()
+    references = None
+    if runtime is not None:  # the model's own forward, before its modules are fused
+        t = stage("verify")
+        references = _verify_references(model, prefill_len)
+        timings["verify"] = time.perf_counter() - t
+
+    t = stage("export")
+    step = decoder_step(model, max_cache_len)
+    eps = {g: export_graph(step, g, prefill_len) for g in graphs}
+    timings["export"] = time.perf_counter() - t
+
+    t = stage("lower")
+    lowered = {g: lower_graph(ep, g, target, step.num_layers, dtype=torch_dtype) for g, ep in eps.items()}
+    del eps
+    timings["lower"] = time.perf_counter() - t
+
+    t = stage("write")
+    from circleops.serialize import write_model
+
+    infos: dict[str, GraphInfo] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for g, m in lowered.items():
+        groups.setdefault(files[g], {})[g] = m
+    for file, members in groups.items():
+        one = next(iter(members.values())) if len(members) == 1 and ONE_FILE_PER_GRAPH[target] else merge_models(members)
+        try:
+            info = write_model(one, str(out_dir / file), fmt)
+        except OSError as err:
+            raise OutputError(f"cannot write {out_dir / file}: {err.strerror or err}.") from None
+        for g, m in members.items():
+            sub = m.subgraphs[0]
+            infos[g] = GraphInfo(
+                name=g, file=file, signature=None if ONE_FILE_PER_GRAPH[target] else g,
+                ops=api.op_histogram(m), file_size=info.file_bytes,
+                inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
+                outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
+                         for n, i in zip(io_names(step.num_layers)[1], sub.outputs)])
+    del lowered, groups
+    tokenizer_dir = None
+    if tokenizer is not None:
+        try:
+            tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+        except OSError as err:
+            raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
+        tokenizer_dir = TOKENIZER_DIR
+    eos = _eos_ids(model)
+    ins, outs = io_names(step.num_layers)
+    manifest = Manifest(
+        directory=out_dir, target=target, dtype=api.DTYPE_NAMES.get(torch_dtype, str(torch_dtype)),
+        files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
+        prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
+        cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
+        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source)
+    timings["write"] = time.perf_counter() - t
+
+    report = GraphsReport(directory=str(out_dir), target=target, dtype=manifest.dtype, graphs=infos,
+                          manifest=manifest, timings=timings, source=source)
+    if runtime is not None:
+        t = stage("verify")
+        tol = api.TOLERANCE[torch_dtype] if tolerance is None else tolerance
+        try:
+            errors = _verify(manifest, graphs, runtime, references, tol)
+        except BaseException:
+            _remove_outputs(out_dir, files)
+            raise
+        for g, err in errors.items():
+            infos[g].max_abs_error = err
+        report.verify_runtime, report.tolerance = runtime, tol
+        timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t
+    manifest.write()
+    return report
+
+
+def _remove_outputs(out_dir: Path, files: dict[str, str]) -> None:
+    for f in set(files.values()):
+        (out_dir / f).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- verify
+
+@dataclass
+class _References:
+    prompt: Any  # [P] int64
+    prefill_logits: Any  # [P, V]: HF logits of the prompt
+    next_token: int  # HF's greedy token after the prompt
+    decode_logits: Any  # [V]: HF logits after prompt + next_token
+
+
+def _verify_references(model: Any, prefill_len: int) -> _References:
+    """The model's own (HF, no cache) logits for a prompt of half the prefill length and
+    one greedy token after it: what the prefill and one decode step must reproduce."""
+    import torch
+
+    from circleops.models import example_token_ids
+
+    p = max(1, prefill_len // 2)
+    prompt = example_token_ids(p, int(model.config.vocab_size))[0]
+    with torch.no_grad():
+        logits = model(input_ids=prompt[None], use_cache=False).logits[0]
+        nxt = int(logits[-1].argmax())
+        after = model(input_ids=torch.cat([prompt, torch.tensor([nxt])])[None], use_cache=False).logits[0, -1]
+    return _References(prompt, logits.float().numpy(), nxt, after.float().numpy())
+
+
+def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References, tol: float) -> dict[str, float]:
+    """Max abs logit error per graph; VerifyError above tol x max(1, max|logit|)."""
+    import numpy as np
+
+    from circleops.generate import Generator
+
+    if set(graphs) != set(GRAPH_NAMES):
+        return _verify_single(manifest, graphs, runtime, refs, tol)
+    gen = Generator(manifest, runtime=runtime)
+    logits = gen.prefill(refs.prompt.tolist(), all_logits=True)
+    errors = {"prefill": float(np.abs(logits - refs.prefill_logits).max())}
+    step = gen.decode(refs.next_token)
+    errors["decode"] = float(np.abs(step - refs.decode_logits).max())
+    _check_errors(errors, {"prefill": refs.prefill_logits, "decode": refs.decode_logits}, runtime, tol, manifest)
+    return errors
+
+
+def _verify_single(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References,
+                   tol: float) -> dict[str, float]:
+    """One graph alone: prefill as above; decode as the first token at pos 0 on empty caches."""
+    import numpy as np
+    import torch
+
+    from circleops.generate import open_graph
+
+    (graph,) = graphs
+    run = open_graph(manifest, graph, runtime)
+    caches = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
+    p = len(refs.prompt)
+    if graph == "prefill":
+        ids = np.full((1, manifest.prefill_len), manifest.pad_token_id, dtype=np.int64)
+        ids[0, :p] = refs.prompt.numpy()
+        out = run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
+        ref = refs.prefill_logits
+    else:
+        first = refs.prompt[:1]
+        out = run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
+        ref = refs.prefill_logits[0]
+    errors = {graph: float(np.abs(out - ref).max())}
+    _check_errors(errors, {graph: ref}, runtime, tol, manifest)
+    return errors
+
+
+def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, tol: float, manifest: Manifest) -> None:
+    import numpy as np
+
+    for g, err in errors.items():
+        scale = max(1.0, float(np.abs(refs[g]).max()))
+        if not err <= tol * scale:
+            raise VerifyError(
+                f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
+                f"(tolerance {tol:.3g} x {scale:.3g}); the files in {manifest.directory} were removed. Convert "
+                f"without --verify to inspect them (circleops inspect), and report the model.")
+
+
+# --------------------------------------------------------------------------- CLI (circleops convert --graphs)
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``circleops convert`` takes for --graphs (its other options apply too)."""
+    parser.add_argument("--graphs", metavar="LIST", default=None,
+                        help="write generation graphs instead of one forward: prefill,decode (with a static KV "
+                             "cache) into the directory -o, with manifest.json and the tokenizer, for "
+                             "`circleops generate`. --seq-len is the prefill length (default 64)")
+    parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
+                        help=f"with --graphs: KV-cache slots, the longest prompt + generation "
+                             f"(default {DEFAULT_MAX_CACHE_LEN})")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``circleops convert MODEL --graphs prefill,decode -o DIR``."""
+    from circleops import convert as api
+    from circleops import models
+
+    graphs = parse_graph_names(args.graphs)
+    if args.model is None and args.config is None:
+        raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "
+                          "config.json for random weights.")
+    if args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep"):
+        raise TargetError(f"--graphs needs the model itself, not an ExportedProgram ({args.model}): the prefill "
+                          f"and decode graphs are exported from the model with its KV cache. Pass the HF directory, "
+                          f".gguf file or smollm2.")
+    if args.fuse not in ("auto", "adapters"):
+        raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
+                          f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
+    dtype = api.DTYPES[args.dtype]
+    api.check_target_dtype(args.target, dtype)
+    prefill_len = DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
+    check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
+    verify: bool | str = args.runtime or bool(args.verify)
+    if verify and verify is not True and verify not in RUNTIMES[args.target]:
+        raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
+                          f"{', '.join(RUNTIMES[args.target])}.")
+    out = Path(args.output)
+    if out.suffix.lower() in (".circle", ".tflite"):
+        raise OutputError(f"with --graphs, -o names a directory (the graphs, manifest.json and the tokenizer go "
+                          f"into it), not a {out.suffix} file: use e.g. -o {out.with_suffix('')}/.")
+
+    t = time.perf_counter()
+    if not args.quiet:
+        print("circleops: loading the model", file=sys.stderr)
+    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+    if loaded.kind != "hf":
+        raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
+    load_seconds = time.perf_counter() - t
+
+    def progress(stage: str) -> None:
+        if not args.quiet:
+            print(f"circleops: {stage}", file=sys.stderr)
+
+    report = convert_graphs(loaded.module, out, graphs=graphs, target=args.target, prefill_len=prefill_len,
+                            max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
+                            tolerance=args.tolerance, source=loaded.source, progress=progress)
+    report.timings = {"load": load_seconds, **report.timings}
+    if args.report:
+        try:
+            Path(args.report).write_text(json.dumps(_report_json(report), indent=2) + "\n")
+        except OSError as err:
+            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
+    if not args.quiet:
+        print(report.summary())
+    return 0
+
+
+def _report_json(report: GraphsReport) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {"directory": report.directory, "target": report.target, "dtype": report.dtype, "source": report.source,
+            "graphs": {g: asdict(info) for g, info in report.graphs.items()},
+            "manifest": report.manifest.to_json() if report.manifest else None,
+            "verify_runtime": report.verify_runtime, "tolerance": report.tolerance,
+            "timings": {k: round(v, 3) for k, v in report.timings.items()}}
