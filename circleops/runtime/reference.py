@@ -90,8 +90,11 @@ class _Plan:
         for k, op in enumerate(sg.operators):
             fn = KERNELS.get(op.opcode)
             if fn is None:
+                name = op.opcode
+                if name == "CUSTOM":  # the custom code is what names a custom op
+                    name += f" {op.options.get('customCode')!r}"
                 raise RuntimeRunError(
-                    f"reference interpreter: no kernel for opcode {op.opcode} (operator {k} of subgraph "
+                    f"reference interpreter: no kernel for opcode {name} (operator {k} of subgraph "
                     f"{index} {sg.name!r}, output tensor {_out_name(sg, op)!r}). The interpreter knows "
                     f"{len(KERNELS)} opcodes (circleops.runtime.reference.supported_opcodes()); add one "
                     "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")

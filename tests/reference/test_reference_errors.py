@@ -99,3 +99,11 @@ def test_bf16_inputs_and_outputs():
     (y,) = reference.run(model, [x.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)])
     assert y.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(y.astype(np.float32), (-x).float().numpy())
+
+
+def test_custom_op_error_names_its_custom_code():
+    model, feeds = one_op("RELU", [Feed(np.ones((2,), np.float32))], [np.ones((2,), np.float32)])
+    op = model.subgraphs[0].operators[0]
+    op.opcode, op.options = "CUSTOM", {"customCode": "MyFancyOp", "customOptions": b""}
+    with pytest.raises(RuntimeRunError, match=r"no kernel for opcode CUSTOM 'MyFancyOp' \(operator 0"):
+        reference.run(model, feeds)
