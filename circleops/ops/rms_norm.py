@@ -56,10 +56,11 @@ def _scaled(x: Tensor, eps: float) -> Tensor:
     With k = ceil(log2(max|x|)) and m = 2^k, the variance is taken of x/m (|x/m| <= ~1, so
     neither the squares nor their sum can overflow, even with an fp16 accumulator) and eps
     becomes eps/m². Because m is a power of two, x/m and x/(m/64) are exact: the only
-    roundings are the squares, the mean, the rsqrt and two products, which keeps the
-    result within 3 ulp of the fp64 value (measured 2.7 worst over hidden 64..8192 and
-    input RMS 1e-3..1e4). 2 ulp would need double-word (Dekker) arithmetic: a single
-    rounded row factor already costs up to ~2.3 ulp (measured with an exact row factor).
+    roundings are the squares, the mean, the rsqrt and two products. Worst error against
+    an fp64 oracle (hidden 64..8192, input RMS 1e-3..1e4): 2.75 ulp in fp16, 3.3 in bf16
+    (was 4.2 with m = max|x|, whose x/m rounds and goes subnormal). A row factor rounded
+    to the input dtype and two rounded products cost ~2.4-2.8 ulp even when the row
+    factor is exact, so 2 ulp would need double-word (Dekker) arithmetic per element.
 
     eps/m² is built as E·2^(j - 2k) with eps = E·2^j, E in [1, 2): eps itself is below
     fp16's normal range, and this way the only rounding is that of E.
