@@ -1,0 +1,139 @@
+"""Helpers for tests/tflite: convert once per session, run in LiteRT, read files with
+LiteRT's own schema bindings (ai_edge_litert.schema_py_generated), independent of
+circleops' reader.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+# LiteRT's kernels: with the default XNNPACK delegate, and the builtin kernels alone
+# (what runs a composite's decomposition subgraph, and what a runtime without XNNPACK has).
+RESOLVERS = ("xnnpack", "builtin")
+
+
+def litert(path: str | Path, inputs: list[np.ndarray], resolver: str = "xnnpack") -> list[np.ndarray]:
+    """Run ``path`` in LiteRT with the chosen kernels; outputs in subgraph order."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    kind = {"xnnpack": OpResolverType.AUTO, "builtin": OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES}[resolver]
+    it = Interpreter(model_path=str(path), experimental_op_resolver_type=kind, num_threads=2)
+    it.allocate_tensors()
+    for d, x in zip(it.get_input_details(), inputs):
+        it.set_tensor(d["index"], np.ascontiguousarray(x))
+    it.invoke()
+    return [it.get_tensor(d["index"]).copy() for d in it.get_output_details()]
+
+
+def max_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
+
+
+def scale(want: np.ndarray) -> float:
+    """The error scale of convert's verify: max(1, max|torch output|)."""
+    return max(1.0, float(np.abs(np.asarray(want, np.float64)).max()))
+
+
+# ----------------------------------------------------------------------------- file structure
+
+def schema():
+    from ai_edge_litert import schema_py_generated
+
+    return schema_py_generated
+
+
+def read(path: str | Path):
+    """The file as LiteRT's object API (ModelT)."""
+    return schema().ModelT.InitFromPackedBuf(Path(path).read_bytes(), 0)
+
+
+_OP_NAMES: dict[int, str] = {}
+
+
+def opname(model, op) -> str:
+    if not _OP_NAMES:
+        ops = schema().BuiltinOperator
+        _OP_NAMES.update({v: k for k, v in vars(ops).items() if not k.startswith("_") and isinstance(v, int)})
+    code = model.operatorCodes[op.opcodeIndex]
+    return _OP_NAMES[max(code.builtinCode, code.deprecatedBuiltinCode)]
+
+
+TYPE_NAMES = {"FLOAT32": 0, "FLOAT16": 1, "INT32": 2, "INT64": 4, "BOOL": 6}
+_TYPES = {v: k for k, v in TYPE_NAMES.items()}
+
+
+def dtype(sg, index: int) -> str:
+    return _TYPES.get(sg.tensors[index].type, str(sg.tensors[index].type))
+
+
+def constant(model, sg, index: int) -> np.ndarray | None:
+    """A constant tensor's values (inline buffers), else None."""
+    t = sg.tensors[index]
+    buf = model.buffers[t.buffer]
+    if buf.data is None or len(buf.data) == 0:
+        return None
+    np_type = {0: np.float32, 1: np.float16, 2: np.int32, 4: np.int64}[t.type]
+    return np.frombuffer(bytes(buf.data), np_type).reshape(t.shape)
+
+
+@dataclass
+class Composite:
+    name: str
+    attributes: dict[str, Any]
+    subgraph: int  # decomposition subgraph index
+    op: Any
+    version: int  # OperatorCode.version
+
+
+def composites(model, subgraph: int = 0) -> list[Composite]:
+    from flatbuffers import flexbuffers
+
+    out = []
+    sg = model.subgraphs[subgraph]
+    for op in sg.operators:
+        if opname(model, op) != "STABLEHLO_COMPOSITE":
+            continue
+        o = op.builtinOptions2
+        attrs = flexbuffers.Loads(bytes(o.compositeAttributes)) if o.compositeAttributes is not None else {}
+        out.append(Composite(o.name.decode(), attrs, o.decompositionSubgraphIndex, op,
+                             model.operatorCodes[op.opcodeIndex].version))
+    return out
+
+
+def composite_counts(model) -> Counter:
+    return Counter(c.name for c in composites(model))
+
+
+# ----------------------------------------------------------------------------- conversions
+
+@dataclass
+class Converted:
+    """One conversion: the file, convert's Report, the inputs and torch's outputs."""
+
+    path: Path
+    report: Any
+    inputs: list[np.ndarray]
+    expected: list[np.ndarray]
+    model: torch.nn.Module
+
+
+def convert(build: Callable[[], torch.nn.Module], example: Callable[[], torch.Tensor], path: Path,
+            dtype: torch.dtype = torch.float32, **kw: Any) -> Converted:
+    """Build the model in ``dtype``, run torch on the example, convert for target tflite."""
+    import circleops
+    from circleops.convert import export_module
+
+    model = build().to(dtype).eval()
+    x = example()
+    if x.is_floating_point():
+        x = x.to(dtype)
+    with torch.no_grad():
+        out = export_module(model)(x)
+    name = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+    report = circleops.convert(model, (x,), path, target="tflite", dtype=name, **kw)
+    return Converted(path, report, [x.numpy()], [out.detach().numpy()], model)
