@@ -37,6 +37,7 @@ MISSING_BUILTINS: dict[str, frozenset[str]] = {
         "RESIZE_NEAREST_NEIGHBOR",  # "KernelGenerator: NYI"
         "INSTANCE_NORM",            # "KernelGenerator: NYI"
         "ATTENTION",                # "Unsupported operation"
+        "CUMSUM",                   # no CPU kernel
     }),
 }
 
@@ -358,6 +359,10 @@ class LoweringContext:
         shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
         if x.is_const and indices.is_const:
             return const_value(x.const.index_select(axis, indices.const.reshape(-1).long()).reshape(shape))
+        if self.target == "onert" and x.dtype in (torch.int64, torch.bool):
+            # onert gathers float32/int32 data only ("Gather: unsupported input data type");
+            # int64 here is positions and counts, far inside int32
+            return self.cast(self.gather(self.cast(x, torch.int32), indices, axis), x.dtype)
         return self.emit("GATHER", [x, indices], "GatherOptions", out_shape=shape, out_dtype=x.dtype,
                          axis=axis, batchDims=0)
 
@@ -389,10 +394,13 @@ class LoweringContext:
             self.sg = prev
 
     # ---------------------------------------------------------------- tracing
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def call(self, fn: Callable[..., Any], *args: Any, _decompose: bool = False, **kwargs: Any) -> Any:
         """Lower ``fn(*args, **kwargs)`` inline: trace it with make_fx over the Values'
         shapes and dtypes (other arguments are baked in) and lower the traced aten nodes
         through the same registry. Returns fn's result with tensors replaced by Values.
+
+        The trace keeps composite ops whole (linear, matmul: the export's own dialect)
+        unless ``_decompose``, which traces below them (for ops with no lowering).
         """
         from circleops.lowering.program import lower_graph
 
@@ -400,14 +408,14 @@ class LoweringContext:
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Value)]
         key = None
         try:
-            key = (fn, spec, tuple((leaf.shape, leaf.dtype) if isinstance(leaf, Value) else ("py", type(leaf), leaf)
+            key = (fn, _decompose, spec, tuple((leaf.shape, leaf.dtype) if isinstance(leaf, Value) else ("py", type(leaf), leaf)
                                    for leaf in leaves))
             hash(key)
         except TypeError:
             key = None
         gm = _TRACES.get(key) if key is not None else None
         if gm is None:
-            gm = _trace(fn, leaves, spec, slots)
+            gm = _trace(fn, leaves, spec, slots, decompose=_decompose)
             if key is not None:
                 if len(_TRACES) >= _TRACE_CACHE_SIZE:
                     _TRACES.pop(next(iter(_TRACES)))
@@ -433,7 +441,23 @@ _TRACES: dict[Any, torch.fx.GraphModule] = {}
 _TRACE_CACHE_SIZE = 256
 
 
-def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int]) -> torch.fx.GraphModule:
+_FALLBACK_TABLE: dict[Any, Callable[..., Any]] | None = None
+
+
+def fallback_decompositions() -> dict[Any, Callable[..., Any]]:
+    """torch's core-aten decompositions for the ops that have no lowering of their own."""
+    global _FALLBACK_TABLE
+    if _FALLBACK_TABLE is None:
+        from torch._decomp import core_aten_decompositions
+
+        from circleops.lowering.registry import lowering_for
+
+        _FALLBACK_TABLE = {op: fn for op, fn in core_aten_decompositions().items() if lowering_for(op) is None}
+    return _FALLBACK_TABLE
+
+
+def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int],
+           decompose: bool = False) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def traced(*tensors: torch.Tensor) -> Any:
@@ -444,4 +468,6 @@ def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int
         return fn(*a, **k)
 
     metas = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in slots]
+    if decompose:
+        return make_fx(traced, decomposition_table=fallback_decompositions())(*metas)
     return make_fx(traced, pre_dispatch=True)(*metas)

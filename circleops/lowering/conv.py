@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from circleops.lowering.circle_ops import instance_norm
 from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
 from circleops.lowering.shape import _paddings
@@ -159,42 +158,6 @@ def _(ctx, node, x, output_size, scale_factors):
 @lower(aten.upsample_nearest2d.default)
 def _(ctx, node, x, output_size, scales_h=None, scales_w=None):
     return upsample_nearest2d(ctx, x, None if scales_h is None else (scales_h, scales_w))
-
-
-# ------------------------------------------------------------------------ normalisation
-@lower(aten.instance_norm)
-def _(ctx, node, x, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
-    if not use_input_stats:
-        return _batch_norm(ctx, x, weight, bias, running_mean, running_var, eps)
-    return instance_norm(ctx, x, weight, bias, eps)
-
-
-def _batch_norm(ctx, x, weight, bias, mean, var, eps):
-    """Inference batch norm: x · s + t with s = w / sqrt(var + eps), t = b - mean · s."""
-    shape = (1, x.shape[1]) + (1,) * (x.rank - 2)
-    if not (mean.is_const and var.is_const and (weight is None or weight.is_const) and (bias is None or bias.is_const)):
-        raise ctx.unsupported("normalizes with running statistics that are not constants",
-                              "Export the model in eval mode with its statistics as buffers.")
-    s = torch.rsqrt(var.const.float() + eps)
-    if weight is not None:
-        s = s * weight.const.float()
-    t = -mean.const.float() * s
-    if bias is not None:
-        t = t + bias.const.float()
-    y = ctx.mul(x, const_value(s.reshape(shape).to(x.dtype)), x.dtype)
-    return ctx.add(y, const_value(t.reshape(shape).to(x.dtype)), x.dtype)
-
-
-@lower(aten.batch_norm)
-def _(ctx, node, x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
-    if training:
-        raise ctx.unsupported("runs batch norm in training mode", "Call model.eval() before export.")
-    return _batch_norm(ctx, x, weight, bias, running_mean, running_var, eps)
-
-
-@lower(aten._native_batch_norm_legit_no_training)
-def _(ctx, node, x, weight, bias, running_mean, running_var, momentum, eps):
-    return [_batch_norm(ctx, x, weight, bias, running_mean, running_var, eps), None, None]
 
 
 # ------------------------------------------------------------------------ pooling

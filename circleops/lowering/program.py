@@ -245,27 +245,27 @@ def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: 
     return _decompose(ctx, node, args, kwargs)
 
 
-def _decomposition(target: Any) -> Any:
-    from torch._decomp import decomposition_table
+def _decomposable(target: Any) -> bool:
+    from circleops.lowering.context import fallback_decompositions
 
-    fn = decomposition_table.get(target)
-    if fn is None and isinstance(target, torch._ops.OpOverload) and target.has_kernel_for_dispatch_key(
-            torch._C.DispatchKey.CompositeImplicitAutograd):
-        fn = target.decompose
-    return fn
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target in fallback_decompositions() or target.has_kernel_for_dispatch_key(
+        torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
-    """Lower a node with no lowering of its own through its decomposition, traced locally."""
+    """Lower a node with no lowering of its own through its decomposition (torch's
+    core-aten table, or the op's CompositeImplicit kernel), traced locally down to ops that
+    have lowerings."""
     target = node.target
-    fn = _decomposition(target) if target not in ctx.decomposing else None
-    if fn is None:
+    if target in ctx.decomposing or not _decomposable(target):
         raise ctx.unsupported(
             f"calls {target}, which has no lowering for target {ctx.target!r} and no decomposition into ops that do",
             "Replace that call in the model with supported ops, register a lowering with "
             "@circleops.lowering.lower(<op>), or wrap it in a circle op (circleops.ops).")
     ctx.decomposing.append(target)
     try:
-        return ctx.call(fn, *args, **kwargs)
+        return ctx.call(target, *args, _decompose=True, **kwargs)
     finally:
         ctx.decomposing.pop()

@@ -116,6 +116,18 @@ def _(ctx, node, x, dim, keepdim=False):
 
 @lower(aten.cumsum)
 def _(ctx, node, x, dim, dtype=None):
-    x = ctx.cast(x, ctx.out_dtype)
-    return ctx.emit("CUMSUM", [x, ctx.const(int(dim) % x.rank, torch.int32)], "CumsumOptions",
-                    exclusive=False, reverse=False)
+    dtype = ctx.out_dtype
+    dim = int(dim) % x.rank
+    if ctx.supports("CUMSUM"):
+        return ctx.emit("CUMSUM", [ctx.cast(x, dtype), ctx.const(dim, torch.int32)], "CumsumOptions",
+                        exclusive=False, reverse=False)
+    # x · U with U upper-triangular ones, in float32: exact for the integer counts and
+    # position arithmetic (< 2**24) this appears in (HF's packed-sequence mask)
+    perm = [d for d in range(x.rank) if d != dim] + [dim]
+    inverse = [perm.index(d) for d in range(x.rank)]
+    n = x.shape[dim]
+    h = ctx.transpose(ctx.cast(x, torch.float32), perm)
+    tri = ctx.const(torch.tril(torch.ones(n, n, dtype=torch.float32)))  # FC weight [out, in]
+    y = ctx.emit("FULLY_CONNECTED", [ctx.reshape(h, (-1, n)), tri, None], "FullyConnectedOptions",
+                 out_shape=(h.numel // n, n), out_dtype=torch.float32, fusedActivationFunction=0, keepNumDims=False)
+    return ctx.cast(ctx.transpose(ctx.reshape(y, h.shape), inverse), dtype)

@@ -1,6 +1,8 @@
 """Shape and data movement: views, transposes, slices, concatenation, gathers, padding."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from circleops.lowering.context import const_value
@@ -121,12 +123,28 @@ def _(ctx, node, x, dim, index):
 
 @lower(aten.index.Tensor)
 def _(ctx, node, x, indices):
-    present = [i for i, t in enumerate(indices) if t is not None]
-    if len(present) != 1 or indices[present[0]].dtype == torch.bool:
-        raise ctx.unsupported("indexes with several index tensors or a boolean mask",
-                              "Use a single integer index tensor per indexing (index_select/gather), "
-                              "or compute the index from constants so it folds.")
-    return ctx.gather(x, indices[present[0]], present[0])
+    """x[i0, i1, ...] (advanced indexing) as one GATHER over the indexed dims flattened:
+    the flat index is Σ i_k · stride_k, so any runtime with GATHER runs it."""
+    dims = [d for d, t in enumerate(indices) if t is not None]
+    if any(indices[d].dtype == torch.bool for d in dims):
+        raise ctx.unsupported("indexes with a boolean mask (a data-dependent shape)",
+                              "Use torch.where, or integer indices.")
+    if dims != list(range(dims[0], dims[-1] + 1)):  # not adjacent: torch puts the index dims first
+        rest = [d for d in range(x.rank) if d not in dims]
+        x = ctx.transpose(x, dims + rest)
+        dims = list(range(len(dims)))
+        indices = [indices[d] for d in range(len(indices)) if indices[d] is not None]
+    p, sizes = dims[0], [x.shape[d] for d in dims]
+    flat = None
+    for d, size in zip(dims, sizes):
+        i = ctx.cast(indices[d], torch.int64)
+        if i.is_const:
+            i = const_value(torch.remainder(i.const, size))
+        else:  # negative indices count from the end
+            i = ctx.add(i, ctx.mul(ctx.cast(ctx.binary("LESS", i, 0, out_dtype=torch.bool), torch.int64), size))
+        flat = i if flat is None else ctx.add(ctx.mul(flat, size), i)
+    x = ctx.reshape(x, x.shape[:p] + (math.prod(sizes),) + x.shape[p + len(dims):])
+    return ctx.gather(x, flat, p)
 
 
 # ------------------------------------------------------------------------ constants of a shape
@@ -188,3 +206,14 @@ def _(ctx, node, x, pad, value=0):
 @lower(aten.flip)
 def _(ctx, node, x, dims):
     return ctx.emit("REVERSE_V2", [x, ctx.i32([d % x.rank for d in dims])])
+
+
+@lower(aten.diff)
+def _(ctx, node, x, n=1, dim=-1, prepend=None, append=None):
+    x = ctx.concat([p for p in (prepend, x, append) if p is not None], dim)
+    for _ in range(n):
+        size = x.shape[dim % x.rank]
+        hi, lo = ctx.slice(x, dim, 1, size), ctx.slice(x, dim, 0, size - 1)
+        # bool diff is "changed" (torch: logical xor)
+        x = ctx.binary("NOT_EQUAL", hi, lo, out_dtype=torch.bool) if x.dtype == torch.bool else ctx.sub(hi, lo)
+    return x

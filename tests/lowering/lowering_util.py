@@ -57,6 +57,14 @@ def family_program(name: str, fused: str = "none", dtype: torch.dtype = torch.fl
         return torch.export.export(model, (ids,), strict=False)
 
 
+@functools.lru_cache(maxsize=None)
+def lowered(name: str, fused: str, target: str, dtype: torch.dtype = torch.float32) -> ir.Model:
+    from circleops.lowering import lower_program
+
+    return lower_program(family_program(name, fused, dtype), target)
+
+
+@functools.lru_cache(maxsize=None)
 def reference_logits(name: str, dtype: torch.dtype = torch.float32, seq: int = SEQ) -> torch.Tensor:
     with torch.no_grad():
         return family_model(name, dtype)(input_ids=example_ids(seq)).logits
