@@ -137,3 +137,27 @@ def convert(build: Callable[[], torch.nn.Module], example: Callable[[], torch.Te
     name = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
     report = circleops.convert(model, (x,), path, target="tflite", dtype=name, **kw)
     return Converted(path, report, [x.numpy()], [out.detach().numpy()], model)
+
+
+# ----------------------------------------------------------------------------- one-op models
+
+def one_op(opcode: str, operands: list[tuple[np.ndarray, bool]], out: np.ndarray,
+           options_type: str | None = None, options: dict | None = None):
+    """An ir.Model with the single operator ``opcode``: operands are (array, is_constant);
+    the output is declared like ``out``. Returns (model, arrays to feed)."""
+    from circleops import ir
+
+    sg = ir.Subgraph("main")
+    ins, feeds = [], []
+    for k, (arr, is_const) in enumerate(operands):
+        t = ir.Tensor(f"in{k}", tuple(arr.shape), ir.TORCH_TO_TYPE[torch.from_numpy(arr).dtype],
+                      arr if is_const else None)
+        idx = sg.add_tensor(t)
+        ins.append(idx)
+        if not is_const:
+            sg.inputs.append(idx)
+            feeds.append(arr)
+    o = sg.add_tensor(ir.Tensor("out", tuple(out.shape), ir.TORCH_TO_TYPE[torch.from_numpy(out).dtype]))
+    sg.outputs = [o]
+    sg.operators.append(ir.Operator(opcode, ins, [o], options_type, dict(options or {})))
+    return ir.Model([sg]), feeds
