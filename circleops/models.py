@@ -310,13 +310,40 @@ def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     cfg = _read_config(path)
     config = _build_config(cfg, str(path))
     cls = _model_class(config, cfg, str(path))
-    torch.manual_seed(seed)
-    with default_dtype(dtype):
-        try:
-            model = cls(config)
-        except Exception as err:
-            raise ModelLoadError(f"cannot build a model from {path}: {_first_line(err)}") from None
+    try:
+        model = build_random(cls, config, dtype=dtype, seed=seed)
+    except Exception as err:
+        raise ModelLoadError(f"cannot build a model from {path}: {_first_line(err)}") from None
     return LoadedModel(f"{path} (random weights, seed {seed})", "hf", _finish(model, dtype))
+
+
+def build_random(cls: type, config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """``cls(config)`` with random weights, each parameter allocated once in ``dtype`` and
+    initialized once.
+
+    A plain ``cls(config)`` initializes every Linear twice (torch's kaiming init in the
+    constructor, then HF's ``_init_weights``), which for a 1B model is most of the load
+    time. Here the modules are built with parameters on meta, each parameter is allocated
+    zeroed (calloc: pages are touched only when written) and HF's init runs once.
+    """
+    with params_on_meta(), default_dtype(dtype):
+        model = cls(config)
+    fresh: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in fresh:
+                fresh[id(param)] = torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype),
+                                                      requires_grad=param.requires_grad)
+            module._parameters[name] = fresh[id(param)]
+    for module in model.modules():  # the constructor's init pass (on meta) marked them done
+        module.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.initialize_weights()
+    model.tie_weights()
+    return model
 
 
 # --------------------------------------------------------------------------- GGUF

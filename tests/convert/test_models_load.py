@@ -172,3 +172,28 @@ def test_stale_cache_is_rebuilt(tmp_path, monkeypatch):
     path = models.cached_dir("thing", {"format": 2}, build)
     assert len(calls) == 2 and (path / "x").read_text() == "2"
     assert [p.name for p in tmp_path.iterdir()] == ["thing"]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_random_build_initializes_like_transformers(family):
+    """build_random (parameters allocated once, one init pass) draws every parameter from
+    the same distribution as cls(config): constants equal, random tensors the same scale."""
+    import transformers
+
+    config = family.config()
+    cls = getattr(transformers, family.model_cls)
+    torch.manual_seed(0)
+    ref = dict(cls(config).named_parameters(remove_duplicate=False))
+    fast = models.build_random(cls, config)
+    got = dict(fast.named_parameters(remove_duplicate=False))
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        p = got[name]
+        assert p.dtype == r.dtype and p.shape == r.shape and p.device.type == "cpu", name
+        if r.numel() == 1 or float(r.std()) == 0.0:
+            assert torch.equal(p, r), name
+        else:
+            assert abs(float(p.std()) - float(r.std())) < 0.15 * float(r.std()), name
+            assert abs(float(p.mean()) - float(r.mean())) < 0.15 * float(r.std()) + 1e-3, name
+    again = models.build_random(cls, config).state_dict()
+    assert all(torch.equal(again[k], v) for k, v in fast.state_dict().items())  # seeded: the same every time
