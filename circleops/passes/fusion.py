@@ -209,10 +209,13 @@ def _match_rms_norm(r: Node) -> _Result:
         return _Left("rms_norm", r, f"mean over dims {list(dims or [])}, not only the last one")
     if not keepdim or mean.kwargs.get("dtype") is not None:
         return _Left("rms_norm", r, "mean(x²) without keepdim (or with a dtype): not the RMSNorm broadcast")
-    norm = _only_user(r)
+    users = _users(r)
+    if len(users) != 1:
+        return _Left("rms_norm", r, f"rsqrt(mean(x²) + eps) also feeds {', '.join(u.name for u in users[1:])}; "
+                     "fusing would compute it twice")
+    norm = users[0]
     if not _is(norm, _MULS) or _other(norm, r) is not h:
-        return _Left("rms_norm", r, "rsqrt(mean(x²) + eps) is not multiplied by the same x it was computed from"
-                     if norm is not None else "rsqrt(mean(x²) + eps) has several users")
+        return _Left("rms_norm", r, "rsqrt(mean(x²) + eps) is not multiplied by the same x it was computed from")
     x = h.args[0] if _is_cast(h) and hv.dtype == torch.float32 and _val(h.args[0]).is_floating_point() else h
     in_dtype = _val(x).dtype
     policy = "fp32" if hv.dtype == torch.float32 else "native"
@@ -351,6 +354,8 @@ def _fake_out(op: Any, args: tuple) -> Optional[torch.Tensor]:
 
 def _escapes(m: _Match) -> Optional[str]:
     for n in m.internal:
+        if n is m.out:
+            continue
         outside = [u for u in _users(n) if u not in m.internal and u is not m.out]
         if outside:
             return f"intermediate {n.name} also feeds {outside[0].name}; fusing would compute it twice"
