@@ -148,10 +148,8 @@ def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype 
     if not verify:
         return None
     if verify is True:
-        if target == "tflite" and dtype != torch.float32:
-            # LiteRT's CPU kernels take fp32 activations only (FULLY_CONNECTED refuses fp16
-            # input at prepare), so an fp16 graph is checked by the reference interpreter.
-            return "reference"
+        # fp16 tflite too: the lowering legalizes fp16 graphs for LiteRT's CPU kernels
+        # (circleops.lowering.tflite_fp16), so LiteRT runs them
         return DEFAULT_RUNTIME[target]
     if verify not in RUNTIMES:
         raise TargetError(f"unknown verify runtime {verify!r}: choose one of {', '.join(RUNTIMES)}.")
