@@ -5,6 +5,10 @@
 * decomposed -> the op's reference kernel traced with make_fx, lowered inline
 * composite  -> STABLEHLO_COMPOSITE whose decomposition subgraph holds the reference kernel
 
+A node whose ``meta[LOWERING_META]`` is ``"decomposed"`` is decomposed whatever its target
+says (set by a pass before lowering, e.g. circleops.check, to write an fp16 graph's
+fp32-policy RMSNorm as a CAST-ops-CAST island instead of the RMS_NORM builtin).
+
 Semantics of the builtins as onert 0.1.0 runs them (probed with hand-built files; the
 tests in tests/onert pin them):
 * RMS_NORM(x, gamma): y = x / sqrt(mean(x², -1) + epsilon) · gamma, in the tensor dtype.
@@ -29,6 +33,7 @@ from circleops.ops import REGISTRY, OpSpec
 from circleops.ops._common import at_least_fp32
 
 _FLOAT32 = torch.float32
+LOWERING_META = "circleops_lowering"  # node.meta key: "decomposed" forces the decomposition
 
 
 def bind(spec: OpSpec, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -47,6 +52,8 @@ def bind(spec: OpSpec, args: tuple, kwargs: dict) -> dict[str, Any]:
 def fused(ctx, spec: OpSpec, bound: dict[str, Any], builtin: Callable[..., Any]) -> Any:
     """Write one fused op the way ``ctx.target`` wants it (see the module docstring)."""
     how = spec.targets[ctx.target]
+    if ctx.node is not None and ctx.node.meta.get(LOWERING_META) == "decomposed":
+        how = "decomposed"
     if how == "composite":
         return composite(ctx, spec, bound)
     if how.startswith("builtin"):

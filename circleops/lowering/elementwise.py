@@ -1,6 +1,8 @@
 """Elementwise ops: arithmetic, unary math, activations, comparisons, select, casts."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from circleops.lowering.context import Value, result_type
@@ -133,6 +135,24 @@ def _unary(opcode):
 
 for _op, _code in _UNARY.items():
     lower(_op)(_unary(_code))
+
+
+@lower(aten.exp2)
+def _(ctx, node, x):
+    # 2**x with POW: exact for the integer exponents power-of-two scaling uses
+    return ctx.binary("POW", 2.0, x, dtype=ctx.out_dtype)
+
+
+@lower(aten.log2)
+def _(ctx, node, x):
+    """log(x)/ln 2, snapped to the integer when x is a power of two (torch's log2 is exact
+    there; ceil(log2(x)) in power-of-two scaling depends on it). Half inputs run in fp32."""
+    h = ctx.cast(x, torch.float32)
+    y = ctx.mul(ctx.unary("LOG", h), 1.0 / math.log(2.0))
+    r = ctx.unary("ROUND", y)
+    exact = ctx.binary("EQUAL", ctx.binary("POW", 2.0, r, dtype=torch.float32), h, out_dtype=torch.bool)
+    y = ctx.emit("SELECT_V2", [exact, r, y], out_shape=y.shape, out_dtype=torch.float32)
+    return ctx.cast(y, ctx.out_dtype)
 
 
 @lower(aten.silu)

@@ -104,10 +104,12 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         env: list[Any] = []
         sig_inputs: dict[str, int] = {}
+        detached: dict[int, torch.Tensor] = {}  # one tensor per parameter, however many names it has
         for spec, node in zip(ep.graph_signature.input_specs, placeholders):
             if spec.kind in _CONST_INPUTS:
                 t = ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
-                env.append(const_value(t.detach(), name=spec.target))
+                t = detached.setdefault(id(t), t.detach())
+                env.append(const_value(t, name=spec.target))
             elif spec.kind == InputKind.USER_INPUT:
                 _static(node)
                 v = node.meta.get("val")
