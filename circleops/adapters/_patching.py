@@ -108,7 +108,7 @@ def pristine(owner: Any, attr: str) -> Any:
     """``owner.attr`` as it is with no session active (the value the outermost active
     session saved), so instance-level fusing never wraps a session's replacement."""
     for session in _ACTIVE:  # outermost first
-        for saved_owner, saved_attr, before in session._saved_log:
+        for saved_owner, saved_attr, before, _ in session._saved:
             if saved_owner is owner and saved_attr == attr and before is not _MISSING:
                 return before
     return getattr(owner, attr)
@@ -125,8 +125,8 @@ class PatchSession:
         self.name = name
         self.patches: tuple[Patch, ...] = tuple(patches)
         self.decisions: list[AttentionDecision] = []
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._saved_log: tuple[tuple[Any, str, Any], ...] = ()
+        # (owner, attr, value before, our replacement), in the order applied
+        self._saved: list[tuple[Any, str, Any, Any]] = []
         self._start: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -146,19 +146,18 @@ class PatchSession:
                 owner = patch.resolve()
                 before = owner.__dict__.get(patch.attr, _MISSING)
                 current = getattr(owner, patch.attr)
-                self._saved.append((owner, patch.attr, before))
-                setattr(owner, patch.attr, patch.build(current))
+                replacement = patch.build(current)
+                self._saved.append((owner, patch.attr, before, replacement))
+                setattr(owner, patch.attr, replacement)
         except BaseException:
             self._restore()
             raise
-        self._saved_log = tuple(self._saved)
         self._start = {p.label: _CALLS.get(p.label, 0) for p in self.patches}
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._restore()
-        self._saved_log = ()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         if exc_type is None:
@@ -168,7 +167,14 @@ class PatchSession:
     def _restore(self) -> None:
         # reverse order, so a target patched twice in one session ends as it began
         while self._saved:
-            owner, attr, before = self._saved.pop()
+            owner, attr, before, mine = self._saved.pop()
+            if owner.__dict__.get(attr, _MISSING) is not mine:
+                # exited out of order: a later session patched on top of ours and is still
+                # active. Splice ours out of its chain so that it restores our `before`.
+                for other in _ACTIVE:
+                    other._saved = [(o, a, before if (o is owner and a == attr and b is mine) else b, m)
+                                    for o, a, b, m in other._saved]
+                continue
             if before is _MISSING:
                 try:
                     delattr(owner, attr)

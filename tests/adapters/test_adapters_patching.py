@@ -61,6 +61,17 @@ def test_patches_nest():
     assert ml.LlamaRMSNorm.forward is original_norm
 
 
+@idle
+def test_sessions_exited_out_of_order_still_restore_exactly():
+    before = _snapshot()
+    outer, inner = adapters.patched_modules(), adapters.patched_llama_modules()
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # not the innermost one
+    inner.__exit__(None, None, None)
+    assert all(v is before[k] for k, v in _snapshot().items())
+
+
 def test_nested_export_counts_for_both_levels():
     b = built("llama")
     with warnings.catch_warnings():
