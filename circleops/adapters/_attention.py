@@ -115,6 +115,9 @@ def attention_forward(label: str, rope_label: str, original: Callable[..., Any])
         kv: Optional[StaticKV] = kwargs.pop(KV_KWARG, None)
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        if position_embeddings is None:  # an older caller that leaves RoPE to the layer
+            return original(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                            attention_mask=attention_mask, cache=cache, **kwargs)
         cos, sin = position_embeddings
         layer = getattr(self, "layer_idx", None)
         reasons = attention_blockers(self, cos.shape[-1])

@@ -175,8 +175,8 @@ def _weight(w: Node, channels: int) -> Optional[tuple[Node, float]]:
         if const is None:
             return None
         offset = float(const)
-    if _is_cast(w):
-        w = w.args[0]
+    if _is_cast(w) and _val(w).dtype == torch.float32 and _val(w.args[0]).is_floating_point():
+        w = w.args[0]  # an upcast is exact: the op upcasts the weight itself where it multiplies in fp32
     v = _val(w)
     if v is None or v.dim() != 1 or v.shape[0] != channels or not v.is_floating_point():
         return None
