@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
+import logging
 import os
 import sys
 import time
@@ -270,15 +272,20 @@ def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = Tru
         from circleops.adapters import patched_modules
 
         patches = patched_modules()
-    with warnings.catch_warnings(record=True) as caught:
+    stderr = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, _quiet_torch_logs():
         warnings.simplefilter("always")
         try:
-            with patches:
+            # torch.export prints the partial graph of a failed trace to stderr: the
+            # ExportError says why in one paragraph instead.
+            with patches, contextlib.redirect_stderr(stderr):
                 ep = torch.export.export(module, example_args, strict=False)
         except CircleOpsError:
             raise
         except Exception as err:
             raise ExportError(_export_message(module, err)) from None
+    if stderr.getvalue():
+        sys.stderr.write(stderr.getvalue())
     for w in caught:
         msg = str(w.message)
         if issubclass(w.category, (DeprecationWarning, FutureWarning)) or "torch.export" in msg:
@@ -288,6 +295,20 @@ def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = Tru
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return ep
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch's loggers below ERROR off while exporting (guard and symbol chatter)."""
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    saved = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
 
 
 def _export_message(module: torch.nn.Module, err: BaseException) -> str:

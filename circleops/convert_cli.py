@@ -79,7 +79,11 @@ class _Progress:
 
 
 def main(args: argparse.Namespace) -> int:
+    import warnings
     from pathlib import Path
+
+    # torch's own deprecation chatter (pytree LeafSpec) is not the user's business.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
 
     from circleops import convert as api
     from circleops import models
