@@ -1,0 +1,151 @@
+"""Greedy generation on the written graphs equals transformers' greedy generate; limits
+are clear errors; the decode graph runs once per token on sessions created once."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
+
+from circleops.cli import main as cli
+from circleops.generate import GenerationLimitError, Generator, generate
+from circleops.errors import TargetError
+
+CASES = [("onert", "onert"), ("onert", "reference"), ("tflite", "litert"), ("circle", "reference")]
+
+
+@pytest.mark.parametrize("target,runtime", CASES, ids=[f"{t}-{r}" for t, r in CASES])
+def test_greedy_tokens_equal_transformers(request, target, runtime):
+    conv = request.getfixturevalue(f"tiny_{target}")
+    gen = Generator(conv.directory, runtime=runtime)
+    # the reference interpreter runs the decomposed onert graphs slowly: one prompt there
+    prompts = TINY_PROMPTS[:1] if (target, runtime) == ("onert", "reference") else TINY_PROMPTS
+    for prompt in prompts:
+        result = gen.generate(prompt, TINY_NEW)
+        expected = conv.expected[tuple(prompt)]
+        assert result.tokens == expected, (prompt, runtime)
+        assert result.decode_steps == len(expected) - 1  # the first token comes from the prefill
+
+
+def test_default_runtime_comes_from_the_manifest(tiny_onert, tiny_tflite, tiny_circle):
+    assert Generator(tiny_onert.directory).runtime == "onert"
+    assert Generator(tiny_tflite.directory).runtime == "litert"
+    assert Generator(tiny_circle.directory).runtime == "reference"
+
+
+def test_decode_runs_once_per_token_on_one_session(tiny_onert):
+    """Linear cost: one prefill, then the decode graph once per new token with a single
+    token, its position and the caches (numpy arrays) in; the session is never rebuilt."""
+    gen = Generator(tiny_onert.directory)
+    session = gen.decode_graph.session
+    calls = {"prefill": [], "decode": []}
+    for name in calls:
+        graph = getattr(gen, f"{name}_graph")
+        setattr(gen, f"{name}_graph", lambda inputs, g=graph, n=name: calls[n].append(
+            [np.array(a) for a in inputs[:2]] + [type(a) for a in inputs[2:]]) or g(inputs))
+    result = gen.generate(TINY_PROMPTS[0], TINY_NEW, stop_at_eos=False)
+    assert len(result.tokens) == TINY_NEW
+    assert len(calls["prefill"]) == 1 and len(calls["decode"]) == TINY_NEW - 1
+    p = len(TINY_PROMPTS[0])
+    for i, (ids, pos, *cache_types) in enumerate(calls["decode"]):
+        assert ids.shape == (1, 1) and ids[0, 0] == result.tokens[i]
+        assert pos.tolist() == [p + i]
+        assert set(cache_types) == {np.ndarray} and len(cache_types) == 4
+    assert gen.decode_graph.__defaults__[0].session is session  # the wrapped graph kept its session
+
+
+def test_prompt_longer_than_prefill(tiny_onert):
+    gen = Generator(tiny_onert.directory)
+    with pytest.raises(GenerationLimitError, match=f"takes at most {TINY_PREFILL}.*--seq-len 9"):
+        gen.generate(list(range(1, TINY_PREFILL + 2)), 4)
+
+
+def test_generation_past_the_cache(tiny_onert):
+    gen = Generator(tiny_onert.directory)
+    with pytest.raises(GenerationLimitError, match=f"more than the {TINY_CACHE} slots.*at most {TINY_CACHE - 5} new"):
+        gen.generate(TINY_PROMPTS[0], TINY_CACHE)
+    # exactly filling the cache is allowed
+    result = gen.generate(TINY_PROMPTS[0], TINY_CACHE - 5, stop_at_eos=False)
+    assert len(result.tokens) == TINY_CACHE - 5
+
+
+def test_runtime_that_cannot_run_the_files(tiny_onert, tiny_circle):
+    with pytest.raises(TargetError, match="--target tflite"):
+        Generator(tiny_onert.directory, runtime="litert")
+    with pytest.raises(TargetError, match="--target onert"):
+        Generator(tiny_circle.directory, runtime="onert")
+
+
+def test_generate_api_with_token_ids(tiny_onert):
+    result = generate(tiny_onert.directory, TINY_PROMPTS[1], TINY_NEW)
+    assert result.tokens == tiny_onert.expected[tuple(TINY_PROMPTS[1])] and result.text is None
+
+
+# --------------------------------------------------------------------------- CLI
+
+def _ids(prompt):
+    return ",".join(map(str, prompt))
+
+
+def test_cli_generate_token_ids(capsys, tiny_onert):
+    prompt = TINY_PROMPTS[0]
+    rc = cli(["generate", str(tiny_onert.directory), "--token-ids", _ids(prompt), "--max-new-tokens", str(TINY_NEW)])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert [int(t) for t in out.split()] == tiny_onert.expected[tuple(prompt)]
+    assert "prefill 5-token prompt" in err and "tokens/s" in err and "[onert]" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--token-ids", _ids(range(1, 11))], "the prompt has 10 tokens but the prefill graph"),
+    (["--token-ids", "1,2", "--max-new-tokens", "31"], "is 33 tokens, more than the 32 slots"),
+    (["--token-ids", "1,2", "--runtime", "litert"], "LiteRT runs .tflite files"),
+    (["--prompt", "hello"], "has no tokenizer"),
+])
+def test_cli_errors_are_one_paragraph(capsys, tiny_onert, argv, message):
+    rc = cli(["generate", str(tiny_onert.directory), *argv])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("circleops generate: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_not_a_graphs_directory(capsys, tmp_path):
+    rc = cli(["generate", str(tmp_path), "--token-ids", "1"])
+    assert rc == 2 and "has no manifest.json" in capsys.readouterr().err
+
+
+def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
+    """`circleops convert --config ... --graphs prefill,decode --verify` then generate, as
+    separate processes (the commands a user types); the model is the config's seeded one."""
+    from circleops.models import load_config
+
+    cfg = tmp_path / "config.json"
+    tiny_model.config.to_json_file(cfg)
+    out = tmp_path / "out"
+    conv = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", "--config", str(cfg), "--graphs",
+                           "prefill,decode", "--target", "onert", "--seq-len", "8", "--max-cache-len", "32",
+                           "--verify", "-o", str(out), "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True)
+    assert conv.returncode == 0, conv.stderr
+    assert "verify (onert" in conv.stdout and "passed" in conv.stdout
+    assert "one per graph" in conv.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["graphs"]["decode"]["ops"]["ROPE"] == 4
+    assert report["graphs"]["decode"]["max_abs_error"] < 1e-4
+    expected = hf_greedy(load_config(cfg).module, TINY_PROMPTS[0], TINY_NEW)
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(out), "--token-ids",
+                           _ids(TINY_PROMPTS[0]), "--max-new-tokens", str(TINY_NEW)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [int(t) for t in proc.stdout.split()] == expected
+
+
+def test_cli_convert_graphs_refuses_a_file_output(capsys, tmp_path, tiny_model):
+    cfg = tmp_path / "config.json"
+    tiny_model.config.to_json_file(cfg)
+    rc = cli(["convert", "--config", str(cfg), "--graphs", "prefill,decode", "-o", str(tmp_path / "m.circle")])
+    assert rc == 2 and "-o names a directory" in capsys.readouterr().err

@@ -1,0 +1,133 @@
+"""The written prefill/decode graphs: which ops they hold, how they are stored, the manifest."""
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import TINY_CACHE, TINY_PREFILL
+from families import BY_NAME, FAMILIES
+
+from circleops.errors import CircleOpsError, TargetError
+from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_graph, merge_models,
+                              parse_graph_names, read_manifest)
+from circleops.serialize import read_model, write_model
+
+LAYERS = 2
+
+
+def opcodes(path, subgraph: int = 0) -> Counter:
+    return Counter(op.opcode for op in read_model(str(path)).subgraphs[subgraph].operators)
+
+
+def test_onert_decode_graph_has_fused_rope_and_rms_norm(tiny_onert):
+    """onert's ROPE reads one position, so only the one-token decode graph has it: q and k
+    of every layer. RMS_NORM: two per layer and the final norm. ATTENTION is decomposed."""
+    decode = opcodes(tiny_onert.directory / "decode.circle")
+    assert decode["ROPE"] == 2 * LAYERS
+    assert decode["RMS_NORM"] == 2 * LAYERS + 1
+    assert decode["ATTENTION"] == 0
+    prefill = opcodes(tiny_onert.directory / "prefill.circle")
+    assert prefill["ROPE"] == 0  # 8 positions: decomposed, never the one-row ROPE
+    assert prefill["RMS_NORM"] == 2 * LAYERS + 1
+
+
+def test_onert_graph_io(tiny_onert):
+    for graph, s in (("prefill", TINY_PREFILL), ("decode", 1)):
+        m = read_model(str(tiny_onert.directory / f"{graph}.circle"))
+        sub = m.subgraphs[0]
+        ins = [(sub.tensors[i].name, sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.inputs]
+        outs = [(sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.outputs]
+        cache = (1, TINY_CACHE, 2, 16)
+        assert ins[:2] == [("input_ids", (1, s), "INT64"), ("pos", (1,), "INT64")]
+        assert [i[1] for i in ins[2:]] == [cache] * 2 * LAYERS
+        assert outs == [((1, s, 256), "FLOAT32")] + [(cache, "FLOAT32")] * 2 * LAYERS
+        assert [sig.key for sig in m.signatures] == [graph]
+
+
+def test_manifest(tiny_onert):
+    data = json.loads((tiny_onert.directory / "manifest.json").read_text())
+    assert data["files"] == {"prefill": "prefill.circle", "decode": "decode.circle"}
+    assert data["signatures"] == {"prefill": None, "decode": None}
+    assert data["one_file_per_graph"] is True and data["default_runtime"] == "onert"
+    assert (data["prefill_len"], data["max_cache_len"], data["num_layers"]) == (TINY_PREFILL, TINY_CACHE, LAYERS)
+    assert data["cache_shape"] == [1, TINY_CACHE, 2, 16]
+    assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
+    assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"][0] == "logits"
+    m = read_manifest(tiny_onert.directory)
+    assert m.path("decode").is_file() and m.default_runtime == "onert"
+
+
+@pytest.mark.parametrize("target,ext", [("tflite", "tflite"), ("circle", "circle")])
+def test_one_file_two_signatures_shared_weights(request, target, ext):
+    """Circle/TFLite keep both graphs in one file, one signature each, every weight once."""
+    conv = request.getfixturevalue(f"tiny_{target}")
+    m = read_manifest(conv.directory)
+    assert m.files == {"prefill": f"model.{ext}", "decode": f"model.{ext}"}
+    assert m.signatures == {"prefill": "prefill", "decode": "decode"}
+    model = read_model(str(conv.directory / f"model.{ext}"))
+    sigs = {s.key: s.subgraph_index for s in model.signatures}
+    assert set(sigs) == {"prefill", "decode"} and sigs["prefill"] != sigs["decode"]
+    # the weights (embedding, projections, lm_head) of the two subgraphs are the same buffers
+    def weights(i):
+        return {id(t.data) for t in model.subgraphs[i].tensors if t.data is not None and t.data.size >= 32 * 64}
+    assert weights(sigs["prefill"]) == weights(sigs["decode"])
+    assert len(weights(sigs["prefill"])) == 2 + 7 * LAYERS  # embedding, lm_head, q,k,v,o,gate,up,down per layer
+
+
+def test_merge_keeps_weights_once(tmp_path, tiny_model):
+    step = decoder_step(copy.deepcopy(tiny_model), TINY_CACHE)
+    lowered = {g: lower_graph(export_graph(step, g, TINY_PREFILL), g, "tflite", LAYERS) for g in ("prefill", "decode")}
+    alone = write_model(lowered["prefill"], tmp_path / "p.tflite", "tflite")
+    both = write_model(merge_models(lowered), tmp_path / "both.tflite", "tflite")
+    assert both.weight_bytes < 1.05 * alone.weight_bytes
+    # composite decomposition indices of the second graph were moved with its subgraphs
+    merged = read_model(str(tmp_path / "both.tflite"))
+    for sub in merged.subgraphs:
+        for op in sub.operators:
+            if op.opcode == "STABLEHLO_COMPOSITE":
+                assert 0 < op.options["decompositionSubgraphIndex"] < len(merged.subgraphs)
+
+
+def test_onert_runs_only_subgraph_0(tmp_path, tiny_onert):
+    """The measurement behind two files for onert: a file holding prefill and decode as
+    two signatures loads in onert 0.1.0, but its session exposes only subgraph 0 (the
+    prefill) and its Python API has no way to pick another signature or subgraph."""
+    import onert
+
+    prefill = read_model(str(tiny_onert.directory / "prefill.circle"))
+    decode = read_model(str(tiny_onert.directory / "decode.circle"))
+    path = tmp_path / "both.circle"
+    write_model(merge_models({"prefill": prefill, "decode": decode}), path, "circle")
+    sess = onert.infer.session(str(path), "cpu")
+    dims = [tuple(i.dims[:i.rank]) for i in sess.get_inputs_tensorinfo()]
+    assert dims[0] == (1, TINY_PREFILL)  # subgraph 0's input_ids; decode's would be (1, 1)
+    assert not any(hasattr(sess, name) for name in ("set_signature", "select_signature", "get_signature_runner"))
+    assert not any(hasattr(sess.session, name) for name in ("set_signature", "set_subgraph", "run_signature"))
+    ids = np.zeros((1, TINY_PREFILL), np.int64)
+    caches = [np.zeros((1, TINY_CACHE, 2, 16), np.float32)] * (2 * LAYERS)
+    outs = sess.infer([ids, np.zeros(1, np.int64), *caches])
+    assert outs[0].shape == (1, TINY_PREFILL, 256)  # it ran the prefill
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not f.attention_fusable], ids=lambda f: f.name)
+def test_families_without_cache_attention_are_refused(tmp_path, family):
+    """A family whose attention circle.attention cannot express has no decode graph: a
+    clear error before anything is written."""
+    with pytest.raises(CircleOpsError, match="circle.attention"):
+        convert_graphs(family.build(), tmp_path / "out", target="onert", prefill_len=4, max_cache_len=8)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_bad_options(tmp_path):
+    model = BY_NAME["llama"].build()
+    with pytest.raises(TargetError, match="--max-cache-len >= --seq-len"):
+        convert_graphs(model, tmp_path / "a", prefill_len=16, max_cache_len=8)
+    with pytest.raises(TargetError, match="max_position_embeddings 128"):
+        convert_graphs(model, tmp_path / "b", prefill_len=16, max_cache_len=129)
+    with pytest.raises(TargetError, match="comma-separated list of prefill, decode"):
+        parse_graph_names("prefill,encode")
+    assert parse_graph_names("decode, prefill") == ("prefill", "decode")

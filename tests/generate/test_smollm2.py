@@ -1,0 +1,65 @@
+"""The real SmolLM2-135M-Instruct: written once with the CLI (onert, --verify), then greedy
+generation on onert equals transformers' fp32 greedy generate token for token."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import SMOL_CACHE, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
+
+from circleops.generate import Generator
+from circleops.graphs import read_manifest
+from circleops.serialize import read_model
+
+pytestmark = pytest.mark.slow
+LAYERS = 30
+
+
+def test_greedy_tokens_equal_transformers_on_onert(smollm2):
+    gen = Generator(smollm2.directory)
+    assert gen.runtime == "onert"
+    for prompt in SMOL_PROMPTS:
+        result = gen.generate(smollm2.prompts[prompt], SMOL_NEW)
+        assert result.tokens == smollm2.expected[prompt], prompt
+    # the three prompts' outputs are real, different continuations
+    assert len({tuple(v) for v in smollm2.expected.values()}) == 3
+
+
+def test_decode_graph_structure(smollm2):
+    """RoPE in the decode graph is the fused ROPE op (q and k of 30 layers) and every norm
+    is RMS_NORM (2 per layer + the final one)."""
+    ops = Counter(op.opcode for op in read_model(str(smollm2.directory / "decode.circle")).subgraphs[0].operators)
+    assert ops["ROPE"] == 2 * LAYERS
+    assert ops["RMS_NORM"] == 2 * LAYERS + 1
+    assert ops["ATTENTION"] == 0
+
+
+def test_manifest_and_tokenizer(smollm2):
+    m = read_manifest(smollm2.directory)
+    assert (m.prefill_len, m.max_cache_len, m.num_layers) == (SMOL_PREFILL, SMOL_CACHE, LAYERS)
+    assert m.cache_shape == [1, SMOL_CACHE, 3, 64] and m.vocab_size == 49152
+    assert m.eos_token_ids == [2] and m.tokenizer == "tokenizer"
+    assert (smollm2.directory / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_cli_streams_text_and_reports_speed(smollm2):
+    """`circleops generate` in a fresh process: the prompt and its continuation on stdout
+    (equal to transformers' text), prefill time and decode tokens/s on stderr."""
+    prompt = SMOL_PROMPTS[0]
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(smollm2.directory), "--prompt",
+                           prompt, "--max-new-tokens", str(SMOL_NEW)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    expected = smollm2.tokenizer.decode(smollm2.expected[prompt], skip_special_tokens=True)
+    assert proc.stdout == prompt + expected + "\n"
+    assert "prefill 5-token prompt (graph length 32)" in proc.stderr
+    assert f"decode {SMOL_NEW - 1} tokens" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_cli_long_prompt_is_a_clear_error(smollm2):
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(smollm2.directory), "--prompt",
+                           " ".join(["word"] * 40)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "the prompt has 40 tokens but the prefill graph" in proc.stderr and "at most 32" in proc.stderr and "Traceback" not in proc.stderr
