@@ -68,3 +68,25 @@ def _(ctx, node, bias, a, b, beta=1, alpha=1):
     if beta == 0:
         return y
     return ctx.add(y, bias if beta == 1 else ctx.mul(bias, beta))
+
+
+def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """scaled_dot_product_attention's math, in the ops of an eager HF attention."""
+    d, s, c = q.shape[-1], q.shape[-2], k.shape[-2]
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (scale if scale is not None else d ** -0.5)
+    if is_causal:
+        keep = torch.ones(s, c, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@lower(aten.scaled_dot_product_attention)
+def _(ctx, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    if dropout_p:
+        raise ctx.unsupported(f"applies attention dropout (p={dropout_p})", "Call model.eval() before export.")
+    return ctx.call(_sdpa, q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)

@@ -205,7 +205,12 @@ def _(ctx, node, x, pad, value=0):
 
 @lower(aten.flip)
 def _(ctx, node, x, dims):
-    return ctx.emit("REVERSE_V2", [x, ctx.i32([d % x.rank for d in dims])])
+    dims = sorted({d % x.rank for d in dims})
+    if ctx.target == "onert" and x.dtype != torch.float32:  # its REVERSE_V2 is float-only
+        for d in dims:
+            x = ctx.gather(x, list(range(x.shape[d] - 1, -1, -1)), d)
+        return x
+    return ctx.emit("REVERSE_V2", [x, ctx.i32(dims)])
 
 
 @lower(aten.diff)
