@@ -20,6 +20,7 @@ import time
 import types
 import warnings
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -61,7 +62,6 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         to max(1, max|torch output|)).
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
-    timings: dict[str, float] = {}
     target, fmt, fuse = _check_options(target, fuse)
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
@@ -74,17 +74,14 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     if _model_dtype(model) not in (None, torch_dtype):
         model.to(torch_dtype)
     module = export_module(model)
-    warn_list: list[str] = []
+    job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
+               reference=lambda: _run_torch(module, example_args, model), progress=progress,
+               source=type(model).__name__, parameters=_count_params(model),
+               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module)
     with _hf_export_settings(model), torch.no_grad():
-        ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=warn_list)
-    timings["export"] = time.perf_counter() - t
-    return _finish(ep, path, target=target, fmt=fmt, torch_dtype=torch_dtype, fuse=fuse,
-                   runtime=runtime, tolerance=tolerance, example_args=example_args,
-                   reference=lambda: _run_torch(module, example_args, model),
-                   timings=timings, progress=progress, warn_list=warn_list,
-                   source=type(model).__name__, parameters=_count_params(model),
-                   output_names=["logits"] if isinstance(module, CausalLMLogits) else None,
-                   fusion_model=module)
+        ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
+    job.timings["export"] = time.perf_counter() - t
+    return _lower_write_verify(ep, job)
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
@@ -97,7 +94,6 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
     default the example inputs saved with the program.
     """
-    timings: dict[str, float] = {}
     target, fmt, fuse = _check_options(target, fuse)
     if fuse in ("auto", "adapters"):
         fuse = "patterns" if fuse == "auto" else "none"
@@ -116,11 +112,10 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
 
         example_args = exported_example_args(exported_program, None, "the ExportedProgram")
     args = tuple(example_args or ())
-    return _finish(exported_program, path, target=target, fmt=fmt, torch_dtype=torch_dtype, fuse=fuse,
-                   runtime=runtime, tolerance=tolerance, example_args=args,
-                   reference=lambda: _run_torch(exported_program.module(), args, None),
-                   timings=timings, progress=progress, warn_list=[],
-                   source="ExportedProgram", parameters=_count_params(exported_program))
+    job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
+               reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
+               source="ExportedProgram", parameters=_count_params(exported_program))
+    return _lower_write_verify(exported_program, job)
 
 
 # --------------------------------------------------------------------------- options
@@ -328,55 +323,75 @@ def _export_message(module: torch.nn.Module, err: BaseException) -> str:
 
 # --------------------------------------------------------------------------- lower, write, verify
 
-def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dtype, fuse: str,
-            runtime: str | None, tolerance: float | None, example_args: tuple,
-            reference: Callable[[], list[torch.Tensor]], timings: dict[str, float],
-            progress: Progress | None, warn_list: list[str], source: str, parameters: int,
-            output_names: list[str] | None = None, fusion_model: torch.nn.Module | None = None) -> Report:
+@dataclass
+class _Job:
+    """One conversion's settings and what it has measured so far."""
+
+    path: Path
+    target: str
+    fmt: str
+    dtype: torch.dtype
+    fuse: str
+    runtime: str | None
+    tolerance: float | None
+    example_args: tuple
+    reference: Callable[[], list[torch.Tensor]]  # the torch outputs, computed on demand
+    progress: Progress | None
+    source: str
+    parameters: int
+    output_names: list[str] | None = None
+    fusion_model: torch.nn.Module | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _lower_write_verify(ep: Any, job: _Job) -> Report:
+    """Pattern fusion, lowering, the atomic write and verify: the stages after export."""
+    timings, path = job.timings, job.path
     fusion_report = None
-    if fuse in ("auto", "patterns"):
-        _stage(progress, "fuse")
+    if job.fuse in ("auto", "patterns"):
+        _stage(job.progress, "fuse")
         t = time.perf_counter()
         from circleops.passes.fusion import fuse_patterns
 
-        ep, fusion_report = fuse_patterns(ep, model=fusion_model)
+        ep, fusion_report = fuse_patterns(ep, model=job.fusion_model)
         timings["fuse"] = time.perf_counter() - t
 
-    _stage(progress, "lower")
+    _stage(job.progress, "lower")
     t = time.perf_counter()
     from circleops.lowering import lower_program
 
-    ir_model = lower_program(ep, target, dtype=torch_dtype)
-    if output_names:
-        _name_outputs(ir_model, output_names)
+    ir_model = lower_program(ep, job.target, dtype=job.dtype)
+    if job.output_names:
+        _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
 
-    report = Report(path=str(path), target=target, format=fmt, dtype=DTYPE_NAMES.get(torch_dtype, str(torch_dtype)),
-                    ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=fuse,
-                    source=source, parameters=parameters, warnings=warn_list, timings=timings)
+    report = Report(path=str(path), target=job.target, format=job.fmt, dtype=DTYPE_NAMES.get(job.dtype, str(job.dtype)),
+                    ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
+                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings)
     sub = ir_model.subgraphs[0]
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
 
-    _stage(progress, "write")
+    _stage(job.progress, "write")
     t = time.perf_counter()
     from circleops.serialize import write_model
 
     try:
-        info = write_model(ir_model, str(path), fmt)
+        info = write_model(ir_model, str(path), job.fmt)
     except CircleOpsError:
         raise
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}. Choose an output path you can write.") from None
-    del ir_model  # the weights it holds are the model's own; nothing to free but the graph
-    report.file_size = info.file_bytes if getattr(info, "file_bytes", None) else path.stat().st_size
+    del ir_model  # the graph; the weights it points at are the model's own
+    report.file_size = getattr(info, "file_bytes", 0) or path.stat().st_size
     timings["write"] = time.perf_counter() - t
 
-    if runtime is not None:
-        _stage(progress, "verify")
+    if job.runtime is not None:
+        _stage(job.progress, "verify")
         t = time.perf_counter()
         try:
-            report.verify = verify_file(path, runtime, example_args, reference(), torch_dtype, tolerance)
+            report.verify = verify_file(path, job.runtime, job.example_args, job.reference(), job.dtype, job.tolerance)
         except BaseException:
             _remove(path)
             raise
@@ -385,7 +400,7 @@ def _finish(ep: Any, path: Path, *, target: str, fmt: str, torch_dtype: torch.dt
             _remove(path)
             v = report.verify
             raise VerifyError(
-                f"the written file does not match torch: {runtime} gives max abs error {v.max_abs_error:.3g} "
+                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
                 f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
                 f"Convert without verify to inspect the file (circleops inspect), and report the model.")
     return report

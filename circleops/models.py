@@ -60,7 +60,8 @@ class LoadedModel:
         if self.kind == "exported":
             return exported_example_args(self.exported, seq_len, self.source)
         cfg = self.config
-        seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+        if seq_len is None:
+            seq_len = min(DEFAULT_SEQ_LEN, self.max_seq_len or DEFAULT_SEQ_LEN)
         check_seq_len(seq_len, self.max_seq_len, self.source)
         vocab = getattr(cfg, "vocab_size", None)
         if vocab is None:
