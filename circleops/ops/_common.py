@@ -17,6 +17,8 @@ def check(cond: Any, message: Any) -> None:
 
     ``message`` is a string or a zero-argument callable (built only on failure).
     """
+    if cond is True:  # eager: a plain bool, skip torch._check's symbolic machinery
+        return
     torch._check_with(OpArgumentError, cond, message if callable(message) else (lambda: message))
 
 
