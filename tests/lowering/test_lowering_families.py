@@ -42,3 +42,26 @@ def test_tflite_target_runs_in_litert(family, tmp_path):
     write_model(model, path, "tflite")
     (logits,) = litert.run(path, [example_ids().numpy()])
     np.testing.assert_allclose(logits, reference_logits(family).numpy(), atol=1e-4, rtol=0)
+
+
+def test_explicit_cache_decode_step_on_circle():
+    """The generation graph for target circle: one ATTENTION per layer over the caches
+    (updated in place, as ONE's kernel does), checked with the reference interpreter."""
+    import torch
+
+    from circleops.adapters.decode import DecoderWithCache
+    from circleops.lowering import lower_program
+    from families import BY_NAME
+
+    dec = DecoderWithCache(BY_NAME["mistral"].build(), max_len=12).eval()
+    g = torch.Generator().manual_seed(4)
+    ids, pos = torch.tensor([[9, 3]]), torch.tensor([5])
+    caches = [torch.randn(dec.cache_shape, generator=g) for _ in range(2 * dec.num_layers)]
+    model = lower_program(torch.export.export(dec, (ids, pos, *caches), strict=False), "circle")
+    ops = opcodes(model)
+    assert ops["ATTENTION"] == dec.num_layers and ops["RMS_NORM"] == 2 * dec.num_layers + 1
+    got = reference.run(model, [ids.numpy(), pos.numpy(), *[c.numpy().copy() for c in caches]])
+    with torch.no_grad():
+        want = dec(ids, pos, *[c.clone() for c in caches])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b.numpy(), atol=1e-4, rtol=0)

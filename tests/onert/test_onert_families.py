@@ -58,3 +58,28 @@ def test_decode_step_uses_rope_builtin(family, tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids, position_ids=pos).logits.numpy()
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_explicit_cache_decode_step_runs_in_onert(tmp_path):
+    """adapters.decode.DecoderWithCache (the generation graph): one token over ONE-layout
+    caches; logits and the updated caches match torch, RoPE runs as onert's ROPE."""
+    import torch
+
+    from circleops.adapters.decode import DecoderWithCache
+    from families import BY_NAME
+
+    dec = DecoderWithCache(BY_NAME["llama"].build(), max_len=12).eval()  # fuses its model in place: a fresh one
+    g = torch.Generator().manual_seed(3)
+    ids, pos = torch.tensor([[11]]), torch.tensor([4])
+    caches = [torch.randn(dec.cache_shape, generator=g) for _ in range(2 * dec.num_layers)]
+    ep = torch.export.export(dec, (ids, pos, *caches), strict=False)
+    model = lower_program(ep, "onert")
+    assert opcodes(model)["ROPE"] == 2 * dec.num_layers and "ATTENTION" not in opcodes(model)
+    path = tmp_path / "decode.circle"
+    write_model(model, path, "circle")
+    got = onert.run(path, [ids.numpy(), pos.numpy(), *[c.numpy() for c in caches]])
+    with torch.no_grad():
+        want = dec(ids, pos, *[c.clone() for c in caches])
+    assert len(got) == len(want) == 1 + 2 * dec.num_layers
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b.numpy(), atol=ATOL, rtol=0)
