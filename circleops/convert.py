@@ -164,6 +164,11 @@ def check_target_dtype(target: str, dtype: torch.dtype) -> None:
         raise TargetError(
             f"target onert is fp32 only: the onert CPU runtime refuses {DTYPE_NAMES.get(dtype, dtype)} tensors. "
             f"Use --dtype fp32 for onert, or --target circle / --target tflite for an fp16 file.")
+    if target == "tflite" and dtype not in (torch.float32, torch.float16):
+        # measured: LiteRT's CPU kernels refuse bf16 (FULLY_CONNECTED at prepare)
+        raise TargetError(
+            f"target tflite writes fp32 or fp16: LiteRT's CPU kernels do not run {DTYPE_NAMES.get(dtype, dtype)}. "
+            f"Pass dtype='fp16' or 'fp32' (the model is cast), or use --target circle for a bf16 file.")
 
 
 def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
