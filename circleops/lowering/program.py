@@ -271,3 +271,32 @@ def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: d
         return ctx.call(target, *args, _decompose=True, **kwargs)
     finally:
         ctx.decomposing.pop()
+
+
+# ------------------------------------------------------------------------ regions
+# torch.export wraps `with torch.no_grad()` / `torch.autocast(enabled=False)` regions in
+# higher-order ops over a submodule: their graphs are lowered inline.
+def _inline_region(ctx: LoweringContext, submodule: torch.fx.GraphModule, operands: tuple) -> Any:
+    return list(lower_graph(ctx, submodule.graph, operands, module=submodule))
+
+
+def _register_regions() -> None:
+    from circleops.lowering.registry import lower
+
+    hop = torch.ops.higher_order
+
+    @lower(hop.wrap_with_set_grad_enabled)
+    def _(ctx, node, enabled, submodule, *operands):
+        return _inline_region(ctx, submodule, operands)
+
+    @lower(hop.wrap_with_autocast)
+    def _(ctx, node, device_type, dtype, enabled, cache_enabled, submodule, *operands):
+        if enabled:
+            raise ctx.unsupported(
+                "runs under torch.autocast, whose casts are not in the exported graph",
+                "Export outside autocast (convert the model with model.to(dtype) instead), or call "
+                "ep.run_decompositions() first so that the casts become graph nodes.")
+        return _inline_region(ctx, submodule, operands)
+
+
+_register_regions()

@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 # ------------------------------------------------------------------------ views
 @lower(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze,
-       aten.unsqueeze, aten.view_as, aten.reshape_as, aten.expand_dims if hasattr(aten, "expand_dims") else aten.unsqueeze)
+       aten.unsqueeze, aten.view_as, aten.reshape_as)
 def _(ctx, node, x, *args, **kwargs):
     return ctx.reshape(x, ctx.out_shape)
 
@@ -82,8 +82,7 @@ def _pieces(ctx, x, dim, sizes):
     return out
 
 
-@lower(aten.split.Tensor, aten.split_with_sizes, aten.chunk, aten.tensor_split.sections,
-       aten.split.sizes if hasattr(aten.split, "sizes") else aten.split_with_sizes)
+@lower(aten.split.Tensor, aten.split.sizes, aten.split_with_sizes, aten.chunk, aten.tensor_split.sections)
 def _(ctx, node, x, *args, **kwargs):
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     sizes = [int(v.shape[dim % x.rank]) for v in node.meta["val"]]

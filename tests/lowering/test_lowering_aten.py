@@ -31,7 +31,16 @@ class Fn(torch.nn.Module):
         return self.fn(self, *xs)
 
 
+def _regions(m, x):
+    with torch.autocast("cpu", enabled=False):  # export wraps these regions in higher-order ops
+        y = x * 2
+    with torch.no_grad():
+        z = y + 1
+    return z.sin()
+
+
 CASES = {
+    "no_grad_and_autocast_off_regions": (_regions, (_r(3, 4),), {}),
     "sdpa_causal_gqa": (lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                         (_r(1, 4, 5, 8), _r(1, 2, 5, 8), _r(1, 2, 5, 8)), {}),
     "sdpa_bool_mask": (lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m.mask, scale=0.3),

@@ -187,3 +187,18 @@ def test_constants_are_the_parameters_themselves():
     assert len(consts) == 1 and consts[0].name == "w"
     assert consts[0].data.data_ptr() == module.w.data_ptr()  # no copy: the writer streams it
     assert isinstance(model.subgraphs[0].tensors[0], ir.Tensor)
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 2, 3, 2, 16)])
+def test_rms_norm_on_onert_is_reshaped_to_a_rank_it_runs(shape, tmp_path):
+    """onert's RMS_NORM takes rank 3 or 4 only: other ranks go through [1, N, C]."""
+    module = OpModule(lambda m, x: torch.ops.circle.rms_norm(x, m.w, 1e-5), {"w": _r(16) * 0.2 + 1})
+    x = _r(*shape, scale=2.0)
+    model = lower_program(torch.export.export(module, (x,), strict=False), "onert")
+    sg = model.subgraphs[0]
+    (norm,) = [o for o in sg.operators if o.opcode == "RMS_NORM"]
+    assert sg.tensors[norm.inputs[0]].shape == (1, x.numel() // 16, 16)
+    path = tmp_path / "rms.circle"
+    write_model(model, path, "circle")
+    (got,) = _run("onert", path, [x])
+    np.testing.assert_allclose(got, module(x).numpy(), atol=1e-6)
