@@ -1,0 +1,422 @@
+"""``circleops check MODEL --dtype fp16``: how an fp16/bf16 Circle file computes, per norm policy.
+
+For each RMSNorm policy (fused RMS_NORM builtin, fp32 island, scaled, native; see
+circleops.numerics.policy) the model is converted to an fp16 (or bf16) Circle file for
+target circle and run by the reference interpreter; the report gives the max error of
+every decoder layer's output against the fp32 model, and how many greedy tokens agree
+with fp32's before the first divergence.
+
+    from circleops.check import check
+    report = check(model, tokenizer, dtype="fp16", new_tokens=32)
+    print(report.table())
+
+How agreement is measured: fp32 generates N tokens greedily (torch, end-of-text not
+special). Each file takes the prompt plus fp32's first N-1 tokens in one run; its greedy
+choice at position P+k-1 is the token it would generate at step k, because a causal
+graph's output at a position depends only on the tokens up to it. So the leading
+positions where its choice equals fp32's token are exactly the tokens free-running
+greedy generation with the file shares with fp32, and the first choice that differs is
+the token it generates there. One run per policy instead of N. (Exact as long as the
+file computes no inf/NaN: such a value at a later position reaches earlier rows
+through the additive attention mask; the report counts them.)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+DEFAULT_PROMPT = "Once upon a time,"
+DEFAULT_NEW_TOKENS = 32
+DTYPE_CHOICES = ("fp16", "bf16")
+POLICY_NAMES = ("fused", "fp32-island", "scaled", "native")  # circleops.numerics.NORM_POLICIES
+_DEFAULT_PROMPT_LEN = 5  # prompt ids made up for a model without a tokenizer
+
+Progress = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------- API
+
+def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PROMPT,
+          prompt_ids: Sequence[int] | None = None, dtype: Any = "fp16",
+          policies: Sequence[str] = POLICY_NAMES, new_tokens: int = DEFAULT_NEW_TOKENS,
+          work_dir: str | os.PathLike | None = None, source: str | None = None,
+          progress: Progress | None = None) -> Any:
+    """The numerics report (a :class:`circleops.numerics.CheckReport`) of ``model``.
+
+    model: a Hugging Face *ForCausalLM (left unchanged; copies are cast). tokenizer: encodes
+        ``prompt`` and decodes the tokens; without one, pass ``prompt_ids`` (else a fixed
+        made-up prompt of 5 ids is used). dtype: "fp16" or "bf16". policies: names from
+        circleops.numerics.NORM_POLICIES. work_dir: where the .circle files are written
+        (kept); None writes them to a temporary directory removed afterwards.
+    """
+    import torch
+
+    from circleops.numerics import CheckReport, norm_policy
+
+    torch_dtype = _low_precision(dtype)
+    chosen = [norm_policy(p) for p in policies]
+    if not chosen:
+        raise _error("no norm policy chosen: pass at least one of " + ", ".join(POLICY_NAMES) + ".")
+    if new_tokens < 1:
+        raise _error(f"--new-tokens must be at least 1, got {new_tokens}.")
+    say = progress or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    ids, prompt = _prompt_ids(model, tokenizer, prompt, prompt_ids)
+    _check_length(model, len(ids) + new_tokens - 1)
+
+    say(f"fp32 reference: {new_tokens} greedy tokens")
+    reference = _fp32_model(model)
+    tokens = greedy(reference, ids, new_tokens)
+    seq = torch.tensor([ids + tokens[:-1]])
+    want = _run_layers(reference, seq)
+    timings["reference"] = time.perf_counter() - t
+    del reference
+
+    t = time.perf_counter()
+    say(f"export ({_name(torch_dtype)}, {seq.shape[1]} positions)")
+    ep = _export_low_precision(model, seq, torch_dtype)
+    timings["export"] = time.perf_counter() - t
+
+    eos = eos_ids(model)
+    hidden_ref = want[1:]
+    report = CheckReport(
+        source=source or type(model).__name__, dtype=_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
+        new_tokens=new_tokens, reference_tokens=tokens, reference_text=_decode(tokenizer, tokens),
+        layer_rms=[float(h.double().pow(2).mean(-1).sqrt().max()) for h in hidden_ref],
+        layer_max=[float(h.abs().max()) for h in hidden_ref], eos_ids=eos, timings=timings)
+    with _directory(work_dir) as directory:
+        for policy in chosen:
+            say(f"{policy.name}: convert, run")
+            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens, len(ids), eos, tokenizer)
+            report.policies.append(result)
+            timings[policy.name] = sum(result.seconds.values())
+    return report
+
+
+def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens of ``model`` in torch, with its KV cache when its
+    forward takes one; end-of-text is not special, so every policy is compared over the
+    same N positions."""
+    import inspect
+
+    import torch
+
+    from circleops.convert import _hf_export_settings
+
+    params = inspect.signature(model.forward).parameters
+    cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
+    ids = list(prompt_ids)
+    step, cache = ids, None
+    with _hf_export_settings(model), torch.no_grad():
+        for _ in range(new_tokens):
+            kwargs = {cache_arg: cache, "use_cache": True} if cache_arg else {"use_cache": False}
+            out = model(input_ids=torch.tensor([step]), return_dict=True, **kwargs)
+            ids.append(int(out.logits[0, -1].argmax()))
+            cache = getattr(out, cache_arg, None) if cache_arg else None
+            step = ids[-1:] if cache is not None else ids  # no cache: the whole sequence again
+    return ids[len(prompt_ids):]
+
+
+def eos_ids(model: Any) -> list[int]:
+    """The model's end-of-text token ids (config and generation config)."""
+    found: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(cfg, "eos_token_id", None)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+    return found
+
+
+# --------------------------------------------------------------------------- steps
+
+def _error(msg: str) -> Exception:
+    from circleops.errors import CircleOpsError
+
+    return CircleOpsError(msg)
+
+
+def _low_precision(dtype: Any) -> Any:
+    import torch
+
+    names = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if isinstance(dtype, torch.dtype) and dtype in names.values():
+        return dtype
+    if str(dtype).lower() in names:
+        return names[str(dtype).lower()]
+    raise _error(f"dtype {dtype!r} cannot be checked: the report compares an fp16 or bf16 file with fp32; "
+                 "use --dtype fp16 or --dtype bf16.")
+
+
+def _name(dtype: Any) -> str:
+    import torch
+
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
+                ) -> tuple[list[int], str | None]:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if prompt_ids is not None:
+        ids = [int(i) for i in prompt_ids]
+        prompt = _decode(tokenizer, ids)
+    elif tokenizer is not None and prompt is not None:
+        ids = list(tokenizer(prompt).input_ids)
+    else:
+        from circleops.models import example_token_ids
+
+        if vocab is None:
+            raise _error("the model's config has no vocab_size: pass --prompt-ids.")
+        ids, prompt = example_token_ids(_DEFAULT_PROMPT_LEN, vocab).tolist()[0], None
+    if not ids:
+        raise _error("the prompt is empty: give a --prompt with text or --prompt-ids.")
+    if vocab is not None and any(not 0 <= i < vocab for i in ids):
+        raise _error(f"prompt ids {ids} are out of range for the model's vocabulary of {vocab}.")
+    return ids, prompt
+
+
+def _check_length(model: Any, positions: int) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and positions > limit:
+        raise _error(f"prompt + --new-tokens - 1 = {positions} positions, but the model takes at most {limit}; "
+                     "use a shorter prompt or fewer --new-tokens.")
+
+
+def _fp32_model(model: Any) -> Any:
+    import torch
+
+    from circleops.numerics import decoder_layers
+
+    decoder_layers(model)  # the error names the model class before any work
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if params and all(p.dtype == torch.float32 for p in params):
+        return model.eval()
+    return copy.deepcopy(model).float().eval()
+
+
+def _run_layers(model: Any, seq: Any) -> list[Any]:
+    import torch
+
+    from circleops.convert import _hf_export_settings
+    from circleops.numerics import LayerOutputs
+
+    with _hf_export_settings(model), torch.no_grad():
+        return [t.float() for t in LayerOutputs(model).eval()(seq)]
+
+
+def _export_low_precision(model: Any, seq: Any, dtype: Any) -> Any:
+    """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
+    import torch
+
+    from circleops.convert import _hf_export_settings, export
+    from circleops.numerics import LayerOutputs, rms_norm_nodes
+
+    low = copy.deepcopy(model).to(dtype).eval()
+    with _hf_export_settings(low), torch.no_grad():
+        ep = export(LayerOutputs(low).eval(), (seq,), adapters=True, warn_list=[])
+    if not rms_norm_nodes(ep):
+        raise _error(f"{type(model).__name__} exported without any circle.rms_norm: its RMSNorms are not "
+                     "routed to the fused op (no adapter for this family?), so there is no norm policy to compare.")
+    return ep
+
+
+def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], tokens: list[int],
+                prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
+    import torch
+
+    from circleops.convert import op_histogram
+    from circleops.lowering import lower_program
+    from circleops.numerics import PolicyResult, set_norm_policy
+    from circleops.runtime.reference import Interpreter
+    from circleops.serialize import write_model
+
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    set_norm_policy(ep, policy)
+    model = lower_program(ep, "circle", dtype=dtype)
+    ops = op_histogram(model)
+    seconds["lower"] = time.perf_counter() - t
+    t = time.perf_counter()
+    path = directory / f"{policy.name}.circle"
+    write_model(model, path, "circle")
+    del model
+    seconds["write"] = time.perf_counter() - t
+    t = time.perf_counter()
+    got = Interpreter.load(path).run_torch([seq])
+    seconds["run"] = time.perf_counter() - t
+
+    errors, rel, bad = [], [], []
+    for g, w in zip(got[1:], want[1:]):
+        e, n = _max_error(g, w)
+        errors.append(e)
+        bad.append(n)
+        scale = float(w.abs().max())
+        rel.append(e / scale if scale > 0 else e)
+    logits_error, logits_bad = _max_error(got[0], want[0])
+    n = len(tokens)
+    predicted = got[0][0, prompt_len - 1: prompt_len - 1 + n].float().argmax(-1).tolist()
+    agreement = next((k for k in range(n) if predicted[k] != tokens[k]), n)
+    generated = predicted[:agreement + 1]
+    return PolicyResult(
+        name=policy.name, description=policy.description, path=str(path), ops=ops, layer_max_abs=errors,
+        layer_rel=rel, layer_nonfinite=bad, logits_max_abs=logits_error, logits_nonfinite=logits_bad,
+        agreement=agreement, first_divergence=None if agreement == n else agreement, generated=generated,
+        predicted=predicted, eos_predicted=sum(p in eos for p in predicted),
+        generated_text=_decode(tokenizer, generated), predicted_text=_decode(tokenizer, predicted), seconds=seconds)
+
+
+def _max_error(got: Any, want: Any) -> tuple[float, int]:
+    """(max |got - want|, how many of got are inf/NaN); inf when any is."""
+    import torch
+
+    g = got.double()
+    finite = torch.isfinite(g)
+    nonfinite = int((~finite).sum())
+    if nonfinite:
+        return float("inf"), nonfinite
+    return float((g - want.double()).abs().max()), 0
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
+    if tokenizer is None:
+        return None
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class _directory:
+    """``work_dir`` as given (created, kept), or a temporary directory removed on exit."""
+
+    def __init__(self, work_dir: str | os.PathLike | None):
+        self.work_dir = work_dir
+        self.tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> str:
+        if self.work_dir is None:
+            self.tmp = tempfile.TemporaryDirectory(prefix="circleops-check-")
+            return self.tmp.name
+        path = Path(self.work_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            from circleops.errors import OutputError
+
+            raise OutputError(f"cannot create --keep directory {path}: {err.strerror}.") from None
+        return str(path)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+# --------------------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.strip().split("\n\n")[0] + "\n\n" + __doc__.strip().split("\n\n")[1]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="HF model directory, .gguf file, or smollm2 (as for convert)")
+    parser.add_argument("--config", metavar="CONFIG_JSON",
+                        help="build the model from this HF config.json with random weights (seed --seed)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp16",
+                        help="precision of the checked files (default: fp16)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="prompt as comma-separated token ids (for models without a tokenizer)")
+    parser.add_argument("-n", "--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
+                        help=f"greedy tokens compared with fp32 (default: {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), metavar="LIST",
+                        help=f"comma-separated norm policies (default: {','.join(POLICY_NAMES)})")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the error per layer per policy as a PNG (needs matplotlib)")
+    parser.add_argument("--keep", metavar="DIR", help="write the .circle files to DIR and keep them")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads for the fp32 model and the interpreter (default: torch's); "
+                             "1 is fastest on a busy machine")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
+
+
+def main(args: argparse.Namespace) -> int:
+    from circleops import models
+    from circleops.errors import OutputError
+
+    if args.model is None and args.config is None:
+        raise _error("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), "
+                     "or --config config.json for random weights.")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from circleops.numerics import norm_policy
+
+    for p in policies:
+        norm_policy(p)
+    _low_precision(args.dtype)
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids else None
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_writable(option, Path(path), OutputError)
+    if args.plot:
+        from circleops.numerics.report import _pyplot
+
+        _pyplot()  # a missing matplotlib fails now, not after the run
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise _error(f"--threads must be at least 1, got {args.threads}.")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
+    t = time.perf_counter()
+    loaded = models.load(args.model, config=args.config, seed=args.seed)
+    if loaded.kind != "hf":
+        raise _error(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself (an HF "
+                     "directory, a .gguf file, smollm2 or --config), not an ExportedProgram.")
+    tokenizer = loaded.tokenizer or _dir_tokenizer(args.model)
+    load_seconds = time.perf_counter() - t
+    report = check(loaded.module, tokenizer, prompt=args.prompt, prompt_ids=prompt_ids, dtype=args.dtype,
+                   policies=policies, new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source,
+                   progress=progress)
+    report.timings = {"load": load_seconds, **report.timings}
+    if args.json:
+        report.to_json(args.json)
+    if args.plot:
+        report.plot(args.plot)
+    if not args.quiet:
+        print(report.table())
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise _error(f"--prompt-ids {text!r}: give comma-separated integers, e.g. --prompt-ids 1,450,4996.") from None
+
+
+def _check_writable(option: str, path: Path, error: type) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise error(f"cannot write {option} {path}: its directory does not exist, is not writable, or the path "
+                    "is a directory. Choose another path.")
+
+
+def _dir_tokenizer(model: str | None) -> Any:
+    """The tokenizer saved with an HF directory, if there is one."""
+    if model is None or not os.path.isdir(model):
+        return None
+    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    from circleops.models import quiet_transformers
+
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(model)
