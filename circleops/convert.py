@@ -230,6 +230,11 @@ def _is_hf_causal_lm(model: Any) -> bool:
         and model.get_output_embeddings() is not None
 
 
+def _has_hf_modules(module: torch.nn.Module) -> bool:
+    return "transformers" in sys.modules and any(
+        type(m).__module__.startswith("transformers.") for m in module.modules())
+
+
 class CausalLMLogits(torch.nn.Module):
     """An HF CausalLM as ``input_ids -> logits``: the graph's one output is the logits."""
 
@@ -268,7 +273,9 @@ def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = Tru
     """torch.export.export, inside ``adapters.patched_modules()`` when asked; a failure
     becomes an ExportError that says why in a line or two."""
     patches = contextlib.nullcontext()
-    if adapters:
+    # The adapters patch transformers' classes: only an HF model needs them (and importing
+    # them imports transformers, seconds that a conv net should not pay).
+    if adapters and _has_hf_modules(module):
         from circleops.adapters import patched_modules
 
         patches = patched_modules()

@@ -82,7 +82,7 @@ class Report:
             v = self.verify
             status = "ok" if v.passed else "MISMATCH"
             lines.append(f"  verify:  {v.runtime}: max abs error {v.max_abs_error:.3g} vs torch "
-                         f"(max |logit| {v.reference_max_abs:.3g}, tolerance {v.tolerance:.3g}) {status}")
+                         f"(max |output| {v.reference_max_abs:.3g}, tolerance {v.tolerance:.3g}) {status}")
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
         lines.append(f"  time:    {self.total_seconds:.2f}s ({stages})")
         for w in self.warnings:

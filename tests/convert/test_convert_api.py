@@ -189,3 +189,20 @@ def test_bad_options(kwargs, match, llama, tmp_path):
     path = tmp_path / f"m.{SUFFIX.get(kwargs.get('target'), 'circle')}"
     with pytest.raises(TargetError, match=match):
         circleops.convert(llama, (example_ids(SEQ),), path, **kwargs)
+
+
+def test_a_plain_module_converts_without_importing_transformers(tmp_path):
+    """Lazy imports: transformers (seconds of import) only loads for an HF model."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, circleops\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x): return torch.nn.functional.silu(x) * 2\n"
+        f"r = circleops.convert(M(), (torch.randn(2, 8),), {str(tmp_path / 'm.circle')!r}, verify=True)\n"
+        "assert r.verify.passed\n"
+        "print(sorted(m for m in ('transformers', 'scipy', 'onert', 'ai_edge_litert') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
