@@ -23,20 +23,15 @@ def run_cli(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def onert_run(llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "llama.circle"
-    report = out.with_suffix(".json")
+def test_hf_dir_to_onert_with_verify_and_identical_bytes_across_processes(llama_dir, tmp_path):
+    """The console entry point on an HF directory: verify in onert, the JSON report, and a
+    second process (another hash seed) writing the same bytes."""
+    out, report = tmp_path / "llama.circle", tmp_path / "llama.json"
     proc = run_cli(str(llama_dir), "-o", str(out), "--target", "onert", "--verify", "--seq-len", "8",
                    "--report", str(report), hash_seed="1")
-    return proc, out, report
-
-
-def test_hf_dir_to_onert_with_verify(onert_run):
-    proc, out, report = onert_run
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert out.exists()
+    assert "circleops: export" not in proc.stderr  # not a terminal: no progress bar
     text = proc.stdout
     assert f"wrote {out}" in text and "target onert" in text
     assert f"rms_norm x{N_NORMS}" in text and f"RMS_NORM {N_NORMS}" in text
@@ -47,17 +42,12 @@ def test_hf_dir_to_onert_with_verify(onert_run):
     assert data["file_size"] == out.stat().st_size
     assert list(data["timings"])[0] == "load" and "export" in data["timings"]
     assert data["inputs"] == [["input_ids", [1, 8], "INT64"]]
-    # not a terminal: no progress bar on stderr
-    assert "circleops: export" not in proc.stderr
 
-
-def test_two_processes_write_identical_bytes(onert_run, llama_dir, tmp_path):
-    proc, first, _ = onert_run
-    assert proc.returncode == 0, proc.stderr
     again = tmp_path / "again.circle"
-    proc2 = run_cli(str(llama_dir), "-o", str(again), "--target", "onert", "--seq-len", "8", hash_seed="2")
+    proc2 = run_cli(str(llama_dir), "-o", str(again), "--target", "onert", "--seq-len", "8", "--quiet", hash_seed="2")
     assert proc2.returncode == 0, proc2.stderr
-    assert again.read_bytes() == first.read_bytes()
+    assert proc2.stdout == ""
+    assert again.read_bytes() == out.read_bytes()
 
 
 def convert(capsys, *args: str) -> tuple[int, str, str]:
