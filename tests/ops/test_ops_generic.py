@@ -69,11 +69,11 @@ def test_opcheck(name, dtype):
         torch.library.opcheck(REGISTRY[name].op, args, kwargs, test_utils=CHEAP_OPCHECK)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("name", OPS)
 def test_opcheck_with_grad(name, dtype):
     # the autograd formula traced through AOT dispatch (dynamic shapes): the first sample
-    # in fp32, the last one (mixed weight/input dtypes) in bf16
+    # in fp32, the last one (mixed weight/input dtypes) in fp16 and bf16
     samples = REGISTRY[name].sample_inputs(dtype)
     args, kwargs = samples[0] if dtype == torch.float32 else samples[-1]
     torch.library.opcheck(REGISTRY[name].op, _with_grad(args), kwargs)
