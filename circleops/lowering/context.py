@@ -126,7 +126,16 @@ def result_type(*xs: Any) -> torch.dtype:
 
 
 def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
-    return tuple(torch.broadcast_shapes(*[tuple(s) for s in shapes]))
+    """numpy/torch broadcasting of static shapes."""
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, d in enumerate(s, rank - len(s)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise ValueError(f"shapes {[list(x) for x in shapes]} do not broadcast")
+                out[i] = d
+    return tuple(out)
 
 
 class LoweringContext:

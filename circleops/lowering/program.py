@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
 from circleops import ir
 from circleops.errors import TargetError, UnsupportedOpError
@@ -189,8 +188,31 @@ def prune(sg: ir.Subgraph) -> dict[int, int]:
     return remap
 
 
-def _materialize(x: Any) -> Any:
-    return x.const if isinstance(x, Value) else x
+def _map(x: Any, fn: Any, kind: type) -> Any:
+    """``fn`` applied to every ``kind`` leaf of FX-style arguments (tuples, lists, dicts):
+    torch's pytree is general and ~5x slower, and this runs for every node."""
+    if isinstance(x, kind):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        out = [_map(v, fn, kind) for v in x]
+        return out if isinstance(x, list) else tuple(out)
+    if isinstance(x, dict):
+        return {k: _map(v, fn, kind) for k, v in x.items()}
+    return x
+
+
+def _any_input_dependent(x: Any) -> bool:
+    if isinstance(x, Value):
+        return x.const is None
+    if isinstance(x, (list, tuple)):
+        return any(_any_input_dependent(v) for v in x)
+    if isinstance(x, dict):
+        return any(_any_input_dependent(v) for v in x.values())
+    return False
+
+
+def _materialize(x: Value) -> Any:
+    return x.const
 
 
 def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[Any],
@@ -212,7 +234,7 @@ def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[An
         if node not in live:
             continue
         if node.op == "output":
-            result = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
+            result = _map(node.args[0], env.__getitem__, torch.fx.Node)
             break
         if node.op == "get_attr":
             obj = getattr(module, node.target)
@@ -220,7 +242,7 @@ def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[An
             continue
         if node.op != "call_function":
             raise UnsupportedOpError(f"node {node.name!r}: {node.op} nodes are not supported; at {source_line(node)}")
-        args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, (node.args, node.kwargs))
+        args, kwargs = _map((node.args, node.kwargs), env.__getitem__, torch.fx.Node)
         if node.target is operator.getitem:
             env[node] = args[0][args[1]]
             continue
@@ -237,10 +259,9 @@ def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[An
 
 
 def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
-    leaves = pytree.tree_leaves((args, kwargs))
-    if is_foldable(node) and not any(isinstance(x, Value) and not x.is_const for x in leaves):
-        targs, tkwargs = pytree.tree_map_only(Value, _materialize, (args, kwargs))
-        return pytree.tree_map_only(torch.Tensor, const_value, evaluate(node.target, targs, tkwargs))
+    if is_foldable(node) and not _any_input_dependent((args, kwargs)):
+        targs, tkwargs = _map((args, kwargs), _materialize, Value)
+        return _map(evaluate(node.target, targs, tkwargs), const_value, torch.Tensor)
     fn = lowering_for(node.target)
     if fn is not None:
         return fn(ctx, node, *args, **kwargs)
