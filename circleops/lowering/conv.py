@@ -29,14 +29,15 @@ def conv2d(ctx, x, weight, bias, stride, padding, dilation, groups):
     cout = weight.shape[0]
     (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
     h = ctx.transpose(x, _TO_NHWC)
-    if isinstance(padding, str):
-        if padding == "same":
-            raise ctx.unsupported("uses padding='same'", "Give the padding as numbers.")
-        padding = (0, 0)
-    ph, pw = _pair(padding)
-    if ph or pw:
-        h = ctx.emit("PAD", [h, const_value(torch.tensor([[0, 0], [ph, ph], [pw, pw], [0, 0]], dtype=torch.int32))],
-                     out_shape=(n, h.shape[1] + 2 * ph, h.shape[2] + 2 * pw, cin), out_dtype=x.dtype)
+    kh, kw = weight.shape[2:]
+    if padding == "same":  # torch: total d·(k-1), the odd one on the right/bottom
+        rows = [[d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2] for d, k in ((dh, kh), (dw, kw))]
+    else:
+        rows = [[p, p] for p in _pair((0, 0) if padding == "valid" else padding)]
+    if any(v for row in rows for v in row):
+        (t, b), (l, r) = rows
+        h = ctx.emit("PAD", [h, const_value(torch.tensor([[0, 0], [t, b], [l, r], [0, 0]], dtype=torch.int32))],
+                     out_shape=(n, h.shape[1] + t + b, h.shape[2] + l + r, cin), out_dtype=x.dtype)
     if bias is None:
         bias = ctx.const(torch.zeros(cout, dtype=x.dtype))
     out_n, _, out_h, out_w = ctx.out_shape

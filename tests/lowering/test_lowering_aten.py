@@ -58,6 +58,8 @@ CASES = {
                           + F.avg_pool2d(x, 2).mean(1, keepdim=True),
                           (_r(1, 4, 6, 6),), {"w": _r(8, 1, 3, 3), "mean": _r(8), "var": torch.rand(8, generator=g) + 0.5,
                                               "scale": _r(8), "shift": _r(8)}),
+    "conv_same_padding": (lambda m, x: F.conv2d(x, m.w, padding="same", dilation=(1, 2)) + F.conv2d(x, m.w, padding=1),
+                          (_r(1, 2, 5, 6),), {"w": _r(3, 2, 3, 3)}),
     "split_stack_select": (lambda m, x: torch.stack([a.sum(-1) for a in x.split([1, 2, 3], -1)], 0) * x[:, 2, 3, None],
                            (_r(2, 4, 6),), {}),
     "softmax_mid_dim_and_where": (lambda m, x: torch.where(x > 0, torch.softmax(x, 1), torch.log_softmax(x, 1) * 0.5),
