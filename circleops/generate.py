@@ -241,7 +241,7 @@ class Generator:
             raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
         if prompt_len + max_new_tokens > m.max_cache_len:
             raise GenerationLimitError(
-                f"the prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} is "
+                f"the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens {max_new_tokens} is "
                 f"{prompt_len + max_new_tokens} tokens, more than the {m.max_cache_len} slots of the KV cache in "
                 f"{m.directory}. Generate at most {m.max_cache_len - prompt_len} new tokens, or convert again with "
                 f"--max-cache-len {prompt_len + max_new_tokens} or more.")

@@ -43,7 +43,7 @@ MANIFEST_FORMAT = "circleops-generate"
 MANIFEST_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
 DEFAULT_PREFILL_LEN = 64
-DEFAULT_MAX_CACHE_LEN = 256
+DEFAULT_MAX_CACHE_LEN = 512
 # Which runtime runs a target's files by default, and which can run them at all.
 DEFAULT_RUNTIME = {"onert": "onert", "circle": "reference", "tflite": "litert"}
 RUNTIMES = {"onert": ("onert", "reference"), "circle": ("reference",), "tflite": ("litert", "reference")}
@@ -313,6 +313,10 @@ class GraphsReport:
                          f"{errs} (tolerance {self.tolerance:.3g}): passed")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
                      + f", total {sum(self.timings.values()):.1f} s")
+        if set(self.graphs) == set(GRAPH_NAMES):
+            hint = "; for onert, convert with --target onert" if self.target == "circle" else ""
+            lines.append(f"  next: circleops generate {self.directory} --prompt \"...\" (runtime "
+                         f"{DEFAULT_RUNTIME[self.target]}{hint})")
         return "\n".join(lines)
 
 
@@ -404,7 +408,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     model.eval()
     references = None
     if runtime is not None:  # the model's own forward, before its modules are fused
-        t = stage("verify")
+        t = stage("torch reference logits")
         references = _verify_references(model, prefill_len)
         timings["verify"] = time.perf_counter() - t
 
@@ -485,25 +489,24 @@ def _remove_outputs(out_dir: Path, files: dict[str, str]) -> None:
 @dataclass
 class _References:
     prompt: Any  # [P] int64
-    prefill_logits: Any  # [P, V]: HF logits of the prompt
-    next_token: int  # HF's greedy token after the prompt
-    decode_logits: Any  # [V]: HF logits after prompt + next_token
+    prefill_logits: Any  # [P, V]: the model's logits of the prompt
+    next_token: int  # the token decoded after the prompt
+    decode_logits: Any  # [V]: the model's logits after prompt + next_token
 
 
 def _verify_references(model: Any, prefill_len: int) -> _References:
     """The model's own (HF, no cache) logits for a prompt of half the prefill length and
-    one greedy token after it: what the prefill and one decode step must reproduce."""
+    one more token: what the prefill and one decode step must reproduce. Causal, so one
+    forward over P + 1 tokens gives both."""
     import torch
 
     from circleops.models import example_token_ids
 
     p = max(1, prefill_len // 2)
-    prompt = example_token_ids(p, int(model.config.vocab_size))[0]
+    ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
     with torch.no_grad():
-        logits = model(input_ids=prompt[None], use_cache=False).logits[0]
-        nxt = int(logits[-1].argmax())
-        after = model(input_ids=torch.cat([prompt, torch.tensor([nxt])])[None], use_cache=False).logits[0, -1]
-    return _References(prompt, logits.float().numpy(), nxt, after.float().numpy())
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].float().numpy()
+    return _References(ids[:p], logits[:p], int(ids[p]), logits[p])
 
 
 def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References, tol: float) -> dict[str, float]:
