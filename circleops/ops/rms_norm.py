@@ -127,8 +127,11 @@ def _eager(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multi
     _check(x, weight, policy, multiply)
     input_dtype = x.dtype
     h = x.to(at_least_fp32(input_dtype))
-    r = h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    h = h.mul_(r) if h is not x else h * r
+    squares = h.pow(2)
+    r = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
+    # normalize in place: into the upcast copy, or (fp32 input) into the squares' buffer
+    h = h.mul_(r) if h is not x else torch.mul(h, r, out=squares)
+    del squares
     if weight is None:
         return h.to(input_dtype)
     if multiply == "fp32":
