@@ -84,7 +84,7 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     ep = _export_low_precision(model, seq, torch_dtype)
     timings["export"] = time.perf_counter() - t
 
-    eos = eos_ids(model)
+    eos = eos_ids(model, tokenizer)
     hidden_ref = want[1:]
     report = CheckReport(
         source=source or type(model).__name__, dtype=_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
@@ -124,14 +124,25 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
     return ids[len(prompt_ids):]
 
 
-def eos_ids(model: Any) -> list[int]:
-    """The model's end-of-text token ids (config and generation config)."""
+# Special tokens that end a text whatever the model's configured eos is (SmolLM2-Instruct's
+# eos is <|im_end|>, but its <|endoftext|> is what it emits once its norms overflow).
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
+
+
+def eos_ids(model: Any, tokenizer: Any = None) -> list[int]:
+    """End-of-text token ids: the model's eos (config, generation config, tokenizer) and
+    the tokenizer's special tokens in :data:`END_OF_TEXT_TOKENS`."""
     found: list[int] = []
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+    values: list[Any] = []
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
         value = getattr(cfg, "eos_token_id", None)
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(v, int) and v not in found:
-                found.append(v)
+        values += value if isinstance(value, (list, tuple)) else [value]
+    if tokenizer is not None:
+        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        values += [tokenizer.convert_tokens_to_ids(t) for t in END_OF_TEXT_TOKENS if t in special]
+    for v in values:
+        if isinstance(v, int) and v >= 0 and v not in found:
+            found.append(v)
     return found
 
 

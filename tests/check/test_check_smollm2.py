@@ -1,0 +1,67 @@
+"""The real SmolLM2-135M in fp16 (slow): its norm inputs have RMS above 900, so the native
+fp16 norm overflows and greedy generation degenerates into end-of-text tokens, while the
+fused RMS_NORM and the fp32 island keep fp32's text for all 32 tokens. One check() run,
+every policy converted once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from circleops.check import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
+
+pytestmark = pytest.mark.slow
+
+N = DEFAULT_NEW_TOKENS
+
+
+@pytest.fixture(scope="session")
+def smollm2_report(tmp_path_factory):
+    from circleops.models import load_smollm2
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # measured: 2 threads on 2 shared cores is ~20x slower per forward
+    try:
+        model, tokenizer = load_smollm2(torch.float32)
+        return check(model, tokenizer, prompt=DEFAULT_PROMPT, dtype="fp16", new_tokens=N,
+                     work_dir=tmp_path_factory.mktemp("smollm2_check"), source="smollm2")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_norm_inputs_pass_fp16_square_range(smollm2_report):
+    # the premise: x² overflows fp16 once |x| >= 256
+    assert max(smollm2_report.layer_rms) > 256
+    assert smollm2_report.num_layers == 30
+
+
+@pytest.mark.parametrize("policy", ["fused", "fp32-island"])
+def test_upcast_norm_keeps_fp32_text(smollm2_report, policy):
+    r = smollm2_report.result(policy)
+    assert r.agreement == N, smollm2_report.table()
+    assert r.nonfinite == 0
+    # within ~10 fp16 epsilons of each layer's largest value (measured: at most 4e-3, the
+    # rounding of 30 residual additions; the native norm is off by 3x the value itself)
+    assert all(e <= 1e-2 for e in r.layer_rel), (r.layer_rel, smollm2_report.table())
+
+
+def test_scaled_norm_keeps_fp32_text(smollm2_report):
+    r = smollm2_report.result("scaled")
+    assert r.agreement == N and r.nonfinite == 0, smollm2_report.table()
+
+
+def test_native_norm_degenerates(smollm2_report):
+    report = smollm2_report
+    native, fused = report.result("native"), report.result("fused")
+    assert native.agreement < N // 4, report.table()
+    assert native.generated[-1] in report.eos_ids  # it ends the text at its first divergence
+    assert native.eos_predicted >= N // 2  # and predicts end-of-text almost everywhere along fp32's text
+    assert max(native.layer_max_abs) > 100 * max(fused.layer_max_abs)
+    assert f"diverges at token {native.first_divergence}" in report.table()
+
+
+def test_written_files_hold_the_policy(smollm2_report):
+    ops = {r.name: r.ops for r in smollm2_report.policies}
+    norms = 2 * 30 + 1
+    assert ops["fused"].get("RMS_NORM") == norms
+    assert all("RMS_NORM" not in ops[name] for name in ("fp32-island", "scaled", "native"))
+    assert ops["native"].get("CAST", 0) == 0 and ops["fp32-island"]["CAST"] >= 2 * norms
