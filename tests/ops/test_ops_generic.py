@@ -135,12 +135,12 @@ def _autocast_expected(spec, args, kwargs, autocast_dtype):
 def test_autocast_rule(name):
     spec = REGISTRY[name]
     for dtype, autocast_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)):
-        args, kwargs = spec.sample_inputs(dtype)[0]
-        expected = _tuple(_autocast_expected(spec, args, kwargs, autocast_dtype))
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            got = _tuple(spec.op(*args, **kwargs))
-        for g, e in zip(got, expected):
-            assert g.dtype == e.dtype and torch.equal(g, e), f"{name}: autocast rule {spec.autocast!r} not followed"
+        for args, kwargs in spec.sample_inputs(dtype):
+            expected = _tuple(_autocast_expected(spec, args, kwargs, autocast_dtype))
+            with torch.autocast("cpu", dtype=autocast_dtype):
+                got = _tuple(spec.op(*args, **kwargs))
+            for g, e in zip(got, expected):
+                assert g.dtype == e.dtype and torch.equal(g, e), f"{name} {kwargs}: autocast rule {spec.autocast!r} not followed"
     if spec.autocast == "fp32":
         assert got[0].dtype == torch.float32
     elif spec.autocast == "lower_precision":
