@@ -329,7 +329,8 @@ class _directory:
 # --------------------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.strip().split("\n\n")[0] + "\n\n" + __doc__.strip().split("\n\n")[1]
+    parts = __doc__.strip().replace("``", "").split("\n\n")
+    parser.description = parts[0] + "\n\n" + parts[1]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="HF model directory, .gguf file, or smollm2 (as for convert)")
