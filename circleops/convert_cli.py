@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     api.check_target_dtype(args.target, dtype)
     out = api.check_output_path(args.output, fmt)
     if args.report:
-        _check_report_path(Path(args.report), OutputError)
+        _check_report_path(Path(args.report))
     if args.seq_len is not None and args.seq_len < 1:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
@@ -140,10 +140,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_report_path(path: Any, error: type) -> None:
+def _check_report_path(path: Any) -> None:
     import os
+
+    from circleops.errors import OutputError
 
     parent = path.parent if str(path.parent) else type(path)(".")
     if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise error(f"cannot write the report {path}: its directory does not exist, is not writable, or the path "
-                    f"is a directory. Choose another --report path.")
+        raise OutputError(f"cannot write the report {path}: its directory does not exist, is not writable, or "
+                          f"the path is a directory. Choose another --report path.")

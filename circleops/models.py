@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -44,7 +44,6 @@ class LoadedModel:
     module: torch.nn.Module | None = None
     exported: Any = None  # torch.export.ExportedProgram
     tokenizer: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def config(self) -> Any:
