@@ -15,23 +15,22 @@ from circleops.cli import main
 from circleops.errors import CircleOpsError
 from circleops.runtime.reference import Interpreter
 
-from conftest import NEW_TOKENS
-
 POLICIES = ["fused", "fp32-island", "scaled", "native"]
 
 
 def test_report_shape(loud_report, loud_llama):
     r = loud_report
+    assert r.new_tokens == 6  # NEW_TOKENS of tests/check/conftest.py
     assert [p.name for p in r.policies] == POLICIES
     assert r.num_layers == loud_llama.config.num_hidden_layers
-    assert len(r.reference_tokens) == NEW_TOKENS and r.prompt is None and len(r.prompt_ids) == 5
-    assert r.reference_tokens == greedy(loud_llama, r.prompt_ids, NEW_TOKENS)
+    assert len(r.reference_tokens) == r.new_tokens and r.prompt is None and len(r.prompt_ids) == 5
+    assert r.reference_tokens == greedy(loud_llama, r.prompt_ids, r.new_tokens)
     for p in r.policies:
         assert len(p.layer_max_abs) == len(p.layer_rel) == len(p.layer_nonfinite) == r.num_layers
-        assert len(p.predicted) == NEW_TOKENS
+        assert len(p.predicted) == r.new_tokens
         assert p.generated[:p.agreement] == r.reference_tokens[:p.agreement]
         if p.first_divergence is None:
-            assert p.agreement == NEW_TOKENS and p.generated == r.reference_tokens
+            assert p.agreement == r.new_tokens and p.generated == r.reference_tokens
         else:
             assert p.generated[-1] != r.reference_tokens[p.first_divergence]
         assert set(p.seconds) == {"lower", "write", "run"}
@@ -44,14 +43,14 @@ def test_native_norm_overflows_where_the_others_do_not(loud_report):
     assert max(r.layer_rms) > 256
     for name in ("fused", "fp32-island", "scaled"):
         p = r.result(name)
-        assert p.agreement == NEW_TOKENS, name
+        assert p.agreement == r.new_tokens, name
         assert p.nonfinite == 0
         assert p.logits_max_abs < 5e-3, name  # the tiny model's logits are below 1
         # fp16 rounding of a residual stream of max |x| ~1500: a few ulps (ulp = 1 there)
         assert all(e <= 4 * 2.0 ** math.floor(math.log2(m)) * 2 ** -10 for e, m in zip(p.layer_max_abs, r.layer_max))
     fused, native = r.result("fused"), r.result("native")
     assert fused.layer_max_abs == r.result("fp32-island").layer_max_abs  # same computation, two writings
-    assert native.agreement < NEW_TOKENS and native.first_divergence == native.agreement
+    assert native.agreement < r.new_tokens and native.first_divergence == native.agreement
     assert native.logits_max_abs > 50 * fused.logits_max_abs
 
 
@@ -82,7 +81,8 @@ def test_table_lists_layers_policies_and_divergence(loud_report):
     text = loud_report.table()
     for name in POLICIES:
         assert name in text
-    assert f"{NEW_TOKENS}/{NEW_TOKENS} (all agree)" in text
+    n = loud_report.new_tokens
+    assert f"{n}/{n} (all agree)" in text
     assert "diverges at token" in text
     assert "RMS_NORM" in text  # the fused file's norm op
     rows = [ln for ln in text.splitlines() if ln.strip().split(" ")[0].isdigit()]
