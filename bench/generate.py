@@ -2,7 +2,7 @@
 
     python bench/generate.py                       # SmolLM2-135M, 16 / 64 / 256 new tokens
     python bench/generate.py --dir out/            # reuse graphs written by convert --graphs
-    python bench/generate.py --new 16 64 --rounds 3 --torch-threads 1
+    python bench/generate.py --new 16 64 --rounds 3 --threads 1
 
 Converts SmolLM2-135M-Instruct once (--target onert, prefill --prefill-len, cache
 --max-cache-len) unless --dir is given, then for each number of new tokens times, in the
@@ -13,10 +13,15 @@ with its DynamicCache). Both are forced to produce exactly N tokens (EOS ignored
 Columns: total = prompt to N tokens; prefill = the prompt's pass (torch: generate with one
 new token); ms/token = (total - prefill) / (N - 1), the decode cost per token, which stays
 flat as N grows when generation is linear; tokens/s = N / total. The median of --rounds.
+
+Threads: --threads (default 2) for both: torch.set_num_threads with OMP_WAIT_POLICY=PASSIVE
+(spinning OpenMP workers make 2-thread torch many times slower on a loaded machine), and
+onert's NUM_THREADS (read from the environment when its session is created).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -38,9 +43,10 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=32)
     ap.add_argument("--max-cache-len", type=int, default=320)
     ap.add_argument("--rounds", type=int, default=1, help="runs per cell; the median is reported (default 1)")
-    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for transformers "
-                                                                     "(default: torch's own)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for torch and onert (default 2)")
     args = ap.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+    os.environ["NUM_THREADS"] = str(args.threads)  # onert's cpu backend
 
     import torch
 
@@ -48,8 +54,7 @@ def main() -> None:
     from circleops.graphs import convert_graphs, read_manifest
     from circleops.models import load_smollm2
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     model.eval()
     work = None
@@ -106,7 +111,7 @@ def main() -> None:
 
     print(f"\nSmolLM2-135M-Instruct fp32, greedy, prompt {len(ids)} tokens ({PROMPT!r}); onert 0.1.0 (prefill graph "
           f"{manifest.prefill_len}, cache {manifest.max_cache_len}) vs transformers generate with its cache "
-          f"(torch threads {torch.get_num_threads()}); median of {args.rounds}\n")
+          f"({args.threads} threads each); median of {args.rounds}\n")
     print("| new tokens | onert total s | onert prefill s | onert ms/token | onert tokens/s | torch total s "
           "| torch prefill s | torch ms/token | torch tokens/s | tokens/s onert/torch |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

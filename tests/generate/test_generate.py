@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
+from families import FAMILIES
 
 from circleops.cli import main as cli
 from circleops.generate import GenerationLimitError, Generator, generate
@@ -149,3 +150,20 @@ def test_cli_convert_graphs_refuses_a_file_output(capsys, tmp_path, tiny_model):
     tiny_model.config.to_json_file(cfg)
     rc = cli(["convert", "--config", str(cfg), "--graphs", "prefill,decode", "-o", str(tmp_path / "m.circle")])
     assert rc == 2 and "-o names a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.attention_fusable and f.name != "llama"],
+                         ids=lambda f: f.name)
+def test_other_families_on_onert(tmp_path, family):
+    """Every family whose attention circle.attention expresses generates like transformers
+    on onert (Llama is covered above with more prompts and runtimes)."""
+    from conftest import one_torch_thread
+
+    from circleops.graphs import convert_graphs
+
+    model = family.build()
+    prompt = TINY_PROMPTS[0]
+    expected = hf_greedy(model, prompt, 8)
+    with one_torch_thread():
+        convert_graphs(model, tmp_path, target="onert", prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE)
+    assert Generator(tmp_path).generate(prompt, 8).tokens == expected
