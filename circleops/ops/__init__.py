@@ -9,6 +9,7 @@ decomposition). Adding an op = one file here + one entry in schema/ops.yaml; the
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -17,7 +18,21 @@ from typing import Any, Callable
 import torch
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "ops.yaml"
+def _schema_path() -> Path:
+    # schema/ops.yaml lives at the top of the repository (an editable install reads it in
+    # place); a wheel installs it as data under <prefix>/share/circleops/.
+    in_repo = Path(__file__).resolve().parents[2] / "schema" / "ops.yaml"
+    if in_repo.exists():
+        return in_repo
+    installed = Path(sys.prefix) / "share" / "circleops" / "ops.yaml"
+    if installed.exists():
+        return installed
+    raise FileNotFoundError(
+        f"circleops: the op contracts (schema/ops.yaml) are missing: looked at {in_repo} and "
+        f"{installed}; reinstall circleops (pip install -e . from the repository)")
+
+
+SCHEMA_PATH = _schema_path()
 
 
 @dataclass(frozen=True)
