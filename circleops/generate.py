@@ -428,7 +428,9 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
 # --------------------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (__doc__ or "").strip().splitlines()[0]
+    parser.description = ("greedy generation with the prefill and decode graphs that `circleops convert MODEL "
+                          "--graphs prefill,decode -o DIR` wrote: the text streams to stdout, the prefill time and "
+                          "decode tokens/s go to stderr")
     parser.add_argument("directory", metavar="DIR", help="directory written by `circleops convert MODEL --graphs "
                                                          "prefill,decode -o DIR`")
     what = parser.add_mutually_exclusive_group(required=True)
