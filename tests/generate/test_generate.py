@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
+from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
 from families import FAMILIES
 
 from circleops.cli import main as cli
@@ -157,7 +157,7 @@ def test_cli_convert_graphs_refuses_a_file_output(capsys, tmp_path, tiny_model):
 def test_other_families_on_onert(tmp_path, family):
     """Every family whose attention circle.attention expresses generates like transformers
     on onert (Llama is covered above with more prompts and runtimes)."""
-    from conftest import one_torch_thread
+    from generate_fixtures import one_torch_thread
 
     from circleops.graphs import convert_graphs
 

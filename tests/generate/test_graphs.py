@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import TINY_CACHE, TINY_PREFILL
+from generate_fixtures import TINY_CACHE, TINY_PREFILL
 from families import BY_NAME, FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError

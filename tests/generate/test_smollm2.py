@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import SMOL_CACHE, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
+from generate_fixtures import SMOL_CACHE, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
 
 from circleops.generate import Generator
 from circleops.graphs import read_manifest

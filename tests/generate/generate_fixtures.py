@@ -1,0 +1,107 @@
+"""Session-scoped conversions for the generate tests (imported by this directory's
+conftest.py; test modules import the constants from here, never from ``conftest``, a module
+name every test directory has): the 2-layer random Llama of
+tests/families.py for each target, and (slow) the real SmolLM2-135M, each converted once,
+with transformers' own greedy generation (fp32, with its KV cache) as the expected tokens."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from families import BY_NAME
+
+TINY_PREFILL, TINY_CACHE, TINY_NEW = 8, 32, 16
+TINY_PROMPTS = [[5, 17, 42, 99, 3], [1, 200, 7], [9, 8, 7, 6, 5, 4, 3, 250]]  # the last fills the prefill
+SMOL_PREFILL, SMOL_CACHE, SMOL_NEW = 32, 128, 32
+SMOL_PROMPTS = ["Once upon a time,", "The capital of France is", "def fibonacci(n):"]
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread: with pytest -n 2 (or other jobs) on 2 cores, two OpenMP threads
+    per process oversubscribe the cores and a 32-token generate takes 10x longer."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy generate with its cache: the new tokens (EOS included)."""
+    with torch.no_grad(), one_torch_thread():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@dataclass
+class Converted:
+    directory: Path
+    expected: dict[tuple, list[int]]  # prompt ids -> HF greedy tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> torch.nn.Module:
+    return BY_NAME["llama"].build()
+
+
+@pytest.fixture(scope="session")
+def tiny_expected(tiny_model) -> dict[tuple, list[int]]:
+    return {tuple(p): hf_greedy(tiny_model, p, TINY_NEW) for p in TINY_PROMPTS}
+
+
+def _tiny(tmp_path_factory, tiny_model, tiny_expected, target: str) -> Converted:
+    from circleops.graphs import convert_graphs
+
+    out = tmp_path_factory.mktemp(f"tiny_{target}")
+    convert_graphs(copy.deepcopy(tiny_model), out, target=target, prefill_len=TINY_PREFILL,
+                   max_cache_len=TINY_CACHE, source="tiny llama")
+    return Converted(out, tiny_expected)
+
+
+@pytest.fixture(scope="session")
+def tiny_onert(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
+    return _tiny(tmp_path_factory, tiny_model, tiny_expected, "onert")
+
+
+@pytest.fixture(scope="session")
+def tiny_tflite(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
+    return _tiny(tmp_path_factory, tiny_model, tiny_expected, "tflite")
+
+
+@pytest.fixture(scope="session")
+def tiny_circle(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
+    return _tiny(tmp_path_factory, tiny_model, tiny_expected, "circle")
+
+
+@dataclass
+class SmolLM2:
+    directory: Path
+    prompts: dict[str, list[int]]  # text -> ids
+    expected: dict[str, list[int]]  # text -> HF greedy tokens
+    tokenizer: object
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> SmolLM2:
+    """SmolLM2-135M converted once as a newcomer does (the CLI, --verify on onert)."""
+    from circleops.cli import main
+    from circleops.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    prompts = {p: [int(i) for i in tokenizer(p)["input_ids"]] for p in SMOL_PROMPTS}
+    expected = {p: hf_greedy(model, ids, SMOL_NEW) for p, ids in prompts.items()}
+    del model
+    out = tmp_path_factory.mktemp("smollm2") / "out"
+    with one_torch_thread():
+        rc = main(["convert", "smollm2", "--graphs", "prefill,decode", "--target", "onert", "--verify", "-q",
+                   "--seq-len", str(SMOL_PREFILL), "--max-cache-len", str(SMOL_CACHE), "-o", str(out)])
+    assert rc == 0
+    return SmolLM2(out, prompts, expected, tokenizer)
