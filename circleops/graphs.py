@@ -346,7 +346,7 @@ def _pad_id(model: Any, eos: list[int]) -> int:
     return int(pad) if pad is not None else (eos[0] if eos else 0)
 
 
-def _prepare_dir(out_dir: Path, files: list[str]) -> None:
+def _prepare_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"-o {out_dir} is a file; with --graphs, -o names a directory (e.g. -o out/).")
     parent = out_dir.parent if str(out_dir.parent) else Path(".")
@@ -397,7 +397,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     out_dir = Path(out_dir)
     fmt = api.FORMATS[target]
     files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
-    _prepare_dir(out_dir, sorted(set(files.values())))
+    _prepare_dir(out_dir)
     timings: dict[str, float] = {}
 
     def stage(name: str) -> float:
