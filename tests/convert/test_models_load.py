@@ -183,9 +183,9 @@ def test_random_build_initializes_like_transformers(family):
     config = family.config()
     cls = getattr(transformers, family.model_cls)
     torch.manual_seed(0)
-    ref = dict(cls(config).named_parameters(remove_duplicate=False))
+    ref = {n: p.detach() for n, p in cls(config).named_parameters(remove_duplicate=False)}
     fast = models.build_random(cls, config)
-    got = dict(fast.named_parameters(remove_duplicate=False))
+    got = {n: p.detach() for n, p in fast.named_parameters(remove_duplicate=False)}
     assert got.keys() == ref.keys()
     for name, r in ref.items():
         p = got[name]
