@@ -147,8 +147,9 @@ def main(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _scipy_hidden() -> Iterator[None]:
     """transformers imports scipy.optimize when it loads (for object-detection losses only),
-    ~0.4 s of a ~5 s conversion: while the model loads, scipy looks absent to it."""
-    hide = "scipy" not in sys.modules
+    ~0.4 s of a ~5 s conversion: while the model loads, scipy looks absent to it. Only when
+    transformers is first imported here: once imported, it has decided scipy is there."""
+    hide = "scipy" not in sys.modules and "transformers" not in sys.modules
     if hide:
         sys.modules["scipy"] = None  # type: ignore[assignment]  # find_spec("scipy") -> None
     try:
