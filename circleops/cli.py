@@ -24,7 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="circleops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="circleops",
+        description="Export PyTorch / Hugging Face models to Circle and TFLite with RMSNorm, RoPE, "
+                    "attention and instance norm kept as fused ops.")
     parser.add_argument("--version", action="version", version=f"circleops {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
