@@ -19,14 +19,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import flatbuffers
 import numpy as np
 
 from circleops import ir
 from circleops.errors import OutputError, TargetError, UnsupportedOpError
-from circleops.serialize.buffers import BufferTable, materialize
+from circleops.serialize.buffers import ELEMENT_SIZE, BufferTable, _identity_key, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
 
@@ -304,7 +304,8 @@ class _Plan:
     file_bytes: int
 
 
-def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | None) -> _Plan:
+def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | None,
+          too_large: Callable[[int], str] | None = None) -> _Plan:
     if not weights_after:
         tail = _layout_inline(placed)
         # Past the limit the inline offsets would not even fit 32 bits: do not pack them.
@@ -312,6 +313,8 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
         total = _align(len(head) + tail)
         if total <= FLATBUFFER_LIMIT or weights_after is False:
             if total > FLATBUFFER_LIMIT:
+                if too_large is not None:
+                    raise TargetError(too_large(total))
                 raise TargetError(
                     f"the model needs {total} bytes, past the 2 GiB flatbuffer limit, "
                     "and weights_after=False forbids storing the weights after the flatbuffer; "
@@ -393,13 +396,39 @@ def _atomic_write(path: Path, write) -> None:
         pass
 
 
+def constant_bytes(model: ir.Model) -> int:
+    """The bytes the model's weights take in a file, from the IR alone: each constant once
+    per memory it views (tied weights count once), aligned, plus the metadata.
+
+    Nothing is hashed, copied or packed, so a size rule (target onert: at most 2 GiB) can
+    refuse a multi-GB model before the writer touches its weights. Byte-identical copies
+    in different memory count twice here though the writer stores them once: an upper
+    bound, short of the graph tables (kilobytes).
+    """
+    seen: set[tuple] = set()
+    total = 0
+    for sg in model.subgraphs:
+        for t in sg.tensors:
+            if t.data is None:
+                continue
+            key = _identity_key(t.data) or ("object", id(t.data))
+            if key in seen:
+                continue
+            seen.add(key)
+            n = int(np.prod(t.shape, dtype=np.int64)) * ELEMENT_SIZE.get(t.dtype, 1)
+            total += _align(4 + n)
+    return total + sum(_align(4 + len(bytes(blob))) for blob in model.metadata.values())
+
+
 def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *,
-                weights_after: bool | None = None) -> WriteInfo:
+                weights_after: bool | None = None, too_large: Callable[[int], str] | None = None) -> WriteInfo:
     """Write ``model`` as a Circle ("circle", identifier CIR0) or TFLite ("tflite", TFL3) file.
 
     weights_after: None (default) stores the weights inline unless the file would pass
     2 GiB; True always stores them after the flatbuffer (Buffer.offset/size); False never
-    (a model past 2 GiB is then an error).
+    (a model past 2 GiB is then a TargetError, raised before anything is written, whose
+    message is ``too_large(bytes needed)`` when given: the caller knows why the layout is
+    forbidden and what the user can do).
 
     The write is atomic (a temp file in the same directory, fsync, rename): on failure no
     file is left at ``path``. The same IR always gives the same bytes.
@@ -409,7 +438,7 @@ def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *
     schema = get_schema(rules.schema_name)
     path = Path(path)
     m, table, placed = _build(model, schema, rules)
-    plan = _plan(m, placed, schema, weights_after)
+    plan = _plan(m, placed, schema, weights_after, too_large)
     if plan.layout == "offset" and not rules.reads_offset_buffers:
         raise TargetError(rules.offset_refusal)
     _atomic_write(path, lambda f: _stream(f, plan, placed, table))

@@ -152,3 +152,29 @@ def test_weights_alone_past_the_limit(tmp_path, monkeypatch):
     assert info.layout == "offset"
     x = np.random.default_rng(2).standard_normal((1, 8192)).astype(np.float32)
     np.testing.assert_allclose(litert.run(tmp_path / "m.tflite", [x])[0], reference(x)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_constant_bytes_bounds_the_weights_without_reading_them(tmp_path):
+    """The IR-only size estimate a size rule uses before packing: tied weights once, each
+    constant aligned; an upper bound of what the writer stores, short of the graph tables."""
+    emb = torch.randn(1000, 64)
+    model = _two_consts(emb, emb.clone())  # byte-identical copies in different memory
+    info = write_model(model, tmp_path / "m.circle")
+    estimate = writer_mod.constant_bytes(model)
+    assert 2 * emb.numel() * 4 <= estimate < 2 * emb.numel() * 4 + 64  # the copy counts: an upper bound
+    assert info.weight_bytes == emb.numel() * 4  # the writer stores it once
+    tied = _two_consts(emb, emb)
+    assert emb.numel() * 4 <= writer_mod.constant_bytes(tied) < emb.numel() * 4 + 32
+    assert writer_mod.constant_bytes(tied) <= write_model(tied, tmp_path / "t.circle").file_bytes
+
+
+def test_inline_only_past_the_limit_uses_the_callers_message(tmp_path, monkeypatch):
+    """weights_after=False with a too_large message: a caller (target onert) says why the
+    offset layout is not allowed; nothing is written."""
+    model, _ = tiny_models.fc_add()
+    fits = write_model(model, tmp_path / "m.circle", weights_after=False)
+    assert fits.layout == "inline"
+    monkeypatch.setattr(writer_mod, "FLATBUFFER_LIMIT", fits.file_bytes - 1)
+    with pytest.raises(TargetError, match=rf"^onert cannot: {fits.file_bytes}$"):
+        write_model(model, tmp_path / "n.circle", weights_after=False, too_large=lambda n: f"onert cannot: {n}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.circle"]  # no file, no temp file
