@@ -171,6 +171,41 @@ def check_target_dtype(target: str, dtype: torch.dtype) -> None:
             f"Pass dtype='fp16' or 'fp32' (the model is cast), or use --target circle for a bf16 file.")
 
 
+def onert_too_large(needed: int) -> str:
+    """The refusal for a target onert file past 2 GiB (``needed`` bytes)."""
+    return (f"the model needs {needed} bytes (> 2 GiB) for target onert; onert 0.1.0 cannot read weights "
+            f"stored after the flatbuffer (it crashes), and a flatbuffer holds at most 2 GiB. Use --target "
+            f"circle for NPU compilers, or --target tflite for LiteRT, which reads that layout; or convert a "
+            f"smaller model, or use --dtype fp16 with a target that allows it (circle, tflite).")
+
+
+def check_file_size(ir_model: Any, target: str) -> None:
+    """Refuse a model target onert cannot load, from its constants' bytes, before anything
+    is packed or written (a 4 GB model fails in milliseconds, not after minutes of writing).
+
+    Past 2 GiB the writer has to put the weights after the flatbuffer (Buffer.offset/size),
+    a layout onert 0.1.0 crashes on (FACTS.md); Circle and TFLite targets write it.
+    """
+    if target != "onert":
+        return
+    from circleops.serialize import writer
+
+    needed = writer.constant_bytes(ir_model)
+    if needed > writer.FLATBUFFER_LIMIT:
+        raise TargetError(onert_too_large(needed))
+
+
+def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str) -> Any:
+    """``write_model`` under the target's size rule: target onert never gets the offset
+    layout (checked from the IR first, then exactly by the writer before it writes)."""
+    from circleops.serialize import writer
+
+    check_file_size(ir_model, target)
+    if target == "onert":
+        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large)
+    return writer.write_model(ir_model, str(path), fmt)
+
+
 def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
     """Refuse an output path that cannot be written, before the (slow) conversion runs."""
     p = Path(path)
@@ -387,10 +422,8 @@ def _lower_write_verify(ep: Any, job: _Job) -> Report:
 
     _stage(job.progress, "write")
     t = time.perf_counter()
-    from circleops.serialize import write_model
-
     try:
-        info = write_model(ir_model, str(path), job.fmt)
+        info = write_for_target(ir_model, path, job.target, job.fmt)
     except CircleOpsError:
         raise
     except OSError as err:

@@ -423,16 +423,18 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     timings["lower"] = time.perf_counter() - t
 
     t = stage("write")
-    from circleops.serialize import write_model
-
     infos: dict[str, GraphInfo] = {}
     groups: dict[str, dict[str, Any]] = {}
     for g, m in lowered.items():
         groups.setdefault(files[g], {})[g] = m
+    files_ir = {file: next(iter(members.values())) if len(members) == 1 and ONE_FILE_PER_GRAPH[target]
+                else merge_models(members) for file, members in groups.items()}
+    for one in files_ir.values():  # every file fits its target before the first is written
+        api.check_file_size(one, target)
     for file, members in groups.items():
-        one = next(iter(members.values())) if len(members) == 1 and ONE_FILE_PER_GRAPH[target] else merge_models(members)
+        one = files_ir[file]
         try:
-            info = write_model(one, str(out_dir / file), fmt)
+            info = api.write_for_target(one, out_dir / file, target, fmt)
         except OSError as err:
             raise OutputError(f"cannot write {out_dir / file}: {err.strerror or err}.") from None
         for g, m in members.items():
@@ -443,7 +445,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                 inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
                 outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
                          for n, i in zip(io_names(step.num_layers)[1], sub.outputs)])
-    del lowered, groups
+    del lowered, groups, files_ir
     tokenizer_dir = None
     if tokenizer is not None:
         try:

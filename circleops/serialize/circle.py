@@ -15,6 +15,7 @@ RULES = FormatRules(
     op_version=lambda name, version: version,
     deprecated_code=_deprecated_code,
     # Circle (ONE's luci) defines Buffer.offset/size; onert 0.1.0 crashes on it, but a file
-    # past 2 GiB has no other layout, so it is written and documented.
+    # past 2 GiB has no other layout, so it is written for target circle and refused for
+    # target onert (convert.write_for_target).
     reads_offset_buffers=True,
 )

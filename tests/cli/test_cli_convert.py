@@ -165,6 +165,29 @@ def test_fp16_for_onert(capsys, tmp_path, llama_dir):
     assert "target onert is fp32 only" in err and "--target circle" in err
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["file", "graphs"])
+def test_onert_past_2_gib(graphs, capsys, tmp_path, llama_dir, monkeypatch):
+    """A model whose file would pass 2 GiB (a lowered limit stands for it): target onert
+    refuses, since onert cannot read weights stored after the flatbuffer; nothing is written."""
+    from circleops.serialize import writer
+
+    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", 64 * 1024)  # the tiny Llama's weights are ~1 MB
+    out = tmp_path / ("out" if graphs else "m.circle")
+    extra = ["--graphs", "prefill,decode", "--max-cache-len", "16"] if graphs else []
+    code, stdout, err = convert(capsys, str(llama_dir), "-o", str(out), "--target", "onert", "--seq-len", "8", *extra)
+    assert code == 2, (stdout, err)
+    assert "Traceback" not in err
+    err = err.splitlines()[-1]  # --graphs names its stages on stderr before the error, one paragraph
+    assert err.startswith("circleops convert: error: the model needs ")
+    assert "bytes (> 2 GiB) for target onert" in err
+    assert "onert 0.1.0 cannot read weights stored after the flatbuffer (it crashes)" in err
+    assert "--target circle for NPU compilers, or --target tflite for LiteRT" in err and "--dtype fp16" in err
+    if graphs:  # -o is checked (made) before the conversion: it holds no file
+        assert list(out.iterdir()) == []
+    else:
+        assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_no_model(capsys, tmp_path):
     err = _user_error(capsys, tmp_path / "m.circle")
     assert "no model given" in err

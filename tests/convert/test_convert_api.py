@@ -103,6 +103,44 @@ def test_fp16_for_onert_is_refused_before_any_work(llama, tmp_path, monkeypatch)
     assert next(llama.parameters()).dtype == torch.float32
 
 
+ONERT_TOO_LARGE = (r"the model needs (\d+) bytes \(> 2 GiB\) for target onert; onert 0\.1\.0 cannot read weights "
+                   r"stored after the flatbuffer \(it crashes\), and a flatbuffer holds at most 2 GiB\. Use --target "
+                   r"circle for NPU compilers, or --target tflite for LiteRT, which reads that layout; or .*--dtype fp16")
+
+
+def test_onert_refuses_a_model_past_2_gib_before_writing(llama, tmp_path, monkeypatch):
+    """Past 2 GiB the weights go after the flatbuffer, a layout onert 0.1.0 crashes on: target
+    onert refuses, from the IR's constant bytes, before the writer runs; target circle writes
+    that layout. A lowered limit stands for 2 GiB (writing 2 GiB would take minutes)."""
+    import re
+
+    from circleops.serialize import writer
+
+    fits = tmp_path / "fits.circle"
+    circleops.convert(llama, (example_ids(SEQ),), fits, target="onert")
+    limit = fits.stat().st_size // 2
+    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", limit)
+    real_write = writer.write_model
+    monkeypatch.setattr(writer, "write_model", lambda *a, **k: pytest.fail("the writer ran"))
+    out = tmp_path / "m.circle"
+    with pytest.raises(TargetError, match=ONERT_TOO_LARGE) as err:
+        circleops.convert(llama, (example_ids(SEQ),), out, target="onert")
+    needed = int(re.match(ONERT_TOO_LARGE, str(err.value)).group(1))
+    assert limit < needed <= fits.stat().st_size  # the weights' bytes, not a made-up figure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fits.circle"]  # no file, no temp file
+
+    monkeypatch.setattr(writer, "write_model", real_write)
+    big = tmp_path / "big.circle"
+    report = circleops.convert(llama, (example_ids(SEQ),), big, target="circle", verify=True)
+    assert report.verify.passed  # the reference interpreter reads the offset layout
+    from circle_schema import circle
+
+    raw = circle.Model.Model.GetRootAs(big.read_bytes(), 0)
+    placed = [raw.Buffers(i) for i in range(raw.BuffersLength())]
+    assert any(b.Offset() > 1 and b.Size() > 0 for b in placed)  # weights after the flatbuffer
+    assert not any(b.DataLength() for b in placed)
+
+
 def test_same_model_twice_gives_identical_bytes(llama, tmp_path):
     for name in ("a", "b"):
         circleops.convert(llama, (example_ids(SEQ),), tmp_path / f"{name}.circle", target="onert")
