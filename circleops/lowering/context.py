@@ -366,6 +366,9 @@ class LoweringContext:
         if not isinstance(indices, Value):
             indices = self.i32(indices)
         shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+        if indices.is_const and indices.shape == (x.shape[axis],) and torch.equal(
+                indices.const.long(), torch.arange(x.shape[axis])):
+            return x  # every row in order (a KV-cache write that fills the whole cache)
         if x.is_const and indices.is_const:
             return const_value(x.const.index_select(axis, indices.const.reshape(-1).long()).reshape(shape))
         if self.target == "onert" and x.dtype in (torch.int64, torch.bool):

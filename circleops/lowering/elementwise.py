@@ -248,6 +248,12 @@ def _(ctx, node, x, mask, value):
 
 def _select(ctx, cond, x, y):
     dtype = ctx.out_dtype
+    if isinstance(cond, Value) and cond.is_const and cond.numel > 0:
+        # a constant all-true / all-false condition picks one side whole (a KV-cache write
+        # that overwrites every slot): no SELECT_V2, and the other side never reaches the file
+        picked = x if bool(cond.const.all()) else y if not bool(cond.const.any()) else None
+        if isinstance(picked, Value) and picked.shape == ctx.out_shape:
+            return ctx.cast(picked, dtype)
     return ctx.emit("SELECT_V2", [ctx.cast(cond, torch.bool), ctx.cast(x, dtype), ctx.cast(y, dtype)])
 
 

@@ -62,6 +62,13 @@ CASES = {
                           (_r(1, 2, 5, 6),), {"w": _r(3, 2, 3, 3)}),
     "split_stack_select": (lambda m, x: torch.stack([a.sum(-1) for a in x.split([1, 2, 3], -1)], 0) * x[:, 2, 3, None],
                            (_r(2, 4, 6),), {}),
+    # constant all-true / all-false conditions and in-order indices pick a side whole
+    "constant_where_and_gather": (lambda m, x, y: (torch.where(m.yes, x, y) * 2, torch.where(m.no, x, y) * 3,
+                                                   torch.where(m.some, x, y), x.index_select(1, m.order) * 4,
+                                                   x.index_select(1, m.order.flip(0))),
+                                  (_r(2, 4), _r(2, 4)),
+                                  {"yes": torch.ones(2, 4, dtype=torch.bool), "no": torch.zeros(2, 4, dtype=torch.bool),
+                                   "some": torch.rand(2, 4, generator=g) > 0.5, "order": torch.arange(4)}),
     "softmax_mid_dim_and_where": (lambda m, x: torch.where(x > 0, torch.softmax(x, 1), torch.log_softmax(x, 1) * 0.5),
                                   (_r(2, 3, 4),), {}),
 }
@@ -87,6 +94,21 @@ def test_aten_lowering_matches_torch(name, target, tmp_path):
     for a, b in zip(got, want):
         assert a.dtype == b.numpy().dtype
         np.testing.assert_allclose(a, b.numpy(), atol=2e-5, rtol=1e-5)
+
+
+# opcodes the cases above must produce, per target: (opcode, count)
+EXPECTED_OPS = {
+    ("constant_where_and_gather", "onert"): {"SELECT_V2": 1, "GATHER": 1},
+    ("constant_where_and_gather", "circle"): {"SELECT_V2": 1, "GATHER": 1},
+}
+
+
+@pytest.mark.parametrize("name,target", sorted(EXPECTED_OPS))
+def test_lowering_picks_the_ops(name, target):
+    fn, inputs, params = CASES[name]
+    model = lower_program(torch.export.export(Fn(fn, **params), inputs, strict=False), target)
+    ops = opcodes(model)
+    assert {op: ops.get(op, 0) for op in EXPECTED_OPS[name, target]} == EXPECTED_OPS[name, target], ops
 
 
 def test_core_aten_programs_lower_too():
