@@ -24,6 +24,8 @@ def test_family_runs_in_onert(family, fused, tmp_path):
     # onert runs none of these: they must never reach a file for target onert
     assert not {"ATTENTION", "INSTANCE_NORM", "STABLEHLO_COMPOSITE"} & set(ops), ops
     assert all(t.dtype != "FLOAT16" for t in model.subgraphs[0].tensors)
+    # 8 rows: every projection is a 1x1 CONV_2D, onert's faster matrix product
+    assert ops["CONV_2D"] > 0 and "FULLY_CONNECTED" not in ops, ops
     if fused == "none":
         assert "RMS_NORM" not in ops
     else:
@@ -52,6 +54,7 @@ def test_decode_step_uses_rope_builtin(family, tmp_path):
     ir_model = lower_program(ep, "onert")
     layers = model.config.num_hidden_layers
     assert opcodes(ir_model)["ROPE"] == 2 * layers  # q and k of every layer
+    assert "CONV_2D" not in opcodes(ir_model)  # one row: FULLY_CONNECTED is the faster product
     path = tmp_path / "decode.circle"
     write_model(ir_model, path, "circle")
     (logits,) = onert.run(path, [ids.numpy(), pos.numpy()])
