@@ -9,10 +9,12 @@ from circleops.lowering.registry import lower
 aten = torch.ops.aten
 
 
-# onert 0.1.0's FULLY_CONNECTED computes row by row (a matrix-vector product per input
-# row), its CONV_2D with a blocked GEMM: a 1x1 CONV_2D over [1, 1, rows, in] is the same
-# product, and from 4 rows up it ran 1.1-2x faster at every shape measured (Llama lm_head
-# 64x512x32000: 62 -> 33 ms; fewer rows, e.g. a decode step's one, stay faster as FC).
+# A 1x1 CONV_2D over [1, 1, rows, in] with the weight as its [out, 1, 1, in] filter is the
+# same product as FULLY_CONNECTED, and onert 0.1.0's CPU CONV_2D kernel is the faster one
+# from 4 rows up: 1.1-2x at every shape measured (Llama lm_head 64x512x32000: 62 -> 33 ms;
+# 64x2048x5632: 46 -> 23 ms), while with 1-2 rows (a decode step) FULLY_CONNECTED is
+# faster except for very wide outputs. Neither kernel used a second thread. Peak memory:
+# +24 MB of working buffers on the 45M Llama (onert session 238 -> 262 MB; tico's file 274).
 ONERT_CONV_MIN_ROWS = 4
 
 
