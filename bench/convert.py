@@ -9,6 +9,11 @@ peak RSS, reported as ratios circleops / tico from the same run.
 Runs alternate (circleops, tico, circleops, ...) so that load from other processes on the
 machine falls on both alike; the median of the rounds is reported. See bench/README.md for
 setting up tico in its own venv (it must not replace the main torch).
+
+Then both files of the 45M model run in onert (``--latency-runs``, default 20; 0 skips it):
+the same input ids, 2 threads (NUM_THREADS), each output checked against torch (max abs
+error printed), interleaved timed runs after a warm-up, and the median onert latency of
+ours / tico's reported as a ratio.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+THREADS = 2
+os.environ.setdefault("NUM_THREADS", str(THREADS))  # onert's thread count, read from the environment
 
 LLAMA_45M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
@@ -45,7 +52,7 @@ def make_models(work: Path, tinyllama: bool) -> list[dict]:
         model.save_pretrained(hf_dir)
         del model
     cases.append({"name": "llama-h512-l4 (45.4M, HF dir)", "ours": [str(hf_dir)], "tico": str(hf_dir),
-                  "weight_bytes": (hf_dir / "model.safetensors").stat().st_size})
+                  "weight_bytes": (hf_dir / "model.safetensors").stat().st_size, "hf_dir": hf_dir})
     if tinyllama:
         cfg = work / "tinyllama-config.json"
         config = transformers.LlamaConfig(**TINYLLAMA)
@@ -71,6 +78,48 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
             "tail": (err or out).strip().splitlines()[-3:]}
 
 
+def onert_latency(files: dict[str, Path], hf_dir: Path, seq_len: int, runs: int, warmup: int = 3) -> dict:
+    """Both files in onert on the same ids: max abs error against torch, then the median
+    of ``runs`` interleaved timed calls each (one call of every file per round)."""
+    import numpy as np
+    import onert
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits.numpy()
+    del model
+    ids_np = ids.numpy()
+    sessions = {name: onert.infer.session(str(path), "cpu") for name, path in files.items()}
+    result: dict = {"threads": THREADS, "runs": runs, "load_before": os.getloadavg()[0]}
+    for name, sess in sessions.items():
+        got = sess.infer([ids_np])[0]
+        # onert ignores FULLY_CONNECTED's keepNumDims: a file ending in a rank-3 FC comes
+        # back [S, vocab]; compare the values, and say so
+        result[f"{name}_output_shape"] = list(got.shape)
+        result[f"{name}_max_abs_error"] = float(np.abs(got.reshape(want.shape).astype(np.float64) - want).max())
+    for _ in range(warmup):
+        for sess in sessions.values():
+            sess.infer([ids_np])
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(runs):
+        for name, sess in sessions.items():
+            t = time.perf_counter()
+            sess.infer([ids_np])
+            times[name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        result[f"{name}_ms"] = statistics.median(ts) * 1e3
+        result[f"{name}_min_ms"] = min(ts) * 1e3
+    result["load_after"] = os.getloadavg()[0]
+    if "circleops" in times and "tico" in times:
+        result["ratio"] = result["circleops_ms"] / result["tico_ms"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tico-python", default="/tmp/tico-venv/bin/python",
@@ -82,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tico", action="store_true", help="only circleops (no ratios)")
     ap.add_argument("--work", default=None, help="directory for models and outputs (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--latency-runs", type=int, default=20,
+                    help="timed onert runs of each file of the 45M model after the conversions (0: skip)")
     args = ap.parse_args(argv)
 
     work = Path(args.work or tempfile.mkdtemp(prefix="circleops-bench-"))
@@ -95,17 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in cases:
         runs: dict[str, list[dict]] = {"circleops": [], "tico": []}
+        out, tout = work / "ours.circle", work / "tico.circle"
         for r in range(args.rounds):
-            out = work / "ours.circle"
+            out.unlink(missing_ok=True)
             ours = [sys.executable, "-m", "circleops.cli", "convert", *case["ours"], "-o", str(out),
                     "--target", args.target, "--seq-len", str(args.seq_len), "--quiet"]
             runs["circleops"].append(run_measured(ours))
-            out.unlink(missing_ok=True)
             if use_tico:
-                tout = work / "tico.circle"
+                tout.unlink(missing_ok=True)
                 tico = [args.tico_python, str(HERE / "_tico_convert.py"), case["tico"], str(tout), str(args.seq_len)]
                 runs["tico"].append(run_measured(tico))
-                tout.unlink(missing_ok=True)
             print(f"{case['name']} round {r + 1}: " + ", ".join(
                 f"{k} {v[-1]['seconds']:.1f}s {v[-1]['peak_rss_bytes'] / 1e9:.2f}GB{'' if v[-1]['ok'] else ' FAILED'}"
                 for k, v in runs.items() if v), flush=True)
@@ -124,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         if use_tico and "tico" in row:
             row["time_ratio"] = ours_r["seconds"] / row["tico"]["seconds"]
             row["rss_ratio"] = ours_r["peak_rss_bytes"] / row["tico"]["peak_rss_bytes"]
+        files = {name: path for name, path in (("circleops", out), ("tico", tout)) if path.exists()}
+        if args.latency_runs > 0 and "hf_dir" in case and args.target == "onert" and files:
+            print(f"{case['name']}: onert latency, {THREADS} threads, median of {args.latency_runs} interleaved runs",
+                  flush=True)
+            row["onert_latency"] = onert_latency(files, case["hf_dir"], args.seq_len, args.latency_runs)
+        out.unlink(missing_ok=True)
+        tout.unlink(missing_ok=True)
         results.append(row)
 
     print()
@@ -133,8 +190,20 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda x: f"{x['seconds']:6.1f}s {x['peak_rss_bytes'] / 1e9:5.2f}GB" if x else "-"  # noqa: E731
         print(f"{row['model']:42} {fmt(o):>16} {fmt(t):>16} {row.get('time_ratio', float('nan')):10.2f} "
               f"{row.get('rss_ratio', float('nan')):9.2f} {row['circleops_rss_over_weights']:11.2f}")
+    for row in results:
+        lat = row.get("onert_latency")
+        if not lat:
+            continue
+        print(f"\nonert latency, {row['model']}, seq {args.seq_len}, {lat['threads']} threads, median of "
+              f"{lat['runs']} (load average {lat['load_before']:.1f} -> {lat['load_after']:.1f}):")
+        for name in ("circleops", "tico"):
+            if f"{name}_ms" in lat:
+                print(f"  {name:10s} {lat[name + '_ms']:7.1f} ms (min {lat[name + '_min_ms']:.1f})  "
+                      f"max |output - torch| {lat[name + '_max_abs_error']:.2e}  output {lat[name + '_output_shape']}")
+        if "ratio" in lat:
+            print(f"  circleops / tico: {lat['ratio']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 
