@@ -11,18 +11,22 @@ aten = torch.ops.aten
 
 # A 1x1 CONV_2D over [1, 1, rows, in] with the weight as its [out, 1, 1, in] filter is the
 # same product as FULLY_CONNECTED, and onert 0.1.0's CPU CONV_2D kernel is the faster one
-# from 4 rows up: 1.1-2x at every shape measured (Llama lm_head 64x512x32000: 62 -> 33 ms;
-# 64x2048x5632: 46 -> 23 ms), while with 1-2 rows (a decode step) FULLY_CONNECTED is
-# faster except for very wide outputs. Neither kernel used a second thread. Peak memory:
-# +24 MB of working buffers on the 45M Llama (onert session 238 -> 262 MB; tico's file 274).
+# from 4 rows up (up to 2x: Llama lm_head 64x512x32000 62 -> 33 ms, 64x2048x5632 47 -> 23 ms)
+# and, for fewer rows (a decode step), when the output is at least 8x wider than the input
+# (an lm_head: 1x576x49152 10.0 -> 5.1 ms); otherwise FULLY_CONNECTED is faster (1x2048x2048
+# 0.65 vs 0.84 ms). bench/onert_matmul.py measures it. Neither kernel used a second thread.
+# Peak memory: +24 MB of working buffers on the 45M Llama (onert session 238 -> 262 MB;
+# tico's file 274).
 ONERT_CONV_MIN_ROWS = 4
+ONERT_CONV_MIN_WIDENING = 8
 
 
 def _onert_conv_1x1(ctx, x, weight, bias, dtype):
     """x [..., in] · weightᵀ as CONV_2D [1, 1, rows, in] * [out, 1, 1, in] for onert, or
     None when FULLY_CONNECTED is the faster (or the only memory-neutral) choice."""
     rows, (out, inner) = x.numel // x.shape[-1], weight.shape
-    if (ctx.target != "onert" or not weight.is_const or rows < ONERT_CONV_MIN_ROWS
+    faster = rows >= ONERT_CONV_MIN_ROWS or out >= ONERT_CONV_MIN_WIDENING * inner
+    if (ctx.target != "onert" or not weight.is_const or not faster
             or not weight.const.is_contiguous()):  # the filter must be a view of the weight, not a copy
         return None
     if bias is None:

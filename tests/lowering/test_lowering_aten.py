@@ -62,9 +62,10 @@ CASES = {
                           (_r(1, 2, 5, 6),), {"w": _r(3, 2, 3, 3)}),
     "split_stack_select": (lambda m, x: torch.stack([a.sum(-1) for a in x.split([1, 2, 3], -1)], 0) * x[:, 2, 3, None],
                            (_r(2, 4, 6),), {}),
-    # onert: CONV_2D from 4 rows up, FULLY_CONNECTED below (circleops.lowering.linalg)
-    "linear_conv_or_fc": (lambda m, x, y: (F.linear(x, m.w, m.b), F.linear(x[:3], m.w) * 2, F.linear(y, m.w2)),
-                          (_r(6, 8), _r(1, 5, 4)), {"w": _r(5, 8), "b": _r(5), "w2": _r(7, 4)}),
+    # onert: CONV_2D from 4 rows up or for an 8x wider output, else FULLY_CONNECTED (lowering.linalg)
+    "linear_conv_or_fc": (lambda m, x, y: (F.linear(x, m.w, m.b), F.linear(x[:3], m.w) * 2, F.linear(y, m.w2),
+                                           F.linear(x[:1, :2], m.wide)),
+                          (_r(6, 8), _r(1, 5, 4)), {"w": _r(5, 8), "b": _r(5), "w2": _r(7, 4), "wide": _r(16, 2)}),
     # constant all-true / all-false conditions and in-order indices pick a side whole
     "constant_where_and_gather": (lambda m, x, y: (torch.where(m.yes, x, y) * 2, torch.where(m.no, x, y) * 3,
                                                    torch.where(m.some, x, y), x.index_select(1, m.order) * 4,
@@ -101,8 +102,8 @@ def test_aten_lowering_matches_torch(name, target, tmp_path):
 
 # opcodes the cases above must produce, per target: (opcode, count)
 EXPECTED_OPS = {
-    ("linear_conv_or_fc", "onert"): {"CONV_2D": 2, "FULLY_CONNECTED": 1},
-    ("linear_conv_or_fc", "circle"): {"CONV_2D": 0, "FULLY_CONNECTED": 3},
+    ("linear_conv_or_fc", "onert"): {"CONV_2D": 3, "FULLY_CONNECTED": 1},
+    ("linear_conv_or_fc", "circle"): {"CONV_2D": 0, "FULLY_CONNECTED": 4},
     ("constant_where_and_gather", "onert"): {"SELECT_V2": 1, "GATHER": 1},
     ("constant_where_and_gather", "circle"): {"SELECT_V2": 1, "GATHER": 1},
 }
