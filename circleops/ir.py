@@ -31,6 +31,29 @@ TYPE_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_TYPE.items()}
 
 ConstData = Union[np.ndarray, torch.Tensor]
 
+# GGML block formats (Circle TensorType -2/-4): a tensor's shape counts elements, its data is
+# the packed blocks row by row (np.uint8), exactly what gguf.quants.quantize writes.
+# name -> (elements per block, bytes per block)
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "GGML_Q4_0": (32, 18),
+    "GGML_Q8_0": (32, 34),
+}
+
+
+@dataclass
+class QuantParams:
+    """Affine quantization of a tensor (the schema's QuantizationParameters):
+    real = scale * (q - zero_point), per tensor (one scale) or per channel along
+    ``quantized_dimension``."""
+
+    scale: np.ndarray  # float32 [1] or [C]
+    zero_point: np.ndarray  # int64 [1] or [C]
+    quantized_dimension: int = 0
+
+    @property
+    def per_channel(self) -> bool:
+        return len(self.scale) > 1
+
 
 @dataclass
 class Tensor:
@@ -42,12 +65,17 @@ class Tensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str  # schema TensorType name, e.g. "FLOAT32"
+    dtype: str  # schema TensorType name, e.g. "FLOAT32", "INT8", "GGML_Q4_0"
     data: ConstData | None = None
+    quant: QuantParams | None = None  # integer tensors of a quantized graph
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TYPE_TO_TORCH[self.dtype]
+
+    @property
+    def is_block_quantized(self) -> bool:
+        return self.dtype in GGML_BLOCKS
 
     @property
     def is_const(self) -> bool:
@@ -58,6 +86,9 @@ class Tensor:
         n = 1
         for d in self.shape:
             n *= d
+        if self.dtype in GGML_BLOCKS:
+            per_block, block_bytes = GGML_BLOCKS[self.dtype]
+            return n // per_block * block_bytes
         return n * torch.empty((), dtype=self.torch_dtype).element_size()
 
 
