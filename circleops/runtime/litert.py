@@ -1,7 +1,10 @@
 """Run a .tflite file with LiteRT (ai_edge_litert.interpreter.Interpreter, 2 threads)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -12,11 +15,45 @@ from circleops.errors import RuntimeRunError
 NUM_THREADS = 2
 
 
+DELEGATE_BANNER = "Created TensorFlow Lite XNNPACK delegate"
+
+
+@contextlib.contextmanager
+def delegate_banner_hidden():
+    """Hide the line LiteRT's C++ prints on fd 2 when it applies its XNNPACK delegate
+    ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU."): it lands in the middle of
+    text `circleops generate` streams. Anything else written to fd 2 meanwhile is passed on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (embedded interpreters): nothing to hide
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = "".join(line for line in tmp.read().decode(errors="replace").splitlines(True)
+                           if DELEGATE_BANNER not in line)
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()
+
+
 def _interpreter(path: Path):
+    """A LiteRT interpreter, its tensors allocated once here (that is when LiteRT applies
+    its delegate and prints about it: see delegate_banner_hidden)."""
     from ai_edge_litert.interpreter import Interpreter
 
     try:
-        return Interpreter(model_path=str(path), num_threads=NUM_THREADS)
+        with delegate_banner_hidden():
+            it = Interpreter(model_path=str(path), num_threads=NUM_THREADS)
+            it.allocate_tensors()
+        return it
     except (ValueError, RuntimeError) as err:
         raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
 
