@@ -95,6 +95,9 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
     ``dtype``: the float dtype the program is expected to compute in (None: taken from
     its weights and inputs). Target "onert" requires float32; a mismatch is a TargetError.
     """
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # in-place / out= / *_copy nodes -> functional ops (a no-op without them)
     ctx = LoweringContext(target, ir.Model(description=f"circleops ({target})"))
     _check_dtype(ep, target, dtype)
     with ctx.subgraph("main"):
@@ -112,7 +115,12 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
             elif spec.kind == InputKind.USER_INPUT:
                 _static(node)
                 v = node.meta.get("val")
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and target == "onert":
+                    # onert refuses rank-0 graph inputs ("unsupported rank: 0"): take [1]
+                    value = ctx.input((1,), v.dtype, node.name)
+                    sig_inputs[node.name] = value.index
+                    env.append(ctx.emit("RESHAPE", [value, ctx.i32([])], out_shape=(), out_dtype=v.dtype))
+                elif isinstance(v, torch.Tensor):
                     value = ctx.input(v.shape, v.dtype, node.name)
                     sig_inputs[node.name] = value.index
                     env.append(value)
