@@ -129,6 +129,7 @@ ONERT = TargetProfile(
         "INSTANCE_NORM",            # "KernelGenerator: NYI"
         "ATTENTION",                # "Unsupported operation"
         "CUMSUM",                   # no CPU kernel
+        "REDUCE_MIN",               # load fails: "Unsupported operation"
     }),
     builtin_dtypes=_frozen({
         # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
