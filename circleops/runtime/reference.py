@@ -27,6 +27,7 @@ from torch import Tensor
 from circleops import ir
 from circleops.errors import RuntimeRunError
 from circleops.runtime.kernels import IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
+from circleops.runtime.kernels import quantized as quantized_kernels
 
 __all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
 
@@ -98,7 +99,9 @@ class _Plan:
                     f"{index} {sg.name!r}, output tensor {_out_name(sg, op)!r}). The interpreter knows "
                     f"{len(KERNELS)} opcodes (circleops.runtime.reference.supported_opcodes()); add one "
                     "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")
-            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
+            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call,
+                                [sg.tensors[j] if j >= 0 else None for j in op.inputs])
+            fn = quantized_kernels.select(op, ctx) or fn  # integer tensors: TFLite's integer arithmetic
             writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:
                 # The updated tensors are results too: checked like declared outputs.

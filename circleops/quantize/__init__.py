@@ -1,0 +1,1 @@
+"""Quantized weights and graphs."""
