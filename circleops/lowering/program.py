@@ -19,7 +19,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from circleops import ir
-from circleops.errors import TargetError, UnsupportedOpError
+from circleops.errors import REPORT_BUG, CircleOpsError, InternalError, TargetError, UnsupportedOpError
 from circleops.lowering.context import LoweringContext, Value, const_value, source_line
 from circleops.lowering.registry import lowering_for
 from circleops.passes.fold import evaluate, is_foldable, live_nodes
@@ -251,11 +251,25 @@ def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[An
             ctx.root = node
         try:
             env[node] = _lower_node(ctx, node, args, kwargs)
+        except CircleOpsError:
+            raise
+        except Exception as err:
+            raise _internal_error(ctx, node, err) from err
         finally:
             ctx.node = outer_node
             if top:
                 ctx.root = None
     return result
+
+
+def _internal_error(ctx: LoweringContext, node: torch.fx.Node, err: Exception) -> InternalError:
+    """An unexpected failure inside a lowering, as a CircleOpsError naming the user's node
+    (the top-level one when it happened inside a decomposition), its op and source line."""
+    root = ctx.root or node
+    inner = f" (inside {node.target} node {node.name!r})" if node is not root else ""
+    return InternalError(
+        f"lowering node {root.name!r} ({root.target}){inner} for target {ctx.target!r} failed: "
+        f"{type(err).__name__}: {err}; at {source_line(root)}. {REPORT_BUG}")
 
 
 def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
