@@ -310,3 +310,21 @@ def _boundaries(model: ir.Model, sg: ir.Subgraph, integer_io: bool) -> None:
         ops.append(ir.Operator("DEQUANTIZE", [o], [f]))
         sg.outputs[k] = f
     sg.operators = ops
+
+
+def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool = False) -> ir.Model | None:
+    """Lower a converted PT2E program (quantize/dequantize pairs) to an integer ir.Model;
+    None when ``ep`` holds no quantized_decomposed ops (lower it as a float program)."""
+    from circleops.errors import TargetError
+    from circleops.lowering.program import lower_program
+    from circleops.passes.qdq import fold_qdq
+
+    program, plan = fold_qdq(ep, integer_io=integer_io)
+    if plan is None:
+        return None
+    if str(getattr(target, "name", target)) == "tflite":
+        raise TargetError("integer (PT2E) graphs are written for targets circle and onert; target tflite "
+                          "writes composites with float decompositions. Use --target circle.")
+    model = lower_program(program, target, dtype=dtype)
+    integerize(model, plan)
+    return model

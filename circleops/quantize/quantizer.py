@@ -241,7 +241,7 @@ def _annotate(node: Node, scheme: Scheme) -> None:
         for i, a in enumerate(node.args):
             for leaf in (a if isinstance(a, (list, tuple)) else [a]):
                 if _is_float_node(leaf):
-                    inputs[leaf] = scheme.weight_spec(0) if i in params else act
+                    inputs[leaf] = _param_spec(scheme, leaf) if i in params else act
         if not inputs or not _is_float_node(node):
             return
         output = act
@@ -269,7 +269,7 @@ def _annotate(node: Node, scheme: Scheme) -> None:
         for name, kind in contract["inputs"].items():
             arg = bound.get(name)
             if _is_float_node(arg):
-                inputs[arg] = scheme.weight_spec(0) if kind == "weight" else act
+                inputs[arg] = _param_spec(scheme, arg) if kind == "weight" else act
         if isinstance(node.meta.get("val"), (tuple, list)):
             # multi-output (attention): the quantized outputs are its getitem users
             for user in node.users:
@@ -280,6 +280,12 @@ def _annotate(node: Node, scheme: Scheme) -> None:
             output = act
     node.meta["quantization_annotation"] = q.QuantizationAnnotation(
         input_qspec_map=inputs, output_qspec=output, _annotated=True)
+
+
+def _param_spec(scheme: Scheme, node: Node) -> Any:
+    """A weight: per output channel (dim 0) when it has rows; a vector (a norm's gamma or
+    beta) is quantized per tensor like an activation (uint8 / int16)."""
+    return scheme.weight_spec(0) if node.meta["val"].dim() >= 2 else scheme.act()
 
 
 def _scalars_to_attrs(model: GraphModule) -> GraphModule:

@@ -293,6 +293,8 @@ def select(op: ir.Operator, ctx: KernelContext) -> Optional[Callable]:
     ins = [t for t in ctx.inputs if t is not None]
     quantized_ins = [t for t in ins if t.quant is not None]
     quantized_outs = [t for t in ctx.outputs if t.quant is not None]
+    if op.opcode == "DEQUANTIZE" and quantized_ins:
+        return _dequantize
     if op.opcode in ("QUANTIZE", "DEQUANTIZE") or not (quantized_ins or quantized_outs):
         return None
     if op.opcode in QUANTIZED and len(quantized_ins) >= 2 and quantized_outs:
@@ -320,9 +322,6 @@ def _quantize(op, inputs, ctx):
     return [(y + int(out.quant.zero_point[0])).clamp(lo, hi).to(out.torch_dtype)]
 
 
-@kernel("DEQUANTIZE")
 def _dequantize(op, inputs, ctx):
-    src = ctx.inputs[0] if ctx.inputs else None
-    if src is None or src.quant is None:  # fp16 -> fp32 (TFLite's other DEQUANTIZE)
-        return [inputs[0].to(ctx.out_dtype())]
-    return [dequantize(inputs[0], src).to(ctx.out_dtype())]
+    # (the float16 -> float32 DEQUANTIZE is elementwise's CAST kernel)
+    return [dequantize(inputs[0], ctx.inputs[0]).to(ctx.out_dtype())]
