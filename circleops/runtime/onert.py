@@ -39,6 +39,17 @@ def captured_stderr() -> Iterator[list[str]]:
             out.append(tmp.read().decode("utf-8", "replace").strip())
 
 
+def _scalars_as_one(sess, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """onert takes no rank-0 inputs: target onert writes a 0-d input as [1] (lowering.program)."""
+    infos = sess.get_inputs_tensorinfo()
+    return [a.reshape(1) if a.ndim == 0 and i < len(infos) and info_shape(infos[i]) == (1,) else a
+            for i, a in enumerate(inputs)]
+
+
+def info_shape(info) -> tuple[int, ...]:
+    return tuple(int(d) for d in info.dims[:info.rank])
+
+
 def _check_inputs(path: str, sess, inputs: Sequence[np.ndarray]) -> None:
     infos = sess.get_inputs_tensorinfo()
     if len(infos) != len(inputs):
@@ -70,6 +81,7 @@ def run(path: str | os.PathLike, inputs: Sequence[np.ndarray], backends: str = "
     with captured_stderr() as text:
         try:
             sess = onert.infer.session(path, backends)
+            inputs = _scalars_as_one(sess, inputs)
             _check_inputs(path, sess, inputs)
             stage = "prepare and run"
             outputs = [np.array(o, copy=True) for o in sess.infer(inputs)]
