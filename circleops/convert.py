@@ -416,6 +416,9 @@ def _enter(job: _Job, stage: str) -> None:
 def _run_stages(ep: Any, job: _Job) -> Report:
     timings, path = job.timings, job.path
     fusion_report = None
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # before fusion, so that patterns written with in-place ops match
     if job.fuse in ("auto", "patterns"):
         _enter(job, "fuse")
         t = time.perf_counter()

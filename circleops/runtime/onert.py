@@ -111,6 +111,8 @@ class Session:
         arrays = []
         for i, (spec, arr) in enumerate(zip(self._inputs, inputs)):
             arr = np.asarray(arr)
+            if arr.ndim == 0 and spec.shape == (1,):
+                arr = arr.reshape(1)  # onert takes no rank-0 inputs: target onert writes a 0-d input as [1]
             if arr.shape != spec.shape or arr.dtype != np.dtype(spec.dtype):
                 raise RuntimeRunError(f"{self.path}: input {i} must be {spec.dtype}{list(spec.shape)}, got "
                                       f"{arr.dtype}{list(arr.shape)}")

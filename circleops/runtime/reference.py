@@ -221,6 +221,8 @@ def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
             f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
             f"{t.dtype}; convert it (e.g. arr.astype(np.{_NUMPY_TYPE.get(t.dtype, np.float32).__name__})).")
     want = tuple(t.shape)
+    if want == (1,) and x.dim() == 0:
+        x = x.reshape(1)  # target onert writes a 0-d input as [1] (onert takes no rank-0 inputs)
     if len(want) != x.dim() or any(w >= 0 and w != g for w, g in zip(want, x.shape)):
         raise RuntimeRunError(
             f"input {position} ({t.name!r}) has shape {list(x.shape)} but the model expects {list(want)}; "
