@@ -11,7 +11,6 @@ user-caused failure raises a circleops.errors.CircleOpsError and leaves no file 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
@@ -555,9 +554,10 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
     import numpy as np
 
-    mod = importlib.import_module(f"circleops.runtime.{runtime}")
+    from circleops.runtime import open_session
+
     np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
-    outs = mod.run(str(path), np_inputs)
+    outs = open_session(runtime, path).run(np_inputs)
     if len(outs) != len(expected):
         raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
     err, scale = 0.0, 0.0
