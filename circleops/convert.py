@@ -11,7 +11,6 @@ user-caused failure raises a circleops.errors.CircleOpsError and leaves no file 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
@@ -417,6 +416,9 @@ def _enter(job: _Job, stage: str) -> None:
 def _run_stages(ep: Any, job: _Job) -> Report:
     timings, path = job.timings, job.path
     fusion_report = None
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # before fusion, so that patterns written with in-place ops match
     if job.fuse in ("auto", "patterns"):
         _enter(job, "fuse")
         t = time.perf_counter()
@@ -525,9 +527,10 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
     import numpy as np
 
-    mod = importlib.import_module(f"circleops.runtime.{runtime}")
+    from circleops.runtime import open_session
+
     np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
-    outs = mod.run(str(path), np_inputs)
+    outs = open_session(runtime, path).run(np_inputs)
     if len(outs) != len(expected):
         raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
     err, scale = 0.0, 0.0
