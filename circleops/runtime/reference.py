@@ -29,6 +29,7 @@ from circleops.errors import RuntimeRunError
 from circleops.quantize.ggml import BlockTensor
 from circleops.runtime import TensorSpec
 from circleops.runtime.kernels import BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
+from circleops.runtime.kernels import quantized as quantized_kernels
 
 __all__ = ["run", "Session", "Interpreter", "supported_opcodes", "KERNELS"]
 
@@ -111,7 +112,9 @@ class _Plan:
                         f"{sg.name!r} takes {sg.tensors[j].dtype} tensor {sg.tensors[j].name!r} as input "
                         f"{pos}; GGML blocks are read only as a FULLY_CONNECTED weight or a GATHER "
                         "table (what onert runs); store this tensor as FLOAT32")
-            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
+            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call,
+                                [sg.tensors[j] if j >= 0 else None for j in op.inputs])
+            fn = quantized_kernels.select(op, ctx) or fn  # integer tensors: TFLite's integer arithmetic
             writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:
                 # The updated tensors are results too: checked like declared outputs.
