@@ -112,7 +112,11 @@ def check_format(quantize: str | None, target: str) -> str | None:
     if quantize not in WEIGHT_FORMATS:
         raise TargetError(f"unknown quantize={quantize!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     if quantize not in GGML_FORMATS:
-        return quantize  # another quantization path's choice: not this pass's
+        # another quantization path's choice (PT2E integer graphs): its owner wires it here
+        raise TargetError(
+            f"quantize={quantize!r} makes an integer graph: quantize the model with "
+            "circleops.quantize's PT2E quantizer and write it with circleops.save; convert and "
+            f"--graphs take {', '.join(GGML_FORMATS)}")
     if target == "tflite":
         raise TargetError(
             f"quantize={quantize!r} stores GGML block weights, which exist only in Circle (the TFLite schema "
