@@ -205,7 +205,7 @@ def _(ctx, node, x, pad, value=0):
 @lower(aten.flip)
 def _(ctx, node, x, dims):
     dims = sorted({d % x.rank for d in dims})
-    if ctx.target == "onert" and x.dtype != torch.float32:  # its REVERSE_V2 is float-only
+    if not ctx.supports("REVERSE_V2", x.dtype):  # onert's is float-only
         for d in dims:
             x = ctx.gather(x, list(range(x.shape[d] - 1, -1, -1)), d)
         return x
