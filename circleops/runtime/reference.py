@@ -194,6 +194,12 @@ class _Plan:
                 values[j] = r
             for j in step.free:
                 values[j] = None
+        missing = [j for j in self.outputs if values[j] is None]
+        if missing:
+            raise RuntimeRunError(
+                f"reference interpreter: output tensor(s) {[self.subgraph.tensors[j].name for j in missing]} of "
+                f"subgraph {self.index} {self.subgraph.name!r} are never computed (no operator writes them and they "
+                "are neither inputs nor constants); the file is inconsistent")
         return [values[j] for j in self.outputs]
 
     def _error(self, step: _Step, args: list, err: Exception) -> RuntimeRunError:

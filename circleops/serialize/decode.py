@@ -25,7 +25,7 @@ from circleops.serialize.schema import Schema
 # Work units allowed per byte of file, plus a floor for tiny files. A file written without
 # sharing costs at most ~1 unit per byte; anything beyond 4 comes from shared tables.
 WORK_PER_BYTE = 4
-WORK_FLOOR = 100_000
+WORK_FLOOR = 20_000
 
 
 class Budget:
@@ -107,8 +107,20 @@ def decode_model(schema: Schema, buf: Any, size: int, path: str) -> Any:
         budget.count(sd.OutputsLength(), f"signature {i} outputs")
         m.signatureDefs.append(_unpack(schema, "SignatureDef", sd, budget, f"signature {i}"))
     m.subgraphs = []
+    # A subgraph table referenced again is charged its whole cost again, up front, without
+    # decoding it twice: a bomb of shared entries is refused after a few hundred cheap steps.
+    seen: dict[int, tuple[Any, int]] = {}
     for si in range(budget.count(root.SubgraphsLength(), "subgraph")):
-        m.subgraphs.append(_subgraph(schema, root.Subgraphs(si), budget, si))
+        sg = root.Subgraphs(si)
+        pos = sg._tab.Pos if sg is not None else -1
+        if pos in seen:
+            decoded, units = seen[pos]
+            budget.charge(units, f"subgraph {si} (the same table as an earlier subgraph)")
+        else:
+            before = budget.left
+            decoded = _subgraph(schema, sg, budget, si)
+            seen[pos] = (decoded, before - budget.left)
+        m.subgraphs.append(decoded)
     return m
 
 

@@ -246,15 +246,15 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
         n = len(subgraphs[si].tensors)
         maps = []
         for kind, tms in (("input", sd.inputs), ("output", sd.outputs)):
-            maps.append({_str(tm.name): _index(tm.tensorIndex, n, f"{kind} {_str(tm.name)!r} of signature {k}", path)
-                         for tm in tms or []})
+            maps.append({(_str(tm.name) or f"{kind}_{p}"): _index(tm.tensorIndex, n, f"{kind} {p} of signature {k}", path)
+                         for p, tm in enumerate(tms or [])})
         signatures.append(ir.Signature(_str(sd.signatureKey) or "", si, *maps))
 
     metadata = {}
     for k, md in enumerate(m.metadata or []):
         b = _index(md.buffer, len(datas), f"the buffer of metadata entry {k} {_str(md.name)!r}", path)
         data = datas[b]
-        metadata[_str(md.name)] = bytes(data) if data is not None else b""
+        metadata[_str(md.name) or f"metadata_{k}"] = bytes(data) if data is not None else b""
 
     return ir.Model(subgraphs=subgraphs, signatures=signatures,
                     description=_str(m.description) or "", metadata=metadata)
