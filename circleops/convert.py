@@ -11,7 +11,6 @@ user-caused failure raises a circleops.errors.CircleOpsError and leaves no file 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
@@ -88,14 +87,28 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None) -> Report:
+         progress: Progress | None = None, integer_io: bool = False) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
     "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
     default the example inputs saved with the program.
+
+    A program exported from torchao's ``convert_pt2e`` output (quantize/dequantize pairs,
+    e.g. with circleops.quantize.CircleQuantizer) is written as an integer graph: its
+    tensors are UINT8/INT8/INT16/INT32 with QuantizationParameters, with a QUANTIZE after
+    each float input and a DEQUANTIZE before each output, or, with ``integer_io``, integer
+    inputs and outputs. Verify then compares with the converted (fake-quantized) module.
     """
     target, fmt, fuse = _check_options(target, fuse)
+    from circleops.passes.qdq import has_qdq
+
+    quantized = has_qdq(exported_program)
+    if quantized:
+        fuse = "none"  # fuse before prepare_pt2e: a quantized graph's patterns hold Q/DQ pairs
+        if integer_io and verify:
+            raise TargetError("verify compares float outputs with torch: write with integer_io=False to verify, "
+                              "or convert without verify")
     if fuse in ("auto", "adapters"):
         fuse = "patterns" if fuse == "auto" else "none"
     path = check_output_path(path, fmt)
@@ -116,7 +129,16 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
                source="ExportedProgram", parameters=_count_params(exported_program))
+    job.integer_io = integer_io
+    if quantized and tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
     return _lower_write_verify(exported_program, job)
+
+
+# Verify tolerance of an integer (PT2E) file against the fake-quantized torch module,
+# relative to max(1, max|output|): the integer kernels round each requantization once
+# where torch rounds in float (a few output steps at most; measured 1-2 on tiny models).
+INTEGER_TOLERANCE = 5e-2
 
 
 # --------------------------------------------------------------------------- options
@@ -389,6 +411,7 @@ class _Job:
     parameters: int
     output_names: list[str] | None = None
     fusion_model: torch.nn.Module | None = None
+    integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     stage: str = "fuse"
@@ -417,6 +440,9 @@ def _enter(job: _Job, stage: str) -> None:
 def _run_stages(ep: Any, job: _Job) -> Report:
     timings, path = job.timings, job.path
     fusion_report = None
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # before fusion, so that patterns written with in-place ops match
     if job.fuse in ("auto", "patterns"):
         _enter(job, "fuse")
         t = time.perf_counter()
@@ -429,7 +455,10 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     t = time.perf_counter()
     from circleops.lowering import lower_program
 
-    ir_model = lower_program(ep, job.target, dtype=job.dtype)
+    from circleops.lowering.integer import lower_quantized
+
+    ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
+        or lower_program(ep, job.target, dtype=job.dtype)
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
@@ -525,9 +554,10 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
     import numpy as np
 
-    mod = importlib.import_module(f"circleops.runtime.{runtime}")
+    from circleops.runtime import open_session
+
     np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
-    outs = mod.run(str(path), np_inputs)
+    outs = open_session(runtime, path).run(np_inputs)
     if len(outs) != len(expected):
         raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
     err, scale = 0.0, 0.0

@@ -17,14 +17,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from circleops.errors import CircleOpsError, ModelLoadError, RuntimeRunError, TargetError
+from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+
+if TYPE_CHECKING:
+    from circleops.runtime import Session
 
 RUNTIMES = ("onert", "reference", "litert")
 DEFAULT_MAX_NEW_TOKENS = 64
-
-Graph = Callable[[Sequence[Any]], list[Any]]
 
 
 class GenerationLimitError(CircleOpsError):
@@ -32,97 +33,6 @@ class GenerationLimitError(CircleOpsError):
 
 
 # --------------------------------------------------------------------------- runtimes
-
-class _OnertGraph:
-    """One onert session, prepared once, run once per step.
-
-    nnfw's set_input binds the array's memory (no copy), so the bound arrays are kept
-    alive until the next step; get_output returns a fresh array (onert allocates its
-    outputs), which the caller may pass straight back in as the next step's cache.
-    """
-
-    def __init__(self, path: Path):
-        import numpy as np
-        from onert.native.libnnfw_api_pybind import infer, prepare_config
-
-        from circleops.runtime.onert import captured_stderr
-
-        self.path = path
-        failure = None
-        with captured_stderr() as text:
-            try:
-                self.session = infer.nnfw_session(str(path), "cpu")
-                self.session.set_prepare_config(prepare_config.ENABLE_INTERNAL_OUTPUT_ALLOC)
-                self.session.prepare()
-            except Exception as err:  # noqa: BLE001 - onert raises its own OnertError types
-                failure = err
-        if failure is not None:
-            raise RuntimeRunError(f"onert cannot load {path}: {text[0] if text and text[0] else failure}. Was it "
-                                  f"converted with --target onert?") from failure
-        self.n_outputs = self.session.output_size()
-        self.dtypes = []
-        for i in range(self.session.input_size()):
-            info = self.session.input_tensorinfo(i)
-            self.dtypes.append((np.dtype(info.dtype), tuple(int(d) for d in info.dims[:info.rank])))
-        self._bound: Sequence[Any] = ()
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        if len(inputs) != len(self.dtypes):
-            raise RuntimeRunError(f"{self.path} takes {len(self.dtypes)} inputs, got {len(inputs)}")
-        for i, (arr, (dtype, shape)) in enumerate(zip(inputs, self.dtypes)):
-            if arr.dtype != dtype or arr.shape != shape or not arr.flags.c_contiguous:
-                raise RuntimeRunError(f"{self.path}: input {i} must be a contiguous {dtype}{list(shape)}, "
-                                      f"got {arr.dtype}{list(arr.shape)}")
-            self.session.set_input(i, arr)
-        self._bound = inputs  # set_input keeps only a pointer
-        try:
-            self.session.run()
-        except Exception as err:  # noqa: BLE001
-            raise RuntimeRunError(f"onert failed to run {self.path}: {err}") from err
-        return [self.session.get_output(i) for i in range(self.n_outputs)]
-
-
-class _ReferenceGraph:
-    """The pure-torch reference interpreter on one signature (or the main subgraph)."""
-
-    def __init__(self, path: Path, signature: str | None):
-        from circleops.runtime.reference import Interpreter
-
-        self.interpreter = Interpreter.load(path)
-        self.signature = signature
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        return self.interpreter.run(list(inputs), self.signature)
-
-
-class _LiteRTGraph:
-    """A LiteRT signature runner (inputs and outputs by the manifest's names)."""
-
-    def __init__(self, path: Path, signature: str | None, inputs: list[str], outputs: list[str]):
-        from circleops.runtime.litert import _interpreter
-
-        self.interpreter = _interpreter(path)
-        try:
-            self.runner = self.interpreter.get_signature_runner(signature) if signature else None
-        except ValueError as err:
-            raise RuntimeRunError(f"LiteRT: {path} has no signature {signature!r}: {err}") from None
-        if self.runner is None:
-            self.interpreter.allocate_tensors()
-        self.path, self.inputs, self.outputs = path, inputs, outputs
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        try:
-            if self.runner is not None:
-                outs = self.runner(**dict(zip(self.inputs, inputs)))
-                return [outs[n] for n in self.outputs]
-            it = self.interpreter
-            for d, x in zip(it.get_input_details(), inputs):
-                it.set_tensor(d["index"], x)
-            it.invoke()
-            return [it.get_tensor(d["index"]) for d in it.get_output_details()]
-        except (ValueError, RuntimeError) as err:
-            raise RuntimeRunError(f"LiteRT failed to run {self.path}: {err}") from None
-
 
 def check_runtime(manifest: Any, runtime: str) -> None:
     """Refuse a runtime that cannot run the manifest's files, saying which can."""
@@ -144,9 +54,11 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(BY_TARGET[manifest.target])}.")
 
 
-def open_graph(manifest: Any, graph: str, runtime: str) -> Graph:
-    """A callable running ``graph`` of the manifest's files: list of numpy inputs in the
-    manifest's input order -> list of numpy outputs in its output order."""
+def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
+    """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
+    numpy inputs in the manifest's input order and returns outputs in its output order."""
+    from circleops.runtime import open_session
+
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -155,14 +67,10 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Graph:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
-    if runtime == "onert":
-        if signature is not None:
-            raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
-                              f"with --target onert for one file per graph.")
-        return _OnertGraph(path)
-    if runtime == "litert":
-        return _LiteRTGraph(path, signature, manifest.inputs, manifest.outputs)
-    return _ReferenceGraph(path, signature)
+    if runtime == "onert" and signature is not None:
+        raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
+                          f"with --target onert for one file per graph.")
+    return open_session(runtime, path, signature)
 
 
 # --------------------------------------------------------------------------- generation
@@ -217,8 +125,8 @@ class Generator:
                                  f"Convert with --graphs prefill,decode.")
         self.runtime = runtime or m.default_runtime
         check_runtime(m, self.runtime)
-        self.prefill_graph = open_graph(m, "prefill", self.runtime)
-        self.decode_graph = open_graph(m, "decode", self.runtime)
+        self.prefill_session = open_graph(m, "prefill", self.runtime)
+        self.decode_session = open_graph(m, "decode", self.runtime)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
@@ -255,7 +163,7 @@ class Generator:
         ids = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
         ids[0, :p] = prompt_ids  # right padding: see circleops.graphs on why it needs no mask
         caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
-        outs = self.prefill_graph([ids, np.zeros(1, dtype=np.int64), *caches])
+        outs = self.prefill_session.run([ids, np.zeros(1, dtype=np.int64), *caches])
         self.caches = list(outs[1:])
         self.position = p
         logits = outs[0][0]
@@ -267,7 +175,7 @@ class Generator:
             raise GenerationLimitError(f"the KV cache of {self.manifest.max_cache_len} slots is full.")
         self._ids[0, 0] = token
         self._pos[0] = self.position
-        outs = self.decode_graph([self._ids, self._pos, *self.caches])
+        outs = self.decode_session.run([self._ids, self._pos, *self.caches])
         self.caches = outs[1:]
         self.position += 1
         return outs[0][0, 0]

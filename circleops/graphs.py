@@ -545,17 +545,17 @@ def _verify_single(manifest: Manifest, graphs: Sequence[str], runtime: str, refs
     from circleops.generate import open_graph
 
     (graph,) = graphs
-    run = open_graph(manifest, graph, runtime)
+    session = open_graph(manifest, graph, runtime)
     caches = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
     p = len(refs.prompt)
     if graph == "prefill":
         ids = np.full((1, manifest.prefill_len), manifest.pad_token_id, dtype=np.int64)
         ids[0, :p] = refs.prompt.numpy()
-        out = run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
+        out = session.run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
         ref = refs.prefill_logits
     else:
         first = refs.prompt[:1]
-        out = run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
+        out = session.run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
         ref = refs.prefill_logits[0]
     errors = {graph: float(np.abs(out - ref).max())}
     _check_errors(errors, {graph: ref}, runtime, tol, manifest)

@@ -62,6 +62,7 @@ class TargetProfile:
     fc_keep_num_dims: bool  # FULLY_CONNECTED honours keepNumDims (else rank > 2 inputs are flattened)
     copy_consumed_outputs: bool  # a subgraph output another op also reads needs its own copy
     legalize_fp16: bool  # fp16 ops without a CPU kernel compute in fp32 (tflite_fp16)
+    rank0_inputs: bool  # the runtime takes 0-d graph inputs (else a 0-d input is written as [1])
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -114,6 +115,7 @@ CIRCLE = TargetProfile(
     fc_keep_num_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=False,
+    rank0_inputs=True,
 )
 
 ONERT = TargetProfile(
@@ -130,6 +132,7 @@ ONERT = TargetProfile(
         "ATTENTION",                # "Unsupported operation"
         "CUMSUM",                   # no CPU kernel
         "REDUCE_MIN",               # load fails: "Unsupported operation"
+        "TOPK_V2",                  # load fails: "Unsupported operation"
     }),
     builtin_dtypes=_frozen({
         # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
@@ -153,6 +156,7 @@ ONERT = TargetProfile(
     fc_keep_num_dims=False,  # fp32 FULLY_CONNECTED re-infers its output as [N, out]
     copy_consumed_outputs=True,  # an output a TRANSPOSE/RESHAPE also reads gets corrupted
     legalize_fp16=False,
+    rank0_inputs=False,  # session preparation fails: "unsupported rank: 0"
 )
 
 TFLITE = TargetProfile(
@@ -171,6 +175,7 @@ TFLITE = TargetProfile(
     fc_keep_num_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=True,
+    rank0_inputs=True,
 )
 
 PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})

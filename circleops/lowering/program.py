@@ -112,6 +112,9 @@ def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile,
     its weights and inputs). A dtype the target does not run (TargetProfile.float_dtypes:
     onert runs float32 only) is a TargetError.
     """
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # in-place / out= / *_copy nodes -> functional ops (a no-op without them)
     target = profile(target)
     ctx = LoweringContext(target, ir.Model(description=f"circleops ({target.name})"))
     _check_dtype(ep, target, dtype)
@@ -130,7 +133,12 @@ def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile,
             elif spec.kind == InputKind.USER_INPUT:
                 _static(node)
                 v = node.meta.get("val")
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and not target.rank0_inputs:
+                    # onert refuses rank-0 graph inputs ("unsupported rank: 0"): take [1]
+                    value = ctx.input((1,), v.dtype, node.name)
+                    sig_inputs[node.name] = value.index
+                    env.append(ctx.emit("RESHAPE", [value, ctx.i32([])], out_shape=(), out_dtype=v.dtype))
+                elif isinstance(v, torch.Tensor):
                     value = ctx.input(v.shape, v.dtype, node.name)
                     sig_inputs[node.name] = value.index
                     env.append(value)

@@ -1,8 +1,8 @@
 """The pure-torch reference interpreter: runs any Circle or TFLite file op by op.
 
     outputs = reference.run("model.circle", [ids])          # list[np.ndarray] -> list[np.ndarray]
-    interp = reference.Interpreter.load("model.circle")     # reuse the plan (generation loops)
-    logits, k, v = interp.run_torch([ids, k, v])            # torch in, torch out, no copies
+    session = reference.Session("model.circle")             # reuse the plan (generation loops)
+    logits, k, v = session.run_torch([ids, k, v])           # torch in, torch out, no copies
 
 Semantics are TFLite/Circle's, computed in each tensor's dtype (an fp16 graph runs in fp16,
 a CAST is a cast). The fused Circle ops run through circleops.ops' reference kernels,
@@ -27,8 +27,10 @@ from torch import Tensor
 from circleops import ir
 from circleops.errors import RuntimeRunError
 from circleops.quantize.ggml import BlockTensor
+from circleops.runtime import TensorSpec
 from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
                                        check_alloc, max_tensor_bytes)
+from circleops.runtime.kernels import quantized as quantized_kernels
 from circleops.runtime.kernels.elementwise import _BINARY
 
 # Ops whose output shape is the broadcast of their inputs: checked against the allocation
@@ -46,7 +48,7 @@ def _check_broadcast(opcode: str, args: list[Tensor]) -> None:
         return  # not broadcastable (SELECT's row form, or an error the kernel reports)
     check_alloc(shape, args[-1].dtype, f"broadcasting {opcode}")
 
-__all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
+__all__ = ["run", "Session", "Interpreter", "supported_opcodes", "KERNELS"]
 
 
 def supported_opcodes() -> frozenset[str]:
@@ -128,7 +130,9 @@ class _Plan:
                         f"{sg.name!r} takes {sg.tensors[j].dtype} tensor {sg.tensors[j].name!r} as input "
                         f"{pos}; GGML blocks are read only as a FULLY_CONNECTED weight or a GATHER "
                         "table (what onert runs); store this tensor as FLOAT32")
-            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
+            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call,
+                                [sg.tensors[j] if j >= 0 else None for j in op.inputs])
+            fn = quantized_kernels.select(op, ctx) or fn  # integer tensors: TFLite's integer arithmetic
             writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:
                 # The updated tensors are results too: checked like declared outputs.
@@ -265,6 +269,8 @@ def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
             f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
             f"{t.dtype}; convert it (e.g. arr.astype(np.{_NUMPY_TYPE.get(t.dtype, np.float32).__name__})).")
     want = tuple(t.shape)
+    if want == (1,) and x.dim() == 0:
+        x = x.reshape(1)  # target onert writes a 0-d input as [1] (onert takes no rank-0 inputs)
     if len(want) != x.dim() or any(w >= 0 and w != g for w, g in zip(want, x.shape)):
         raise RuntimeRunError(
             f"input {position} ({t.name!r}) has shape {list(x.shape)} but the model expects {list(want)}; "
@@ -332,7 +338,7 @@ class Interpreter:
         finally:
             self._depth -= 1
 
-    def _entry(self, signature: Optional[str]) -> tuple[int, list[int], list[int], list[str]]:
+    def entry(self, signature: Optional[str]) -> tuple[int, list[int], list[int], list[str]]:
         """(subgraph index, input and output tensor indices, input names) of the entry point."""
         if signature is None:
             sg = self.model.subgraphs[0]
@@ -359,7 +365,7 @@ class Interpreter:
 
     def _run_torch(self, inputs: Union[Sequence[Any], Mapping[str, Any]], signature: Optional[str]) -> list[Tensor]:
         self._depth = 0
-        index, in_idx, out_idx, names = self._entry(signature)
+        index, in_idx, out_idx, names = self.entry(signature)
         sg = self.model.subgraphs[index]
         if isinstance(inputs, Mapping):
             missing = [n for n in names if n not in inputs]
@@ -397,6 +403,40 @@ def _read(path: Union[str, os.PathLike]) -> ir.Model:
     return read_model(path)
 
 
+class Session:
+    """The interpreter on one file (or ir.Model) and entry point: the main subgraph, or the
+    signature ``signature``. The file is read and the plan built once."""
+
+    def __init__(self, path: Union[str, os.PathLike, ir.Model], signature: Optional[str] = None):
+        model = path if isinstance(path, ir.Model) else _read(path)
+        self.path = "<ir.Model>" if isinstance(path, ir.Model) else os.fspath(path)
+        self.signature = signature
+        self.interpreter = Interpreter(model)
+        index, in_idx, out_idx, names = self.interpreter.entry(signature)  # an unknown signature fails now
+        try:
+            sg = model.subgraphs[index]
+            out_names = (list(next(s for s in model.signatures if s.key == signature).outputs)
+                         if signature is not None else [sg.tensors[j].name for j in out_idx])
+            self.inputs = [_spec(n, sg.tensors[j]) for n, j in zip(names, in_idx)]
+            self.outputs = [_spec(n, sg.tensors[j]) for n, j in zip(out_names, out_idx)]
+        except (IndexError, KeyError, TypeError, AttributeError) as err:  # an inconsistent ir.Model
+            raise RuntimeRunError(f"reference interpreter: the model's entry point is inconsistent "
+                                  f"({type(err).__name__}: {err})") from None
+
+    def run(self, inputs: Union[Sequence[Any], Mapping[str, Any]]) -> list[np.ndarray]:
+        """Numpy arrays (or torch tensors) in :attr:`inputs` order, or a dict by name -> fresh
+        numpy arrays (bf16 as ml_dtypes.bfloat16)."""
+        return self.interpreter.run(inputs, self.signature)
+
+    def run_torch(self, inputs: Union[Sequence[Any], Mapping[str, Any]]) -> list[Tensor]:
+        """As :meth:`run`, torch tensors out, without copies (see :meth:`Interpreter.run_torch`)."""
+        return self.interpreter.run_torch(inputs, self.signature)
+
+
+def _spec(name: str, t: ir.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(int(d) for d in t.shape), t.dtype.lower())
+
+
 def run(path_or_model: Union[str, os.PathLike, ir.Model], inputs: Union[Sequence[Any], Mapping[str, Any]],
         signature: Optional[str] = None) -> list[np.ndarray]:
     """Run a Circle/TFLite file (or an ir.Model) on ``inputs`` with the reference interpreter.
@@ -404,7 +444,6 @@ def run(path_or_model: Union[str, os.PathLike, ir.Model], inputs: Union[Sequence
     ``inputs`` are numpy arrays (or torch tensors) in the order of the subgraph's inputs, or
     of the signature's inputs when ``signature`` names one; a dict maps input names to
     arrays. Returns the outputs as numpy arrays. For repeated runs of the same model use
-    :class:`Interpreter` (the file is read and the plan built once).
+    :class:`Session` (the file is read and the plan built once).
     """
-    model = path_or_model if isinstance(path_or_model, ir.Model) else _read(path_or_model)
-    return Interpreter(model).run(inputs, signature)
+    return Session(path_or_model, signature).run(inputs)

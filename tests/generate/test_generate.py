@@ -38,16 +38,16 @@ def test_default_runtime_comes_from_the_manifest(tiny_onert, tiny_tflite, tiny_c
     assert Generator(tiny_circle.directory).runtime == "reference"
 
 
-def test_decode_runs_once_per_token_on_one_session(tiny_onert):
+def test_decode_runs_once_per_token_on_one_session(tiny_onert, monkeypatch):
     """Linear cost: one prefill, then the decode graph once per new token with a single
     token, its position and the caches (numpy arrays) in; the session is never rebuilt."""
     gen = Generator(tiny_onert.directory)
-    session = gen.decode_graph.session
+    session = gen.decode_session
     calls = {"prefill": [], "decode": []}
     for name in calls:
-        graph = getattr(gen, f"{name}_graph")
-        setattr(gen, f"{name}_graph", lambda inputs, g=graph, n=name: calls[n].append(
-            [np.array(a) for a in inputs[:2]] + [type(a) for a in inputs[2:]]) or g(inputs))
+        s = getattr(gen, f"{name}_session")
+        monkeypatch.setattr(s, "run", lambda inputs, r=s.run, n=name: calls[n].append(
+            [np.array(a) for a in inputs[:2]] + [type(a) for a in inputs[2:]]) or r(inputs))
     result = gen.generate(TINY_PROMPTS[0], TINY_NEW, stop_at_eos=False)
     assert len(result.tokens) == TINY_NEW
     assert len(calls["prefill"]) == 1 and len(calls["decode"]) == TINY_NEW - 1
@@ -56,7 +56,7 @@ def test_decode_runs_once_per_token_on_one_session(tiny_onert):
         assert ids.shape == (1, 1) and ids[0, 0] == result.tokens[i]
         assert pos.tolist() == [p + i]
         assert set(cache_types) == {np.ndarray} and len(cache_types) == 4
-    assert gen.decode_graph.__defaults__[0].session is session  # the wrapped graph kept its session
+    assert gen.decode_session is session  # one session for every step
 
 
 def test_prompt_longer_than_prefill(tiny_onert):

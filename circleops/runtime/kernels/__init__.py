@@ -34,6 +34,7 @@ class KernelContext:
 
     outputs: list[ir.Tensor]
     call: Callable[[int, list[Tensor]], list[Tensor]] = field(repr=False, default=None)  # type: ignore[assignment]
+    inputs: list[Optional[ir.Tensor]] = field(default_factory=list)  # the IR of the inputs (quantization)
 
     def out_dtype(self, i: int = 0) -> torch.dtype:
         """The declared torch dtype of output ``i``."""
@@ -176,7 +177,7 @@ def same_dtype(op: ir.Operator, *tensors: Tensor) -> None:
 
 
 # Importing the modules registers their kernels.
-from circleops.runtime.kernels import elementwise, fused, nn, reduce, shape  # noqa: E402,F401
+from circleops.runtime.kernels import elementwise, fused, nn, quantized, reduce, shape  # noqa: E402,F401
 
 __all__ = ["KERNELS", "IN_PLACE", "BLOCK_WEIGHT_INPUTS", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
            "activation", "ints", "scalar", "axis_of", "same_dtype", "check_alloc", "max_tensor_bytes"]
