@@ -27,6 +27,7 @@ import torch
 
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
+from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 
 TARGETS = ("circle", "onert", "tflite")
@@ -46,7 +47,7 @@ Progress = Callable[[str], None]
 def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
             target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
             verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None) -> Report:
+            progress: Progress | None = None, quantize: str | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -60,13 +61,18 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         (onert for onert, litert for tflite, reference for circle), or name one of
         "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
         to max(1, max|torch output|)).
+    quantize: "q4_0" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every linear weight
+        with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
+        and circle; float32 only); verify then compares with torch running the dequantized
+        weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
     runtime = _resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     example_args = tuple(example_args)
 
     _stage(progress, "export")
@@ -77,7 +83,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
-               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module)
+               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
     with _hf_export_settings(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
@@ -87,7 +94,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None, integer_io: bool = False) -> Report:
+         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
@@ -101,6 +108,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     inputs and outputs. Verify then compares with the converted (fake-quantized) module.
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
     from circleops.passes.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
@@ -120,7 +128,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
             f"{DTYPE_NAMES.get(torch_dtype, torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
     runtime = _resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
 
@@ -128,7 +136,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     args = tuple(example_args or ())
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
-               source="ExportedProgram", parameters=_count_params(exported_program))
+               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize)
     job.integer_io = integer_io
     if quantized and tolerance is None:
         job.tolerance = INTEGER_TOLERANCE
@@ -141,7 +149,33 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
 INTEGER_TOLERANCE = 5e-2
 
 
+# Verify tolerance of a GGML-quantized file, relative to max(1, max|torch output|): torch
+# runs the same dequantized weights, but onert's kernel also rounds each linear's input to
+# Q8_0 (8 bits per 32-value block), which torch does not.
+QUANT_TOLERANCE = 5e-2
+
+
 # --------------------------------------------------------------------------- options
+
+def check_quantize(quantize: str | None, target: str) -> str | None:
+    """The GGML format asked for (None: no quantization); errors for a bad choice/target."""
+    from circleops.quantize.weights import check_format
+
+    return check_format(quantize, target)
+
+
+def parameter_names(ep: Any) -> set[str]:
+    """The exported program's parameter names (the IR names its constants after them)."""
+    return set(ep.graph_signature.parameters)
+
+
+def pretrained_blocks(model: Any) -> Any:
+    """GGUF Q4_0/Q8_0 blocks the loader attached to ``model`` (circleops.models), keyed by
+    the memory of the parameter they came from; None when there are none."""
+    from circleops.quantize.gguf import pretrained_for
+
+    return pretrained_for(model)
+
 
 def _check_options(target: str, fuse: str) -> tuple[str, str, str]:
     if target not in TARGETS:
@@ -181,8 +215,12 @@ def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype 
     return verify
 
 
-def check_target_dtype(target: str, dtype: torch.dtype) -> None:
+def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = None) -> None:
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if quantize and dtype != torch.float32:
+        raise TargetError(
+            f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
+            f"float32 inputs), but the model is {DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
     if target == "onert" and dtype != torch.float32:
         raise TargetError(
             f"target onert is fp32 only: the onert CPU runtime refuses {DTYPE_NAMES.get(dtype, dtype)} tensors. "
@@ -411,6 +449,8 @@ class _Job:
     parameters: int
     output_names: list[str] | None = None
     fusion_model: torch.nn.Module | None = None
+    quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
+    pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -462,10 +502,20 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
+    quant_report = None
+    if job.quantize:
+        _stage(job.progress, "quantize")
+        t = time.perf_counter()
+        from circleops.quantize.weights import quantize_weights
+
+        quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
+                                        pretrained=job.pretrained)
+        timings["quantize"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=DTYPE_NAMES.get(job.dtype, str(job.dtype)),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
-                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings)
+                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings,
+                    quantization=quant_report)
     sub = ir_model.subgraphs[0]
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
@@ -486,7 +536,10 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         _enter(job, "verify")
         t = time.perf_counter()
         try:
-            report.verify = verify_file(path, job.runtime, job.example_args, job.reference(), job.dtype, job.tolerance)
+            with dequantized_sources(quant_report):  # torch runs the weights the file holds
+                expected = job.reference()
+            tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
+            report.verify = verify_file(path, job.runtime, job.example_args, expected, job.dtype, tolerance)
         except BaseException:
             _remove(path)
             raise

@@ -400,14 +400,15 @@ def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool
     None when ``ep`` holds no quantized_decomposed ops (lower it as a float program)."""
     from circleops.errors import TargetError
     from circleops.lowering.program import lower_program
+    from circleops.targets import profile
     from circleops.passes.qdq import fold_qdq
 
     program, plan = fold_qdq(ep, integer_io=integer_io)
     if plan is None:
         return None
-    if str(getattr(target, "name", target)) == "tflite":
-        raise TargetError("integer (PT2E) graphs are written for targets circle and onert; target tflite "
-                          "writes composites with float decompositions. Use --target circle.")
+    if not profile(target).integer_graphs:
+        raise TargetError(f"integer (PT2E) graphs are written for targets circle and onert; target "
+                          f"{profile(target).name} writes composites with float decompositions. Use --target circle.")
     model = lower_program(program, target, dtype=dtype)
     integerize(model, plan, str(getattr(target, "name", target)))
     return model

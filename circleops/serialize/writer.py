@@ -26,7 +26,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import OutputError, TargetError, UnsupportedOpError
-from circleops.serialize.buffers import BufferTable, _identity_key, data_nbytes, materialize
+from circleops.serialize.buffers import BufferTable, identity_key, data_nbytes, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
 
@@ -442,7 +442,7 @@ def constant_bytes(model: ir.Model) -> int:
         for t in sg.tensors:
             if t.data is None:
                 continue
-            key = _identity_key(t.data) or ("object", id(t.data))
+            key = identity_key(t.data) or ("object", id(t.data))
             if key in seen:
                 continue
             seen.add(key)
