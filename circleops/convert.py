@@ -164,9 +164,9 @@ def check_quantize(quantize: str | None, target: str) -> str | None:
     return check_format(quantize, target)
 
 
-def parameter_names(ep: Any) -> set[str]:
-    """The exported program's parameter names (the IR names its constants after them)."""
-    return set(ep.graph_signature.parameters)
+def parameter_names(ep: Any) -> dict[str, Any]:
+    """The exported program's parameters by name (the IR names its constants after them)."""
+    return {name: ep.state_dict[name] for name in ep.graph_signature.parameters if name in ep.state_dict}
 
 
 def pretrained_blocks(model: Any) -> Any:
