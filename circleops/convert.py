@@ -256,15 +256,18 @@ def check_file_size(ir_model: Any, target: str) -> None:
         raise TargetError(onert_too_large(needed))
 
 
-def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str) -> Any:
+def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str,
+                     check: Callable[[Path], None] | None = None) -> Any:
     """``write_model`` under the target's size rule: target onert never gets the offset
-    layout (checked from the IR first, then exactly by the writer before it writes)."""
+    layout (checked from the IR first, then exactly by the writer before it writes).
+    ``check(temp_path)`` runs on the complete file before it replaces ``path`` (verify)."""
     from circleops.serialize import writer
 
     check_file_size(ir_model, target)
     if target == "onert":
-        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large)
-    return writer.write_model(ir_model, str(path), fmt)
+        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large,
+                                  check=check)
+    return writer.write_model(ir_model, str(path), fmt, check=check)
 
 
 def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
@@ -522,35 +525,38 @@ def _run_stages(ep: Any, job: _Job) -> Report:
 
     _enter(job, "write")
     t = time.perf_counter()
+    verify_seconds = [0.0]
+
+    def verify(tmp: Path) -> None:
+        # Runs on the complete temporary file: only a file that passed replaces ``path``,
+        # so a failed verify leaves a previous good file where it was.
+        _enter(job, "verify")
+        t_verify = time.perf_counter()
+        with dequantized_sources(quant_report):  # torch runs the weights the file holds
+            expected = job.reference()
+        tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
+        report.verify = verify_file(tmp, job.runtime, job.example_args, expected, job.dtype, tolerance)
+        verify_seconds[0] = time.perf_counter() - t_verify
+        if not report.verify.passed:
+            v = report.verify
+            raise VerifyError(
+                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
+                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); nothing was written to "
+                f"{path} (a file already there is unchanged). Convert without verify to inspect the file "
+                "(circleops inspect), and report the model.")
+
     try:
-        info = write_for_target(ir_model, path, job.target, job.fmt)
+        info = write_for_target(ir_model, path, job.target, job.fmt,
+                                check=verify if job.runtime is not None else None)
     except CircleOpsError:
         raise
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}. Choose an output path you can write.") from None
     del ir_model  # the graph; the weights it points at are the model's own
     report.file_size = getattr(info, "file_bytes", 0) or path.stat().st_size
-    timings["write"] = time.perf_counter() - t
-
+    timings["write"] = time.perf_counter() - t - verify_seconds[0]
     if job.runtime is not None:
-        _enter(job, "verify")
-        t = time.perf_counter()
-        try:
-            with dequantized_sources(quant_report):  # torch runs the weights the file holds
-                expected = job.reference()
-            tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
-            report.verify = verify_file(path, job.runtime, job.example_args, expected, job.dtype, tolerance)
-        except BaseException:
-            _remove(path)
-            raise
-        timings["verify"] = time.perf_counter() - t
-        if not report.verify.passed:
-            _remove(path)
-            v = report.verify
-            raise VerifyError(
-                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
-                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
-                f"Convert without verify to inspect the file (circleops inspect), and report the model.")
+        timings["verify"] = verify_seconds[0]
     return report
 
 
@@ -567,11 +573,6 @@ def _name_outputs(model: Any, names: list[str]) -> None:
     for sig in model.signatures:
         if sig.subgraph_index == 0 and len(sig.outputs) == len(names):
             sig.outputs = dict(zip(names, sig.outputs.values()))
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
 
 
 def op_histogram(model: Any) -> dict[str, int]:
