@@ -9,6 +9,8 @@ Architectures come from transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (no remo
 Each config is shrunk (hidden 64, 2 layers, 4 heads, vocab 256, 4 experts, ...: every such
 field the config has) and the model built with random weights; one that cannot be built
 or run in torch at that size is listed as "no tiny build" and left out of the pass count.
+Constant-initialized weights (zero-initialized routers, unit norm weights) get noise, so
+router scores do not tie (torch.topk and TOPK_V2 may break a tie differently).
 The rest go through ``circleops.convert(model, (ids,), target="onert", verify=True)``:
 "pass" when onert's logits match torch within 1e-4 x max(1, max|logits|).
 
@@ -98,6 +100,12 @@ def run_one(model_type: str, class_name: str) -> dict:
             cfg = tiny_config(model_type, mha)
             torch.manual_seed(0)
             model = getattr(transformers, class_name)(cfg).eval()
+            with torch.no_grad():
+                # constant-initialized weights (zero routers, unit norms) make every score tie:
+                # which expert wins a tie is each topk's own choice, so break them
+                for p in model.parameters():
+                    if p.is_floating_point() and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
             vocab = min(getattr(cfg, "vocab_size", None) or SMALL["vocab_size"], SMALL["vocab_size"])
             ids = torch.randint(3, vocab, (1, SEQ), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
@@ -212,8 +220,8 @@ def table(rows: list[dict], elapsed: float, tree: Path) -> str:
         "",
         f"**{len(passed)} of {len(built)}** architectures that build tiny pass "
         f"({len(rows) - len(built)} more do not build or run in torch at that size). "
-        f"transformers {_version('transformers')}, torch {_version('torch')}, onert {_version('onert')}; "
-        (f"{elapsed / 60:.0f} min." if elapsed else ""),
+        f"transformers {_version('transformers')}, torch {_version('torch')}, onert {_version('onert')}"
+        + (f"; {elapsed / 60:.0f} min." if elapsed else "."),
         "",
         "| arch | class | converts | max abs error | fused ops | failure |",
         "|---|---|---|---|---|---|",
