@@ -193,6 +193,18 @@ def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
     return (ids, torch.tensor([pos], dtype=torch.int64), *step.empty_caches())
 
 
+def _save_generation_config(model: Any, out_dir: Path) -> None:
+    """The model's generation_config.json next to the graphs: `circleops generate --sample`
+    takes its temperature / top-k / top-p / repetition penalty as defaults."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    try:
+        config.to_json_file(str(out_dir / "generation_config.json"))
+    except OSError as err:
+        raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
+
+
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     """Input and output names of both graphs, in order."""
     caches = [f"k_cache_{i}" for i in range(num_layers)] + [f"v_cache_{i}" for i in range(num_layers)]
@@ -548,6 +560,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         except OSError as err:
             raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
         tokenizer_dir = TOKENIZER_DIR
+    _save_generation_config(model, out_dir)
     eos = _eos_ids(model)
     ins, outs = io_names(step.num_layers)
     manifest = Manifest(

@@ -1,4 +1,4 @@
-"""``circleops`` command line: convert / inspect / run / check / ops / generate.
+"""``circleops`` command line: convert / inspect / run / check / ops / generate / chat.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; modules are imported only when their command runs, so that
@@ -21,7 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("circleops.cli.run", "run a Circle or TFLite file on inputs (.npy)"),
     "check": ("circleops.cli.check", "fp16/bf16 numerics report: error per layer and generation agreement per norm policy"),
     "ops": ("circleops.cli.ops", "list the fused ops: schema, Circle builtin, TFLite composite, targets"),
-    "generate": ("circleops.cli.generate", "greedy generation with written prefill/decode graphs"),
+    "generate": ("circleops.cli.generate", "generate text with written prefill/decode graphs (greedy or --sample)"),
+    "chat": ("circleops.cli.chat", "a multi-turn chat with written prefill/decode graphs (the KV cache kept between turns)"),
 }
 
 

@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=list(WEIGHT_FORMATS), default=None, metavar="FORMAT",
                         help="weight quantization: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items())
                              + ". Linears whose K is not a multiple of 32 stay fp32 (the summary says which)")
+    parser.add_argument("--calibrate", type=int, default=8, metavar="N",
+                        help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
+                             "shipped in circleops/quantize/calibration.txt; other models: the example input with "
+                             "seeded noise, or --calibration-data) (default 8)")
+    parser.add_argument("--calibration-data", metavar="PT", default=None,
+                        help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
+                             "(loaded with weights_only=True)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -119,6 +126,9 @@ def main(args: argparse.Namespace) -> int:
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:
+            if quantize in api.INTEGER_FORMATS:
+                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
+                              tokenizer=loaded.tokenizer)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()
