@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from circleops.dtypes import float_dtype, short_name
+
 DEFAULT_PROMPT = "Once upon a time,"
 DEFAULT_NEW_TOKENS = 32
 DTYPE_CHOICES = ("fp16", "bf16")
@@ -78,14 +80,14 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     del reference
 
     t = time.perf_counter()
-    say(f"export ({_name(torch_dtype)}, {seq.shape[1]} positions)")
+    say(f"export ({short_name(torch_dtype)}, {seq.shape[1]} positions)")
     ep = _exportlow_precision_dtype(model, seq, torch_dtype)
     timings["export"] = time.perf_counter() - t
 
     eos = eos_ids(model, tokenizer)
     hidden_ref = want[1:]
     report = CheckReport(
-        source=source or type(model).__name__, dtype=_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
+        source=source or type(model).__name__, dtype=short_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
         new_tokens=new_tokens, reference_tokens=tokens, reference_text=_decode(tokenizer, tokens),
         layer_rms=[float(h.double().pow(2).mean(-1).sqrt().max()) for h in hidden_ref],
         layer_max=[float(h.abs().max()) for h in hidden_ref], eos_ids=eos, timings=timings)
@@ -106,13 +108,13 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
 
     import torch
 
-    from circleops.convert import _hf_export_settings
+    from circleops.conversion import hf_export_settings
 
     params = inspect.signature(model.forward).parameters
     cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
     ids = list(prompt_ids)
     step, cache = ids, None
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         for _ in range(new_tokens):
             kwargs = {cache_arg: cache, "use_cache": True} if cache_arg else {"use_cache": False}
             out = model(input_ids=torch.tensor([step]), return_dict=True, **kwargs)
@@ -154,21 +156,11 @@ def _error(msg: str) -> Exception:
 
 def low_precision_dtype(dtype: Any) -> Any:
     """torch.float16 or torch.bfloat16 for a name or dtype; CircleOpsError for anything else."""
-    import torch
-
-    names = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if isinstance(dtype, torch.dtype) and dtype in names.values():
-        return dtype
-    if str(dtype).lower() in names:
-        return names[str(dtype).lower()]
+    resolved = float_dtype(dtype)
+    if resolved is not None and short_name(resolved) in DTYPE_CHOICES:
+        return resolved
     raise _error(f"dtype {dtype!r} cannot be checked: the report compares an fp16 or bf16 file with fp32; "
                  "use --dtype fp16 or --dtype bf16.")
-
-
-def _name(dtype: Any) -> str:
-    import torch
-
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
 def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
@@ -214,10 +206,10 @@ def _fp32_model(model: Any) -> Any:
 def _run_layers(model: Any, seq: Any) -> list[Any]:
     import torch
 
-    from circleops.convert import _hf_export_settings
+    from circleops.conversion import hf_export_settings
     from circleops.numerics import LayerOutputs
 
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         return [t.float() for t in LayerOutputs(model).eval()(seq)]
 
 
@@ -225,11 +217,11 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
     import torch
 
-    from circleops.convert import _hf_export_settings, export
+    from circleops.conversion import hf_export_settings, export
     from circleops.numerics import LayerOutputs, rms_norm_nodes
 
     low = copy.deepcopy(model).to(dtype).eval()
-    with _hf_export_settings(low), torch.no_grad():
+    with hf_export_settings(low), torch.no_grad():
         ep = export(LayerOutputs(low).eval(), (seq,), adapters=True, warn_list=[])
     if not rms_norm_nodes(ep):
         raise _error(f"{type(model).__name__} exported without any circle.rms_norm: its RMSNorms are not "
@@ -241,7 +233,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 
-    from circleops.convert import op_histogram
+    from circleops.conversion import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
     from circleops.runtime import reference

@@ -79,7 +79,7 @@ class _Step:
     writes: tuple[int, ...] = ()  # input tensors updated in place with the extra results
 
 
-class _Plan:
+class SubgraphPlan:
     """One subgraph, prepared for execution."""
 
     def __init__(self, interp: "Interpreter", index: int):
@@ -252,20 +252,20 @@ class Interpreter:
         if not model.subgraphs:
             raise RuntimeRunError("the model has no subgraphs; nothing to run")
         self.model = model
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[int, SubgraphPlan] = {}
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Interpreter":
         """Read a .circle or .tflite file (weights inline or after the flatbuffer)."""
         return cls(_read(path))
 
-    def plan(self, subgraph: int = 0) -> _Plan:
+    def plan(self, subgraph: int = 0) -> SubgraphPlan:
         plan = self._plans.get(subgraph)
         if plan is None:
             if not 0 <= subgraph < len(self.model.subgraphs):
                 raise RuntimeRunError(f"subgraph index {subgraph} out of range: the model has "
                                       f"{len(self.model.subgraphs)} subgraphs")
-            plan = self._plans[subgraph] = _Plan(self, subgraph)
+            plan = self._plans[subgraph] = SubgraphPlan(self, subgraph)
         return plan
 
     def _call(self, subgraph: int, inputs: list[Tensor]) -> list[Tensor]:
