@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
-from circleops.dtypes import float_dtype, short_name
 from circleops.options import CONVERT_DTYPES, FUSE_MODES
+from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 from circleops.runtime import RUNTIMES
 from circleops.targets import PROFILES, TARGETS
@@ -42,7 +43,7 @@ Progress = Callable[[str], None]
 def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
             target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
             verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None) -> Report:
+            progress: Progress | None = None, quantize: str | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -56,13 +57,18 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         (onert for onert, litert for tflite, reference for circle), or name one of
         "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
         to max(1, max|torch output|)).
+    quantize: "q4_0" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every linear weight
+        with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
+        and circle; float32 only); verify then compares with torch running the dequantized
+        weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
     runtime = resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     example_args = tuple(example_args)
 
     _stage(progress, "export")
@@ -73,7 +79,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
-               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module)
+               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
     with hf_export_settings(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
@@ -83,14 +90,29 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None) -> Report:
+         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
     "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
     default the example inputs saved with the program.
+
+    A program exported from torchao's ``convert_pt2e`` output (quantize/dequantize pairs,
+    e.g. with circleops.quantize.CircleQuantizer) is written as an integer graph: its
+    tensors are UINT8/INT8/INT16/INT32 with QuantizationParameters, with a QUANTIZE after
+    each float input and a DEQUANTIZE before each output, or, with ``integer_io``, integer
+    inputs and outputs. Verify then compares with the converted (fake-quantized) module.
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
+    from circleops.passes.qdq import has_qdq
+
+    quantized = has_qdq(exported_program)
+    if quantized:
+        fuse = "none"  # fuse before prepare_pt2e: a quantized graph's patterns hold Q/DQ pairs
+        if integer_io and verify:
+            raise TargetError("verify compares float outputs with torch: write with integer_io=False to verify, "
+                              "or convert without verify")
     if fuse in ("auto", "adapters"):
         fuse = "patterns" if fuse == "auto" else "none"
     path = check_output_path(path, fmt)
@@ -102,7 +124,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
             f"{short_name(torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
     runtime = resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
 
@@ -110,11 +132,46 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     args = tuple(example_args or ())
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
-               source="ExportedProgram", parameters=_count_params(exported_program))
+               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize)
+    job.integer_io = integer_io
+    if quantized and tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
     return _lower_write_verify(exported_program, job)
 
 
+# Verify tolerance of an integer (PT2E) file against the fake-quantized torch module,
+# relative to max(1, max|output|): the integer kernels round each requantization once
+# where torch rounds in float (a few output steps at most; measured 1-2 on tiny models).
+INTEGER_TOLERANCE = 5e-2
+
+
+# Verify tolerance of a GGML-quantized file, relative to max(1, max|torch output|): torch
+# runs the same dequantized weights, but onert's kernel also rounds each linear's input to
+# Q8_0 (8 bits per 32-value block), which torch does not.
+QUANT_TOLERANCE = 5e-2
+
+
 # --------------------------------------------------------------------------- options
+
+def check_quantize(quantize: str | None, target: str) -> str | None:
+    """The GGML format asked for (None: no quantization); errors for a bad choice/target."""
+    from circleops.quantize.weights import check_format
+
+    return check_format(quantize, target)
+
+
+def parameter_names(ep: Any) -> set[str]:
+    """The exported program's parameter names (the IR names its constants after them)."""
+    return set(ep.graph_signature.parameters)
+
+
+def pretrained_blocks(model: Any) -> Any:
+    """GGUF Q4_0/Q8_0 blocks the loader attached to ``model`` (circleops.models), keyed by
+    the memory of the parameter they came from; None when there are none."""
+    from circleops.quantize.gguf import pretrained_for
+
+    return pretrained_for(model)
+
 
 def _check_options(target: str, fuse: str) -> tuple[str, str, str]:
     if target not in TARGETS:
@@ -156,8 +213,12 @@ def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype =
     return verify
 
 
-def check_target_dtype(target: str, dtype: torch.dtype) -> None:
+def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = None) -> None:
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if quantize and dtype != torch.float32:
+        raise TargetError(
+            f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
+            f"float32 inputs), but the model is {short_name(dtype)}: use dtype fp32 with quantize.")
     if target == "onert" and dtype != torch.float32:
         raise TargetError(
             f"target onert is fp32 only: the onert CPU runtime refuses {short_name(dtype)} tensors. "
@@ -387,6 +448,9 @@ class _Job:
     parameters: int
     output_names: list[str] | None = None
     fusion_model: torch.nn.Module | None = None
+    quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
+    pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     stage: str = "fuse"
@@ -430,14 +494,27 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     t = time.perf_counter()
     from circleops.lowering import lower_program
 
-    ir_model = lower_program(ep, job.target, dtype=job.dtype)
+    from circleops.lowering.integer import lower_quantized
+
+    ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
+        or lower_program(ep, job.target, dtype=job.dtype)
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
+    quant_report = None
+    if job.quantize:
+        _stage(job.progress, "quantize")
+        t = time.perf_counter()
+        from circleops.quantize.weights import quantize_weights
+
+        quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
+                                        pretrained=job.pretrained)
+        timings["quantize"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
-                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings)
+                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings,
+                    quantization=quant_report)
     sub = ir_model.subgraphs[0]
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
@@ -458,7 +535,10 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         _enter(job, "verify")
         t = time.perf_counter()
         try:
-            report.verify = verify_file(path, job.runtime, job.example_args, job.reference(), job.dtype, job.tolerance)
+            with dequantized_sources(quant_report):  # torch runs the weights the file holds
+                expected = job.reference()
+            tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
+            report.verify = verify_file(path, job.runtime, job.example_args, expected, job.dtype, tolerance)
         except BaseException:
             _remove(path)
             raise

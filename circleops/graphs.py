@@ -185,12 +185,14 @@ class GraphsReport:
     verify_runtime: str | None = None
     tolerance: float | None = None
     source: str = ""
+    quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (``circleops convert --graphs --report``)."""
         from dataclasses import asdict
 
         return {"directory": self.directory, "target": self.target, "dtype": self.dtype, "source": self.source,
+                "quantization": self.quantization.to_dict() if self.quantization is not None else None,
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
                 "verify_runtime": self.verify_runtime, "tolerance": self.tolerance,
@@ -214,6 +216,9 @@ class GraphsReport:
                             if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
             lines.append(f"  {g.name:8s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
             lines.append(f"           {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+        if self.quantization is not None:
+            lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
+                      for k, line in enumerate(self.quantization.summary_lines())]
         if self.manifest is not None:
             m = self.manifest
             lines.append(f"  manifest.json: prefill length {m.prefill_len}, cache length {m.max_cache_len}, "
@@ -278,7 +283,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
-                   progress: Progress | None = None) -> GraphsReport:
+                   progress: Progress | None = None, quantize: str | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -287,6 +292,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
     against the model's own forward: a prefill of a half-length prompt, then one decode
     step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
+    ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
+    share one set of blocks, and verify compares with the model running those weights
+    dequantized.
     """
     import torch
 
@@ -296,7 +304,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     if target not in PROFILES:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
     torch_dtype = api.model_dtype(model) or torch.float32
-    api.check_target_dtype(target, torch_dtype)
+    quantize = api.check_quantize(quantize, target)
+    api.check_target_dtype(target, torch_dtype, quantize)
     runtime = None
     if verify:
         runtime = PROFILES[target].runtime if verify is True else str(verify)
@@ -318,7 +327,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 
     model.eval()
     references = None
-    if runtime is not None:  # the model's own forward, before its modules are fused
+    if runtime is not None and not quantize:  # the model's own forward, before its modules are fused
         t = stage("torch reference logits")
         references = _verify_references(model, prefill_len)
         timings["verify"] = time.perf_counter() - t
@@ -330,8 +339,27 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 
     t = stage("lower")
     lowered = {g: lower_step(ep, g, target, step.num_layers, dtype=torch_dtype) for g, ep in eps.items()}
-    del eps
     timings["lower"] = time.perf_counter() - t
+    quant_report = None
+    if quantize:
+        t = stage("quantize")
+        from circleops.quantize.weights import QuantReport, quantize_weights
+
+        quant_report, cache = QuantReport(quantize), {}
+        pretrained = api.pretrained_blocks(model)
+        for g, m in lowered.items():
+            quantize_weights(m, quantize, parameters=api.parameter_names(eps[g]), pretrained=pretrained,
+                             cache=cache, report=quant_report)
+        timings["quantize"] = time.perf_counter() - t
+        if runtime is not None:
+            # the model's forward (fused by now: same numerics) on the weights the files hold
+            from circleops.quantize.weights import dequantized_sources
+
+            t = stage("torch reference logits")
+            with dequantized_sources(quant_report):
+                references = _verify_references(model, prefill_len)
+            timings["verify"] = time.perf_counter() - t
+    del eps
 
     t = stage("write")
     infos: dict[str, GraphInfo] = {}
@@ -371,14 +399,15 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
         prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
-        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source)
+        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
+        quantize=quantize)
     timings["write"] = time.perf_counter() - t
 
     report = GraphsReport(directory=str(out_dir), target=target, dtype=manifest.dtype, graphs=infos,
-                          manifest=manifest, timings=timings, source=source)
+                          manifest=manifest, timings=timings, source=source, quantization=quant_report)
     if runtime is not None:
         t = stage("verify")
-        tol = api.TOLERANCE[torch_dtype] if tolerance is None else tolerance
+        tol = (api.QUANT_TOLERANCE if quantize else api.TOLERANCE[torch_dtype]) if tolerance is None else tolerance
         try:
             errors = _verify(manifest, graphs, runtime, references, tol)
         except BaseException:

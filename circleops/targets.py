@@ -63,6 +63,7 @@ class TargetProfile:
     copy_consumed_outputs: bool  # a subgraph output another op also reads needs its own copy
     legalize_fp16: bool  # fp16 ops without a CPU kernel compute in fp32 (tflite_fp16)
     rank0_inputs: bool  # the runtime takes 0-d graph inputs (else a 0-d input is written as [1])
+    integer_graphs: bool  # PT2E integer graphs (quantized tensors between ops) may be written
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -116,6 +117,7 @@ CIRCLE = TargetProfile(
     copy_consumed_outputs=False,
     legalize_fp16=False,
     rank0_inputs=True,
+    integer_graphs=True,
 )
 
 ONERT = TargetProfile(
@@ -132,6 +134,7 @@ ONERT = TargetProfile(
         "ATTENTION",                # "Unsupported operation"
         "CUMSUM",                   # no CPU kernel
         "REDUCE_MIN",               # load fails: "Unsupported operation"
+        "TOPK_V2",                  # load fails: "Unsupported operation"
     }),
     builtin_dtypes=_frozen({
         # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
@@ -156,6 +159,7 @@ ONERT = TargetProfile(
     copy_consumed_outputs=True,  # an output a TRANSPOSE/RESHAPE also reads gets corrupted
     legalize_fp16=False,
     rank0_inputs=False,  # session preparation fails: "unsupported rank: 0"
+    integer_graphs=True,
 )
 
 TFLITE = TargetProfile(
@@ -175,6 +179,7 @@ TFLITE = TargetProfile(
     copy_consumed_outputs=False,
     legalize_fp16=True,
     rank0_inputs=True,
+    integer_graphs=False,  # fused ops are composites with float decompositions
 )
 
 PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})

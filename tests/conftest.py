@@ -19,6 +19,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # reading one row, ignored flags; LiteRT's fp16 kernel list) opt out.
 _CROSS_CHECK_OPT_OUT = ("test_onert_runtime.py",)
 CROSS_CHECK_ATOL = 1e-5
+# A file with GGML weights: onert's kernel rounds each linear's input to Q8_0, so a 1-ulp
+# difference upstream (an RMS_NORM's summation order) can move one value across a rounding
+# boundary and the output by one quantum (~1e-3 of its scale). Measured: fed onert's own
+# input, the interpreter's GGML FULLY_CONNECTED equals onert's within 1e-7
+# (tests/quantize/test_ggml_reference.py checks single ops at 1e-5).
+GGML_CROSS_CHECK_ATOL = 1e-2
+
+
+def _has_ggml_weights(path) -> bool:
+    from circleops import ir
+    from circleops.serialize import read_model
+
+    try:
+        return any(t.dtype in ir.GGML_BLOCKS for sg in read_model(str(path)).subgraphs for t in sg.tensors)
+    except Exception:  # noqa: BLE001 - not a readable file: the runtimes report that
+        return False
 
 
 def _cross_checked(session_class, runtime_name):
@@ -33,6 +49,7 @@ def _cross_checked(session_class, runtime_name):
 
             if getattr(self, "_reference", None) is None:
                 self._reference = reference.Session(self.path, self.signature)
+                self._atol = GGML_CROSS_CHECK_ATOL if _has_ggml_weights(self.path) else CROSS_CHECK_ATOL
             if isinstance(inputs, dict):
                 inputs = {k: np.asarray(v) for k, v in inputs.items()}
             else:
@@ -45,7 +62,7 @@ def _cross_checked(session_class, runtime_name):
                 if a.dtype == np.float32:
                     # 1e-5 at the output's scale (fp32 sums of ~1e2 values differ by order)
                     scale = max(1.0, float(np.abs(a).max(initial=0.0)))
-                    np.testing.assert_allclose(b, a, atol=CROSS_CHECK_ATOL * scale, rtol=0,
+                    np.testing.assert_allclose(b, a, atol=self._atol * scale, rtol=0,
                                                err_msg=f"{path} output {i}: reference interpreter vs {runtime_name}")
             return got
 

@@ -10,7 +10,7 @@ import torch
 
 from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
-from circleops.lowering.shape import _paddings
+from circleops.lowering.shape import pad_rows
 
 aten = torch.ops.aten
 
@@ -88,7 +88,7 @@ _INDEX = {
 
 
 def pad(ctx, x, pad_list, mode, value=0.0):
-    rows = _paddings(x.rank, pad_list)
+    rows = pad_rows(x.rank, pad_list)
     t = ctx.transposed(x)
     if t is not None:  # pad the channels-last source instead: the transposes then cancel
         src, perm = t

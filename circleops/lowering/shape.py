@@ -183,7 +183,7 @@ def _(ctx, node, x, repeats):
     return ctx.emit("TILE", [x, ctx.i32(repeats)])
 
 
-def _paddings(rank, pad):
+def pad_rows(rank, pad):
     """torch's flat pad list (last dim first) -> [[before, after]] per dim."""
     rows = [[0, 0] for _ in range(rank)]
     for i in range(len(pad) // 2):
@@ -193,7 +193,7 @@ def _paddings(rank, pad):
 
 @lower(aten.constant_pad_nd)
 def _(ctx, node, x, pad, value=0):
-    rows = _paddings(x.rank, pad)
+    rows = pad_rows(x.rank, pad)
     if any(v < 0 for row in rows for v in row):
         raise ctx.unsupported("pads by a negative amount", "Slice the tensor instead.")
     paddings = const_value(torch.tensor(rows, dtype=torch.int32))

@@ -6,7 +6,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +19,34 @@ from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 
 NUM_THREADS = 2
+
+DELEGATE_BANNER = "Created TensorFlow Lite XNNPACK delegate"
+
+
+@contextlib.contextmanager
+def delegate_banner_hidden():
+    """Hide the line LiteRT's C++ prints on fd 2 when it applies its XNNPACK delegate
+    ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU."): it landed in the middle of
+    the text `circleops generate` streams. Anything else written to fd 2 meanwhile is passed on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (embedded interpreters): nothing to hide
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = "".join(line for line in tmp.read().decode(errors="replace").splitlines(True)
+                           if DELEGATE_BANNER not in line)
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()
 
 
 class Session:
@@ -30,7 +61,11 @@ class Session:
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
         try:
-            self._it = Interpreter(model_path=self.path, num_threads=NUM_THREADS)
+            # the tensors are allocated here, once: that is when LiteRT applies its delegate
+            # and prints about it (delegate_banner_hidden)
+            with delegate_banner_hidden():
+                self._it = Interpreter(model_path=self.path, num_threads=NUM_THREADS)
+                self._it.allocate_tensors()
         except (ValueError, RuntimeError) as err:
             raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
         self._runner = None
