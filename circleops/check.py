@@ -146,6 +146,21 @@ def eos_ids(model: Any, tokenizer: Any = None) -> list[int]:
     return found
 
 
+def directory_tokenizer(model: str | None) -> Any:
+    """The tokenizer saved with an HF model directory, if there is one (else None)."""
+    if model is None or not os.path.isdir(model):
+        return None
+    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    from circleops.models import quiet_transformers
+
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(model)
+
+
 # --------------------------------------------------------------------------- steps
 
 def _error(msg: str) -> Exception:

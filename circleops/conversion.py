@@ -28,6 +28,7 @@ from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.options import CONVERT_DTYPES, FUSE_MODES
+from circleops.quantize import INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 from circleops.runtime import RUNTIMES
@@ -43,7 +44,9 @@ Progress = Callable[[str], None]
 def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
             target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
             verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None, quantize: str | None = None) -> Report:
+            progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
+            calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
+            integer_io: bool = False) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -61,10 +64,21 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
         and circle; float32 only); verify then compares with torch running the dequantized
         weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
+        "uint8" / "int16" write an integer graph (PT2E with circleops.quantize's
+        CircleQuantizer): uint8 asymmetric or int16 symmetric activations, int8 per-channel
+        weights (uint8 per tensor for target onert, which runs only those), int32 biases;
+        calibrated on ``calibrate`` samples (circleops.quantize.pt2e.calibration_samples:
+        token windows of the shipped text via ``tokenizer`` for an LLM, the example input
+        with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
+        Verify compares with the fake-quantized torch module. ``integer_io``: the file's
+        inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    if integer_io and (quantize not in INTEGER_FORMATS or verify):
+        raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
+                          "verify (verify compares float outputs with torch)")
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
     runtime = resolve_runtime(verify, target, torch_dtype)
@@ -84,7 +98,42 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     with hf_export_settings(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
+    if quantize in INTEGER_FORMATS:
+        job.quantize, job.pretrained, job.integer_io = None, None, integer_io
+        return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
+                                                     calibration_data, tokenizer), job)
     return _lower_write_verify(ep, job)
+
+
+def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
+                      data: Any, tokenizer: Any) -> Any:
+    """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
+    prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
+    then lowers that program and verifies against the converted (fake-quantized) module."""
+    from circleops.quantize import pt2e
+
+    if job.fuse in ("auto", "patterns"):
+        _stage(job.progress, "fuse")
+        t = time.perf_counter()
+        from circleops.passes.fusion import fuse_patterns
+
+        ep, _ = fuse_patterns(ep, model=job.fusion_model)
+        job.timings["fuse"] = time.perf_counter() - t
+    job.fuse = "none"
+    _stage(job.progress, "calibrate")
+    t = time.perf_counter()
+    config = getattr(model, "config", None)
+    samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
+                                       vocab_size=getattr(config, "vocab_size", None))
+    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
+    with hf_export_settings(model), torch.no_grad():
+        converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
+                                       progress=getattr(job.progress, "bar", None) is not None)
+    job.reference = lambda: _run_torch(converted, job.example_args, None)
+    if job.tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
+    job.timings["calibrate"] = time.perf_counter() - t
+    return qep
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
@@ -105,6 +154,10 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
+                          "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
+                          "CircleQuantizer) and save the converted program, or use circleops.convert")
     from circleops.passes.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
@@ -154,15 +207,24 @@ QUANT_TOLERANCE = 5e-2
 # --------------------------------------------------------------------------- options
 
 def check_quantize(quantize: str | None, target: str) -> str | None:
-    """The GGML format asked for (None: no quantization); errors for a bad choice/target."""
+    """The quantization asked for (None: none): a GGML format or an integer scheme
+    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target."""
+    if quantize in INTEGER_FORMATS:
+        if target == "tflite":
+            raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
+                              "compilers) or 'onert' (uint8); target tflite writes float composites")
+        if target == "onert" and quantize == "int16":
+            raise TargetError("target onert: onert 0.1.0 loads no int16 graph (measured, bench/onert_quantized.py): "
+                              "use quantize='uint8' for onert, or target 'circle' for an int16 file")
+        return quantize
     from circleops.quantize.weights import check_format
 
     return check_format(quantize, target)
 
 
-def parameter_names(ep: Any) -> set[str]:
-    """The exported program's parameter names (the IR names its constants after them)."""
-    return set(ep.graph_signature.parameters)
+def parameter_names(ep: Any) -> dict[str, Any]:
+    """The exported program's parameters by name (the IR names its constants after them)."""
+    return {name: ep.state_dict[name] for name in ep.graph_signature.parameters if name in ep.state_dict}
 
 
 def pretrained_blocks(model: Any) -> Any:
@@ -215,6 +277,9 @@ def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype =
 
 def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = None) -> None:
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if quantize in INTEGER_FORMATS and dtype != torch.float32:
+        raise TargetError(f"quantize={quantize!r} calibrates and quantizes a float32 model, but the model is "
+                          f"{short_name(dtype)}: use dtype fp32 with quantize.")
     if quantize and dtype != torch.float32:
         raise TargetError(
             f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
@@ -254,15 +319,18 @@ def check_file_size(ir_model: Any, target: str) -> None:
         raise TargetError(onert_too_large(needed))
 
 
-def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str) -> Any:
+def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str,
+                     check: Callable[[Path], None] | None = None) -> Any:
     """``write_model`` under the target's size rule: target onert never gets the offset
-    layout (checked from the IR first, then exactly by the writer before it writes)."""
+    layout (checked from the IR first, then exactly by the writer before it writes).
+    ``check(temp_path)`` runs on the complete file before it replaces ``path`` (verify)."""
     from circleops.serialize import writer
 
     check_file_size(ir_model, target)
     if target == "onert":
-        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large)
-    return writer.write_model(ir_model, str(path), fmt)
+        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large,
+                                  check=check)
+    return writer.write_model(ir_model, str(path), fmt, check=check)
 
 
 def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
@@ -521,35 +589,38 @@ def _run_stages(ep: Any, job: _Job) -> Report:
 
     _enter(job, "write")
     t = time.perf_counter()
+    verify_seconds = [0.0]
+
+    def verify(tmp: Path) -> None:
+        # Runs on the complete temporary file: only a file that passed replaces ``path``,
+        # so a failed verify leaves a previous good file where it was.
+        _enter(job, "verify")
+        t_verify = time.perf_counter()
+        with dequantized_sources(quant_report):  # torch runs the weights the file holds
+            expected = job.reference()
+        tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
+        report.verify = verify_file(tmp, job.runtime, job.example_args, expected, job.dtype, tolerance)
+        verify_seconds[0] = time.perf_counter() - t_verify
+        if not report.verify.passed:
+            v = report.verify
+            raise VerifyError(
+                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
+                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); nothing was written to "
+                f"{path} (a file already there is unchanged). Convert without verify to inspect the file "
+                "(circleops inspect), and report the model.")
+
     try:
-        info = write_for_target(ir_model, path, job.target, job.fmt)
+        info = write_for_target(ir_model, path, job.target, job.fmt,
+                                check=verify if job.runtime is not None else None)
     except CircleOpsError:
         raise
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}. Choose an output path you can write.") from None
     del ir_model  # the graph; the weights it points at are the model's own
     report.file_size = getattr(info, "file_bytes", 0) or path.stat().st_size
-    timings["write"] = time.perf_counter() - t
-
+    timings["write"] = time.perf_counter() - t - verify_seconds[0]
     if job.runtime is not None:
-        _enter(job, "verify")
-        t = time.perf_counter()
-        try:
-            with dequantized_sources(quant_report):  # torch runs the weights the file holds
-                expected = job.reference()
-            tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
-            report.verify = verify_file(path, job.runtime, job.example_args, expected, job.dtype, tolerance)
-        except BaseException:
-            _remove(path)
-            raise
-        timings["verify"] = time.perf_counter() - t
-        if not report.verify.passed:
-            _remove(path)
-            v = report.verify
-            raise VerifyError(
-                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
-                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
-                f"Convert without verify to inspect the file (circleops inspect), and report the model.")
+        timings["verify"] = verify_seconds[0]
     return report
 
 
@@ -566,11 +637,6 @@ def _name_outputs(model: Any, names: list[str]) -> None:
     for sig in model.signatures:
         if sig.subgraph_index == 0 and len(sig.outputs) == len(names):
             sig.outputs = dict(zip(names, sig.outputs.values()))
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
 
 
 def op_histogram(model: Any) -> dict[str, int]:

@@ -99,11 +99,16 @@ class Generation:
 
 
 class Generator:
-    """Greedy generation on the files a manifest describes; sessions are created once.
+    """Generation on the files a manifest describes; sessions are created once.
 
     ``source``: the directory written by ``circleops convert --graphs`` (or its Manifest).
     ``runtime``: "onert", "reference" or "litert"; None takes the manifest's default
     (onert for target onert, litert for tflite, reference for circle).
+
+    The KV cache persists between calls: :meth:`feed` appends tokens after the ones already
+    in it (``history``), so a chat turn costs only its new tokens. A prompt longer than the
+    prefill graph runs through it in chunks (see :meth:`feed`), so any prompt up to the
+    cache length works.
     """
 
     def __init__(self, source: Any, runtime: str | None = None):
@@ -123,43 +128,93 @@ class Generator:
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
         self.caches: list[Any] = []
-        self.position = 0  # cache slots holding real tokens
+        self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
+
+    @property
+    def position(self) -> int:
+        """Cache slots holding real tokens (the next token's position)."""
+        return len(self.history)
+
+    def reset(self) -> None:
+        """Forget the conversation: the next feed starts at slot 0 with empty caches."""
+        self.history = []
+        self.caches = []
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """GenerationLimitError unless the prompt fits the prefill graph and prompt + new
-        tokens fit the cache."""
+        """GenerationLimitError unless prompt + new tokens fit the cache (after the tokens
+        already in it)."""
         m = self.manifest
         if prompt_len < 1:
             raise GenerationLimitError("the prompt is empty: give at least one token.")
-        if prompt_len > m.prefill_len:
-            raise GenerationLimitError(
-                f"the prompt has {prompt_len} tokens but the prefill graph in {m.directory} takes at most "
-                f"{m.prefill_len}. Shorten the prompt, or convert again with --seq-len {prompt_len} or more "
-                f"(and --max-cache-len at least that plus the tokens to generate).")
         if max_new_tokens < 0:
             raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
-        if prompt_len + max_new_tokens > m.max_cache_len:
+        used = self.position
+        if used + prompt_len + max_new_tokens > m.max_cache_len:
+            before = f"the {used} tokens already in the cache, " if used else ""
             raise GenerationLimitError(
-                f"the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens {max_new_tokens} is "
-                f"{prompt_len + max_new_tokens} tokens, more than the {m.max_cache_len} slots of the KV cache in "
-                f"{m.directory}. Generate at most {m.max_cache_len - prompt_len} new tokens, or convert again with "
-                f"--max-cache-len {prompt_len + max_new_tokens} or more.")
+                f"{before}the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens "
+                f"{max_new_tokens} is {used + prompt_len + max_new_tokens} tokens, more than the {m.max_cache_len} "
+                f"slots of the KV cache in {m.directory}. Generate at most {max(0, m.max_cache_len - used - prompt_len)} "
+                f"new tokens, or convert again with --max-cache-len {used + prompt_len + max_new_tokens} or more.")
 
-    def prefill(self, prompt_ids: Sequence[int], all_logits: bool = False) -> Any:
-        """Run the prompt through the prefill graph (fresh caches); returns the logits of
-        its last token [V] (or of every prompt token [P, V] with ``all_logits``)."""
+    def _run_prefill(self, ids: Sequence[int], pos: int) -> Any:
+        """One run of the prefill graph: ``ids`` (at most prefill_len, right-padded) written
+        at slots pos.. of the caches; returns the logits [prefill_len, V]."""
         np = self._np
         m = self.manifest
-        p = len(prompt_ids)
-        self.check_fits(p, 0)
-        ids = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
-        ids[0, :p] = prompt_ids  # right padding: see circleops.graphs on why it needs no mask
-        caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
-        outs = self.prefill_session.run([ids, np.zeros(1, dtype=np.int64), *caches])
+        buf = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
+        buf[0, :len(ids)] = ids
+        if not self.caches:
+            self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
+        outs = self.prefill_session.run([buf, np.array([pos], dtype=np.int64), *self.caches])
         self.caches = list(outs[1:])
-        self.position = p
-        logits = outs[0][0]
-        return logits[:p] if all_logits else logits[p - 1]
+        return outs[0][0]
+
+    def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> Any:
+        """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of
+        the last one [V] (``all_logits``: of each fed token, [n, V]).
+
+        One token is a decode step. More go through the prefill graph (length N) in chunks
+        at positions p, p+N, ...; its causal mask over the cache makes a chunk at pos p
+        attend to everything before it. The last chunk is aligned to end at the last token:
+        it re-runs up to N-1 tokens already in the cache (their keys and values come out the
+        same) instead of padding, so nothing is ever written past the last real token and a
+        prompt may fill the cache exactly. Only when fewer than N tokens exist in all is the
+        chunk right-padded (the padding's slots are overwritten before any query sees them).
+        """
+        np = self._np
+        m = self.manifest
+        new = [int(t) for t in token_ids]
+        if not new:
+            raise GenerationLimitError("nothing to feed: give at least one token.")
+        start, end = self.position, self.position + len(new)
+        if end > m.max_cache_len:
+            raise GenerationLimitError(f"the KV cache of {m.max_cache_len} slots is full: {start} tokens are in it "
+                                       f"and {len(new)} more do not fit.")
+        if len(new) == 1 and start > 0 and not all_logits:
+            return self.decode(new[0])
+        tokens = self.history + new
+        n = m.prefill_len
+        rows = []
+        s = start
+        while end - s > n:
+            logits = self._run_prefill(tokens[s:s + n], s)
+            rows.append(logits)
+            s += n
+        c0 = max(0, end - n)
+        logits = self._run_prefill(tokens[c0:end], c0)
+        rows.append(logits[s - c0:end - c0])
+        self.history = tokens
+        if all_logits:
+            return np.concatenate(rows, axis=0)
+        return rows[-1][-1]
+
+    def prefill(self, prompt_ids: Sequence[int], all_logits: bool = False) -> Any:
+        """Start over with ``prompt_ids`` (any length up to the cache): returns the logits of
+        its last token [V] (or of every prompt token [P, V] with ``all_logits``)."""
+        self.reset()
+        self.check_fits(len(prompt_ids), 0)
+        return self.feed(prompt_ids, all_logits=all_logits)
 
     def decode(self, token: int) -> Any:
         """Feed one token at the next position; returns its logits [V]."""
@@ -169,25 +224,37 @@ class Generator:
         self._pos[0] = self.position
         outs = self.decode_session.run([self._ids, self._pos, *self.caches])
         self.caches = outs[1:]
-        self.position += 1
+        self.history.append(int(token))
         return outs[0][0, 0]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None) -> Generation:
-        """Greedy generation of up to ``max_new_tokens`` tokens after ``prompt_ids``.
+                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None,
+                 sampler: Any = None, keep_cache: bool = False, stop_ids: Sequence[int] | None = None) -> Generation:
+        """Up to ``max_new_tokens`` tokens after ``prompt_ids``: greedy, or drawn by
+        ``sampler`` (a :class:`circleops.sampling.Sampler`; its repetition penalty sees the
+        prompt and the tokens so far, as transformers' does).
 
         Stops after an EOS token (kept in ``tokens``, as transformers does) when
-        ``stop_at_eos``. ``on_token`` is called with each new token as it is produced.
+        ``stop_at_eos`` (``stop_ids``: other ids to stop at). ``on_token`` is called with
+        each new token as it is produced. ``keep_cache``: continue after the tokens already
+        in the cache (a chat turn) instead of starting over.
         """
         prompt_ids = [int(t) for t in prompt_ids]
+        if not keep_cache:
+            self.reset()
         self.check_fits(len(prompt_ids), max_new_tokens)
-        eos = set(self.manifest.eos_token_ids) if stop_at_eos else set()
+        eos = (set(self.manifest.eos_token_ids) | set(stop_ids or ())) if stop_at_eos else set()
         result = Generation(prompt_ids=prompt_ids, runtime=self.runtime)
         if max_new_tokens == 0:
             return result
+
+        def pick(logits: Any) -> int:
+            if sampler is None:
+                return int(logits.argmax())
+            return sampler(logits, self.history)
+
         t = time.perf_counter()
-        logits = self.prefill(prompt_ids)
-        token = int(logits.argmax())
+        token = pick(self.feed(prompt_ids))
         result.prefill_seconds = time.perf_counter() - t
         t = time.perf_counter()
         while True:
@@ -199,7 +266,7 @@ class Generator:
                 break
             if len(result.tokens) >= max_new_tokens:
                 break
-            token = int(self.decode(token).argmax())
+            token = pick(self.decode(token))
             result.decode_steps += 1
         result.decode_seconds = time.perf_counter() - t
         return result
@@ -267,10 +334,11 @@ def load_tokenizer(manifest: Any) -> Any:
             return FastTokenizer(path)
         except ImportError:
             pass
-    return _hf_tokenizer(path)
+    return hf_tokenizer(path)
 
 
-def _hf_tokenizer(path: Path) -> Any:
+def hf_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers
@@ -284,7 +352,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
     if chat:
         if isinstance(tokenizer, FastTokenizer):
-            tokenizer = _hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
+            tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +92,18 @@ def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
     pos = 0 if graph == "prefill" else prefill_len
     ids = torch.zeros((1, s), dtype=torch.int64)
     return (ids, torch.tensor([pos], dtype=torch.int64), *step.empty_caches())
+
+
+def _save_generation_config(model: Any, out_dir: Path) -> None:
+    """The model's generation_config.json next to the graphs: `circleops generate --sample`
+    takes its temperature / top-k / top-p / repetition penalty as defaults."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    try:
+        config.to_json_file(str(out_dir / "generation_config.json"))
+    except OSError as err:
+        raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -275,8 +289,40 @@ def _prepare_dir(out_dir: Path) -> None:
             raise OutputError(f"cannot create {out_dir}: {err.strerror}. Choose a directory you can write.") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write into {out_dir}: permission denied. Choose a directory you can write.")
-    # A manifest describes a complete set of files: drop the old one before any file changes.
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """A new directory beside ``out_dir`` where the whole output is built and verified
+    before anything in ``out_dir`` changes (``.NAME.<pid>-<random>.tmp``: a later run removes
+    those whose process died)."""
+    from circleops.serialize.writer import default_dir_mode, remove_stale_temporaries, temp_prefix
+
+    parent = out_dir.parent if str(out_dir.parent) else Path(".")
+    remove_stale_temporaries(out_dir)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), suffix=".tmp", dir=parent))
+        staging.chmod(default_dir_mode())  # mkdtemp's 0700 would survive the publish of new dirs
+    except OSError as err:
+        raise OutputError(f"cannot create a directory beside {out_dir}: {err.strerror or err}. "
+                          "Choose an output directory whose parent you can write.") from None
+    return staging
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Move the complete, verified output from ``staging`` into ``out_dir``. The old
+    manifest goes only now, and the new one is moved last: a reader never sees a manifest
+    describing files that are not all there."""
+    out_dir.mkdir(exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == MANIFEST:
+            continue
+        dest = out_dir / entry.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(entry, dest)
+    os.replace(staging / MANIFEST, out_dir / MANIFEST)
+    staging.rmdir()
 
 
 def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[str] = GRAPH_NAMES,
@@ -318,6 +364,29 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     fmt = PROFILES[target].format
     files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
     _prepare_dir(out_dir)
+    staging = _staging_dir(out_dir)
+    try:
+        report = _convert_graphs_into(model, staging, out_dir, graphs=graphs, target=target, prefill_len=prefill_len,
+                                      max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
+                                      tolerance=tolerance, source=source, progress=progress, quantize=quantize,
+                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config)
+        _publish(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report.manifest.directory = out_dir
+    return report
+
+
+def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: Sequence[str], target: str,
+                         prefill_len: int, max_cache_len: int, tokenizer: Any, runtime: str | None,
+                         tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
+                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any) -> GraphsReport:
+    """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
+    import torch  # noqa: F401
+
+    from circleops import conversion as api
+
     timings: dict[str, float] = {}
 
     def stage(name: str) -> float:
@@ -392,6 +461,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         except OSError as err:
             raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
         tokenizer_dir = TOKENIZER_DIR
+    _save_generation_config(model, out_dir)
     eos = _eos_ids(model)
     ins, outs = io_names(step.num_layers)
     manifest = Manifest(
@@ -403,27 +473,18 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         quantize=quantize)
     timings["write"] = time.perf_counter() - t
 
-    report = GraphsReport(directory=str(out_dir), target=target, dtype=manifest.dtype, graphs=infos,
+    report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,
                           manifest=manifest, timings=timings, source=source, quantization=quant_report)
     if runtime is not None:
         t = stage("verify")
         tol = (api.QUANT_TOLERANCE if quantize else api.TOLERANCE[torch_dtype]) if tolerance is None else tolerance
-        try:
-            errors = _verify(manifest, graphs, runtime, references, tol)
-        except BaseException:
-            _remove_outputs(out_dir, files)
-            raise
+        errors = _verify(manifest, graphs, runtime, references, tol)
         for g, err in errors.items():
             infos[g].max_abs_error = err
         report.verify_runtime, report.tolerance = runtime, tol
         timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t
     manifest.write()
     return report
-
-
-def _remove_outputs(out_dir: Path, files: dict[str, str]) -> None:
-    for f in set(files.values()):
-        (out_dir / f).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- verify
@@ -498,5 +559,5 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
         if not err <= tol * scale:
             raise VerifyError(
                 f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
-                f"(tolerance {tol:.3g} x {scale:.3g}); the files in {manifest.directory} were removed. Convert "
+                f"(tolerance {tol:.3g} x {scale:.3g}); nothing was written (an earlier output there is unchanged). Convert "
                 f"without --verify to inspect them (circleops inspect), and report the model.")

@@ -378,7 +378,19 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     except Exception as err:
         raise ModelLoadError(f"cannot load GGUF {path}: {_first_line(err)}") from None
     model = _finish(model, dtype)
+    _attach_gguf_blocks(model, path)
     return (model, tokenizer) if with_tokenizer else model
+
+
+def _attach_gguf_blocks(model: torch.nn.Module, path: Path) -> None:
+    """Keep the file's raw Q4_0/Q8_0 weight blocks (and the other weights' GGUF types) on the
+    model, so that convert(quantize=...) carries them over instead of requantizing."""
+    from circleops.quantize.gguf import attach
+
+    try:
+        attach(model, path)
+    except Exception:  # noqa: BLE001 - a file transformers read but gguf-py cannot: requantize
+        pass
 
 
 # --------------------------------------------------------------------------- SmolLM2, cached
@@ -508,6 +520,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    _attach_gguf_blocks(model, _smollm2_gguf())  # its Q4_1 weights: the report says requantized
     return model, tokenizer
 
 

@@ -1,4 +1,4 @@
-"""``circleops`` command line: convert / inspect / run / check / ops / generate.
+"""``circleops`` command line: convert / inspect / run / check / ops / generate / chat.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; modules are imported only when their command runs, so that
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from circleops._version import __version__
+from circleops.cli.process import (Terminated, exit_without_teardown, install_sigterm, one_line, restore_sigterm,
+                                   silence_stdout)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("circleops.cli.run", "run a Circle or TFLite file on inputs (.npy)"),
     "check": ("circleops.cli.check", "fp16/bf16 numerics report: error per layer and generation agreement per norm policy"),
     "ops": ("circleops.cli.ops", "list the fused ops: schema, Circle builtin, TFLite composite, targets"),
-    "generate": ("circleops.cli.generate", "greedy generation with written prefill/decode graphs"),
+    "generate": ("circleops.cli.generate", "generate text with written prefill/decode graphs (greedy or --sample)"),
+    "chat": ("circleops.cli.chat", "a multi-turn chat with written prefill/decode graphs (the KV cache kept between turns)"),
 }
 
 
@@ -39,26 +43,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``circleops`` console script."""
     code = _main(sys.argv[1:] if argv is None else argv)
+    try:  # output to a pipe is buffered: a reader that left (`| head`) shows up here
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        code = 141
+    except (OSError, ValueError):
+        pass
     if argv is None and _FAST_EXIT:
-        _exit_without_teardown(code)
+        exit_without_teardown(code)
     return code
 
 
-# Set by a command module with ``EXIT_WITHOUT_TEARDOWN = True`` (see _exit_without_teardown).
+# Set by a command module with ``EXIT_WITHOUT_TEARDOWN = True`` (see process.exit_without_teardown).
 _FAST_EXIT = False
-
-
-def _exit_without_teardown(code: int) -> None:
-    """End the console script without the interpreter's teardown: freeing the ~4000 modules
-    torch and transformers load takes ~1 s, a fifth of a whole conversion. atexit handlers
-    (tempfile and logging cleanup) still run; the command has closed its files."""
-    import atexit
-    import os
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _main(argv: list[str]) -> int:
@@ -77,11 +75,33 @@ def _main(argv: list[str]) -> int:
         return 1
     from circleops.errors import CircleOpsError
 
+    previous = install_sigterm()
     try:
         return int(args._module.main(args) or 0)
     except CircleOpsError as err:
         print(f"circleops {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        # Raised in the main thread by the SIGTERM handler: every `finally` / cleanup on the
+        # way out has run (the writer removed its temporary file).
+        print("circleops: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("circleops: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `circleops inspect x | head`: the reader left. Nothing more can be printed;
+        # point stdout at /dev/null so the interpreter's final flush does not complain.
+        silence_stdout()
+        return 141
+    except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
+        print(f"circleops: internal error in {args.command}: {type(err).__name__}: {one_line(err)}; please report "
+              "this (the command line, and the model or file if you can share it) at the circleops issue tracker. "
+              "Set CIRCLEOPS_DEBUG=1 to see the traceback.", file=sys.stderr)
+        if os.environ.get("CIRCLEOPS_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        return 1
+    finally:
+        restore_sigterm(previous)

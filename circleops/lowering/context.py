@@ -185,6 +185,9 @@ class LoweringContext:
         if producer is not None:
             src, inner = producer
             return self.transpose(src, [inner[p] for p in perm])
+        if not x.dtype.is_floating_point and not self.supports("TRANSPOSE", x.dtype):
+            # integers and masks through int32 (positions and counts: far inside its range)
+            return self.cast(self.transpose(self.cast(x, torch.int32), perm), x.dtype)
         shape = tuple(x.shape[p] for p in perm)
         y = self.emit("TRANSPOSE", [x, self.i32(perm)], out_shape=shape, out_dtype=x.dtype)
         self._transposed[(id(self.sg), y.index)] = (x, perm)

@@ -42,6 +42,16 @@ FIXED_OUTPUT = {
     "TANH": {"UINT8": (1 / 128, 128), "INT16": (1 / 32768, 0), "INT8": (1 / 128, 0)},
 }
 WEIGHTED = {"FULLY_CONNECTED": 3, "CONV_2D": 3, "DEPTHWISE_CONV_2D": 3}  # (input, filter, bias)
+# Integer ops a target's runtime lacks (measured on onert 0.1.0, bench/onert_quantized.py):
+# they stay float between a DEQUANTIZE and a QUANTIZE. onert also loads no INT16 graph
+# ("OperationValidator failed") and computes int8 per-channel weights wrongly (~250 steps
+# off), so those are refused for target onert.
+FLOAT_ONLY = {
+    "onert": frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
+}
+# ... and MEAN without keepDims ("ShapeValidator failed" at prepare)
+FLOAT_ONLY_IF = {"onert": {"MEAN": lambda op: not op.options.get("keepDims", False)}}
+
 # fused ops: input positions that stay float in the integer op (schema/ops.yaml `quantized`)
 FUSED_FLOAT_INPUTS = {"ATTENTION": {7, 8, 9, 10}}
 FUSED_FLOAT_OUTPUTS = {"ATTENTION": {1, 2}}
@@ -110,7 +120,7 @@ class _Graph:
         return self.sg.tensors[i].quant is not None
 
 
-def integerize(model: ir.Model, plan: QuantPlan) -> None:
+def integerize(model: ir.Model, plan: QuantPlan, target: str = "circle") -> None:
     """Turn the lowered PT2E graph ``model`` into an integer graph, in place (see module doc)."""
     from circleops.lowering.program import prune
 
@@ -118,8 +128,10 @@ def integerize(model: ir.Model, plan: QuantPlan) -> None:
     g = _Graph(sg)
     _fold_markers(g)
     _propagate(g)
-    _integer_ops(g, plan)
+    _fuse_activations(g)
+    _integer_ops(g, plan, target)
     _drop_identity_requantize(g)
+    _check_target(sg, target)
     _boundaries(model, sg, plan.integer_io)
     remap = prune(sg)
     del remap  # the signature lists the subgraph's inputs and outputs, in order
@@ -196,7 +208,30 @@ def _propagate(g: _Graph) -> None:
                     changed = True
 
 
-def _integer_ops(g: _Graph, plan: QuantPlan) -> None:
+def _float_only(op: ir.Operator, target: str) -> bool:
+    if op.opcode in FLOAT_ONLY.get(target, ()):
+        return True
+    rule = FLOAT_ONLY_IF.get(target, {}).get(op.opcode)
+    return bool(rule and rule(op))
+
+
+def _check_target(sg: ir.Subgraph, target: str) -> None:
+    from circleops.errors import TargetError
+
+    if target != "onert":
+        return
+    for t in sg.tensors:
+        if t.dtype == "INT16" and t.quant is not None:
+            raise TargetError(f"target onert: onert 0.1.0 loads no int16 graph (tensor {t.name!r} is INT16; "
+                              "measured: 'OperationValidator failed' for every op). Use --quantize uint8 for "
+                              "onert, or --target circle for an int16 file for NPU compilers.")
+        if t.dtype == "INT8" and t.quant is not None and t.quant.per_channel:
+            raise TargetError(f"target onert: onert 0.1.0 computes int8 per-channel weights wrongly (tensor "
+                              f"{t.name!r}; measured ~250 output steps off): quantize weights as uint8 per tensor "
+                              "(CircleQuantizer(weight='uint8')) for onert, or use --target circle.")
+
+
+def _integer_ops(g: _Graph, plan: QuantPlan, target: str = "circle") -> None:
     sg = g.sg
     new_ops: list[ir.Operator] = []
     for op in sg.operators:
@@ -213,9 +248,10 @@ def _integer_ops(g: _Graph, plan: QuantPlan) -> None:
             continue
         live_float = [i for _, i in ins if g.tensor(i).dtype == FLOAT and g.tensor(i).data is None]
         outs_ok = all(g.quant(o) for _, o in outs)
-        if not live_float and outs_ok:
+        if not live_float and outs_ok and not _float_only(op, target):
             _quantize_consts(g, op, ins, plan)
             new_ops.append(op)
+            new_ops.extend(_requantize_moved(g, op))
             continue
         # stays float: dequantize its integer inputs, quantize into its integer outputs
         for pos, i in ins:
@@ -235,6 +271,22 @@ def _integer_ops(g: _Graph, plan: QuantPlan) -> None:
     g.refresh()
 
 
+def _requantize_moved(g: _Graph, op: ir.Operator) -> list[ir.Operator]:
+    """An op that only moves data keeps its input's parameters (TFLite requires it; onert
+    copies the bytes): an output observed with other parameters gets a QUANTIZE after it."""
+    if op.opcode not in PASS_THROUGH or not g.quant(op.inputs[0]):
+        return []
+    src = g.tensor(op.inputs[0])
+    after = []
+    for pos, o in enumerate(op.outputs):
+        out = g.tensor(o)
+        if out.quant is not None and (out.dtype != src.dtype or not _same(out.quant, src.quant)):
+            moved = g.sg.add_tensor(ir.Tensor(f"{out.name}_moved", out.shape, src.dtype, None, src.quant))
+            op.outputs[pos] = moved
+            after.append(ir.Operator("QUANTIZE", [moved], [o]))
+    return after
+
+
 def _drop_identity_requantize(g: _Graph) -> None:
     """QUANTIZE int -> int with the same dtype and parameters is a copy: its readers read
     the source instead (two markers of one tensor leave one)."""
@@ -251,6 +303,37 @@ def _drop_identity_requantize(g: _Graph) -> None:
                 continue
         kept.append(op)
     sg.operators = kept
+    g.refresh()
+
+
+# integer ops that take a fusedActivationFunction; RELU / RELU6 after them fold into it
+FUSES_ACTIVATION = frozenset({"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "ADD", "SUB", "MUL"})
+_ACTIVATION_CODE = {"RELU": 1, "RELU6": 3}
+
+
+def _fuse_activations(g: _Graph) -> None:
+    """An integer RELU / RELU6 whose input is the sole output of a conv / FC / ADD (same
+    parameters) becomes that op's fusedActivationFunction: one op fewer, and onert has no
+    integer RELU ("ElementwiseActivationLayer(ReLU): unsupported data type", measured)."""
+    sg = g.sg
+    drop = set()
+    for k, op in enumerate(sg.operators):
+        if op.opcode not in _ACTIVATION_CODE or not g.quant(op.inputs[0]):
+            continue
+        i, o = op.inputs[0], op.outputs[0]
+        p = g.producer.get(i)
+        if p is None or i in sg.outputs or len(g.consumers.get(i, [])) != 1:
+            continue
+        prod = sg.operators[p]
+        if prod.opcode not in FUSES_ACTIVATION or prod.options.get("fusedActivationFunction", 0) not in (0, "NONE") \
+                or not _same(g.tensor(i).quant, g.tensor(o).quant) or g.tensor(i).dtype != g.tensor(o).dtype:
+            continue
+        prod.options["fusedActivationFunction"] = _ACTIVATION_CODE[op.opcode]
+        if prod.options_type is None:
+            prod.options_type = {"ADD": "AddOptions", "SUB": "SubOptions", "MUL": "MulOptions"}.get(prod.opcode)
+        prod.outputs = [o if t == i else t for t in prod.outputs]
+        drop.add(k)
+    sg.operators = [op for k, op in enumerate(sg.operators) if k not in drop]
     g.refresh()
 
 
@@ -327,5 +410,5 @@ def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool
         raise TargetError(f"integer (PT2E) graphs are written for targets circle and onert; target "
                           f"{profile(target).name} writes composites with float decompositions. Use --target circle.")
     model = lower_program(program, target, dtype=dtype)
-    integerize(model, plan)
+    integerize(model, plan, str(getattr(target, "name", target)))
     return model

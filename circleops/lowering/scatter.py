@@ -168,3 +168,18 @@ def _scatter_dense(x, index, src, *, dim, add, positions, later):
     for d, region in zip(reversed(cut), reversed(regions[:-1])):
         out = torch.slice_scatter(region, out, d, 0, shape[d])
     return out
+
+
+# ------------------------------------------------------------------------ gather
+@lower(aten.gather)
+def _(ctx, node, x, dim, index, sparse_grad=False):
+    """out[..., j, ...] = x[..., index[..., j, ...], ...] along ``dim``: advanced indexing
+    with an arange for every other dim, so one GATHER over the flattened dims runs it."""
+    dim %= max(x.rank, 1)
+    grids = [None if d == dim else const_value(torch.arange(n).reshape([n if e == d else 1 for e in range(index.rank)]))
+             for d, n in enumerate(index.shape)]
+    return ctx.call(_gather_indexed, x, index, grids, dim=dim)
+
+
+def _gather_indexed(x, index, grids, *, dim):
+    return x[tuple(index if d == dim else g for d, g in enumerate(grids))]

@@ -60,6 +60,8 @@ def read_blocks(path: str | os.PathLike, config: Any) -> dict[str, tuple[str, np
         if name is None or len(t.shape) != 2:
             continue
         kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16", "F64"):
+            continue  # plain floats: quantized like any float weight
         if kind not in CARRIED:
             out[name] = (kind, None)
             continue

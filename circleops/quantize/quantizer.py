@@ -129,7 +129,8 @@ SHARED = {
     aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.slice.Tensor, aten.select.int,
     aten.expand.default, aten.contiguous.default, aten.clone.default, aten.reflection_pad2d.default,
     aten.replication_pad2d.default, aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default,
-    aten.dropout.default, aten.alias.default, aten.t.default, aten.pixel_shuffle.default,
+    aten.dropout.default, aten.alias.default, aten.t.default, aten.pixel_shuffle.default, aten.pad.default,
+    aten.constant_pad_nd.default, aten.reflection_pad1d.default, aten.replication_pad1d.default,
 }
 
 # norm parameters are weights (per channel); everything else of a norm is an activation

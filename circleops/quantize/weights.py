@@ -58,6 +58,7 @@ class QuantReport:
         # (torch source tensor, blocks, dtype, [N, K]): what verify swaps into the torch
         # model. Not a field: asdict() would deep-copy the weights.
         self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...]]] = []
+        self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
 
     @property
     def ggml_bytes(self) -> int:
@@ -144,6 +145,11 @@ class _Quantizer:
         self.pretrained = pretrained or {}
         self.cache = cache if cache is not None else {}
 
+    def name(self, t: ir.Tensor) -> str:
+        """The parameter ``t`` views (a lowering may have named a reshaped view otherwise)."""
+        key = source_key(t.data)
+        return self.report.parameter_names.get(key, t.name) if key is not None else t.name
+
     def blocks(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str) -> np.ndarray:
         """``t``'s values as ``dtype`` blocks of ``shape2d``, computed once per source memory
         (the cache may be shared by several models: the prefill and decode graphs)."""
@@ -160,7 +166,7 @@ class _Quantizer:
             blocks, origin = ggml.quantize(data.reshape(shape2d), dtype), "quantized"
         if key is not None:
             self.cache[(key, dtype)] = blocks
-        self.report.weights.append(QuantizedWeight(t.name, tuple(shape2d), dtype, origin, int(blocks.nbytes)))
+        self.report.weights.append(QuantizedWeight(self.name(t), tuple(shape2d), dtype, origin, int(blocks.nbytes)))
         self.report.fp32_bytes += int(np.prod(shape2d)) * 4
         if isinstance(t.data, torch.Tensor):
             self.report.sources.append((t.data, blocks, dtype, tuple(shape2d)))
@@ -172,8 +178,9 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
                      report: QuantReport | None = None) -> QuantReport:
     """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
 
-    parameters: names of the model's parameters: only a GATHER table among them is an
-        embedding (folded tables such as RoPE's cos/sin stay fp32). None: any constant
+    parameters: the model's parameters (names, or a name -> tensor dict, which also names
+        each GGML tensor after the parameter it holds): only a GATHER table among them is
+        an embedding (folded tables such as RoPE's cos/sin stay fp32). None: any constant
         table whose name ends in "weight".
     pretrained: blocks already in the asked format (a GGUF file's), by ``source_key`` of the
         torch parameter: written as they are instead of quantizing the float values.
@@ -183,6 +190,11 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
         raise TargetError(f"quantize_weights: {fmt!r} is not a GGML format ({', '.join(GGML_FORMATS)})")
     report = report or QuantReport(fmt)
     names = set(parameters) if parameters is not None else None
+    if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
+        for name, value in parameters.items():
+            key = source_key(value.detach() if isinstance(value, torch.Tensor) else value)
+            if key is not None:
+                report.parameter_names.setdefault(key, name)
     is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
     q = _Quantizer(fmt, report, pretrained, cache)
     kept: dict[str, tuple] = {}
@@ -234,8 +246,7 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
         if key not in converted:
             t = sg.tensors[index]
             blocks = q.blocks(t, shape2d, dtype)
-            converted[key] = sg.add_tensor(ir.Tensor(t.name if len(t.shape) == 2 else f"{t.name}_fc",
-                                                     shape2d, dtype, blocks))
+            converted[key] = sg.add_tensor(ir.Tensor(q.name(t), shape2d, dtype, blocks))
         return converted[key]
 
     def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:

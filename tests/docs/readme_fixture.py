@@ -59,7 +59,8 @@ NOT_RUN = {
         "path/to/hf_dir is a placeholder for a model with a tokenizer; the tiny one has none",
 }
 
-# commands that need the real SmolLM2: run in order in one slow test, sharing out/
+# commands that need the real SmolLM2 (these, and any that names out/): run in order in one
+# slow test, sharing out/
 SLOW_PREFIX = ("circleops convert smollm2", "circleops generate out/")
 
 

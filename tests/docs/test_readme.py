@@ -92,7 +92,7 @@ def _commands() -> list[Command]:
 
 
 COMMANDS = _commands()
-SLOW = [c for c in COMMANDS if c.cmd.startswith(fx.SLOW_PREFIX) and c.cmd not in fx.NOT_RUN]
+SLOW = [c for c in COMMANDS if (c.cmd.startswith(fx.SLOW_PREFIX) or " out/" in c.cmd) and c.cmd not in fx.NOT_RUN]
 FAST = [c for c in COMMANDS if c not in SLOW and c.cmd not in fx.NOT_RUN]
 
 

@@ -59,10 +59,13 @@ def test_decode_runs_once_per_token_on_one_session(tiny_onert, monkeypatch):
     assert gen.decode_session is session  # one session for every step
 
 
-def test_prompt_longer_than_prefill(tiny_onert):
+def test_prompt_longer_than_prefill(tiny_onert, tiny_model):
+    """Chunks of the prefill graph: TINY_PREFILL + 2 tokens = one chunk and an end-aligned one."""
+    from generate_fixtures import hf_greedy
+
+    prompt = list(range(1, TINY_PREFILL + 3))
     gen = Generator(tiny_onert.directory)
-    with pytest.raises(GenerationLimitError, match=f"takes at most {TINY_PREFILL}.*--seq-len 9"):
-        gen.generate(list(range(1, TINY_PREFILL + 2)), 4)
+    assert gen.generate(prompt, 4, stop_at_eos=False).tokens == hf_greedy(tiny_model, prompt, 4)
 
 
 def test_generation_past_the_cache(tiny_onert):
@@ -102,7 +105,8 @@ def test_cli_generate_token_ids(capsys, tiny_onert):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--token-ids", _ids(range(1, 11))], "the prompt has 10 tokens but the prefill graph"),
+    (["--token-ids", _ids(range(1, 34))], "the prompt (33 tokens) plus --max-new-tokens 64 is 97 tokens"),
+    (["--token-ids", "1,2", "--top-p", "0.5"], "add --sample"),
     (["--token-ids", "1,2", "--max-new-tokens", "31"], "is 33 tokens, more than the 32 slots"),
     (["--token-ids", "1,2", "--runtime", "litert"], "LiteRT runs .tflite files"),
     (["--prompt", "hello"], "has no tokenizer"),
