@@ -68,14 +68,14 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    ids, prompt = _prompt_ids(model, tokenizer, prompt, prompt_ids)
-    _check_length(model, len(ids) + new_tokens - 1)
+    ids, prompt = prompt_token_ids(model, tokenizer, prompt, prompt_ids)
+    check_length(model, len(ids) + new_tokens - 1)
 
     say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = _fp32_model(model)
+    reference = fp32_model(model)
     tokens = greedy(reference, ids, new_tokens)
     seq = torch.tensor([ids + tokens[:-1]])
-    want = _run_layers(reference, seq)
+    want = layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
     del reference
 
@@ -88,10 +88,10 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     hidden_ref = want[1:]
     report = CheckReport(
         source=source or type(model).__name__, dtype=short_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
-        new_tokens=new_tokens, reference_tokens=tokens, reference_text=_decode(tokenizer, tokens),
+        new_tokens=new_tokens, reference_tokens=tokens, reference_text=decode_text(tokenizer, tokens),
         layer_rms=[float(h.double().pow(2).mean(-1).sqrt().max()) for h in hidden_ref],
         layer_max=[float(h.abs().max()) for h in hidden_ref], eos_ids=eos, timings=timings)
-    with _directory(work_dir) as directory:
+    with WorkDirectory(work_dir) as directory:
         for policy in chosen:
             say(f"{policy.name}: convert, run")
             result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens, len(ids), eos, tokenizer)
@@ -178,12 +178,14 @@ def low_precision_dtype(dtype: Any) -> Any:
                  "use --dtype fp16 or --dtype bf16.")
 
 
-def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
-                ) -> tuple[list[int], str | None]:
+def prompt_token_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
+                     ) -> tuple[list[int], str | None]:
+    """(token ids, prompt text) of the prompt: ``prompt_ids`` as given, else ``prompt`` encoded, else
+    made-up ids; CircleOpsError for an empty or out-of-vocabulary prompt."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if prompt_ids is not None:
         ids = [int(i) for i in prompt_ids]
-        prompt = _decode(tokenizer, ids)
+        prompt = decode_text(tokenizer, ids)
     elif tokenizer is not None and prompt is not None:
         ids = list(tokenizer(prompt).input_ids)
     else:
@@ -199,14 +201,16 @@ def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequ
     return ids, prompt
 
 
-def _check_length(model: Any, positions: int) -> None:
+def check_length(model: Any, positions: int) -> None:
+    """CircleOpsError when ``positions`` exceed the model's max_position_embeddings."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit is not None and positions > limit:
         raise _error(f"prompt + --new-tokens - 1 = {positions} positions, but the model takes at most {limit}; "
                      "use a shorter prompt or fewer --new-tokens.")
 
 
-def _fp32_model(model: Any) -> Any:
+def fp32_model(model: Any) -> Any:
+    """The model in fp32 and eval mode (itself when it already is, else a copy)."""
     import torch
 
     from circleops.numerics import decoder_layers
@@ -218,7 +222,8 @@ def _fp32_model(model: Any) -> Any:
     return copy.deepcopy(model).float().eval()
 
 
-def _run_layers(model: Any, seq: Any) -> list[Any]:
+def layer_outputs(model: Any, seq: Any) -> list[Any]:
+    """[logits, each decoder layer's output] of ``model`` on ``seq``, in fp32."""
     import torch
 
     from circleops.conversion import hf_export_settings
@@ -286,7 +291,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
         layer_rel=rel, layer_nonfinite=bad, logits_max_abs=logits_error, logits_nonfinite=logits_bad,
         agreement=agreement, first_divergence=None if agreement == n else agreement, generated=generated,
         predicted=predicted, eos_predicted=sum(p in eos for p in predicted),
-        generated_text=_decode(tokenizer, generated), predicted_text=_decode(tokenizer, predicted), seconds=seconds)
+        generated_text=decode_text(tokenizer, generated), predicted_text=decode_text(tokenizer, predicted), seconds=seconds)
 
 
 def _max_error(got: Any, want: Any) -> tuple[float, int]:
@@ -301,13 +306,14 @@ def _max_error(got: Any, want: Any) -> tuple[float, int]:
     return float((g - want.double()).abs().max()), 0
 
 
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
+def decode_text(tokenizer: Any, ids: Sequence[int]) -> str | None:
+    """The text of ``ids`` (None without a tokenizer)."""
     if tokenizer is None:
         return None
     return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-class _directory:
+class WorkDirectory:
     """``work_dir`` as given (created, kept), or a temporary directory removed on exit."""
 
     def __init__(self, work_dir: str | os.PathLike | None):

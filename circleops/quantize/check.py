@@ -114,16 +114,16 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     pretrained = pretrained_blocks(model)
 
     t = time.perf_counter()
-    ids, prompt = fp._prompt_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
-    fp._check_length(model, len(ids) + new_tokens - 1)
+    ids, prompt = fp.prompt_token_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
+    fp.check_length(model, len(ids) + new_tokens - 1)
     say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = fp._fp32_model(model)
+    reference = fp.fp32_model(model)
     tokens = fp.greedy(reference, ids, new_tokens)
     seq = torch.tensor([ids + tokens[:-1]])
-    want = fp._run_layers(reference, seq)
+    want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
 
-    with fp._directory(work_dir) as directory:
+    with fp.WorkDirectory(work_dir) as directory:
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
         with hf_export_settings(reference), torch.no_grad():
@@ -166,9 +166,9 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     return QuantCheckReport(
         source=source or type(model).__name__, format=quantize, runtime=runtime, prompt=prompt,
         prompt_ids=list(ids), new_tokens=new_tokens, reference_tokens=tokens,
-        reference_text=fp._decode(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
+        reference_text=fp.decode_text(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
         logits_max_abs=logits_error, agreement=agreement,
-        generated_text=fp._decode(tokenizer, predicted[:agreement + 1]),
+        generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
         quantization=qreport.summary_lines(), timings=timings)
