@@ -95,7 +95,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
                quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
-    with hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
     if quantize in INTEGER_FORMATS:
@@ -429,6 +429,16 @@ def hf_export_settings(model: Any) -> Iterator[None]:
         yield
     finally:
         cfg.use_cache, cfg._attn_implementation = saved
+
+
+def _dense_experts(model: Any) -> Any:
+    """Mixture-of-experts blocks dispatch densely under export (static shapes; the same sum
+    as the sparse dispatch): circleops.adapters._experts. Only for HF models."""
+    if not _is_hf_causal_lm(model):
+        return contextlib.nullcontext()
+    from circleops.adapters._experts import dense_experts_implementation
+
+    return dense_experts_implementation(model)
 
 
 def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = True,

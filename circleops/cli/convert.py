@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("--allow-random-init", action="store_true",
+                        help="convert an HF directory even if its safetensors lack weights of the model (they are "
+                             "randomly initialized) or hold tensors it does not use; without it that is an error")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     # prefill + decode graphs for `circleops generate` (circleops.cli.convert_graphs)
     parser.add_argument("--graphs", metavar="LIST", default=None,
@@ -116,7 +119,8 @@ def main(args: argparse.Namespace) -> int:
         progress("load")
         t = time.perf_counter()
         with scipy_hidden():
-            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                                 allow_random_init=args.allow_random_init)
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
