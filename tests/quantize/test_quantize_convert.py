@@ -193,9 +193,10 @@ def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
     NUM_THREADS=1 (unless the user set it) and leaves the environment as it was."""
     import os
 
-    import circleops.runtime as rt
+    import circleops.generate as rt
     from circleops.generate import open_graph
-    from circleops.graphs import convert_graphs, read_manifest
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
 
     convert_graphs(copy.deepcopy(llama), tmp_path / "g", target="onert", prefill_len=8, max_cache_len=16,
                    quantize="q8_0")

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.slow
 
 def test_smollm2_q4_0_graphs_generate(tmp_path):
     from circleops.generate import Generator
-    from circleops.graphs import convert_graphs, read_manifest
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
     from circleops.models import load_smollm2
     from circleops.quantize.check import text_ids
 
