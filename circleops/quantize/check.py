@@ -96,7 +96,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     import torch
 
     from circleops import check as fp
-    from circleops.convert import CausalLMLogits, _hf_export_settings, export, parameter_names, pretrained_blocks
+    from circleops.conversion import CausalLMLogits, hf_export_settings, export, parameter_names, pretrained_blocks
     from circleops.errors import CircleOpsError
     from circleops.numerics import LayerOutputs
     from circleops.quantize.weights import check_format
@@ -114,19 +114,19 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     pretrained = pretrained_blocks(model)
 
     t = time.perf_counter()
-    ids, prompt = fp._prompt_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
-    fp._check_length(model, len(ids) + new_tokens - 1)
+    ids, prompt = fp.prompt_token_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
+    fp.check_length(model, len(ids) + new_tokens - 1)
     say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = fp._fp32_model(model)
+    reference = fp.fp32_model(model)
     tokens = fp.greedy(reference, ids, new_tokens)
     seq = torch.tensor([ids + tokens[:-1]])
-    want = fp._run_layers(reference, seq)
+    want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
 
-    with fp._directory(work_dir) as directory:
+    with fp.WorkDirectory(work_dir) as directory:
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
-        with _hf_export_settings(reference), torch.no_grad():
+        with hf_export_settings(reference), torch.no_grad():
             ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
         path = Path(directory) / f"layers_{quantize}.circle"
         qreport = _write(ep, path, quantize, parameter_names(ep), pretrained)
@@ -153,7 +153,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
         example = torch.tensor([chunks[0]])
         module = CausalLMLogits(reference).eval()
-        with _hf_export_settings(reference), torch.no_grad():
+        with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
             fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
         lm_path = Path(directory) / f"logits_{quantize}.circle"
@@ -166,16 +166,16 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     return QuantCheckReport(
         source=source or type(model).__name__, format=quantize, runtime=runtime, prompt=prompt,
         prompt_ids=list(ids), new_tokens=new_tokens, reference_tokens=tokens,
-        reference_text=fp._decode(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
+        reference_text=fp.decode_text(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
         logits_max_abs=logits_error, agreement=agreement,
-        generated_text=fp._decode(tokenizer, predicted[:agreement + 1]),
+        generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
         quantization=qreport.summary_lines(), timings=timings)
 
 
 def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any) -> Any:
-    from circleops.convert import write_for_target
+    from circleops.conversion import write_for_target
     from circleops.lowering import lower_program
     from circleops.quantize.weights import quantize_weights
 

@@ -160,13 +160,13 @@ def test_conv_net_with_instance_norm_uint8(tmp_path):
 def tiny_llama():
     from families import FAMILIES
 
-    from circleops.convert import _hf_export_settings, export, export_module
+    from circleops.conversion import hf_export_settings, export, export_module
 
     fam = next(f for f in FAMILIES if f.name == "llama")
     model = fam.build()
     module = export_module(model)
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         ep = export(module, (ids,))
     return model, module, ep, ids
 
