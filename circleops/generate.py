@@ -84,6 +84,7 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0  # decode graph runs (the first new token comes from the prefill)
+    prefill_runs: int = 0  # prefill graph runs for the prompt (chunks)
     stopped_at_eos: bool = False
     runtime: str = ""
     text: str | None = None
@@ -94,7 +95,8 @@ class Generation:
 
     def timing_line(self, prefill_len: int) -> str:
         line = (f"circleops generate [{self.runtime}]: prefill {len(self.prompt_ids)}-token prompt "
-                f"(graph length {prefill_len}) in {self.prefill_seconds:.3f} s; ")
+                f"(graph length {prefill_len}{f', {self.prefill_runs} runs' if self.prefill_runs > 1 else ''}) "
+                f"in {self.prefill_seconds:.3f} s; ")
         if self.decode_steps:
             line += (f"decode {self.decode_steps} tokens in {self.decode_seconds:.2f} s = "
                      f"{self.decode_tokens_per_second:.1f} tokens/s ({1000 * self.decode_seconds / self.decode_steps:.1f} "
@@ -137,6 +139,7 @@ class Generator:
         self._pos = np.zeros(1, dtype=np.int64)
         self.caches: list[Any] = []
         self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
+        self.prefill_runs = 0  # runs of the prefill graph so far (chunks)
 
     @property
     def position(self) -> int:
@@ -176,6 +179,7 @@ class Generator:
             self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
         outs = self.prefill_session.run([buf, np.array([pos], dtype=np.int64), *self.caches])
         self.caches = list(outs[1:])
+        self.prefill_runs += 1
         return outs[0][0]
 
     def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> Any:
@@ -262,8 +266,10 @@ class Generator:
             return sampler(logits, self.history)
 
         t = time.perf_counter()
+        runs = self.prefill_runs
         token = pick(self.feed(prompt_ids))
         result.prefill_seconds = time.perf_counter() - t
+        result.prefill_runs = self.prefill_runs - runs
         t = time.perf_counter()
         while True:
             result.tokens.append(token)

@@ -47,7 +47,11 @@ DEFAULT_MAX_CACHE_LEN = 512
 # Which runtime runs a target's files by default, and which can run them at all.
 DEFAULT_RUNTIME = {"onert": "onert", "circle": "reference", "tflite": "litert"}
 RUNTIMES = {"onert": ("onert", "reference"), "circle": ("reference",), "tflite": ("litert", "reference")}
-# The onert runtime gets one file per graph (see the module docstring).
+# The onert runtime gets one file per graph (see the module docstring). One file with a
+# dynamic sequence dimension (shape_signature -1, resized at run time) does not work on
+# onert 0.1.0: measured by bench/onert_dynamic_seq.py, every layout either fails
+# ("num_elements() cannot calculate when any dimension is unspecified", "ShapeValidator
+# failed"), returns the first run's shape for another length (wrong results), or crashes.
 ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
 
 Progress = Callable[[str], None]
