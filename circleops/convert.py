@@ -27,6 +27,7 @@ import torch
 
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
+from circleops.quantize import INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 
@@ -47,7 +48,9 @@ Progress = Callable[[str], None]
 def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
             target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
             verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None, quantize: str | None = None) -> Report:
+            progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
+            calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
+            integer_io: bool = False) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -65,10 +68,21 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
         and circle; float32 only); verify then compares with torch running the dequantized
         weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
+        "uint8" / "int16" write an integer graph (PT2E with circleops.quantize's
+        CircleQuantizer): uint8 asymmetric or int16 symmetric activations, int8 per-channel
+        weights (uint8 per tensor for target onert, which runs only those), int32 biases;
+        calibrated on ``calibrate`` samples (circleops.quantize.pt2e.calibration_samples:
+        token windows of the shipped text via ``tokenizer`` for an LLM, the example input
+        with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
+        Verify compares with the fake-quantized torch module. ``integer_io``: the file's
+        inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    if integer_io and (quantize not in INTEGER_FORMATS or verify):
+        raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
+                          "verify (verify compares float outputs with torch)")
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
     runtime = _resolve_runtime(verify, target, torch_dtype)
@@ -85,10 +99,45 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
                quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
-    with _hf_export_settings(model), torch.no_grad():
+    with _hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
+    if quantize in INTEGER_FORMATS:
+        job.quantize, job.pretrained, job.integer_io = None, None, integer_io
+        return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
+                                                     calibration_data, tokenizer), job)
     return _lower_write_verify(ep, job)
+
+
+def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
+                      data: Any, tokenizer: Any) -> Any:
+    """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
+    prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
+    then lowers that program and verifies against the converted (fake-quantized) module."""
+    from circleops.quantize import pt2e
+
+    if job.fuse in ("auto", "patterns"):
+        _stage(job.progress, "fuse")
+        t = time.perf_counter()
+        from circleops.passes.fusion import fuse_patterns
+
+        ep, _ = fuse_patterns(ep, model=job.fusion_model)
+        job.timings["fuse"] = time.perf_counter() - t
+    job.fuse = "none"
+    _stage(job.progress, "calibrate")
+    t = time.perf_counter()
+    config = getattr(model, "config", None)
+    samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
+                                       vocab_size=getattr(config, "vocab_size", None))
+    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
+    with _hf_export_settings(model), torch.no_grad():
+        converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
+                                       progress=getattr(job.progress, "bar", None) is not None)
+    job.reference = lambda: _run_torch(converted, job.example_args, None)
+    if job.tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
+    job.timings["calibrate"] = time.perf_counter() - t
+    return qep
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
@@ -109,6 +158,10 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
+                          "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
+                          "CircleQuantizer) and save the converted program, or use circleops.convert")
     from circleops.passes.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
@@ -158,7 +211,16 @@ QUANT_TOLERANCE = 5e-2
 # --------------------------------------------------------------------------- options
 
 def check_quantize(quantize: str | None, target: str) -> str | None:
-    """The GGML format asked for (None: no quantization); errors for a bad choice/target."""
+    """The quantization asked for (None: none): a GGML format or an integer scheme
+    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target."""
+    if quantize in INTEGER_FORMATS:
+        if target == "tflite":
+            raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
+                              "compilers) or 'onert' (uint8); target tflite writes float composites")
+        if target == "onert" and quantize == "int16":
+            raise TargetError("target onert: onert 0.1.0 loads no int16 graph (measured, bench/onert_quantized.py): "
+                              "use quantize='uint8' for onert, or target 'circle' for an int16 file")
+        return quantize
     from circleops.quantize.weights import check_format
 
     return check_format(quantize, target)
@@ -217,6 +279,9 @@ def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype 
 
 def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = None) -> None:
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if quantize in INTEGER_FORMATS and dtype != torch.float32:
+        raise TargetError(f"quantize={quantize!r} calibrates and quantizes a float32 model, but the model is "
+                          f"{DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
     if quantize and dtype != torch.float32:
         raise TargetError(
             f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
@@ -365,6 +430,16 @@ def _hf_export_settings(model: Any) -> Iterator[None]:
         yield
     finally:
         cfg.use_cache, cfg._attn_implementation = saved
+
+
+def _dense_experts(model: Any) -> Any:
+    """Mixture-of-experts blocks dispatch densely under export (static shapes; the same sum
+    as the sparse dispatch): circleops.adapters._experts. Only for HF models."""
+    if not _is_hf_causal_lm(model):
+        return contextlib.nullcontext()
+    from circleops.adapters._experts import dense_experts_implementation
+
+    return dense_experts_implementation(model)
 
 
 def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = True,

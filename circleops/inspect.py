@@ -43,7 +43,10 @@ def _layout(path: Path, fmt: str) -> dict[str, int]:
 
 
 def _tensor_info(t) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+    info = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+    if t.quant is not None:
+        info["quantization"] = _quant_info(t)
+    return info
 
 
 def _quant_info(t) -> str | None:
@@ -75,12 +78,15 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     seen_data: set[int] = set()
     composites: dict[tuple, dict[str, Any]] = {}
     constants: list[dict[str, Any]] = []
+    activations: list[dict[str, Any]] = []  # quantized non-constant tensors (integer graphs)
     for si, sg in enumerate(model.subgraphs):
         sg_ops = Counter(op.opcode for op in sg.operators)
         ops.update(sg_ops)
         n_const = 0
         for t in sg.tensors:
             if t.data is None:
+                if t.quant is not None:
+                    activations.append({"subgraph": si, **_tensor_info(t)})
                 continue
             n_const += 1
             entry = const_by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
@@ -137,6 +143,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "constant_bytes": sum(v["bytes"] for v in const_by_dtype.values()),
         "composites": list(composites.values()),
         "constants": constants,
+        "quantized_activations": activations,
         "metadata": {k: len(v) for k, v in model.metadata.items()},
     }
 
@@ -152,6 +159,7 @@ def _size(n: int) -> str:
 def _io_line(t: dict[str, Any]) -> str:
     shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
     extra = f"  (tensor {t['tensor']})" if t.get("tensor") and t["tensor"] != t["name"] else ""
+    extra += f"  {t['quantization']}" if t.get("quantization") else ""
     return f"    {t['name']:<24} {t['dtype']:<9} {shape}{extra}"
 
 
@@ -197,6 +205,12 @@ def format_text(s: dict[str, Any], tensors: bool = False) -> str:
             shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
             extra = (f"  {t['quantization']}" if t["quantization"] else "") + ("  (shared buffer)" if t["shared"] else "")
             lines.append(f"  [{t['subgraph']}] {t['name']:<44} {t['dtype']:<10} {shape:<16} {_size(t['bytes']):>10}{extra}")
+
+    if tensors and s.get("quantized_activations"):
+        lines.append(f"\nquantized activations ({len(s['quantized_activations'])}; dtype, shape, parameters):")
+        for t in s["quantized_activations"]:
+            shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+            lines.append(f"  [{t['subgraph']}] {t['name']:<44} {t['dtype']:<10} {shape:<16} {t['quantization']}")
 
     if s["composites"]:
         lines.append(f"\ncomposites ({sum(c['count'] for c in s['composites'])}):")

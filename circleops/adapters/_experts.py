@@ -16,7 +16,8 @@ batched matmul over the experts.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,3 +72,33 @@ def dense_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
         out = module.post_expert_norm(out)
     out = out * routing.transpose(0, 1).unsqueeze(-1).to(out.dtype)
     return out.sum(0).to(hidden_states.dtype)
+
+
+DENSE = "circleops_dense"
+
+
+@contextlib.contextmanager
+def dense_experts_implementation(model: torch.nn.Module) -> Iterator[None]:
+    """Every ``use_experts_implementation`` experts module of ``model`` dispatches densely
+    while the block is active (any MoE family, adapter or not): the implementation is
+    registered in transformers' experts interface and selected on each config the model's
+    modules read; their own settings come back on exit."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without the experts interface
+        yield
+        return
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if hasattr(c, "_experts_implementation_internal")}
+    if not configs:
+        yield
+        return
+    ALL_EXPERTS_FUNCTIONS[DENSE] = dense_experts
+    saved = {k: c._experts_implementation_internal for k, c in configs.items()}
+    for c in configs.values():
+        c._experts_implementation_internal = DENSE
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation_internal = saved[k]

@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=list(WEIGHT_FORMATS), default=None, metavar="FORMAT",
                         help="weight quantization: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items())
                              + ". Linears whose K is not a multiple of 32 stay fp32 (the summary says which)")
+    parser.add_argument("--calibrate", type=int, default=8, metavar="N",
+                        help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
+                             "shipped in circleops/quantize/calibration.txt; other models: the example input with "
+                             "seeded noise, or --calibration-data) (default 8)")
+    parser.add_argument("--calibration-data", metavar="PT", default=None,
+                        help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
+                             "(loaded with weights_only=True)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -53,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("--allow-random-init", action="store_true",
+                        help="convert an HF directory even if its safetensors lack weights of the model (they are "
+                             "randomly initialized) or hold tensors it does not use; without it that is an error")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     # prefill + decode graphs for `circleops generate` (circleops.cli.convert_graphs)
     parser.add_argument("--graphs", metavar="LIST", default=None,
@@ -107,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
         progress("load")
         t = time.perf_counter()
         with scipy_hidden():
-            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                                 allow_random_init=args.allow_random_init)
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
@@ -115,6 +126,9 @@ def main(args: argparse.Namespace) -> int:
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:
+            if quantize in api.INTEGER_FORMATS:
+                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
+                              tokenizer=loaded.tokenizer)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()

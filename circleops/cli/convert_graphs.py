@@ -42,7 +42,8 @@ def main(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     if not args.quiet:
         print("circleops: loading the model", file=sys.stderr)
-    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                         allow_random_init=getattr(args, "allow_random_init", False))
     if loaded.kind != "hf":
         raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
     load_seconds = time.perf_counter() - t

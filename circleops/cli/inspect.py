@@ -9,7 +9,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a .circle or .tflite file")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--tensors", action="store_true",
-                        help="list every constant tensor: storage type (FLOAT32, GGML_Q4_0, INT8...), shape, bytes")
+                        help="list every constant tensor: storage type (FLOAT32, GGML_Q4_0, INT8...), shape, bytes, "
+                             "quantization; and every quantized activation with its scale and zero point")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ import torch
 from circleops import ir
 from circleops.lowering import quantized as _markers  # noqa: F401  (registers the marker lowerings)
 from circleops.passes.qdq import QuantPlan
+from circleops.targets import TargetProfile, profile
 
 FLOAT = "FLOAT32"
 INTEGER = ("UINT8", "INT8", "INT16", "INT32", "INT64")
@@ -42,15 +43,9 @@ FIXED_OUTPUT = {
     "TANH": {"UINT8": (1 / 128, 128), "INT16": (1 / 32768, 0), "INT8": (1 / 128, 0)},
 }
 WEIGHTED = {"FULLY_CONNECTED": 3, "CONV_2D": 3, "DEPTHWISE_CONV_2D": 3}  # (input, filter, bias)
-# Integer ops a target's runtime lacks (measured on onert 0.1.0, bench/onert_quantized.py):
-# they stay float between a DEQUANTIZE and a QUANTIZE. onert also loads no INT16 graph
-# ("OperationValidator failed") and computes int8 per-channel weights wrongly (~250 steps
-# off), so those are refused for target onert.
-FLOAT_ONLY = {
-    "onert": frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
-}
-# ... and MEAN without keepDims ("ShapeValidator failed" at prepare)
-FLOAT_ONLY_IF = {"onert": {"MEAN": lambda op: not op.options.get("keepDims", False)}}
+# Integer ops a target's runtime lacks stay float between a DEQUANTIZE and a QUANTIZE, and
+# quantized dtypes it cannot load are refused: TargetProfile.quantized_* (onert 0.1.0 measured
+# by bench/onert_quantized.py).
 
 # fused ops: input positions that stay float in the integer op (schema/ops.yaml `quantized`)
 FUSED_FLOAT_INPUTS = {"ATTENTION": {7, 8, 9, 10}}
@@ -120,7 +115,7 @@ class _Graph:
         return self.sg.tensors[i].quant is not None
 
 
-def integerize(model: ir.Model, plan: QuantPlan, target: str = "circle") -> None:
+def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "circle") -> None:
     """Turn the lowered PT2E graph ``model`` into an integer graph, in place (see module doc)."""
     from circleops.lowering.program import prune
 
@@ -208,30 +203,29 @@ def _propagate(g: _Graph) -> None:
                     changed = True
 
 
-def _float_only(op: ir.Operator, target: str) -> bool:
-    if op.opcode in FLOAT_ONLY.get(target, ()):
+def _float_only(op: ir.Operator, target: str | TargetProfile) -> bool:
+    p = profile(target)
+    if op.opcode in p.quantized_float_only:
         return True
-    rule = FLOAT_ONLY_IF.get(target, {}).get(op.opcode)
-    return bool(rule and rule(op))
+    return op.opcode == "MEAN" and p.quantized_mean_needs_keep_dims and not op.options.get("keepDims", False)
 
 
-def _check_target(sg: ir.Subgraph, target: str) -> None:
+def _check_target(sg: ir.Subgraph, target: str | TargetProfile) -> None:
     from circleops.errors import TargetError
 
-    if target != "onert":
-        return
+    p = profile(target)
     for t in sg.tensors:
-        if t.dtype == "INT16" and t.quant is not None:
-            raise TargetError(f"target onert: onert 0.1.0 loads no int16 graph (tensor {t.name!r} is INT16; "
-                              "measured: 'OperationValidator failed' for every op). Use --quantize uint8 for "
-                              "onert, or --target circle for an int16 file for NPU compilers.")
-        if t.dtype == "INT8" and t.quant is not None and t.quant.per_channel:
-            raise TargetError(f"target onert: onert 0.1.0 computes int8 per-channel weights wrongly (tensor "
+        if t.dtype in ("UINT8", "INT8", "INT16") and t.quant is not None and t.dtype not in p.quantized_dtypes:
+            raise TargetError(f"target {p.name}: its runtime loads no {t.dtype.lower()} graph (tensor {t.name!r} is "
+                              f"{t.dtype}; onert 0.1.0: 'OperationValidator failed' for every op). Use --quantize uint8 "
+                              "for onert, or --target circle for an int16 file for NPU compilers.")
+        if t.dtype == "INT8" and t.quant is not None and t.quant.per_channel and not p.quantized_per_channel_int8:
+            raise TargetError(f"target {p.name}: onert 0.1.0 computes int8 per-channel weights wrongly (tensor "
                               f"{t.name!r}; measured ~250 output steps off): quantize weights as uint8 per tensor "
                               "(CircleQuantizer(weight='uint8')) for onert, or use --target circle.")
 
 
-def _integer_ops(g: _Graph, plan: QuantPlan, target: str = "circle") -> None:
+def _integer_ops(g: _Graph, plan: QuantPlan, target: str | TargetProfile = "circle") -> None:
     sg = g.sg
     new_ops: list[ir.Operator] = []
     for op in sg.operators:
@@ -400,7 +394,6 @@ def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool
     None when ``ep`` holds no quantized_decomposed ops (lower it as a float program)."""
     from circleops.errors import TargetError
     from circleops.lowering.program import lower_program
-    from circleops.targets import profile
     from circleops.passes.qdq import fold_qdq
 
     program, plan = fold_qdq(ep, integer_io=integer_io)
@@ -410,5 +403,5 @@ def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool
         raise TargetError(f"integer (PT2E) graphs are written for targets circle and onert; target "
                           f"{profile(target).name} writes composites with float decompositions. Use --target circle.")
     model = lower_program(program, target, dtype=dtype)
-    integerize(model, plan, str(getattr(target, "name", target)))
+    integerize(model, plan, target)
     return model

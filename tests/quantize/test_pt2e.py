@@ -234,3 +234,18 @@ def test_tflite_target_refuses_integer_graph(tmp_path):
     with pytest.raises(circleops.errors.TargetError, match="circle"):
         circleops.save(ep, tmp_path / "m.tflite", target="tflite")
     assert not (tmp_path / "m.tflite").exists()
+
+
+def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys):
+    from circleops.cli import main
+
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    _, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), samples=1)
+    circleops.save(ep, tmp_path / "m.circle", integer_io=True)
+    assert main(["inspect", str(tmp_path / "m.circle"), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    sg = read_model(str(tmp_path / "m.circle")).subgraphs[0]
+    x_q = sg.tensors[sg.inputs[0]].quant
+    assert f"UINT8     [1, 3, 8, 8]  scale {float(x_q.scale[0]):.4g}, zero point {int(x_q.zero_point[0])}" in out
+    assert "quantized activations (" in out and "per-channel (dim 3, 8 scales)" in out  # the depthwise filter
