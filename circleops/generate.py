@@ -1,10 +1,13 @@
-"""``circleops generate DIR --prompt TEXT``: greedy generation with the written prefill and
-decode graphs (``circleops convert MODEL --graphs prefill,decode -o DIR``).
+"""``circleops generate DIR --prompt TEXT``: generation with the written prefill and decode
+graphs (``circleops convert MODEL --graphs prefill,decode``).
 
-The prompt runs once through the prefill graph, which fills the KV caches; then the
-decode graph runs once per new token with the caches passed in and out as numpy arrays.
-Each runtime session is created once and reused for every step, so a token costs one
-decode run: generation time grows linearly with the number of new tokens.
+The prompt runs through the prefill graph (in chunks of its length when longer: any prompt
+up to the cache length), which fills the KV caches; then the decode graph runs once per new
+token with the caches passed in and out as numpy arrays. Each runtime session is created
+once and reused for every step, so a token costs one decode run: generation time grows
+linearly with the number of new tokens. Greedy by default; a ``circleops.sampling.Sampler``
+draws tokens instead. The cache persists between calls (``keep_cache``, ``feed``), which
+``circleops chat`` uses to continue a conversation without prefilling it again.
 
     from circleops.generate import Generator
     gen = Generator("out/")                       # runtime from the manifest (onert for target onert)
@@ -379,7 +382,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
 
 
 def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-             runtime: str | None = None, stream: Any = None, chat: bool = False) -> Generation:
+             runtime: str | None = None, stream: Any = None, chat: bool = False, sampler: Any = None) -> Generation:
     """Greedy generation from the graphs in ``directory``.
 
     ``prompt``: text (tokenized with the saved tokenizer) or token ids. ``stream``: a file
@@ -397,7 +400,7 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
             tokenizer = load_tokenizer(gen.manifest)
     gen.check_fits(len(ids), max_new_tokens)
     streamer = TextStream(tokenizer, stream) if tokenizer is not None and stream is not None else None
-    result = gen.generate(ids, max_new_tokens, on_token=streamer)
+    result = gen.generate(ids, max_new_tokens, on_token=streamer, sampler=sampler)
     if streamer is not None:
         result.text = streamer.close()
     elif tokenizer is not None:
