@@ -20,14 +20,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
+from circleops.runtime import RUNTIMES, Session, open_session
 
-if TYPE_CHECKING:
-    from circleops.runtime import Session
-
-RUNTIMES = ("onert", "reference", "litert")
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -39,11 +37,9 @@ class GenerationLimitError(CircleOpsError):
 
 def check_runtime(manifest: Any, runtime: str) -> None:
     """Refuse a runtime that cannot run the manifest's files, saying which can."""
-    from circleops.graphs import RUNTIMES as BY_TARGET
-
     if runtime not in RUNTIMES:
         raise TargetError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
-    if runtime in BY_TARGET[manifest.target]:
+    if runtime in graph_runtimes(manifest.target):
         return
     if runtime == "litert":
         why = ("LiteRT runs .tflite files, and these are Circle files: convert with --target tflite "
@@ -54,14 +50,12 @@ def check_runtime(manifest: Any, runtime: str) -> None:
         why = (f"the files of target {manifest.target} hold ops onert does not run (ATTENTION); "
                f"convert with --target onert for onert")
     raise TargetError(f"--runtime {runtime} cannot run {manifest.directory}: {why}. Runtimes for these files: "
-                      f"{', '.join(BY_TARGET[manifest.target])}.")
+                      f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
 def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
     numpy inputs in the manifest's input order and returns outputs in its output order."""
-    from circleops.runtime import open_session
-
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -124,8 +118,6 @@ class Generator:
 
     def __init__(self, source: Any, runtime: str | None = None):
         import numpy as np
-
-        from circleops.graphs import GRAPH_NAMES, Manifest, read_manifest
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
         m = self.manifest
@@ -351,10 +343,11 @@ def load_tokenizer(manifest: Any) -> Any:
             return FastTokenizer(path)
         except ImportError:
             pass
-    return _hf_tokenizer(path)
+    return hf_tokenizer(path)
 
 
-def _hf_tokenizer(path: Path) -> Any:
+def hf_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers
@@ -368,7 +361,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
     if chat:
         if isinstance(tokenizer, FastTokenizer):
-            tokenizer = _hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
+            tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -152,6 +152,7 @@ ONERT = TargetProfile(
         "MINIMUM": frozenset({"float32"}),
         "REVERSE_V2": frozenset({"float32"}),
         "TRANSPOSE": frozenset({"float32", "int32"}),  # int64, bool: "Transpose: unsupported data type"
+        "SELECT_V2": frozenset({"float32"}),  # int32, int64, bool: "Select: unsupported data type"
     }),
     # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
     builtin_ranks=_frozen({"RMS_NORM": frozenset({3, 4})}),

@@ -11,18 +11,18 @@ import sys
 import time
 from typing import Any
 
-# Only the standard library at import time: `circleops convert --help` must be instant.
-from circleops.quantize import WEIGHT_FORMATS  # a plain dict, no imports behind it
-
-TARGETS = ("circle", "onert", "tflite")
-FUSE_MODES = ("auto", "adapters", "patterns", "none")
-RUNTIMES = ("onert", "litert", "reference")
-DEFAULT_MAX_CACHE_LEN = 512  # circleops.graphs.DEFAULT_MAX_CACHE_LEN (not imported: it loads the pipeline)
 # circleops.cli ends the process without interpreter teardown after this command (~1 s).
 EXIT_WITHOUT_TEARDOWN = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Light modules only (no torch): `circleops convert --help` must be instant.
+    from circleops.graphs import DEFAULT_MAX_CACHE_LEN
+    from circleops.options import CONVERT_DTYPES, FUSE_MODES
+    from circleops.quantize import WEIGHT_FORMATS
+    from circleops.runtime import RUNTIMES
+    from circleops.targets import TARGETS
+
     parser.description = __doc__.strip().splitlines()[0] + "\n\n" + "\n".join(__doc__.strip().splitlines()[2:])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", nargs="?", metavar="MODEL",
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=TARGETS, default="circle",
                         help="circle: fused Circle builtins (NPU compilers); onert: what onert's CPU runtime "
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
-    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+    parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2)")
@@ -81,9 +81,11 @@ def main(args: argparse.Namespace) -> int:
     # torch's own deprecation chatter (pytree LeafSpec) is not the user's business.
     warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
 
-    from circleops import convert as api
+    from circleops import conversion as api
     from circleops import models
     from circleops.cli.common import ProgressBar, scipy_hidden, writable
+    from circleops.dtypes import float_dtype
+    from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
 
     if getattr(args, "graphs", None):
@@ -93,8 +95,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
                           "or --config config.json for random weights.")
-    dtype = api.DTYPES[args.dtype]
-    fmt = api.FORMATS[args.target]
+    dtype = float_dtype(args.dtype)
+    fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
     quantize = api.check_quantize(args.quantize, args.target)
     api.check_target_dtype(args.target, dtype, quantize)
@@ -106,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
-        api._resolve_runtime(verify, args.target, dtype)
+        api.resolve_runtime(verify, args.target, dtype)
 
     exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
     stages = ["load"] + ([] if exported_input else ["export"])

@@ -10,8 +10,10 @@ from pathlib import Path
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import convert as api
+    from circleops import conversion as api
     from circleops import graphs, models
+    from circleops.dtypes import float_dtype
+    from circleops.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
 
     names = graphs.parse_graph_names(args.graphs)
@@ -25,15 +27,15 @@ def main(args: argparse.Namespace) -> int:
     if args.fuse not in ("auto", "adapters"):
         raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
                           f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
-    dtype = api.DTYPES[args.dtype]
+    dtype = float_dtype(args.dtype)
     quantize = api.check_quantize(getattr(args, "quantize", None), args.target)
     api.check_target_dtype(args.target, dtype, quantize)
     prefill_len = graphs.DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
     graphs.check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
-    if verify and verify is not True and verify not in graphs.RUNTIMES[args.target]:
+    if verify and verify is not True and verify not in graph_runtimes(args.target):
         raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
-                          f"{', '.join(graphs.RUNTIMES[args.target])}.")
+                          f"{', '.join(graph_runtimes(args.target))}.")
     out = Path(args.output)
     if out.suffix.lower() in (".circle", ".tflite"):
         raise OutputError(f"with --graphs, -o names a directory (the graphs, manifest.json and the tokenizer go "

@@ -252,6 +252,11 @@ def _select(ctx, cond, x, y):
         picked = x if bool(cond.const.all()) else y if not bool(cond.const.any()) else None
         if isinstance(picked, Value) and picked.shape == ctx.out_shape:
             return ctx.cast(picked, dtype)
+    if not dtype.is_floating_point and not ctx.supports("SELECT_V2", dtype):
+        # integers and masks selected as float32 (exact below 2**24: positions, ids, flags)
+        y = ctx.emit("SELECT_V2", [ctx.cast(cond, torch.bool), ctx.cast(x, torch.float32), ctx.cast(y, torch.float32)],
+                     out_dtype=torch.float32)
+        return ctx.cast(y, dtype)
     return ctx.emit("SELECT_V2", [ctx.cast(cond, torch.bool), ctx.cast(x, dtype), ctx.cast(y, dtype)])
 
 

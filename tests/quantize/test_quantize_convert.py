@@ -140,7 +140,8 @@ def test_odd_k_stays_fp32_and_bias_is_its_own_add(tmp_path, target):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_graphs_quantized_generate(tmp_path, llama, fmt):
     from circleops.generate import Generator
-    from circleops.graphs import convert_graphs, read_manifest
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
 
     out = tmp_path / "g"
     report = convert_graphs(copy.deepcopy(llama), out, target="onert", prefill_len=8, max_cache_len=32,
@@ -156,7 +157,7 @@ def test_graphs_quantized_generate(tmp_path, llama, fmt):
 
 
 def test_save_quantized(tmp_path, llama):
-    from circleops.convert import export_module
+    from circleops.conversion import export_module
 
     ids = example_ids(8)
     with torch.no_grad():
