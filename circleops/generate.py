@@ -16,6 +16,7 @@ draws tokens instead. The cache persists between calls (``keep_cache``, ``feed``
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,16 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     if runtime == "onert" and signature is not None:
         raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
                           f"with --target onert for one file per graph.")
+    threads = getattr(manifest, "num_threads", None)
+    if runtime == "onert" and threads and "NUM_THREADS" not in os.environ:
+        # the thread count the graphs were made for (convert --threads; 1 for GGML weights:
+        # onert's GGML kernel starts NUM_THREADS-1 workers per call, and on 2 busy cores 2
+        # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
+        os.environ["NUM_THREADS"] = str(threads)
+        try:
+            return open_session(runtime, path, signature)
+        finally:
+            del os.environ["NUM_THREADS"]
     return open_session(runtime, path, signature)
 
 
