@@ -89,6 +89,15 @@ _INDEX = {
 
 def pad(ctx, x, pad_list, mode, value=0.0):
     rows = _paddings(x.rank, pad_list)
+    if mode == "constant" and any(v < 0 for row in rows for v in row):
+        # a negative pad crops (PAD refuses it: onert crashes, LiteRT fails at prepare)
+        for dim, (before, after) in enumerate(rows):
+            if before < 0 or after < 0:
+                x = ctx.slice(x, dim, max(-before, 0), x.shape[dim] - max(-after, 0))
+        rows = [[max(v, 0) for v in row] for row in rows]
+        pad_list = [v for row in reversed(rows) for v in row]
+        if not any(pad_list):
+            return x
     t = ctx.transposed(x)
     if t is not None:  # pad the channels-last source instead: the transposes then cancel
         src, perm = t
