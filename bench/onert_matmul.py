@@ -1,6 +1,6 @@
 """Benchmark (not a test): the same matrix product as onert runs it, FULLY_CONNECTED against a
 1x1 CONV_2D, per shape. The measurement behind circleops.lowering.linalg's choice for
-target onert (CONV_2D from ONERT_CONV_MIN_ROWS rows up, or for a very wide output).
+target onert (CONV_2D from circleops.targets.ONERT.linear_as_conv.min_rows rows up, or for a very wide output).
 
     python bench/onert_matmul.py                       # the default shapes, 2 threads
     python bench/onert_matmul.py --shapes 64x512x32000 1x576x49152 --threads 1

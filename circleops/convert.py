@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from circleops.errors import CircleOpsError, ExportError, OutputError, TargetError, VerifyError
+from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
+                              VerifyError)
 from circleops.report import Report, VerifyResult
 
 TARGETS = ("circle", "onert", "tflite")
@@ -390,21 +391,41 @@ class _Job:
     fusion_model: torch.nn.Module | None = None
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    stage: str = "fuse"
 
 
 def _lower_write_verify(ep: Any, job: _Job) -> Report:
-    """Pattern fusion, lowering, the atomic write and verify: the stages after export."""
+    """Pattern fusion, lowering, the atomic write and verify: the stages after export.
+
+    Only CircleOpsErrors leave: anything else is a circleops bug, reported as an
+    InternalError naming the stage (the lowering names the node itself).
+    """
+    try:
+        return _run_stages(ep, job)
+    except CircleOpsError:
+        raise
+    except Exception as err:
+        raise InternalError(f"converting {job.source} for target {job.target} failed in the {job.stage} stage: "
+                            f"{type(err).__name__}: {err}. {REPORT_BUG}") from err
+
+
+def _enter(job: _Job, stage: str) -> None:
+    job.stage = stage
+    _stage(job.progress, stage)
+
+
+def _run_stages(ep: Any, job: _Job) -> Report:
     timings, path = job.timings, job.path
     fusion_report = None
     if job.fuse in ("auto", "patterns"):
-        _stage(job.progress, "fuse")
+        _enter(job, "fuse")
         t = time.perf_counter()
         from circleops.passes.fusion import fuse_patterns
 
         ep, fusion_report = fuse_patterns(ep, model=job.fusion_model)
         timings["fuse"] = time.perf_counter() - t
 
-    _stage(job.progress, "lower")
+    _enter(job, "lower")
     t = time.perf_counter()
     from circleops.lowering import lower_program
 
@@ -420,7 +441,7 @@ def _lower_write_verify(ep: Any, job: _Job) -> Report:
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
 
-    _stage(job.progress, "write")
+    _enter(job, "write")
     t = time.perf_counter()
     try:
         info = write_for_target(ir_model, path, job.target, job.fmt)
@@ -433,7 +454,7 @@ def _lower_write_verify(ep: Any, job: _Job) -> Report:
     timings["write"] = time.perf_counter() - t
 
     if job.runtime is not None:
-        _stage(job.progress, "verify")
+        _enter(job, "verify")
         t = time.perf_counter()
         try:
             report.verify = verify_file(path, job.runtime, job.example_args, job.reference(), job.dtype, job.tolerance)

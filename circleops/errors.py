@@ -35,3 +35,13 @@ class RuntimeRunError(CircleOpsError):
 
 class VerifyError(CircleOpsError):
     """The written file ran but does not match torch."""
+
+
+class InternalError(CircleOpsError):
+    """circleops itself failed on a valid request (a bug): the message names the node, its
+    op and the user's source line where it can, and asks for a report. The original
+    exception is kept as ``__cause__``."""
+
+
+REPORT_BUG = ("This is a bug in circleops, not in your model: please report it "
+              "(the model or a snippet that builds it, and this message).")

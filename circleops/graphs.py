@@ -26,10 +26,8 @@ reference interpreter and LiteRT run either signature. ``manifest.json`` records
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,6 +282,16 @@ class GraphsReport:
     verify_runtime: str | None = None
     tolerance: float | None = None
     source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain data (``circleops convert --graphs --report``)."""
+        from dataclasses import asdict
+
+        return {"directory": self.directory, "target": self.target, "dtype": self.dtype, "source": self.source,
+                "graphs": {g: asdict(info) for g, info in self.graphs.items()},
+                "manifest": self.manifest.to_json() if self.manifest else None,
+                "verify_runtime": self.verify_runtime, "tolerance": self.tolerance,
+                "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
     def one_file_per_graph(self) -> bool:
@@ -564,81 +572,3 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
                 f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
                 f"(tolerance {tol:.3g} x {scale:.3g}); the files in {manifest.directory} were removed. Convert "
                 f"without --verify to inspect them (circleops inspect), and report the model.")
-
-
-# --------------------------------------------------------------------------- CLI (circleops convert --graphs)
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options ``circleops convert`` takes for --graphs (its other options apply too)."""
-    parser.add_argument("--graphs", metavar="LIST", default=None,
-                        help="write generation graphs instead of one forward: prefill,decode (with a static KV "
-                             "cache) into the directory -o, with manifest.json and the tokenizer, for "
-                             "`circleops generate`. --seq-len is the prefill length (default 64)")
-    parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
-                        help=f"with --graphs: KV-cache slots, the longest prompt + generation "
-                             f"(default {DEFAULT_MAX_CACHE_LEN})")
-
-
-def main(args: argparse.Namespace) -> int:
-    """``circleops convert MODEL --graphs prefill,decode -o DIR``."""
-    from circleops import convert as api
-    from circleops import models
-
-    graphs = parse_graph_names(args.graphs)
-    if args.model is None and args.config is None:
-        raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "
-                          "config.json for random weights.")
-    if args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep"):
-        raise TargetError(f"--graphs needs the model itself, not an ExportedProgram ({args.model}): the prefill "
-                          f"and decode graphs are exported from the model with its KV cache. Pass the HF directory, "
-                          f".gguf file or smollm2.")
-    if args.fuse not in ("auto", "adapters"):
-        raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
-                          f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
-    dtype = api.DTYPES[args.dtype]
-    api.check_target_dtype(args.target, dtype)
-    prefill_len = DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
-    check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
-    verify: bool | str = args.runtime or bool(args.verify)
-    if verify and verify is not True and verify not in RUNTIMES[args.target]:
-        raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
-                          f"{', '.join(RUNTIMES[args.target])}.")
-    out = Path(args.output)
-    if out.suffix.lower() in (".circle", ".tflite"):
-        raise OutputError(f"with --graphs, -o names a directory (the graphs, manifest.json and the tokenizer go "
-                          f"into it), not a {out.suffix} file: use e.g. -o {out.with_suffix('')}/.")
-
-    t = time.perf_counter()
-    if not args.quiet:
-        print("circleops: loading the model", file=sys.stderr)
-    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
-    if loaded.kind != "hf":
-        raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
-    load_seconds = time.perf_counter() - t
-
-    def progress(stage: str) -> None:
-        if not args.quiet:
-            print(f"circleops: {stage}", file=sys.stderr)
-
-    report = convert_graphs(loaded.module, out, graphs=graphs, target=args.target, prefill_len=prefill_len,
-                            max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
-                            tolerance=args.tolerance, source=loaded.source, progress=progress)
-    report.timings = {"load": load_seconds, **report.timings}
-    if args.report:
-        try:
-            Path(args.report).write_text(json.dumps(_report_json(report), indent=2) + "\n")
-        except OSError as err:
-            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
-    if not args.quiet:
-        print(report.summary())
-    return 0
-
-
-def _report_json(report: GraphsReport) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return {"directory": report.directory, "target": report.target, "dtype": report.dtype, "source": report.source,
-            "graphs": {g: asdict(info) for g, info in report.graphs.items()},
-            "manifest": report.manifest.to_json() if report.manifest else None,
-            "verify_runtime": report.verify_runtime, "tolerance": report.tolerance,
-            "timings": {k: round(v, 3) for k, v in report.timings.items()}}

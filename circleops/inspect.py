@@ -6,7 +6,6 @@ Works on any Circle or TFLite file; ``--json`` prints the same as one JSON objec
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections import Counter
@@ -14,21 +13,8 @@ from pathlib import Path
 from typing import Any
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="a .circle or .tflite file")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-def main(args: argparse.Namespace) -> int:
-    summary = summarize(args.file)
-    if args.json:
-        print(json.dumps(summary, indent=2, default=_json_default))
-    else:
-        print(format_text(summary))
-    return 0
-
-
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
+    """``json.dumps(summary, default=json_default)``: numpy scalars, bytes and the rest as text."""
     if hasattr(value, "item"):
         return value.item()
     if isinstance(value, bytes):
@@ -92,7 +78,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
                 continue
             o = op.options
             attrs = o.get("compositeAttributes") or {}
-            key = (o.get("name"), o.get("decompositionSubgraphIndex"), json.dumps(attrs, sort_keys=True, default=_json_default))
+            key = (o.get("name"), o.get("decompositionSubgraphIndex"), json.dumps(attrs, sort_keys=True, default=json_default))
             c = composites.setdefault(key, {
                 "name": o.get("name"), "decomposition_subgraph": o.get("decompositionSubgraphIndex"),
                 "attributes": attrs, "version": o.get("version", 0), "count": 0})

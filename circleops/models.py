@@ -488,9 +488,14 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
 # --------------------------------------------------------------------------- ExportedProgram
 
 def load_exported(path: str | os.PathLike) -> Any:
-    """A saved ExportedProgram (torch.export.save)."""
+    """A saved ExportedProgram (torch.export.save), checked first so that loading it runs no
+    code from the file (circleops.safe_load: pickled entries are refused)."""
+    from circleops.safe_load import load_pt2
+
     try:
-        return torch.export.load(str(path))
+        return load_pt2(path)
+    except ModelLoadError:
+        raise
     except Exception as err:
         raise ModelLoadError(
             f"cannot load {path} as an ExportedProgram (torch.export.save): {_first_line(err)}") from None

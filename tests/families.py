@@ -40,7 +40,9 @@ class Family:
 
         cfg = getattr(transformers, self.config_cls)(**{**COMMON, **self.overrides, **kw})
         cfg._attn_implementation = "eager"
-        cfg.use_cache = False  # exported graphs take explicit caches, never a DynamicCache
+        # exported graphs take explicit caches; build(use_cache=True) gives HF's default, as a
+        # user's model has it (tests/adapters/test_adapters_export_idiom.py)
+        cfg.use_cache = kw.get("use_cache", False)
         return cfg
 
     def build(self, dtype: torch.dtype = torch.float32, seed: int = 0, **kw: Any) -> torch.nn.Module:

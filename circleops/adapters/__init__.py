@@ -12,6 +12,7 @@ transformers; a family's modeling module is imported when its patch is entered.
 """
 from __future__ import annotations
 
+from circleops._hf_cache import register_when_imported
 from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
@@ -26,6 +27,8 @@ from circleops.adapters.olmo2 import patched_olmo2_attention, patched_olmo2_modu
 from circleops.adapters.phi3 import patched_phi3_attention, patched_phi3_modules, patched_phi3_rmsnorm, patched_phi3_rope
 from circleops.adapters.qwen2 import patched_qwen2_attention, patched_qwen2_modules, patched_qwen2_rmsnorm, patched_qwen2_rope
 from circleops.adapters.qwen3 import patched_qwen3_attention, patched_qwen3_modules, patched_qwen3_rmsnorm, patched_qwen3_rope
+
+register_when_imported()  # DynamicCache as a pytree node once transformers loads it
 
 FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3)]
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}

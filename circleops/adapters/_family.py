@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from circleops.adapters._attention import attention_forward
+from circleops._hf_cache import no_cache_by_default
 from circleops.adapters._patching import Patch, PatchSession
 from circleops.adapters._rmsnorm import NormStyle, norm_forward
 from circleops.adapters._rope import rope_function
@@ -26,6 +27,11 @@ class Family:
     norm_style: NormStyle
     attention_class: str
     rope_cast_back: bool = False  # the family's apply_rotary_pos_emb casts back to q/k dtype
+    model_class: str = ""  # the decoder model ("LlamaModel"); default: attention_class with Model
+
+    @property
+    def decoder_class(self) -> str:
+        return self.model_class or self.attention_class.replace("Attention", "Model")
 
     @property
     def rope_label(self) -> str:
@@ -44,9 +50,15 @@ class Family:
         return [Patch(self.module, self.attention_class, "forward", label=self.attention_class, group=self.name,
                       build=lambda original: attention_forward(self.attention_class, self.rope_label, original))]
 
+    def cache_patches(self) -> list[Patch]:
+        """The decoder model runs without an HF DynamicCache unless asked for one, so that
+        ``torch.export.export(model, (input_ids,))`` works as written (see circleops/_hf_cache.py)."""
+        return [Patch(self.module, self.decoder_class, "forward", label=self.decoder_class, group=self.name,
+                      build=no_cache_by_default, tracked=False)]
+
     def patches(self, *, rmsnorm: bool = True, rope: bool = True, attention: bool = True) -> list[Patch]:
-        return ((self.norm_patches() if rmsnorm else []) + (self.rope_patches() if rope else [])
-                + (self.attention_patches() if attention else []))
+        return (self.cache_patches() + (self.norm_patches() if rmsnorm else [])
+                + (self.rope_patches() if rope else []) + (self.attention_patches() if attention else []))
 
     def context_managers(self) -> tuple[Callable[[], PatchSession], ...]:
         """The four public context-manager factories of this family, named
@@ -54,13 +66,13 @@ class Family:
         n = self.name
 
         def rmsnorm() -> PatchSession:
-            return PatchSession(f"patched_{n}_rmsnorm", self.norm_patches())
+            return PatchSession(f"patched_{n}_rmsnorm", self.cache_patches() + self.norm_patches())
 
         def rope() -> PatchSession:
-            return PatchSession(f"patched_{n}_rope", self.rope_patches())
+            return PatchSession(f"patched_{n}_rope", self.cache_patches() + self.rope_patches())
 
         def attention() -> PatchSession:
-            return PatchSession(f"patched_{n}_attention", self.attention_patches())
+            return PatchSession(f"patched_{n}_attention", self.cache_patches() + self.attention_patches())
 
         def modules(attention: bool = True) -> PatchSession:
             return PatchSession(f"patched_{n}_modules", self.patches(attention=attention))

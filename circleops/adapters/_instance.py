@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from circleops.adapters._attention import attention_forward
+from circleops._hf_cache import no_cache_by_default
 from circleops.adapters._family import ROPE_FUNCTION, Family
 from circleops.adapters._patching import pristine
 from circleops.adapters._rmsnorm import norm_forward
@@ -27,7 +28,7 @@ _MISSING = object()
 
 
 def _loaded_classes(families: list[Family]) -> dict[type, tuple[Family, str]]:
-    """class -> (family, "norm" | "attention"), for families whose modeling module is
+    """class -> (family, "norm" | "attention" | "model"), for families whose modeling module is
     already imported (a model of a family can only exist if its module is)."""
     out: dict[type, tuple[Family, str]] = {}
     for fam in families:
@@ -37,6 +38,9 @@ def _loaded_classes(families: list[Family]) -> dict[type, tuple[Family, str]]:
         for name in fam.norm_classes:
             out[getattr(module, name)] = (fam, "norm")
         out[getattr(module, fam.attention_class)] = (fam, "attention")
+        decoder = getattr(module, fam.decoder_class, None)
+        if decoder is not None:
+            out[decoder] = (fam, "model")
     return out
 
 
@@ -70,7 +74,9 @@ def fuse(model: torch.nn.Module, *, attention: bool = True) -> torch.nn.Module:
     circle ops, for good; returns the model. :func:`unfuse` restores it.
 
     Other instances of the same classes are not affected, and no ``with`` is needed:
-    export whenever you like. Attention layers the Circle ATTENTION contract cannot
+    export whenever you like. The decoder model runs without an HF cache unless the
+    caller passes ``use_cache=True`` or a cache (``generate`` does), so
+    ``torch.export.export(model, (input_ids,))`` returns the logits. Attention layers the Circle ATTENTION contract cannot
     express stay decomposed (with circle.rope inside).
     """
     from circleops.adapters import FAMILIES
@@ -84,6 +90,9 @@ def fuse(model: torch.nn.Module, *, attention: bool = True) -> torch.nn.Module:
         cls = type(sub)
         if kind == "norm":
             _swap(sub, norm_forward(fam.norm_style, cls.__name__))
+            continue
+        if kind == "model":  # no HF DynamicCache unless asked for: export as written works
+            _swap(sub, no_cache_by_default(pristine(cls, "forward")))
             continue
         decomposed = _with_circle_rope(fam, pristine(cls, "forward"))
         _swap(sub, attention_forward(cls.__name__, fam.rope_label, decomposed) if attention else decomposed)

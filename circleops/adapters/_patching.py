@@ -98,6 +98,7 @@ class Patch:
     build: Callable[[Any], Any] = field(compare=False)
     label: str  # what warnings and reports call it; also the usage-count key
     group: str = ""  # family name: unused patches are reported per group
+    tracked: bool = True  # False: a helper patch (no cache by default) the unused-warning ignores
 
     def resolve(self) -> Any:
         module = importlib.import_module(self.module)
@@ -197,10 +198,12 @@ class PatchSession:
         """
         groups: dict[str, list[Patch]] = {}
         for p in self.patches:
+            if not p.tracked:
+                continue
             groups.setdefault(p.group, []).append(p)
         ran_groups = {g for g, ps in groups.items() if any(self.ran(p.label) for p in ps)}
         if not ran_groups:
-            return [p.label for p in self.patches]
+            return [p.label for p in self.patches if p.tracked]
         return [p.label for g in ran_groups for p in groups[g] if not self.ran(p.label)]
 
     def _warn_unused(self) -> None:

@@ -8,6 +8,7 @@ FAMILY = Family(
     norm_classes=("Gemma3RMSNorm",),
     norm_style=_rmsnorm.GEMMA,
     attention_class="Gemma3Attention",
+    model_class="Gemma3TextModel",
 )
 
 (patched_gemma3_rmsnorm, patched_gemma3_rope,

@@ -2,11 +2,12 @@
 
     model = lower_program(ep, "onert")
 
-Target profiles ("circle", "onert", "tflite") differ in how the fused circle ops are
-written (schema/ops.yaml ``targets``: Circle builtin, decomposed aten ops, or a
-STABLEHLO_COMPOSITE with a decomposition subgraph) and in which builtins the runtime
-executes (context.MISSING_BUILTINS). Each aten / circle op has one short lowering
-function registered with ``@lower(op)``; the modules below hold them by op group.
+Target profiles (circleops.targets: "circle", "onert", "tflite") differ in how the fused
+circle ops are written (Circle builtin, decomposed aten ops, or a STABLEHLO_COMPOSITE with
+a decomposition subgraph), in which builtins the runtime executes and on what dtypes and
+ranks; lowerings read them as ``ctx.profile.*`` / ``ctx.supports(opcode, dtype)``. Each
+aten / circle op has one short lowering function registered with ``@lower(op)``; the
+modules below hold them by op group.
 """
 from __future__ import annotations
 

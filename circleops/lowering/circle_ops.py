@@ -1,4 +1,4 @@
-"""The fused circle ops, written per target profile (schema/ops.yaml ``targets``):
+"""The fused circle ops, written as the target profile says (``TargetProfile.fused_form``):
 
 * builtin    -> the Circle builtin, when it can express the node's attributes exactly;
                 otherwise the node is decomposed (numerics are never silently changed)
@@ -22,7 +22,6 @@ tests in tests/onert pin them):
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -31,6 +30,7 @@ from circleops.lowering.context import Value, const_value
 from circleops.lowering.registry import lower
 from circleops.ops import REGISTRY, OpSpec
 from circleops.ops._common import at_least_fp32
+from circleops.targets import BUILTIN, COMPOSITE, DECOMPOSED
 
 _FLOAT32 = torch.float32
 LOWERING_META = "circleops_lowering"  # node.meta key: "decomposed" forces the decomposition
@@ -49,14 +49,19 @@ def bind(spec: OpSpec, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
+def form(ctx, spec: OpSpec) -> str:
+    """How ctx's target profile writes ``spec``: BUILTIN, DECOMPOSED or COMPOSITE."""
+    return ctx.profile.fused_form(spec.circle["builtin"])
+
+
 def fused(ctx, spec: OpSpec, bound: dict[str, Any], builtin: Callable[..., Any]) -> Any:
-    """Write one fused op the way ``ctx.target`` wants it (see the module docstring)."""
-    how = spec.targets[ctx.target]
-    if ctx.node is not None and ctx.node.meta.get(LOWERING_META) == "decomposed":
-        how = "decomposed"
-    if how == "composite":
+    """Write one fused op the way ctx's target profile wants it (see the module docstring)."""
+    how = form(ctx, spec)
+    if ctx.node is not None and ctx.node.meta.get(LOWERING_META) == DECOMPOSED:
+        how = DECOMPOSED
+    if how == COMPOSITE:
         return composite(ctx, spec, bound)
-    if how.startswith("builtin"):
+    if how == BUILTIN:
         result = builtin(ctx, spec, **bound)
         if result is not None:
             return result
@@ -114,8 +119,8 @@ def _rms_norm_builtin(ctx, spec, x, weight, eps, offset, multiply, policy):
         gamma = ctx.const(torch.ones(c, dtype=_FLOAT32))
         after = _weight_plus(ctx, weight, offset, weight.dtype)
     h = ctx.cast(x, _FLOAT32)
-    if ctx.target == "onert" and h.rank not in (3, 4):
-        h = ctx.reshape(h, (1, -1, c))
+    if not ctx.supports(spec.circle["builtin"], rank=h.rank):
+        h = ctx.reshape(h, (1, -1, c))  # onert: rank 3 or 4 only
     y = ctx.emit(spec.circle["builtin"], [h, gamma], spec.circle["options"], out_shape=h.shape,
                  out_dtype=_FLOAT32, **_options(spec, {"eps": float(eps)}))
     y = ctx.cast(ctx.reshape(y, x.shape), x.dtype)
@@ -139,7 +144,7 @@ def _offset_folded(bound: dict[str, Any]) -> dict[str, Any]:
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["rms_norm"]
     bound = bind(spec, args, kwargs)
-    if spec.targets[ctx.target] == "composite":
+    if form(ctx, spec) == COMPOSITE:
         bound = _offset_folded(bound)
     return fused(ctx, spec, bound, _rms_norm_builtin)
 
@@ -155,7 +160,8 @@ def _table(ctx, t: Value) -> Value:
 
 
 def _rope_builtin(ctx, spec, x, cos, sin, mode):
-    if spec.targets[ctx.target] == "builtin_if_single_position" and (x.shape[2] != 1 or mode != "gpt_neox"):
+    limit = ctx.profile.rope_max_positions
+    if mode not in ctx.profile.rope_modes or (limit is not None and x.shape[2] > limit):
         return None  # onert reads only the first row of the tables, and has GPT_NEOX only
     dtype = ctx.out_dtype
     x = ctx.cast(x, dtype)
@@ -189,28 +195,18 @@ def _attention_builtin(ctx, spec, **bound):
     return out, bound["k_cache"], bound["v_cache"]
 
 
-_ROPE_AS_OP = SimpleNamespace(reference=lambda x, cos, sin, mode="gpt_neox": torch.ops.circle.rope(x, cos, sin, mode))
-
-
 def _attention_with_rope_op(**bound):
     """attention's reference kernel with its q/k RoPE traced as circle.rope, so that a
     decomposed attention still gets the rope lowering's choice (on onert: the ROPE
     builtin in a one-token decode step, decomposed for a prefill)."""
-    from circleops.ops import attention as kernel
-
-    saved = kernel._rope
-    kernel._rope = _ROPE_AS_OP
-    try:
-        return REGISTRY["attention"].reference(**bound)
-    finally:
-        kernel._rope = saved
+    return REGISTRY["attention"].reference(**bound, rope=torch.ops.circle.rope)
 
 
 @lower(torch.ops.circle.attention)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["attention"]
     bound = bind(spec, args, kwargs)
-    if spec.targets[ctx.target] == "decomposed":
+    if form(ctx, spec) == DECOMPOSED:
         return ctx.call(_attention_with_rope_op, **bound)
     return fused(ctx, spec, bound, _attention_builtin)
 
@@ -229,7 +225,7 @@ def _instance_norm_builtin(ctx, spec, x, weight, bias, eps):
 
 
 def instance_norm(ctx, x, weight, bias, eps):
-    """Instance norm of NCHW ``x`` for ctx.target (shared with aten.instance_norm)."""
+    """Instance norm of NCHW ``x`` for ctx's target (shared with aten.instance_norm)."""
     spec = REGISTRY["instance_norm"]
     return fused(ctx, spec, {"x": x, "weight": weight, "bias": bias, "eps": float(eps)}, _instance_norm_builtin)
 

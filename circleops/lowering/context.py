@@ -23,24 +23,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from circleops import ir
-from circleops.errors import TargetError, UnsupportedOpError
-
-TARGETS = ("circle", "onert", "tflite")
-
-# Builtins a target's runtime lacks, so that generic lowerings pick another formulation
-# (measured on onert 0.1.0; see tests/onert and shared/FACTS.md).
-MISSING_BUILTINS: dict[str, frozenset[str]] = {
-    "circle": frozenset(),
-    "tflite": frozenset(),
-    "onert": frozenset({
-        "MIRROR_PAD",               # load fails
-        "RESIZE_NEAREST_NEIGHBOR",  # "KernelGenerator: NYI"
-        "INSTANCE_NORM",            # "KernelGenerator: NYI"
-        "ATTENTION",                # "Unsupported operation"
-        "CUMSUM",                   # no CPU kernel
-    }),
-}
-
+from circleops.errors import UnsupportedOpError
+from circleops.targets import TargetProfile, profile
 
 # Elementwise unary builtins: they commute with a transpose of their input.
 LAYOUT_FREE = frozenset({
@@ -141,10 +125,9 @@ def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
 class LoweringContext:
     """Builds one ir.Model; lowerings call ``emit`` and the helpers below."""
 
-    def __init__(self, target: str, model: ir.Model):
-        if target not in TARGETS:
-            raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
-        self.target = target
+    def __init__(self, target: str | TargetProfile, model: ir.Model):
+        self.profile: TargetProfile = profile(target)  # what the target runs: lowerings ask it
+        self.target = self.profile.name  # for messages only; decisions read self.profile
         self.model = model
         self.sg: ir.Subgraph = None  # type: ignore[assignment] - set by subgraph()
         self.node: torch.fx.Node | None = None  # the node being lowered (any graph)
@@ -157,9 +140,9 @@ class LoweringContext:
         self._transposed: dict[tuple[int, int], tuple[Value, list[int]]] = {}
 
     # ---------------------------------------------------------------- target queries
-    def supports(self, opcode: str) -> bool:
-        """Whether the target's runtime executes builtin ``opcode``."""
-        return opcode not in MISSING_BUILTINS[self.target]
+    def supports(self, opcode: str, dtype: torch.dtype | None = None, rank: int | None = None) -> bool:
+        """Whether the target's runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
+        return self.profile.runs(opcode, dtype, rank)
 
     # ---------------------------------------------------------------- the current node
     @property
@@ -371,8 +354,7 @@ class LoweringContext:
             return x  # every row in order (a KV-cache write that fills the whole cache)
         if x.is_const and indices.is_const:
             return const_value(x.const.index_select(axis, indices.const.reshape(-1).long()).reshape(shape))
-        if self.target == "onert" and x.dtype in (torch.int64, torch.bool):
-            # onert gathers float32/int32 data only ("Gather: unsupported input data type");
+        if x.dtype in (torch.int64, torch.bool) and not self.supports("GATHER", x.dtype):
             # int64 here is positions and counts, far inside int32
             return self.cast(self.gather(self.cast(x, torch.int32), indices, axis), x.dtype)
         return self.emit("GATHER", [x, indices], "GatherOptions", out_shape=shape, out_dtype=x.dtype,

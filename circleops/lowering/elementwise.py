@@ -67,7 +67,7 @@ def minmax(ctx, opcode, x, y, dtype):
     """MAXIMUM / MINIMUM in ``dtype``. onert has no integer MAXIMUM, no int64 MINIMUM and
     no integer SELECT_V2 ("Max: unsupported data type"): there, integers compute
     x + (y - x) · [y > x] (resp. [y < x]) with ops it runs on int64."""
-    if ctx.target == "onert" and not dtype.is_floating_point:
+    if not dtype.is_floating_point and not ctx.supports(opcode, dtype):
         x, y = ctx.cast(x, dtype), ctx.cast(y, dtype)
         take_y = ctx.binary("GREATER" if opcode == "MAXIMUM" else "LESS", y, x, out_dtype=torch.bool)
         return ctx.add(x, ctx.mul(ctx.sub(y, x), ctx.cast(take_y, dtype)))

@@ -10,23 +10,16 @@ aten = torch.ops.aten
 
 
 # A 1x1 CONV_2D over [1, 1, rows, in] with the weight as its [out, 1, 1, in] filter is the
-# same product as FULLY_CONNECTED, and onert 0.1.0's CPU CONV_2D kernel is the faster one
-# from 4 rows up (up to 2x: Llama lm_head 64x512x32000 62 -> 33 ms, 64x2048x5632 47 -> 23 ms)
-# and, for fewer rows (a decode step), when the output is at least 8x wider than the input
-# (an lm_head: 1x576x49152 10.0 -> 5.1 ms); otherwise FULLY_CONNECTED is faster (1x2048x2048
-# 0.65 vs 0.84 ms). bench/onert_matmul.py measures it. Neither kernel used a second thread.
-# Peak memory: +24 MB of working buffers on the 45M Llama (onert session 238 -> 262 MB;
-# tico's file 274).
-ONERT_CONV_MIN_ROWS = 4
-ONERT_CONV_MIN_WIDENING = 8
+# same product as FULLY_CONNECTED; where a runtime's CONV_2D kernel is the faster one
+# (onert's, per shape: TargetProfile.linear_as_conv says when), linears are written so.
 
 
-def _onert_conv_1x1(ctx, x, weight, bias, dtype):
-    """x [..., in] · weightᵀ as CONV_2D [1, 1, rows, in] * [out, 1, 1, in] for onert, or
-    None when FULLY_CONNECTED is the faster (or the only memory-neutral) choice."""
+def _conv_1x1(ctx, x, weight, bias, dtype):
+    """x [..., in] · weightᵀ as CONV_2D [1, 1, rows, in] * [out, 1, 1, in], or None when
+    FULLY_CONNECTED is the faster (or the only memory-neutral) choice on the target."""
     rows, (out, inner) = x.numel // x.shape[-1], weight.shape
-    faster = rows >= ONERT_CONV_MIN_ROWS or out >= ONERT_CONV_MIN_WIDENING * inner
-    if (ctx.target != "onert" or not weight.is_const or not faster
+    rule = ctx.profile.linear_as_conv
+    if (rule is None or not weight.is_const or not rule.applies(rows, inner, out)
             or not weight.const.is_contiguous()):  # the filter must be a view of the weight, not a copy
         return None
     if bias is None:
@@ -44,10 +37,10 @@ def fully_connected(ctx, x, weight, bias=None):
     x, weight = ctx.cast(x, dtype), ctx.cast(weight, dtype)
     bias = ctx.cast(bias, dtype) if bias is not None else None
     out_shape = x.shape[:-1] + (weight.shape[0],)
-    conv = _onert_conv_1x1(ctx, x, weight, bias, dtype)
+    conv = _conv_1x1(ctx, x, weight, bias, dtype)
     if conv is not None:
         return conv
-    if x.rank == 2 or ctx.target == "onert":
+    if x.rank == 2 or not ctx.profile.fc_keep_num_dims:
         # onert ignores keepNumDims and returns [N, out]: flatten explicitly and restore.
         flat = ctx.reshape(x, (-1, x.shape[-1]))
         y = ctx.emit("FULLY_CONNECTED", [flat, weight, bias], "FullyConnectedOptions",

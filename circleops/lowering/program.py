@@ -19,10 +19,11 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from circleops import ir
-from circleops.errors import TargetError, UnsupportedOpError
+from circleops.errors import REPORT_BUG, CircleOpsError, InternalError, TargetError, UnsupportedOpError
 from circleops.lowering.context import LoweringContext, Value, const_value, source_line
 from circleops.lowering.registry import lowering_for
 from circleops.passes.fold import evaluate, is_foldable, live_nodes
+from circleops.targets import PROFILES, TargetProfile, profile
 
 _CONST_INPUTS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -52,7 +53,7 @@ def _as_dtype(dtype: Any) -> torch.dtype:
     return names[str(dtype)]
 
 
-def _check_dtype(ep: torch.export.ExportedProgram, target: str, dtype: Any) -> None:
+def _check_dtype(ep: torch.export.ExportedProgram, target: TargetProfile, dtype: Any) -> None:
     found = _program_dtype(ep)
     if dtype is not None:
         want = _as_dtype(dtype)
@@ -61,20 +62,33 @@ def _check_dtype(ep: torch.export.ExportedProgram, target: str, dtype: Any) -> N
                 f"the exported program computes in {found} but dtype={want} was requested: convert "
                 f"the model (model.to({want})) before torch.export, or pass dtype=None")
         found = want
-    if target == "onert" and found not in (None, torch.float32):
+    if found is not None and not target.allows_float(found):
         raise TargetError(
-            f"target 'onert' runs float32 only (onert refuses {found} tensors), but the program "
-            f"computes in {found}: export the model in float32 (model.float()), or use target "
-            f"'circle' (fp16 for NPU compilers) or 'tflite'")
+            f"target {target.name!r} runs {_floats(target)} only ({target.runtime} refuses {found} tensors), "
+            f"but the program computes in {found}: export the model in float32 (model.float()), or use "
+            f"{_targets_for(found)}")
 
 
-def _check_float32(model: ir.Model) -> None:
+_FLOAT_TENSORS = ("FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT64")
+
+
+def _floats(target: TargetProfile) -> str:
+    return " / ".join(sorted(target.float_dtypes))
+
+
+def _targets_for(dtype: Any) -> str:
+    names = [f"{p.name!r}" for p in PROFILES.values() if p.allows_float(dtype)]
+    return f"target {' or '.join(names)}" if names else "another dtype"
+
+
+def _check_floats(model: ir.Model, target: TargetProfile) -> None:
+    """Every float tensor in a dtype the target runs (a cast inside the model can bring others)."""
     for sg in model.subgraphs:
         for t in sg.tensors:
-            if t.dtype in ("FLOAT16", "BFLOAT16", "FLOAT64"):
+            if t.dtype in _FLOAT_TENSORS and not target.allows_float(t.dtype):
                 raise TargetError(
-                    f"target 'onert' runs float32 only, but tensor {t.name!r} is {t.dtype}: make the "
-                    f"model compute in float32 (no .half()/autocast), or use target 'circle'")
+                    f"target {target.name!r} runs {_floats(target)} only, but tensor {t.name!r} is {t.dtype}: "
+                    f"make the model compute in float32 (no .half()/autocast), or use {_targets_for(t.dtype)}")
 
 
 def _static(node: torch.fx.Node) -> None:
@@ -85,17 +99,21 @@ def _static(node: torch.fx.Node) -> None:
             f"shapes; export without dynamic_shapes (one program per sequence length)")
 
 
-def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any = None) -> ir.Model:
-    """Lower an ExportedProgram to an ir.Model for ``target`` ("circle", "onert" or "tflite").
+def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile, *,
+                  dtype: Any = None) -> ir.Model:
+    """Lower an ExportedProgram to an ir.Model for ``target`` (a name in circleops.targets.TARGETS:
+    "circle", "onert" or "tflite", or a TargetProfile).
 
     Parameters, buffers and lifted constants become constant tensors whose data is the
     torch tensor itself (no copy; shared tensors are written once); user inputs become
     the main subgraph's inputs and the user outputs (flattened) its outputs.
 
     ``dtype``: the float dtype the program is expected to compute in (None: taken from
-    its weights and inputs). Target "onert" requires float32; a mismatch is a TargetError.
+    its weights and inputs). A dtype the target does not run (TargetProfile.float_dtypes:
+    onert runs float32 only) is a TargetError.
     """
-    ctx = LoweringContext(target, ir.Model(description=f"circleops ({target})"))
+    target = profile(target)
+    ctx = LoweringContext(target, ir.Model(description=f"circleops ({target.name})"))
     _check_dtype(ep, target, dtype)
     with ctx.subgraph("main"):
         sg = ctx.sg
@@ -134,16 +152,15 @@ def lower_program(ep: torch.export.ExportedProgram, target: str, *, dtype: Any =
             idx = ctx.index(value)
             sg.outputs.append(idx)
             sig_outputs[f"output_{len(sig_outputs)}"] = idx
-    if target == "onert":
+    if target.copy_consumed_outputs:
         _copy_consumed_outputs(sg)
         sig_outputs = {name: sg.outputs[k] for k, name in enumerate(sig_outputs)}
     remap = [prune(g) for g in ctx.model.subgraphs]
     ctx.model.signatures.append(ir.Signature(
         "serving_default", 0, {k: remap[0][i] for k, i in sig_inputs.items()},
         {k: remap[0][i] for k, i in sig_outputs.items()}))
-    if target == "onert":
-        _check_float32(ctx.model)
-    if target == "tflite":
+    _check_floats(ctx.model, target)
+    if target.legalize_fp16:
         # fp16 ops without a LiteRT CPU kernel compute in fp32 (see tflite_fp16)
         from circleops.lowering.tflite_fp16 import legalize_fp16
 
@@ -251,11 +268,25 @@ def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[An
             ctx.root = node
         try:
             env[node] = _lower_node(ctx, node, args, kwargs)
+        except CircleOpsError:
+            raise
+        except Exception as err:
+            raise _internal_error(ctx, node, err) from err
         finally:
             ctx.node = outer_node
             if top:
                 ctx.root = None
     return result
+
+
+def _internal_error(ctx: LoweringContext, node: torch.fx.Node, err: Exception) -> InternalError:
+    """An unexpected failure inside a lowering, as a CircleOpsError naming the user's node
+    (the top-level one when it happened inside a decomposition), its op and source line."""
+    root = ctx.root or node
+    inner = f" (inside {node.target} node {node.name!r})" if node is not root else ""
+    return InternalError(
+        f"lowering node {root.name!r} ({root.target}){inner} for target {ctx.target!r} failed: "
+        f"{type(err).__name__}: {err}; at {source_line(root)}. {REPORT_BUG}")
 
 
 def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:

@@ -18,6 +18,9 @@ def _axes(x, dim):
 def reduce(ctx, opcode, x, dim, keepdim, dtype=None):
     """Reduce ``x`` over ``dim`` with a TFLite reducer (MEAN, SUM, REDUCE_MAX, ...)."""
     x = ctx.cast(x, dtype or (ctx.out_dtype if x.dtype != torch.bool else x.dtype))
+    if opcode == "REDUCE_MIN" and not ctx.supports("REDUCE_MIN") and x.dtype.is_floating_point:
+        # min(x) = -max(-x), exact
+        return ctx.unary("NEG", reduce(ctx, "REDUCE_MAX", ctx.unary("NEG", x), dim, keepdim, x.dtype))
     axes = _axes(x, dim)
     shape = [1 if i in axes else d for i, d in enumerate(x.shape)] if keepdim else \
         [d for i, d in enumerate(x.shape) if i not in axes]
@@ -104,14 +107,15 @@ def _(ctx, node, x, dim=None, keepdim=False):
     return _arg(ctx, "ARG_MIN", x, dim, keepdim)
 
 
+# (values, indices): the node's value is a pair, so the values' dtype is x's, not ctx.out_dtype
 @lower(aten.max.dim)
 def _(ctx, node, x, dim, keepdim=False):
-    return [reduce(ctx, "REDUCE_MAX", x, dim, keepdim), _arg(ctx, "ARG_MAX", x, dim, keepdim)]
+    return [reduce(ctx, "REDUCE_MAX", x, dim, keepdim, x.dtype), _arg(ctx, "ARG_MAX", x, dim, keepdim)]
 
 
 @lower(aten.min.dim)
 def _(ctx, node, x, dim, keepdim=False):
-    return [reduce(ctx, "REDUCE_MIN", x, dim, keepdim), _arg(ctx, "ARG_MIN", x, dim, keepdim)]
+    return [reduce(ctx, "REDUCE_MIN", x, dim, keepdim, x.dtype), _arg(ctx, "ARG_MIN", x, dim, keepdim)]
 
 
 @lower(aten.cumsum)

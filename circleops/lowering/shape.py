@@ -202,7 +202,7 @@ def _(ctx, node, x, pad, value=0):
 def _(ctx, node, x, dims):
     dims = sorted({d % x.rank for d in dims if x.shape[d % x.rank] > 1})
     for d in dims:
-        if ctx.target == "onert" and x.dtype != torch.float32:  # its REVERSE_V2 is float-only
+        if not ctx.supports("REVERSE_V2", x.dtype):  # onert's is float-only
             x = ctx.gather(x, list(range(x.shape[d] - 1, -1, -1)), d)
         else:  # one axis per REVERSE_V2: LiteRT reverses one axis only, and crashes on none
             x = ctx.emit("REVERSE_V2", [x, ctx.i32([d])], out_shape=x.shape, out_dtype=x.dtype)

@@ -136,7 +136,7 @@ class CheckReport:
     # ------------------------------------------------------------------ plot
     def plot(self, path: str | os.PathLike) -> None:
         """A PNG: max |error| per layer (log scale), one line per policy; inf/NaN drawn at the top."""
-        plt = _pyplot()
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
         layers = list(range(self.num_layers))
         finite = [v for r in self.policies for v in r.layer_max_abs if math.isfinite(v) and v > 0]
@@ -168,7 +168,8 @@ class CheckReport:
             plt.close(fig)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; CircleOpsError naming the extra when it is missing."""
     try:
         import matplotlib
 

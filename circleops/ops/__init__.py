@@ -71,8 +71,11 @@ class OpSpec:
 
     @property
     def targets(self) -> dict[str, str]:
-        """target profile -> how the op is written there: builtin, decomposed or composite."""
-        return self.contract["targets"]
+        """target -> how its profile writes the op: builtin, decomposed or composite
+        (circleops.targets: a target that lacks the builtin decomposes the op)."""
+        from circleops.targets import PROFILES
+
+        return {name: p.fused_form(self.circle["builtin"]) for name, p in PROFILES.items()}
 
     @property
     def autocast(self) -> str:

@@ -35,6 +35,8 @@ dtype: every floating input (caches included) is cast to it, so the outputs are 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -95,8 +97,13 @@ def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> 
 
 def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
               mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-              scale: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference kernel (also the decomposition)."""
+              scale: float = 0.0, *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference kernel (also the decomposition).
+
+    ``rope(x, cos, sin)`` rotates q and k: the rope reference kernel, or (when a lowering
+    traces this kernel) ``torch.ops.circle.rope``, so that the rotation is lowered as the
+    rope op is on that target (onert: the ROPE builtin in a decode step).
+    """
     _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
     dtype = compute_dtype(x, wq, wk, wv, wo)
     x, wq, wk, wv, wo, cos, sin = (t.to(dtype) for t in (x, wq, wk, wv, wo, cos, sin))
@@ -106,8 +113,8 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     q = F.linear(x, wq).view(b, s, hq, d).transpose(1, 2)
     k = F.linear(x, wk).view(b, s, hkv, d).transpose(1, 2)
     v = F.linear(x, wv).view(b, s, hkv, d)
-    q = _rope.reference(q, cos, sin)
-    k = _rope.reference(k, cos, sin)
+    q = rope(q, cos, sin)
+    k = rope(k, cos, sin)
     k_cache = update_cache(k_cache, k.transpose(1, 2), pos)
     v_cache = update_cache(v_cache, v, pos)
     keys = _expand_kv(k_cache.transpose(1, 2), hq // hkv)

@@ -1,13 +1,9 @@
-"""``circleops ops``: the fused-op registry as a table, read from the registry (schema/ops.yaml).
+"""The fused-op registry as a table (what ``circleops ops`` prints), read from schema/ops.yaml.
 
 One row per op: name, Circle builtin (code) and options table, TFLite composite name,
 how each target profile writes the op, the autocast rule, and the torch schema.
 """
 from __future__ import annotations
-
-import argparse
-import json
-from typing import Any
 
 from circleops.errors import CircleOpsError
 
@@ -55,20 +51,3 @@ def format_markdown(table: list[dict[str, str]]) -> str:
     lines += ["| " + " | ".join(cell(r[c]) if c != "torch schema" else f"`{cell(r[c])}`" for c in COLUMNS) + " |"
               for r in table]
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("names", nargs="*", metavar="OP", help="only these ops (default: all)")
-    parser.add_argument("--format", choices=("table", "markdown", "json"), default="table",
-                        help="output format (default: table)")
-
-
-def main(args: Any) -> int:
-    table = rows(args.names)
-    if args.format == "json":
-        print(json.dumps(table, indent=2))
-    elif args.format == "markdown":
-        print(format_markdown(table))
-    else:
-        print(format_table(table))
-    return 0

@@ -23,6 +23,8 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
                                           TensorArgument)
 from torch.utils import _pytree as pytree
 
+from circleops.passes._graph import copy_graph
+
 _CONST_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
@@ -64,7 +66,7 @@ def fold_constants(ep: torch.export.ExportedProgram) -> torch.export.ExportedPro
     the graph is a lifted constant (``InputKind.CONSTANT_TENSOR`` named ``_folded_<node>``),
     dead nodes are removed, and parameters/buffers nothing uses any more are dropped.
     The original program is left unchanged."""
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    gm = torch.fx.GraphModule(ep.graph_module, copy_graph(ep.graph))
     graph = gm.graph
     specs = list(ep.graph_signature.input_specs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

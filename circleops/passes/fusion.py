@@ -36,6 +36,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 import circleops.ops  # noqa: F401  (registers torch.ops.circle.*)
+from circleops.passes._graph import copy_graph
 
 aten = torch.ops.aten
 
@@ -445,7 +446,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, *, model: Optional[torch.nn.
     a :class:`FusionReport`. ``model`` (the exported module) is optional: with it, the
     report explains exactly why each decomposed attention layer could not be fused.
     """
-    graph = copy.deepcopy(ep.graph)
+    graph = copy_graph(ep.graph)
     report = FusionReport()
     for n in graph.nodes:
         spec = circleops.ops.by_overload(n.target) if n.op == "call_function" else None

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from circleops import ir
 from circleops.errors import RuntimeRunError
-from circleops.runtime.kernels import IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
+from circleops.quantize.ggml import BlockTensor
+from circleops.runtime.kernels import BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
 
 __all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
 
@@ -36,8 +37,11 @@ def supported_opcodes() -> frozenset[str]:
     return frozenset(KERNELS)
 
 
-def _to_torch(data: Any, dtype: str, shape: tuple[int, ...]) -> Tensor:
-    """A constant's data as a torch tensor, sharing memory where possible."""
+def _to_torch(data: Any, dtype: str, shape: tuple[int, ...]) -> Tensor | BlockTensor:
+    """A constant's data as a torch tensor, sharing memory where possible (GGML blocks as a
+    BlockTensor, which the kernels of BLOCK_WEIGHT_INPUTS unpack)."""
+    if dtype in ir.GGML_BLOCKS:
+        return BlockTensor(data, dtype, shape)
     if isinstance(data, Tensor):
         t = data.detach()
     else:
@@ -98,6 +102,14 @@ class _Plan:
                     f"{index} {sg.name!r}, output tensor {_out_name(sg, op)!r}). The interpreter knows "
                     f"{len(KERNELS)} opcodes (circleops.runtime.reference.supported_opcodes()); add one "
                     "with @kernel in circleops/runtime/kernels/, or run the file with --runtime onert/litert.")
+            for pos, j in enumerate(op.inputs):
+                if j >= 0 and sg.tensors[j].dtype in ir.GGML_BLOCKS and \
+                        pos not in BLOCK_WEIGHT_INPUTS.get(op.opcode, ()):
+                    raise RuntimeRunError(
+                        f"reference interpreter: operator {k} ({op.opcode}) of subgraph {index} "
+                        f"{sg.name!r} takes {sg.tensors[j].dtype} tensor {sg.tensors[j].name!r} as input "
+                        f"{pos}; GGML blocks are read only as a FULLY_CONNECTED weight or a GATHER "
+                        "table (what onert runs); store this tensor as FLOAT32")
             ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
             writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:

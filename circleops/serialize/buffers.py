@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from circleops import ir
+
 # TensorType name -> element size in bytes (the types circleops writes).
 ELEMENT_SIZE: dict[str, int] = {
     "FLOAT32": 4, "FLOAT16": 2, "BFLOAT16": 2, "FLOAT64": 8, "INT64": 8, "INT32": 4,
@@ -32,6 +34,25 @@ NUMPY_DTYPE: dict[str, np.dtype] = {
 }
 
 _FINGERPRINT_SAMPLE = 4096
+
+
+def data_nbytes(dtype: str, shape: tuple[int, ...], itemsize: int | None = None) -> int:
+    """Bytes of a constant of ``shape`` stored as ``dtype``: GGML block types count whole
+    blocks (``ir.GGML_BLOCKS``), the rest elements (``itemsize`` for a type not listed)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype in ir.GGML_BLOCKS:
+        per_block, block_bytes = ir.GGML_BLOCKS[dtype]
+        return -(-n // per_block) * block_bytes
+    return n * ELEMENT_SIZE.get(dtype, itemsize or 1)
+
+
+def check_ggml_shape(dtype: str, shape: tuple[int, ...], name: str) -> None:
+    """GGML blocks run along the last dimension: it must be a whole number of blocks."""
+    per_block = ir.GGML_BLOCKS[dtype][0]
+    if not shape or shape[-1] % per_block:
+        raise ValueError(
+            f"tensor {name!r}: {dtype} stores blocks of {per_block} along the last dimension, "
+            f"but its shape is {list(shape)}; keep this tensor FLOAT32 or pad it")
 
 
 def as_bytes_view(data: Any, dtype: str, shape: tuple[int, ...], name: str = "?") -> np.ndarray:
@@ -56,7 +77,9 @@ def as_bytes_view(data: Any, dtype: str, shape: tuple[int, ...], name: str = "?"
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     flat = arr.reshape(-1).view(np.uint8)
-    expected = int(np.prod(shape, dtype=np.int64)) * ELEMENT_SIZE.get(dtype, arr.dtype.itemsize)
+    if dtype in ir.GGML_BLOCKS:
+        check_ggml_shape(dtype, shape, name)
+    expected = data_nbytes(dtype, shape, arr.dtype.itemsize)
     if flat.nbytes != expected:
         raise ValueError(
             f"constant tensor {name!r}: data has {flat.nbytes} bytes but shape {list(shape)} "

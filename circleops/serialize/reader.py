@@ -16,7 +16,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import ModelLoadError
-from circleops.serialize.buffers import NUMPY_DTYPE
+from circleops.serialize.buffers import NUMPY_DTYPE, data_nbytes
 from circleops.serialize.composite import decode_attributes
 from circleops.serialize.schema import Schema, get_schema
 
@@ -115,6 +115,17 @@ def _buffer_data(m: Any, buf: Any, size: int, path: str) -> list[np.ndarray | No
     return datas
 
 
+def _quant(qp: Any) -> ir.QuantParams | None:
+    """A QuantizationParameters table -> ir.QuantParams; None when it carries no scale
+    (converters write empty tables, or min/max only, on float tensors)."""
+    if qp is None or qp.scale is None or not len(qp.scale):
+        return None
+    scale = np.array(qp.scale, dtype=np.float32).reshape(-1)
+    zp = (np.array(qp.zeroPoint, dtype=np.int64).reshape(-1) if qp.zeroPoint is not None
+          and len(qp.zeroPoint) else np.zeros(len(scale), dtype=np.int64))
+    return ir.QuantParams(scale, zp, int(qp.quantizedDimension))
+
+
 def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
     datas = _buffer_data(m, buf, size, path)
     union_names = {attr: schema.union_names(u) for attr, u in
@@ -144,7 +155,13 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
             shape = tuple(int(d) for d in (t.shapeSignature if t.shapeSignature is not None
                                            else (t.shape if t.shape is not None else [])))
             static = tuple(int(d) for d in (t.shape if t.shape is not None else []))
-            out.tensors.append(ir.Tensor(_str(t.name) or "", shape, dtype, const(t, dtype, static)))
+            name = _str(t.name) or ""
+            data = const(t, dtype, static)
+            if data is not None and dtype in ir.GGML_BLOCKS and data.nbytes != data_nbytes(dtype, static):
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} is {dtype} {list(static)} ({data_nbytes(dtype, static)} "
+                    f"bytes of blocks) but its buffer holds {data.nbytes} bytes; the file is corrupt")
+            out.tensors.append(ir.Tensor(name, shape, dtype, data, _quant(t.quantization)))
         for op in sg.operators or []:
             oc = m.operatorCodes[op.opcodeIndex]
             name = opcode_name(schema, oc)

@@ -26,7 +26,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import OutputError, TargetError, UnsupportedOpError
-from circleops.serialize.buffers import ELEMENT_SIZE, BufferTable, _identity_key, materialize
+from circleops.serialize.buffers import BufferTable, _identity_key, data_nbytes, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
 
@@ -140,6 +140,30 @@ def _options(schema: Schema, options_type: str, options: dict[str, Any], where: 
     return obj
 
 
+def _quantization(schema: Schema, t: ir.Tensor, where: str) -> Any:
+    """ir.QuantParams -> a QuantizationParameters table (scale, zero_point, quantized_dimension)."""
+    q = t.quant
+    scale = np.ascontiguousarray(q.scale, dtype="<f4").reshape(-1)
+    zero_point = np.ascontiguousarray(q.zero_point, dtype="<i8").reshape(-1)
+    if t.dtype in ir.GGML_BLOCKS:
+        raise TargetError(f"{where}: {t.dtype} carries its scales in its blocks; it takes no "
+                          "QuantizationParameters (onert refuses them)")
+    if not len(scale) or len(zero_point) not in (len(scale), 0):
+        raise TargetError(f"{where}: quantization has {len(scale)} scales and {len(zero_point)} "
+                          "zero points; give one zero point per scale")
+    if len(scale) > 1:
+        dim = q.quantized_dimension
+        if not 0 <= dim < len(t.shape) or t.shape[dim] != len(scale):
+            raise TargetError(
+                f"{where}: {len(scale)} per-channel scales along dimension {dim} do not match "
+                f"shape {list(t.shape)}")
+    qp = schema.cls("QuantizationParameters")()
+    qp.scale = scale
+    qp.zeroPoint = zero_point if len(zero_point) else np.zeros(len(scale), dtype="<i8")
+    qp.quantizedDimension = int(q.quantized_dimension)
+    return qp
+
+
 def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, BufferTable, list[_Placed]]:
     """The object-API ModelT and the buffers whose data the file streams after it."""
     table = BufferTable()
@@ -173,12 +197,19 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
             if any(d < 0 for d in shape):
                 tt.shapeSignature = shape
             if t.dtype not in schema.tensor_types:
+                if t.dtype in ir.GGML_BLOCKS:
+                    raise TargetError(
+                        f"tensor {t.name!r} (subgraph {si}): {t.dtype} block-quantized weights "
+                        f"exist only in Circle (onert runs them); the {schema.name} schema has no "
+                        "GGML types: write target circle/onert, or leave out quantize for tflite")
                 raise TargetError(
                     f"tensor {t.name!r} (subgraph {si}): dtype {t.dtype} does not exist in the "
                     f"{schema.name} schema")
             tt.type = schema.tensor_types[t.dtype]
             tt.name = t.name
             tt.hasRank = True
+            if t.quant is not None:
+                tt.quantization = _quantization(schema, t, f"tensor {t.name!r} (subgraph {si})")
             if t.data is not None:
                 tt.buffer = table.add(t.data, t.dtype, tuple(shape), t.name)
             tensors.append(tt)
@@ -415,7 +446,7 @@ def constant_bytes(model: ir.Model) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            n = int(np.prod(t.shape, dtype=np.int64)) * ELEMENT_SIZE.get(t.dtype, 1)
+            n = data_nbytes(t.dtype, tuple(t.shape))
             total += _align(4 + n)
     return total + sum(_align(4 + len(bytes(blob))) for blob in model.metadata.values())
 

@@ -83,3 +83,43 @@ def test_training_mode_dropout_is_refused():
     ep = torch.export.export(Drop(), (torch.randn(4),), strict=False)
     with pytest.raises(UnsupportedOpError, match=r"training mode.*model\.eval\(\)"):
         lower_program(ep, "circle")
+
+
+def test_unexpected_failure_in_a_lowering_is_a_circleops_error(monkeypatch, tmp_path):
+    """A bug inside a lowering reaches the user as an InternalError naming the node, its
+    op, the source line, asking for a report; the original exception is its __cause__."""
+    import circleops
+    from circleops.errors import InternalError
+    from circleops.lowering import registry
+
+    def broken(ctx, node, x):
+        raise KeyError("a lowering bug")
+
+    monkeypatch.setitem(registry.LOWERINGS, torch.ops.aten.sin.default, broken)
+
+    class Sin(torch.nn.Module):
+        def forward(self, x):
+            return torch.sin(x * 2)
+
+    with pytest.raises(InternalError) as info:
+        circleops.convert(Sin(), (torch.randn(3),), tmp_path / "m.circle")
+    msg = str(info.value)
+    assert "'sin'" in msg and "aten.sin.default" in msg and "KeyError" in msg and "a lowering bug" in msg
+    assert __file__ in msg and "torch.sin(x * 2)" in msg
+    assert "report" in msg
+    assert isinstance(info.value.__cause__, KeyError)
+    assert not (tmp_path / "m.circle").exists()
+
+
+def test_unexpected_failure_after_lowering_is_a_circleops_error(monkeypatch, tmp_path):
+    import circleops
+    from circleops.errors import InternalError
+    from circleops.serialize import writer
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a writer bug")
+
+    monkeypatch.setattr(writer, "write_model", broken)
+    with pytest.raises(InternalError, match=r"write stage: ZeroDivisionError: a writer bug.*report") as info:
+        circleops.convert(torch.nn.ReLU(), (torch.randn(3),), tmp_path / "m.circle")
+    assert isinstance(info.value.__cause__, ZeroDivisionError)

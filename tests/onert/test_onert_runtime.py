@@ -1,7 +1,7 @@
 """What onert 0.1.0 does with the ops the lowering relies on, pinned with tiny hand-built
 files, and the runner's error reporting. When an onert upgrade changes one of these, the
 test that fails names the lowering decision to revisit (circleops/lowering/circle_ops.py,
-context.MISSING_BUILTINS, program._copy_consumed_outputs, elementwise.minmax)."""
+circleops.targets.ONERT, program._copy_consumed_outputs, elementwise.minmax)."""
 from __future__ import annotations
 
 import numpy as np
@@ -87,8 +87,8 @@ def test_rms_norm_runs_rank_3_and_4_only(tmp_path, shape):
 ])
 def test_missing_builtins_fail_with_the_real_reason(tmp_path, opcode, message):
     """The runner reports onert's stderr text, not just NNFW_STATUS_ERROR; and these are the
-    builtins target onert never writes (context.MISSING_BUILTINS)."""
-    from circleops.lowering.context import MISSING_BUILTINS
+    builtins target onert never writes (its profile's missing_builtins)."""
+    from circleops.targets import ONERT
 
     x = np.zeros((1, 4, 4, 2), np.float32)
     i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
@@ -102,7 +102,7 @@ def test_missing_builtins_fail_with_the_real_reason(tmp_path, opcode, message):
                   (1, 8, 8, 2) if opcode.startswith("RESIZE") else x.shape, options_type=options[0], **options[1])
     with pytest.raises(RuntimeRunError, match=message):
         onert.run(path, [x])
-    assert opcode in MISSING_BUILTINS["onert"]
+    assert opcode in ONERT.missing_builtins
 
 
 def test_integer_maximum_is_missing(tmp_path):

@@ -18,10 +18,9 @@ from circle_schema import circle
 from circleops.cli import main as cli_main
 from circleops.ops import REGISTRY, SCHEMA_PATH, by_overload
 from circleops.ops._common import OpArgumentError
+from circleops.targets import FUSED_FORMS, TARGETS
 
 OPS = list(REGISTRY)
-TARGETS = {"circle", "onert", "tflite"}
-HOW = {"builtin", "decomposed", "composite", "builtin_if_single_position"}
 DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32"}
 ATTR_TYPES = {"float": torch.FloatType, "int": torch.IntType, "str": torch.StringType, "bool": torch.BoolType}
 
@@ -117,7 +116,7 @@ def test_tflite_composite_is_well_formed(name):
 @pytest.mark.parametrize("name", OPS)
 def test_targets_are_known_profiles(name):
     targets = REGISTRY[name].targets
-    assert set(targets) == TARGETS and set(targets.values()) <= HOW
+    assert set(targets) == set(TARGETS) and set(targets.values()) <= set(FUSED_FORMS)
 
 
 @pytest.mark.parametrize("name", OPS)

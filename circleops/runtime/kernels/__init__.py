@@ -47,6 +47,10 @@ KERNELS: dict[str, Kernel] = {}
 # than its kernel returns (ONE's ATTENTION has one output and writes k/v into the caches).
 IN_PLACE: dict[str, tuple[int, ...]] = {}
 
+# opcode -> input positions that may be GGML blocks (a circleops.quantize.ggml.BlockTensor
+# reaches the kernel there; onert reads GGML blocks nowhere else).
+BLOCK_WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {"FULLY_CONNECTED": (1,), "GATHER": (0,)}
+
 
 def kernel(*opcodes: str, in_place: tuple[int, ...] = ()) -> Callable[[Kernel], Kernel]:
     """Register ``fn`` as the kernel of each BuiltinOperator name in ``opcodes``.
@@ -143,5 +147,5 @@ def same_dtype(op: ir.Operator, *tensors: Tensor) -> None:
 # Importing the modules registers their kernels.
 from circleops.runtime.kernels import elementwise, fused, nn, reduce, shape  # noqa: E402,F401
 
-__all__ = ["KERNELS", "IN_PLACE", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
+__all__ = ["KERNELS", "IN_PLACE", "BLOCK_WEIGHT_INPUTS", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
            "activation", "ints", "scalar", "axis_of", "same_dtype"]

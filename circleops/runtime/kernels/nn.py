@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circleops.quantize.ggml import BlockTensor, quantize_q8_0_input
 from circleops.runtime.kernels import KernelError, activation, enum_value, ints, kernel, option, same_dtype
 
 _PADDING = ("SAME", "VALID")
@@ -16,6 +17,9 @@ _PADDING = ("SAME", "VALID")
 def _fully_connected(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
+    if isinstance(w, BlockTensor):
+        # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
+        w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
     # TFLite flattens the input to [-1, in]; keepNumDims restores the leading dims.
     y = F.linear(x.reshape(-1, w.shape[1]), w, b)
@@ -62,6 +66,9 @@ def _strides(op) -> tuple[int, int, int, int]:
 def _conv_2d(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
+    if isinstance(w, BlockTensor):
+        # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
+        w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
     sh, sw, dh, dw = _strides(op)
     groups = x.shape[3] // w.shape[3]  # filter OHWI with I = C / groups
@@ -74,6 +81,9 @@ def _conv_2d(op, inputs, ctx):
 def _depthwise_conv_2d(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
+    if isinstance(w, BlockTensor):
+        # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
+        w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
     sh, sw, dh, dw = _strides(op)
     c = x.shape[3]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from circleops.quantize.ggml import BlockTensor
 from circleops.runtime.kernels import (KernelError, activation, axis_of, enum_value, ints, kernel, option,
                                        same_dtype, scalar)
 
@@ -151,6 +152,11 @@ def _strided_slice(op, inputs, ctx):
 @kernel("GATHER")
 def _gather(op, inputs, ctx):
     params, indices = inputs
+    if isinstance(params, BlockTensor):  # a Q4_0 embedding table: unpack the picked rows
+        if int(option(op, "axis", default=0)) != 0 or int(option(op, "batchDims", default=0)) != 0:
+            raise KernelError(f"a {params.dtype} table is gathered along axis 0 only (batchDims 0)")
+        rows = params.rows(indices.to(torch.long).reshape(-1))
+        return [rows.reshape(*indices.shape, *params.shape[1:])]
     axis = axis_of(int(option(op, "axis", default=0)), params.dim())
     batch_dims = int(option(op, "batchDims", default=0))
     if batch_dims < 0:

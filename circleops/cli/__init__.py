@@ -14,12 +14,12 @@ from circleops._version import __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("circleops.convert_cli", "convert a model to a .circle or .tflite file"),
-    "inspect": ("circleops.inspect", "show the ops, tensors and signatures of a Circle or TFLite file"),
-    "run": ("circleops.runtime.run_cli", "run a Circle or TFLite file on inputs (.npy)"),
-    "check": ("circleops.check", "fp16/bf16 numerics report: error per layer and generation agreement per norm policy"),
-    "ops": ("circleops.ops.table", "list the fused ops: schema, Circle builtin, TFLite composite, targets"),
-    "generate": ("circleops.generate", "greedy generation with written prefill/decode graphs"),
+    "convert": ("circleops.cli.convert", "convert a model to a .circle or .tflite file"),
+    "inspect": ("circleops.cli.inspect", "show the ops, tensors and signatures of a Circle or TFLite file"),
+    "run": ("circleops.cli.run", "run a Circle or TFLite file on inputs (.npy)"),
+    "check": ("circleops.cli.check", "fp16/bf16 numerics report: error per layer and generation agreement per norm policy"),
+    "ops": ("circleops.cli.ops", "list the fused ops: schema, Circle builtin, TFLite composite, targets"),
+    "generate": ("circleops.cli.generate", "greedy generation with written prefill/decode graphs"),
 }
 
 
@@ -85,7 +85,3 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("circleops: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

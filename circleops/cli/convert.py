@@ -7,15 +7,15 @@ MODEL is a Hugging Face directory (config.json + *.safetensors), a .gguf file, t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 # Only the standard library at import time: `circleops convert --help` must be instant.
 TARGETS = ("circle", "onert", "tflite")
 FUSE_MODES = ("auto", "adapters", "patterns", "none")
 RUNTIMES = ("onert", "litert", "reference")
+DEFAULT_MAX_CACHE_LEN = 512  # circleops.graphs.DEFAULT_MAX_CACHE_LEN (not imported: it loads the pipeline)
 # circleops.cli ends the process without interpreter teardown after this command (~1 s).
 EXIT_WITHOUT_TEARDOWN = True
 
@@ -49,36 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
-    from circleops import graphs  # --graphs / --max-cache-len (prefill + decode graphs for generate)
-
-    graphs.add_arguments(parser)
-
-
-class _Progress:
-    """A tqdm bar over the conversion stages, on stderr, only for an interactive terminal."""
-
-    def __init__(self, stages: list[str], enabled: bool):
-        self.bar = None
-        self.stages = stages
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=len(stages), file=sys.stderr, unit="stage", leave=False,
-                            bar_format="{desc:<18} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
-        self.done = 0
-
-    def __call__(self, stage: str) -> None:
-        if self.bar is None:
-            return
-        if stage in self.stages:
-            idx = self.stages.index(stage)
-            self.bar.update(idx - self.bar.n)
-        self.bar.set_description_str(f"circleops: {stage}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.update(self.bar.total - self.bar.n)
-            self.bar.close()
+    # prefill + decode graphs for `circleops generate` (circleops.cli.convert_graphs)
+    parser.add_argument("--graphs", metavar="LIST", default=None,
+                        help="write generation graphs instead of one forward: prefill,decode (with a static KV "
+                             "cache) into the directory -o, with manifest.json and the tokenizer, for "
+                             "`circleops generate`. --seq-len is the prefill length (default 64)")
+    parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
+                        help=f"with --graphs: KV-cache slots, the longest prompt + generation "
+                             f"(default {DEFAULT_MAX_CACHE_LEN})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -90,12 +68,13 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import convert as api
     from circleops import models
+    from circleops.cli.common import ProgressBar, scipy_hidden, writable
     from circleops.errors import OutputError, TargetError
 
     if getattr(args, "graphs", None):
-        from circleops import graphs
+        from circleops.cli import convert_graphs
 
-        return graphs.main(args)
+        return convert_graphs.main(args)
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
                           "or --config config.json for random weights.")
@@ -104,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
     # Cheap checks first: nothing slow runs for a request that must fail.
     api.check_target_dtype(args.target, dtype)
     out = api.check_output_path(args.output, fmt)
-    if args.report:
-        _check_report_path(Path(args.report))
+    if args.report and not writable(Path(args.report)):
+        raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
+                          f"or the path is a directory. Choose another --report path.")
     if args.seq_len is not None and args.seq_len < 1:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
@@ -116,11 +96,11 @@ def main(args: argparse.Namespace) -> int:
     stages = ["load"] + ([] if exported_input else ["export"])
     stages += ["fuse"] if args.fuse in ("auto", "patterns") else []
     stages += ["lower", "write"] + (["verify"] if verify else [])
-    progress = _Progress(stages, enabled=not args.quiet and sys.stderr.isatty())
+    progress = ProgressBar(stages, enabled=not args.quiet and sys.stderr.isatty())
     try:
         progress("load")
         t = time.perf_counter()
-        with _scipy_hidden():
+        with scipy_hidden():
             loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
@@ -142,29 +122,3 @@ def main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(report.summary())
     return 0
-
-
-@contextlib.contextmanager
-def _scipy_hidden() -> Iterator[None]:
-    """transformers imports scipy.optimize when it loads (for object-detection losses only),
-    ~0.4 s of a ~5 s conversion: while the model loads, scipy looks absent to it. Only when
-    transformers is first imported here: once imported, it has decided scipy is there."""
-    hide = "scipy" not in sys.modules and "transformers" not in sys.modules
-    if hide:
-        sys.modules["scipy"] = None  # type: ignore[assignment]  # find_spec("scipy") -> None
-    try:
-        yield
-    finally:
-        if hide and sys.modules.get("scipy", 0) is None:
-            del sys.modules["scipy"]
-
-
-def _check_report_path(path: Any) -> None:
-    import os
-
-    from circleops.errors import OutputError
-
-    parent = path.parent if str(path.parent) else type(path)(".")
-    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise OutputError(f"cannot write the report {path}: its directory does not exist, is not writable, or "
-                          f"the path is a directory. Choose another --report path.")

@@ -1,0 +1,116 @@
+"""``circleops check MODEL --dtype fp16``: the fp16/bf16 numerics report per norm policy
+(circleops.check)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from circleops import check
+    from circleops.check import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
+
+    parts = check.__doc__.strip().replace("``", "").split("\n\n")
+    parser.description = parts[0] + "\n\n" + parts[1]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="HF model directory, .gguf file, or smollm2 (as for convert)")
+    parser.add_argument("--config", metavar="CONFIG_JSON",
+                        help="build the model from this HF config.json with random weights (seed --seed)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp16",
+                        help="precision of the checked files (default: fp16)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="prompt as comma-separated token ids (for models without a tokenizer)")
+    parser.add_argument("-n", "--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
+                        help=f"greedy tokens compared with fp32 (default: {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), metavar="LIST",
+                        help=f"comma-separated norm policies (default: {','.join(POLICY_NAMES)})")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the error per layer per policy as a PNG (needs matplotlib)")
+    parser.add_argument("--keep", metavar="DIR", help="write the .circle files to DIR and keep them")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads for the fp32 model and the interpreter (default: torch's); "
+                             "1 is fastest on a busy machine")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
+
+
+def main(args: argparse.Namespace) -> int:
+    from circleops import models
+    from circleops.check import check, low_precision_dtype
+    from circleops.cli.common import writable
+    from circleops.errors import CircleOpsError, OutputError
+    from circleops.numerics import norm_policy
+
+    if args.model is None and args.config is None:
+        raise CircleOpsError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), "
+                             "or --config config.json for random weights.")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        norm_policy(p)
+    low_precision_dtype(args.dtype)
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids else None
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not writable(Path(path)):
+            raise OutputError(f"cannot write {option} {Path(path)}: its directory does not exist, is not writable, "
+                              "or the path is a directory. Choose another path.")
+    if args.plot:
+        from circleops.numerics.report import pyplot
+
+        pyplot()  # a missing matplotlib fails now, not after the run
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CircleOpsError(f"--threads must be at least 1, got {args.threads}.")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
+    t = time.perf_counter()
+    loaded = models.load(args.model, config=args.config, seed=args.seed)
+    if loaded.kind != "hf":
+        raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself (an "
+                             "HF directory, a .gguf file, smollm2 or --config), not an ExportedProgram.")
+    tokenizer = loaded.tokenizer or _dir_tokenizer(args.model)
+    load_seconds = time.perf_counter() - t
+    report = check(loaded.module, tokenizer, prompt=args.prompt, prompt_ids=prompt_ids, dtype=args.dtype,
+                   policies=policies, new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source,
+                   progress=progress)
+    report.timings = {"load": load_seconds, **report.timings}
+    if args.json:
+        report.to_json(args.json)
+    if args.plot:
+        report.plot(args.plot)
+    if not args.quiet:
+        print(report.table())
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    from circleops.errors import CircleOpsError
+
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CircleOpsError(f"--prompt-ids {text!r}: give comma-separated integers, e.g. --prompt-ids "
+                             "1,450,4996.") from None
+
+
+def _dir_tokenizer(model: str | None) -> Any:
+    """The tokenizer saved with an HF directory, if there is one."""
+    if model is None or not os.path.isdir(model):
+        return None
+    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    from circleops.models import quiet_transformers
+
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(model)

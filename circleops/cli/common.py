@@ -1,0 +1,61 @@
+"""What several subcommands share: the progress bar, writable-path checks, quiet model loading.
+
+Standard library only at import time (``circleops CMD --help`` must stay instant).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+
+class ProgressBar:
+    """A tqdm bar over a command's stages, on stderr, only when ``enabled`` (an interactive terminal)."""
+
+    def __init__(self, stages: list[str], enabled: bool):
+        self.bar = None
+        self.stages = stages
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(stages), file=sys.stderr, unit="stage", leave=False,
+                            bar_format="{desc:<18} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+        self.done = 0
+
+    def __call__(self, stage: str) -> None:
+        if self.bar is None:
+            return
+        if stage in self.stages:
+            idx = self.stages.index(stage)
+            self.bar.update(idx - self.bar.n)
+        self.bar.set_description_str(f"circleops: {stage}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def scipy_hidden() -> Iterator[None]:
+    """transformers imports scipy.optimize when it loads (for object-detection losses only),
+    ~0.4 s of a ~5 s conversion: while the model loads, scipy looks absent to it. Only when
+    transformers is first imported here: once imported, it has decided scipy is there."""
+    hide = "scipy" not in sys.modules and "transformers" not in sys.modules
+    if hide:
+        sys.modules["scipy"] = None  # type: ignore[assignment]  # find_spec("scipy") -> None
+    try:
+        yield
+    finally:
+        if hide and sys.modules.get("scipy", 0) is None:
+            del sys.modules["scipy"]
+
+
+def writable(path: Path) -> bool:
+    """Whether a file can be created at ``path``: its directory exists and is writable, and the
+    path is not a directory (checked before the slow work, so a bad path fails at once)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    return not path.is_dir() and parent.is_dir() and os.access(parent, os.W_OK)
+

@@ -1,0 +1,64 @@
+"""``circleops convert MODEL --graphs prefill,decode -o DIR``: the generation graphs
+(circleops.graphs) instead of one forward; the options are circleops.cli.convert's."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(args: argparse.Namespace) -> int:
+    from circleops import convert as api
+    from circleops import graphs, models
+    from circleops.errors import OutputError, TargetError
+
+    names = graphs.parse_graph_names(args.graphs)
+    if args.model is None and args.config is None:
+        raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "
+                          "config.json for random weights.")
+    if args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep"):
+        raise TargetError(f"--graphs needs the model itself, not an ExportedProgram ({args.model}): the prefill "
+                          f"and decode graphs are exported from the model with its KV cache. Pass the HF directory, "
+                          f".gguf file or smollm2.")
+    if args.fuse not in ("auto", "adapters"):
+        raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
+                          f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
+    dtype = api.DTYPES[args.dtype]
+    api.check_target_dtype(args.target, dtype)
+    prefill_len = graphs.DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
+    graphs.check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
+    verify: bool | str = args.runtime or bool(args.verify)
+    if verify and verify is not True and verify not in graphs.RUNTIMES[args.target]:
+        raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
+                          f"{', '.join(graphs.RUNTIMES[args.target])}.")
+    out = Path(args.output)
+    if out.suffix.lower() in (".circle", ".tflite"):
+        raise OutputError(f"with --graphs, -o names a directory (the graphs, manifest.json and the tokenizer go "
+                          f"into it), not a {out.suffix} file: use e.g. -o {out.with_suffix('')}/.")
+
+    t = time.perf_counter()
+    if not args.quiet:
+        print("circleops: loading the model", file=sys.stderr)
+    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+    if loaded.kind != "hf":
+        raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
+    load_seconds = time.perf_counter() - t
+
+    def progress(stage: str) -> None:
+        if not args.quiet:
+            print(f"circleops: {stage}", file=sys.stderr)
+
+    report = graphs.convert_graphs(loaded.module, out, graphs=names, target=args.target, prefill_len=prefill_len,
+                                   max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
+                                   tolerance=args.tolerance, source=loaded.source, progress=progress)
+    report.timings = {"load": load_seconds, **report.timings}
+    if args.report:
+        try:
+            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        except OSError as err:
+            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
+    if not args.quiet:
+        print(report.summary())
+    return 0

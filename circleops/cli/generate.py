@@ -1,0 +1,72 @@
+"""``circleops generate DIR --prompt TEXT``: greedy generation with the prefill and decode
+graphs that ``circleops convert MODEL --graphs prefill,decode -o DIR`` wrote (circleops.generate)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from circleops.generate import DEFAULT_MAX_NEW_TOKENS, RUNTIMES  # light: no torch
+
+    parser.description = ("greedy generation with the prefill and decode graphs that `circleops convert MODEL "
+                          "--graphs prefill,decode -o DIR` wrote: the text streams to stdout, the prefill time and "
+                          "decode tokens/s go to stderr")
+    parser.add_argument("directory", metavar="DIR", help="directory written by `circleops convert MODEL --graphs "
+                                                         "prefill,decode -o DIR`")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="prompt text (tokenized with the tokenizer saved in DIR)")
+    what.add_argument("--token-ids", metavar="IDS", help="prompt as comma-separated token ids (models without a "
+                                                         "tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS}); stops early at EOS")
+    parser.add_argument("--runtime", choices=RUNTIMES, default=None,
+                        help="onert, reference or litert (default: onert for --target onert files, litert for "
+                             "tflite, reference for circle)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no timing line on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    from circleops.generate import Generator, TextStream, check_runtime, encode_prompt, load_tokenizer
+    from circleops.graphs import read_manifest
+
+    manifest = read_manifest(args.directory)
+    runtime = args.runtime or manifest.default_runtime
+    check_runtime(manifest, runtime)
+    if args.prompt is not None:
+        tokenizer = load_tokenizer(manifest)
+        ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    else:
+        ids = _parse_ids(args.token_ids)
+        tokenizer = load_tokenizer(manifest) if manifest.tokenizer else None
+    gen = Generator(manifest, runtime=runtime)
+    gen.check_fits(len(ids), args.max_new_tokens)  # before any output
+    if tokenizer is not None:
+        if args.prompt is not None and not args.chat:
+            sys.stdout.write(args.prompt)
+            sys.stdout.flush()
+        on_token: Callable[[int], None] = TextStream(tokenizer, sys.stdout)
+    else:
+        def on_token(token: int) -> None:
+            sys.stdout.write(f"{token} ")
+            sys.stdout.flush()
+    result = gen.generate(ids, args.max_new_tokens, on_token=on_token)
+    if isinstance(on_token, TextStream):
+        on_token.close()
+    else:
+        sys.stdout.write("\n")
+    if not args.quiet:
+        print(result.timing_line(manifest.prefill_len), file=sys.stderr)
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    from circleops.generate import GenerationLimitError
+
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise GenerationLimitError(f"--token-ids takes comma-separated integers, got {text!r}.") from None

@@ -1,0 +1,17 @@
+"""Quantized weights and graphs.
+
+``WEIGHT_FORMATS`` lists what ``convert(..., quantize=...)`` and ``--quantize`` accept, once
+for the library and the CLI: each quantization path adds its choices here.
+"""
+from __future__ import annotations
+
+# choice -> what it stores (shown by --help and in errors)
+WEIGHT_FORMATS: dict[str, str] = {
+    "q4_0": "GGML_Q4_0 linear weights and embedding table (4.5 bits/weight; targets onert, circle)",
+    "q8_0": "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)",
+}
+
+# GGML choices -> the Circle TensorType their weights are stored as
+GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+
+__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS"]

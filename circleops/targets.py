@@ -1,0 +1,191 @@
+"""Target profiles: what each target's file may hold and how its runtime behaves.
+
+One frozen :class:`TargetProfile` per target. Lowerings never compare target names; they
+ask the profile (``ctx.profile.fc_keep_num_dims``, ``ctx.supports("GATHER", dtype)``), so
+adding a runtime, or a new onert version that runs more, is one new profile here:
+
+    PROFILES["onert-0.2"] = dataclasses.replace(ONERT, name="onert-0.2",
+                                                missing_builtins=ONERT.missing_builtins - {"CUMSUM"})
+
+The onert facts are measured on onert 0.1.0 (shared/FACTS.md; tests/onert pins them).
+This module imports nothing heavy (no torch), so the CLI can read TARGETS cheaply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from circleops.errors import TargetError
+
+# How a fused circle op (schema/ops.yaml) is written:
+BUILTIN = "builtin"        # the Circle builtin (RMS_NORM, ROPE, ATTENTION, INSTANCE_NORM)
+DECOMPOSED = "decomposed"  # the op's reference kernel, lowered op by op
+COMPOSITE = "composite"    # STABLEHLO_COMPOSITE whose decomposition subgraph is the reference kernel
+FUSED_FORMS = (BUILTIN, DECOMPOSED, COMPOSITE)
+
+
+@dataclass(frozen=True)
+class Conv1x1Rule:
+    """When a linear with a constant weight is written as a 1x1 CONV_2D instead of
+    FULLY_CONNECTED: from ``min_rows`` rows of input, or for fewer rows when the output is
+    at least ``min_widening`` times wider than the input (an lm_head in a decode step)."""
+
+    min_rows: int
+    min_widening: int
+
+    def applies(self, rows: int, inner: int, out: int) -> bool:
+        return rows >= self.min_rows or out >= self.min_widening * inner
+
+
+@dataclass(frozen=True)
+class TargetProfile:
+    """Everything the lowering and the writer need to know about one target.
+
+    Every field is required (no defaults): a new profile states each fact, and
+    tests/lowering/test_lowering_profiles.py checks that each one is well-formed.
+    Dtypes are torch dtype names without the ``torch.`` prefix ("float32", "int64").
+    """
+
+    name: str
+    format: str  # the file format written: "circle" or "tflite"
+    runtime: str  # the runtime that verifies its files by default: "onert", "litert", "reference"
+    float_dtypes: frozenset[str]  # float dtypes a program (and every tensor) may compute in
+    weights_after_flatbuffer: bool  # past 2 GiB, may weights follow the flatbuffer (Buffer.offset)?
+    fused_ops: str  # BUILTIN or COMPOSITE: how a fused op is written when the target runs its builtin
+    missing_builtins: frozenset[str]  # builtins the runtime lacks: lowerings pick another formulation
+    builtin_dtypes: Mapping[str, frozenset[str]]  # builtins that run on these data dtypes only
+    builtin_ranks: Mapping[str, frozenset[int]]  # builtins whose first input must have one of these ranks
+    rope_max_positions: int | None  # ROPE is exact for at most this many positions (None: any)
+    rope_modes: frozenset[str]  # circle::rope modes the ROPE builtin runs
+    linear_as_conv: Conv1x1Rule | None  # write constant-weight linears as 1x1 CONV_2D when this says so
+    fc_keep_num_dims: bool  # FULLY_CONNECTED honours keepNumDims (else rank > 2 inputs are flattened)
+    copy_consumed_outputs: bool  # a subgraph output another op also reads needs its own copy
+    legalize_fp16: bool  # fp16 ops without a CPU kernel compute in fp32 (tflite_fp16)
+
+    def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
+        """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
+        if opcode in self.missing_builtins:
+            return False
+        if dtype is not None and opcode in self.builtin_dtypes and _name(dtype) not in self.builtin_dtypes[opcode]:
+            return False
+        if rank is not None and opcode in self.builtin_ranks and rank not in self.builtin_ranks[opcode]:
+            return False
+        return True
+
+    def fused_form(self, builtin: str) -> str:
+        """How a fused op whose Circle builtin is ``builtin`` is written: one of FUSED_FORMS.
+
+        A BUILTIN form can still fall back to the decomposition per node, when the builtin
+        cannot express that node exactly (rope_max_positions, rope_modes, a scale ...)."""
+        if self.fused_ops == COMPOSITE:
+            return COMPOSITE
+        return BUILTIN if self.runs(builtin) else DECOMPOSED
+
+    def allows_float(self, dtype: object) -> bool:
+        """Whether a tensor of float dtype ``dtype`` (torch dtype, name, or TensorType name) may appear."""
+        return _name(dtype) in self.float_dtypes
+
+
+def _name(dtype: object) -> str:
+    """"float32" for torch.float32, "float32", or the TensorType name "FLOAT32"."""
+    return str(dtype).removeprefix("torch.").lower()
+
+
+def _frozen(mapping: dict) -> Mapping:
+    return MappingProxyType(dict(mapping))
+
+
+_ALL_ROPE_MODES = frozenset({"gpt_neox", "gpt_j"})
+
+CIRCLE = TargetProfile(
+    name="circle",
+    format="circle",
+    runtime="reference",
+    float_dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    weights_after_flatbuffer=True,
+    fused_ops=BUILTIN,
+    missing_builtins=frozenset(),
+    builtin_dtypes=_frozen({}),
+    builtin_ranks=_frozen({}),
+    rope_max_positions=None,
+    rope_modes=_ALL_ROPE_MODES,
+    linear_as_conv=None,
+    fc_keep_num_dims=True,
+    copy_consumed_outputs=False,
+    legalize_fp16=False,
+)
+
+ONERT = TargetProfile(
+    name="onert",
+    format="circle",
+    runtime="onert",
+    float_dtypes=frozenset({"float32"}),  # fp16/bf16 tensors refused for every op tried
+    weights_after_flatbuffer=False,  # onert 0.1.0 crashes (SIGSEGV) on Buffer.offset/size
+    fused_ops=BUILTIN,
+    missing_builtins=frozenset({
+        "MIRROR_PAD",               # load fails
+        "RESIZE_NEAREST_NEIGHBOR",  # "KernelGenerator: NYI"
+        "INSTANCE_NORM",            # "KernelGenerator: NYI"
+        "ATTENTION",                # "Unsupported operation"
+        "CUMSUM",                   # no CPU kernel
+        "REDUCE_MIN",               # load fails: "Unsupported operation"
+    }),
+    builtin_dtypes=_frozen({
+        # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
+        "GATHER": frozenset({"float32", "int32"}),
+        # no integer MAXIMUM, no int64 MINIMUM, no integer SELECT_V2 ("Max: unsupported data type")
+        "MAXIMUM": frozenset({"float32"}),
+        "MINIMUM": frozenset({"float32"}),
+        "REVERSE_V2": frozenset({"float32"}),
+    }),
+    # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
+    builtin_ranks=_frozen({"RMS_NORM": frozenset({3, 4})}),
+    rope_max_positions=1,  # ROPE reads only the first row of sin/cos: exact for a decode step only
+    rope_modes=frozenset({"gpt_neox"}),  # GPT_J: "Unsupported RoPE mode"
+    # onert's CPU CONV_2D is a blocked GEMM, up to 2x faster than its FULLY_CONNECTED from 4
+    # rows up (Llama lm_head 64x512x32000 62 -> 33 ms, 64x2048x5632 47 -> 23 ms) and, for
+    # fewer rows (a decode step), when the output is 8x wider (an lm_head: 1x576x49152 10.0 ->
+    # 5.1 ms); otherwise FULLY_CONNECTED is faster (1x2048x2048 0.65 vs 0.84 ms).
+    # bench/onert_matmul.py measures it. Peak memory: +24 MB of working buffers on the 45M
+    # Llama (onert session 238 -> 262 MB; tico's file 274).
+    linear_as_conv=Conv1x1Rule(min_rows=4, min_widening=8),
+    fc_keep_num_dims=False,  # fp32 FULLY_CONNECTED re-infers its output as [N, out]
+    copy_consumed_outputs=True,  # an output a TRANSPOSE/RESHAPE also reads gets corrupted
+    legalize_fp16=False,
+)
+
+TFLITE = TargetProfile(
+    name="tflite",
+    format="tflite",
+    runtime="litert",
+    float_dtypes=frozenset({"float32", "float16"}),  # LiteRT's CPU kernels refuse bf16
+    weights_after_flatbuffer=True,
+    fused_ops=COMPOSITE,
+    missing_builtins=frozenset(),
+    builtin_dtypes=_frozen({}),
+    builtin_ranks=_frozen({}),
+    rope_max_positions=None,
+    rope_modes=_ALL_ROPE_MODES,
+    linear_as_conv=None,
+    fc_keep_num_dims=True,
+    copy_consumed_outputs=False,
+    legalize_fp16=True,
+)
+
+PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})
+TARGETS: tuple[str, ...] = tuple(PROFILES)
+
+
+def profile(target: str | TargetProfile) -> TargetProfile:
+    """The profile of ``target`` (a name in TARGETS, or a TargetProfile, returned as is)."""
+    if isinstance(target, TargetProfile):
+        return target
+    try:
+        return PROFILES[target]
+    except (KeyError, TypeError):
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}") from None
+
+
+__all__ = ["BUILTIN", "COMPOSITE", "DECOMPOSED", "FUSED_FORMS", "PROFILES", "TARGETS", "Conv1x1Rule",
+           "TargetProfile", "profile"]

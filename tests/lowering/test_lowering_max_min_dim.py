@@ -1,0 +1,38 @@
+"""``x.max(dim)`` / ``x.min(dim)`` (aten.max.dim / min.dim: a (values, indices) pair) and
+argmax / argmin with a dim, on every target, against torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import circleops
+
+g = torch.Generator().manual_seed(0)
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+CASES = {
+    "max_dim_pair": lambda x: tuple(x.max(dim=1)),
+    "min_dim_keepdim_pair": lambda x: tuple(x.min(dim=-1, keepdim=True)),
+    "max_values_only": lambda x: x.max(1).values * 2 + x.min(0).values.sum(),
+    "argmax_argmin_dim": lambda x: (x.argmax(dim=1), x.argmin(dim=0, keepdim=True), x.argmax()),
+    "amin_amax": lambda x: (x.amin(dim=(0, 2)), torch.amax(x, 1, keepdim=True)),
+}
+
+
+@pytest.mark.parametrize("target", ["circle", "onert", "tflite"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_max_min_dim(name, target, tmp_path):
+    # distinct values: indices of ties would be the runtimes' choice
+    x = torch.randperm(60, generator=g).float().reshape(3, 4, 5) / 7
+    path = tmp_path / ("m.tflite" if target == "tflite" else "m.circle")
+    report = circleops.convert(Fn(CASES[name]), (x,), path, target=target, verify=True)
+    assert report.verify.passed and report.verify.max_abs_error == 0.0
