@@ -22,8 +22,11 @@ def reduce(ctx, opcode, x, dim, keepdim, dtype=None):
         # min(x) = -max(-x), exact
         return ctx.unary("NEG", reduce(ctx, "REDUCE_MAX", ctx.unary("NEG", x), dim, keepdim, x.dtype))
     axes = _axes(x, dim)
-    shape = [1 if i in axes else d for i, d in enumerate(x.shape)] if keepdim else \
-        [d for i, d in enumerate(x.shape) if i not in axes]
+    kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
+    shape = kept if keepdim else [d for i, d in enumerate(x.shape) if i not in axes]
+    if not keepdim and not ctx.profile.reduce_drops_dims:
+        y = ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=kept, out_dtype=x.dtype, keepDims=True)
+        return ctx.reshape(y, shape)
     return ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=shape, out_dtype=x.dtype,
                     keepDims=bool(keepdim))
 
@@ -73,12 +76,17 @@ def _(ctx, node, x, dim, keepdim=False, dtype=None):
     return reduce(ctx, "REDUCE_PROD", x, dim, keepdim)
 
 
-@lower(aten.any.dim, aten.any.dims)
+@lower(aten.prod.default)
+def _(ctx, node, x, dtype=None):
+    return reduce(ctx, "REDUCE_PROD", x, None, False)
+
+
+@lower(aten.any.dim, aten.any.dims, aten.any.default)
 def _(ctx, node, x, dim=None, keepdim=False):
     return reduce(ctx, "REDUCE_ANY", ctx.cast(x, torch.bool), dim, keepdim, torch.bool)
 
 
-@lower(aten.all.dim, aten.all.dims)
+@lower(aten.all.dim, aten.all.dims, aten.all.default)
 def _(ctx, node, x, dim=None, keepdim=False):
     # all(x) = not any(not x)
     inverted = ctx.unary("LOGICAL_NOT", ctx.cast(x, torch.bool))
@@ -135,3 +143,10 @@ def _(ctx, node, x, dim, dtype=None):
     y = ctx.emit("FULLY_CONNECTED", [ctx.reshape(h, (-1, n)), tri, None], "FullyConnectedOptions",
                  out_shape=(h.numel // n, n), out_dtype=torch.float32, fusedActivationFunction=0, keepNumDims=False)
     return ctx.cast(ctx.transpose(ctx.reshape(y, h.shape), inverse), dtype)
+
+
+@lower(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
+def _(ctx, node, x, dim=None):
+    # counted in float32 (exact below 2**24): no runtime here sums booleans, onert no int64
+    nonzero = ctx.cast(ctx.binary("NOT_EQUAL", x, 0, out_dtype=torch.bool), torch.float32)
+    return ctx.cast(reduce(ctx, "SUM", nonzero, dim, False, torch.float32), torch.int64)
