@@ -17,6 +17,6 @@ from circleops.lowering.registry import LOWERINGS, lower, lowering_for
 
 # Importing the op-group modules registers their lowerings.
 from circleops.lowering import (circle_ops, conv, elementwise, elementwise_math, linalg, norm,  # noqa: E402,F401
-                                pool, reduce, resize, select, shape)
+                                pool, reduce, resize, scatter, select, shape)
 
 __all__ = ["LOWERINGS", "LoweringContext", "Value", "lower", "lower_program", "lowering_for"]

@@ -123,6 +123,22 @@ def _(ctx, node, x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=
     return ctx.call(_group_norm, x, int(num_groups), weight, bias, float(eps))
 
 
+def _rms_norm(x, normalized_shape, weight, eps):
+    """aten.rms_norm: normalized in fp32, times the weight in fp32, then cast (OLMo2's order)."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    h = x.to(torch.float32) if x.dtype in _HALF else x
+    y = h * torch.rsqrt((h * h).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+@lower(aten.rms_norm)
+def _(ctx, node, x, normalized_shape, weight=None, eps=None):
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    return ctx.call(_rms_norm, x, list(normalized_shape), weight, eps)
+
+
 def _var(x, dims, correction, keepdim):
     h = x.to(torch.float32) if x.dtype in _HALF else x
     centered = h - h.mean(dims, keepdim=True)

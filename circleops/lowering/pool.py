@@ -55,8 +55,10 @@ def _avg_divisor(size, k, s, p, out, include_pad):
     return np.array(div, dtype=np.float64)
 
 
-def pool2d(ctx, kind, x, kernel, stride, padding, dilation=1, ceil=False, include_pad=True, divisor=None):
-    """NCHW max ("max") or average ("avg") pooling with torch's full semantics."""
+def pool2d(ctx, kind, x, kernel, stride, padding, dilation=1, ceil=False, include_pad=True, divisor=None,
+           indices=False):
+    """NCHW max ("max") or average ("avg") pooling with torch's full semantics; with
+    ``indices`` (max only), (values, int64 argmax indices into each H·W plane)."""
     (kh, kw), (ph, pw), (dh, dw) = _n(kernel, 2), _n(padding, 2), _n(dilation, 2)
     sh, sw = _n(stride, 2) if stride else (kh, kw)
     n, c, h, w = x.shape
@@ -73,18 +75,31 @@ def pool2d(ctx, kind, x, kernel, stride, padding, dilation=1, ceil=False, includ
         else:
             y = ctx.emit("PAD", [y, const_value(rows)], out_shape=shape, out_dtype=x.dtype)
     out = (n, oh, ow, c)
-    if kind == "max" and (dh > 1 or dw > 1):
-        # dilated windows: the max over the kh·kw strided slices, one per window tap
-        taps = []
+    if kind == "max" and (dh > 1 or dw > 1 or indices):
+        # the max over the kh·kw strided slices, one per window tap (dilated windows, and
+        # argmax indices: the flat h·W + w of the first maximum, as torch)
+        best = index = None
         for i in range(kh):
             for j in range(kw):
                 begin, end = [0, i * dh, j * dw, 0], [n, i * dh + (oh - 1) * sh + 1, j * dw + (ow - 1) * sw + 1, c]
-                taps.append(ctx.emit("STRIDED_SLICE", [y, ctx.i32(begin), ctx.i32(end), ctx.i32([1, sh, sw, 1])],
-                                     "StridedSliceOptions", out_shape=out, out_dtype=x.dtype))
-        y = taps[0]
-        for t in taps[1:]:
-            y = ctx.binary("MAXIMUM", y, t, dtype=x.dtype)
-        return ctx.transpose(y, _TO_NCHW)
+                tap = ctx.emit("STRIDED_SLICE", [y, ctx.i32(begin), ctx.i32(end), ctx.i32([1, sh, sw, 1])],
+                               "StridedSliceOptions", out_shape=out, out_dtype=x.dtype)
+                rows = torch.arange(oh) * sh + i * dh - ph
+                cols = torch.arange(ow) * sw + j * dw - pw
+                where = const_value((rows[:, None] * w + cols[None, :]).to(torch.float32).reshape(1, oh, ow, 1))
+                if best is None:
+                    best, index = tap, where
+                    continue
+                if indices:  # float32 positions: exact below 2**24, and every runtime selects floats
+                    better = ctx.cast(ctx.binary("GREATER", tap, best, out_dtype=torch.bool), torch.float32)
+                    index = ctx.add(index, ctx.mul(ctx.sub(where, index), better))
+                best = ctx.binary("MAXIMUM", best, tap, dtype=x.dtype)
+        y = ctx.transpose(best, _TO_NCHW)
+        if indices:
+            if index.is_const:
+                index = const_value(index.const.expand(out).contiguous())
+            return y, ctx.cast(ctx.transpose(index, _TO_NCHW), torch.int64)
+        return y
     opcode = "MAX_POOL_2D" if kind == "max" else "AVERAGE_POOL_2D"
     y = ctx.emit(opcode, [y], "Pool2DOptions", out_shape=out, out_dtype=x.dtype, padding="VALID", strideW=sw,
                  strideH=sh, filterWidth=kw, filterHeight=kh, fusedActivationFunction=0)
@@ -126,10 +141,20 @@ def pool(ctx, kind, x, dims, kernel, stride, padding, dilation=1, ceil=False, in
 
 
 def _max_with_indices(ctx, node, dims, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
-    if any(u.target is operator.getitem and u.args[1] == 1 for u in node.users):
-        raise ctx.unsupported("reads the indices of a max pooling (return_indices=True)",
-                              "Pool without return_indices; max_unpool has no Circle/TFLite form.")
-    return [pool(ctx, "max", x, dims, kernel, stride, padding, dilation, ceil_mode), None]
+    if not any(u.target is operator.getitem and u.args[1] == 1 for u in node.users):
+        return [pool(ctx, "max", x, dims, kernel, stride, padding, dilation, ceil_mode), None]
+    if dims == 3:
+        raise ctx.unsupported("reads the indices of a 3d max pooling (return_indices=True)",
+                              "Pool without return_indices (1d and 2d pools return them).")
+    unbatched = x.rank == dims + 1
+    h = ctx.reshape(x, (1,) + x.shape) if unbatched else x
+    k, s, p, d = _n(kernel, dims), _n(stride, dims) if stride else _n(kernel, dims), _n(padding, dims), _n(dilation, dims)
+    if dims == 1:
+        h = ctx.reshape(h, h.shape[:2] + (1, h.shape[2]))
+        k, s, p, d = [1] + k, [1] + s, [0] + p, [1] + d
+    y, index = pool2d(ctx, "max", h, k, s, p, d, ceil_mode, indices=True)
+    shape = (tuple(x.shape[:-dims]) + tuple(y.shape[-dims:])) if dims == 2 else (tuple(x.shape[:-1]) + (y.shape[-1],))
+    return [ctx.reshape(y, shape), ctx.reshape(index, shape)]
 
 
 @lower(aten.max_pool1d)

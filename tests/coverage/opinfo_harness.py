@@ -55,7 +55,7 @@ OPS: dict[str, tuple[str, str]] = {
         "atan2", "pow", "fmod", "remainder", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
         "logical_and", "logical_or", "logical_xor", "clamp", "clamp_min", "clamp_max", "where", "masked_fill",
         "floor_divide", "rsub", "lerp", "addcmul", "addcdiv", "xlogy", "copysign", "hypot", "fmax", "fmin",
-        "max.binary", "min.binary", "float_power", "logaddexp", "heaviside")},
+        "max.binary", "min.binary", "logaddexp", "heaviside")},
     # ---- activations
     "nn.functional.relu": ("relu", ""), "nn.functional.relu6": ("hardtanh", ""),
     "nn.functional.elu": ("elu", ""), "nn.functional.selu": ("elu", ""), "nn.functional.celu": ("elu", ""),
@@ -156,6 +156,18 @@ def _usable(sample) -> bool:
         all(d in _DTYPES for d in dtypes)
 
 
+def _output_usable(opinfo, sample) -> bool:
+    """The op's outputs are non-empty tensors of dtypes every target writes."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = opinfo.op(sample.input, *sample.args, **sample.kwargs)
+    except Exception:  # noqa: BLE001 - a sample torch itself rejects
+        return False
+    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() > 0 and t.dtype in _DTYPES for t in tensors)
+
+
 def samples(name: str, count: int) -> list[Any]:
     """Up to ``count`` usable float32 samples of OpInfo ``name``, spread over its sample list
     (first, last, evenly between: the variants - strides, groups, modes - sit far apart).
@@ -165,6 +177,7 @@ def samples(name: str, count: int) -> list[Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         found = [s for s in opinfo.sample_inputs("cpu", torch.float32, requires_grad=False) if _usable(s)]
+    found = [s for s in found if _output_usable(opinfo, s)]
     ranked = [s for s in found if all(t.dim() > 0 for t in _leaves(s) if isinstance(t, torch.Tensor))] or found
     if len(ranked) <= count:
         return ranked
