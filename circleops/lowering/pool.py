@@ -291,11 +291,46 @@ def _(ctx, node, x, output_size):
     return adaptive_avg(ctx, x, output_size, 3)
 
 
+def adaptive_max_indices(ctx, x, output_size, k):
+    """(values, int64 argmax indices) of an adaptive max pool (1d / 2d, batched or not):
+    one tap per position of the largest bin (a smaller bin repeats its last row, which
+    leaves the first maximum first), each two GATHERs of constant rows and columns."""
+    if x.rank == k + 1:
+        y, i = adaptive_max_indices(ctx, ctx.reshape(x, (1,) + x.shape), output_size, k)
+        return ctx.reshape(y, y.shape[1:]), ctx.reshape(i, i.shape[1:])
+    if k == 1:
+        y, i = adaptive_max_indices(ctx, ctx.reshape(x, x.shape[:2] + (1, x.shape[2])), (1,) + tuple(_n(output_size, 1)), 2)
+        return ctx.reshape(y, y.shape[:2] + (y.shape[3],)), ctx.reshape(i, i.shape[:2] + (i.shape[3],))
+    h, w = x.shape[2:]
+    oh, ow = [s if o is None else int(o) for s, o in zip((h, w), _n(output_size, 2))]
+    rows, cols = _adaptive_bins(h, oh), _adaptive_bins(w, ow)
+    mh, mw = max(b - a for a, b in rows), max(b - a for a, b in cols)
+    best = index = None
+    for th in range(mh):
+        r = [min(a + th, b - 1) for a, b in rows]
+        xr = ctx.gather(x, r, 2)
+        for tw in range(mw):
+            c = [min(a + tw, b - 1) for a, b in cols]
+            tap = ctx.gather(xr, c, 3)
+            where = const_value((torch.tensor(r)[:, None] * w + torch.tensor(c)[None, :]).to(torch.float32))
+            if best is None:
+                best, index = tap, where
+                continue
+            better = ctx.cast(ctx.binary("GREATER", tap, best, out_dtype=torch.bool), torch.float32)
+            index = ctx.add(index, ctx.mul(ctx.sub(where, index), better))
+            best = ctx.binary("MAXIMUM", best, tap, dtype=x.dtype)
+    if index.is_const:
+        index = const_value(index.const.expand(best.shape).contiguous())
+    return best, ctx.cast(index, torch.int64)
+
+
 def _adaptive_max_lowering(k):
     def lowering(ctx, node, x, output_size):
         if any(u.target is operator.getitem and u.args[1] == 1 for u in node.users):
-            raise ctx.unsupported("reads the indices of an adaptive max pooling (return_indices=True)",
-                                  "Pool without return_indices.")
+            if k == 3:
+                raise ctx.unsupported("reads the indices of a 3d adaptive max pooling (return_indices=True)",
+                                      "Pool without return_indices (1d and 2d pools return them).")
+            return list(adaptive_max_indices(ctx, x, output_size, k))
         return [adaptive_max(ctx, x, output_size, k), None]
     return lowering
 

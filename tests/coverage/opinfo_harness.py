@@ -140,23 +140,24 @@ def opinfos() -> dict[str, Any]:
 
 
 _DTYPES = (torch.float32, torch.int64, torch.int32, torch.bool)
+_HALF_DTYPES = (torch.float16, torch.int64, torch.int32, torch.bool)
 
 
 def _leaves(sample) -> list[Any]:
     return pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
 
 
-def _usable(sample) -> bool:
+def _usable(sample, kinds=_DTYPES) -> bool:
     """Non-empty tensors of dtypes every target writes, no other dtype asked for (a
     ``dtype=torch.float64`` keyword), rank <= 5."""
     leaves = _leaves(sample)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     dtypes = [d for d in leaves if isinstance(d, torch.dtype)]
-    return all(t.numel() > 0 and t.dtype in _DTYPES and t.dim() <= 5 for t in tensors) and \
-        all(d in _DTYPES for d in dtypes)
+    return all(t.numel() > 0 and t.dtype in kinds and t.dim() <= 5 for t in tensors) and \
+        all(d in kinds for d in dtypes)
 
 
-def _output_usable(opinfo, sample) -> bool:
+def _output_usable(opinfo, sample, kinds=_DTYPES) -> bool:
     """The op's outputs are non-empty tensors of dtypes every target writes."""
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -165,19 +166,22 @@ def _output_usable(opinfo, sample) -> bool:
     except Exception:  # noqa: BLE001 - a sample torch itself rejects
         return False
     tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return bool(tensors) and all(t.numel() > 0 and t.dtype in _DTYPES for t in tensors)
+    return bool(tensors) and all(t.numel() > 0 and t.dtype in kinds for t in tensors)
 
 
-def samples(name: str, count: int) -> list[Any]:
-    """Up to ``count`` usable float32 samples of OpInfo ``name``, spread over its sample list
+def samples(name: str, count: int, dtype: torch.dtype = torch.float32) -> list[Any]:
+    """Up to ``count`` usable ``dtype`` samples of OpInfo ``name``, spread over its sample list
     (first, last, evenly between: the variants - strides, groups, modes - sit far apart).
     Samples whose tensors are all rank >= 1 come first: a rank-0 tensor is a corner case."""
     torch.manual_seed(0)
     opinfo = opinfos()[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = [s for s in opinfo.sample_inputs("cpu", torch.float32, requires_grad=False) if _usable(s)]
-    found = [s for s in found if _output_usable(opinfo, s)]
+        if dtype not in opinfo.supported_dtypes("cpu"):
+            return []
+        kinds = _DTYPES if dtype == torch.float32 else _HALF_DTYPES
+        found = [s for s in opinfo.sample_inputs("cpu", dtype, requires_grad=False) if _usable(s, kinds)]
+    found = [s for s in found if _output_usable(opinfo, s, kinds)]
     ranked = [s for s in found if all(t.dim() > 0 for t in _leaves(s) if isinstance(t, torch.Tensor))] or found
     if len(ranked) <= count:
         return ranked
@@ -227,7 +231,7 @@ class Outcome:
     opcodes: set[str] = field(default_factory=set)
 
 
-_RANK = {"pass": 0, "decomposed": 1, "refused": 2, "export": 3, "runtime": 4, "wrong": 5, "crash": 6}
+_RANK = {"pass": 0, "decomposed": 1, "refused": 2, "n/a": 3, "export": 3, "runtime": 4, "wrong": 5, "crash": 6}
 
 
 def _short(err: BaseException, limit: int = 240) -> str:
@@ -242,7 +246,9 @@ def _outputs(y: Any) -> list[torch.Tensor]:
 
 
 def _matches(got: np.ndarray, want: torch.Tensor) -> str | None:
-    """None when ``got`` equals torch's ``want`` within fp32 tolerance, else why not."""
+    """None when ``got`` equals torch's ``want`` within tolerance (1e-4 fp32, 1e-2 fp16:
+    torch and the runtimes round fp16 differently), else why not."""
+    tol = 1e-4 if want.dtype != torch.float16 else 1e-2
     want_np = want.detach().numpy() if want.dtype != torch.bool else want.numpy()
     if tuple(got.shape) != tuple(want_np.shape):
         return f"shape {list(got.shape)} instead of {list(want_np.shape)}"
@@ -250,7 +256,7 @@ def _matches(got: np.ndarray, want: torch.Tensor) -> str | None:
         g, w = got.astype(np.float64), want_np.astype(np.float64)
         finite = np.isfinite(w)
         scale = max(1.0, float(np.abs(w[finite]).max(initial=0.0)))
-        bad = ~np.isclose(g, w, rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
+        bad = ~np.isclose(g, w, rtol=tol, atol=tol * scale, equal_nan=True)
         if bad.any():
             return f"max abs error {float(np.nanmax(np.abs(g - w)[bad])):.3g} at scale {scale:.3g}"
         return None
@@ -293,7 +299,8 @@ def _op_codes(path: str) -> set[str]:
     return {op.opcode for sg in read_model(path).subgraphs for op in sg.operators}
 
 
-def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None = None) -> dict[str, Outcome]:
+def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None = None,
+               dtype: torch.dtype = torch.float32) -> dict[str, Outcome]:
     """One sample exported once, converted to each target, run and compared with torch."""
     from circleops.convert import export, save
     from circleops.errors import CircleOpsError
@@ -313,7 +320,7 @@ def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None
             decomposed: set[str] = set()
             try:
                 with _recording_decompositions(decomposed):
-                    save(ep, path, target=target, fuse="none")
+                    save(ep, path, target=target, fuse="none", dtype=dtype)
             except CircleOpsError as err:
                 result[target] = Outcome("refused", _short(err))
                 continue
@@ -336,17 +343,17 @@ def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None
     return result
 
 
-def run_op(name: str, count: int = 2, targets=TARGETS) -> dict[str, Outcome]:
+def run_op(name: str, count: int = 2, targets=TARGETS, dtype: torch.dtype = torch.float32) -> dict[str, Outcome]:
     """The worst outcome over ``count`` samples of OpInfo ``name``, per target."""
     opinfo = opinfos()[name]
     consts = OPS[name][1]
-    picked = samples(name, count)
+    picked = samples(name, count, dtype)
     if not picked:
-        return {t: Outcome("export", "no float32 sample with static non-empty tensors") for t in targets}
+        return {t: Outcome("n/a", f"no {str(dtype)[6:]} sample with static non-empty tensors") for t in targets}
     worst: dict[str, Outcome] = {}
     exported = 0
     for sample in picked:
-        outcome = run_sample(opinfo, sample, consts, targets)
+        outcome = run_sample(opinfo, sample, consts, targets, dtype=dtype)
         if all(o.status == "export" for o in outcome.values()):
             if not exported and sample is picked[-1]:
                 return {t: o for t, o in outcome.items()}
