@@ -244,7 +244,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
     from circleops.convert import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
-    from circleops.runtime.reference import Interpreter
+    from circleops.runtime import reference
     from circleops.serialize import write_model
 
     seconds: dict[str, float] = {}
@@ -259,7 +259,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
     del model
     seconds["write"] = time.perf_counter() - t
     t = time.perf_counter()
-    got = Interpreter.load(path).run_torch([seq])
+    got = reference.Session(path).run_torch([seq])
     seconds["run"] = time.perf_counter() - t
 
     errors, rel, bad = [], [], []

@@ -11,7 +11,6 @@ user-caused failure raises a circleops.errors.CircleOpsError and leaves no file 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
@@ -28,6 +27,8 @@ import torch
 
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
+from circleops.quantize import INTEGER_FORMATS
+from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 
 TARGETS = ("circle", "onert", "tflite")
@@ -47,7 +48,9 @@ Progress = Callable[[str], None]
 def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
             target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
             verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None) -> Report:
+            progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
+            calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
+            integer_io: bool = False) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -61,13 +64,29 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         (onert for onert, litert for tflite, reference for circle), or name one of
         "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
         to max(1, max|torch output|)).
+    quantize: "q4_0" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every linear weight
+        with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
+        and circle; float32 only); verify then compares with torch running the dequantized
+        weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
+        "uint8" / "int16" write an integer graph (PT2E with circleops.quantize's
+        CircleQuantizer): uint8 asymmetric or int16 symmetric activations, int8 per-channel
+        weights (uint8 per tensor for target onert, which runs only those), int32 biases;
+        calibrated on ``calibrate`` samples (circleops.quantize.pt2e.calibration_samples:
+        token windows of the shipped text via ``tokenizer`` for an LLM, the example input
+        with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
+        Verify compares with the fake-quantized torch module. ``integer_io``: the file's
+        inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
+    if integer_io and (quantize not in INTEGER_FORMATS or verify):
+        raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
+                          "verify (verify compares float outputs with torch)")
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
     runtime = _resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     example_args = tuple(example_args)
 
     _stage(progress, "export")
@@ -78,24 +97,79 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
-               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module)
-    with _hf_export_settings(model), torch.no_grad():
+               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
+    with _hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
+    if quantize in INTEGER_FORMATS:
+        job.quantize, job.pretrained, job.integer_io = None, None, integer_io
+        return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
+                                                     calibration_data, tokenizer), job)
     return _lower_write_verify(ep, job)
+
+
+def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
+                      data: Any, tokenizer: Any) -> Any:
+    """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
+    prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
+    then lowers that program and verifies against the converted (fake-quantized) module."""
+    from circleops.quantize import pt2e
+
+    if job.fuse in ("auto", "patterns"):
+        _stage(job.progress, "fuse")
+        t = time.perf_counter()
+        from circleops.passes.fusion import fuse_patterns
+
+        ep, _ = fuse_patterns(ep, model=job.fusion_model)
+        job.timings["fuse"] = time.perf_counter() - t
+    job.fuse = "none"
+    _stage(job.progress, "calibrate")
+    t = time.perf_counter()
+    config = getattr(model, "config", None)
+    samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
+                                       vocab_size=getattr(config, "vocab_size", None))
+    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
+    with _hf_export_settings(model), torch.no_grad():
+        converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
+                                       progress=getattr(job.progress, "bar", None) is not None)
+    job.reference = lambda: _run_torch(converted, job.example_args, None)
+    if job.tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
+    job.timings["calibrate"] = time.perf_counter() - t
+    return qep
 
 
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None) -> Report:
+         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
     "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
     default the example inputs saved with the program.
+
+    A program exported from torchao's ``convert_pt2e`` output (quantize/dequantize pairs,
+    e.g. with circleops.quantize.CircleQuantizer) is written as an integer graph: its
+    tensors are UINT8/INT8/INT16/INT32 with QuantizationParameters, with a QUANTIZE after
+    each float input and a DEQUANTIZE before each output, or, with ``integer_io``, integer
+    inputs and outputs. Verify then compares with the converted (fake-quantized) module.
     """
     target, fmt, fuse = _check_options(target, fuse)
+    quantize = check_quantize(quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
+                          "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
+                          "CircleQuantizer) and save the converted program, or use circleops.convert")
+    from circleops.passes.qdq import has_qdq
+
+    quantized = has_qdq(exported_program)
+    if quantized:
+        fuse = "none"  # fuse before prepare_pt2e: a quantized graph's patterns hold Q/DQ pairs
+        if integer_io and verify:
+            raise TargetError("verify compares float outputs with torch: write with integer_io=False to verify, "
+                              "or convert without verify")
     if fuse in ("auto", "adapters"):
         fuse = "patterns" if fuse == "auto" else "none"
     path = check_output_path(path, fmt)
@@ -107,7 +181,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
             f"{DTYPE_NAMES.get(torch_dtype, torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
     runtime = _resolve_runtime(verify, target, torch_dtype)
-    check_target_dtype(target, torch_dtype)
+    check_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
 
@@ -115,11 +189,55 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     args = tuple(example_args or ())
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
-               source="ExportedProgram", parameters=_count_params(exported_program))
+               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize)
+    job.integer_io = integer_io
+    if quantized and tolerance is None:
+        job.tolerance = INTEGER_TOLERANCE
     return _lower_write_verify(exported_program, job)
 
 
+# Verify tolerance of an integer (PT2E) file against the fake-quantized torch module,
+# relative to max(1, max|output|): the integer kernels round each requantization once
+# where torch rounds in float (a few output steps at most; measured 1-2 on tiny models).
+INTEGER_TOLERANCE = 5e-2
+
+
+# Verify tolerance of a GGML-quantized file, relative to max(1, max|torch output|): torch
+# runs the same dequantized weights, but onert's kernel also rounds each linear's input to
+# Q8_0 (8 bits per 32-value block), which torch does not.
+QUANT_TOLERANCE = 5e-2
+
+
 # --------------------------------------------------------------------------- options
+
+def check_quantize(quantize: str | None, target: str) -> str | None:
+    """The quantization asked for (None: none): a GGML format or an integer scheme
+    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target."""
+    if quantize in INTEGER_FORMATS:
+        if target == "tflite":
+            raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
+                              "compilers) or 'onert' (uint8); target tflite writes float composites")
+        if target == "onert" and quantize == "int16":
+            raise TargetError("target onert: onert 0.1.0 loads no int16 graph (measured, bench/onert_quantized.py): "
+                              "use quantize='uint8' for onert, or target 'circle' for an int16 file")
+        return quantize
+    from circleops.quantize.weights import check_format
+
+    return check_format(quantize, target)
+
+
+def parameter_names(ep: Any) -> dict[str, Any]:
+    """The exported program's parameters by name (the IR names its constants after them)."""
+    return {name: ep.state_dict[name] for name in ep.graph_signature.parameters if name in ep.state_dict}
+
+
+def pretrained_blocks(model: Any) -> Any:
+    """GGUF Q4_0/Q8_0 blocks the loader attached to ``model`` (circleops.models), keyed by
+    the memory of the parameter they came from; None when there are none."""
+    from circleops.quantize.gguf import pretrained_for
+
+    return pretrained_for(model)
+
 
 def _check_options(target: str, fuse: str) -> tuple[str, str, str]:
     if target not in TARGETS:
@@ -159,8 +277,15 @@ def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype 
     return verify
 
 
-def check_target_dtype(target: str, dtype: torch.dtype) -> None:
+def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = None) -> None:
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
+    if quantize in INTEGER_FORMATS and dtype != torch.float32:
+        raise TargetError(f"quantize={quantize!r} calibrates and quantizes a float32 model, but the model is "
+                          f"{DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
+    if quantize and dtype != torch.float32:
+        raise TargetError(
+            f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
+            f"float32 inputs), but the model is {DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
     if target == "onert" and dtype != torch.float32:
         raise TargetError(
             f"target onert is fp32 only: the onert CPU runtime refuses {DTYPE_NAMES.get(dtype, dtype)} tensors. "
@@ -196,15 +321,18 @@ def check_file_size(ir_model: Any, target: str) -> None:
         raise TargetError(onert_too_large(needed))
 
 
-def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str) -> Any:
+def write_for_target(ir_model: Any, path: str | os.PathLike, target: str, fmt: str,
+                     check: Callable[[Path], None] | None = None) -> Any:
     """``write_model`` under the target's size rule: target onert never gets the offset
-    layout (checked from the IR first, then exactly by the writer before it writes)."""
+    layout (checked from the IR first, then exactly by the writer before it writes).
+    ``check(temp_path)`` runs on the complete file before it replaces ``path`` (verify)."""
     from circleops.serialize import writer
 
     check_file_size(ir_model, target)
     if target == "onert":
-        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large)
-    return writer.write_model(ir_model, str(path), fmt)
+        return writer.write_model(ir_model, str(path), fmt, weights_after=False, too_large=onert_too_large,
+                                  check=check)
+    return writer.write_model(ir_model, str(path), fmt, check=check)
 
 
 def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
@@ -304,6 +432,16 @@ def _hf_export_settings(model: Any) -> Iterator[None]:
         cfg.use_cache, cfg._attn_implementation = saved
 
 
+def _dense_experts(model: Any) -> Any:
+    """Mixture-of-experts blocks dispatch densely under export (static shapes; the same sum
+    as the sparse dispatch): circleops.adapters._experts. Only for HF models."""
+    if not _is_hf_causal_lm(model):
+        return contextlib.nullcontext()
+    from circleops.adapters._experts import dense_experts_implementation
+
+    return dense_experts_implementation(model)
+
+
 def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = True,
            warn_list: list[str] | None = None) -> Any:
     """torch.export.export, inside ``adapters.patched_modules()`` when asked; a failure
@@ -389,6 +527,9 @@ class _Job:
     parameters: int
     output_names: list[str] | None = None
     fusion_model: torch.nn.Module | None = None
+    quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
+    pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     stage: str = "fuse"
@@ -417,6 +558,9 @@ def _enter(job: _Job, stage: str) -> None:
 def _run_stages(ep: Any, job: _Job) -> Report:
     timings, path = job.timings, job.path
     fusion_report = None
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # before fusion, so that patterns written with in-place ops match
     if job.fuse in ("auto", "patterns"):
         _enter(job, "fuse")
         t = time.perf_counter()
@@ -429,46 +573,65 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     t = time.perf_counter()
     from circleops.lowering import lower_program
 
-    ir_model = lower_program(ep, job.target, dtype=job.dtype)
+    from circleops.lowering.integer import lower_quantized
+
+    ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
+        or lower_program(ep, job.target, dtype=job.dtype)
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
+    quant_report = None
+    if job.quantize:
+        _stage(job.progress, "quantize")
+        t = time.perf_counter()
+        from circleops.quantize.weights import quantize_weights
+
+        quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
+                                        pretrained=job.pretrained)
+        timings["quantize"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=DTYPE_NAMES.get(job.dtype, str(job.dtype)),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
-                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings)
+                    source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings,
+                    quantization=quant_report)
     sub = ir_model.subgraphs[0]
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]
 
     _enter(job, "write")
     t = time.perf_counter()
+    verify_seconds = [0.0]
+
+    def verify(tmp: Path) -> None:
+        # Runs on the complete temporary file: only a file that passed replaces ``path``,
+        # so a failed verify leaves a previous good file where it was.
+        _enter(job, "verify")
+        t_verify = time.perf_counter()
+        with dequantized_sources(quant_report):  # torch runs the weights the file holds
+            expected = job.reference()
+        tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
+        report.verify = verify_file(tmp, job.runtime, job.example_args, expected, job.dtype, tolerance)
+        verify_seconds[0] = time.perf_counter() - t_verify
+        if not report.verify.passed:
+            v = report.verify
+            raise VerifyError(
+                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
+                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); nothing was written to "
+                f"{path} (a file already there is unchanged). Convert without verify to inspect the file "
+                "(circleops inspect), and report the model.")
+
     try:
-        info = write_for_target(ir_model, path, job.target, job.fmt)
+        info = write_for_target(ir_model, path, job.target, job.fmt,
+                                check=verify if job.runtime is not None else None)
     except CircleOpsError:
         raise
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}. Choose an output path you can write.") from None
     del ir_model  # the graph; the weights it points at are the model's own
     report.file_size = getattr(info, "file_bytes", 0) or path.stat().st_size
-    timings["write"] = time.perf_counter() - t
-
+    timings["write"] = time.perf_counter() - t - verify_seconds[0]
     if job.runtime is not None:
-        _enter(job, "verify")
-        t = time.perf_counter()
-        try:
-            report.verify = verify_file(path, job.runtime, job.example_args, job.reference(), job.dtype, job.tolerance)
-        except BaseException:
-            _remove(path)
-            raise
-        timings["verify"] = time.perf_counter() - t
-        if not report.verify.passed:
-            _remove(path)
-            v = report.verify
-            raise VerifyError(
-                f"the written file does not match torch: {job.runtime} gives max abs error {v.max_abs_error:.3g} "
-                f"(tolerance {v.tolerance:.3g}, max |output| {v.reference_max_abs:.3g}); {path} was removed. "
-                f"Convert without verify to inspect the file (circleops inspect), and report the model.")
+        timings["verify"] = verify_seconds[0]
     return report
 
 
@@ -485,11 +648,6 @@ def _name_outputs(model: Any, names: list[str]) -> None:
     for sig in model.signatures:
         if sig.subgraph_index == 0 and len(sig.outputs) == len(names):
             sig.outputs = dict(zip(names, sig.outputs.values()))
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
 
 
 def op_histogram(model: Any) -> dict[str, int]:
@@ -525,9 +683,10 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
     import numpy as np
 
-    mod = importlib.import_module(f"circleops.runtime.{runtime}")
+    from circleops.runtime import open_session
+
     np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
-    outs = mod.run(str(path), np_inputs)
+    outs = open_session(runtime, path).run(np_inputs)
     if len(outs) != len(expected):
         raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
     err, scale = 0.0, 0.0

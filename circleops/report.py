@@ -45,6 +45,7 @@ class Report:
     outputs: list[tuple[str, list[int], str]] = field(default_factory=list)
     parameters: int = 0
     warnings: list[str] = field(default_factory=list)
+    quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
 
     @property
     def total_seconds(self) -> float:
@@ -54,6 +55,7 @@ class Report:
         """A JSON-ready dict (the --report file)."""
         d = asdict(self)
         d["fusion"] = _plain(self.fusion)
+        d["quantization"] = self.quantization.to_dict() if self.quantization is not None else None
         d["total_seconds"] = round(self.total_seconds, 3)
         d["timings"] = {k: round(v, 3) for k, v in self.timings.items()}
         return d
@@ -78,6 +80,9 @@ class Report:
         total = sum(self.ops.values())
         hist = ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items(), key=lambda kv: (-kv[1], kv[0])))
         lines.append(f"  ops:     {total} ({hist})")
+        if self.quantization is not None:
+            for k, line in enumerate(self.quantization.summary_lines()):
+                lines.append(f"  {'quantize:' if k == 0 else '':9}{line}")
         if self.verify is not None:
             v = self.verify
             status = "ok" if v.passed else "MISMATCH"

@@ -54,7 +54,8 @@ def check_pt2_archive(path: str | os.PathLike) -> None:
     try:
         zf = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile, ValueError) as err:
-        raise ModelLoadError(f"{path} is not a .pt2 archive (torch.export.save writes a zip file): {err}") from None
+        raise ModelLoadError(f"cannot load {path} as an ExportedProgram: it is not a .pt2 archive "
+                             f"(torch.export.save writes a zip file): {err}") from None
     with zf:
         try:
             entries = _strip_root(zf.namelist())

@@ -63,6 +63,12 @@ class TargetProfile:
     reduce_drops_dims: bool  # reducers (SUM, MEAN, REDUCE_*) take keepDims=False (else keep and RESHAPE)
     copy_consumed_outputs: bool  # a subgraph output another op also reads needs its own copy
     legalize_fp16: bool  # fp16 ops without a CPU kernel compute in fp32 (tflite_fp16)
+    rank0_inputs: bool  # the runtime takes 0-d graph inputs (else a 0-d input is written as [1])
+    integer_graphs: bool  # PT2E integer graphs (quantized tensors between ops) may be written
+    quantized_dtypes: frozenset[str]  # TensorType names of the quantized activations it loads
+    quantized_per_channel_int8: bool  # int8 per-channel quantized weights compute right
+    quantized_float_only: frozenset[str]  # builtins with no integer kernel: they stay float (DEQUANTIZE/QUANTIZE around)
+    quantized_mean_needs_keep_dims: bool  # an integer MEAN without keepDims fails: it stays float
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -116,6 +122,12 @@ CIRCLE = TargetProfile(
     reduce_drops_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=False,
+    rank0_inputs=True,
+    integer_graphs=True,
+    quantized_dtypes=frozenset({"UINT8", "INT8", "INT16"}),
+    quantized_per_channel_int8=True,
+    quantized_float_only=frozenset(),
+    quantized_mean_needs_keep_dims=False,
 )
 
 ONERT = TargetProfile(
@@ -144,6 +156,7 @@ ONERT = TargetProfile(
         "SELECT_V2": frozenset({"float32"}),  # "Select: unsupported data type" for bool values
         "MINIMUM": frozenset({"float32"}),
         "REVERSE_V2": frozenset({"float32"}),
+        "TRANSPOSE": frozenset({"float32", "int32"}),  # int64, bool: "Transpose: unsupported data type"
     }),
     # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
     # PAD, PADV2: "Padding for rank > 4 NYI"
@@ -163,6 +176,15 @@ ONERT = TargetProfile(
     reduce_drops_dims=False,
     copy_consumed_outputs=True,  # an output a TRANSPOSE/RESHAPE also reads gets corrupted
     legalize_fp16=False,
+    rank0_inputs=False,  # session preparation fails: "unsupported rank: 0"
+    integer_graphs=True,
+    # measured on onert 0.1.0 (bench/onert_quantized.py): no INT16 graph loads ("OperationValidator
+    # failed"); int8 per-channel weights compute ~250 steps off; these have no integer kernel;
+    # MEAN without keepDims: "ShapeValidator failed" at prepare
+    quantized_dtypes=frozenset({"UINT8", "INT8"}),
+    quantized_per_channel_int8=False,
+    quantized_float_only=frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
+    quantized_mean_needs_keep_dims=True,
 )
 
 TFLITE = TargetProfile(
@@ -182,6 +204,12 @@ TFLITE = TargetProfile(
     reduce_drops_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=True,
+    rank0_inputs=True,
+    integer_graphs=False,  # fused ops are composites with float decompositions
+    quantized_dtypes=frozenset(),
+    quantized_per_channel_int8=False,
+    quantized_float_only=frozenset(),
+    quantized_mean_needs_keep_dims=False,
 )
 
 PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})

@@ -71,7 +71,29 @@ FAMILIES: list[Family] = [
     Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # q/k norms
 ]
 
-BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+# Mixture-of-experts families (transformers 5's experts classes, routed to dense dispatch by
+# the adapters): tested by tests/onert/test_onert_moe.py, not by every FAMILIES test.
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_FAMILIES: list[Family] = [
+    Family("mixtral", "MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                             "sliding_window": None}),
+    Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+           {**_MOE, "num_experts": 4, "shared_expert_intermediate_size": 64}, attention_fusable=False),
+    Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**_MOE, "num_experts": 4, "head_dim": 16},
+           attention_fusable=False),
+    Family("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2},
+           attention_fusable=False),
+    Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+           {**_MOE, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+            "n_shared_experts": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4, "rope_scaling": None},
+           attention_fusable=False),
+    Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+           {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"]}, attention_fusable=False),
+]
+
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES + MOE_FAMILIES}
 
 
 def example_ids(seq_len: int = 8, vocab: int = COMMON["vocab_size"], seed: int = 0) -> torch.Tensor:

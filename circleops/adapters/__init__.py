@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from circleops._hf_cache import register_when_imported
 from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_moe, qwen3_moe
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
 from circleops.adapters._instance import fuse, is_fused, unfuse
@@ -27,10 +28,23 @@ from circleops.adapters.olmo2 import patched_olmo2_attention, patched_olmo2_modu
 from circleops.adapters.phi3 import patched_phi3_attention, patched_phi3_modules, patched_phi3_rmsnorm, patched_phi3_rope
 from circleops.adapters.qwen2 import patched_qwen2_attention, patched_qwen2_modules, patched_qwen2_rmsnorm, patched_qwen2_rope
 from circleops.adapters.qwen3 import patched_qwen3_attention, patched_qwen3_modules, patched_qwen3_rmsnorm, patched_qwen3_rope
+from circleops.adapters.mixtral import (patched_mixtral_attention, patched_mixtral_modules, patched_mixtral_rmsnorm,
+                                        patched_mixtral_rope)
+from circleops.adapters.qwen2_moe import (patched_qwen2_moe_attention, patched_qwen2_moe_modules, patched_qwen2_moe_rmsnorm,
+                                          patched_qwen2_moe_rope)
+from circleops.adapters.qwen3_moe import (patched_qwen3_moe_attention, patched_qwen3_moe_modules, patched_qwen3_moe_rmsnorm,
+                                          patched_qwen3_moe_rope)
+from circleops.adapters.granitemoe import (patched_granitemoe_attention, patched_granitemoe_modules, patched_granitemoe_rmsnorm,
+                                           patched_granitemoe_rope)
+from circleops.adapters.deepseek_v3 import (patched_deepseek_v3_attention, patched_deepseek_v3_modules, patched_deepseek_v3_rmsnorm,
+                                            patched_deepseek_v3_rope)
+from circleops.adapters.gpt_oss import (patched_gpt_oss_attention, patched_gpt_oss_modules, patched_gpt_oss_rmsnorm,
+                                        patched_gpt_oss_rope)
 
 register_when_imported()  # DynamicCache as a pytree node once transformers loads it
 
-FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3)]
+FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3,
+                                              mixtral, qwen2_moe, qwen3_moe, granitemoe, deepseek_v3, gpt_oss)]
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
 
@@ -57,6 +71,7 @@ def family_of(model) -> Family | None:
 __all__ = [
     "FAMILIES", "BY_NAME", "Family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
     "attention_blockers", "family_of", "fuse", "unfuse", "is_fused", "patched_modules",
-    *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3")
+    *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
+                                   "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss")
       for k in ("rmsnorm", "rope", "attention", "modules")],
 ]

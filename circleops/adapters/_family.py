@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from circleops.adapters._attention import attention_forward
+from circleops.adapters._experts import dense_experts_forward
 from circleops._hf_cache import no_cache_by_default
 from circleops.adapters._patching import Patch, PatchSession
 from circleops.adapters._rmsnorm import NormStyle, norm_forward
@@ -28,6 +29,9 @@ class Family:
     attention_class: str
     rope_cast_back: bool = False  # the family's apply_rotary_pos_emb casts back to q/k dtype
     model_class: str = ""  # the decoder model ("LlamaModel"); default: attention_class with Model
+    experts_class: str = ""  # MoE experts (use_experts_implementation): routed to dense dispatch
+    attention_adapter: bool = True  # False: an attention circle.attention cannot express (MLA, sinks)
+    rope_adapter: bool = True  # False: apply_rotary_pos_emb is not rotate_half over [.., S, D] tables
 
     @property
     def decoder_class(self) -> str:
@@ -43,12 +47,23 @@ class Family:
                 for cls in self.norm_classes]
 
     def rope_patches(self) -> list[Patch]:
+        if not self.rope_adapter:
+            return []
         return [Patch(self.module, None, ROPE_FUNCTION, label=self.rope_label, group=self.name,
                       build=lambda original: rope_function(self.rope_label, original, self.rope_cast_back))]
 
     def attention_patches(self) -> list[Patch]:
+        if not self.attention_adapter:
+            return []
         return [Patch(self.module, self.attention_class, "forward", label=self.attention_class, group=self.name,
                       build=lambda original: attention_forward(self.attention_class, self.rope_label, original))]
+
+    def experts_patches(self) -> list[Patch]:
+        """Experts as dense dispatch (static shapes; see _experts.py); none for dense models."""
+        if not self.experts_class:
+            return []
+        return [Patch(self.module, self.experts_class, "forward", label=self.experts_class, group=self.name,
+                      build=lambda original: dense_experts_forward(self.experts_class))]
 
     def cache_patches(self) -> list[Patch]:
         """The decoder model runs without an HF DynamicCache unless asked for one, so that
@@ -57,7 +72,7 @@ class Family:
                       build=no_cache_by_default, tracked=False)]
 
     def patches(self, *, rmsnorm: bool = True, rope: bool = True, attention: bool = True) -> list[Patch]:
-        return (self.cache_patches() + (self.norm_patches() if rmsnorm else [])
+        return (self.cache_patches() + self.experts_patches() + (self.norm_patches() if rmsnorm else [])
                 + (self.rope_patches() if rope else []) + (self.attention_patches() if attention else []))
 
     def context_managers(self) -> tuple[Callable[[], PatchSession], ...]:

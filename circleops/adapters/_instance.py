@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from circleops.adapters._attention import attention_forward
+from circleops.adapters._experts import dense_experts_forward
 from circleops._hf_cache import no_cache_by_default
 from circleops.adapters._family import ROPE_FUNCTION, Family
 from circleops.adapters._patching import pristine
@@ -28,7 +29,7 @@ _MISSING = object()
 
 
 def _loaded_classes(families: list[Family]) -> dict[type, tuple[Family, str]]:
-    """class -> (family, "norm" | "attention" | "model"), for families whose modeling module is
+    """class -> (family, "norm" | "attention" | "experts" | "model"), for families whose modeling module is
     already imported (a model of a family can only exist if its module is)."""
     out: dict[type, tuple[Family, str]] = {}
     for fam in families:
@@ -37,7 +38,10 @@ def _loaded_classes(families: list[Family]) -> dict[type, tuple[Family, str]]:
             continue
         for name in fam.norm_classes:
             out[getattr(module, name)] = (fam, "norm")
-        out[getattr(module, fam.attention_class)] = (fam, "attention")
+        if fam.attention_adapter or fam.rope_adapter:
+            out[getattr(module, fam.attention_class)] = (fam, "attention")
+        if fam.experts_class:
+            out[getattr(module, fam.experts_class)] = (fam, "experts")
         decoder = getattr(module, fam.decoder_class, None)
         if decoder is not None:
             out[decoder] = (fam, "model")
@@ -94,8 +98,14 @@ def fuse(model: torch.nn.Module, *, attention: bool = True) -> torch.nn.Module:
         if kind == "model":  # no HF DynamicCache unless asked for: export as written works
             _swap(sub, no_cache_by_default(pristine(cls, "forward")))
             continue
-        decomposed = _with_circle_rope(fam, pristine(cls, "forward"))
-        _swap(sub, attention_forward(cls.__name__, fam.rope_label, decomposed) if attention else decomposed)
+        if kind == "experts":
+            _swap(sub, dense_experts_forward(cls.__name__))
+            continue
+        decomposed = _with_circle_rope(fam, pristine(cls, "forward")) if fam.rope_adapter else pristine(cls, "forward")
+        if attention and fam.attention_adapter:
+            _swap(sub, attention_forward(cls.__name__, fam.rope_label, decomposed))
+        elif fam.rope_adapter:
+            _swap(sub, decomposed)
     return model
 
 

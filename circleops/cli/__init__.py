@@ -1,4 +1,4 @@
-"""``circleops`` command line: convert / inspect / run / check / ops / generate.
+"""``circleops`` command line: convert / inspect / run / check / ops / generate / chat.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; modules are imported only when their command runs, so that
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from circleops._version import __version__
@@ -19,7 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("circleops.cli.run", "run a Circle or TFLite file on inputs (.npy)"),
     "check": ("circleops.cli.check", "fp16/bf16 numerics report: error per layer and generation agreement per norm policy"),
     "ops": ("circleops.cli.ops", "list the fused ops: schema, Circle builtin, TFLite composite, targets"),
-    "generate": ("circleops.cli.generate", "greedy generation with written prefill/decode graphs"),
+    "generate": ("circleops.cli.generate", "generate text with written prefill/decode graphs (greedy or --sample)"),
+    "chat": ("circleops.cli.chat", "a multi-turn chat with written prefill/decode graphs (the KV cache kept between turns)"),
 }
 
 
@@ -39,6 +42,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``circleops`` console script."""
     code = _main(sys.argv[1:] if argv is None else argv)
+    try:  # output to a pipe is buffered: a reader that left (`| head`) shows up here
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        code = 141
+    except (OSError, ValueError):
+        pass
     if argv is None and _FAST_EXIT:
         _exit_without_teardown(code)
     return code
@@ -56,8 +66,11 @@ def _exit_without_teardown(code: int) -> None:
     import os
 
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
     os._exit(code)
 
 
@@ -77,11 +90,70 @@ def _main(argv: list[str]) -> int:
         return 1
     from circleops.errors import CircleOpsError
 
+    previous = _install_sigterm()
     try:
         return int(args._module.main(args) or 0)
     except CircleOpsError as err:
         print(f"circleops {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        # Raised in the main thread by the SIGTERM handler: every `finally` / cleanup on the
+        # way out has run (the writer removed its temporary file).
+        print("circleops: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("circleops: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `circleops inspect x | head`: the reader left. Nothing more can be printed;
+        # point stdout at /dev/null so the interpreter's final flush does not complain.
+        _silence_stdout()
+        return 141
+    except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
+        print(f"circleops: internal error in {args.command}: {type(err).__name__}: {_one_line(err)}; please report "
+              "this (the command line, and the model or file if you can share it) at the circleops issue tracker. "
+              "Set CIRCLEOPS_DEBUG=1 to see the traceback.", file=sys.stderr)
+        if os.environ.get("CIRCLEOPS_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        return 1
+    finally:
+        _restore_sigterm(previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like KeyboardInterrupt (cleanups run), exit status 143."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _install_sigterm() -> object:
+    try:
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding application): leave it alone
+        return None
+
+
+def _restore_sigterm(previous: object) -> None:
+    if previous is not None:
+        try:
+            signal.signal(signal.SIGTERM, previous)
+        except (ValueError, TypeError):
+            pass
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

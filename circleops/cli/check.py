@@ -38,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads for the fp32 model and the interpreter (default: torch's); "
                              "1 is fastest on a busy machine")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
+    # GGML weight quantization instead of the fp16/bf16 policies (circleops.quantize.check)
+    from circleops.quantize import GGML_FORMATS
+    from circleops.quantize.check import DEFAULT_WINDOW
+
+    parser.add_argument("--quantize", choices=list(GGML_FORMATS), default=None, metavar="FORMAT",
+                        help="instead of --dtype: what GGML weights (q4_0, q8_0) cost in onert: per-layer error, "
+                             "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
+    parser.add_argument("--runtime", choices=("onert", "reference"), default="onert",
+                        help="with --quantize: the runtime of the quantized file (default: onert)")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
+                        help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
+    parser.add_argument("--max-windows", type=int, default=None, metavar="K",
+                        help="with --quantize: score only the first K windows of the text (default: all)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None and args.config is None:
         raise CircleOpsError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), "
                              "or --config config.json for random weights.")
+    if getattr(args, "quantize", None):
+        return _quant_main(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         norm_policy(p)
@@ -86,6 +101,35 @@ def main(args: argparse.Namespace) -> int:
         report.to_json(args.json)
     if args.plot:
         report.plot(args.plot)
+    if not args.quiet:
+        print(report.table())
+    return 0
+
+
+def _quant_main(args: argparse.Namespace) -> int:
+    """``check --quantize``: circleops.quantize.check on the loaded model."""
+    from circleops import models
+    from circleops.errors import CircleOpsError
+    from circleops.quantize.check import quant_check
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
+    t = time.perf_counter()
+    loaded = models.load(args.model, config=args.config, seed=args.seed)
+    if loaded.kind != "hf":
+        raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
+    tokenizer = loaded.tokenizer or _dir_tokenizer(args.model)
+    load_seconds = time.perf_counter() - t
+    report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
+                         prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
+                         new_tokens=args.new_tokens, window=args.window, max_windows=args.max_windows,
+                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress)
+    report.timings = {"load": load_seconds, **report.timings}
+    if args.json:
+        report.to_json(args.json)
     if not args.quiet:
         print(report.table())
     return 0

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 # Only the standard library at import time: `circleops convert --help` must be instant.
+from circleops.quantize import WEIGHT_FORMATS  # a plain dict, no imports behind it
+
 TARGETS = ("circle", "onert", "tflite")
 FUSE_MODES = ("auto", "adapters", "patterns", "none")
 RUNTIMES = ("onert", "litert", "reference")
@@ -39,6 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
                         help="auto: adapters for the families that have them, then pattern fusion; "
                              "adapters / patterns only; none (default: auto)")
+    parser.add_argument("--quantize", choices=list(WEIGHT_FORMATS), default=None, metavar="FORMAT",
+                        help="weight quantization: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items())
+                             + ". Linears whose K is not a multiple of 32 stay fp32 (the summary says which)")
+    parser.add_argument("--calibrate", type=int, default=8, metavar="N",
+                        help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
+                             "shipped in circleops/quantize/calibration.txt; other models: the example input with "
+                             "seeded noise, or --calibration-data) (default 8)")
+    parser.add_argument("--calibration-data", metavar="PT", default=None,
+                        help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
+                             "(loaded with weights_only=True)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -81,7 +93,8 @@ def main(args: argparse.Namespace) -> int:
     dtype = api.DTYPES[args.dtype]
     fmt = api.FORMATS[args.target]
     # Cheap checks first: nothing slow runs for a request that must fail.
-    api.check_target_dtype(args.target, dtype)
+    quantize = api.check_quantize(args.quantize, args.target)
+    api.check_target_dtype(args.target, dtype, quantize)
     out = api.check_output_path(args.output, fmt)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
@@ -95,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
     exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
     stages = ["load"] + ([] if exported_input else ["export"])
     stages += ["fuse"] if args.fuse in ("auto", "patterns") else []
-    stages += ["lower", "write"] + (["verify"] if verify else [])
+    stages += ["lower"] + (["quantize"] if quantize else []) + ["write"] + (["verify"] if verify else [])
     progress = ProgressBar(stages, enabled=not args.quiet and sys.stderr.isatty())
     try:
         progress("load")
@@ -105,10 +118,13 @@ def main(args: argparse.Namespace) -> int:
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
-                                      tolerance=args.tolerance, progress=progress)
+                                      tolerance=args.tolerance, progress=progress, quantize=quantize)
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:
+            if quantize in api.INTEGER_FORMATS:
+                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
+                              tokenizer=loaded.tokenizer)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()

@@ -26,7 +26,8 @@ def main(args: argparse.Namespace) -> int:
         raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
                           f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
     dtype = api.DTYPES[args.dtype]
-    api.check_target_dtype(args.target, dtype)
+    quantize = api.check_quantize(getattr(args, "quantize", None), args.target)
+    api.check_target_dtype(args.target, dtype, quantize)
     prefill_len = graphs.DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
     graphs.check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
@@ -52,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
 
     report = graphs.convert_graphs(loaded.module, out, graphs=names, target=args.target, prefill_len=prefill_len,
                                    max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
-                                   tolerance=args.tolerance, source=loaded.source, progress=progress)
+                                   tolerance=args.tolerance, source=loaded.source, progress=progress,
+                                   quantize=quantize)
     report.timings = {"load": load_seconds, **report.timings}
     if args.report:
         try:

@@ -11,7 +11,7 @@ from typing import Callable
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops.generate import DEFAULT_MAX_NEW_TOKENS, RUNTIMES  # light: no torch
 
-    parser.description = ("greedy generation with the prefill and decode graphs that `circleops convert MODEL "
+    parser.description = ("generation (greedy by default, or --sample) with the prefill and decode graphs that `circleops convert MODEL "
                           "--graphs prefill,decode -o DIR` wrote: the text streams to stdout, the prefill time and "
                           "decode tokens/s go to stderr")
     parser.add_argument("directory", metavar="DIR", help="directory written by `circleops convert MODEL --graphs "
@@ -25,8 +25,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: onert for --target onert files, litert for "
                              "tflite, reference for circle)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template "
+                                                            "(for a conversation: circleops chat DIR)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no timing line on stderr")
+    add_sampling_arguments(parser)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sample, --temperature, --top-k, --top-p, --repetition-penalty, --seed (transformers'
+    GenerationConfig names and meaning; circleops.sampling)."""
+    g = parser.add_argument_group("sampling (default: greedy, the same text every run)")
+    g.add_argument("--sample", action="store_true",
+                   help="draw tokens instead of taking the most likely; the values not given below come from the "
+                        "model's generation_config.json (saved by convert --graphs), else transformers' defaults")
+    g.add_argument("--temperature", type=float, metavar="T", help="divide the logits by T (needs --sample)")
+    g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens; 0: all (needs --sample)")
+    g.add_argument("--top-p", type=float, metavar="P", help="keep the most likely tokens up to probability P "
+                                                            "(needs --sample)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R",
+                   help="divide the logits of tokens already seen by R (1.0: none); applies to greedy too")
+    g.add_argument("--seed", type=int, help="seed of the draws: the same seed gives the same tokens")
+
+
+def sampler_from_args(args: argparse.Namespace, directory):
+    """The Sampler the flags ask for, or None for plain greedy."""
+    from circleops.sampling import Sampler, SamplingConfig, SamplingError
+
+    needs_sample = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                   ("--top-p", args.top_p), ("--seed", args.seed)) if v is not None]
+    if needs_sample and not args.sample:
+        raise SamplingError(f"{', '.join(needs_sample)} only apply when sampling: add --sample (greedy decoding "
+                            "ignores them, as transformers does).")
+    if not args.sample and args.repetition_penalty is None:
+        return None
+    config = SamplingConfig.from_generation_config(
+        directory, do_sample=True if args.sample else None, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    return Sampler(config)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         ids = _parse_ids(args.token_ids)
         tokenizer = load_tokenizer(manifest) if manifest.tokenizer else None
+    sampler = sampler_from_args(args, manifest.directory)
     gen = Generator(manifest, runtime=runtime)
     gen.check_fits(len(ids), args.max_new_tokens)  # before any output
     if tokenizer is not None:
@@ -53,13 +89,14 @@ def main(args: argparse.Namespace) -> int:
         def on_token(token: int) -> None:
             sys.stdout.write(f"{token} ")
             sys.stdout.flush()
-    result = gen.generate(ids, args.max_new_tokens, on_token=on_token)
+    result = gen.generate(ids, args.max_new_tokens, on_token=on_token, sampler=sampler)
     if isinstance(on_token, TextStream):
         on_token.close()
     else:
         sys.stdout.write("\n")
     if not args.quiet:
-        print(result.timing_line(manifest.prefill_len), file=sys.stderr)
+        line = result.timing_line(manifest.prefill_len)
+        print(line if sampler is None else f"{line}; {sampler.config.describe()}", file=sys.stderr)
     return 0
 
 

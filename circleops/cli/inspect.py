@@ -8,6 +8,9 @@ import json
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a .circle or .tflite file")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--tensors", action="store_true",
+                        help="list every constant tensor: storage type (FLOAT32, GGML_Q4_0, INT8...), shape, bytes, "
+                             "quantization; and every quantized activation with its scale and zero point")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -17,5 +20,5 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, default=json_default))
     else:
-        print(format_text(summary))
+        print(format_text(summary, tensors=args.tensors))
     return 0

@@ -16,10 +16,10 @@ import numpy as np
 
 from circleops.errors import RuntimeRunError
 
-RUNTIMES = ("reference", "onert", "litert")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from circleops.runtime import RUNTIMES  # standard library only
+
     parser.add_argument("file", help="the .circle or .tflite file")
     parser.add_argument("--input", "-i", action="append", nargs="+", default=[], metavar="NPY",
                         help="input arrays as .npy files, in the model's input order (repeat or list several)")
@@ -45,39 +45,6 @@ def _load_inputs(paths: Sequence[str]) -> list[np.ndarray]:
     return arrays
 
 
-def runner(runtime: str):
-    """The ``run(path, inputs, signature=None)`` function of ``runtime`` (imports it)."""
-    import importlib
-
-    try:
-        module = importlib.import_module(f"circleops.runtime.{runtime}")
-    except ImportError as err:
-        raise RuntimeRunError(f"runtime {runtime!r} is not available ({err}); install circleops[{runtime}] "
-                              "or use --runtime reference") from None
-
-    def run(path: str, inputs: list[np.ndarray], signature: str | None = None) -> list[np.ndarray]:
-        if signature is not None:
-            return module.run(path, inputs, signature=signature)
-        return module.run(path, inputs)
-
-    return run
-
-
-def _output_names(path: str, signature: str | None, count: int) -> list[str]:
-    """Output tensor names for the summary (best effort: indices if the file cannot be read)."""
-    try:
-        from circleops.serialize import read_model
-
-        model = read_model(path)
-        if signature is not None:
-            sig = next(s for s in model.signatures if s.key == signature)
-            return list(sig.outputs)
-        sg = model.subgraphs[0]
-        return [sg.tensors[j].name for j in sg.outputs]
-    except Exception:  # noqa: BLE001 - names are cosmetic
-        return [f"output_{i}" for i in range(count)]
-
-
 def _summary(a: np.ndarray) -> str:
     if a.size == 0:
         return ""
@@ -93,22 +60,27 @@ def _summary(a: np.ndarray) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from circleops.runtime import open_session, runtime_module
+
     path = args.file
     if not os.path.isfile(path):
         raise RuntimeRunError(f"model file {path!r} does not exist; give the path of a .circle or .tflite file")
     inputs = _load_inputs([p for group in args.input for p in group])
-    run = runner(args.runtime)  # imported before the clock starts: the time is the run's
+    runtime_module(args.runtime)  # imported before the clock starts: the time is the run's
     t0 = time.perf_counter()
-    outputs = [np.asarray(o) for o in run(path, inputs, args.signature)]
+    session = open_session(args.runtime, path, args.signature)
+    outputs = [np.asarray(o) for o in session.run(inputs)]
     seconds = time.perf_counter() - t0
-    names = _output_names(path, args.signature, len(outputs))
+    names = [spec.name for spec in session.outputs]
     print(f"{path}: {len(outputs)} outputs from {args.runtime} in {seconds * 1e3:.1f} ms (file read included)")
-    others = [np.asarray(o) for o in runner(args.compare)(path, inputs, args.signature)] if args.compare else None
+    others = None
+    if args.compare:
+        others = [np.asarray(o) for o in open_session(args.compare, path, args.signature).run(inputs)]
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     for i, a in enumerate(outputs):
-        name = names[i] if i < len(names) else f"output_{i}"
+        name = names[i] if i < len(names) and names[i] else f"output_{i}"
         line = f"  [{i}] {name}: {a.dtype} {list(a.shape)} {_summary(a)}"
         if others is not None:
             b = others[i]

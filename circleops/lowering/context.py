@@ -1,7 +1,6 @@
-"""The state one lowering works with: values, the subgraph being built, and helpers.
+"""The builder one lowering works with: the subgraph being built, and helpers that emit or fold.
 
-A ``Value`` is what an FX node lowers to: a tensor of the subgraph being built, or a
-constant (a torch tensor not yet written into any subgraph). Constants are materialized
+Values (circleops.lowering.value) are what FX nodes lower to. Constants are materialized
 lazily, once per subgraph, the first time an operator uses them, so constants that only
 feed folded computations (RoPE tables, masks, shape arithmetic) never reach the file, and
 the same torch tensor (a tied embedding / lm_head weight) becomes one tensor.
@@ -15,16 +14,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from circleops import ir
 from circleops.errors import UnsupportedOpError
+from circleops.lowering.trace import trace
+# Values and their helpers, re-exported: lowerings import them from here
+from circleops.lowering.value import (Value, broadcast_shape, const_value, result_type,  # noqa: F401
+                                      scalar_dtype, source_line)
 from circleops.targets import TargetProfile, profile
+
+
+class GraphLowerer(Protocol):
+    """Lowers an FX graph into ctx's current subgraph (circleops.lowering.program.lower_fx_graph):
+    passed in, so that this module does not import the program walker that imports it."""
+
+    def __call__(self, ctx: "LoweringContext", graph: torch.fx.Graph, inputs: Sequence[Any],
+                 module: torch.nn.Module | None = None) -> Any: ...
+
 
 # Elementwise unary builtins: they commute with a transpose of their input.
 LAYOUT_FREE = frozenset({
@@ -34,101 +45,14 @@ LAYOUT_FREE = frozenset({
 })
 
 
-class Value:
-    """A lowered tensor: ``index`` in subgraph ``sg``, or a constant ``const``."""
-
-    __slots__ = ("shape", "dtype", "index", "const", "name", "sg")
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, *, index: int | None = None,
-                 const: torch.Tensor | None = None, name: str = "", sg: ir.Subgraph | None = None):
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = dtype
-        self.index = index
-        self.const = const
-        self.name = name
-        self.sg = sg
-
-    @property
-    def rank(self) -> int:
-        return len(self.shape)
-
-    @property
-    def is_const(self) -> bool:
-        return self.const is not None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def __repr__(self) -> str:
-        kind = "const" if self.is_const else f"#{self.index}"
-        return f"Value({self.name or '?'} {kind} {list(self.shape)} {self.dtype})"
-
-
-def is_value(x: Any) -> bool:
-    return isinstance(x, Value)
-
-
-def const_value(t: torch.Tensor, name: str = "") -> Value:
-    return Value(t.shape, t.dtype, const=t, name=name)
-
-
-def source_line(node: torch.fx.Node | None) -> str:
-    """The user's source line that produced ``node`` (the last frame of its stack trace)."""
-    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            return f"{lines[i]}: {code}" if code else lines[i]
-    return "(no source location recorded)"
-
-
-def _scalar_dtype(x: Any) -> torch.dtype:
-    if isinstance(x, bool):
-        return torch.bool
-    if isinstance(x, int):
-        return torch.int64
-    return torch.float32
-
-
-def result_type(*xs: Any) -> torch.dtype:
-    """torch's type promotion over Values and Python scalars (0-dim tensors rank as scalars)."""
-    probes = []
-    for x in xs:
-        if isinstance(x, Value):
-            probes.append(torch.empty(() if x.rank == 0 else (0,), dtype=x.dtype))
-        elif x is not None:
-            probes.append(x)
-    out = probes[0]
-    if len(probes) == 1:
-        return out.dtype if isinstance(out, torch.Tensor) else _scalar_dtype(out)
-    dtype = torch.result_type(probes[0], probes[1])
-    for p in probes[2:]:
-        dtype = torch.promote_types(dtype, p.dtype if isinstance(p, torch.Tensor) else _scalar_dtype(p))
-    return dtype
-
-
-def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
-    """numpy/torch broadcasting of static shapes."""
-    rank = max(len(s) for s in shapes)
-    out = [1] * rank
-    for s in shapes:
-        for i, d in enumerate(s, rank - len(s)):
-            if d != 1:
-                if out[i] not in (1, d):
-                    raise ValueError(f"shapes {[list(x) for x in shapes]} do not broadcast")
-                out[i] = d
-    return tuple(out)
-
-
 class LoweringContext:
     """Builds one ir.Model; lowerings call ``emit`` and the helpers below."""
 
-    def __init__(self, target: str | TargetProfile, model: ir.Model):
+    def __init__(self, target: str | TargetProfile, model: ir.Model, *, lower_graph: GraphLowerer):
         self.profile: TargetProfile = profile(target)  # what the target runs: lowerings ask it
         self.target = self.profile.name  # for messages only; decisions read self.profile
         self.model = model
+        self._lower_graph = lower_graph
         self.sg: ir.Subgraph = None  # type: ignore[assignment] - set by subgraph()
         self.node: torch.fx.Node | None = None  # the node being lowered (any graph)
         self.root: torch.fx.Node | None = None  # the exported program's node being lowered
@@ -189,7 +113,7 @@ class LoweringContext:
         elif isinstance(value, torch.Tensor):
             t = value.detach().to(dtype) if dtype is not None else value.detach()
         else:
-            t = torch.tensor(value, dtype=dtype if dtype is not None else _scalar_dtype(value))
+            t = torch.tensor(value, dtype=dtype if dtype is not None else scalar_dtype(value))
         return const_value(t, name)
 
     def i32(self, values: Sequence[int]) -> Value:
@@ -261,6 +185,9 @@ class LoweringContext:
         if producer is not None:
             src, inner = producer
             return self.transpose(src, [inner[p] for p in perm])
+        if not x.dtype.is_floating_point and not self.supports("TRANSPOSE", x.dtype):
+            # integers and masks through int32 (positions and counts: far inside its range)
+            return self.cast(self.transpose(self.cast(x, torch.int32), perm), x.dtype)
         shape = tuple(x.shape[p] for p in perm)
         y = self.emit("TRANSPOSE", [x, self.i32(perm)], out_shape=shape, out_dtype=x.dtype)
         self._transposed[(id(self.sg), y.index)] = (x, perm)
@@ -396,25 +323,8 @@ class LoweringContext:
         The trace keeps composite ops whole (linear, matmul: the export's own dialect)
         unless ``_decompose``, which traces below them (for ops with no lowering).
         """
-        from circleops.lowering.program import lower_graph
-
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Value)]
-        key = None
-        try:
-            key = (fn, _decompose, spec, tuple((leaf.shape, leaf.dtype) if isinstance(leaf, Value) else ("py", type(leaf), leaf)
-                                   for leaf in leaves))
-            hash(key)
-        except TypeError:
-            key = None
-        gm = _TRACES.get(key) if key is not None else None
-        if gm is None:
-            gm = _trace(fn, leaves, spec, slots, decompose=_decompose)
-            if key is not None:
-                if len(_TRACES) >= _TRACE_CACHE_SIZE:
-                    _TRACES.pop(next(iter(_TRACES)))
-                _TRACES[key] = gm
-        return lower_graph(self, gm.graph, [leaves[i] for i in slots], module=gm)
+        gm, values = trace(fn, args, kwargs, decompose=_decompose)
+        return self._lower_graph(self, gm.graph, values, module=gm)
 
     # ---------------------------------------------------------------- errors
     def _where(self, what: str) -> str:
@@ -427,41 +337,3 @@ class LoweringContext:
     def unsupported(self, what: str, hint: str) -> UnsupportedOpError:
         """An UnsupportedOpError naming the node, its source line, and what to do."""
         return UnsupportedOpError(f"{self._where(what)} {hint}")
-
-
-# make_fx traces of decompositions, by (fn, argument shapes/dtypes, baked arguments): the
-# same norm at the same shape is traced once per process, not once per layer.
-_TRACES: dict[Any, torch.fx.GraphModule] = {}
-_TRACE_CACHE_SIZE = 256
-
-
-_FALLBACK_TABLE: dict[Any, Callable[..., Any]] | None = None
-
-
-def fallback_decompositions() -> dict[Any, Callable[..., Any]]:
-    """torch's core-aten decompositions for the ops that have no lowering of their own."""
-    global _FALLBACK_TABLE
-    if _FALLBACK_TABLE is None:
-        from torch._decomp import core_aten_decompositions
-
-        from circleops.lowering.registry import lowering_for
-
-        _FALLBACK_TABLE = {op: fn for op, fn in core_aten_decompositions().items() if lowering_for(op) is None}
-    return _FALLBACK_TABLE
-
-
-def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int],
-           decompose: bool = False) -> torch.fx.GraphModule:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def traced(*tensors: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for i, t in zip(slots, tensors):
-            filled[i] = t
-        a, k = pytree.tree_unflatten(filled, spec)
-        return fn(*a, **k)
-
-    metas = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in slots]
-    if decompose:
-        return make_fx(traced, decomposition_table=fallback_decompositions())(*metas)
-    return make_fx(traced, pre_dispatch=True)(*metas)

@@ -14,7 +14,7 @@ import torch
 
 from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
-from circleops.lowering.shape import _paddings
+from circleops.lowering.shape import pad_rows
 
 aten = torch.ops.aten
 
@@ -258,7 +258,7 @@ _INDEX = {
 
 
 def pad(ctx, x, pad_list, mode, value=0.0):
-    rows = _paddings(x.rank, pad_list)
+    rows = pad_rows(x.rank, pad_list)
     negative = any(v < 0 for row in rows for v in row)
     if negative and mode in ("constant", "circular"):
         # a negative pad crops first (PAD refuses it: onert crashes, LiteRT fails at

@@ -124,15 +124,13 @@ _UNARY = {
     aten.neg: "NEG", aten.rsqrt: "RSQRT", aten.sqrt: "SQRT", aten.exp: "EXP", aten.log: "LOG",
     aten.sin: "SIN", aten.cos: "COS", aten.tanh: "TANH", aten.sigmoid: "LOGISTIC", aten.abs: "ABS",
     aten.relu: "RELU", aten.floor: "FLOOR", aten.ceil: "CEIL", aten.round: "ROUND", aten.sign: "SIGN",
-    aten.logical_not: "LOGICAL_NOT", aten.bitwise_not: "LOGICAL_NOT", aten.relu6: "RELU6", aten.hardswish: "HARD_SWISH",
+    aten.logical_not: "LOGICAL_NOT", aten.relu6: "RELU6", aten.hardswish: "HARD_SWISH",
 }
 
 
 def _unary(opcode):
     def lowering(ctx, node, x):
         if opcode == "LOGICAL_NOT":
-            if node.target.overloadpacket is aten.bitwise_not and x.dtype != torch.bool:
-                raise ctx.unsupported(f"computes bitwise not of {x.dtype}", "Only boolean logic is supported.")
             return ctx.unary(opcode, ctx.cast(x, torch.bool))
         return unary_or_fallback(ctx, opcode, ctx.cast(x, ctx.out_dtype))
     return lowering

@@ -65,6 +65,17 @@ def batch_matmul(ctx, a, b):
     if b.rank == 2 and b.is_const:
         # a constant right-hand matrix is a FULLY_CONNECTED weight, stored transposed
         return fully_connected(ctx, a, ctx.transpose(b, (1, 0)))
+    if a.is_const and not b.is_const:
+        # onert refuses a constant left operand at load ("OperationValidator failed"):
+        # a @ b = (bᵀ @ aᵀ)ᵀ puts the constant on the right (a FULLY_CONNECTED weight when 2-D)
+        swap = list(range(b.rank - 2)) + [b.rank - 1, b.rank - 2]
+        bt = ctx.transpose(b, swap)
+        if a.rank == 2:
+            y = fully_connected(ctx, bt, a)
+        else:
+            at = ctx.transpose(a, list(range(a.rank - 2)) + [a.rank - 1, a.rank - 2])
+            y = batch_matmul(ctx, bt, at)
+        return ctx.transpose(y, list(range(y.rank - 2)) + [y.rank - 1, y.rank - 2])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     shape = tuple(batch) + (a.shape[-2], b.shape[-1])
     # no adjoint fields: their defaults (False) are what we want, and the Circle and TFLite

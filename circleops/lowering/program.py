@@ -20,8 +20,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from circleops import ir
 from circleops.errors import REPORT_BUG, CircleOpsError, InternalError, TargetError, UnsupportedOpError
-from circleops.lowering.context import LoweringContext, Value, const_value, source_line
-from circleops.lowering.registry import lowering_for
+from circleops.lowering.context import LoweringContext
+from circleops.lowering.registry import lower, lowering_for
+from circleops.lowering.trace import fallback_decompositions
+from circleops.lowering.value import Value, const_value, source_line
 from circleops.passes.fold import evaluate, is_foldable, live_nodes
 from circleops.targets import PROFILES, TargetProfile, profile
 
@@ -112,8 +114,11 @@ def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile,
     its weights and inputs). A dtype the target does not run (TargetProfile.float_dtypes:
     onert runs float32 only) is a TargetError.
     """
+    from circleops.passes.functionalize import functionalize
+
+    ep = functionalize(ep)  # in-place / out= / *_copy nodes -> functional ops (a no-op without them)
     target = profile(target)
-    ctx = LoweringContext(target, ir.Model(description=f"circleops ({target.name})"))
+    ctx = LoweringContext(target, ir.Model(description=f"circleops ({target.name})"), lower_graph=lower_fx_graph)
     _check_dtype(ep, target, dtype)
     with ctx.subgraph("main"):
         sg = ctx.sg
@@ -130,7 +135,12 @@ def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile,
             elif spec.kind == InputKind.USER_INPUT:
                 _static(node)
                 v = node.meta.get("val")
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and not target.rank0_inputs:
+                    # onert refuses rank-0 graph inputs ("unsupported rank: 0"): take [1]
+                    value = ctx.input((1,), v.dtype, node.name)
+                    sig_inputs[node.name] = value.index
+                    env.append(ctx.emit("RESHAPE", [value, ctx.i32([])], out_shape=(), out_dtype=v.dtype))
+                elif isinstance(v, torch.Tensor):
                     value = ctx.input(v.shape, v.dtype, node.name)
                     sig_inputs[node.name] = value.index
                     env.append(value)
@@ -140,7 +150,7 @@ def lower_program(ep: torch.export.ExportedProgram, target: str | TargetProfile,
                 raise UnsupportedOpError(
                     f"input {node.name!r} is a {spec.kind.name} input, which circleops cannot "
                     f"write; export a module whose inputs are tensors")
-        results = lower_graph(ctx, graph, env, module=ep.graph_module)
+        results = lower_fx_graph(ctx, graph, env, module=ep.graph_module)
         sig_outputs: dict[str, int] = {}
         for i, (spec, value) in enumerate(zip(ep.graph_signature.output_specs, results)):
             if spec.kind != OutputKind.USER_OUTPUT:
@@ -232,7 +242,7 @@ def _materialize(x: Value) -> Any:
     return x.const
 
 
-def lower_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[Any],
+def lower_fx_graph(ctx: LoweringContext, graph: torch.fx.Graph, inputs: Sequence[Any],
                 module: torch.nn.Module | None = None) -> Any:
     """Lower ``graph`` into ctx's current subgraph; ``inputs`` are its placeholders' Values.
 
@@ -300,8 +310,6 @@ def _lower_node(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: 
 
 
 def _decomposable(target: Any) -> bool:
-    from circleops.lowering.context import fallback_decompositions
-
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return target in fallback_decompositions() or target.has_kernel_for_dispatch_key(
@@ -329,26 +337,19 @@ def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: d
 # torch.export wraps `with torch.no_grad()` / `torch.autocast(enabled=False)` regions in
 # higher-order ops over a submodule: their graphs are lowered inline.
 def _inline_region(ctx: LoweringContext, submodule: torch.fx.GraphModule, operands: tuple) -> Any:
-    return list(lower_graph(ctx, submodule.graph, operands, module=submodule))
+    return list(lower_fx_graph(ctx, submodule.graph, operands, module=submodule))
 
 
-def _register_regions() -> None:
-    from circleops.lowering.registry import lower
-
-    hop = torch.ops.higher_order
-
-    @lower(hop.wrap_with_set_grad_enabled)
-    def _(ctx, node, enabled, submodule, *operands):
-        return _inline_region(ctx, submodule, operands)
-
-    @lower(hop.wrap_with_autocast)
-    def _(ctx, node, device_type, dtype, enabled, cache_enabled, submodule, *operands):
-        if enabled:
-            raise ctx.unsupported(
-                "runs under torch.autocast, whose casts are not in the exported graph",
-                "Export outside autocast (convert the model with model.to(dtype) instead), or call "
-                "ep.run_decompositions() first so that the casts become graph nodes.")
-        return _inline_region(ctx, submodule, operands)
+@lower(torch.ops.higher_order.wrap_with_set_grad_enabled)
+def _(ctx, node, enabled, submodule, *operands):
+    return _inline_region(ctx, submodule, operands)
 
 
-_register_regions()
+@lower(torch.ops.higher_order.wrap_with_autocast)
+def _(ctx, node, device_type, dtype, enabled, cache_enabled, submodule, *operands):
+    if enabled:
+        raise ctx.unsupported(
+            "runs under torch.autocast, whose casts are not in the exported graph",
+            "Export outside autocast (convert the model with model.to(dtype) instead), or call "
+            "ep.run_decompositions() first so that the casts become graph nodes.")
+    return _inline_region(ctx, submodule, operands)

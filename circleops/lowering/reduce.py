@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -195,3 +196,45 @@ def _(ctx, node, x, bins=100, min=0, max=0):
     if x.numel * bins > 1 << 24:
         raise ctx.unsupported(f"histograms {x.numel} values into {bins} bins", "Histogram fewer values or bins.")
     return ctx.call(_histc, ctx.cast(x, torch.float32), int(bins), float(min), float(max))
+
+
+@lower(aten.topk)
+def _(ctx, node, x, k, dim=-1, largest=True, sorted=True):
+    """(values, indices) of the k largest (smallest) along ``dim``, as TOPK_V2 over the
+    last axis (a transpose around it otherwise); indices int64 as torch returns them."""
+    dim %= max(x.rank, 1)
+    perm = [d for d in range(x.rank) if d != dim] + [dim]
+    inverse = [perm.index(d) for d in range(x.rank)]
+    h = ctx.transpose(x, perm)
+    if not largest:
+        h = ctx.unary("NEG", h)
+    shape = h.shape[:-1] + (int(k),)
+    if not ctx.supports("TOPK_V2"):
+        values, indices = ctx.call(_topk_by_argmax, h, int(k), positions=const_value(torch.arange(h.shape[-1])))
+        if not largest:
+            values = ctx.unary("NEG", values)
+        return [ctx.transpose(values, inverse), _indices_back(ctx, indices, inverse)]
+    values, indices = ctx.emit("TOPK_V2", [h, ctx.const(int(k), torch.int32)], "TopKV2Options",
+                               outs=[(shape, h.dtype), (shape, torch.int32)])
+    if not largest:
+        values = ctx.unary("NEG", values)
+    return [ctx.transpose(values, inverse), _indices_back(ctx, indices, inverse)]
+
+
+def _indices_back(ctx, indices, inverse):
+    """int64 indices in the caller's layout; transposed as int32 (onert transposes no int64)."""
+    if inverse != sorted(inverse):
+        indices = ctx.transpose(ctx.cast(indices, torch.int32), inverse)
+    return ctx.cast(indices, torch.int64)
+
+
+def _topk_by_argmax(h, k, positions):
+    """k rounds of argmax over the last axis, each masking its pick: for runtimes without
+    TOPK_V2. Sorted, largest first; ties go to the lower index."""
+    values, indices = [], []
+    for _ in range(k):
+        i = h.argmax(-1, keepdim=True)
+        values.append(h.amax(-1, keepdim=True))
+        indices.append(i)
+        h = torch.where(positions == i, torch.full((), float("-inf"), dtype=h.dtype), h)
+    return torch.cat(values, -1), torch.cat(indices, -1)

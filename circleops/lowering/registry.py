@@ -25,15 +25,28 @@ def lower(*targets: Any) -> Callable[[Lowering], Lowering]:
 
     A target is an OpOverload (``torch.ops.aten.add.Tensor``), an OpOverloadPacket
     (``torch.ops.aten.add``, covering every overload without an entry of its own), or a
-    plain Python callable that FX graphs call (``operator.getitem``).
+    plain Python callable that FX graphs call (``operator.getitem``). Registering a second
+    lowering for the same target raises ValueError.
     """
 
     def register(fn: Lowering) -> Lowering:
         for target in targets:
+            previous = LOWERINGS.get(target)
+            if previous is not None and previous is not fn:
+                # a second lowering would silently win by import order, and the first
+                # one become dead code: say which two collide
+                raise ValueError(f"@lower({target}): {_where(fn)} would replace the lowering "
+                                 f"{_where(previous)}; an op has one lowering: extend that one")
             LOWERINGS[target] = fn
         return fn
 
     return register
+
+
+def _where(fn: Lowering) -> str:
+    code = getattr(fn, "__code__", None)
+    at = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}{at}"
 
 
 def lowering_for(target: Any) -> Lowering | None:

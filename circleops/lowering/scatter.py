@@ -1,11 +1,12 @@
-"""Scatters and view-like gathers, all through flat positions into x.reshape(-1).
+"""Writes into a tensor, as static dataflow: copy, slice/select_scatter, index_put, scatter.
 
-A gather-like op whose positions are constant (diagonal, unfold, repeat_interleave,
-as_strided) is one GATHER of a constant index table. A scatter writes ``values`` at
-``positions``: with constant positions, a GATHER of the last value written to each
-element and a SELECT; with positions computed at run time (scatter, index_put with index
-inputs), a comparison matrix [numel(x), len(positions)] and a reduction over it, which
-keeps torch's order (the last write wins) and every reduce mode exact, on any runtime.
+These are what functionalization (circleops.passes.functionalize) turns in-place writes
+into (``x[:, 0] = v``, ``x.index_put_``, ``scores.masked_fill_``, ``g.scatter_(1, i, 1)``).
+A write at data-dependent positions is a one-hot comparison of the indices with every
+position followed by a select (or a sum, for accumulating writes), so it runs on any
+runtime with EQUAL / SELECT_V2 / ARG_MAX, and never multiplies the written values (an
+``-inf`` written into a mask stays ``-inf``). The dense forms are written in torch and
+lowered through ``ctx.call``, so they reuse the lowerings of the ops they use.
 """
 from __future__ import annotations
 
@@ -14,213 +15,179 @@ import math
 import torch
 
 from circleops.lowering.context import const_value
-from circleops.lowering.registry import lower, lowering_for
-from circleops.lowering.select import gather_along
+from circleops.lowering.registry import lower
 
 aten = torch.ops.aten
-_MATRIX_MAX = 1 << 24  # elements of the comparison matrix of a run-time scatter
 
 
-def _positions(x):
-    return torch.arange(x.numel, dtype=torch.int64).reshape(x.shape)
+@lower(aten.copy)
+def _(ctx, node, x, src, non_blocking=False):
+    # x.copy_(src): src's values, cast to x's dtype, broadcast to x's shape
+    return ctx.call(_copy, x, src)
 
 
-def gather_positions(ctx, x, pos: torch.Tensor):
-    """x.reshape(-1)[pos] for a constant position tensor (any shape)."""
-    if pos.numel() == x.numel and torch.equal(pos.reshape(-1), torch.arange(x.numel)):
-        return ctx.reshape(x, pos.shape)
-    index = pos.reshape(-1).to(torch.int32 if x.numel < 2 ** 31 else torch.int64)
-    return ctx.reshape(ctx.gather(ctx.reshape(x, (-1,)), const_value(index), 0), tuple(pos.shape))
+def _copy(x, src):
+    return src.to(x.dtype).expand(x.shape)
 
 
-def _identity(mode, dtype):
-    if mode in ("sum", "mean"):
-        return 0
-    if mode == "prod":
-        return 1
-    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-    big = math.inf if dtype.is_floating_point else info.max
-    return -big if mode == "amax" else big
+def _bounds(size, start, end, step):
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return max(0, min(start, size)), max(0, min(end, size)), step
 
 
-def _combine(mode, old, new):
-    return {"sum": torch.add, "prod": torch.mul, "amax": torch.maximum, "amin": torch.minimum}[mode](old, new)
-
-
-def _scatter_matrix(x, pos, vals, mode: str, include_self: bool):
-    """x [N] with vals [K] scattered at pos [K] (run-time positions)."""
-    n, k = x.shape[0], pos.shape[0]
-    hit = pos.unsqueeze(0) == torch.arange(n, device=x.device).unsqueeze(1)  # [N, K]
-    touched = hit.any(1)
-    if mode == "set":  # the last write wins, as torch's CPU kernel
-        order = torch.where(hit, torch.arange(1, k + 1, dtype=torch.float32, device=x.device), 0.0)
-        pick = hit & (order == order.amax(1, keepdim=True))
-        return torch.where(touched, torch.where(pick, vals, 0).sum(1).to(x.dtype), x)
-    spread = torch.where(hit, vals, _identity("sum" if mode == "mean" else mode, x.dtype))
-    if mode == "mean":
-        count = hit.to(x.dtype).sum(1) + (1 if include_self else 0)
-        total = spread.sum(1) + (x if include_self else 0)
-        mean = total / torch.where(count == 0, 1, count)
-        if not x.dtype.is_floating_point:
-            mean = torch.div(total, torch.where(count == 0, 1, count), rounding_mode="floor")
-        return torch.where(touched, mean.to(x.dtype), x)
-    reduced = {"sum": spread.sum, "prod": spread.prod, "amax": spread.amax, "amin": spread.amin}[mode](1)
-    if include_self:
-        reduced = _combine(mode, x, reduced)
-    return torch.where(touched, reduced.to(x.dtype), x)
-
-
-def scatter_flat(ctx, x, pos, vals, mode="set", include_self=True):
-    """x with ``vals`` written at flat positions ``pos`` (same shape as vals); ``mode``:
-    set (last write wins), sum, prod, mean, amax, amin."""
-    shape = x.shape
-    flat = ctx.reshape(x, (-1,))
-    vals = ctx.reshape(ctx.cast(vals, x.dtype), (-1,))
-    if pos.is_const:
-        p = pos.const.reshape(-1).long()
-        last = torch.full((x.numel,), -1, dtype=torch.int64)
-        last[p] = torch.arange(p.numel())  # index_put keeps the last of duplicates
-        counts = torch.bincount(p, minlength=x.numel)
-        if mode == "set" or (counts.max() <= 1 and mode != "mean"):
-            covered = last >= 0
-            if bool(covered.all()) and mode == "set":
-                new = ctx.gather(vals, const_value(last.to(torch.int32)), 0)
-            else:
-                new = ctx.gather(vals, const_value(last.clamp(min=0).to(torch.int32)), 0)
-            if mode != "set" and include_self:
-                new = ctx.call(_combine, mode, flat, new)
-            if not bool(covered.all()):
-                new = ctx.emit("SELECT_V2", [const_value(covered), new, flat], out_shape=flat.shape, out_dtype=x.dtype) \
-                    if ctx.supports("SELECT_V2", x.dtype) else ctx.call(torch.where, const_value(covered), new, flat)
-            return ctx.reshape(new, shape)
-    if x.numel * vals.numel > _MATRIX_MAX:
-        raise ctx.unsupported(f"scatters {vals.numel} values into {x.numel} elements at run-time positions",
-                              "Make the indices constants of the model, or scatter into a smaller tensor.")
-    pos = ctx.reshape(ctx.cast(pos, torch.int64), (-1,))
-    return ctx.reshape(ctx.call(_scatter_matrix, flat, pos, vals, mode, bool(include_self)), shape)
-
-
-# ------------------------------------------------------------------------ scatter
-_REDUCE = {None: "set", "add": "sum", "multiply": "prod", "sum": "sum", "prod": "prod", "mean": "mean",
-           "amax": "amax", "amin": "amin"}
-
-
-def _scatter(ctx, x, dim, index, src, reduce=None, include_self=True):
-    pos = gather_along(ctx, const_value(_positions(x)), dim, index)
-    if isinstance(src, (int, float, bool)) or src.numel == 1:
-        vals = ctx.const(torch.full(index.shape, src, dtype=x.dtype)) if not hasattr(src, "shape") else \
-            ctx.emit("BROADCAST_TO", [ctx.cast(src, x.dtype), ctx.i32(index.shape)], out_shape=index.shape,
-                     out_dtype=x.dtype, op_version=2)
-    else:
-        vals = src
-        for d, size in enumerate(index.shape):  # torch reads src[index's extent] only
-            vals = ctx.slice(vals, d, 0, size)
-    return scatter_flat(ctx, x, pos, vals, _REDUCE[reduce], include_self)
-
-
-@lower(aten.scatter.src, aten.scatter.value)
-def _(ctx, node, x, dim, index, src):
-    return _scatter(ctx, x, dim, index, src)
-
-
-@lower(aten.scatter.reduce, aten.scatter.value_reduce)
-def _(ctx, node, x, dim, index, src, reduce):
-    return _scatter(ctx, x, dim, index, src, reduce)
-
-
-@lower(aten.scatter_add)
-def _(ctx, node, x, dim, index, src):
-    return _scatter(ctx, x, dim, index, src, "add")
-
-
-@lower(aten.scatter_reduce.two)
-def _(ctx, node, x, dim, index, src, reduce, include_self=True):
-    return _scatter(ctx, x, dim, index, src, reduce, include_self)
-
-
-@lower(aten.index_put)
-def _(ctx, node, x, indices, values, accumulate=False):
-    indices = list(indices)
-    masks = [i for i in indices if i is not None and i.dtype == torch.bool]
-    if masks:
-        rest = x.shape[indices[0].rank:] if len(indices) == 1 else None
-        vshape = values.shape[1:] if values.rank and values.rank > len(rest or ()) else values.shape
-        if rest is not None and (values.rank <= len(rest) + 1) and (values.rank <= len(rest) or values.shape[0] == 1) \
-                and _broadcasts(vshape, rest):
-            # x[mask] = v with v the same for every selected row: a select, static
-            mask = ctx.reshape(indices[0], indices[0].shape + (1,) * len(rest))
-            v = ctx.reshape(ctx.cast(values, x.dtype), vshape)
-            return ctx.cast(ctx.call(torch.where, mask, ctx.add(x, v) if accumulate else v, x), x.dtype)
-        raise ctx.unsupported("assigns through a boolean mask (a data-dependent number of elements)",
-                              "Use torch.where(mask, values, x) with values shaped like x.")
-    pos = lowering_for(aten.index.Tensor)(ctx, node, const_value(_positions(x)), indices)
-    vals = ctx.cast(values, x.dtype)
-    if vals.shape != pos.shape:
-        vals = ctx.emit("BROADCAST_TO", [ctx.reshape(vals, (1,) * (pos.rank - vals.rank) + vals.shape),
-                                         ctx.i32(pos.shape)], out_shape=pos.shape, out_dtype=x.dtype, op_version=2)
-    return scatter_flat(ctx, x, pos, vals, "sum" if accumulate else "set")
-
-
-def _broadcasts(shape, target):
-    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
-
-
-def _masked_scatter(x, mask, source):
-    shape = torch.broadcast_shapes(x.shape, mask.shape)
-    m = mask.expand(shape).reshape(-1)
-    k = torch.cumsum(m.to(torch.int32), 0) - 1
-    taken = source.reshape(-1)[k.clamp(min=0)]
-    return torch.where(m, taken, x.expand(shape).reshape(-1)).reshape(shape)
-
-
-@lower(aten.masked_scatter)
-def _(ctx, node, x, mask, source):
-    return ctx.call(_masked_scatter, x, mask, source)
-
-
-# ------------------------------------------------------------------------ constant positions
 @lower(aten.slice_scatter)
 def _(ctx, node, x, src, dim=0, start=None, end=None, step=1):
-    pos = _positions(x)
-    idx = [slice(None)] * x.rank
-    idx[dim % x.rank] = slice(start, end, step)
-    return scatter_flat(ctx, x, const_value(pos[tuple(idx)].contiguous()), src)
+    dim %= x.rank
+    start, end, step = _bounds(x.shape[dim], start, end, step)
+    return slice_scatter(ctx, x, src, dim, start, end, step)
+
+
+def slice_scatter(ctx, x, src, dim, start, end, step):
+    """x with x[..., start:end:step, ...] (along ``dim``) replaced by src."""
+    src = ctx.cast(src, x.dtype)
+    if step == 1:
+        parts = [ctx.slice(x, dim, 0, start), src, ctx.slice(x, dim, end, x.shape[dim])]
+        return ctx.concat([p for p in parts if p.shape[dim] > 0] or [src], dim)
+    n = x.shape[dim]
+    picked = list(range(start, end, step))
+    index = [picked.index(p) if p in picked else 0 for p in range(n)]
+    mask = torch.zeros([n if d == dim else 1 for d in range(x.rank)], dtype=torch.bool)
+    mask.view(-1)[picked] = True
+    return ctx.call(_where_gathered, const_value(mask), src, const_value(torch.tensor(index)), x, dim)
+
+
+def _where_gathered(mask, src, index, x, dim):
+    return torch.where(mask, src.index_select(dim, index), x)
 
 
 @lower(aten.select_scatter)
 def _(ctx, node, x, src, dim, index):
-    return scatter_flat(ctx, x, const_value(_positions(x).select(dim, index).contiguous()), src)
+    dim %= x.rank
+    index %= x.shape[dim]
+    return slice_scatter(ctx, x, ctx.reshape(src, x.shape[:dim] + (1,) + x.shape[dim + 1:]), dim, index, index + 1, 1)
 
 
-@lower(aten.diagonal_scatter)
-def _(ctx, node, x, src, offset=0, dim1=0, dim2=1):
-    return scatter_flat(ctx, x, const_value(_positions(x).diagonal(offset, dim1, dim2).contiguous()), src)
+# ------------------------------------------------------------------------ index_put
+@lower(aten.index_put)
+def _(ctx, node, x, indices, values, accumulate=False):
+    indices = list(indices) + [None] * (x.rank - len(indices))
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if any(indices[d].dtype == torch.bool for d in dims):
+        if len(dims) == 1 and values.numel == 1 and not accumulate:
+            # x[mask] = v with one value: a select, whatever the mask holds
+            mask = indices[dims[0]]
+            mask = ctx.reshape(mask, (1,) * dims[0] + mask.shape + (1,) * (x.rank - dims[0] - mask.rank))
+            return ctx.call(_masked_put, x, mask, values)
+        from circleops.lowering.views import masked_rows
+
+        if len(indices) - indices.count(None) == 1 and indices[0] is not None:
+            y = masked_rows(ctx, x, indices[0], values, accumulate)  # the same row written to every hit
+            if y is not None:
+                return y
+        raise ctx.unsupported(
+            "writes through a boolean mask with more than one value (how many it writes depends on the data)",
+            "Write x = torch.where(mask, values, x) with values of x's shape, or use integer indices.")
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    rest = [d for d in range(x.rank) if d not in dims]
+    sizes = [x.shape[d] for d in dims]
+    index_shape = torch.broadcast_shapes(*[indices[d].shape for d in dims])
+    # values as laid out by x[indices]: the index dims in place of the indexed dims when
+    # those are adjacent, else first; moved to the front for the flat [K, rest] form
+    lead = dims[0] if adjacent else 0
+    picked_shape = tuple(x.shape[d] for d in rest[:lead]) + tuple(index_shape) + tuple(x.shape[d] for d in rest[lead:])
+    k = math.prod(index_shape)
+    consts = dict(positions=const_value(torch.arange(math.prod(sizes))),
+                  ranks=const_value(torch.arange(1, k + 1, dtype=torch.int32).unsqueeze(1)),
+                  strides=[int(math.prod(sizes[k + 1:])) for k in range(len(sizes))])
+    return ctx.call(_index_put_dense, x, [indices[d] for d in dims], values, dims=dims, sizes=sizes, rest=rest,
+                    picked_shape=picked_shape, lead=lead, n_index=len(index_shape), accumulate=bool(accumulate),
+                    **consts)
 
 
-@lower(aten.diagonal)
-def _(ctx, node, x, offset=0, dim1=0, dim2=1):
-    return gather_positions(ctx, x, _positions(x).diagonal(offset, dim1, dim2))
+def _masked_put(x, mask, value):
+    return torch.where(mask, value.to(x.dtype).reshape(()), x)
 
 
-@lower(aten.unfold)
-def _(ctx, node, x, dim, size, step):
-    return gather_positions(ctx, x, _positions(x).unfold(dim, size, step))
+def _index_put_dense(x, indices, values, *, dims, sizes, rest, picked_shape, lead, n_index, accumulate,
+                     positions, ranks, strides):
+    flat = None
+    for i, size, stride in zip(indices, sizes, strides):
+        i = i.long()
+        i = torch.where(i < 0, i + size, i) * stride
+        flat = i if flat is None else flat + i
+    flat = flat.reshape(-1)  # [K] positions in the flattened indexed dims
+    rest_shape = [x.shape[d] for d in rest]
+    x2 = x.permute(dims + rest).reshape([positions.shape[0]] + rest_shape)
+    v = values.to(x.dtype).expand(picked_shape)
+    order = list(range(lead, lead + n_index)) + list(range(lead)) + list(range(lead + n_index, len(picked_shape)))
+    v = v.permute(order).reshape([flat.shape[0]] + rest_shape)
+    hit = flat.unsqueeze(1) == positions.unsqueeze(0)  # [K, P] one-hot
+    if accumulate:
+        compute = x.dtype if x.dtype.is_floating_point else torch.float32
+        added = hit.to(compute).transpose(0, 1) @ v.to(compute).reshape(flat.shape[0], -1)
+        out = (x2.to(compute) + added.reshape(x2.shape)).to(x.dtype)
+    else:
+        # the last write to a position wins (torch's order on CPU): the largest k that hits it
+        winner = torch.where(hit, ranks, torch.zeros_like(ranks)).argmax(0)  # [P]
+        written = hit.any(0).reshape([positions.shape[0]] + [1] * len(rest_shape))
+        out = torch.where(written, v.index_select(0, winner), x2)
+    perm = dims + rest
+    inverse = [perm.index(d) for d in range(x.dim())]
+    return out.reshape(sizes + rest_shape).permute(inverse)
 
 
-@lower(aten.as_strided)
-def _(ctx, node, x, size, stride, storage_offset=None):
-    return gather_positions(ctx, x, torch.as_strided(_positions(x).reshape(-1), size, stride, storage_offset or 0))
+# ------------------------------------------------------------------------ scatter
+@lower(aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.scatter.reduce, aten.scatter.value_reduce)
+def _(ctx, node, x, dim, index, src, reduce=None):
+    add = node.target is aten.scatter_add.default or reduce == "add"
+    if reduce not in (None, "add"):  # multiply: through flat positions (views.py)
+        from circleops.lowering.views import scatter_reduce
+
+        return scatter_reduce(ctx, x, dim, index, src, reduce)
+    dim %= x.rank
+    if not hasattr(src, "shape"):  # scatter.value: a Python number
+        src = ctx.const(src, x.dtype)
+    j = index.shape[dim]
+    return ctx.call(_scatter_dense, x, index, src, dim=dim, add=add,
+                    positions=const_value(torch.arange(x.shape[dim])),
+                    later=const_value(torch.triu(torch.ones(j, j), 1)))
 
 
-@lower(aten.repeat_interleave.self_int)
-def _(ctx, node, x, repeats, dim=None, output_size=None):
-    pos = _positions(x)
-    return gather_positions(ctx, x, pos.repeat_interleave(int(repeats), dim))
+def _scatter_dense(x, index, src, *, dim, add, positions, later):
+    shape = list(index.shape)
+    cut = [d for d in range(x.dim()) if d != dim and shape[d] < x.shape[d]]
+    regions = [x]  # the part of x the index covers (all of dim ``dim``), narrowed dim by dim
+    for d in cut:
+        regions.append(regions[-1].narrow(d, 0, shape[d]))
+    src = src.to(x.dtype)
+    src = src.expand(shape) if src.dim() == 0 else src
+    for d in range(src.dim()):
+        if src.shape[d] > shape[d]:
+            src = src.narrow(d, 0, shape[d])
+    # hit[..., j, n, ...] = index[..., j, ...] == n; then reduce over j
+    hit = index.unsqueeze(dim + 1) == positions.reshape([-1 if d == dim + 1 else 1 for d in range(x.dim() + 1)])
+    if not add:
+        # the last write to a position wins (torch's order on CPU): drop hits a later j repeats
+        hits_after = (hit.to(later.dtype).movedim(dim, -1) @ later.transpose(0, 1)).movedim(-1, dim)
+        hit = hit & (hits_after == 0)
+    picked = torch.where(hit, src.unsqueeze(dim + 1), src.new_zeros(())).sum(dim)
+    out = regions[-1] + picked if add else torch.where(hit.any(dim), picked, regions[-1])
+    for d, region in zip(reversed(cut), reversed(regions[:-1])):
+        out = torch.slice_scatter(region, out, d, 0, shape[d])
+    return out
 
 
-@lower(aten.repeat_interleave.self_Tensor)
-def _(ctx, node, x, repeats, dim=None, output_size=None):
-    if not repeats.is_const:
-        raise ctx.unsupported("repeats elements a number of times given by a tensor input (a data-dependent shape)",
-                              "Pass the repeats as a Python int, or as a constant of the model.")
-    return gather_positions(ctx, x, _positions(x).repeat_interleave(repeats.const, dim))
+# ------------------------------------------------------------------------ gather
+@lower(aten.gather)
+def _(ctx, node, x, dim, index, sparse_grad=False):
+    """out[..., j, ...] = x[..., index[..., j, ...], ...] along ``dim``: advanced indexing
+    with an arange for every other dim, so one GATHER over the flattened dims runs it."""
+    dim %= max(x.rank, 1)
+    grids = [None if d == dim else const_value(torch.arange(n).reshape([n if e == d else 1 for e in range(index.rank)]))
+             for d, n in enumerate(index.shape)]
+    return ctx.call(_gather_indexed, x, index, grids, dim=dim)
+
+
+def _gather_indexed(x, index, grids, *, dim):
+    return x[tuple(index if d == dim else g for d, g in enumerate(grids))]

@@ -1,6 +1,5 @@
-"""Sorting and selection: topk, sort, argsort, kthvalue, gather; and the ops whose output
-shape depends on the data (nonzero, masked_select, unique), which static Circle/TFLite
-tensors cannot hold.
+"""Sorting: sort, argsort, kthvalue (aten.topk itself is in reduce.py), and the flat
+gather the scatters use.
 
 TOPK_V2 works on the last axis and returns the largest values (ties: lower index first,
 as a stable torch sort): other dims are transposed there, smallest-first is the largest of
@@ -62,11 +61,6 @@ def topk(ctx, x, k, dim=-1, largest=True):
     return ctx.transpose(values, back), ctx.cast(ctx.transpose(index, back), torch.int64)
 
 
-@lower(aten.topk)
-def _(ctx, node, x, k, dim=-1, largest=True, sorted=True):
-    return list(topk(ctx, x, int(k), dim, largest))
-
-
 @lower(aten.sort.default)
 def _(ctx, node, x, dim=-1, descending=False):
     return list(topk(ctx, x, x.shape[dim % max(x.rank, 1)] if x.rank else 1, dim, descending))
@@ -110,34 +104,3 @@ def gather_along(ctx, x, dim, index):
     if ctx.supports("GATHER", torch.int32) and x.numel < 2 ** 31:
         flat = ctx.cast(flat, torch.int32)
     return ctx.reshape(ctx.gather(ctx.reshape(x, (-1,)), flat, 0), index.shape)
-
-
-@lower(aten.gather)
-def _(ctx, node, x, dim, index, sparse_grad=False):
-    return gather_along(ctx, x, dim, index)
-
-
-# ------------------------------------------------------------------------ data-dependent shapes
-def _data_dependent(what, hint):
-    def lowering(ctx, node, *args, **kwargs):
-        raise ctx.unsupported(
-            f"{what}: its output shape depends on the input's values, and Circle/TFLite tensors have "
-            "static shapes", hint)
-    return lowering
-
-
-for _op, _what, _hint in [
-    (aten.nonzero, "returns the indices of the nonzero elements",
-     "Keep the shape static: torch.where(mask, x, 0) or a boolean mask instead of indices, or "
-     "torch.nonzero_static(x, size=N) with a fixed N."),
-    (aten.argwhere, "returns the indices of the nonzero elements",
-     "Keep the shape static: torch.where(mask, x, 0), or torch.nonzero_static(x, size=N)."),
-    (aten.masked_select, "selects the elements under a mask",
-     "Keep the shape static: torch.where(mask, x, 0) (zeros where the mask is false), or a fixed-size "
-     "torch.topk over a score."),
-    (aten._unique2, "returns the unique elements", "Circle has no dynamic-size output; compute unique values "
-     "outside the model, or use a fixed-size torch.topk / sort."),
-    (aten.unique_dim, "returns the unique elements", "Compute unique values outside the model."),
-    (aten.unique_consecutive, "returns the unique elements", "Compute unique values outside the model."),
-]:
-    lower(_op)(_data_dependent(_what, _hint))

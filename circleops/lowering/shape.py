@@ -183,7 +183,7 @@ def _(ctx, node, x, repeats):
     return ctx.emit("TILE", [x, ctx.i32(repeats)])
 
 
-def _paddings(rank, pad):
+def pad_rows(rank, pad):
     """torch's flat pad list (last dim first) -> [[before, after]] per dim."""
     rows = [[0, 0] for _ in range(rank)]
     for i in range(len(pad) // 2):

@@ -1,10 +1,17 @@
 """The op registry: the fused ``circle::*`` torch ops and their contracts.
 
-schema/ops.yaml is the single source of truth. Each entry there names a module of this
-package (one file per op) that registers the op with ``torch.library.custom_op`` and
-provides ``reference`` (the kernel, written in aten ops so it doubles as the
-decomposition). Adding an op = one file here + one entry in schema/ops.yaml; the module provides
-``reference`` and ``sample_inputs(dtype)``, and tests/ops runs the generic checks on it.
+schema/ops.yaml is the single source of truth: each op is registered from its schema
+string there (``_common.define``; its defaults are written nowhere else). Each entry names
+a module of this package (one file per op) that provides, each taking every schema argument
+positionally:
+
+* ``reference``: the kernel, written in aten ops so it doubles as the decomposition; its
+  gradient is the op's gradient, and (unless ``kernel`` is given) it is the eager kernel;
+* ``fake``: the output's shape and dtype, for torch.export;
+* ``kernel`` (optional): a faster eager kernel with the reference kernel's exact roundings;
+* ``sample_inputs(dtype)``: ``(args, kwargs)`` pairs for the generic tests in tests/ops.
+
+Adding an op = one file here + one entry in schema/ops.yaml.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 import yaml
+
+from circleops.ops._common import define, with_defaults
 
 def _schema_path() -> Path:
     # schema/ops.yaml lives at the top of the repository (an editable install reads it in
@@ -42,6 +51,8 @@ class OpSpec:
     name: str
     contract: dict[str, Any]
     module: ModuleType = field(repr=False)
+    # The reference kernel callable with the schema's defaults (module.reference takes all)
+    reference: Callable[..., Any] = field(repr=False)
 
     @property
     def op(self) -> torch._ops.OpOverloadPacket:
@@ -51,11 +62,6 @@ class OpSpec:
     @property
     def overload(self) -> torch._ops.OpOverload:
         return self.op.default
-
-    @property
-    def reference(self) -> Callable[..., Any]:
-        """The reference kernel (pure aten, hence also the decomposition)."""
-        return self.module.reference
 
     @property
     def schema(self) -> str:
@@ -93,7 +99,8 @@ def _load() -> dict[str, OpSpec]:
     specs = {}
     for name, contract in contracts.items():
         module = importlib.import_module(f"circleops.ops.{name}")
-        specs[name] = OpSpec(name, contract, module)
+        op = define(contract, module)
+        specs[name] = OpSpec(name, contract, module, with_defaults(module.reference, op._opoverload._schema))
     return specs
 
 

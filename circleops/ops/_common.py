@@ -1,7 +1,11 @@
-"""Helpers shared by the op modules: argument errors, compute dtypes, autocast rules."""
+"""Helpers shared by the op modules: argument errors, compute dtypes, and the one way every
+circle op is registered (:func:`define`): from its schema string in schema/ops.yaml, with the
+module's kernel and fake, autograd through the reference kernel, and the yaml autocast rule.
+"""
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import Any, Callable
 
 import torch
 
@@ -41,7 +45,7 @@ def _cast_floating(value: Any, device_type: str, dtype: torch.dtype) -> Any:
 _AUTOCAST_LIB = torch.library.Library("circle", "FRAGMENT")
 
 
-def register_autocast_lower_precision(qualname: str, device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+def _register_autocast_lower_precision(qualname: str, device_types: tuple[str, ...]) -> None:
     """Under autocast, cast the floating inputs of ``qualname`` to the *active* autocast dtype.
 
     ``torch.library.register_autocast`` takes one fixed dtype; an op that behaves like
@@ -64,8 +68,102 @@ def register_autocast_lower_precision(qualname: str, device_types: tuple[str, ..
         _AUTOCAST_LIB.impl(name, kernel, key)
 
 
-def register_autocast_fp32(op: Any, device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
-    """Under autocast, run ``op`` on fp32 inputs (and so return fp32), as CUDA autocast does for norms."""
-    for device_type in device_types:
-        if torch._C._is_autocast_available(device_type):
-            torch.library.register_autocast(op, device_type, torch.float32)
+def register_autocast(op: Any, rule: str, device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """What ``op`` does under torch.autocast, by its ops.yaml ``autocast`` rule:
+    "fp32" (inputs cast to fp32, fp32 out, as CUDA autocast treats norms), "lower_precision"
+    (inputs cast to the active autocast dtype, as linear), or "none" (no rule)."""
+    if rule == "fp32":
+        for device_type in device_types:
+            if torch._C._is_autocast_available(device_type):
+                torch.library.register_autocast(op, device_type, torch.float32)
+    elif rule == "lower_precision":
+        _register_autocast_lower_precision(op._qualname, device_types)
+    elif rule != "none":
+        raise ValueError(f"{op._qualname}: unknown autocast rule {rule!r} in schema/ops.yaml (fp32, lower_precision, none)")
+
+
+def bind(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> list[Any]:
+    """Every argument of ``schema`` in order, given ones from args/kwargs, the rest the
+    schema's defaults (the dispatcher hands kernels only the arguments the caller gave)."""
+    out = list(args)
+    for arg in schema.arguments[len(args):]:
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif arg.has_default_value():
+            out.append(arg.default_value)
+        else:
+            raise TypeError(f"{schema.name}() missing required argument {arg.name!r}")
+    return out
+
+
+def with_defaults(fn: Callable[..., Any], schema: torch.FunctionSchema) -> Callable[..., Any]:
+    """``fn`` (which takes every schema argument) callable with the schema's defaults;
+    keyword arguments outside the schema pass through."""
+    names = {a.name for a in schema.arguments}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        extra = {k: v for k, v in kwargs.items() if k not in names}
+        return fn(*bind(schema, args, kwargs), **extra)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def _contiguous(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(t.contiguous() for t in out)
+    return out.contiguous()
+
+
+def register_autograd_from_reference(op: Any, reference: Callable[..., Any]) -> None:
+    """The gradient of ``op`` is that of its reference kernel, recomputed in backward: the
+    gradient of exactly the computation the forward ran (every variant and policy)."""
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.slots = [i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*(inputs[i] for i in ctx.slots))
+        ctx.others = [None if isinstance(v, torch.Tensor) else v for v in inputs]
+
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        args = list(ctx.others)
+        wrt: dict[int, torch.Tensor] = {}
+        with torch.enable_grad():
+            for i, t in zip(ctx.slots, ctx.saved_tensors):
+                args[i] = t.detach().requires_grad_(bool(ctx.needs_input_grad[i]) and t.is_floating_point())
+                if args[i].requires_grad:
+                    wrt[i] = args[i]
+            outs = reference(*args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            got = torch.autograd.grad([o for o, _ in pairs], list(wrt.values()), [g for _, g in pairs],
+                                      allow_unused=True) if wrt and pairs else [None] * len(wrt)
+        result: list[Any] = [None] * len(args)
+        for i, g in zip(wrt, got):
+            result[i] = g
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def define(contract: dict[str, Any], module: ModuleType) -> Any:
+    """Register ``circle::<op>`` from its ops.yaml contract, the only place its schema and
+    defaults are written. ``module`` provides ``reference`` and ``fake`` (and optionally a
+    faster ``kernel``; default: the reference kernel), each taking every schema argument
+    positionally, defaults already filled in."""
+    schema = torch._C.parse_schema(contract["schema"])
+    qualname, paren, signature = contract["schema"].partition("(")
+    kernel = getattr(module, "kernel", None)
+    reference, fake = module.reference, module.fake
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        full = bind(schema, args, kwargs)
+        return kernel(*full) if kernel is not None else _contiguous(reference(*full))
+
+    eager.__name__ = eager.__qualname__ = qualname.split("::")[1]
+    op = torch.library.custom_op(qualname, eager, mutates_args=(), schema=paren + signature)
+    op.register_fake(lambda *args, **kwargs: fake(*bind(schema, args, kwargs)))
+    register_autograd_from_reference(op, reference)
+    register_autocast(op, contract["autocast"])
+    return op

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from circleops.ops import rope as _rope
-from circleops.ops._common import at_least_fp32, check, register_autocast_lower_precision
+from circleops.ops._common import at_least_fp32, check
 
 NAME = "attention"
 
@@ -97,10 +97,10 @@ def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> 
 
 def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
               mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-              scale: float = 0.0, *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
+              scale: float, *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
     """The reference kernel (also the decomposition).
 
-    ``rope(x, cos, sin)`` rotates q and k: the rope reference kernel, or (when a lowering
+    ``rope(x, cos, sin, mode)`` rotates q and k (GPT-NeoX layout, the ATTENTION contract's): the rope reference kernel, or (when a lowering
     traces this kernel) ``torch.ops.circle.rope``, so that the rotation is lowered as the
     rope op is on that target (onert: the ROPE builtin in a decode step).
     """
@@ -113,8 +113,8 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     q = F.linear(x, wq).view(b, s, hq, d).transpose(1, 2)
     k = F.linear(x, wk).view(b, s, hkv, d).transpose(1, 2)
     v = F.linear(x, wv).view(b, s, hkv, d)
-    q = rope(q, cos, sin)
-    k = rope(k, cos, sin)
+    q = rope(q, cos, sin, "gpt_neox")
+    k = rope(k, cos, sin, "gpt_neox")
     k_cache = update_cache(k_cache, k.transpose(1, 2), pos)
     v_cache = update_cache(v_cache, v, pos)
     keys = _expand_kv(k_cache.transpose(1, 2), hq // hkv)
@@ -128,47 +128,14 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     return F.linear(out, wo), k_cache, v_cache
 
 
-@torch.library.custom_op("circle::attention", mutates_args=())
-def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
-              mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-              scale: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """Self-attention with RoPE and a KV cache; see the module docstring for the contract."""
-    out, k, v = reference(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, scale)
-    return out.contiguous(), k.contiguous(), v.contiguous()
-
-
-@attention.register_fake
-def _(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, scale=0.0):
+def fake(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+         k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The outputs' shapes and dtypes (torch.export, FakeTensor)."""
     _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
     out_dtype = compute_dtype(x, wq, wk, wv, wo)
     return (x.new_empty((*x.shape[:2], wo.shape[0]), dtype=out_dtype),
             torch.empty_like(k_cache, memory_format=torch.contiguous_format),
             torch.empty_like(v_cache, memory_format=torch.contiguous_format))
-
-
-_DIFFERENTIABLE = 10  # every input but pos
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:11])
-    ctx.scale = inputs[11]
-
-
-def _backward(ctx, g_out, g_k, g_v):
-    saved = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(i < _DIFFERENTIABLE and bool(ctx.needs_input_grad[i]))
-                  for i, t in enumerate(saved)]
-        outs = reference(*leaves, ctx.scale)
-        wrt = [t for t in leaves if t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, (g_out, g_k, g_v)) if g is not None]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)) if wrt else iter(())
-    result = [next(grads) if t.requires_grad else None for t in leaves]
-    return (*result, None)
-
-
-attention.register_autograd(_backward, setup_context=_setup_context)
-register_autocast_lower_precision("circle::attention")
 
 
 def causal_mask(s: int, c: int, pos: int, dtype: torch.dtype = torch.float32) -> Tensor:

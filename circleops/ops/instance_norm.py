@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from circleops.ops._common import at_least_fp32, check, register_autocast_fp32
+from circleops.ops._common import at_least_fp32, check
 
 NAME = "instance_norm"
 
@@ -28,7 +28,7 @@ def _check(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> None:
                   lambda: f"circle::instance_norm: {name} must be [{x.shape[1]}], got {list(t.shape)}")
 
 
-def reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5) -> Tensor:
+def reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
     """The reference kernel (also the decomposition)."""
     _check(x, weight, bias)
     dims = tuple(range(2, x.dim()))
@@ -46,39 +46,10 @@ def reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: 
     return y.to(x.dtype)
 
 
-@torch.library.custom_op("circle::instance_norm", mutates_args=())
-def instance_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5) -> Tensor:
-    """Instance norm of x [N, C, *spatial] (NCHW), per-channel affine optional."""
-    return reference(x, weight, bias, eps).contiguous()
-
-
-@instance_norm.register_fake
-def _(x, weight, bias, eps=1e-5):
+def fake(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """The output's shape and dtype (torch.export, FakeTensor)."""
     _check(x, weight, bias)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps = inputs
-    ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (x, weight, bias)))
-    ctx.present = (True, weight is not None, bias is not None)
-    ctx.eps = eps
-
-
-def _backward(ctx, grad):
-    saved = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(bool(need)) if present else None
-                  for t, present, need in zip(saved, ctx.present, ctx.needs_input_grad[:3])]
-        y = reference(*leaves, ctx.eps)
-        wrt = [t for t in leaves if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wrt, grad, allow_unused=True)) if wrt else iter(())
-    out = [next(grads) if (present and need) else None for present, need in zip(ctx.present, ctx.needs_input_grad[:3])]
-    return (*out, None)
-
-
-instance_norm.register_autograd(_backward, setup_context=_setup_context)
-register_autocast_fp32(instance_norm)
 
 
 def sample_inputs(dtype: torch.dtype) -> list[tuple[tuple, dict]]:

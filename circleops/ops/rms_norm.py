@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from circleops.ops._common import at_least_fp32, check, register_autocast_fp32
+from circleops.ops._common import at_least_fp32, check
 
 NAME = "rms_norm"
 POLICIES = ("fp32", "scaled", "native")
@@ -97,8 +97,7 @@ def _normalize(x: Tensor, eps: float, policy: str) -> Tensor:
     return _scaled(x, eps)
 
 
-def reference(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6, offset: float = 0.0,
-              multiply: str = "input_dtype", policy: str = "fp32") -> Tensor:
+def reference(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multiply: str, policy: str) -> Tensor:
     """The reference kernel: plain functional aten ops, so it is also the decomposition."""
     _check(x, weight, policy, multiply)
     input_dtype = x.dtype
@@ -119,7 +118,7 @@ def reference(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6, offset: fl
     return w * h.to(input_dtype)
 
 
-def _eager(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multiply: str, policy: str) -> Tensor:
+def kernel(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multiply: str, policy: str) -> Tensor:
     """The CPU/CUDA kernel: :func:`reference` with the same roundings in the same order
     (tests assert torch.equal), reusing temporaries in place to save allocations."""
     if policy != "fp32":
@@ -152,42 +151,10 @@ def _out_dtype(x: Tensor, weight: Optional[Tensor], multiply: str) -> torch.dtyp
     return torch.promote_types(weight.dtype, x.dtype)
 
 
-@torch.library.custom_op("circle::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6, offset: float = 0.0,
-             multiply: str = "input_dtype", policy: str = "fp32") -> Tensor:
-    """RMSNorm over the last dim; see the module docstring for the attributes."""
-    return _eager(x, weight, eps, offset, multiply, policy)
-
-
-@rms_norm.register_fake
-def _(x, weight, eps=1e-6, offset=0.0, multiply="input_dtype", policy="fp32"):
+def fake(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multiply: str, policy: str) -> Tensor:
+    """The output's shape and dtype (torch.export, FakeTensor)."""
     _check(x, weight, policy, multiply)
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight, multiply))
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, multiply, policy = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.attrs = (eps, offset, multiply, policy)
-
-
-def _backward(ctx, grad):
-    # Differentiate the reference kernel itself, so the gradient is that of exactly the
-    # computation the forward ran (all variants and policies included).
-    x, weight = ctx.saved_tensors
-    with torch.enable_grad():
-        xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
-        wd = weight.detach().requires_grad_(ctx.needs_input_grad[1]) if weight is not None else None
-        y = reference(xd, wd, *ctx.attrs)
-        wrt = [t for t in (xd, wd) if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wrt, grad, allow_unused=True)) if wrt else iter(())
-    gx = next(grads) if ctx.needs_input_grad[0] else None
-    gw = next(grads) if weight is not None and ctx.needs_input_grad[1] else None
-    return gx, gw, None, None, None, None
-
-
-rms_norm.register_autograd(_backward, setup_context=_setup_context)
-register_autocast_fp32(rms_norm)
 
 
 def sample_inputs(dtype: torch.dtype) -> list[tuple[tuple, dict]]:

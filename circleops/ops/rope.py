@@ -48,7 +48,7 @@ def _broadcastable(t: Tensor) -> Tensor:
     return t
 
 
-def reference(x: Tensor, cos: Tensor, sin: Tensor, mode: str = "gpt_neox") -> Tensor:
+def reference(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
     """The reference kernel (also the decomposition)."""
     _check(x, cos, sin, mode)
     cos, sin = _broadcastable(cos), _broadcastable(sin)
@@ -59,37 +59,10 @@ def reference(x: Tensor, cos: Tensor, sin: Tensor, mode: str = "gpt_neox") -> Te
     return torch.cat(((x_rot * cos) + (_rotate(x_rot, mode) * sin), x_pass), dim=-1)
 
 
-@torch.library.custom_op("circle::rope", mutates_args=())
-def rope(x: Tensor, cos: Tensor, sin: Tensor, mode: str = "gpt_neox") -> Tensor:
-    """Rotary embedding of x [B, H, S, D] with cos/sin for its S positions."""
-    return reference(x, cos, sin, mode).contiguous()
-
-
-@rope.register_fake
-def _(x, cos, sin, mode="gpt_neox"):
+def fake(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
+    """The output's shape and dtype (torch.export, FakeTensor)."""
     _check(x, cos, sin, mode)
-    out_dtype = torch.promote_types(x.dtype, cos.dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
-
-
-def _setup_context(ctx, inputs, output):
-    x, cos, sin, mode = inputs
-    ctx.save_for_backward(x, cos, sin)
-    ctx.mode = mode
-
-
-def _backward(ctx, grad):
-    x, cos, sin = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) for t, need in zip((x, cos, sin), ctx.needs_input_grad[:3])]
-        y = reference(*leaves, ctx.mode)
-        wrt = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wrt, grad, allow_unused=True)) if wrt else iter(())
-    out = [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
-    return (*out, None)
-
-
-rope.register_autograd(_backward, setup_context=_setup_context)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype))
 
 
 def sample_inputs(dtype: torch.dtype) -> list[tuple[tuple, dict]]:

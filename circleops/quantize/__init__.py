@@ -11,7 +11,14 @@ WEIGHT_FORMATS: dict[str, str] = {
     "q8_0": "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)",
 }
 
+# PT2E integer graphs (circleops.quantize.pt2e): choice -> activation scheme
+INTEGER_FORMATS: dict[str, str] = {"uint8": "uint8", "int16": "int16"}
+WEIGHT_FORMATS.update({
+    "uint8": "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; target circle)",
+    "int16": "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target circle)",
+})
+
 # GGML choices -> the Circle TensorType their weights are stored as
 GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
 
-__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS"]
+__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS", "INTEGER_FORMATS"]

@@ -1,24 +1,143 @@
-"""Run a .tflite file with LiteRT (ai_edge_litert.interpreter.Interpreter, 2 threads)."""
+"""Run a .tflite file with LiteRT (ai_edge_litert.interpreter.Interpreter, 2 threads).
+
+    session = Session("model.tflite", signature="decode")  # loaded once
+    outputs = session.run([ids, pos, *caches])             # as often as needed
+    outputs = run("model.tflite", [ids])                   # one run
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.runtime import TensorSpec
 
 NUM_THREADS = 2
 
+DELEGATE_BANNER = "Created TensorFlow Lite XNNPACK delegate"
 
-def _interpreter(path: Path):
-    from ai_edge_litert.interpreter import Interpreter
 
+@contextlib.contextmanager
+def delegate_banner_hidden():
+    """Hide the line LiteRT's C++ prints on fd 2 when it applies its XNNPACK delegate
+    ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU."): it landed in the middle of
+    the text `circleops generate` streams. Anything else written to fd 2 meanwhile is passed on."""
     try:
-        return Interpreter(model_path=str(path), num_threads=NUM_THREADS)
-    except (ValueError, RuntimeError) as err:
-        raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (embedded interpreters): nothing to hide
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = "".join(line for line in tmp.read().decode(errors="replace").splitlines(True)
+                           if DELEGATE_BANNER not in line)
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()
+
+
+class Session:
+    """A LiteRT interpreter on one file: its main subgraph (inputs and outputs in subgraph
+    order), or the signature ``signature`` (in the SignatureDef's order)."""
+
+    def __init__(self, path: str | os.PathLike, signature: str | None = None):
+        from ai_edge_litert.interpreter import Interpreter
+
+        self.path = str(Path(path))
+        self.signature = signature
+        if not Path(path).is_file():
+            raise RuntimeRunError(f"{path}: no such file")
+        try:
+            # the tensors are allocated here, once: that is when LiteRT applies its delegate
+            # and prints about it (delegate_banner_hidden)
+            with delegate_banner_hidden():
+                self._it = Interpreter(model_path=self.path, num_threads=NUM_THREADS)
+                self._it.allocate_tensors()
+        except (ValueError, RuntimeError) as err:
+            raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
+        self._runner = None
+        if signature is None:
+            self._it.allocate_tensors()
+            self._in_details = self._it.get_input_details()
+            self._out_details = self._it.get_output_details()
+            self._names = [d["name"] for d in self._in_details]
+            self._out_names = [d["name"] for d in self._out_details]
+        else:
+            from circleops.serialize.reader import read_signatures
+
+            sigs = {s.key: s for s in read_signatures(path)}
+            if signature not in sigs:
+                raise RuntimeRunError(f"{path} has no signature {signature!r}; it has {sorted(sigs)}")
+            self._names, self._out_names = list(sigs[signature].inputs), list(sigs[signature].outputs)
+            try:
+                self._runner = self._it.get_signature_runner(signature)
+            except ValueError as err:
+                raise RuntimeRunError(f"LiteRT: {path} has no signature {signature!r}: {err}") from None
+            by_name, out_by_name = self._runner.get_input_details(), self._runner.get_output_details()
+            self._in_details = [by_name[n] for n in self._names]
+            self._out_details = [out_by_name[n] for n in self._out_names]
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [_spec(n, d) for n, d in zip(self._names, self._in_details)]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return [_spec(n, d) for n, d in zip(self._out_names, self._out_details)]
+
+    def run(self, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Run on ``inputs`` (in :attr:`inputs` order, or a dict by name); returns the outputs
+        in :attr:`outputs` order. An input whose shape differs from the file's is resized
+        (the model must allow it)."""
+        if isinstance(inputs, Mapping):
+            missing = [n for n in self._names if n not in inputs]
+            if missing:
+                raise RuntimeRunError(f"missing inputs {missing}; the model takes {self._names}")
+            inputs = [inputs[n] for n in self._names]
+        if len(inputs) != len(self._names):
+            what = f"signature {self.signature!r}" if self.signature is not None else "the model"
+            raise RuntimeRunError(f"{what} takes {len(self._names)} inputs ({self._names}), got {len(inputs)}")
+        arrays = [_check(n, np.asarray(x), d) for n, d, x in zip(self._names, self._in_details, inputs)]
+        try:
+            if self._runner is not None:
+                outs = self._runner(**dict(zip(self._names, arrays)))
+                return [np.asarray(outs[n]) for n in self._out_names]  # get_tensor copies
+            return self._run_main(arrays)
+        except RuntimeRunError:
+            raise
+        except (ValueError, RuntimeError) as err:
+            raise RuntimeRunError(f"LiteRT failed to run {self.path}: {err}") from None
+
+    def _run_main(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        it = self._it
+        details = it.get_input_details()
+        if any(tuple(d["shape"]) != x.shape for d, x in zip(details, arrays)):
+            for d, x in zip(details, arrays):
+                if tuple(d["shape"]) != x.shape:
+                    it.resize_tensor_input(d["index"], list(x.shape))
+            it.allocate_tensors()
+            details = it.get_input_details()
+        for d, x in zip(details, arrays):
+            it.set_tensor(d["index"], x)
+        it.invoke()
+        return [it.get_tensor(d["index"]) for d in it.get_output_details()]  # get_tensor copies
+
+
+def _spec(name: str, detail: dict) -> TensorSpec:
+    return TensorSpec(name, tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]).name)
 
 
 def _check(name: str, value: np.ndarray, detail: dict) -> np.ndarray:
@@ -33,67 +152,14 @@ def _check(name: str, value: np.ndarray, detail: dict) -> np.ndarray:
 
 def run(path: str | os.PathLike, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray],
         signature: str | None = None) -> list[np.ndarray]:
-    """Run ``path`` on ``inputs`` and return its outputs, in order.
+    """Run ``path`` on ``inputs`` once and return its outputs, in order.
 
     Without ``signature`` the main subgraph runs with inputs and outputs in subgraph order.
     With it, the named signature runs; ``inputs`` are then in the SignatureDef's order (or
     a dict by name) and outputs come back in its order. An input whose shape differs from
     the file's is resized (the model must allow it).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise RuntimeRunError(f"{path}: no such file")
-    it = _interpreter(path)
-    try:
-        if signature is None:
-            return _run_main(it, inputs)
-        return _run_signature(path, it, inputs, signature)
-    except RuntimeRunError:
-        raise
-    except (ValueError, RuntimeError) as err:
-        raise RuntimeRunError(f"LiteRT failed to run {path}: {err}") from None
+    return Session(path, signature).run(inputs)
 
 
-def _run_main(it, inputs) -> list[np.ndarray]:
-    details = it.get_input_details()
-    if isinstance(inputs, Mapping):
-        missing = [d["name"] for d in details if d["name"] not in inputs]
-        if missing:
-            raise RuntimeRunError(f"missing inputs {missing}; the model takes {[d['name'] for d in details]}")
-        inputs = [inputs[d["name"]] for d in details]
-    if len(inputs) != len(details):
-        raise RuntimeRunError(
-            f"the model takes {len(details)} inputs ({[d['name'] for d in details]}), got {len(inputs)}")
-    arrays = [_check(d["name"], np.asarray(x), d) for d, x in zip(details, inputs)]
-    resized = False
-    for d, x in zip(details, arrays):
-        if tuple(d["shape"]) != x.shape:
-            it.resize_tensor_input(d["index"], list(x.shape))
-            resized = True
-    it.allocate_tensors()
-    if resized:
-        details = it.get_input_details()
-    for d, x in zip(details, arrays):
-        it.set_tensor(d["index"], x)
-    it.invoke()
-    return [it.get_tensor(d["index"]).copy() for d in it.get_output_details()]
-
-
-def _run_signature(path: Path, it, inputs, signature: str) -> list[np.ndarray]:
-    from circleops.serialize.reader import read_signatures
-
-    sigs = {s.key: s for s in read_signatures(path)}
-    if signature not in sigs:
-        raise RuntimeRunError(f"{path} has no signature {signature!r}; it has {sorted(sigs)}")
-    sig = sigs[signature]
-    names = list(sig.inputs)
-    if not isinstance(inputs, Mapping):
-        if len(inputs) != len(names):
-            raise RuntimeRunError(
-                f"signature {signature!r} takes {len(names)} inputs ({names}), got {len(inputs)}")
-        inputs = dict(zip(names, inputs))
-    runner = it.get_signature_runner(signature)
-    details = runner.get_input_details()
-    feed = {n: _check(n, np.asarray(inputs[n]), details[n]) for n in names}
-    outs = runner(**feed)
-    return [np.asarray(outs[n]).copy() for n in sig.outputs]
+__all__ = ["NUM_THREADS", "Session", "run"]

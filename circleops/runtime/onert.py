@@ -1,11 +1,15 @@
 """Run a Circle file with onert (the ONE runtime's CPU backend).
 
+    session = Session("model.circle")     # loaded and prepared once
+    logits, = session.run([ids])          # as often as needed
+    outputs = run("model.circle", [ids])  # one run
+
 onert's Python errors say only ``NNFW_STATUS_ERROR``; the real reason ("Unsupported
 operation: MIRROR_PAD", "KernelGenerator: NYI for operation 'InstanceNorm'", ...) is
-printed by its C++ core on file descriptor 2. ``run`` captures fd 2 around session
-creation and inference and raises RuntimeRunError with that text.
+printed by its C++ core on file descriptor 2. A session captures fd 2 around preparing
+and running and raises RuntimeRunError with that text.
 
-fd 2 is process-wide: do not call ``run`` from several threads at once.
+fd 2 is process-wide: do not run sessions from several threads at once.
 """
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.runtime import TensorSpec
 
 
 @contextlib.contextmanager
@@ -39,50 +44,119 @@ def captured_stderr() -> Iterator[list[str]]:
             out.append(tmp.read().decode("utf-8", "replace").strip())
 
 
-def _check_inputs(path: str, sess, inputs: Sequence[np.ndarray]) -> None:
-    infos = sess.get_inputs_tensorinfo()
-    if len(infos) != len(inputs):
-        raise RuntimeRunError(f"{path} takes {len(infos)} input(s), but {len(inputs)} were given")
-    for i, (info, arr) in enumerate(zip(infos, inputs)):
-        want = tuple(int(d) for d in info.dims[:info.rank])
-        if tuple(arr.shape) != want or np.dtype(arr.dtype) != np.dtype(info.dtype):
-            raise RuntimeRunError(
-                f"{path}: input {i} must be {info.dtype}{list(want)}, got {arr.dtype}{list(arr.shape)}")
+_HINT = "If an operator is unsupported, convert with target='onert', which writes only what onert runs."
+
+
+class Session:
+    """One onert session on a Circle file, prepared once and run many times.
+
+    onert runs subgraph 0 of a file and its Python API cannot select a signature, so
+    ``signature`` must be None. nnfw's set_input binds the array's memory (no copy), so the
+    bound inputs are kept alive until the next run; each output is a fresh array (onert
+    allocates its outputs), which the caller may pass straight back in as the next input.
+    """
+
+    def __init__(self, path: str | os.PathLike, signature: str | None = None, backends: str = "cpu"):
+        self.path = str(Path(path))
+        self.signature = signature
+        if signature is not None:
+            raise RuntimeRunError(f"onert cannot select signature {signature!r} of {self.path}: onert 0.1.0 runs "
+                                  f"only subgraph 0 of a file. Convert with --target onert for one file per graph, "
+                                  f"or run the signature with --runtime reference.")
+        if not os.path.isfile(self.path):
+            raise RuntimeRunError(f"cannot run {self.path}: no such file")
+        self._link_dir: tempfile.TemporaryDirectory | None = None  # removed with the session
+        load_path = self.path
+        if Path(self.path).suffix not in (".circle", ".tflite"):
+            # onert picks its loader by the file extension ("Failed to open onert loader")
+            self._link_dir = tempfile.TemporaryDirectory()
+            load_path = os.path.join(self._link_dir.name, Path(self.path).name + ".circle")
+            os.symlink(os.path.abspath(self.path), load_path)
+        from onert.native.libnnfw_api_pybind import infer, prepare_config  # heavy: loaded on first use
+
+        failure: Exception | None = None
+        with captured_stderr() as text:
+            try:
+                self._session = infer.nnfw_session(load_path, backends)
+                self._session.set_prepare_config(prepare_config.ENABLE_INTERNAL_OUTPUT_ALLOC)
+                self._session.prepare()
+            except Exception as err:  # noqa: BLE001 - onert raises its own OnertError types
+                failure = err
+        _raise_or_echo(failure, text, "load", self.path)
+        self._inputs = [_spec(self._session.input_tensorinfo(i)) for i in range(self._session.input_size())]
+        self._n_outputs = self._session.output_size()
+        self._names: tuple[list[str], list[str]] | None = None
+        self._bound: Sequence[np.ndarray] = ()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._named(self._inputs, 0)
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        specs = [_spec(self._session.output_tensorinfo(i)) for i in range(self._n_outputs)]
+        return self._named(specs, 1)
+
+    def _named(self, specs: list[TensorSpec], which: int) -> list[TensorSpec]:
+        if self._names is None:  # onert does not know tensor names: the file does
+            self._names = _io_names(self.path)
+        names = self._names[which]
+        return [TensorSpec(names[i] if i < len(names) else s.name, s.shape, s.dtype) for i, s in enumerate(specs)]
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Run on ``inputs`` (numpy arrays in the file's input order, dtype and shape as
+        :attr:`inputs` says); returns the outputs in the file's order."""
+        if len(inputs) != len(self._inputs):
+            raise RuntimeRunError(f"{self.path} takes {len(self._inputs)} input(s), but {len(inputs)} were given")
+        arrays = []
+        for i, (spec, arr) in enumerate(zip(self._inputs, inputs)):
+            arr = np.asarray(arr)
+            if arr.ndim == 0 and spec.shape == (1,):
+                arr = arr.reshape(1)  # onert takes no rank-0 inputs: target onert writes a 0-d input as [1]
+            if arr.shape != spec.shape or arr.dtype != np.dtype(spec.dtype):
+                raise RuntimeRunError(f"{self.path}: input {i} must be {spec.dtype}{list(spec.shape)}, got "
+                                      f"{arr.dtype}{list(arr.shape)}")
+            # not np.ascontiguousarray: it turns a 0-d (scalar) input into shape (1,)
+            arrays.append(arr if arr.flags.c_contiguous else np.array(arr, order="C"))
+        failure: Exception | None = None
+        outputs: list[np.ndarray] = []
+        with captured_stderr() as text:
+            try:
+                for i, arr in enumerate(arrays):
+                    self._session.set_input(i, arr)
+                self._bound = arrays  # set_input keeps only a pointer
+                self._session.run()
+                outputs = [self._session.get_output(i) for i in range(self._n_outputs)]
+            except Exception as err:  # noqa: BLE001
+                failure = err
+        _raise_or_echo(failure, text, "run", self.path)
+        return outputs
+
+
+def _spec(info: Any) -> TensorSpec:
+    return TensorSpec("", tuple(int(d) for d in info.dims[:info.rank]), np.dtype(info.dtype).name)
+
+
+def _raise_or_echo(failure: Exception | None, text: list[str], stage: str, path: str) -> None:
+    """RuntimeRunError with onert's own words for a failure; its warnings on success are not swallowed."""
+    message = text[0] if text else ""
+    if failure is not None:
+        raise RuntimeRunError(f"onert could not {stage} {path}: {message or failure} ({failure}). {_HINT}") from failure
+    if message:
+        print(message, file=sys.stderr)
+
+
+def _io_names(path: str) -> tuple[list[str], list[str]]:
+    """Input and output tensor names of subgraph 0 (best effort: empty when unreadable)."""
+    try:
+        from circleops.serialize import read_model
+
+        sg = read_model(path).subgraphs[0]
+        return [sg.tensors[j].name for j in sg.inputs], [sg.tensors[j].name for j in sg.outputs]
+    except Exception:  # noqa: BLE001 - names are cosmetic
+        return [], []
 
 
 def run(path: str | os.PathLike, inputs: Sequence[np.ndarray], backends: str = "cpu") -> list[np.ndarray]:
-    """Run the Circle file at ``path`` on ``inputs``; returns the outputs (copies)."""
-    import onert  # heavy native library: loaded on first use
-
-    path = str(Path(path))
-    if not os.path.isfile(path):
-        raise RuntimeRunError(f"cannot run {path}: no such file")
-    if Path(path).suffix not in (".circle", ".tflite"):
-        # onert picks its loader by the file extension ("Failed to open onert loader")
-        with tempfile.TemporaryDirectory() as tmp:
-            link = os.path.join(tmp, Path(path).name + ".circle")
-            os.symlink(os.path.abspath(path), link)
-            return run(link, inputs, backends)
-    inputs = [np.ascontiguousarray(a) for a in inputs]
-    failure: Exception | None = None
-    outputs: list[np.ndarray] = []
-    stage = "load"
-    with captured_stderr() as text:
-        try:
-            sess = onert.infer.session(path, backends)
-            _check_inputs(path, sess, inputs)
-            stage = "prepare and run"
-            outputs = [np.array(o, copy=True) for o in sess.infer(inputs)]
-        except RuntimeRunError:
-            raise
-        except Exception as err:  # noqa: BLE001 - onert raises its own OnertError types
-            failure = err
-    message = text[0] if text else ""
-    if failure is not None:
-        reason = message or str(failure)
-        raise RuntimeRunError(
-            f"onert could not {stage} {path}: {reason} ({failure}). If an operator is "
-            f"unsupported, convert with target='onert', which writes only what onert runs.") from failure
-    if message:
-        print(message, file=sys.stderr)  # onert's warnings on success are not swallowed
-    return outputs
+    """Run the Circle file at ``path`` on ``inputs`` once; returns the outputs (copies)."""
+    return [np.array(o, copy=True) for o in Session(path, backends=backends).run(inputs)]

@@ -1,8 +1,8 @@
 """The pure-torch reference interpreter: runs any Circle or TFLite file op by op.
 
     outputs = reference.run("model.circle", [ids])          # list[np.ndarray] -> list[np.ndarray]
-    interp = reference.Interpreter.load("model.circle")     # reuse the plan (generation loops)
-    logits, k, v = interp.run_torch([ids, k, v])            # torch in, torch out, no copies
+    session = reference.Session("model.circle")             # reuse the plan (generation loops)
+    logits, k, v = session.run_torch([ids, k, v])           # torch in, torch out, no copies
 
 Semantics are TFLite/Circle's, computed in each tensor's dtype (an fp16 graph runs in fp16,
 a CAST is a cast). The fused Circle ops run through circleops.ops' reference kernels,
@@ -27,9 +27,28 @@ from torch import Tensor
 from circleops import ir
 from circleops.errors import RuntimeRunError
 from circleops.quantize.ggml import BlockTensor
-from circleops.runtime.kernels import BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError
+from circleops.runtime import TensorSpec
+from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
+                                       check_alloc, max_tensor_bytes)
+from circleops.runtime.kernels import quantized as quantized_kernels
+from circleops.runtime.kernels.elementwise import _BINARY
 
-__all__ = ["run", "Interpreter", "supported_opcodes", "KERNELS"]
+# Ops whose output shape is the broadcast of their inputs: checked against the allocation
+# limit before the kernel runs ([N, 1] + [1, M] from two small inputs can be huge).
+_BROADCASTING = frozenset(_BINARY) | {"SELECT", "SELECT_V2", "ADD_N", "PRELU"}
+# Nested subgraph calls (composites' decompositions, control flow) deeper than this mean a
+# subgraph calls itself.
+_MAX_CALL_DEPTH = 32
+
+
+def _check_broadcast(opcode: str, args: list[Tensor]) -> None:
+    try:
+        shape = torch.broadcast_shapes(*(a.shape for a in args))
+    except RuntimeError:
+        return  # not broadcastable (SELECT's row form, or an error the kernel reports)
+    check_alloc(shape, args[-1].dtype, f"broadcasting {opcode}")
+
+__all__ = ["run", "Session", "Interpreter", "supported_opcodes", "KERNELS"]
 
 
 def supported_opcodes() -> frozenset[str]:
@@ -83,6 +102,7 @@ class _Plan:
 
     def __init__(self, interp: "Interpreter", index: int):
         sg = interp.model.subgraphs[index]
+        _check_declared_sizes(sg, index)
         self.subgraph = sg
         self.index = index
         self.base: list[Optional[Tensor]] = [
@@ -110,7 +130,9 @@ class _Plan:
                         f"{sg.name!r} takes {sg.tensors[j].dtype} tensor {sg.tensors[j].name!r} as input "
                         f"{pos}; GGML blocks are read only as a FULLY_CONNECTED weight or a GATHER "
                         "table (what onert runs); store this tensor as FLOAT32")
-            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call)
+            ctx = KernelContext([sg.tensors[j] for j in op.outputs], interp._call,
+                                [sg.tensors[j] if j >= 0 else None for j in op.inputs])
+            fn = quantized_kernels.select(op, ctx) or fn  # integer tensors: TFLite's integer arithmetic
             writes: tuple[int, ...] = ()
             if op.opcode in IN_PLACE and len(op.outputs) == 1:
                 # The updated tensors are results too: checked like declared outputs.
@@ -156,6 +178,10 @@ class _Plan:
         for step in self.steps:
             args = [values[j] if j >= 0 else None for j in step.inputs]
             try:
+                if step.op.opcode in _BROADCASTING:
+                    present = [a for a in args if a is not None]
+                    if len(present) > 1:
+                        _check_broadcast(step.op.opcode, present)
                 results = step.fn(step.op, args, step.ctx)
             except RuntimeRunError:
                 raise
@@ -172,6 +198,12 @@ class _Plan:
                 values[j] = r
             for j in step.free:
                 values[j] = None
+        missing = [j for j in self.outputs if values[j] is None]
+        if missing:
+            raise RuntimeRunError(
+                f"reference interpreter: output tensor(s) {[self.subgraph.tensors[j].name for j in missing]} of "
+                f"subgraph {self.index} {self.subgraph.name!r} are never computed (no operator writes them and they "
+                "are neither inputs nor constants); the file is inconsistent")
         return [values[j] for j in self.outputs]
 
     def _error(self, step: _Step, args: list, err: Exception) -> RuntimeRunError:
@@ -183,6 +215,23 @@ class _Plan:
             f"reference interpreter: operator {step.index} ({step.op.opcode}) of subgraph {self.index} "
             f"{self.subgraph.name!r}, output {outs}, failed on inputs ({ins}): {err}. The file is "
             "inconsistent or uses the op in a way the interpreter does not support.")
+
+
+def _check_declared_sizes(sg: ir.Subgraph, index: int) -> None:
+    """Refuse, by name, computed tensors whose declared shape is over the allocation limit."""
+    limit = max_tensor_bytes()
+    for j, t in enumerate(sg.tensors):
+        if t.data is not None or t.dtype not in ir.TYPE_TO_TORCH:
+            continue
+        n = 1
+        for d in t.shape:
+            n *= max(int(d), 1)
+        nbytes = n * torch.empty((), dtype=ir.TYPE_TO_TORCH[t.dtype]).element_size()
+        if nbytes > limit:
+            raise RuntimeRunError(
+                f"reference interpreter: tensor {j} {t.name!r} of subgraph {index} is declared {t.dtype} "
+                f"{list(t.shape)} ({nbytes} bytes), over the limit of {limit} bytes per tensor; set "
+                "CIRCLEOPS_MAX_TENSOR_BYTES to allow more if the file is trusted")
 
 
 def _out_name(sg: ir.Subgraph, op: ir.Operator) -> str:
@@ -220,6 +269,8 @@ def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
             f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
             f"{t.dtype}; convert it (e.g. arr.astype(np.{_NUMPY_TYPE.get(t.dtype, np.float32).__name__})).")
     want = tuple(t.shape)
+    if want == (1,) and x.dim() == 0:
+        x = x.reshape(1)  # target onert writes a 0-d input as [1] (onert takes no rank-0 inputs)
     if len(want) != x.dim() or any(w >= 0 and w != g for w, g in zip(want, x.shape)):
         raise RuntimeRunError(
             f"input {position} ({t.name!r}) has shape {list(x.shape)} but the model expects {list(want)}; "
@@ -250,6 +301,7 @@ class Interpreter:
             raise RuntimeRunError("the model has no subgraphs; nothing to run")
         self.model = model
         self._plans: dict[int, _Plan] = {}
+        self._depth = 0
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Interpreter":
@@ -262,16 +314,31 @@ class Interpreter:
             if not 0 <= subgraph < len(self.model.subgraphs):
                 raise RuntimeRunError(f"subgraph index {subgraph} out of range: the model has "
                                       f"{len(self.model.subgraphs)} subgraphs")
-            plan = self._plans[subgraph] = _Plan(self, subgraph)
+            try:
+                plan = _Plan(self, subgraph)
+            except RuntimeRunError:
+                raise
+            except Exception as err:  # noqa: BLE001 - an inconsistent ir.Model (bad indices, types)
+                raise RuntimeRunError(
+                    f"reference interpreter: subgraph {subgraph} cannot be prepared ({type(err).__name__}: {err}); "
+                    "the model is inconsistent (tensor or operator indices, types or shapes)") from None
+            self._plans[subgraph] = plan
         return plan
 
     def _call(self, subgraph: int, inputs: list[Tensor]) -> list[Tensor]:
         plan = self.plan(subgraph)
         if len(inputs) != len(plan.inputs):
             raise KernelError(f"subgraph {subgraph} takes {len(plan.inputs)} inputs, got {len(inputs)}")
-        return plan.execute(inputs)
+        if self._depth >= _MAX_CALL_DEPTH:
+            raise KernelError(f"subgraph calls nested deeper than {_MAX_CALL_DEPTH} (subgraph {subgraph} calls "
+                              "itself, directly or through others)")
+        self._depth += 1
+        try:
+            return plan.execute(inputs)
+        finally:
+            self._depth -= 1
 
-    def _entry(self, signature: Optional[str]) -> tuple[int, list[int], list[int], list[str]]:
+    def entry(self, signature: Optional[str]) -> tuple[int, list[int], list[int], list[str]]:
         """(subgraph index, input and output tensor indices, input names) of the entry point."""
         if signature is None:
             sg = self.model.subgraphs[0]
@@ -287,7 +354,18 @@ class Interpreter:
                   ) -> list[Tensor]:
         """Run on torch tensors (or numpy arrays); returns torch tensors, which may share
         memory with the model's constants or the inputs (do not modify them in place)."""
-        index, in_idx, out_idx, names = self._entry(signature)
+        try:
+            return self._run_torch(inputs, signature)
+        except RuntimeRunError:
+            raise
+        except (Exception, RecursionError) as err:  # noqa: BLE001 - an inconsistent model
+            raise RuntimeRunError(
+                f"reference interpreter: the model cannot be run ({type(err).__name__}: {err}); its subgraphs, "
+                "signatures or tensors are inconsistent") from None
+
+    def _run_torch(self, inputs: Union[Sequence[Any], Mapping[str, Any]], signature: Optional[str]) -> list[Tensor]:
+        self._depth = 0
+        index, in_idx, out_idx, names = self.entry(signature)
         sg = self.model.subgraphs[index]
         if isinstance(inputs, Mapping):
             missing = [n for n in names if n not in inputs]
@@ -325,6 +403,40 @@ def _read(path: Union[str, os.PathLike]) -> ir.Model:
     return read_model(path)
 
 
+class Session:
+    """The interpreter on one file (or ir.Model) and entry point: the main subgraph, or the
+    signature ``signature``. The file is read and the plan built once."""
+
+    def __init__(self, path: Union[str, os.PathLike, ir.Model], signature: Optional[str] = None):
+        model = path if isinstance(path, ir.Model) else _read(path)
+        self.path = "<ir.Model>" if isinstance(path, ir.Model) else os.fspath(path)
+        self.signature = signature
+        self.interpreter = Interpreter(model)
+        index, in_idx, out_idx, names = self.interpreter.entry(signature)  # an unknown signature fails now
+        try:
+            sg = model.subgraphs[index]
+            out_names = (list(next(s for s in model.signatures if s.key == signature).outputs)
+                         if signature is not None else [sg.tensors[j].name for j in out_idx])
+            self.inputs = [_spec(n, sg.tensors[j]) for n, j in zip(names, in_idx)]
+            self.outputs = [_spec(n, sg.tensors[j]) for n, j in zip(out_names, out_idx)]
+        except (IndexError, KeyError, TypeError, AttributeError) as err:  # an inconsistent ir.Model
+            raise RuntimeRunError(f"reference interpreter: the model's entry point is inconsistent "
+                                  f"({type(err).__name__}: {err})") from None
+
+    def run(self, inputs: Union[Sequence[Any], Mapping[str, Any]]) -> list[np.ndarray]:
+        """Numpy arrays (or torch tensors) in :attr:`inputs` order, or a dict by name -> fresh
+        numpy arrays (bf16 as ml_dtypes.bfloat16)."""
+        return self.interpreter.run(inputs, self.signature)
+
+    def run_torch(self, inputs: Union[Sequence[Any], Mapping[str, Any]]) -> list[Tensor]:
+        """As :meth:`run`, torch tensors out, without copies (see :meth:`Interpreter.run_torch`)."""
+        return self.interpreter.run_torch(inputs, self.signature)
+
+
+def _spec(name: str, t: ir.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(int(d) for d in t.shape), t.dtype.lower())
+
+
 def run(path_or_model: Union[str, os.PathLike, ir.Model], inputs: Union[Sequence[Any], Mapping[str, Any]],
         signature: Optional[str] = None) -> list[np.ndarray]:
     """Run a Circle/TFLite file (or an ir.Model) on ``inputs`` with the reference interpreter.
@@ -332,7 +444,6 @@ def run(path_or_model: Union[str, os.PathLike, ir.Model], inputs: Union[Sequence
     ``inputs`` are numpy arrays (or torch tensors) in the order of the subgraph's inputs, or
     of the signature's inputs when ``signature`` names one; a dict maps input names to
     arrays. Returns the outputs as numpy arrays. For repeated runs of the same model use
-    :class:`Interpreter` (the file is read and the plan built once).
+    :class:`Session` (the file is read and the plan built once).
     """
-    model = path_or_model if isinstance(path_or_model, ir.Model) else _read(path_or_model)
-    return Interpreter(model).run(inputs, signature)
+    return Session(path_or_model, signature).run(inputs)

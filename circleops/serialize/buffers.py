@@ -114,7 +114,7 @@ def materialize(entry: "np.ndarray | LazyBytes") -> np.ndarray:
     return entry.view() if isinstance(entry, LazyBytes) else entry
 
 
-def _identity_key(data: Any) -> tuple | None:
+def identity_key(data: Any) -> tuple | None:
     """A key equal for two constants that are views of the same memory with the same layout."""
     if isinstance(data, torch.Tensor):
         try:
@@ -167,7 +167,7 @@ class BufferTable:
 
     def add(self, data: Any, dtype: str, shape: tuple[int, ...], name: str) -> int:
         """The buffer index holding ``data``: an existing one when the bytes are the same."""
-        ident = _identity_key(data)
+        ident = identity_key(data)
         if ident is not None and ident in self._by_identity:
             self.shared += 1
             return self._by_identity[ident]

@@ -25,9 +25,42 @@ def encode_attributes(attributes: dict[str, Any] | None) -> np.ndarray:
     return np.frombuffer(flexbuffers.Dumps(_plain(attributes or {})), dtype=np.uint8).copy()
 
 
-def decode_attributes(data: Any) -> dict[str, Any]:
-    """The dict encoded by :func:`encode_attributes` (or by any other writer)."""
+def decode_attributes(data: Any, max_items: int | None = None) -> dict[str, Any]:
+    """The dict encoded by :func:`encode_attributes` (or by any other writer).
+
+    The flexbuffer comes from a file, and its references may point at the same vector
+    many times over (a few hundred bytes can describe 2^30 elements), so the walk counts
+    the elements it produces and stops past ``max_items`` (default: 4 per byte + 1000)."""
     if data is None or len(data) == 0:
         return {}
-    value = flexbuffers.Loads(bytes(np.asarray(data, dtype=np.uint8)))
+    raw = bytes(np.asarray(data, dtype=np.uint8))
+    budget = [max_items if max_items is not None else 4 * len(raw) + 1000]
+    value = _value(flexbuffers.GetRoot(raw), budget, 0)
     return value if isinstance(value, dict) else {"value": value}
+
+
+def _value(ref: Any, budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 64:
+        raise ValueError("the composite attributes describe more elements than their bytes can hold "
+                         "(shared or cyclic references)")
+    if ref.IsMap:
+        m = ref.AsMap
+        keys, values = m.Keys, m.Values
+        budget[0] -= 2 * len(keys)
+        if budget[0] < 0:
+            raise ValueError("composite attribute map too large for its bytes")
+        return {_value(k, budget, depth + 1): _value(v, budget, depth + 1) for k, v in zip(keys, values)}
+    if ref.IsVector:
+        vec = ref.AsVector
+        budget[0] -= len(vec)
+        if budget[0] < 0:
+            raise ValueError("composite attribute vector too large for its bytes")
+        return [_value(e, budget, depth + 1) for e in vec]
+    if ref.IsTypedVector or ref.IsFixedTypedVector:
+        vec = ref.AsTypedVector if ref.IsTypedVector else ref.AsFixedTypedVector
+        budget[0] -= len(vec)
+        if budget[0] < 0:
+            raise ValueError("composite attribute vector too large for its bytes")
+        return vec.Value
+    return ref.Value  # scalars, strings, keys, blobs: bounded by the buffer

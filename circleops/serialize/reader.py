@@ -18,6 +18,7 @@ from circleops import ir
 from circleops.errors import ModelLoadError
 from circleops.serialize.buffers import NUMPY_DTYPE, data_nbytes
 from circleops.serialize.composite import decode_attributes
+from circleops.serialize.decode import Budget, decode_model
 from circleops.serialize.schema import Schema, get_schema
 
 IDENTIFIERS = {b"CIR0": "circle", b"TFL3": "tflite"}
@@ -90,11 +91,18 @@ def read_model(path: str | os.PathLike) -> ir.Model:
         size = os.fstat(f.fileno()).st_size
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     try:
-        m = schema.cls("Model").InitFromPackedBuf(buf, 0)
-    except Exception as err:  # noqa: BLE001 - any decoding failure means a broken file
-        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({err}); the file is "
-                             "truncated or corrupt") from None
-    return _to_ir(m, schema, buf, size, str(path))
+        m = decode_model(schema, buf, size, str(path))
+        return _to_ir(m, schema, buf, size, str(path))
+    except ModelLoadError:
+        raise
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - any decoding failure means a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({type(err).__name__}: "
+                             f"{_short(err)}); the file is truncated or corrupt") from None
+
+
+def _short(err: BaseException, limit: int = 200) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _buffer_data(m: Any, buf: Any, size: int, path: str) -> list[np.ndarray | None]:
@@ -126,6 +134,54 @@ def _quant(qp: Any) -> ir.QuantParams | None:
     return ir.QuantParams(scale, zp, int(qp.quantizedDimension))
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:  # Python ints: no int64 overflow on absurd dims
+        n *= d
+    return n
+
+
+def _index(value: Any, count: int, what: str, path: str, *, optional: bool = False) -> int:
+    """An index read from the file, checked: negative indices must not wrap around."""
+    i = int(value)
+    if optional and i == -1:
+        return i
+    if not 0 <= i < count:
+        raise ModelLoadError(f"{path}: {what} is {i}, out of range (0..{count - 1}); the file is corrupt")
+    return i
+
+
+def _tensor(t: Any, si: int, ti: int, schema: Schema, const: Any, nbuffers: int, path: str) -> ir.Tensor:
+    dtype = schema.tensor_type_names.get(int(t.type), f"TYPE_{t.type}")
+    name = _str(t.name) or ""
+    where = f"tensor {ti} {name!r} of subgraph {si}"
+    static = tuple(int(d) for d in (t.shape if t.shape is not None else []))
+    shape = tuple(int(d) for d in t.shapeSignature) if t.shapeSignature is not None else static
+    if any(d < -1 for d in shape) or any(d < -1 for d in static):
+        raise ModelLoadError(f"{path}: {where} has shape {list(static)} (signature {list(shape)}): dimensions "
+                             "below -1 are invalid; the file is corrupt")
+    buffer = int(t.buffer)
+    if buffer < 0 or (buffer >= nbuffers and buffer != 0):
+        raise ModelLoadError(f"{path}: {where} names buffer {buffer}, but the file has {nbuffers} buffers; "
+                             "the file is corrupt")
+    data = const(t, dtype, static)
+    if data is not None:
+        if any(d < 0 for d in static):
+            raise ModelLoadError(f"{path}: {where} is a constant with unknown dimensions {list(static)}; "
+                                 "the file is corrupt")
+        want = None
+        if dtype in ir.GGML_BLOCKS:
+            per_block, block_bytes = ir.GGML_BLOCKS[dtype]
+            want = -(-_numel(static) // per_block) * block_bytes
+        elif dtype in NUMPY_DTYPE:
+            want = _numel(static) * NUMPY_DTYPE[dtype].itemsize
+        if want is not None and data.nbytes != want:
+            raise ModelLoadError(
+                f"{path}: {where} is {dtype} {list(static)} ({want} bytes) but its buffer {buffer} holds "
+                f"{data.nbytes} bytes; the file is corrupt")
+    return ir.Tensor(name, shape, dtype, data, _quant(t.quantization))
+
+
 def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
     datas = _buffer_data(m, buf, size, path)
     union_names = {attr: schema.union_names(u) for attr, u in
@@ -141,30 +197,28 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
         if key not in typed:
             np_dtype = NUMPY_DTYPE.get(dtype)
             if np_dtype is None or data.nbytes % np_dtype.itemsize:
-                typed[key] = data  # unknown element type: keep the raw bytes
+                typed[key] = data  # unknown element type (or a size checked by the caller): raw bytes
             else:
                 arr = data.view(np_dtype)
-                typed[key] = arr.reshape(shape) if arr.size == int(np.prod(shape, dtype=np.int64)) else arr
+                typed[key] = arr.reshape(shape) if arr.size == _numel(shape) else arr
         return typed[key]
+
+    opcodes = []
+    for k, oc in enumerate(m.operatorCodes or []):
+        if oc is None:
+            raise ModelLoadError(f"{path}: operator code {k} is missing (null); the file is corrupt")
+        opcodes.append((opcode_name(schema, oc), _str(oc.customCode), int(oc.version)))
 
     subgraphs = []
     for si, sg in enumerate(m.subgraphs or []):
         out = ir.Subgraph(_str(sg.name) or f"subgraph_{si}")
-        for t in sg.tensors or []:
-            dtype = schema.tensor_type_names.get(int(t.type), f"TYPE_{t.type}")
-            shape = tuple(int(d) for d in (t.shapeSignature if t.shapeSignature is not None
-                                           else (t.shape if t.shape is not None else [])))
-            static = tuple(int(d) for d in (t.shape if t.shape is not None else []))
-            name = _str(t.name) or ""
-            data = const(t, dtype, static)
-            if data is not None and dtype in ir.GGML_BLOCKS and data.nbytes != data_nbytes(dtype, static):
-                raise ModelLoadError(
-                    f"{path}: tensor {name!r} is {dtype} {list(static)} ({data_nbytes(dtype, static)} "
-                    f"bytes of blocks) but its buffer holds {data.nbytes} bytes; the file is corrupt")
-            out.tensors.append(ir.Tensor(name, shape, dtype, data, _quant(t.quantization)))
-        for op in sg.operators or []:
-            oc = m.operatorCodes[op.opcodeIndex]
-            name = opcode_name(schema, oc)
+        for ti, t in enumerate(sg.tensors or []):
+            out.tensors.append(_tensor(t, si, ti, schema, const, len(datas), path))
+        n = len(out.tensors)
+        for k, op in enumerate(sg.operators or []):
+            where = f"operator {k} of subgraph {si}"
+            name, custom_code, version = opcodes[_index(op.opcodeIndex, len(opcodes), f"the opcode index of {where}",
+                                                        path)]
             options_type, options = None, {}
             for attr in ("builtinOptions", "builtinOptions2"):
                 tag = getattr(op, attr + "Type", 0)
@@ -172,28 +226,35 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
                     options_type = union_names[attr].get(int(tag))
                     options = _options(getattr(op, attr), options_type)
             if name == "CUSTOM":
-                options = {"customCode": _str(oc.customCode),
+                options = {"customCode": custom_code,
                            "customOptions": bytes(np.asarray(op.customOptions, dtype=np.uint8))
                            if op.customOptions is not None else b""}
-            out.operators.append(ir.Operator(
-                name, [int(i) for i in (op.inputs if op.inputs is not None else [])],
-                [int(i) for i in (op.outputs if op.outputs is not None else [])],
-                options_type, options, int(oc.version)))
-        out.inputs = [int(i) for i in (sg.inputs if sg.inputs is not None else [])]
-        out.outputs = [int(i) for i in (sg.outputs if sg.outputs is not None else [])]
+            inputs = [_index(i, n, f"input {p} of {where} ({name})", path, optional=True)
+                      for p, i in enumerate(op.inputs if op.inputs is not None else [])]
+            outputs = [_index(i, n, f"output {p} of {where} ({name})", path)
+                       for p, i in enumerate(op.outputs if op.outputs is not None else [])]
+            out.operators.append(ir.Operator(name, inputs, outputs, options_type, options, version))
+        out.inputs = [_index(i, n, f"input {p} of subgraph {si}", path)
+                      for p, i in enumerate(sg.inputs if sg.inputs is not None else [])]
+        out.outputs = [_index(i, n, f"output {p} of subgraph {si}", path)
+                       for p, i in enumerate(sg.outputs if sg.outputs is not None else [])]
         subgraphs.append(out)
 
     signatures = []
-    for sd in m.signatureDefs or []:
-        signatures.append(ir.Signature(
-            key=_str(sd.signatureKey) or "", subgraph_index=int(sd.subgraphIndex),
-            inputs={_str(tm.name): int(tm.tensorIndex) for tm in sd.inputs or []},
-            outputs={_str(tm.name): int(tm.tensorIndex) for tm in sd.outputs or []}))
+    for k, sd in enumerate(m.signatureDefs or []):
+        si = _index(sd.subgraphIndex, len(subgraphs), f"the subgraph index of signature {k}", path)
+        n = len(subgraphs[si].tensors)
+        maps = []
+        for kind, tms in (("input", sd.inputs), ("output", sd.outputs)):
+            maps.append({(_str(tm.name) or f"{kind}_{p}"): _index(tm.tensorIndex, n, f"{kind} {p} of signature {k}", path)
+                         for p, tm in enumerate(tms or [])})
+        signatures.append(ir.Signature(_str(sd.signatureKey) or "", si, *maps))
 
     metadata = {}
-    for md in m.metadata or []:
-        data = datas[md.buffer] if 0 <= md.buffer < len(datas) else None
-        metadata[_str(md.name)] = bytes(data) if data is not None else b""
+    for k, md in enumerate(m.metadata or []):
+        b = _index(md.buffer, len(datas), f"the buffer of metadata entry {k} {_str(md.name)!r}", path)
+        data = datas[b]
+        metadata[_str(md.name) or f"metadata_{k}"] = bytes(data) if data is not None else b""
 
     return ir.Model(subgraphs=subgraphs, signatures=signatures,
                     description=_str(m.description) or "", metadata=metadata)
@@ -204,13 +265,22 @@ def read_signatures(path: str | os.PathLike) -> list[ir.Signature]:
     fmt = detect_format(path)
     schema = get_schema(fmt)
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    root = schema.reader_cls("Model").GetRootAs(buf, 0)
-    out = []
-    for i in range(root.SignatureDefsLength()):
-        sd = root.SignatureDefs(i)
-        maps = []
-        for length, get in ((sd.InputsLength, sd.Inputs), (sd.OutputsLength, sd.Outputs)):
-            maps.append({_str(get(j).Name()): int(get(j).TensorIndex()) for j in range(length())})
-        out.append(ir.Signature(_str(sd.SignatureKey()) or "", int(sd.SubgraphIndex()), *maps))
-    return out
+    try:
+        budget = Budget(size, str(path))
+        root = schema.reader_cls("Model").GetRootAs(buf, 0)
+        out = []
+        for i in range(budget.count(root.SignatureDefsLength(), "signature")):
+            sd = root.SignatureDefs(i)
+            maps = []
+            for length, get in ((sd.InputsLength, sd.Inputs), (sd.OutputsLength, sd.Outputs)):
+                maps.append({_str(get(j).Name()): int(get(j).TensorIndex())
+                             for j in range(budget.count(length(), f"signature {i} tensors"))})
+            out.append(ir.Signature(_str(sd.SignatureKey()) or "", int(sd.SubgraphIndex()), *maps))
+        return out
+    except ModelLoadError:
+        raise
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer's signatures cannot be decoded ({type(err).__name__}: "
+                             f"{_short(err)}); the file is truncated or corrupt") from None

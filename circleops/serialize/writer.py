@@ -15,6 +15,7 @@ Data starts are aligned to ``ALIGN`` bytes in the file.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import OutputError, TargetError, UnsupportedOpError
-from circleops.serialize.buffers import BufferTable, _identity_key, data_nbytes, materialize
+from circleops.serialize.buffers import BufferTable, identity_key, data_nbytes, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
 
@@ -387,27 +388,108 @@ def _stream(f: BinaryIO, plan: _Plan, placed: list[_Placed], table: BufferTable)
 # atomic file write
 # ---------------------------------------------------------------------------------------
 
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would race with other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 minus the process umask."""
+    return 0o666 & ~_umask()
+
+
+def default_dir_mode() -> int:
+    """The mode ``mkdir`` gives a new directory: 0o777 minus the process umask."""
+    return 0o777 & ~_umask()
+
+
+def temp_prefix(path: Path) -> str:
+    """Temporaries of ``path`` are ``.NAME.<pid>-<random>.tmp`` beside it: the pid says
+    whether their writer still runs, so a later run can remove those a kill left behind."""
+    return f".{path.name}.{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Remove ``.NAME.<pid>-*.tmp`` files and directories beside ``path`` whose writer is
+    dead (killed with SIGKILL, or a power loss); those of running writers stay."""
+    removed = []
+    prefix = f".{path.name}."
+    try:
+        entries = list(os.scandir(path.parent if str(path.parent) else "."))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid_text = name[len(prefix):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                import shutil
+
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            pass
+    return removed
+
+
 def _open_temp(path: Path) -> tuple[BinaryIO, str]:
     directory = path.parent
     if path.is_dir():
         raise OutputError(f"cannot write {path}: it is a directory; give a file name")
     if not directory.is_dir():
         raise OutputError(f"cannot write {path}: directory {directory} does not exist; create it first")
+    remove_stale_temporaries(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=directory)
     except OSError as err:
         raise OutputError(
             f"cannot write {path}: {err.strerror or err}; choose a writable directory") from None
+    # mkstemp makes the file 0600 and the mode survives the rename: give the file the mode
+    # a plain open() would (umask), or keep the mode of the file it replaces.
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = default_file_mode()
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        pass
     return os.fdopen(fd, "wb"), tmp
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, check: Callable[[Path], None] | None = None) -> None:
     f, tmp = _open_temp(path)
     try:
         with f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:  # e.g. verify: only a file that passed replaces the old one
+            check(Path(tmp))
         os.replace(tmp, path)
     except BaseException as err:
         try:
@@ -442,7 +524,7 @@ def constant_bytes(model: ir.Model) -> int:
         for t in sg.tensors:
             if t.data is None:
                 continue
-            key = _identity_key(t.data) or ("object", id(t.data))
+            key = identity_key(t.data) or ("object", id(t.data))
             if key in seen:
                 continue
             seen.add(key)
@@ -452,7 +534,8 @@ def constant_bytes(model: ir.Model) -> int:
 
 
 def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *,
-                weights_after: bool | None = None, too_large: Callable[[int], str] | None = None) -> WriteInfo:
+                weights_after: bool | None = None, too_large: Callable[[int], str] | None = None,
+                check: Callable[[Path], None] | None = None) -> WriteInfo:
     """Write ``model`` as a Circle ("circle", identifier CIR0) or TFLite ("tflite", TFL3) file.
 
     weights_after: None (default) stores the weights inline unless the file would pass
@@ -462,7 +545,11 @@ def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *
     forbidden and what the user can do).
 
     The write is atomic (a temp file in the same directory, fsync, rename): on failure no
-    file is left at ``path``. The same IR always gives the same bytes.
+    file is left at ``path``, and a file it replaces is untouched. ``check(temp_path)``, when
+    given, runs on the complete temporary file before the rename (verify): if it raises, the
+    temporary is removed and ``path`` keeps its previous content. The file gets the mode a
+    plain ``open()`` would give (umask), or the mode of the file it replaces. The same IR
+    always gives the same bytes.
     """
     t0 = time.perf_counter()
     rules = _rules(fmt)
@@ -472,7 +559,7 @@ def write_model(model: ir.Model, path: str | os.PathLike, fmt: str = "circle", *
     plan = _plan(m, placed, schema, weights_after, too_large)
     if plan.layout == "offset" and not rules.reads_offset_buffers:
         raise TargetError(rules.offset_refusal)
-    _atomic_write(path, lambda f: _stream(f, plan, placed, table))
+    _atomic_write(path, lambda f: _stream(f, plan, placed, table), check)
     return WriteInfo(
         path=str(path), fmt=fmt, layout=plan.layout, file_bytes=os.path.getsize(path),
         flatbuffer_bytes=len(plan.head), weight_bytes=table.data_bytes,

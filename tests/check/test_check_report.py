@@ -164,3 +164,13 @@ def test_plot_without_matplotlib_is_a_clear_error(config_json, tmp_path, capsys,
 def test_dtype_must_be_reduced_precision(tiny_llama):
     with pytest.raises(CircleOpsError, match="use --dtype fp16 or --dtype bf16"):
         check(tiny_llama, None, dtype="fp32")
+
+
+@pytest.mark.parametrize("suffix", [".circle", ".tflite"])
+def test_converted_file_is_refused_with_what_check_takes(tmp_path, capsys, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"\0" * 64)
+    code, out, err = run(capsys, str(path))
+    assert code == 2 and "Traceback" not in err
+    assert f"is a converted {suffix[1:]} file" in err and "an HF directory" in err
+    assert f"circleops inspect {path}" in err

@@ -30,8 +30,9 @@ _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def write_llama_gguf(model: torch.nn.Module, path: Path) -> None:
-    """A Llama as an F32 GGUF file, laid out as llama.cpp's converter writes it."""
+def write_llama_gguf(model: torch.nn.Module, path: Path, types: dict[str, str] | None = None) -> None:
+    """A Llama as an F32 GGUF file, laid out as llama.cpp's converter writes it; ``types``
+    maps GGUF tensor names to a GGML block type ("Q4_0", "Q8_0", "Q4_1") to store them so."""
     import gguf
 
     c = model.config
@@ -50,15 +51,21 @@ def write_llama_gguf(model: torch.nn.Module, path: Path) -> None:
     for name, t in model.state_dict().items():
         v = t.numpy()
         if name in _GGUF_TOP:
-            w.add_tensor(_GGUF_TOP[name], v)
-            continue
-        parts = name.split(".")
-        layer, module = int(parts[2]), ".".join(parts[3:-1])
-        if module == "self_attn.q_proj":
-            v = _permute_for_gguf(v, c.num_attention_heads)
-        elif module == "self_attn.k_proj":
-            v = _permute_for_gguf(v, c.num_key_value_heads)
-        w.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.weight", np.ascontiguousarray(v))
+            gguf_name = _GGUF_TOP[name]
+        else:
+            parts = name.split(".")
+            layer, module = int(parts[2]), ".".join(parts[3:-1])
+            if module == "self_attn.q_proj":
+                v = _permute_for_gguf(v, c.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                v = _permute_for_gguf(v, c.num_key_value_heads)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[module]}.weight"
+        kind = (types or {}).get(gguf_name)
+        if kind is None:
+            w.add_tensor(gguf_name, np.ascontiguousarray(v))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(v), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -211,9 +211,12 @@ def test_unwritable_output_is_refused_before_export(case, llama, tmp_path, monke
 def test_verify_mismatch_removes_the_file(llama, tmp_path, monkeypatch):
     from circleops.runtime import reference
 
-    real = reference.run
-    monkeypatch.setattr(reference, "run", lambda p, x: [o + np.float32(0.5) for o in real(p, x)])
-    with pytest.raises(VerifyError, match=r"max abs error 0\.5.*was removed"):
+    class Off(reference.Session):  # what verify runs, 0.5 off
+        def run(self, inputs):
+            return [o + np.float32(0.5) for o in super().run(inputs)]
+
+    monkeypatch.setattr(reference, "Session", Off)
+    with pytest.raises(VerifyError, match=r"max abs error 0\.5.*nothing was written to"):
         circleops.convert(llama, (example_ids(SEQ),), tmp_path / "m.circle", verify=True)
     assert not (tmp_path / "m.circle").exists()
 

@@ -17,7 +17,8 @@ from families import BY_NAME
 
 TINY_PREFILL, TINY_CACHE, TINY_NEW = 8, 32, 16
 TINY_PROMPTS = [[5, 17, 42, 99, 3], [1, 200, 7], [9, 8, 7, 6, 5, 4, 3, 250]]  # the last fills the prefill
-SMOL_PREFILL, SMOL_CACHE, SMOL_NEW = 32, 128, 32
+SMOL_PREFILL, SMOL_CACHE, SMOL_NEW = 32, 336, 32
+SMOL_LONG, SMOL_LONG_NEW = 300, 16  # a prompt of 300 tokens: ten prefill chunks
 SMOL_PROMPTS = ["Once upon a time,", "The capital of France is", "def fibonacci(n):"]
 
 
@@ -87,6 +88,13 @@ class SmolLM2:
     prompts: dict[str, list[int]]  # text -> ids
     expected: dict[str, list[int]]  # text -> HF greedy tokens
     tokenizer: object
+    long_prompt: list[int]  # SMOL_LONG tokens
+    long_expected: list[int]  # HF greedy, SMOL_LONG_NEW tokens
+
+
+def _long_text() -> str:
+    return " ".join(f"Chapter {i}. The lighthouse keeper counted the ships that passed the harbour, "
+                    f"wrote their names in a ledger and watched the weather turn." for i in range(1, 40))
 
 
 @pytest.fixture(scope="session")
@@ -98,10 +106,12 @@ def smollm2(tmp_path_factory) -> SmolLM2:
     model, tokenizer = load_smollm2()
     prompts = {p: [int(i) for i in tokenizer(p)["input_ids"]] for p in SMOL_PROMPTS}
     expected = {p: hf_greedy(model, ids, SMOL_NEW) for p, ids in prompts.items()}
+    long_prompt = [int(i) for i in tokenizer(_long_text())["input_ids"]][:SMOL_LONG]
+    long_expected = hf_greedy(model, long_prompt, SMOL_LONG_NEW)
     del model
     out = tmp_path_factory.mktemp("smollm2") / "out"
     with one_torch_thread():
         rc = main(["convert", "smollm2", "--graphs", "prefill,decode", "--target", "onert", "--verify", "-q",
                    "--seq-len", str(SMOL_PREFILL), "--max-cache-len", str(SMOL_CACHE), "-o", str(out)])
     assert rc == 0
-    return SmolLM2(out, prompts, expected, tokenizer)
+    return SmolLM2(out, prompts, expected, tokenizer, long_prompt, long_expected)

@@ -38,16 +38,16 @@ def test_default_runtime_comes_from_the_manifest(tiny_onert, tiny_tflite, tiny_c
     assert Generator(tiny_circle.directory).runtime == "reference"
 
 
-def test_decode_runs_once_per_token_on_one_session(tiny_onert):
+def test_decode_runs_once_per_token_on_one_session(tiny_onert, monkeypatch):
     """Linear cost: one prefill, then the decode graph once per new token with a single
     token, its position and the caches (numpy arrays) in; the session is never rebuilt."""
     gen = Generator(tiny_onert.directory)
-    session = gen.decode_graph.session
+    session = gen.decode_session
     calls = {"prefill": [], "decode": []}
     for name in calls:
-        graph = getattr(gen, f"{name}_graph")
-        setattr(gen, f"{name}_graph", lambda inputs, g=graph, n=name: calls[n].append(
-            [np.array(a) for a in inputs[:2]] + [type(a) for a in inputs[2:]]) or g(inputs))
+        s = getattr(gen, f"{name}_session")
+        monkeypatch.setattr(s, "run", lambda inputs, r=s.run, n=name: calls[n].append(
+            [np.array(a) for a in inputs[:2]] + [type(a) for a in inputs[2:]]) or r(inputs))
     result = gen.generate(TINY_PROMPTS[0], TINY_NEW, stop_at_eos=False)
     assert len(result.tokens) == TINY_NEW
     assert len(calls["prefill"]) == 1 and len(calls["decode"]) == TINY_NEW - 1
@@ -56,13 +56,16 @@ def test_decode_runs_once_per_token_on_one_session(tiny_onert):
         assert ids.shape == (1, 1) and ids[0, 0] == result.tokens[i]
         assert pos.tolist() == [p + i]
         assert set(cache_types) == {np.ndarray} and len(cache_types) == 4
-    assert gen.decode_graph.__defaults__[0].session is session  # the wrapped graph kept its session
+    assert gen.decode_session is session  # one session for every step
 
 
-def test_prompt_longer_than_prefill(tiny_onert):
+def test_prompt_longer_than_prefill(tiny_onert, tiny_model):
+    """Chunks of the prefill graph: TINY_PREFILL + 2 tokens = one chunk and an end-aligned one."""
+    from generate_fixtures import hf_greedy
+
+    prompt = list(range(1, TINY_PREFILL + 3))
     gen = Generator(tiny_onert.directory)
-    with pytest.raises(GenerationLimitError, match=f"takes at most {TINY_PREFILL}.*--seq-len 9"):
-        gen.generate(list(range(1, TINY_PREFILL + 2)), 4)
+    assert gen.generate(prompt, 4, stop_at_eos=False).tokens == hf_greedy(tiny_model, prompt, 4)
 
 
 def test_generation_past_the_cache(tiny_onert):
@@ -102,7 +105,8 @@ def test_cli_generate_token_ids(capsys, tiny_onert):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--token-ids", _ids(range(1, 11))], "the prompt has 10 tokens but the prefill graph"),
+    (["--token-ids", _ids(range(1, 34))], "the prompt (33 tokens) plus --max-new-tokens 64 is 97 tokens"),
+    (["--token-ids", "1,2", "--top-p", "0.5"], "add --sample"),
     (["--token-ids", "1,2", "--max-new-tokens", "31"], "is 33 tokens, more than the 32 slots"),
     (["--token-ids", "1,2", "--runtime", "litert"], "LiteRT runs .tflite files"),
     (["--prompt", "hello"], "has no tokenizer"),

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from generate_fixtures import SMOL_CACHE, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
+from generate_fixtures import SMOL_CACHE, SMOL_LONG, SMOL_LONG_NEW, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
 
 from circleops.generate import Generator
 from circleops.graphs import read_manifest
@@ -58,8 +58,10 @@ def test_cli_streams_text_and_reports_speed(smollm2):
     assert f"decode {SMOL_NEW - 1} tokens" in proc.stderr and "tokens/s" in proc.stderr
 
 
-def test_cli_long_prompt_is_a_clear_error(smollm2):
-    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(smollm2.directory), "--prompt",
-                           " ".join(["word"] * 40)], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert "the prompt has 40 tokens but the prefill graph" in proc.stderr and "at most 32" in proc.stderr and "Traceback" not in proc.stderr
+def test_prompt_of_300_tokens_in_chunks_equals_transformers(smollm2):
+    """Ten runs of the 32-token prefill graph (the last one end-aligned), then decode."""
+    from circleops.generate import Generator
+
+    assert len(smollm2.long_prompt) == SMOL_LONG
+    result = Generator(smollm2.directory).generate(smollm2.long_prompt, SMOL_LONG_NEW)
+    assert result.tokens == smollm2.long_expected

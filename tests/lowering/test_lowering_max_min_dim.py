@@ -25,6 +25,9 @@ CASES = {
     "max_values_only": lambda x: x.max(1).values * 2 + x.min(0).values.sum(),
     "argmax_argmin_dim": lambda x: (x.argmax(dim=1), x.argmin(dim=0, keepdim=True), x.argmax()),
     "amin_amax": lambda x: (x.amin(dim=(0, 2)), torch.amax(x, 1, keepdim=True)),
+    "topk_last": lambda x: tuple(torch.topk(x, 3)),
+    "topk_dim0_smallest": lambda x: tuple(x.topk(2, dim=0, largest=False)),
+    "topk_router": lambda x: x.topk(2, -1).values.softmax(-1) * x.topk(2, -1).indices,
 }
 
 
@@ -35,4 +38,4 @@ def test_max_min_dim(name, target, tmp_path):
     x = torch.randperm(60, generator=g).float().reshape(3, 4, 5) / 7
     path = tmp_path / ("m.tflite" if target == "tflite" else "m.circle")
     report = circleops.convert(Fn(CASES[name]), (x,), path, target=target, verify=True)
-    assert report.verify.passed and report.verify.max_abs_error == 0.0
+    assert report.verify.passed and report.verify.max_abs_error <= 1e-6  # softmax: summation order

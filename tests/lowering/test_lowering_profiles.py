@@ -45,11 +45,12 @@ def test_profile_is_well_formed(name):
     assert p.format in ("circle", "tflite") and p.runtime in ("onert", "litert", "reference")
     assert p.fused_ops in (BUILTIN, COMPOSITE)
     assert "float32" in p.float_dtypes and p.float_dtypes <= DTYPES
-    opcodes_named = set(p.missing_builtins) | set(p.builtin_dtypes) | set(p.builtin_ranks)
+    opcodes_named = set(p.missing_builtins) | set(p.builtin_dtypes) | set(p.builtin_ranks) | set(p.quantized_float_only)
     assert opcodes_named <= BUILTINS, opcodes_named - BUILTINS
     assert all(dtypes and dtypes <= DTYPES for dtypes in p.builtin_dtypes.values())
     assert all(ranks and all(isinstance(r, int) and r >= 0 for r in ranks) for ranks in p.builtin_ranks.values())
     assert p.rope_modes and p.rope_modes <= set(ROPE_MODES)
+    assert p.quantized_dtypes <= {"UINT8", "INT8", "INT16"} and (bool(p.quantized_dtypes) == p.integer_graphs)
     assert p.rope_max_positions is None or p.rope_max_positions >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.name = "x"  # type: ignore[misc]

@@ -14,6 +14,7 @@ Adding an opcode = one ``@kernel("NAME")`` function in one of the modules below.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -33,6 +34,7 @@ class KernelContext:
 
     outputs: list[ir.Tensor]
     call: Callable[[int, list[Tensor]], list[Tensor]] = field(repr=False, default=None)  # type: ignore[assignment]
+    inputs: list[Optional[ir.Tensor]] = field(default_factory=list)  # the IR of the inputs (quantization)
 
     def out_dtype(self, i: int = 0) -> torch.dtype:
         """The declared torch dtype of output ``i``."""
@@ -113,6 +115,36 @@ def activation(x: Tensor, op: ir.Operator) -> Tensor:
     raise KernelError(f"unknown fusedActivationFunction {code}")
 
 
+# Largest tensor a kernel may allocate from shapes it computes out of the file's values
+# (FILL dims, TILE multiples, PAD amounts, RANGE bounds, broadcasting): a 1 KB file must
+# not make the interpreter allocate gigabytes. $CIRCLEOPS_MAX_TENSOR_BYTES overrides it.
+DEFAULT_MAX_TENSOR_BYTES = 4 << 30
+
+
+def max_tensor_bytes() -> int:
+    """The allocation limit per computed tensor, in bytes."""
+    env = os.environ.get("CIRCLEOPS_MAX_TENSOR_BYTES")
+    try:
+        return int(env) if env else DEFAULT_MAX_TENSOR_BYTES
+    except ValueError:
+        return DEFAULT_MAX_TENSOR_BYTES
+
+
+def check_alloc(shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+    """Refuse (before allocating) a tensor of ``shape`` that is invalid or over the limit."""
+    n = 1
+    for d in shape:
+        d = int(d)
+        if d < 0:
+            raise KernelError(f"{what}: negative dimension in shape {list(shape)}")
+        n *= d
+    nbytes = n * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 1)
+    if nbytes > max_tensor_bytes():
+        raise KernelError(
+            f"{what}: shape {list(shape)} would allocate {nbytes} bytes, over the interpreter's limit of "
+            f"{max_tensor_bytes()} bytes per tensor (set CIRCLEOPS_MAX_TENSOR_BYTES to allow more)")
+
+
 def ints(t: Tensor | None) -> list[int]:
     """A small integer tensor (shape, axes, begin...) as a Python list."""
     if t is None:
@@ -145,7 +177,7 @@ def same_dtype(op: ir.Operator, *tensors: Tensor) -> None:
 
 
 # Importing the modules registers their kernels.
-from circleops.runtime.kernels import elementwise, fused, nn, reduce, shape  # noqa: E402,F401
+from circleops.runtime.kernels import elementwise, fused, nn, quantized, reduce, shape  # noqa: E402,F401
 
 __all__ = ["KERNELS", "IN_PLACE", "BLOCK_WEIGHT_INPUTS", "Kernel", "KernelContext", "KernelError", "kernel", "option", "enum_value",
-           "activation", "ints", "scalar", "axis_of", "same_dtype"]
+           "activation", "ints", "scalar", "axis_of", "same_dtype", "check_alloc", "max_tensor_bytes"]

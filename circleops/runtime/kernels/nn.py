@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from circleops.quantize.ggml import BlockTensor, quantize_q8_0_input
-from circleops.runtime.kernels import KernelError, activation, enum_value, ints, kernel, option, same_dtype
+from circleops.runtime.kernels import (KernelError, activation, check_alloc, enum_value, ints, kernel, option,
+                                       same_dtype)
 
 _PADDING = ("SAME", "VALID")
 
@@ -101,6 +102,9 @@ def _transpose_conv(op, inputs, ctx):
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
     sh, sw = int(option(op, "strideH", default=1)), int(option(op, "strideW", default=1))
     n, oh, ow, oc = ints(out_shape_t)
+    check_alloc([n, oh, ow, oc], x.dtype, "TRANSPOSE_CONV")
+    check_alloc([x.shape[0], w.shape[0], (x.shape[1] - 1) * sh + w.shape[1], (x.shape[2] - 1) * sw + w.shape[2]],
+                x.dtype, "TRANSPOSE_CONV")
     # filter [O, KH, KW, I] -> torch [I, O, KH, KW]; the full result is cropped to the
     # requested output with TFLite's padding (computed with input and output swapped).
     y = F.conv_transpose2d(x.permute(0, 3, 1, 2), w.permute(3, 0, 1, 2), None, stride=(sh, sw))
@@ -144,6 +148,7 @@ def _resize_size(inputs) -> tuple[int, int]:
     size = ints(inputs[1])
     if len(size) != 2:
         raise KernelError(f"resize size must have 2 values, got {size}")
+    check_alloc([inputs[0].shape[0], size[0], size[1], inputs[0].shape[-1]], inputs[0].dtype, "resize")
     return size[0], size[1]
 
 

@@ -1,12 +1,14 @@
 """Shape and indexing kernels: reshape, transpose, slicing, gather/scatter, padding, etc."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from circleops.quantize.ggml import BlockTensor
-from circleops.runtime.kernels import (KernelError, activation, axis_of, enum_value, ints, kernel, option,
-                                       same_dtype, scalar)
+from circleops.runtime.kernels import (KernelError, activation, axis_of, check_alloc, enum_value, ints, kernel,
+                                       option, same_dtype, scalar)
 
 
 @kernel("RESHAPE")
@@ -191,6 +193,7 @@ def _embedding_lookup(op, inputs, ctx):
 @kernel("SCATTER_ND")
 def _scatter_nd(op, inputs, ctx):
     indices, updates, shape_t = inputs
+    check_alloc(ints(shape_t), updates.dtype, "SCATTER_ND")
     out = torch.zeros(ints(shape_t), dtype=updates.dtype)
     # TFLite sums updates that hit the same index.
     out.index_put_(tuple(indices.to(torch.long).unbind(-1)), updates, accumulate=True)
@@ -213,13 +216,16 @@ def _dynamic_update_slice(op, inputs, ctx):
 @kernel("BROADCAST_TO")
 def _broadcast_to(op, inputs, ctx):
     x, shape_t = inputs
+    check_alloc(ints(shape_t), x.dtype, "BROADCAST_TO")
     return [x.expand(ints(shape_t))]
 
 
 @kernel("TILE")
 def _tile(op, inputs, ctx):
     x, multiples = inputs
-    return [x.repeat(ints(multiples))]
+    m = ints(multiples)
+    check_alloc([a * b for a, b in zip([1] * (len(m) - x.dim()) + list(x.shape), m)], x.dtype, "TILE")
+    return [x.repeat(m)]
 
 
 @kernel("REVERSE_V2")
@@ -235,6 +241,7 @@ def _pad(op, inputs, ctx):
     pad = []
     for d in reversed(range(x.dim())):
         pad += [paddings[2 * d], paddings[2 * d + 1]]
+    check_alloc([n + paddings[2 * d] + paddings[2 * d + 1] for d, n in enumerate(x.shape)], x.dtype, op.opcode)
     return [torch.nn.functional.pad(x, pad, mode="constant", value=value)]
 
 
@@ -242,6 +249,7 @@ def _pad(op, inputs, ctx):
 def _mirror_pad(op, inputs, ctx):
     x, paddings = inputs[0], ints(inputs[1])
     symmetric = enum_value(option(op, "mode", default=0), ("REFLECT", "SYMMETRIC")) == 1
+    check_alloc([n + paddings[2 * d] + paddings[2 * d + 1] for d, n in enumerate(x.shape)], x.dtype, "MIRROR_PAD")
     for d in range(x.dim()):
         before, after = paddings[2 * d], paddings[2 * d + 1]
         if before == 0 and after == 0:
@@ -274,6 +282,7 @@ def _rank(op, inputs, ctx):
 @kernel("FILL")
 def _fill(op, inputs, ctx):
     dims, value = inputs
+    check_alloc(ints(dims), value.dtype, "FILL")
     return [torch.full(ints(dims), scalar(value), dtype=value.dtype)]
 
 
@@ -281,6 +290,10 @@ def _fill(op, inputs, ctx):
 def _range(op, inputs, ctx):
     start, limit, delta = inputs
     same_dtype(op, start, limit, delta)
+    lo, hi, step = scalar(start), scalar(limit), scalar(delta)
+    if step == 0 or step != step:
+        raise KernelError(f"RANGE delta is {step}")
+    check_alloc([max(0, math.ceil((hi - lo) / step))], start.dtype, "RANGE")
     return [torch.arange(scalar(start), scalar(limit), scalar(delta), dtype=start.dtype)]
 
 
@@ -289,6 +302,7 @@ def _one_hot(op, inputs, ctx):
     indices, depth, on, off = inputs
     axis = int(option(op, "axis", default=-1))
     d = int(scalar(depth))
+    check_alloc([max(d, 0), *indices.shape], on.dtype, "ONE_HOT")
     hot = torch.arange(d).reshape(-1, *([1] * indices.dim())) == indices.to(torch.long).unsqueeze(0)
     out = torch.where(hot, on.reshape(()), off.reshape(()))
     # out is [depth, *indices.shape]; move depth to `axis`.

@@ -1,0 +1,83 @@
+"""``circleops chat DIR``: a multi-turn conversation with the graphs `circleops convert MODEL
+--graphs prefill,decode -o DIR` wrote (circleops.chat).
+
+One user message per line of stdin; each reply streams to stdout and ends with a newline.
+The KV cache is kept between turns, so a turn costs only its own tokens. `/reset` starts a
+new conversation; end of input (Ctrl-D) ends the chat.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from circleops.cli.generate import add_sampling_arguments, sampler_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from circleops.generate import RUNTIMES
+
+    parser.description = ("a multi-turn chat with the prefill and decode graphs that `circleops convert MODEL "
+                          "--graphs prefill,decode -o DIR` wrote: one message per line of stdin, the replies on "
+                          "stdout; the KV cache is kept between turns; /reset starts over")
+    parser.add_argument("directory", metavar="DIR", help="directory written by `circleops convert MODEL --graphs "
+                                                         "prefill,decode -o DIR` (with a tokenizer that has a chat "
+                                                         "template)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                        help="tokens per reply at most (default 256); a reply ends at the end-of-turn token")
+    parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    parser.add_argument("--runtime", choices=RUNTIMES, default=None,
+                        help="onert, reference or litert (default: the one the files were converted for)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no timing line per reply on stderr")
+    add_sampling_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from circleops.chat import Chat, CacheFullError
+    from circleops.generate import Generator, TextStream, _hf_tokenizer, check_runtime
+    from circleops.graphs import read_manifest
+
+    manifest = read_manifest(args.directory)
+    runtime = args.runtime or manifest.default_runtime
+    check_runtime(manifest, runtime)
+    if not manifest.tokenizer:
+        from circleops.errors import ModelLoadError
+
+        raise ModelLoadError(f"{manifest.directory} has no tokenizer (converted without one, e.g. from --config), "
+                             f"so there is no chat template to talk through. Convert a model with a tokenizer.")
+    tokenizer = _hf_tokenizer(manifest.directory / manifest.tokenizer)
+    sampler = sampler_from_args(args, manifest.directory)
+    chat = Chat(Generator(manifest, runtime=runtime), tokenizer, system=args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"circleops chat: {manifest.directory} on {runtime}, {manifest.max_cache_len} cache slots; "
+              f"/reset starts over, Ctrl-D ends.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/reset":
+            chat.reset()
+            print("circleops chat: new conversation (cache emptied)", file=sys.stderr)
+            continue
+        stream = TextStream(tokenizer, sys.stdout)
+        try:
+            reply = chat.turn(text, args.max_new_tokens, on_token=lambda t: None if t in chat.stop_ids else stream(t),
+                              sampler=sampler)
+        except CacheFullError as err:
+            print(f"circleops chat: {err}", file=sys.stderr)
+            continue
+        stream.close()
+        if reply.cache_full:
+            print(f"circleops chat: the KV cache ({manifest.max_cache_len} slots) is full: this reply was cut "
+                  f"there. Type /reset to start a new conversation.", file=sys.stderr)
+        if not args.quiet:
+            steps = max(1, len(reply.tokens) - 1)
+            print(f"circleops chat [{runtime}]: {reply.fed} new tokens fed in {reply.seconds_to_first_token:.3f} s, "
+                  f"{len(reply.tokens)} generated ({1000 * reply.decode_seconds / steps:.1f} ms/token), "
+                  f"{chat.generator.position} of {manifest.max_cache_len} cache slots used", file=sys.stderr)
+    return 0

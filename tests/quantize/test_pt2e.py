@@ -1,0 +1,251 @@
+"""Integer models through PT2E: CircleQuantizer -> convert_pt2e -> circleops.save, run by the
+reference interpreter's integer kernels and compared with the fake-quantized torch module."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops.quantize import pt2e
+from circleops.runtime import reference
+from circleops.runtime.kernels import quantized as qk
+from circleops.serialize import read_model
+
+INTEGER = {"UINT8", "INT8", "INT16", "INT32"}
+
+
+# ------------------------------------------------------------------ fixed-point arithmetic
+def _srdhm(a: int, b: int) -> int:
+    """TFLite SaturatingRoundingDoublingHighMul, scalar C++ semantics."""
+    if a == b == -(2 ** 31):
+        return 2 ** 31 - 1
+    ab = a * b
+    nudge = (1 << 30) if ab >= 0 else 1 - (1 << 30)
+    q = abs(ab + nudge) // (1 << 31)
+    return q if ab + nudge >= 0 else -q
+
+
+def _rdbpot(x: int, e: int) -> int:
+    mask = (1 << e) - 1
+    remainder = x & mask
+    threshold = (mask >> 1) + (1 if x < 0 else 0)
+    return (x >> e) + (1 if remainder > threshold else 0)
+
+
+def _mbqm(x: int, m: int, shift: int) -> int:
+    return _rdbpot(_srdhm(x * (1 << max(shift, 0)), m), max(-shift, 0))
+
+
+def test_quantize_multiplier_matches_tflite():
+    # QuantizeMultiplier(0.5) = (1 << 30, 0); 0.25 -> (1 << 30, -1); 1.0 -> (1 << 30, 1)
+    assert qk.quantize_multiplier(0.5) == (1 << 30, 0)
+    assert qk.quantize_multiplier(0.25) == (1 << 30, -1)
+    assert qk.quantize_multiplier(1.0) == (1 << 30, 1)
+    m, s = qk.quantize_multiplier(0.0123)
+    assert abs(m * 2.0 ** (s - 31) - 0.0123) < 1e-11
+
+
+def test_multiply_by_quantized_multiplier_matches_scalar_reference():
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randint(-(2 ** 24), 2 ** 24, (200,), generator=gen, dtype=torch.int64)
+    for real in (0.000731, 0.0123, 0.49, 0.9999, 1.7, 3.2):
+        m, s = qk.quantize_multiplier(real)
+        got = qk.multiply_by_quantized_multiplier(xs, torch.tensor(m), torch.tensor(s))
+        want = [_mbqm(int(x), m, s) for x in xs]
+        assert got.tolist() == want, real
+        # and it is the real product, rounded
+        assert (got.double() - xs.double() * real).abs().max() <= 1.0 + 1e-6 * xs.abs().max() * real
+
+
+# ------------------------------------------------------------------ models
+class SmallNet(torch.nn.Module):
+    """conv, depthwise conv, relu, mean, linear, a scalar multiply, a slice and an add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.dw = torch.nn.Conv2d(8, 8, 3, groups=8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.dw(torch.relu(self.conv(x))).mean((2, 3))
+        return self.fc(y) * 0.5 + y[:, :4]
+
+
+def _quantized_program(model, args, quantizer, samples=4, exported=None):
+    calib = pt2e.calibration_samples(args, samples)
+    return pt2e.quantize(model, args, quantizer, calib, exported=exported)
+
+
+def _op_dtypes(path):
+    sg = read_model(str(path)).subgraphs[0]
+    return sg, [(op.opcode, [sg.tensors[i].dtype for i in op.inputs if i >= 0],
+                 [sg.tensors[i].dtype for i in op.outputs]) for op in sg.operators]
+
+
+def _assert_integer_inside(ops):
+    """QUANTIZE first, DEQUANTIZE last, and every compute op in between on integers."""
+    for opcode, ins, outs in ops:
+        if opcode in ("QUANTIZE", "DEQUANTIZE"):
+            continue
+        assert set(outs) <= INTEGER, (opcode, ins, outs)
+        assert not {"FLOAT32"} & set(ins), (opcode, ins, outs)
+
+
+@pytest.mark.parametrize("scheme", ["uint8", "int16"])
+def test_small_net_integer_file_matches_fake_quant(tmp_path, scheme):
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer(scheme))
+    report = circleops.save(ep, tmp_path / "m.circle", verify="reference")
+    assert report.verify.passed
+    sg, ops = _op_dtypes(tmp_path / "m.circle")
+    assert [o[0] for o in ops].count("QUANTIZE") == 1 and ops[-1][0] == "DEQUANTIZE"
+    _assert_integer_inside(ops)
+    act = "UINT8" if scheme == "uint8" else "INT16"
+    by_op = {o[0]: o for o in ops}
+    assert by_op["CONV_2D"][1] == [act, "INT8", "INT32"] and by_op["CONV_2D"][2] == [act]
+    assert by_op["DEPTHWISE_CONV_2D"][1] == [act, "INT8", "INT32"]
+    assert by_op["FULLY_CONNECTED"][1] == [act, "INT8", "INT32"]
+    # per-channel weights: the depthwise filter [1, kh, kw, C] is quantized along dim 3
+    dw = next(op for op in sg.operators if op.opcode == "DEPTHWISE_CONV_2D")
+    w, b, xin = (sg.tensors[dw.inputs[i]] for i in (1, 2, 0))
+    assert w.quant.quantized_dimension == 3 and len(w.quant.scale) == 8
+    np.testing.assert_allclose(b.quant.scale, xin.quant.scale[0] * w.quant.scale, rtol=1e-6)
+    # the integer arithmetic lands within 2 output steps of the fake-quantized torch module
+    out = reference.run(str(tmp_path / "m.circle"), [x.numpy()])[0]
+    want = converted(x).detach().numpy()
+    step = float(sg.tensors[sg.operators[-1].inputs[0]].quant.scale[0])
+    assert np.abs(out - want).max() <= 2 * step + 1e-7
+
+
+def test_integer_io_keeps_integer_inputs_and_outputs(tmp_path):
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"))
+    circleops.save(ep, tmp_path / "m.circle", integer_io=True)
+    sg, ops = _op_dtypes(tmp_path / "m.circle")
+    assert sg.tensors[sg.inputs[0]].dtype == "UINT8" and sg.tensors[sg.outputs[0]].dtype == "UINT8"
+    assert not [o for o in ops if o[0] in ("QUANTIZE", "DEQUANTIZE")]
+    qin, qout = sg.tensors[sg.inputs[0]].quant, sg.tensors[sg.outputs[0]].quant
+    xq = np.clip(np.round(x.numpy() / qin.scale[0]) + qin.zero_point[0], 0, 255).astype(np.uint8)
+    out = reference.run(str(tmp_path / "m.circle"), [xq])[0]
+    real = (out.astype(np.float32) - qout.zero_point[0]) * qout.scale[0]
+    assert np.abs(real - converted(x).detach().numpy()).max() <= 2 * qout.scale[0] + 1e-7
+
+
+def test_conv_net_with_instance_norm_uint8(tmp_path):
+    from convnet import TransformerNet
+
+    from circleops.passes.fusion import fuse_patterns
+
+    torch.manual_seed(0)
+    model, x = TransformerNet(4, 1).eval(), torch.rand(1, 3, 16, 16)
+    ep, _ = fuse_patterns(torch.export.export(model, (x,)))  # instance norm as circle.instance_norm
+    converted, qep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), exported=ep)
+    report = circleops.save(qep, tmp_path / "net.circle", verify="reference")
+    assert report.verify.passed
+    _, ops = _op_dtypes(tmp_path / "net.circle")
+    norms = [o for o in ops if o[0] == "INSTANCE_NORM"]
+    assert norms and all(o[1] == ["UINT8"] * 3 and o[2] == ["UINT8"] for o in norms)
+    # nothing computes in float but the final DEQUANTIZE (the reflection pads share their
+    # input's parameters, so the first QUANTIZE sits right after the input)
+    assert [o[0] for o in ops if o[2] == ["FLOAT32"]] == ["DEQUANTIZE"] and ops[0][0] == "QUANTIZE"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from families import FAMILIES
+
+    from circleops.convert import _hf_export_settings, export, export_module
+
+    fam = next(f for f in FAMILIES if f.name == "llama")
+    model = fam.build()
+    module = export_module(model)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with _hf_export_settings(model), torch.no_grad():
+        ep = export(module, (ids,))
+    return model, module, ep, ids
+
+
+@pytest.mark.parametrize("scheme", ["uint8", "int16"])
+def test_llm_fused_ops_quantized_whole(tmp_path, tiny_llama, scheme):
+    model, module, ep, ids = tiny_llama
+    samples = pt2e.calibration_samples((ids,), 3, vocab_size=256)
+    converted, qep = pt2e.quantize(module, (ids,), pt2e.make_quantizer(scheme), samples, exported=ep)
+    report = circleops.save(qep, tmp_path / "llm.circle", verify="reference")
+    assert report.verify.passed
+    _, ops = _op_dtypes(tmp_path / "llm.circle")
+    _assert_integer_inside([o for o in ops if o[0] != "ATTENTION"])
+    act = "UINT8" if scheme == "uint8" else "INT16"
+    counts = collections.Counter(o[0] for o in ops)
+    assert counts["RMS_NORM"] == 5 and counts["ATTENTION"] == 2
+    for opcode, ins, outs in ops:
+        if opcode == "RMS_NORM":
+            assert ins == [act, act] and outs == [act]
+        if opcode == "ATTENTION":  # x, 4 projections, cos, sin quantized; mask, caches, pos float/int
+            assert ins[:7] == [act, "INT8", "INT8", "INT8", "INT8", act, act] and outs == [act]
+
+
+def test_mixed_precision_int16_norms(tmp_path, tiny_llama):
+    model, module, ep, ids = tiny_llama
+    q = pt2e.make_quantizer("uint8", int16_ops=[torch.ops.circle.rms_norm])
+    samples = pt2e.calibration_samples((ids,), 2, vocab_size=256)
+    _, qep = pt2e.quantize(module, (ids,), q, samples, exported=ep)
+    report = circleops.save(qep, tmp_path / "mixed.circle", verify="reference")
+    assert report.verify.passed
+    _, ops = _op_dtypes(tmp_path / "mixed.circle")
+    assert all(o[2] == ["INT16"] for o in ops if o[0] == "RMS_NORM")
+    assert all(o[1][0] == "UINT8" for o in ops if o[0] == "FULLY_CONNECTED")
+    # int16 -> uint8 (and back) are requantizing QUANTIZE ops between the two precisions
+    assert any(o[0] == "QUANTIZE" and o[1] == ["INT16"] and o[2] == ["UINT8"] for o in ops)
+
+
+def test_quantizer_is_a_torchao_quantizer():
+    from torchao.quantization.pt2e.quantizer import Quantizer
+
+    from circleops.quantize.quantizer import CircleQuantizer, QuantizeConfigError
+
+    assert issubclass(CircleQuantizer, Quantizer)
+    with pytest.raises(QuantizeConfigError, match="int16"):
+        CircleQuantizer("int4")
+
+
+def test_calibration_file_and_errors(tmp_path):
+    x = torch.randn(1, 3, 4, 4)
+    torch.save(torch.randn(5, 3, 4, 4), tmp_path / "calib.pt")
+    samples = pt2e.calibration_samples((x,), 3, data=tmp_path / "calib.pt")
+    assert len(samples) == 3 and samples[0][0].shape == (1, 3, 4, 4)
+    torch.save(torch.randn(5, 3, 8, 8), tmp_path / "wrong.pt")
+    with pytest.raises(pt2e.CalibrationError, match="shapes"):
+        pt2e.calibration_samples((x,), 3, data=tmp_path / "wrong.pt")
+    noisy = pt2e.calibration_samples((x,), 3)
+    assert torch.equal(noisy[0][0], x) and not torch.equal(noisy[1][0], x)
+    assert torch.equal(pt2e.calibration_samples((x,), 3)[2][0], noisy[2][0])  # seeded
+
+
+def test_tflite_target_refuses_integer_graph(tmp_path):
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    _, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), samples=1)
+    with pytest.raises(circleops.errors.TargetError, match="circle"):
+        circleops.save(ep, tmp_path / "m.tflite", target="tflite")
+    assert not (tmp_path / "m.tflite").exists()
+
+
+def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys):
+    from circleops.cli import main
+
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    _, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), samples=1)
+    circleops.save(ep, tmp_path / "m.circle", integer_io=True)
+    assert main(["inspect", str(tmp_path / "m.circle"), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    sg = read_model(str(tmp_path / "m.circle")).subgraphs[0]
+    x_q = sg.tensors[sg.inputs[0]].quant
+    assert f"UINT8     [1, 3, 8, 8]  scale {float(x_q.scale[0]):.4g}, zero point {int(x_q.zero_point[0])}" in out
+    assert "quantized activations (" in out and "per-channel (dim 3, 8 scales)" in out  # the depthwise filter

@@ -1,0 +1,62 @@
+"""check --quantize: per-layer error, greedy agreement and perplexity of a GGML-quantized
+file against fp32; inspect shows each tensor's storage type and bytes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import circleops
+from circleops.inspect import format_text, summarize
+from circleops.quantize.check import PERPLEXITY_TEXT, quant_check, text_ids
+from families import BY_NAME, example_ids
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return BY_NAME["llama"].build()
+
+
+def test_quant_check_q8_0_costs_little_and_q4_0_more(llama):
+    q8 = quant_check(llama, None, quantize="q8_0", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2)
+    q4 = quant_check(llama, None, quantize="q4_0", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2)
+    for r in (q8, q4):
+        assert len(r.layer_max_abs) == 2 and r.perplexity_tokens == 2 * 63
+        assert r.perplexity_fp32 == q8.perplexity_fp32  # the same torch reference
+        assert 0 <= r.agreement <= 6
+    assert abs(q8.perplexity_ratio - 1) < 0.01
+    assert max(q4.layer_rel) > 3 * max(q8.layer_rel)  # 4 bits cost more than 8
+    table = q4.table()
+    assert "greedy tokens equal to fp32's" in table and "q4_0" in table and "GGML_Q4_0" in table
+
+
+def test_perplexity_text_is_long_enough():
+    assert len(text_ids(None, 256)) > 2000 * 4  # ~2.4k SmolLM2 tokens (tests/quantize slow test)
+    assert PERPLEXITY_TEXT.read_text().startswith("The Keeper of the North Light")
+
+
+def test_cli_check_quantize(tmp_path):
+    cfg = tmp_path / "config.json"
+    c = BY_NAME["llama"].config().to_dict()
+    c["architectures"] = ["LlamaForCausalLM"]
+    cfg.write_text(json.dumps(c))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "check", "--config", str(cfg), "--quantize", "q4_0",
+                           "--prompt-ids", "5,17,42", "-n", "4", "--window", "32", "--max-windows", "1",
+                           "--json", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["format"] == "q4_0" and data["perplexity_tokens"] == 31 and len(data["layer_max_abs"]) == 2
+
+
+def test_inspect_lists_storage_type_and_bytes(tmp_path, llama):
+    path = tmp_path / "m.circle"
+    circleops.convert(llama, (example_ids(8),), path, target="onert", quantize="q4_0")
+    s = summarize(path)
+    ggml = [t for t in s["constants"] if t["dtype"] == "GGML_Q4_0"]
+    assert len(ggml) == 16 and all(t["bytes"] == t["shape"][0] * t["shape"][1] // 32 * 18 for t in ggml)
+    assert s["constants_by_dtype"]["GGML_Q4_0"]["bytes"] == sum(t["bytes"] for t in ggml)
+    text = format_text(s, tensors=True)
+    assert "model.model.layers.0.mlp.up_proj.weight" in text and "4.5 bits/weight" in text

@@ -1,0 +1,177 @@
+"""convert / save / convert_graphs with quantize="q4_0"|"q8_0": what the file holds (GGML
+linear weights in the FULLY_CONNECTED form onert runs, a Q4_0 embedding with int32 ids
+shared with a tied lm_head), that it runs (onert, the reference interpreter) and matches
+torch running the same dequantized weights, and the refusals."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops.errors import TargetError
+from circleops.quantize.weights import dequantized_sources
+from circleops.runtime import reference
+from circleops.serialize import read_model
+from circleops.serialize.schema import get_schema
+from families import BY_NAME, example_ids
+
+FORMATS = {"q4_0": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return BY_NAME["llama"].build()
+
+
+@pytest.fixture(scope="module")
+def tied_llama():
+    return BY_NAME["llama"].build(tie_word_embeddings=True)
+
+
+def _ops(sg, opcode):
+    return [op for op in sg.operators if op.opcode == opcode]
+
+
+def _check_layout(path, fmt):
+    """Every FC weight is GGML, FCs take rank-2 inputs, no bias, no fused activation."""
+    sg = read_model(path).subgraphs[0]
+    fcs = _ops(sg, "FULLY_CONNECTED")
+    assert fcs and not _ops(sg, "CONV_2D")
+    for op in fcs:
+        w = sg.tensors[op.inputs[1]]
+        assert w.dtype == FORMATS[fmt] and w.quant is None, w.name
+        assert len(sg.tensors[op.inputs[0]].shape) == 2
+        assert len(op.inputs) < 3 or op.inputs[2] == -1
+        assert op.options.get("fusedActivationFunction", 0) == 0
+    (gather,) = [op for op in _ops(sg, "GATHER") if sg.tensors[op.inputs[0]].data is not None
+                 and "embed" in sg.tensors[op.inputs[0]].name or "lm_head" in sg.tensors[op.inputs[0]].name]
+    table, ids = sg.tensors[gather.inputs[0]], sg.tensors[gather.inputs[1]]
+    if fmt == "q4_0":
+        assert (table.dtype, ids.dtype) == ("GGML_Q4_0", "INT32")
+    else:
+        assert table.dtype == "FLOAT32"  # onert runs no Q8_0 table
+    return sg
+
+
+@pytest.mark.parametrize("target", ["onert", "circle"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_convert_quantized_runs_and_verifies(tmp_path, llama, fmt, target):
+    ids = example_ids(8)
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    path = tmp_path / "m.circle"
+    report = circleops.convert(llama, (ids,), path, target=target, quantize=fmt, verify=True)
+    assert report.verify.passed and report.verify.runtime == ("onert" if target == "onert" else "reference")
+    _check_layout(path, fmt)
+    q = report.quantization
+    # per layer 7 linears; the lm_head; the q4_0 embedding. Target circle keeps Circle's
+    # fused ATTENTION, whose q/k/v/o weights stay fp32 (and the report says so).
+    attention = 4 * 2 if target == "circle" else 0
+    assert q.format == fmt and len(q.weights) == 2 * 7 + 1 + (fmt == "q4_0") - attention
+    assert len(q.kept_fp32) == attention
+    assert (q.embedding is not None) == (fmt == "q4_0")
+    assert f"as {FORMATS[fmt]}" in report.summary()
+    assert report.to_dict()["quantization"]["ggml_bytes"] == q.ggml_bytes
+    # verify swapped the dequantized weights in and put the model's own back
+    assert all(torch.equal(v, llama.state_dict()[k]) for k, v in before.items())
+    fp32 = tmp_path / "fp32.circle"
+    circleops.convert(llama, (ids,), fp32, target=target)
+    ratio = path.stat().st_size / fp32.stat().st_size
+    assert ratio < (0.35 if fmt == "q4_0" else 0.45) + (0.25 if target == "circle" else 0), ratio
+
+
+def test_verify_compares_with_the_dequantized_weights(tmp_path, llama):
+    """The file's logits are closer to torch on the dequantized weights than on fp32's."""
+    ids = example_ids(8)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(llama, (ids,), path, target="circle", quantize="q4_0")
+    got = reference.run(path, [ids.numpy()])[0]
+    with torch.no_grad():
+        fp32 = llama(ids).logits.numpy()
+        with dequantized_sources(report.quantization):
+            deq = llama(ids).logits.numpy()
+    assert np.abs(got - deq).max() < 0.25 * np.abs(got - fp32).max()
+
+
+def test_tied_embedding_and_lm_head_share_one_q4_0_buffer(tmp_path, tied_llama):
+    path = tmp_path / "m.circle"
+    report = circleops.convert(tied_llama, (example_ids(8),), path, target="onert", quantize="q4_0", verify=True)
+    sg = _check_layout(path, "q4_0")
+    (gather,) = _ops(sg, "GATHER")
+    lm_head = _ops(sg, "FULLY_CONNECTED")[-1]
+    raw = get_schema("circle").cls("Model").InitFromPackedBuf(path.read_bytes(), 0).subgraphs[0]
+    assert raw.tensors[gather.inputs[0]].buffer == raw.tensors[lm_head.inputs[1]].buffer
+    assert report.quantization.embedding is not None
+
+
+class _Odd(torch.nn.Module):
+    """A K=40 linear (stays fp32), a biased linear with a ReLU, and a K=64 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(40, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=True)
+        self.c = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+
+@pytest.mark.parametrize("target", ["onert", "circle"])
+def test_odd_k_stays_fp32_and_bias_is_its_own_add(tmp_path, target):
+    torch.manual_seed(0)
+    model = _Odd().eval()
+    with torch.no_grad():
+        model.b.bias.uniform_(1, 2)  # a real bias, which onert's GGML FC would refuse
+    x = torch.randn(6, 40)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(model, (x,), path, target=target, quantize="q8_0", verify=True)
+    q = report.quantization
+    assert [(n, s) for n, s, _ in q.kept_fp32] == [("a.weight", (64, 40))]
+    assert "K=40 is not a multiple of 32" in report.summary()
+    sg = read_model(path).subgraphs[0]
+    types = sorted(sg.tensors[op.inputs[1]].dtype for op in sg.operators if op.opcode in ("FULLY_CONNECTED", "CONV_2D"))
+    assert types == ["FLOAT32", "GGML_Q8_0", "GGML_Q8_0"]
+    assert _ops(sg, "ADD") and _ops(sg, "RELU")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_graphs_quantized_generate(tmp_path, llama, fmt):
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs, read_manifest
+
+    out = tmp_path / "g"
+    report = convert_graphs(copy.deepcopy(llama), out, target="onert", prefill_len=8, max_cache_len=32,
+                            verify=True, quantize=fmt)
+    assert report.quantization.format == fmt and "quantize:" in report.summary()
+    manifest = read_manifest(out)
+    assert manifest.quantize == fmt
+    for g in ("prefill", "decode"):
+        _check_layout(manifest.path(g), fmt)
+    gen = Generator(manifest).generate([5, 17, 42], 6)
+    assert gen.runtime == "onert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
+    assert all(0 <= t < 256 for t in gen.tokens)
+
+
+def test_save_quantized(tmp_path, llama):
+    from circleops.convert import export_module
+
+    ids = example_ids(8)
+    with torch.no_grad():
+        ep = torch.export.export(export_module(copy.deepcopy(llama)), (ids,))
+    report = circleops.save(ep, tmp_path / "m.circle", target="onert", quantize="q4_0", verify=True,
+                            example_args=(ids,))
+    assert report.verify.passed and len(report.quantization.weights) == 16
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target="tflite", quantize="q4_0"), "exist only in Circle"),
+    (dict(target="onert", quantize="q3_k"), "unknown quantize"),
+    (dict(target="circle", quantize="q8_0", dtype="fp16"), "float32"),
+])
+def test_refusals(tmp_path, llama, kwargs, match):
+    with pytest.raises(TargetError, match=match):
+        circleops.convert(copy.deepcopy(llama), (example_ids(8),), tmp_path / "m.x", **kwargs)
+    assert list(tmp_path.iterdir()) == []

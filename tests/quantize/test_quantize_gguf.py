@@ -1,0 +1,85 @@
+"""GGUF input: Q4_0/Q8_0 tensors reach the file bit for bit, other types are requantized
+and the report says so; the CLI's --quantize flag."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops.models import load_gguf
+from circleops.serialize import read_model
+from families import BY_NAME, example_ids
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "convert"))
+from convert_fixtures import write_llama_gguf  # noqa: E402
+
+# layer 0 in the asked format (carried over), layer 1's down_proj Q8_0 and the lm_head
+# Q4_1 (requantized), the rest F32 (quantized from the float values)
+TYPES = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_0",
+         "token_embd.weight": "Q4_0", "blk.1.ffn_down.weight": "Q8_0", "output.weight": "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    model = BY_NAME["llama"].build()
+    path = tmp_path_factory.mktemp("gguf") / "mixed.gguf"
+    write_llama_gguf(model, path, TYPES)
+    return path
+
+
+def _raw_blocks(path, name):
+    (t,) = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == name]
+    return np.asarray(t.data).reshape(int(t.shape[1]), -1)
+
+
+def test_gguf_blocks_carried_over_bit_for_bit(tmp_path, mixed_gguf):
+    model = load_gguf(mixed_gguf)
+    out = tmp_path / "m.circle"
+    report = circleops.convert(model, (example_ids(8),), out, target="onert", quantize="q4_0", verify=True)
+    q = report.quantization
+    carried = sorted(w.name.split("layers.")[-1] for w in q.weights if w.origin == "gguf")
+    assert carried == ["0.mlp.up_proj.weight", "0.self_attn.k_proj.weight", "0.self_attn.q_proj.weight",
+                       "model.model.embed_tokens.weight"], carried
+    assert q.requantized_from == {"GGML_Q8_0": 1, "Q4_1": 1}
+    summary = report.summary()
+    assert "4 carried over bit for bit from the GGUF file" in summary
+    assert "1 GGUF Q4_1 tensors requantized to GGML_Q4_0" in summary
+    tensors = {t.name: t for t in read_model(out).subgraphs[0].tensors if t.dtype == "GGML_Q4_0"}
+    cfg = model.config
+    for gguf_name, hf, heads in (("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight", cfg.num_attention_heads),
+                                 ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight", cfg.num_key_value_heads),
+                                 ("blk.0.ffn_up.weight", "layers.0.mlp.up_proj.weight", None),
+                                 ("token_embd.weight", "embed_tokens.weight", None)):
+        raw = _raw_blocks(mixed_gguf, gguf_name)
+        if heads:  # llama.cpp's row interleave undone on whole rows of blocks
+            raw = _raw_unpermute(raw, heads)
+        (t,) = [t for name, t in tensors.items() if name.endswith(hf)]
+        assert t.data.tobytes() == raw.tobytes(), hf
+        # and those are the values transformers dequantized into the model
+        deq = torch.from_numpy(gguf.quants.dequantize(t.data.reshape(raw.shape), gguf.GGMLQuantizationType.Q4_0))
+        assert torch.equal(deq, model.get_parameter("model." + hf)), hf
+
+
+def _raw_unpermute(blocks, heads):
+    rows = blocks.shape[0]
+    return blocks.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
+
+
+def test_cli_quantize(tmp_path, mixed_gguf):
+    out = tmp_path / "m.circle"
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(mixed_gguf), "-o", str(out),
+                           "--target", "onert", "--quantize", "q8_0", "--verify", "--seq-len", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "as GGML_Q8_0" in proc.stdout and "verify:  onert" in proc.stdout
+    assert "1 carried over bit for bit" in proc.stdout  # blk.1.ffn_down
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(mixed_gguf), "-o",
+                           str(tmp_path / "m.tflite"), "--target", "tflite", "--quantize", "q4_0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "only in Circle" in proc.stderr
