@@ -306,6 +306,11 @@ def pad(ctx, x, pad_list, mode, value=0.0):
     return x
 
 
+@lower(aten.constant_pad_nd)
+def _(ctx, node, x, pad_list, value=0):
+    return pad(ctx, x, pad_list, "constant", value)
+
+
 @lower(aten.pad.default)
 def _(ctx, node, x, pad_list, mode="constant", value=None):
     return pad(ctx, x, pad_list, mode, value or 0.0)

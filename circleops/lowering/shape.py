@@ -191,13 +191,6 @@ def pad_rows(rank, pad):
     return rows
 
 
-@lower(aten.constant_pad_nd)
-def _(ctx, node, x, pad, value=0):
-    from circleops.lowering.conv import pad as pad_op
-
-    return pad_op(ctx, x, pad, "constant", value)
-
-
 @lower(aten.flip)
 def _(ctx, node, x, dims):
     dims = sorted({d % x.rank for d in dims if x.shape[d % x.rank] > 1})
