@@ -51,7 +51,8 @@ def main() -> None:
     import torch
 
     from circleops.generate import Generator, encode_prompt, load_tokenizer
-    from circleops.graphs import convert_graphs, read_manifest
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
     from circleops.models import load_smollm2
 
     torch.set_num_threads(args.threads)

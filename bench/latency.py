@@ -60,7 +60,7 @@ def runners(model, ids, work: Path, fp16: bool) -> dict[str, Callable[[], object
     from ai_edge_litert.interpreter import Interpreter
 
     import circleops
-    from circleops.convert import export_module
+    from circleops.conversion import export_module
 
     torch.set_num_threads(THREADS)
     module = export_module(model)

@@ -9,6 +9,8 @@ Architectures come from transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (no remo
 Each config is shrunk (hidden 64, 2 layers, 4 heads, vocab 256, 4 experts, ...: every such
 field the config has) and the model built with random weights; one that cannot be built
 or run in torch at that size is listed as "no tiny build" and left out of the pass count.
+Constant-initialized weights (zero-initialized routers, unit norm weights) get noise, so
+router scores do not tie (torch.topk and TOPK_V2 may break a tie differently).
 The rest go through ``circleops.convert(model, (ids,), target="onert", verify=True)``:
 "pass" when onert's logits match torch within 1e-4 x max(1, max|logits|).
 
@@ -49,12 +51,16 @@ SEQ = 8
 
 # --------------------------------------------------------------------------- one architecture
 
-def tiny_config(model_type: str):
-    """The architecture's default config with every SMALL field it has shrunk."""
+def tiny_config(model_type: str, mha: bool = False):
+    """The architecture's default config with every SMALL field it has shrunk (``mha``: as
+    many key/value heads as heads, for architectures that require it, e.g. MLA)."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    cfg = cls(**_small_kwargs(cls()))
+    kwargs = _small_kwargs(cls())
+    if mha and "num_key_value_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"
     cfg.use_cache = False
     return cfg
@@ -72,8 +78,6 @@ def _small_kwargs(default) -> dict:
         value = getattr(default, name, None)
         if name in settable and isinstance(value, (list, tuple)) and value:
             kwargs[name] = list(value)[:layers] if len(value) >= layers else None
-    if isinstance(getattr(default, "rope_scaling", None), dict):
-        kwargs["rope_scaling"] = None
     for name, value in vars(default).items():
         if isinstance(value, PretrainedConfig) and name in settable:
             kwargs[name] = {**value.to_dict(), **_small_kwargs(value)}
@@ -89,19 +93,29 @@ def run_one(model_type: str, class_name: str) -> dict:
     from circleops.errors import CircleOpsError
 
     row = {"arch": model_type, "class": class_name, "status": "", "error": None, "fused": {}, "reason": ""}
-    try:
-        cfg = tiny_config(model_type)
-        torch.manual_seed(0)
-        model = getattr(transformers, class_name)(cfg).eval()
-        vocab = min(getattr(cfg, "vocab_size", None) or SMALL["vocab_size"], SMALL["vocab_size"])
-        ids = torch.randint(3, vocab, (1, SEQ), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            out = model(input_ids=ids)
-        if getattr(out, "logits", None) is None:
-            raise RuntimeError("no logits")
-    except Exception as err:  # noqa: BLE001 - any failure to build is "no tiny build"
-        row.update(status="no tiny build", reason=_first_line(err))
+    for mha in (False, True):
+        try:
+            cfg = tiny_config(model_type, mha)
+            torch.manual_seed(0)
+            model = getattr(transformers, class_name)(cfg).eval()
+            with torch.no_grad():
+                # constant-initialized weights (zero routers, unit norms) make every score tie:
+                # which expert wins a tie is each topk's own choice, so break them
+                for p in model.parameters():
+                    if p.is_floating_point() and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+            vocab = min(getattr(cfg, "vocab_size", None) or SMALL["vocab_size"], SMALL["vocab_size"])
+            ids = torch.randint(3, vocab, (1, SEQ), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                out = model(input_ids=ids)
+            if getattr(out, "logits", None) is None:
+                raise RuntimeError("no logits")
+            break
+        except Exception as err:  # noqa: BLE001 - any failure to build is "no tiny build"
+            row.update(status="no tiny build", reason=_first_line(err))
+    else:
         return row
+    row.update(status="", reason="")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             report = circleops.convert(model, (ids,), Path(tmp) / "m.circle", target="onert", verify=True,
@@ -147,7 +161,8 @@ def architectures(only: list[str] | None) -> list[tuple[str, str]]:
     return [a for a in archs if only is None or a[0] in only]
 
 
-def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print) -> list[dict]:
+def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
+            progress: Path | None = None) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), OMP_NUM_THREADS="1")
     rows: dict[str, dict] = {}
     pending = list(archs)
@@ -179,6 +194,8 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print)
                 continue
             rows[msg["arch"]] = msg
             current = None
+            if progress is not None:  # rows so far: --from-json renders a partial run
+                progress.write_text(json.dumps(list(rows.values()), indent=1, default=str))
             log(f"{msg['arch']:28s} {msg['status']:14s} {msg.get('reason', '')[:100]}")
         pending = [a for a in pending if a[0] not in rows]
         if proc.poll() is None:
@@ -201,8 +218,8 @@ def table(rows: list[dict], elapsed: float, tree: Path) -> str:
         "",
         f"**{len(passed)} of {len(built)}** architectures that build tiny pass "
         f"({len(rows) - len(built)} more do not build or run in torch at that size). "
-        f"transformers {_version('transformers')}, torch {_version('torch')}, onert {_version('onert')}; "
-        f"{elapsed / 60:.0f} min.",
+        f"transformers {_version('transformers')}, torch {_version('torch')}, onert {_version('onert')}"
+        + (f"; {elapsed / 60:.0f} min." if elapsed else "."),
         "",
         "| arch | class | converts | max abs error | fused ops | failure |",
         "|---|---|---|---|---|---|",
@@ -231,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--tree", default=str(ROOT), help="the circleops checkout to measure (default: this one)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
+    ap.add_argument("--from-json", help="render the table from a --json file of an earlier (or partial) run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -238,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     only = args.only.split(",") if args.only else None
     t = time.perf_counter()
-    rows = run_zoo(architectures(only), Path(args.tree).resolve(), args.timeout)
-    text = table(rows, time.perf_counter() - t, Path(args.tree))
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+    else:
+        rows = run_zoo(architectures(only), Path(args.tree).resolve(), args.timeout,
+                       progress=Path(args.json) if args.json else None)
+    text = table(rows, None if args.from_json else time.perf_counter() - t, Path(args.tree))
     if args.out == "-":
         print(text)
     else:

@@ -12,8 +12,8 @@ from circleops._version import __version__
 
 # public name -> module that defines it (imported lazily, PEP 562)
 _LAZY = {
-    "convert": "circleops.convert",
-    "save": "circleops.convert",
+    "convert": "circleops.conversion",
+    "save": "circleops.conversion",
     "Report": "circleops.report",
     "fuse": "circleops.adapters",
     "unfuse": "circleops.adapters",

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from circleops.dtypes import float_dtype, short_name
+
 DEFAULT_PROMPT = "Once upon a time,"
 DEFAULT_NEW_TOKENS = 32
 DTYPE_CHOICES = ("fp16", "bf16")
@@ -66,30 +68,30 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    ids, prompt = _prompt_ids(model, tokenizer, prompt, prompt_ids)
-    _check_length(model, len(ids) + new_tokens - 1)
+    ids, prompt = prompt_token_ids(model, tokenizer, prompt, prompt_ids)
+    check_length(model, len(ids) + new_tokens - 1)
 
     say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = _fp32_model(model)
+    reference = fp32_model(model)
     tokens = greedy(reference, ids, new_tokens)
     seq = torch.tensor([ids + tokens[:-1]])
-    want = _run_layers(reference, seq)
+    want = layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
     del reference
 
     t = time.perf_counter()
-    say(f"export ({_name(torch_dtype)}, {seq.shape[1]} positions)")
+    say(f"export ({short_name(torch_dtype)}, {seq.shape[1]} positions)")
     ep = _exportlow_precision_dtype(model, seq, torch_dtype)
     timings["export"] = time.perf_counter() - t
 
     eos = eos_ids(model, tokenizer)
     hidden_ref = want[1:]
     report = CheckReport(
-        source=source or type(model).__name__, dtype=_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
-        new_tokens=new_tokens, reference_tokens=tokens, reference_text=_decode(tokenizer, tokens),
+        source=source or type(model).__name__, dtype=short_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
+        new_tokens=new_tokens, reference_tokens=tokens, reference_text=decode_text(tokenizer, tokens),
         layer_rms=[float(h.double().pow(2).mean(-1).sqrt().max()) for h in hidden_ref],
         layer_max=[float(h.abs().max()) for h in hidden_ref], eos_ids=eos, timings=timings)
-    with _directory(work_dir) as directory:
+    with WorkDirectory(work_dir) as directory:
         for policy in chosen:
             say(f"{policy.name}: convert, run")
             result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens, len(ids), eos, tokenizer)
@@ -106,13 +108,13 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
 
     import torch
 
-    from circleops.convert import _hf_export_settings
+    from circleops.conversion import hf_export_settings
 
     params = inspect.signature(model.forward).parameters
     cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
     ids = list(prompt_ids)
     step, cache = ids, None
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         for _ in range(new_tokens):
             kwargs = {cache_arg: cache, "use_cache": True} if cache_arg else {"use_cache": False}
             out = model(input_ids=torch.tensor([step]), return_dict=True, **kwargs)
@@ -144,6 +146,21 @@ def eos_ids(model: Any, tokenizer: Any = None) -> list[int]:
     return found
 
 
+def directory_tokenizer(model: str | None) -> Any:
+    """The tokenizer saved with an HF model directory, if there is one (else None)."""
+    if model is None or not os.path.isdir(model):
+        return None
+    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    from circleops.models import quiet_transformers
+
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(model)
+
+
 # --------------------------------------------------------------------------- steps
 
 def _error(msg: str) -> Exception:
@@ -154,29 +171,21 @@ def _error(msg: str) -> Exception:
 
 def low_precision_dtype(dtype: Any) -> Any:
     """torch.float16 or torch.bfloat16 for a name or dtype; CircleOpsError for anything else."""
-    import torch
-
-    names = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if isinstance(dtype, torch.dtype) and dtype in names.values():
-        return dtype
-    if str(dtype).lower() in names:
-        return names[str(dtype).lower()]
+    resolved = float_dtype(dtype)
+    if resolved is not None and short_name(resolved) in DTYPE_CHOICES:
+        return resolved
     raise _error(f"dtype {dtype!r} cannot be checked: the report compares an fp16 or bf16 file with fp32; "
                  "use --dtype fp16 or --dtype bf16.")
 
 
-def _name(dtype: Any) -> str:
-    import torch
-
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
-
-def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
-                ) -> tuple[list[int], str | None]:
+def prompt_token_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequence[int] | None
+                     ) -> tuple[list[int], str | None]:
+    """(token ids, prompt text) of the prompt: ``prompt_ids`` as given, else ``prompt`` encoded, else
+    made-up ids; CircleOpsError for an empty or out-of-vocabulary prompt."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if prompt_ids is not None:
         ids = [int(i) for i in prompt_ids]
-        prompt = _decode(tokenizer, ids)
+        prompt = decode_text(tokenizer, ids)
     elif tokenizer is not None and prompt is not None:
         ids = list(tokenizer(prompt).input_ids)
     else:
@@ -192,14 +201,16 @@ def _prompt_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids: Sequ
     return ids, prompt
 
 
-def _check_length(model: Any, positions: int) -> None:
+def check_length(model: Any, positions: int) -> None:
+    """CircleOpsError when ``positions`` exceed the model's max_position_embeddings."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit is not None and positions > limit:
         raise _error(f"prompt + --new-tokens - 1 = {positions} positions, but the model takes at most {limit}; "
                      "use a shorter prompt or fewer --new-tokens.")
 
 
-def _fp32_model(model: Any) -> Any:
+def fp32_model(model: Any) -> Any:
+    """The model in fp32 and eval mode (itself when it already is, else a copy)."""
     import torch
 
     from circleops.numerics import decoder_layers
@@ -211,13 +222,14 @@ def _fp32_model(model: Any) -> Any:
     return copy.deepcopy(model).float().eval()
 
 
-def _run_layers(model: Any, seq: Any) -> list[Any]:
+def layer_outputs(model: Any, seq: Any) -> list[Any]:
+    """[logits, each decoder layer's output] of ``model`` on ``seq``, in fp32."""
     import torch
 
-    from circleops.convert import _hf_export_settings
+    from circleops.conversion import hf_export_settings
     from circleops.numerics import LayerOutputs
 
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         return [t.float() for t in LayerOutputs(model).eval()(seq)]
 
 
@@ -225,11 +237,11 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
     import torch
 
-    from circleops.convert import _hf_export_settings, export
+    from circleops.conversion import hf_export_settings, export
     from circleops.numerics import LayerOutputs, rms_norm_nodes
 
     low = copy.deepcopy(model).to(dtype).eval()
-    with _hf_export_settings(low), torch.no_grad():
+    with hf_export_settings(low), torch.no_grad():
         ep = export(LayerOutputs(low).eval(), (seq,), adapters=True, warn_list=[])
     if not rms_norm_nodes(ep):
         raise _error(f"{type(model).__name__} exported without any circle.rms_norm: its RMSNorms are not "
@@ -241,7 +253,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 
-    from circleops.convert import op_histogram
+    from circleops.conversion import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
     from circleops.runtime import reference
@@ -279,7 +291,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
         layer_rel=rel, layer_nonfinite=bad, logits_max_abs=logits_error, logits_nonfinite=logits_bad,
         agreement=agreement, first_divergence=None if agreement == n else agreement, generated=generated,
         predicted=predicted, eos_predicted=sum(p in eos for p in predicted),
-        generated_text=_decode(tokenizer, generated), predicted_text=_decode(tokenizer, predicted), seconds=seconds)
+        generated_text=decode_text(tokenizer, generated), predicted_text=decode_text(tokenizer, predicted), seconds=seconds)
 
 
 def _max_error(got: Any, want: Any) -> tuple[float, int]:
@@ -294,13 +306,14 @@ def _max_error(got: Any, want: Any) -> tuple[float, int]:
     return float((g - want.double()).abs().max()), 0
 
 
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
+def decode_text(tokenizer: Any, ids: Sequence[int]) -> str | None:
+    """The text of ``ids`` (None without a tokenizer)."""
     if tokenizer is None:
         return None
     return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-class _directory:
+class WorkDirectory:
     """``work_dir`` as given (created, kept), or a temporary directory removed on exit."""
 
     def __init__(self, work_dir: str | os.PathLike | None):

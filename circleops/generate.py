@@ -13,18 +13,17 @@ decode run: generation time grows linearly with the number of new tokens.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
+from circleops.runtime import RUNTIMES, Session, open_session
 
-if TYPE_CHECKING:
-    from circleops.runtime import Session
-
-RUNTIMES = ("onert", "reference", "litert")
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -36,11 +35,9 @@ class GenerationLimitError(CircleOpsError):
 
 def check_runtime(manifest: Any, runtime: str) -> None:
     """Refuse a runtime that cannot run the manifest's files, saying which can."""
-    from circleops.graphs import RUNTIMES as BY_TARGET
-
     if runtime not in RUNTIMES:
         raise TargetError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
-    if runtime in BY_TARGET[manifest.target]:
+    if runtime in graph_runtimes(manifest.target):
         return
     if runtime == "litert":
         why = ("LiteRT runs .tflite files, and these are Circle files: convert with --target tflite "
@@ -51,14 +48,12 @@ def check_runtime(manifest: Any, runtime: str) -> None:
         why = (f"the files of target {manifest.target} hold ops onert does not run (ATTENTION); "
                f"convert with --target onert for onert")
     raise TargetError(f"--runtime {runtime} cannot run {manifest.directory}: {why}. Runtimes for these files: "
-                      f"{', '.join(BY_TARGET[manifest.target])}.")
+                      f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
 def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
     numpy inputs in the manifest's input order and returns outputs in its output order."""
-    from circleops.runtime import open_session
-
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -70,6 +65,16 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     if runtime == "onert" and signature is not None:
         raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
                           f"with --target onert for one file per graph.")
+    threads = getattr(manifest, "num_threads", None)
+    if runtime == "onert" and threads and "NUM_THREADS" not in os.environ:
+        # the thread count the graphs were made for (convert --threads; 1 for GGML weights:
+        # onert's GGML kernel starts NUM_THREADS-1 workers per call, and on 2 busy cores 2
+        # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
+        os.environ["NUM_THREADS"] = str(threads)
+        try:
+            return open_session(runtime, path, signature)
+        finally:
+            del os.environ["NUM_THREADS"]
     return open_session(runtime, path, signature)
 
 
@@ -119,8 +124,6 @@ class Generator:
 
     def __init__(self, source: Any, runtime: str | None = None):
         import numpy as np
-
-        from circleops.graphs import GRAPH_NAMES, Manifest, read_manifest
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
         m = self.manifest
@@ -342,10 +345,11 @@ def load_tokenizer(manifest: Any) -> Any:
             return FastTokenizer(path)
         except ImportError:
             pass
-    return _hf_tokenizer(path)
+    return hf_tokenizer(path)
 
 
-def _hf_tokenizer(path: Path) -> Any:
+def hf_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers
@@ -359,7 +363,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
     if chat:
         if isinstance(tokenizer, FastTokenizer):
-            tokenizer = _hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
+            tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -35,117 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
+from circleops.dtypes import short_name
+from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
+from circleops.generate import Generator, open_graph
+from circleops.manifest import GRAPH_NAMES, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes
+from circleops.targets import PROFILES
 
-GRAPH_NAMES = ("prefill", "decode")
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "circleops-generate"
-MANIFEST_VERSION = 1
-TOKENIZER_DIR = "tokenizer"
 DEFAULT_PREFILL_LEN = 64
 DEFAULT_MAX_CACHE_LEN = 512
-# Which runtime runs a target's files by default, and which can run them at all.
-DEFAULT_RUNTIME = {"onert": "onert", "circle": "reference", "tflite": "litert"}
-RUNTIMES = {"onert": ("onert", "reference"), "circle": ("reference",), "tflite": ("litert", "reference")}
 # The onert runtime gets one file per graph (see the module docstring).
 ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
 
 Progress = Callable[[str], None]
-
-
-# --------------------------------------------------------------------------- manifest
-
-@dataclass
-class Manifest:
-    """What ``circleops generate`` needs to run the written graphs (``out/manifest.json``).
-
-    ``files[g]`` is the file of graph g (relative to the directory) and ``signatures[g]``
-    the signature to run in it (None: the file's main subgraph). ``inputs``/``outputs``
-    name the graphs' inputs and outputs in order (the same for both graphs).
-    """
-
-    directory: Path
-    target: str
-    dtype: str
-    files: dict[str, str]
-    signatures: dict[str, str | None]
-    prefill_len: int
-    max_cache_len: int
-    num_layers: int
-    cache_shape: list[int]
-    vocab_size: int
-    inputs: list[str]
-    outputs: list[str]
-    eos_token_ids: list[int] = field(default_factory=list)
-    pad_token_id: int = 0
-    tokenizer: str | None = None
-    source: str = ""
-    quantize: str | None = None  # GGML weight format of the files ("q4_0", "q8_0"), if any
-
-    @property
-    def default_runtime(self) -> str:
-        return DEFAULT_RUNTIME[self.target]
-
-    def path(self, graph: str) -> Path:
-        return self.directory / self.files[graph]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": self.source,
-            "target": self.target, "dtype": self.dtype, "default_runtime": self.default_runtime,
-            "files": self.files, "signatures": self.signatures,
-            "one_file_per_graph": len(set(self.files.values())) > 1,
-            "prefill_len": self.prefill_len, "max_cache_len": self.max_cache_len,
-            "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": "[1, C, Hkv, D]",
-            "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
-            "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
-            "quantize": self.quantize,
-        }
-
-    def write(self) -> Path:
-        path = self.directory / MANIFEST
-        tmp = path.with_name(f".{MANIFEST}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
-
-
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The manifest of a directory written by ``circleops convert --graphs``."""
-    d = Path(directory)
-    if d.is_dir():
-        path = d / MANIFEST
-    elif d.name == MANIFEST and d.is_file():
-        path, d = d, d.parent
-    else:
-        raise ModelLoadError(f"{directory} is not a directory: pass the directory that `circleops convert "
-                             f"MODEL --graphs prefill,decode -o DIR` wrote.")
-    if not path.is_file():
-        raise ModelLoadError(
-            f"{d} has no {MANIFEST}, so it was not written by `circleops convert --graphs`. Run "
-            f"`circleops convert MODEL --graphs prefill,decode --target onert -o {d}` first.")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
-    if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
-        raise ModelLoadError(f"{path} is not a circleops generate manifest of version {MANIFEST_VERSION} "
-                             f"(format {data.get('format')!r}, version {data.get('version')!r}). Convert again "
-                             f"with --graphs.")
-    try:
-        m = Manifest(directory=d, target=data["target"], dtype=data["dtype"], files=data["files"],
-                     signatures=data["signatures"], prefill_len=int(data["prefill_len"]),
-                     max_cache_len=int(data["max_cache_len"]), num_layers=int(data["num_layers"]),
-                     cache_shape=list(data["cache_shape"]), vocab_size=int(data["vocab_size"]),
-                     inputs=list(data["inputs"]), outputs=list(data["outputs"]),
-                     eos_token_ids=list(data.get("eos_token_ids") or []),
-                     pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
-                     source=data.get("source", ""), quantize=data.get("quantize"))
-    except (KeyError, TypeError, ValueError) as err:
-        raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
-    if m.target not in DEFAULT_RUNTIME:
-        raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
-    return m
 
 
 # --------------------------------------------------------------------------- options
@@ -215,13 +116,13 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
     """torch.export of one step at the graph's sequence length (errors as ExportError)."""
     import torch
 
-    from circleops.convert import export
+    from circleops.conversion import export
 
     with torch.no_grad():
         return export(step, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
 
 
-def lower_graph(ep: Any, graph: str, target: str, num_layers: int, dtype: Any = None) -> Any:
+def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None) -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
     ``graph`` with the io names of :func:`io_names`."""
     from circleops.lowering import lower_program
@@ -345,7 +246,7 @@ class GraphsReport:
         if set(self.graphs) == set(GRAPH_NAMES):
             hint = "; for onert, convert with --target onert" if self.target == "circle" else ""
             lines.append(f"  next: circleops generate {self.directory} --prompt \"...\" (runtime "
-                         f"{DEFAULT_RUNTIME[self.target]}{hint})")
+                         f"{PROFILES[self.target].runtime}{hint})")
         return "\n".join(lines)
 
 
@@ -428,7 +329,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
-                   progress: Progress | None = None, quantize: str | None = None) -> GraphsReport:
+                   progress: Progress | None = None, quantize: str | None = None,
+                   threads: int | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -437,30 +339,35 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
     against the model's own forward: a prefill of a half-length prompt, then one decode
     step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
+    ``threads``: the onert NUM_THREADS the files are made for (as for :func:`circleops.convert`;
+    default 1 with ``quantize``), recorded in the manifest: ``generate`` runs onert with it.
     ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
     share one set of blocks, and verify compares with the model running those weights
     dequantized.
     """
     import torch
 
-    from circleops import convert as api
+    from circleops import conversion as api
 
     graphs = parse_graph_names(graphs)
-    if target not in DEFAULT_RUNTIME:
-        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(DEFAULT_RUNTIME)}.")
-    torch_dtype = api._model_dtype(model) or torch.float32
+    if target not in PROFILES:
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
+    torch_dtype = api.model_dtype(model) or torch.float32
     quantize = api.check_quantize(quantize, target)
     api.check_target_dtype(target, torch_dtype, quantize)
+    api.check_threads(threads)
+    if threads is None and target == "onert" and quantize:
+        threads = 1  # GGML kernels: 1 thread measured faster on 2 shared cores (bench/README.md)
     runtime = None
     if verify:
-        runtime = DEFAULT_RUNTIME[target] if verify is True else str(verify)
-        if runtime not in RUNTIMES[target]:
+        runtime = PROFILES[target].runtime if verify is True else str(verify)
+        if runtime not in graph_runtimes(target):
             raise TargetError(f"runtime {runtime} cannot run target {target}'s files; use one of "
-                              f"{', '.join(RUNTIMES[target])}.")
+                              f"{', '.join(graph_runtimes(target))}.")
     config = getattr(model, "config", None)
     check_lengths(prefill_len, max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
     out_dir = Path(out_dir)
-    fmt = api.FORMATS[target]
+    fmt = PROFILES[target].format
     files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
@@ -468,7 +375,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         report = _convert_graphs_into(model, staging, out_dir, graphs=graphs, target=target, prefill_len=prefill_len,
                                       max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
                                       tolerance=tolerance, source=source, progress=progress, quantize=quantize,
-                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config)
+                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads)
         _publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -480,11 +387,12 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: Sequence[str], target: str,
                          prefill_len: int, max_cache_len: int, tokenizer: Any, runtime: str | None,
                          tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
-                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any) -> GraphsReport:
+                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any,
+                         threads: int | None = None) -> GraphsReport:
     """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
     import torch  # noqa: F401
 
-    from circleops import convert as api
+    from circleops import conversion as api
 
     timings: dict[str, float] = {}
 
@@ -506,7 +414,8 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
     timings["export"] = time.perf_counter() - t
 
     t = stage("lower")
-    lowered = {g: lower_graph(ep, g, target, step.num_layers, dtype=torch_dtype) for g, ep in eps.items()}
+    lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype)
+               for g, ep in eps.items()}
     timings["lower"] = time.perf_counter() - t
     quant_report = None
     if quantize:
@@ -564,12 +473,12 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
     eos = _eos_ids(model)
     ins, outs = io_names(step.num_layers)
     manifest = Manifest(
-        directory=out_dir, target=target, dtype=api.DTYPE_NAMES.get(torch_dtype, str(torch_dtype)),
+        directory=out_dir, target=target, dtype=short_name(torch_dtype),
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
         prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
-        quantize=quantize)
+        quantize=quantize, num_threads=threads)
     timings["write"] = time.perf_counter() - t
 
     report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,
@@ -615,8 +524,6 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
     """Max abs logit error per graph; VerifyError above tol x max(1, max|logit|)."""
     import numpy as np
 
-    from circleops.generate import Generator
-
     if set(graphs) != set(GRAPH_NAMES):
         return _verify_single(manifest, graphs, runtime, refs, tol)
     gen = Generator(manifest, runtime=runtime)
@@ -633,8 +540,6 @@ def _verify_single(manifest: Manifest, graphs: Sequence[str], runtime: str, refs
     """One graph alone: prefill as above; decode as the first token at pos 0 on empty caches."""
     import numpy as np
     import torch
-
-    from circleops.generate import open_graph
 
     (graph,) = graphs
     session = open_graph(manifest, graph, runtime)

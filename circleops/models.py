@@ -87,12 +87,14 @@ def check_seq_len(seq_len: int, max_seq_len: int | None, source: str) -> None:
 # --------------------------------------------------------------------------- dispatch
 
 def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = torch.float32,
-         seed: int = 0) -> LoadedModel:
+         seed: int = 0, allow_random_init: bool = False) -> LoadedModel:
     """Load MODEL as ``circleops convert`` understands it.
 
     ``spec``: an HF directory (config.json + safetensors), a ``.gguf`` file, ``smollm2``, or a
     ``.pt2`` ExportedProgram. ``config``: a config.json, built with random weights (seeded,
-    so two runs give the same model) when ``spec`` is None.
+    so two runs give the same model) when ``spec`` is None. ``allow_random_init``: accept an
+    HF directory whose weights do not cover the model (missing tensors randomly initialized,
+    unexpected ones ignored); by default that is a ModelLoadError naming the tensors.
     """
     if config is not None:
         if spec is not None:
@@ -110,7 +112,7 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
             f"model not found: {spec}. MODEL is an HF directory (config.json + *.safetensors), a .gguf "
             f"file, a .pt2 ExportedProgram, or the name smollm2; --config config.json builds random weights.")
     if path.is_dir():
-        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype))
+        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype, allow_random_init=allow_random_init))
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"cannot read {spec}: permission denied.")
     suffix = path.suffix.lower()
@@ -176,13 +178,28 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+# Sizes a model is built from: anything but a positive integer builds nonsense or crashes deep
+# inside torch (nn.Linear(-16, ...)).
+_POSITIVE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+
+
 def _build_config(cfg: dict[str, Any], source: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = cfg["model_type"]
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(f"{source}: transformers does not know model_type {model_type!r}.")
-    config = CONFIG_MAPPING[model_type].from_dict(dict(cfg))
+    for key in _POSITIVE_CONFIG_KEYS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelLoadError(f"{source}: config.json has {key}={value!r}; it must be a positive integer. "
+                                 "Fix config.json.")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(dict(cfg))
+    except Exception as err:  # transformers 5 validates configs (strict dataclasses) as it builds them
+        raise ModelLoadError(f"{source}: the config has values transformers refuses for {model_type!r}: "
+                             f"{type(err).__name__}: {_first_line(err)}. Fix config.json.") from None
     config._attn_implementation = "eager"  # export traces the plain matmul/softmax attention
     config.use_cache = False
     return config
@@ -214,12 +231,15 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                allow_random_init: bool = False) -> torch.nn.Module:
     """An HF model directory as an eval-mode CausalLM in ``dtype``.
 
     Parameters are built on meta and then assigned the memory-mapped safetensors tensors;
     whatever that fast path cannot place (unknown key layouts, .bin checkpoints) falls back
-    to ``from_pretrained``.
+    to ``from_pretrained``. Weights the files lack (randomly initialized by transformers) or
+    hold beyond the model (ignored) are a ModelLoadError naming them, unless
+    ``allow_random_init``: a damaged or mismatched checkpoint must not convert silently.
     """
     path = Path(path)
     cfg_path = path / "config.json"
@@ -233,24 +253,28 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) 
     files = _safetensors_files(path)
     if not files:
         if list(path.glob("pytorch_model*.bin")):
-            return _from_pretrained(cls, path, dtype)
+            return _from_pretrained(cls, path, dtype, allow_random_init)
         raise ModelLoadError(
             f"{path} has config.json but no *.safetensors weights. Pass --config {cfg_path} to convert "
             f"it with random weights.")
-    with params_on_meta():
-        model = cls(config)
+    try:
+        with params_on_meta():
+            model = cls(config)
+    except Exception as err:  # bad config values (hidden_size -16, heads not dividing it...)
+        raise ModelLoadError(f"cannot build {cls.__name__} from {cfg_path}: {_first_line(err)}. The config "
+                             "holds values the model cannot be built with; fix config.json.") from None
     state = _read_safetensors(files)
     try:
         result = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError:  # shapes that need a checkpoint conversion: let transformers do it
-        return _from_pretrained(cls, path, dtype)
+        return _from_pretrained(cls, path, dtype, allow_random_init)
     if result.unexpected_keys:
-        return _from_pretrained(cls, path, dtype)
+        return _from_pretrained(cls, path, dtype, allow_random_init)
     if result.missing_keys:  # tied weights are stored once
         model.tie_weights()
     still_meta = [n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
     if still_meta:
-        return _from_pretrained(cls, path, dtype)
+        return _from_pretrained(cls, path, dtype, allow_random_init)
     return _finish(model, dtype)
 
 
@@ -268,13 +292,40 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _from_pretrained(cls: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _from_pretrained(cls: type, path: Path, dtype: torch.dtype, allow_random_init: bool = False) -> torch.nn.Module:
     try:
         with quiet_transformers():
-            model = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+            model, info = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager",
+                                              output_loading_info=True)
     except Exception as err:
         raise ModelLoadError(f"cannot load {path}: {_first_line(err)}") from None
+    check_loading_info(info, cls.__name__, path, allow_random_init)
     return _finish(model, dtype)
+
+
+def check_loading_info(info: dict[str, Any], cls_name: str, path: Path, allow_random_init: bool) -> None:
+    """Refuse a checkpoint that does not cover the model: transformers initializes missing
+    weights randomly (a model that converts, runs and outputs garbage, differently on each
+    run) and drops unexpected ones (usually the wrong class for the checkpoint)."""
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if allow_random_init or not (missing or unexpected):
+        return
+
+    def names(keys: list[str]) -> str:
+        shown = ", ".join(keys[:8])
+        return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} weight(s) of {cls_name} are missing from the checkpoint and would be randomly "
+                     f"initialized: {names(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) in the checkpoint are not used by {cls_name}: {names(unexpected)}")
+    raise ModelLoadError(
+        f"{path}: " + "; ".join(parts) + ". The safetensors files are incomplete, damaged, or belong to another "
+        "model class (e.g. a base model without the LM head). Fix the directory, or pass --allow-random-init "
+        "(allow_random_init=True) to convert anyway with random weights where the checkpoint has none.")
 
 
 @contextlib.contextmanager

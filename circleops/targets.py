@@ -153,10 +153,10 @@ ONERT = TargetProfile(
         "GATHER": frozenset({"float32", "int32"}),
         # no integer MAXIMUM, no int64 MINIMUM, no integer SELECT_V2 ("Max: unsupported data type")
         "MAXIMUM": frozenset({"float32"}),
-        "SELECT_V2": frozenset({"float32"}),  # "Select: unsupported data type" for bool values
         "MINIMUM": frozenset({"float32"}),
         "REVERSE_V2": frozenset({"float32"}),
         "TRANSPOSE": frozenset({"float32", "int32"}),  # int64, bool: "Transpose: unsupported data type"
+        "SELECT_V2": frozenset({"float32"}),  # int32, int64, bool: "Select: unsupported data type"
     }),
     # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
     # PAD, PADV2: "Padding for rank > 4 NYI"

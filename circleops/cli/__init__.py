@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
 
 from circleops._version import __version__
+from circleops.cli.process import (Terminated, exit_without_teardown, install_sigterm, one_line, restore_sigterm,
+                                   silence_stdout)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,33 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     try:  # output to a pipe is buffered: a reader that left (`| head`) shows up here
         sys.stdout.flush()
     except BrokenPipeError:
-        _silence_stdout()
+        silence_stdout()
         code = 141
     except (OSError, ValueError):
         pass
     if argv is None and _FAST_EXIT:
-        _exit_without_teardown(code)
+        exit_without_teardown(code)
     return code
 
 
-# Set by a command module with ``EXIT_WITHOUT_TEARDOWN = True`` (see _exit_without_teardown).
+# Set by a command module with ``EXIT_WITHOUT_TEARDOWN = True`` (see process.exit_without_teardown).
 _FAST_EXIT = False
-
-
-def _exit_without_teardown(code: int) -> None:
-    """End the console script without the interpreter's teardown: freeing the ~4000 modules
-    torch and transformers load takes ~1 s, a fifth of a whole conversion. atexit handlers
-    (tempfile and logging cleanup) still run; the command has closed its files."""
-    import atexit
-    import os
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more to say
-            pass
-    os._exit(code)
 
 
 def _main(argv: list[str]) -> int:
@@ -90,7 +75,7 @@ def _main(argv: list[str]) -> int:
         return 1
     from circleops.errors import CircleOpsError
 
-    previous = _install_sigterm()
+    previous = install_sigterm()
     try:
         return int(args._module.main(args) or 0)
     except CircleOpsError as err:
@@ -107,10 +92,10 @@ def _main(argv: list[str]) -> int:
     except BrokenPipeError:
         # `circleops inspect x | head`: the reader left. Nothing more can be printed;
         # point stdout at /dev/null so the interpreter's final flush does not complain.
-        _silence_stdout()
+        silence_stdout()
         return 141
     except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
-        print(f"circleops: internal error in {args.command}: {type(err).__name__}: {_one_line(err)}; please report "
+        print(f"circleops: internal error in {args.command}: {type(err).__name__}: {one_line(err)}; please report "
               "this (the command line, and the model or file if you can share it) at the circleops issue tracker. "
               "Set CIRCLEOPS_DEBUG=1 to see the traceback.", file=sys.stderr)
         if os.environ.get("CIRCLEOPS_DEBUG"):
@@ -119,41 +104,4 @@ def _main(argv: list[str]) -> int:
             traceback.print_exc()
         return 1
     finally:
-        _restore_sigterm(previous)
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like KeyboardInterrupt (cleanups run), exit status 143."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated()
-
-
-def _install_sigterm() -> object:
-    try:
-        return signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (an embedding application): leave it alone
-        return None
-
-
-def _restore_sigterm(previous: object) -> None:
-    if previous is not None:
-        try:
-            signal.signal(signal.SIGTERM, previous)
-        except (ValueError, TypeError):
-            pass
-
-
-def _silence_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        restore_sigterm(previous)

@@ -14,7 +14,7 @@ from circleops.cli.generate import add_sampling_arguments, sampler_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops.generate import RUNTIMES
+    from circleops.runtime import RUNTIMES
 
     parser.description = ("a multi-turn chat with the prefill and decode graphs that `circleops convert MODEL "
                           "--graphs prefill,decode -o DIR` wrote: one message per line of stdin, the replies on "
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops.chat import Chat, CacheFullError
-    from circleops.generate import Generator, TextStream, _hf_tokenizer, check_runtime
-    from circleops.graphs import read_manifest
+    from circleops.generate import Generator, TextStream, hf_tokenizer, check_runtime
+    from circleops.manifest import read_manifest
 
     manifest = read_manifest(args.directory)
     runtime = args.runtime or manifest.default_runtime
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
 
         raise ModelLoadError(f"{manifest.directory} has no tokenizer (converted without one, e.g. from --config), "
                              f"so there is no chat template to talk through. Convert a model with a tokenizer.")
-    tokenizer = _hf_tokenizer(manifest.directory / manifest.tokenizer)
+    tokenizer = hf_tokenizer(manifest.directory / manifest.tokenizer)
     sampler = sampler_from_args(args, manifest.directory)
     chat = Chat(Generator(manifest, runtime=runtime), tokenizer, system=args.system)
     interactive = sys.stdin.isatty()

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops import check
@@ -39,11 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 is fastest on a busy machine")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
     # GGML weight quantization instead of the fp16/bf16 policies (circleops.quantize.check)
-    from circleops.quantize import GGML_FORMATS
+    from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
     from circleops.quantize.check import DEFAULT_WINDOW
 
-    parser.add_argument("--quantize", choices=list(GGML_FORMATS), default=None, metavar="FORMAT",
-                        help="instead of --dtype: what GGML weights (q4_0, q8_0) cost in onert: per-layer error, "
+    parser.add_argument("--quantize", choices=list(GGML_FORMATS) + list(INTEGER_FORMATS), default=None,
+                        metavar="FORMAT",
+                        help="instead of --dtype: what GGML weights (q4_0, q8_0) or an integer graph (uint8, "
+                             "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
                              "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
     parser.add_argument("--runtime", choices=("onert", "reference"), default="onert",
                         help="with --quantize: the runtime of the quantized file (default: onert)")
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops import models
-    from circleops.check import check, low_precision_dtype
+    from circleops.check import check, directory_tokenizer, low_precision_dtype
     from circleops.cli.common import writable
     from circleops.errors import CircleOpsError, OutputError
     from circleops.numerics import norm_policy
@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     if loaded.kind != "hf":
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself (an "
                              "HF directory, a .gguf file, smollm2 or --config), not an ExportedProgram.")
-    tokenizer = loaded.tokenizer or _dir_tokenizer(args.model)
+    tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
     report = check(loaded.module, tokenizer, prompt=args.prompt, prompt_ids=prompt_ids, dtype=args.dtype,
                    policies=policies, new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source,
@@ -110,6 +110,7 @@ def _quant_main(args: argparse.Namespace) -> int:
     """``check --quantize``: circleops.quantize.check on the loaded model."""
     from circleops import models
     from circleops.errors import CircleOpsError
+    from circleops.check import directory_tokenizer
     from circleops.quantize.check import quant_check
 
     if args.threads is not None:
@@ -121,7 +122,7 @@ def _quant_main(args: argparse.Namespace) -> int:
     loaded = models.load(args.model, config=args.config, seed=args.seed)
     if loaded.kind != "hf":
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
-    tokenizer = loaded.tokenizer or _dir_tokenizer(args.model)
+    tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
     report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
                          prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
@@ -143,18 +144,3 @@ def _parse_ids(text: str) -> list[int]:
     except ValueError:
         raise CircleOpsError(f"--prompt-ids {text!r}: give comma-separated integers, e.g. --prompt-ids "
                              "1,450,4996.") from None
-
-
-def _dir_tokenizer(model: str | None) -> Any:
-    """The tokenizer saved with an HF directory, if there is one."""
-    if model is None or not os.path.isdir(model):
-        return None
-    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    from circleops.models import quiet_transformers
-
-    with quiet_transformers():
-        return AutoTokenizer.from_pretrained(model)

@@ -11,18 +11,18 @@ import sys
 import time
 from typing import Any
 
-# Only the standard library at import time: `circleops convert --help` must be instant.
-from circleops.quantize import WEIGHT_FORMATS  # a plain dict, no imports behind it
-
-TARGETS = ("circle", "onert", "tflite")
-FUSE_MODES = ("auto", "adapters", "patterns", "none")
-RUNTIMES = ("onert", "litert", "reference")
-DEFAULT_MAX_CACHE_LEN = 512  # circleops.graphs.DEFAULT_MAX_CACHE_LEN (not imported: it loads the pipeline)
 # circleops.cli ends the process without interpreter teardown after this command (~1 s).
 EXIT_WITHOUT_TEARDOWN = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Light modules only (no torch): `circleops convert --help` must be instant.
+    from circleops.graphs import DEFAULT_MAX_CACHE_LEN
+    from circleops.options import CONVERT_DTYPES, FUSE_MODES
+    from circleops.quantize import WEIGHT_FORMATS
+    from circleops.runtime import RUNTIMES
+    from circleops.targets import TARGETS
+
     parser.description = __doc__.strip().splitlines()[0] + "\n\n" + "\n".join(__doc__.strip().splitlines()[2:])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", nargs="?", metavar="MODEL",
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=TARGETS, default="circle",
                         help="circle: fused Circle builtins (NPU compilers); onert: what onert's CPU runtime "
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
-    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+    parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2)")
@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-data", metavar="PT", default=None,
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="target onert: the NUM_THREADS the file will run with. 1 keeps multi-row linears "
+                             "FULLY_CONNECTED (onert's 1x1 CONV_2D is faster only with a second core); with "
+                             "--graphs it is recorded for generate (default: 1 with --quantize, else onert's)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -60,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
+    parser.add_argument("--allow-random-init", action="store_true",
+                        help="convert an HF directory even if its safetensors lack weights of the model (they are "
+                             "randomly initialized) or hold tensors it does not use; without it that is an error")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     # prefill + decode graphs for `circleops generate` (circleops.cli.convert_graphs)
     parser.add_argument("--graphs", metavar="LIST", default=None,
@@ -78,9 +85,11 @@ def main(args: argparse.Namespace) -> int:
     # torch's own deprecation chatter (pytree LeafSpec) is not the user's business.
     warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
 
-    from circleops import convert as api
+    from circleops import conversion as api
     from circleops import models
     from circleops.cli.common import ProgressBar, scipy_hidden, writable
+    from circleops.dtypes import float_dtype
+    from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
 
     if getattr(args, "graphs", None):
@@ -90,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
                           "or --config config.json for random weights.")
-    dtype = api.DTYPES[args.dtype]
-    fmt = api.FORMATS[args.target]
+    dtype = float_dtype(args.dtype)
+    fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
     quantize = api.check_quantize(args.quantize, args.target)
     api.check_target_dtype(args.target, dtype, quantize)
@@ -103,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
-        api._resolve_runtime(verify, args.target, dtype)
+        api.resolve_runtime(verify, args.target, dtype)
 
     exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
     stages = ["load"] + ([] if exported_input else ["export"])
@@ -114,11 +123,13 @@ def main(args: argparse.Namespace) -> int:
         progress("load")
         t = time.perf_counter()
         with scipy_hidden():
-            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+            loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                                 allow_random_init=args.allow_random_init)
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
-                                      tolerance=args.tolerance, progress=progress, quantize=quantize)
+                                      tolerance=args.tolerance, progress=progress, quantize=quantize,
+                                      threads=args.threads)
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import convert as api
+    from circleops import conversion as api
     from circleops import graphs, models
+    from circleops.dtypes import float_dtype
+    from circleops.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
 
     names = graphs.parse_graph_names(args.graphs)
@@ -25,15 +27,15 @@ def main(args: argparse.Namespace) -> int:
     if args.fuse not in ("auto", "adapters"):
         raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
                           f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
-    dtype = api.DTYPES[args.dtype]
+    dtype = float_dtype(args.dtype)
     quantize = api.check_quantize(getattr(args, "quantize", None), args.target)
     api.check_target_dtype(args.target, dtype, quantize)
     prefill_len = graphs.DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
     graphs.check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
-    if verify and verify is not True and verify not in graphs.RUNTIMES[args.target]:
+    if verify and verify is not True and verify not in graph_runtimes(args.target):
         raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
-                          f"{', '.join(graphs.RUNTIMES[args.target])}.")
+                          f"{', '.join(graph_runtimes(args.target))}.")
     out = Path(args.output)
     if out.suffix.lower() in (".circle", ".tflite"):
         raise OutputError(f"with --graphs, -o names a directory (the graphs, manifest.json and the tokenizer go "
@@ -42,7 +44,8 @@ def main(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     if not args.quiet:
         print("circleops: loading the model", file=sys.stderr)
-    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed)
+    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                         allow_random_init=getattr(args, "allow_random_init", False))
     if loaded.kind != "hf":
         raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
     load_seconds = time.perf_counter() - t
@@ -54,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     report = graphs.convert_graphs(loaded.module, out, graphs=names, target=args.target, prefill_len=prefill_len,
                                    max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
                                    tolerance=args.tolerance, source=loaded.source, progress=progress,
-                                   quantize=quantize)
+                                   quantize=quantize, threads=getattr(args, "threads", None))
     report.timings = {"load": load_seconds, **report.timings}
     if args.report:
         try:

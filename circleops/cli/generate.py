@@ -9,7 +9,8 @@ from typing import Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops.generate import DEFAULT_MAX_NEW_TOKENS, RUNTIMES  # light: no torch
+    from circleops.generate import DEFAULT_MAX_NEW_TOKENS  # light: no torch
+    from circleops.runtime import RUNTIMES
 
     parser.description = ("generation (greedy by default, or --sample) with the prefill and decode graphs that `circleops convert MODEL "
                           "--graphs prefill,decode -o DIR` wrote: the text streams to stdout, the prefill time and "
@@ -66,7 +67,7 @@ def sampler_from_args(args: argparse.Namespace, directory):
 
 def main(args: argparse.Namespace) -> int:
     from circleops.generate import Generator, TextStream, check_runtime, encode_prompt, load_tokenizer
-    from circleops.graphs import read_manifest
+    from circleops.manifest import read_manifest
 
     manifest = read_manifest(args.directory)
     runtime = args.runtime or manifest.default_runtime

@@ -36,9 +36,9 @@ def _qd():
     """torch.ops.quantized_decomposed (registered by torchao's pt2e import)."""
     if not hasattr(torch.ops, "quantized_decomposed") or not hasattr(torch.ops.quantized_decomposed,
                                                                      "quantize_per_tensor"):
-        from circleops.quantize.quantizer import _torchao_pt2e
+        from circleops.quantize.quantizer import torchao_pt2e
 
-        _torchao_pt2e()
+        torchao_pt2e()
     return torch.ops.quantized_decomposed
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from circleops.errors import CircleOpsError
-from circleops.quantize.quantizer import ACTIVATIONS, QuantizeConfigError, _torchao_pt2e
+from circleops.quantize.quantizer import ACTIVATIONS, QuantizeConfigError, torchao_pt2e
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 
@@ -50,7 +50,7 @@ def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: An
     """(converted module, its ExportedProgram). ``exported``: an ExportedProgram of ``module``
     already (e.g. exported inside the adapters' patches and pattern-fused); ``export_fn``
     re-exports the converted module (default: torch.export.export, strict=False)."""
-    pt2e, _ = _torchao_pt2e()
+    pt2e, _ = torchao_pt2e()
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     example_args = tuple(example_args)

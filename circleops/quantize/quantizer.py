@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from circleops.errors import CircleOpsError
 
 
-def _torchao_pt2e():
+def torchao_pt2e():
     """torchao's pt2e modules, imported quietly (torchao logs a warning per optional CUDA
     extension it cannot load on a CPU machine)."""
     saved = logging.getLogger("torchao").level
@@ -71,7 +71,7 @@ class Scheme:
                                       f"{', '.join(WEIGHTS)} (int8 symmetric per channel, uint8 per tensor)")
 
     def act(self) -> Any:
-        pt2e, q = _torchao_pt2e()
+        pt2e, q = torchao_pt2e()
         if self.activation == "uint8":
             return q.QuantizationSpec(dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine,
                                       observer_or_fake_quant_ctr=pt2e.MinMaxObserver.with_args(eps=2 ** -20))
@@ -80,7 +80,7 @@ class Scheme:
                                   observer_or_fake_quant_ctr=pt2e.MinMaxObserver.with_args(eps=2 ** -30))
 
     def weight_spec(self, axis: int = 0) -> Any:
-        pt2e, q = _torchao_pt2e()
+        pt2e, q = torchao_pt2e()
         if self.weight == "int8":
             return q.QuantizationSpec(dtype=torch.int8, quant_min=-127, quant_max=127,
                                       qscheme=torch.per_channel_symmetric, ch_axis=axis,
@@ -90,7 +90,7 @@ class Scheme:
                                   observer_or_fake_quant_ctr=pt2e.MinMaxObserver.with_args(eps=2 ** -30))
 
     def bias_spec(self, act_node: Node, weight_node: Node, node: Node) -> Any:
-        _, q = _torchao_pt2e()
+        _, q = torchao_pt2e()
         per_channel = self.weight == "int8"
         return q.DerivedQuantizationSpec(
             derived_from=[(act_node, node), (weight_node, node)], derive_qparams_fn=_bias_qparams,
@@ -157,7 +157,7 @@ class CircleQuantizer:  # replaced by a real torchao Quantizer subclass in _make
 
 
 def _make_class() -> type:
-    _, q = _torchao_pt2e()
+    _, q = torchao_pt2e()
 
     class CircleQuantizer(q.Quantizer):
         """PT2E quantizer for Circle integer graphs (see the module docstring).
@@ -202,7 +202,7 @@ def _make_class() -> type:
             pass
 
         def _scheme(self, node: Node) -> Scheme:
-            _, qmod = _torchao_pt2e()
+            _, qmod = torchao_pt2e()
             for name, scheme in self.module_names.items():
                 if qmod.get_module_name_filter(name)(node):
                     return scheme
@@ -219,7 +219,7 @@ def _make_class() -> type:
 
 
 def _annotate(node: Node, scheme: Scheme) -> None:
-    _, q = _torchao_pt2e()
+    _, q = torchao_pt2e()
     target = node.target
     if "quantization_annotation" in node.meta:
         return

@@ -31,11 +31,11 @@ from circleops.runtime import TensorSpec
 from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
                                        check_alloc, max_tensor_bytes)
 from circleops.runtime.kernels import quantized as quantized_kernels
-from circleops.runtime.kernels.elementwise import _BINARY
+from circleops.runtime.kernels.elementwise import BINARY
 
 # Ops whose output shape is the broadcast of their inputs: checked against the allocation
 # limit before the kernel runs ([N, 1] + [1, M] from two small inputs can be huge).
-_BROADCASTING = frozenset(_BINARY) | {"SELECT", "SELECT_V2", "ADD_N", "PRELU"}
+_BROADCASTING = frozenset(BINARY) | {"SELECT", "SELECT_V2", "ADD_N", "PRELU"}
 # Nested subgraph calls (composites' decompositions, control flow) deeper than this mean a
 # subgraph calls itself.
 _MAX_CALL_DEPTH = 32
@@ -97,7 +97,7 @@ class _Step:
     writes: tuple[int, ...] = ()  # input tensors updated in place with the extra results
 
 
-class _Plan:
+class SubgraphPlan:
     """One subgraph, prepared for execution."""
 
     def __init__(self, interp: "Interpreter", index: int):
@@ -180,8 +180,8 @@ class _Plan:
             try:
                 if step.op.opcode in _BROADCASTING:
                     present = [a for a in args if a is not None]
-                    if len(present) > 1:
-                        _check_broadcast(step.op.opcode, present)
+                    if len(present) > 1 and any(a.shape != present[0].shape for a in present[1:]):
+                        _check_broadcast(step.op.opcode, present)  # equal shapes cannot grow
                 results = step.fn(step.op, args, step.ctx)
             except RuntimeRunError:
                 raise
@@ -300,7 +300,7 @@ class Interpreter:
         if not model.subgraphs:
             raise RuntimeRunError("the model has no subgraphs; nothing to run")
         self.model = model
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[int, SubgraphPlan] = {}
         self._depth = 0
 
     @classmethod
@@ -308,14 +308,14 @@ class Interpreter:
         """Read a .circle or .tflite file (weights inline or after the flatbuffer)."""
         return cls(_read(path))
 
-    def plan(self, subgraph: int = 0) -> _Plan:
+    def plan(self, subgraph: int = 0) -> SubgraphPlan:
         plan = self._plans.get(subgraph)
         if plan is None:
             if not 0 <= subgraph < len(self.model.subgraphs):
                 raise RuntimeRunError(f"subgraph index {subgraph} out of range: the model has "
                                       f"{len(self.model.subgraphs)} subgraphs")
             try:
-                plan = _Plan(self, subgraph)
+                plan = SubgraphPlan(self, subgraph)
             except RuntimeRunError:
                 raise
             except Exception as err:  # noqa: BLE001 - an inconsistent ir.Model (bad indices, types)

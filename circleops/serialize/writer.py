@@ -330,14 +330,16 @@ def _layout_offset(placed: list[_Placed], data_start: int) -> int:
 
 
 @dataclass
-class _Plan:
+class _FileLayout:
+    """Where the weights go (inline, or after the flatbuffer) and the packed flatbuffer for it."""
+
     head: bytes  # the packed flatbuffer
     layout: str
     file_bytes: int
 
 
 def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | None,
-          too_large: Callable[[int], str] | None = None) -> _Plan:
+          too_large: Callable[[int], str] | None = None) -> _FileLayout:
     if not weights_after:
         tail = _layout_inline(placed)
         # Past the limit the inline offsets would not even fit 32 bits: do not pack them.
@@ -351,7 +353,7 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
                     f"the model needs {total} bytes, past the 2 GiB flatbuffer limit, "
                     "and weights_after=False forbids storing the weights after the flatbuffer; "
                     "leave weights_after unset")
-            return _Plan(head, "inline", total)
+            return _FileLayout(head, "inline", total)
     # Two passes: the first fixes the flatbuffer's size (offset values do not change it:
     # the uint64 fields are present either way), the second writes the real offsets.
     _layout_offset(placed, 2 * ALIGN)
@@ -361,10 +363,10 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
     assert len(head) == size, "flatbuffer size changed between layout passes"
     if len(head) > FLATBUFFER_LIMIT:
         raise TargetError(f"the graph alone takes {len(head)} bytes, past the 2 GiB flatbuffer limit")
-    return _Plan(head, "offset", end)
+    return _FileLayout(head, "offset", end)
 
 
-def _stream(f: BinaryIO, plan: _Plan, placed: list[_Placed], table: BufferTable) -> None:
+def _stream(f: BinaryIO, plan: _FileLayout, placed: list[_Placed], table: BufferTable) -> None:
     f.write(plan.head)
     pos = len(plan.head)
     for p, data in zip(placed, table.datas):

@@ -23,11 +23,11 @@ N_NORMS = 5  # 2 layers x 2 + the final norm
 def fp16_program(tiny_llama):
     import copy
 
-    from circleops.convert import _hf_export_settings, export
+    from circleops.conversion import hf_export_settings, export
     from circleops.numerics import LayerOutputs
 
     model = copy.deepcopy(tiny_llama).half()
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         return export(LayerOutputs(model), (example_ids(8),), adapters=True, warn_list=[])
 
 

@@ -12,8 +12,9 @@ from generate_fixtures import TINY_CACHE, TINY_PREFILL
 from families import BY_NAME, FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError
-from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_graph, merge_models,
-                              parse_graph_names, read_manifest)
+from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
+                              parse_graph_names)
+from circleops.manifest import read_manifest
 from circleops.serialize import read_model, write_model
 
 LAYERS = 2
@@ -80,7 +81,7 @@ def test_one_file_two_signatures_shared_weights(request, target, ext):
 
 def test_merge_keeps_weights_once(tmp_path, tiny_model):
     step = decoder_step(copy.deepcopy(tiny_model), TINY_CACHE)
-    lowered = {g: lower_graph(export_graph(step, g, TINY_PREFILL), g, "tflite", LAYERS) for g in ("prefill", "decode")}
+    lowered = {g: lower_step(export_graph(step, g, TINY_PREFILL), g, "tflite", LAYERS) for g in ("prefill", "decode")}
     alone = write_model(lowered["prefill"], tmp_path / "p.tflite", "tflite")
     both = write_model(merge_models(lowered), tmp_path / "both.tflite", "tflite")
     assert both.weight_bytes < 1.05 * alone.weight_bytes

@@ -11,7 +11,7 @@ import pytest
 from generate_fixtures import SMOL_CACHE, SMOL_LONG, SMOL_LONG_NEW, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
 
 from circleops.generate import Generator
-from circleops.graphs import read_manifest
+from circleops.manifest import read_manifest
 from circleops.serialize import read_model
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ def _squared_difference(a: Tensor, b: Tensor) -> Tensor:
 
 
 # opcode -> (torch function, has fusedActivationFunction)
-_BINARY: dict[str, tuple[Callable[[Tensor, Tensor], Tensor], bool]] = {
+BINARY: dict[str, tuple[Callable[[Tensor, Tensor], Tensor], bool]] = {
     "ADD": (torch.add, True),
     "SUB": (torch.sub, True),
     "MUL": (torch.mul, True),
@@ -65,7 +65,7 @@ def _binary_kernel(fn: Callable[[Tensor, Tensor], Tensor], fused: bool):
     return run
 
 
-for _name, (_fn, _fused) in _BINARY.items():
+for _name, (_fn, _fused) in BINARY.items():
     kernel(_name)(_binary_kernel(_fn, _fused))
 
 
@@ -164,4 +164,4 @@ def _add_n(op, inputs, ctx):
     return [y]
 
 
-assert set(_BINARY) | set(_UNARY) <= set(KERNELS)
+assert set(BINARY) | set(_UNARY) <= set(KERNELS)

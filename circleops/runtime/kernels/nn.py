@@ -47,8 +47,9 @@ def _same_pad(size: int, kernel_size: int, stride: int, dilation: int) -> tuple[
     return total // 2, total - total // 2
 
 
-def _pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw: int = 1,
-              value: float = 0.0) -> Tensor:
+def pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw: int = 1,
+             value: float = 0.0) -> Tensor:
+    """``x`` (NCHW) padded as the op's SAME/VALID padding says for a kh x kw window."""
     if enum_value(option(op, "padding", default=0), _PADDING) == 1:  # VALID
         return x
     top, bottom = _same_pad(x.shape[2], kh, sh, dh)
@@ -58,7 +59,8 @@ def _pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw
     return x
 
 
-def _strides(op) -> tuple[int, int, int, int]:
+def conv_strides(op) -> tuple[int, int, int, int]:
+    """(strideH, strideW, dilationH, dilationW) of a CONV_2D / DEPTHWISE_CONV_2D / pool op."""
     return (int(option(op, "strideH", default=1) or 1), int(option(op, "strideW", default=1) or 1),
             int(option(op, "dilationHFactor", default=1) or 1), int(option(op, "dilationWFactor", default=1) or 1))
 
@@ -71,9 +73,9 @@ def _conv_2d(op, inputs, ctx):
         # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
         w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
-    sh, sw, dh, dw = _strides(op)
+    sh, sw, dh, dw = conv_strides(op)
     groups = x.shape[3] // w.shape[3]  # filter OHWI with I = C / groups
-    xc = _pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
     y = F.conv2d(xc, w.permute(0, 3, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=groups)
     return [activation(y.permute(0, 2, 3, 1), op)]
 
@@ -86,11 +88,11 @@ def _depthwise_conv_2d(op, inputs, ctx):
         # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
         w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
-    sh, sw, dh, dw = _strides(op)
+    sh, sw, dh, dw = conv_strides(op)
     c = x.shape[3]
     # filter [1, KH, KW, C·M]: output channel c·M + m reads input channel c, which is
     # torch's grouped-conv order with groups = C.
-    xc = _pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
     y = F.conv2d(xc, w.permute(3, 0, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=c)
     return [activation(y.permute(0, 2, 3, 1), op)]
 
@@ -129,7 +131,7 @@ def _pool_args(op) -> tuple[int, int, int, int]:
 @kernel("MAX_POOL_2D")
 def _max_pool_2d(op, inputs, ctx):
     kh, kw, sh, sw = _pool_args(op)
-    xc = _pad_nchw(inputs[0].permute(0, 3, 1, 2), op, kh, kw, sh, sw, value=-math.inf)
+    xc = pad_nchw(inputs[0].permute(0, 3, 1, 2), op, kh, kw, sh, sw, value=-math.inf)
     return [activation(F.max_pool2d(xc, (kh, kw), (sh, sw)).permute(0, 2, 3, 1), op)]
 
 
@@ -138,9 +140,9 @@ def _average_pool_2d(op, inputs, ctx):
     kh, kw, sh, sw = _pool_args(op)
     x = inputs[0].permute(0, 3, 1, 2)
     # TFLite averages over the valid pixels only: divide window sums by window counts.
-    total = F.avg_pool2d(_pad_nchw(x, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    total = F.avg_pool2d(pad_nchw(x, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
     ones = torch.ones((1, 1, x.shape[2], x.shape[3]), dtype=x.dtype)
-    count = F.avg_pool2d(_pad_nchw(ones, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    count = F.avg_pool2d(pad_nchw(ones, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
     return [activation((total / count).permute(0, 2, 3, 1), op)]
 
 

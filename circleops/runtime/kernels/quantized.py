@@ -193,13 +193,13 @@ def _fc(op, inputs, ctx):
 
 
 def _conv_common(op, inputs, ctx, depthwise: bool):
-    from circleops.runtime.kernels.nn import _pad_nchw, _strides
+    from circleops.runtime.kernels.nn import pad_nchw, conv_strides
 
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     xt, wt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
-    sh, sw, dh, dw = _strides(op)
-    xc = _pad_nchw(_offsets(x, xt).permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    sh, sw, dh, dw = conv_strides(op)
+    xc = pad_nchw(_offsets(x, xt).permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
     wq = _offsets(w, wt)
     if depthwise:
         acc = F.conv2d(xc, wq.permute(3, 0, 1, 2), _bias(b), stride=(sh, sw), dilation=(dh, dw), groups=x.shape[3])

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import time
-import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,19 +24,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
+from circleops.options import CONVERT_DTYPES, FUSE_MODES
 from circleops.quantize import INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
+from circleops.runtime import RUNTIMES
+from circleops.targets import PROFILES, TARGETS
 
-TARGETS = ("circle", "onert", "tflite")
-FORMATS = {"circle": "circle", "onert": "circle", "tflite": "tflite"}
-RUNTIMES = ("onert", "litert", "reference")
-DEFAULT_RUNTIME = {"circle": "reference", "onert": "onert", "tflite": "litert"}
-FUSE_MODES = ("auto", "adapters", "patterns", "none")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Verify tolerance, relative to max(1, max|torch output|): fp32 differs from torch only
 # by summation order; an fp16 graph rounds every intermediate.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
@@ -50,7 +46,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False) -> Report:
+            integer_io: bool = False, threads: int | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -76,30 +72,34 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
         Verify compares with the fake-quantized torch module. ``integer_io``: the file's
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
+    threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
+        of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
+        stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    check_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
                           "verify (verify compares float outputs with torch)")
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
-    runtime = _resolve_runtime(verify, target, torch_dtype)
+    runtime = resolve_runtime(verify, target, torch_dtype)
     check_target_dtype(target, torch_dtype, quantize)
     example_args = tuple(example_args)
 
     _stage(progress, "export")
     t = time.perf_counter()
-    if _model_dtype(model) not in (None, torch_dtype):
+    if model_dtype(model) not in (None, torch_dtype):
         model.to(torch_dtype)
     module = export_module(model)
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
-               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
-    with _hf_export_settings(model), _dense_experts(model), torch.no_grad():
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads)
+    with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
     if quantize in INTEGER_FORMATS:
@@ -130,7 +130,7 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
     samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
                                        vocab_size=getattr(config, "vocab_size", None))
     quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
-    with _hf_export_settings(model), torch.no_grad():
+    with hf_export_settings(model), torch.no_grad():
         converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
                                        progress=getattr(job.progress, "bar", None) is not None)
     job.reference = lambda: _run_torch(converted, job.example_args, None)
@@ -143,7 +143,8 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None) -> Report:
+         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None,
+         threads: int | None = None) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
@@ -162,6 +163,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
         raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
                           "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
                           "CircleQuantizer) and save the converted program, or use circleops.convert")
+    check_threads(threads)
     from circleops.passes.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
@@ -177,10 +179,10 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     torch_dtype = _resolve_dtype(dtype, None) if dtype is not None else (program_dtype or torch.float32)
     if dtype is not None and program_dtype is not None and torch_dtype != program_dtype:
         raise TargetError(
-            f"the ExportedProgram's weights are {DTYPE_NAMES.get(program_dtype, program_dtype)} but dtype "
-            f"{DTYPE_NAMES.get(torch_dtype, torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
+            f"the ExportedProgram's weights are {short_name(program_dtype)} but dtype "
+            f"{short_name(torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
-    runtime = _resolve_runtime(verify, target, torch_dtype)
+    runtime = resolve_runtime(verify, target, torch_dtype)
     check_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
@@ -189,7 +191,8 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     args = tuple(example_args or ())
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
-               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize)
+               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize,
+               threads=threads)
     job.integer_io = integer_io
     if quantized and tolerance is None:
         job.tolerance = INTEGER_TOLERANCE
@@ -209,6 +212,29 @@ QUANT_TOLERANCE = 5e-2
 
 
 # --------------------------------------------------------------------------- options
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise TargetError(f"threads={threads!r}: give the NUM_THREADS the file will run with (1, 2, ...)")
+
+
+def target_profile(target: str, threads: int | None = None) -> Any:
+    """The lowering profile of ``target`` for a file run with ``threads`` onert threads.
+
+    Measured (bench/README.md, bench/onert_matmul.py): onert's 1x1 CONV_2D is a blocked
+    GEMM that beats FULLY_CONNECTED for 4+ rows only with a second idle core; on one
+    thread it is 1.2-3x slower for SmolLM2's 64-row linears, while a one-row lm_head (8x
+    wider output) stays faster as a CONV_2D (21 vs 48 ms). So one thread keeps the latter.
+    """
+    import dataclasses
+
+    from circleops.targets import profile
+
+    p = profile(target)
+    if threads == 1 and p.linear_as_conv is not None:
+        p = dataclasses.replace(p, linear_as_conv=dataclasses.replace(p.linear_as_conv, min_rows=sys.maxsize))
+    return p
+
 
 def check_quantize(quantize: str | None, target: str) -> str | None:
     """The quantization asked for (None: none): a GGML format or an integer scheme
@@ -244,29 +270,31 @@ def _check_options(target: str, fuse: str) -> tuple[str, str, str]:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}.")
     if fuse not in FUSE_MODES:
         raise TargetError(f"unknown fuse mode {fuse!r}: choose one of {', '.join(FUSE_MODES)}.")
-    return target, FORMATS[target], fuse
+    return target, PROFILES[target].format, fuse
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, model: torch.nn.Module | None) -> torch.dtype:
     if dtype is None:
-        return _model_dtype(model) or torch.float32
+        return model_dtype(model) or torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.float16):
             raise TargetError(f"dtype {dtype} is not supported: use fp32 or fp16.")
         return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise TargetError(f"unknown dtype {dtype!r}: use fp32 or fp16.") from None
+    resolved = float_dtype(dtype)
+    if resolved is None or short_name(resolved) not in CONVERT_DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}: use fp32 or fp16.")
+    return resolved
 
 
-def _resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype = torch.float32) -> str | None:
+def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """The runtime ``verify`` asks for (True: the target's own), None for no verify;
+    TargetError for a runtime that cannot read the target's files."""
     if not verify:
         return None
     if verify is True:
         # fp16 tflite too: the lowering legalizes fp16 graphs for LiteRT's CPU kernels
         # (circleops.lowering.tflite_fp16), so LiteRT runs them
-        return DEFAULT_RUNTIME[target]
+        return PROFILES[target].runtime
     if verify not in RUNTIMES:
         raise TargetError(f"unknown verify runtime {verify!r}: choose one of {', '.join(RUNTIMES)}.")
     if verify == "litert" and target != "tflite":
@@ -281,19 +309,19 @@ def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = N
     """onert computes in fp32 only (FACTS.md): refuse fp16 before any work is done."""
     if quantize in INTEGER_FORMATS and dtype != torch.float32:
         raise TargetError(f"quantize={quantize!r} calibrates and quantizes a float32 model, but the model is "
-                          f"{DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
+                          f"{short_name(dtype)}: use dtype fp32 with quantize.")
     if quantize and dtype != torch.float32:
         raise TargetError(
             f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
-            f"float32 inputs), but the model is {DTYPE_NAMES.get(dtype, dtype)}: use dtype fp32 with quantize.")
+            f"float32 inputs), but the model is {short_name(dtype)}: use dtype fp32 with quantize.")
     if target == "onert" and dtype != torch.float32:
         raise TargetError(
-            f"target onert is fp32 only: the onert CPU runtime refuses {DTYPE_NAMES.get(dtype, dtype)} tensors. "
+            f"target onert is fp32 only: the onert CPU runtime refuses {short_name(dtype)} tensors. "
             f"Use --dtype fp32 for onert, or --target circle / --target tflite for an fp16 file.")
     if target == "tflite" and dtype not in (torch.float32, torch.float16):
         # measured: LiteRT's CPU kernels refuse bf16 (FULLY_CONNECTED at prepare)
         raise TargetError(
-            f"target tflite writes fp32 or fp16: LiteRT's CPU kernels do not run {DTYPE_NAMES.get(dtype, dtype)}. "
+            f"target tflite writes fp32 or fp16: LiteRT's CPU kernels do not run {short_name(dtype)}. "
             f"Pass dtype='fp16' or 'fp32' (the model is cast), or use --target circle for a bf16 file.")
 
 
@@ -354,7 +382,8 @@ def check_output_path(path: str | os.PathLike, fmt: str) -> Path:
     return p
 
 
-def _model_dtype(model: Any) -> torch.dtype | None:
+def model_dtype(model: Any) -> torch.dtype | None:
+    """The dtype of a module's first floating-point parameter (None: not a module, or none)."""
     if not isinstance(model, torch.nn.Module):
         return None
     for p in model.parameters():
@@ -417,7 +446,7 @@ def export_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def _hf_export_settings(model: Any) -> Iterator[None]:
+def hf_export_settings(model: Any) -> Iterator[None]:
     """No KV cache, eager attention while exporting; the user's settings come back after."""
     cfg = getattr(model, "config", None)
     if cfg is None or not _is_hf_causal_lm(model):
@@ -529,6 +558,7 @@ class _Job:
     fusion_model: torch.nn.Module | None = None
     quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -576,7 +606,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     from circleops.lowering.integer import lower_quantized
 
     ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
-        or lower_program(ep, job.target, dtype=job.dtype)
+        or lower_program(ep, target_profile(job.target, job.threads), dtype=job.dtype)
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
@@ -590,7 +620,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
                                         pretrained=job.pretrained)
         timings["quantize"] = time.perf_counter() - t
 
-    report = Report(path=str(path), target=job.target, format=job.fmt, dtype=DTYPE_NAMES.get(job.dtype, str(job.dtype)),
+    report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
                     source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings,
                     quantization=quant_report)
@@ -671,7 +701,7 @@ def fused_counts(ep: Any) -> dict[str, int]:
 
 
 def _run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Tensor]:
-    ctx = _hf_export_settings(model) if model is not None else contextlib.nullcontext()
+    ctx = hf_export_settings(model) if model is not None else contextlib.nullcontext()
     with ctx, torch.no_grad():
         out = module(*args)
     flat, _ = torch.utils._pytree.tree_flatten(out)
@@ -704,14 +734,3 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     tol = rel * max(1.0, scale)
     return VerifyResult(runtime=runtime, max_abs_error=err, tolerance=tol, reference_max_abs=scale,
                         passed=bool(err <= tol))
-
-
-class _CallableModule(types.ModuleType):
-    """``circleops.convert`` names both this module and the function: importing the module
-    binds the package attribute to the module, so the module forwards calls to ``convert``."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Report:
-        return convert(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,14 @@
+"""The choices of ``convert``'s options, defined once for the library and the CLI.
+
+Standard library only: ``circleops convert --help`` reads them without loading torch.
+Targets are circleops.targets.TARGETS, runtimes circleops.runtime.RUNTIMES, quantization
+formats circleops.quantize.WEIGHT_FORMATS.
+"""
+from __future__ import annotations
+
+# how the model's RMSNorm / RoPE / attention reach the fused circle ops
+FUSE_MODES = ("auto", "adapters", "patterns", "none")
+# the dtypes convert writes (names of circleops.dtypes.FLOAT_NAMES)
+CONVERT_DTYPES = ("fp32", "fp16")
+
+__all__ = ["FUSE_MODES", "CONVERT_DTYPES"]

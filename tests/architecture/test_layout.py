@@ -1,0 +1,166 @@
+"""The package's layout rules, checked on the source (issue 14): no import cycle among
+circleops modules, no private name imported from another module, thin CLI modules.
+
+Imports are read statically (ast) at every level, top-level and inside functions: an
+import moved into a function to dodge a cycle is still an arrow of the graph.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "circleops"
+CLI_MAX_LINES = 150
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _resolve(module: str | None, level: int, importer: str) -> str | None:
+    """The absolute module name of an import statement's ``from`` part."""
+    if level == 0:
+        return module
+    base = importer if _is_package(importer) else importer.rpartition(".")[0]
+    for _ in range(level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{module}" if module else base
+
+
+def _imports(name: str) -> list[tuple[str, str | None, int]]:
+    """(imported circleops module, imported name or None, line) for every import in ``name``."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "circleops"]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module, node.level, name)
+            if base is None or base.split(".")[0] != "circleops":
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.append((sub, None, node.lineno) if sub in MODULES else (base, a.name, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the circleops modules it imports. A package's ``__init__`` importing its own
+    submodules (re-exports, registering kernels or lowerings) is how the package is assembled,
+    not an arrow between peers: those edges are left out."""
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        targets = {m for m, _, _ in _imports(name) if m in MODULES and m != name}
+        if _is_package(name):
+            targets = {m for m in targets if not m.startswith(name + ".")}
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.endswith(".__main__")))
+def test_every_module_imports(name):
+    importlib.import_module(name)
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles among circleops modules (make the arrows run one way): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def _private_uses(name: str) -> list[str]:
+    """Private names (``_x``) this module takes from another circleops module: imported, or
+    read as an attribute of an imported module. Private submodules (``adapters/_rmsnorm.py``)
+    are fine inside their own package."""
+    bad = []
+    for module, imported, line in _imports(name):
+        if imported is not None and imported.startswith("_") and not imported.startswith("__"):
+            bad.append(f"{name}:{line} imports {imported} from {module}")
+        leaf = module.rpartition(".")[2]
+        package = module.rpartition(".")[0]
+        if imported is None and leaf.startswith("_") and not leaf.startswith("__") \
+                and not (name == package or name.startswith(package + ".")):
+            bad.append(f"{name}:{line} imports the private module {module}")
+    tree = ast.parse(MODULES[name].read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module, node.level, name)
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES and f"{base}.{a.name}" != name:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("circleops.") and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            bad.append(f"{name}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_crosses_modules():
+    bad = [use for name in MODULES for use in _private_uses(name)]
+    assert not bad, "make these public (and document them) or keep them in their module:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("circleops.cli.")))
+def test_cli_modules_are_thin(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= CLI_MAX_LINES, (f"{MODULES[name]} has {lines} lines: a subcommand module parses arguments and "
+                                    f"calls library functions; move the work into the library")
+
+
+def test_every_subcommand_has_its_module():
+    from circleops.cli import COMMANDS
+
+    for command, (module, _) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        assert callable(mod.add_arguments) and callable(mod.main), command
