@@ -43,7 +43,11 @@ from circleops.targets import PROFILES
 
 DEFAULT_PREFILL_LEN = 64
 DEFAULT_MAX_CACHE_LEN = 512
-# The onert runtime gets one file per graph (see the module docstring).
+# The onert runtime gets one file per graph (see the module docstring). One file with a
+# dynamic sequence dimension (shape_signature -1, resized at run time) does not work on
+# onert 0.1.0: measured by bench/onert_dynamic_seq.py, every layout either fails
+# ("num_elements() cannot calculate when any dimension is unspecified", "ShapeValidator
+# failed"), returns the first run's shape for another length (wrong results), or crashes.
 ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
 
 Progress = Callable[[str], None]
