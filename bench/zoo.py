@@ -78,8 +78,6 @@ def _small_kwargs(default) -> dict:
         value = getattr(default, name, None)
         if name in settable and isinstance(value, (list, tuple)) and value:
             kwargs[name] = list(value)[:layers] if len(value) >= layers else None
-    if isinstance(getattr(default, "rope_scaling", None), dict):
-        kwargs["rope_scaling"] = None
     for name, value in vars(default).items():
         if isinstance(value, PretrainedConfig) and name in settable:
             kwargs[name] = {**value.to_dict(), **_small_kwargs(value)}

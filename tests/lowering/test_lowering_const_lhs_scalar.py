@@ -1,5 +1,6 @@
-"""A matmul whose left operand is a constant, and 0-d graph inputs: files onert loads
-(it refuses a constant BATCH_MATMUL left operand and rank-0 inputs), right on every target."""
+"""A matmul whose left operand is a constant, 0-d graph inputs, and integer / boolean
+selects: files onert loads and runs (it refuses a constant BATCH_MATMUL left operand and
+rank-0 inputs, and selects float32 only), right on every target."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,9 @@ CASES = {
     "const_vector_lhs": (lambda m, x: m.v @ x, (torch.randn(4, 3, generator=g),), {"v": torch.randn(4, generator=g)}),
     "scalar_input": (lambda m, x, s: (x * s + s, (x * s).sum()), (torch.randn(2, 3, generator=g), torch.tensor(1.5)), {}),
     "only_scalar_input": (lambda m, s: (s * 2).exp(), (torch.tensor(0.5),), {}),
+    "integer_and_mask_select": (lambda m, c, i: (torch.where(c, i, -i), i.masked_fill(c, 7), torch.where(c, c, ~c),
+                                                 torch.where(c, i.int(), 3)),
+                                (torch.tensor([True, False, True, False]), torch.tensor([5, -2, 70000, 1])), {}),
 }
 
 
