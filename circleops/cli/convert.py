@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-data", metavar="PT", default=None,
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="target onert: the NUM_THREADS the file will run with. 1 keeps multi-row linears "
+                             "FULLY_CONNECTED (onert's 1x1 CONV_2D is faster only with a second core); with "
+                             "--graphs it is recorded for generate (default: 1 with --quantize, else onert's)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -124,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
-                                      tolerance=args.tolerance, progress=progress, quantize=quantize)
+                                      tolerance=args.tolerance, progress=progress, quantize=quantize,
+                                      threads=args.threads)
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:

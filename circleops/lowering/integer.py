@@ -185,7 +185,8 @@ def _propagate(g: _Graph) -> None:
                     continue
                 for o in op.outputs:
                     out = g.tensor(o)
-                    if g.quant(d) and not g.quant(o) and out.dtype == FLOAT:
+                    # (an onert output copy was made from the marker's tensor: same dtype, no params)
+                    if g.quant(d) and not g.quant(o) and out.dtype in (FLOAT, din.dtype):
                         _assign(out, din)
                         changed = True
                     elif g.quant(o) and not g.quant(d) and din.dtype == FLOAT and d not in sg.inputs \

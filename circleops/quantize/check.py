@@ -49,6 +49,7 @@ class QuantCheckReport:
     file_bytes: int
     quantization: list[str] = field(default_factory=list)  # QuantReport.summary_lines()
     timings: dict[str, float] = field(default_factory=dict)
+    layer_sqnr_db: list[float] = field(default_factory=list)  # 10·log10(Σ fp32² / Σ error²) per layer
 
     @property
     def perplexity_ratio(self) -> float:
@@ -64,9 +65,10 @@ class QuantCheckReport:
         lines = [f"{self.source}: {self.format} weights, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
         lines += [f"  {line}" for line in self.quantization]
         lines.append("")
-        lines.append("layer  max abs error  relative (to max |fp32 output|)")
+        lines.append("layer  max abs error  relative (to max |fp32 output|)  SQNR (dB)")
         for k, (a, r) in enumerate(zip(self.layer_max_abs, self.layer_rel)):
-            lines.append(f"{k:>5}  {a:>13.4g}  {r:>9.3%}")
+            db = self.layer_sqnr_db[k] if k < len(self.layer_sqnr_db) else float("nan")
+            lines.append(f"{k:>5}  {a:>13.4g}  {r:>9.3%}  {db:>34.1f}")
         lines.append(f"logits max abs error {self.logits_max_abs:.4g}")
         lines.append(f"greedy tokens equal to fp32's: {self.agreement} of {self.new_tokens}"
                      + (f"  ({self.generated_text!r})" if self.generated_text is not None else ""))
@@ -101,7 +103,17 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     from circleops.numerics import LayerOutputs
     from circleops.quantize.weights import check_format
 
-    check_format(quantize, "onert")
+    from circleops.quantize import INTEGER_FORMATS
+
+    # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
+    # file for NPU compilers) runs in the reference interpreter's integer kernels
+    target = "onert" if quantize not in INTEGER_FORMATS or runtime == "onert" else "circle"
+    if quantize in INTEGER_FORMATS:
+        from circleops.conversion import check_quantize
+
+        check_quantize(quantize, target)
+    else:
+        check_format(quantize, "onert")
     if runtime not in ("onert", "reference"):
         raise CircleOpsError(f"runtime {runtime!r}: the quantized file runs in onert or the reference interpreter")
     if new_tokens < 1:
@@ -129,13 +141,16 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         with hf_export_settings(reference), torch.no_grad():
             ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
         path = Path(directory) / f"layers_{quantize}.circle"
-        qreport = _write(ep, path, quantize, parameter_names(ep), pretrained)
+        qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg)
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
-        errors, rel = [], []
+        errors, rel, sqnr = [], [], []
         for g, w in zip(got[1:], want[1:]):
-            e = float(np.abs(g.astype(np.float64) - w.double().numpy()).max())
+            diff = g.astype(np.float64) - w.double().numpy()
+            e = float(np.abs(diff).max())
             errors.append(e)
+            noise = float(np.sum(diff ** 2))
+            sqnr.append(float("inf") if noise == 0 else 10 * math.log10(float(w.double().pow(2).sum()) / noise))
             scale = float(w.abs().max())
             rel.append(e / scale if scale > 0 else e)
         logits = got[0][0]
@@ -157,7 +172,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
             ep = export(module, (example,), adapters=True, warn_list=[])
             fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
         lm_path = Path(directory) / f"logits_{quantize}.circle"
-        _write(ep, lm_path, quantize, parameter_names(ep), pretrained)
+        _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg)
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
         timings["perplexity"] = time.perf_counter() - t
@@ -171,13 +186,33 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
-        quantization=qreport.summary_lines(), timings=timings)
+        quantization=qreport.summary_lines(), timings=timings, layer_sqnr_db=sqnr)
 
 
-def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any) -> Any:
+class _IntegerReport:
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+
+    def summary_lines(self) -> list[str]:
+        return self.lines
+
+
+def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any, target: str = "onert",
+           example: tuple = (), tokenizer: Any = None, config: Any = None) -> Any:
     from circleops.conversion import write_for_target
     from circleops.lowering import lower_program
+    from circleops.quantize import INTEGER_FORMATS
     from circleops.quantize.weights import quantize_weights
+
+    if quantize in INTEGER_FORMATS:  # PT2E: calibrate on windows of the shipped calibration text
+        from circleops.lowering.integer import lower_quantized
+        from circleops.quantize import pt2e
+
+        samples = pt2e.calibration_samples(example, 8, tokenizer=tokenizer, vocab_size=config.vocab_size)
+        weight = "uint8" if target == "onert" else "int8"
+        _, qep = pt2e.quantize(None, example, pt2e.make_quantizer(quantize, weight=weight), samples, exported=ep)
+        write_for_target(lower_quantized(qep, target), path, target, "circle")
+        return _IntegerReport([f"{quantize} activations, {weight} weights, int32 bias (PT2E, 8 calibration windows)"])
 
     model = lower_program(ep, "onert")
     report = quantize_weights(model, quantize, parameters=parameters, pretrained=pretrained)

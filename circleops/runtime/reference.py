@@ -180,8 +180,8 @@ class SubgraphPlan:
             try:
                 if step.op.opcode in _BROADCASTING:
                     present = [a for a in args if a is not None]
-                    if len(present) > 1:
-                        _check_broadcast(step.op.opcode, present)
+                    if len(present) > 1 and any(a.shape != present[0].shape for a in present[1:]):
+                        _check_broadcast(step.op.opcode, present)  # equal shapes cannot grow
                 results = step.fn(step.op, args, step.ctx)
             except RuntimeRunError:
                 raise

@@ -290,10 +290,10 @@ def fuzz(cases: int, seed: int = 0, timeout: int = 10, time_budget: float | None
     rng = random.Random(seed)
     stats = Stats()
     old = signal.signal(signal.SIGALRM, _alarm)
-    t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="circleops-fuzz-") as tmp:
         work = Path(tmp)
         seeds = build_seeds(work)
+        t_start = time.monotonic()  # the budget is for the cases, not the seeds' conversion
         npys = {}
         for s in seeds:
             npys[s.name] = []

@@ -249,3 +249,19 @@ def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys):
     x_q = sg.tensors[sg.inputs[0]].quant
     assert f"UINT8     [1, 3, 8, 8]  scale {float(x_q.scale[0]):.4g}, zero point {int(x_q.zero_point[0])}" in out
     assert "quantized activations (" in out and "per-channel (dim 3, 8 scales)" in out  # the depthwise filter
+
+
+@pytest.mark.parametrize("scheme,runtime", [("uint8", "onert")])  # int16 in the reference: the same code path
+def test_check_reports_layer_sqnr_and_agreement(scheme, runtime):
+    from families import BY_NAME
+
+    from circleops.quantize.check import quant_check
+
+    if runtime == "onert":
+        pytest.importorskip("onert")
+    r = quant_check(BY_NAME["llama"].build(), None, quantize=scheme, prompt_ids=[5, 17, 42], new_tokens=4,
+                    window=32, max_windows=1, runtime=runtime)
+    assert len(r.layer_sqnr_db) == len(r.layer_max_abs) == 2
+    assert all(db > (30 if scheme == "int16" else 10) for db in r.layer_sqnr_db), r.table()
+    assert 0 <= r.agreement <= 4 and abs(r.perplexity_ratio - 1) < 0.2
+    assert "SQNR (dB)" in r.table() and f"{scheme} activations" in r.table()

@@ -61,3 +61,16 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.returncode in (0, 141)
     np.testing.assert_equal(proc.returncode, 141)
+
+
+def test_convert_of_a_plain_exported_sequential_works(tmp_path):
+    # Reported: `circleops convert model.pt2` of nn.Sequential(Linear, ReLU) printed a torch
+    # traceback. It converts; and whatever fails, the CLI prints no traceback.
+    from tests_helpers_pt2 import plain_pt2
+
+    pt2 = plain_pt2(tmp_path / "model.pt2")
+    out = tmp_path / "model.circle"
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(pt2), "-o", str(out), "--verify",
+                           "--quiet"], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and out.exists()
