@@ -96,7 +96,7 @@ def test_failed_verify_keeps_the_previous_good_file_and_verifies_the_temporary(t
     path = tmp_path / "m.circle"
     _convert_tiny(path, verify=True)
     good = path.read_bytes()
-    import circleops.convert as conv
+    import circleops.conversion as conv
 
     seen = []
 
