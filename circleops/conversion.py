@@ -46,7 +46,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False) -> Report:
+            integer_io: bool = False, threads: int | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -72,10 +72,14 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
         Verify compares with the fake-quantized torch module. ``integer_io``: the file's
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
+    threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
+        of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
+        stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target)
+    check_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
                           "verify (verify compares float outputs with torch)")
@@ -94,7 +98,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
-               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None)
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads)
     with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
@@ -139,7 +143,8 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
 def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
          dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
          example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None) -> Report:
+         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None,
+         threads: int | None = None) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
     Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
@@ -158,6 +163,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
         raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
                           "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
                           "CircleQuantizer) and save the converted program, or use circleops.convert")
+    check_threads(threads)
     from circleops.passes.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
@@ -185,7 +191,8 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     args = tuple(example_args or ())
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, args,
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
-               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize)
+               source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize,
+               threads=threads)
     job.integer_io = integer_io
     if quantized and tolerance is None:
         job.tolerance = INTEGER_TOLERANCE
@@ -205,6 +212,29 @@ QUANT_TOLERANCE = 5e-2
 
 
 # --------------------------------------------------------------------------- options
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise TargetError(f"threads={threads!r}: give the NUM_THREADS the file will run with (1, 2, ...)")
+
+
+def target_profile(target: str, threads: int | None = None) -> Any:
+    """The lowering profile of ``target`` for a file run with ``threads`` onert threads.
+
+    Measured (bench/README.md, bench/onert_matmul.py): onert's 1x1 CONV_2D is a blocked
+    GEMM that beats FULLY_CONNECTED for 4+ rows only with a second idle core; on one
+    thread it is 1.2-3x slower for SmolLM2's 64-row linears, while a one-row lm_head (8x
+    wider output) stays faster as a CONV_2D (21 vs 48 ms). So one thread keeps the latter.
+    """
+    import dataclasses
+
+    from circleops.targets import profile
+
+    p = profile(target)
+    if threads == 1 and p.linear_as_conv is not None:
+        p = dataclasses.replace(p, linear_as_conv=dataclasses.replace(p.linear_as_conv, min_rows=sys.maxsize))
+    return p
+
 
 def check_quantize(quantize: str | None, target: str) -> str | None:
     """The quantization asked for (None: none): a GGML format or an integer scheme
@@ -528,6 +558,7 @@ class _Job:
     fusion_model: torch.nn.Module | None = None
     quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -575,7 +606,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     from circleops.lowering.integer import lower_quantized
 
     ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
-        or lower_program(ep, job.target, dtype=job.dtype)
+        or lower_program(ep, target_profile(job.target, job.threads), dtype=job.dtype)
     if job.output_names:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
@@ -671,6 +702,9 @@ def fused_counts(ep: Any) -> dict[str, int]:
 
 def _run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Tensor]:
     ctx = hf_export_settings(model) if model is not None else contextlib.nullcontext()
+    # on copies: a forward that writes into its inputs (x.mul_(2)) must not change what the
+    # written file is then run on
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     with ctx, torch.no_grad():
         out = module(*args)
     flat, _ = torch.utils._pytree.tree_flatten(out)

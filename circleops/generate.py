@@ -1,10 +1,13 @@
-"""``circleops generate DIR --prompt TEXT``: greedy generation with the written prefill and
-decode graphs (``circleops convert MODEL --graphs prefill,decode -o DIR``).
+"""``circleops generate DIR --prompt TEXT``: generation with the written prefill and decode
+graphs (``circleops convert MODEL --graphs prefill,decode``).
 
-The prompt runs once through the prefill graph, which fills the KV caches; then the
-decode graph runs once per new token with the caches passed in and out as numpy arrays.
-Each runtime session is created once and reused for every step, so a token costs one
-decode run: generation time grows linearly with the number of new tokens.
+The prompt runs through the prefill graph (in chunks of its length when longer: any prompt
+up to the cache length), which fills the KV caches; then the decode graph runs once per new
+token with the caches passed in and out as numpy arrays. Each runtime session is created
+once and reused for every step, so a token costs one decode run: generation time grows
+linearly with the number of new tokens. Greedy by default; a ``circleops.sampling.Sampler``
+draws tokens instead. The cache persists between calls (``keep_cache``, ``feed``), which
+``circleops chat`` uses to continue a conversation without prefilling it again.
 
     from circleops.generate import Generator
     gen = Generator("out/")                       # runtime from the manifest (onert for target onert)
@@ -13,6 +16,7 @@ decode run: generation time grows linearly with the number of new tokens.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,6 +68,16 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     if runtime == "onert" and signature is not None:
         raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
                           f"with --target onert for one file per graph.")
+    threads = getattr(manifest, "num_threads", None)
+    if runtime == "onert" and threads and "NUM_THREADS" not in os.environ:
+        # the thread count the graphs were made for (convert --threads; 1 for GGML weights:
+        # onert's GGML kernel starts NUM_THREADS-1 workers per call, and on 2 busy cores 2
+        # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
+        os.environ["NUM_THREADS"] = str(threads)
+        try:
+            return open_session(runtime, path, signature)
+        finally:
+            del os.environ["NUM_THREADS"]
     return open_session(runtime, path, signature)
 
 
@@ -78,6 +92,7 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0  # decode graph runs (the first new token comes from the prefill)
+    prefill_runs: int = 0  # prefill graph runs for the prompt (chunks)
     stopped_at_eos: bool = False
     runtime: str = ""
     text: str | None = None
@@ -88,7 +103,8 @@ class Generation:
 
     def timing_line(self, prefill_len: int) -> str:
         line = (f"circleops generate [{self.runtime}]: prefill {len(self.prompt_ids)}-token prompt "
-                f"(graph length {prefill_len}) in {self.prefill_seconds:.3f} s; ")
+                f"(graph length {prefill_len}{f', {self.prefill_runs} runs' if self.prefill_runs > 1 else ''}) "
+                f"in {self.prefill_seconds:.3f} s; ")
         if self.decode_steps:
             line += (f"decode {self.decode_steps} tokens in {self.decode_seconds:.2f} s = "
                      f"{self.decode_tokens_per_second:.1f} tokens/s ({1000 * self.decode_seconds / self.decode_steps:.1f} "
@@ -129,6 +145,7 @@ class Generator:
         self._pos = np.zeros(1, dtype=np.int64)
         self.caches: list[Any] = []
         self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
+        self.prefill_runs = 0  # runs of the prefill graph so far (chunks)
 
     @property
     def position(self) -> int:
@@ -168,6 +185,7 @@ class Generator:
             self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
         outs = self.prefill_session.run([buf, np.array([pos], dtype=np.int64), *self.caches])
         self.caches = list(outs[1:])
+        self.prefill_runs += 1
         return outs[0][0]
 
     def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> Any:
@@ -254,8 +272,10 @@ class Generator:
             return sampler(logits, self.history)
 
         t = time.perf_counter()
+        runs = self.prefill_runs
         token = pick(self.feed(prompt_ids))
         result.prefill_seconds = time.perf_counter() - t
+        result.prefill_runs = self.prefill_runs - runs
         t = time.perf_counter()
         while True:
             result.tokens.append(token)
@@ -366,7 +386,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
 
 
 def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-             runtime: str | None = None, stream: Any = None, chat: bool = False) -> Generation:
+             runtime: str | None = None, stream: Any = None, chat: bool = False, sampler: Any = None) -> Generation:
     """Greedy generation from the graphs in ``directory``.
 
     ``prompt``: text (tokenized with the saved tokenizer) or token ids. ``stream``: a file
@@ -384,7 +404,7 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
             tokenizer = load_tokenizer(gen.manifest)
     gen.check_fits(len(ids), max_new_tokens)
     streamer = TextStream(tokenizer, stream) if tokenizer is not None and stream is not None else None
-    result = gen.generate(ids, max_new_tokens, on_token=streamer)
+    result = gen.generate(ids, max_new_tokens, on_token=streamer, sampler=sampler)
     if streamer is not None:
         result.text = streamer.close()
     elif tokenizer is not None:

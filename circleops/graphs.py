@@ -43,7 +43,11 @@ from circleops.targets import PROFILES
 
 DEFAULT_PREFILL_LEN = 64
 DEFAULT_MAX_CACHE_LEN = 512
-# The onert runtime gets one file per graph (see the module docstring).
+# The onert runtime gets one file per graph (see the module docstring). One file with a
+# dynamic sequence dimension (shape_signature -1, resized at run time) does not work on
+# onert 0.1.0: measured by bench/onert_dynamic_seq.py, every layout either fails
+# ("num_elements() cannot calculate when any dimension is unspecified", "ShapeValidator
+# failed"), returns the first run's shape for another length (wrong results), or crashes.
 ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
 
 Progress = Callable[[str], None]
@@ -122,7 +126,7 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
         return export(step, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
 
 
-def lower_step(ep: Any, graph: str, target: str, num_layers: int, dtype: Any = None) -> Any:
+def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None) -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
     ``graph`` with the io names of :func:`io_names`."""
     from circleops.lowering import lower_program
@@ -329,7 +333,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
-                   progress: Progress | None = None, quantize: str | None = None) -> GraphsReport:
+                   progress: Progress | None = None, quantize: str | None = None,
+                   threads: int | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -338,6 +343,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
     against the model's own forward: a prefill of a half-length prompt, then one decode
     step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
+    ``threads``: the onert NUM_THREADS the files are made for (as for :func:`circleops.convert`;
+    default 1 with ``quantize``), recorded in the manifest: ``generate`` runs onert with it.
     ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
     share one set of blocks, and verify compares with the model running those weights
     dequantized.
@@ -352,6 +359,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     torch_dtype = api.model_dtype(model) or torch.float32
     quantize = api.check_quantize(quantize, target)
     api.check_target_dtype(target, torch_dtype, quantize)
+    api.check_threads(threads)
+    if threads is None and target == "onert" and quantize:
+        threads = 1  # GGML kernels: 1 thread measured faster on 2 shared cores (bench/README.md)
     runtime = None
     if verify:
         runtime = PROFILES[target].runtime if verify is True else str(verify)
@@ -369,7 +379,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         report = _convert_graphs_into(model, staging, out_dir, graphs=graphs, target=target, prefill_len=prefill_len,
                                       max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
                                       tolerance=tolerance, source=source, progress=progress, quantize=quantize,
-                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config)
+                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads)
         _publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -381,7 +391,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: Sequence[str], target: str,
                          prefill_len: int, max_cache_len: int, tokenizer: Any, runtime: str | None,
                          tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
-                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any) -> GraphsReport:
+                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any,
+                         threads: int | None = None) -> GraphsReport:
     """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
     import torch  # noqa: F401
 
@@ -407,7 +418,8 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
     timings["export"] = time.perf_counter() - t
 
     t = stage("lower")
-    lowered = {g: lower_step(ep, g, target, step.num_layers, dtype=torch_dtype) for g, ep in eps.items()}
+    lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype)
+               for g, ep in eps.items()}
     timings["lower"] = time.perf_counter() - t
     quant_report = None
     if quantize:
@@ -470,7 +482,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
-        quantize=quantize)
+        quantize=quantize, num_threads=threads)
     timings["write"] = time.perf_counter() - t
 
     report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,

@@ -54,6 +54,7 @@ class Manifest:
     tokenizer: str | None = None
     source: str = ""
     quantize: str | None = None  # GGML weight format of the files ("q4_0", "q8_0"), if any
+    num_threads: int | None = None  # the onert NUM_THREADS the files were made for
 
     @property
     def default_runtime(self) -> str:
@@ -72,7 +73,7 @@ class Manifest:
             "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": "[1, C, Hkv, D]",
             "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
             "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
-            "quantize": self.quantize,
+            "quantize": self.quantize, "num_threads": self.num_threads,
         }
 
     def write(self) -> Path:
@@ -113,7 +114,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      inputs=list(data["inputs"]), outputs=list(data["outputs"]),
                      eos_token_ids=list(data.get("eos_token_ids") or []),
                      pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
-                     source=data.get("source", ""), quantize=data.get("quantize"))
+                     source=data.get("source", ""), quantize=data.get("quantize"),
+                     num_threads=data.get("num_threads"))
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     if m.target not in PROFILES:

@@ -60,6 +60,7 @@ class TargetProfile:
     rope_modes: frozenset[str]  # circle::rope modes the ROPE builtin runs
     linear_as_conv: Conv1x1Rule | None  # write constant-weight linears as 1x1 CONV_2D when this says so
     fc_keep_num_dims: bool  # FULLY_CONNECTED honours keepNumDims (else rank > 2 inputs are flattened)
+    reduce_drops_dims: bool  # reducers (SUM, MEAN, REDUCE_*) take keepDims=False (else keep and RESHAPE)
     copy_consumed_outputs: bool  # a subgraph output another op also reads needs its own copy
     legalize_fp16: bool  # fp16 ops without a CPU kernel compute in fp32 (tflite_fp16)
     rank0_inputs: bool  # the runtime takes 0-d graph inputs (else a 0-d input is written as [1])
@@ -118,6 +119,7 @@ CIRCLE = TargetProfile(
     rope_modes=_ALL_ROPE_MODES,
     linear_as_conv=None,
     fc_keep_num_dims=True,
+    reduce_drops_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=False,
     rank0_inputs=True,
@@ -142,6 +144,8 @@ ONERT = TargetProfile(
         "ATTENTION",                # "Unsupported operation"
         "CUMSUM",                   # no CPU kernel
         "REDUCE_MIN",               # load fails: "Unsupported operation"
+        "SIGN", "CEIL", "HARD_SWISH", "ATAN2",  # load fails: "Unsupported operation" (tests/coverage)
+        "TRANSPOSE_CONV",           # "KernelGenerator: NYI for operation 'TransposeConv'"
         "TOPK_V2",                  # load fails: "Unsupported operation"
     }),
     builtin_dtypes=_frozen({
@@ -155,7 +159,9 @@ ONERT = TargetProfile(
         "SELECT_V2": frozenset({"float32"}),  # int32, int64, bool: "Select: unsupported data type"
     }),
     # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
-    builtin_ranks=_frozen({"RMS_NORM": frozenset({3, 4})}),
+    # PAD, PADV2: "Padding for rank > 4 NYI"
+    builtin_ranks=_frozen({"RMS_NORM": frozenset({3, 4}), "PAD": frozenset({1, 2, 3, 4}),
+                           "PADV2": frozenset({1, 2, 3, 4})}),
     rope_max_positions=1,  # ROPE reads only the first row of sin/cos: exact for a decode step only
     rope_modes=frozenset({"gpt_neox"}),  # GPT_J: "Unsupported RoPE mode"
     # onert's CPU CONV_2D is a blocked GEMM, up to 2x faster than its FULLY_CONNECTED from 4
@@ -166,6 +172,8 @@ ONERT = TargetProfile(
     # Llama (onert session 238 -> 262 MB; tico's file 274).
     linear_as_conv=Conv1x1Rule(min_rows=4, min_widening=8),
     fc_keep_num_dims=False,  # fp32 FULLY_CONNECTED re-infers its output as [N, out]
+    # reducing a rank-4 tensor over 2 axes without keepDims fails at prepare ("ShapeValidator")
+    reduce_drops_dims=False,
     copy_consumed_outputs=True,  # an output a TRANSPOSE/RESHAPE also reads gets corrupted
     legalize_fp16=False,
     rank0_inputs=False,  # session preparation fails: "unsupported rank: 0"
@@ -193,6 +201,7 @@ TFLITE = TargetProfile(
     rope_modes=_ALL_ROPE_MODES,
     linear_as_conv=None,
     fc_keep_num_dims=True,
+    reduce_drops_dims=True,
     copy_consumed_outputs=False,
     legalize_fp16=True,
     rank0_inputs=True,

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-data", metavar="PT", default=None,
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="target onert: the NUM_THREADS the file will run with. 1 keeps multi-row linears "
+                             "FULLY_CONNECTED (onert's 1x1 CONV_2D is faster only with a second core); with "
+                             "--graphs it is recorded for generate (default: 1 with --quantize, else onert's)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -83,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli.common import ProgressBar, scipy_hidden, writable
+    from circleops.cli.common import ProgressBar, convert_stages, scipy_hidden, writable
     from circleops.dtypes import float_dtype
     from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
@@ -110,10 +114,7 @@ def main(args: argparse.Namespace) -> int:
     if verify:
         api.resolve_runtime(verify, args.target, dtype)
 
-    exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
-    stages = ["load"] + ([] if exported_input else ["export"])
-    stages += ["fuse"] if args.fuse in ("auto", "patterns") else []
-    stages += ["lower"] + (["quantize"] if quantize else []) + ["write"] + (["verify"] if verify else [])
+    stages = convert_stages(args.model, args.fuse, bool(quantize), bool(verify))
     progress = ProgressBar(stages, enabled=not args.quiet and sys.stderr.isatty())
     try:
         progress("load")
@@ -124,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
         example_args = loaded.example_args(args.seq_len)
         load_seconds = time.perf_counter() - t
         common: dict[str, Any] = dict(target=args.target, dtype=dtype, fuse=args.fuse, verify=verify,
-                                      tolerance=args.tolerance, progress=progress, quantize=quantize)
+                                      tolerance=args.tolerance, progress=progress, quantize=quantize,
+                                      threads=args.threads)
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:

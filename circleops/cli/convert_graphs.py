@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     report = graphs.convert_graphs(loaded.module, out, graphs=names, target=args.target, prefill_len=prefill_len,
                                    max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
                                    tolerance=args.tolerance, source=loaded.source, progress=progress,
-                                   quantize=quantize)
+                                   quantize=quantize, threads=getattr(args, "threads", None))
     report.timings = {"load": load_seconds, **report.timings}
     if args.report:
         try:

@@ -16,7 +16,7 @@ from circleops.lowering.program import lower_program
 from circleops.lowering.registry import LOWERINGS, lower, lowering_for
 
 # Importing the op-group modules registers their lowerings.
-from circleops.lowering import (circle_ops, conv, dynamic, elementwise, linalg, norm,  # noqa: E402,F401
-                                reduce, scatter, shape)
+from circleops.lowering import (circle_ops, conv, dynamic, elementwise, elementwise_math, linalg,  # noqa: E402,F401
+                                norm, pool, reduce, resize, scatter, select, shape, views)
 
 __all__ = ["LOWERINGS", "LoweringContext", "Value", "lower", "lower_program", "lowering_for"]

@@ -20,7 +20,7 @@ def _(ctx, node, x):
         "Keep the value a tensor (torch.where instead of an if, fixed sizes), or make it a constant of the model.")
 
 
-@lower(aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive, aten.unique_dim)
+@lower(aten.nonzero, aten.argwhere, aten.masked_select, aten._unique2, aten.unique_consecutive, aten.unique_dim)
 def _(ctx, node, x, *args, **kwargs):
     if getattr(x, "is_const", False) and node.target is aten.nonzero.default:
         return ctx.const(torch.nonzero(x.const))

@@ -6,6 +6,7 @@ import math
 import torch
 
 from circleops.lowering.context import Value, result_type
+from circleops.lowering.elementwise_math import unary_or_fallback
 from circleops.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -18,6 +19,8 @@ def _scaled(ctx, y, alpha):
 
 @lower(aten.add)
 def _(ctx, node, x, y, alpha=1):
+    if ctx.out_dtype == torch.bool:  # boolean add is logical or
+        return ctx.binary("LOGICAL_OR", x, y, dtype=torch.bool)
     return ctx.add(x, _scaled(ctx, y, alpha), ctx.out_dtype)
 
 
@@ -33,6 +36,8 @@ def _(ctx, node, x, y, alpha=1):
 
 @lower(aten.mul)
 def _(ctx, node, x, y):
+    if ctx.out_dtype == torch.bool:  # no runtime multiplies booleans: that is logical and
+        return ctx.binary("LOGICAL_AND", x, y, dtype=torch.bool)
     return ctx.mul(x, y, ctx.out_dtype)
 
 
@@ -48,9 +53,7 @@ def _(ctx, node, x, y, rounding_mode=None):
     if rounding_mode == "floor":
         return ctx.binary("FLOOR_DIV", x, y, dtype=ctx.out_dtype)
     q = ctx.div(x, y, result_type(x, y) if ctx.out_dtype.is_floating_point else torch.float32)
-    # trunc: round toward zero = sign(q) * floor(|q|)
-    t = ctx.mul(ctx.unary("SIGN", q), ctx.unary("FLOOR", ctx.unary("ABS", q)))
-    return ctx.cast(t, ctx.out_dtype)
+    return ctx.cast(ctx.call(torch.trunc, q), ctx.out_dtype)
 
 
 @lower(aten.floor_divide)
@@ -129,7 +132,7 @@ def _unary(opcode):
     def lowering(ctx, node, x):
         if opcode == "LOGICAL_NOT":
             return ctx.unary(opcode, ctx.cast(x, torch.bool))
-        return ctx.unary(opcode, ctx.cast(x, ctx.out_dtype))
+        return unary_or_fallback(ctx, opcode, ctx.cast(x, ctx.out_dtype))
     return lowering
 
 
@@ -252,12 +255,14 @@ def _select(ctx, cond, x, y):
         picked = x if bool(cond.const.all()) else y if not bool(cond.const.any()) else None
         if isinstance(picked, Value) and picked.shape == ctx.out_shape:
             return ctx.cast(picked, dtype)
-    if not dtype.is_floating_point and not ctx.supports("SELECT_V2", dtype):
-        # integers and masks selected as float32 (exact below 2**24: positions, ids, flags)
-        y = ctx.emit("SELECT_V2", [ctx.cast(cond, torch.bool), ctx.cast(x, torch.float32), ctx.cast(y, torch.float32)],
-                     out_dtype=torch.float32)
-        return ctx.cast(y, dtype)
-    return ctx.emit("SELECT_V2", [ctx.cast(cond, torch.bool), ctx.cast(x, dtype), ctx.cast(y, dtype)])
+    cond, x, y = ctx.cast(cond, torch.bool), ctx.cast(x, dtype), ctx.cast(y, dtype)
+    if ctx.supports("SELECT_V2", dtype):
+        return ctx.emit("SELECT_V2", [cond, x, y])
+    if dtype == torch.bool:  # (c and x) or (not c and y)
+        return ctx.binary("LOGICAL_OR", ctx.binary("LOGICAL_AND", cond, x, dtype=torch.bool),
+                          ctx.binary("LOGICAL_AND", ctx.unary("LOGICAL_NOT", cond), y, dtype=torch.bool), dtype=torch.bool)
+    # integers: y + (x - y)·c, exact in the integer dtype
+    return ctx.add(y, ctx.mul(ctx.sub(x, y), ctx.cast(cond, dtype)))
 
 
 # ------------------------------------------------------------------------ softmax

@@ -107,6 +107,28 @@ def _(ctx, node, bias, a, b, beta=1, alpha=1):
     return ctx.add(y, bias if beta == 1 else ctx.mul(bias, beta))
 
 
+@lower(aten.addmv)
+def _(ctx, node, bias, mat, vec, beta=1, alpha=1):
+    y = ctx.reshape(batch_matmul(ctx, mat, ctx.reshape(vec, (vec.shape[0], 1))), (mat.shape[0],))
+    if alpha != 1:
+        y = ctx.mul(y, alpha)
+    if beta == 0:
+        return y
+    return ctx.add(y, bias if beta == 1 else ctx.mul(bias, beta))
+
+
+def _bilinear(x1, x2, w, b):
+    o, i, j = w.shape
+    t = torch.matmul(x1, w.permute(1, 0, 2).reshape(i, o * j)).reshape(*x1.shape[:-1], o, j)
+    y = (t * x2.unsqueeze(-2)).sum(-1)
+    return y if b is None else y + b
+
+
+@lower(aten.bilinear)
+def _(ctx, node, x1, x2, weight, bias=None):
+    return ctx.call(_bilinear, x1, x2, weight, bias)
+
+
 def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """scaled_dot_product_attention's math, in the ops of an eager HF attention."""
     d, s, c = q.shape[-1], q.shape[-2], k.shape[-2]

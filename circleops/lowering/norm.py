@@ -4,6 +4,8 @@ shift), layer norm, group norm and var/std (traced from small aten kernels that 
 fp32 for half inputs, as torch's CPU kernels do)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from circleops.lowering.circle_ops import instance_norm
@@ -68,9 +70,24 @@ def _(ctx, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_en
     return ctx.call(_layer_norm, x, list(normalized_shape), weight, bias, float(eps))
 
 
+def _layer_norm_stats(x, normalized_shape, weight, bias, eps):
+    dims = tuple(range(-len(normalized_shape), 0))
+    h = x.to(torch.float32) if x.dtype in _HALF else x
+    mean = h.mean(dims, keepdim=True)
+    rstd = torch.rsqrt(((h - mean) * (h - mean)).mean(dims, keepdim=True) + eps)
+    return _layer_norm(x, normalized_shape, weight, bias, eps), mean, rstd
+
+
+def _stats_read(node):
+    """Whether a (out, mean, rstd) op's statistics are read (an export for inference reads out only)."""
+    return any(u.target is operator.getitem and u.args[1] != 0 for u in node.users)
+
+
 @lower(aten.native_layer_norm)
 def _(ctx, node, x, normalized_shape, weight, bias, eps):
-    return [ctx.call(_layer_norm, x, list(normalized_shape), weight, bias, float(eps)), None, None]
+    if not _stats_read(node):
+        return [ctx.call(_layer_norm, x, list(normalized_shape), weight, bias, float(eps)), None, None]
+    return list(ctx.call(_layer_norm_stats, x, list(normalized_shape), weight, bias, float(eps)))
 
 
 def _group_norm(x, groups, weight, bias, eps):
@@ -87,9 +104,39 @@ def _group_norm(x, groups, weight, bias, eps):
     return y.to(x.dtype)
 
 
+def _group_norm_stats(x, n, c, hw, groups, weight, bias, eps):
+    h = (x.to(torch.float32) if x.dtype in _HALF else x).reshape(n, groups, -1)
+    mean = h.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(((h - mean) * (h - mean)).mean(-1, keepdim=True) + eps)
+    return _group_norm(x, groups, weight, bias, eps), mean.reshape(n, groups), rstd.reshape(n, groups)
+
+
+@lower(aten.native_group_norm)
+def _(ctx, node, x, weight, bias, n, c, hw, groups, eps):
+    if not _stats_read(node):
+        return [ctx.call(_group_norm, x, int(groups), weight, bias, float(eps)), None, None]
+    return list(ctx.call(_group_norm_stats, x, int(n), int(c), int(hw), int(groups), weight, bias, float(eps)))
+
+
 @lower(aten.group_norm)
 def _(ctx, node, x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
     return ctx.call(_group_norm, x, int(num_groups), weight, bias, float(eps))
+
+
+def _rms_norm(x, normalized_shape, weight, eps):
+    """aten.rms_norm: normalized in fp32, times the weight in fp32, then cast (OLMo2's order)."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    h = x.to(torch.float32) if x.dtype in _HALF else x
+    y = h * torch.rsqrt((h * h).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+@lower(aten.rms_norm)
+def _(ctx, node, x, normalized_shape, weight=None, eps=None):
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    return ctx.call(_rms_norm, x, list(normalized_shape), weight, eps)
 
 
 def _var(x, dims, correction, keepdim):

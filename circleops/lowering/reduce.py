@@ -23,8 +23,11 @@ def reduce(ctx, opcode, x, dim, keepdim, dtype=None):
         # min(x) = -max(-x), exact
         return ctx.unary("NEG", reduce(ctx, "REDUCE_MAX", ctx.unary("NEG", x), dim, keepdim, x.dtype))
     axes = _axes(x, dim)
-    shape = [1 if i in axes else d for i, d in enumerate(x.shape)] if keepdim else \
-        [d for i, d in enumerate(x.shape) if i not in axes]
+    kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
+    shape = kept if keepdim else [d for i, d in enumerate(x.shape) if i not in axes]
+    if not keepdim and not ctx.profile.reduce_drops_dims:
+        y = ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=kept, out_dtype=x.dtype, keepDims=True)
+        return ctx.reshape(y, shape)
     return ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=shape, out_dtype=x.dtype,
                     keepDims=bool(keepdim))
 
@@ -74,12 +77,17 @@ def _(ctx, node, x, dim, keepdim=False, dtype=None):
     return reduce(ctx, "REDUCE_PROD", x, dim, keepdim)
 
 
-@lower(aten.any.dim, aten.any.dims)
+@lower(aten.prod.default)
+def _(ctx, node, x, dtype=None):
+    return reduce(ctx, "REDUCE_PROD", x, None, False)
+
+
+@lower(aten.any.dim, aten.any.dims, aten.any.default)
 def _(ctx, node, x, dim=None, keepdim=False):
     return reduce(ctx, "REDUCE_ANY", ctx.cast(x, torch.bool), dim, keepdim, torch.bool)
 
 
-@lower(aten.all.dim, aten.all.dims)
+@lower(aten.all.dim, aten.all.dims, aten.all.default)
 def _(ctx, node, x, dim=None, keepdim=False):
     # all(x) = not any(not x)
     inverted = ctx.unary("LOGICAL_NOT", ctx.cast(x, torch.bool))
@@ -136,6 +144,58 @@ def _(ctx, node, x, dim, dtype=None):
     y = ctx.emit("FULLY_CONNECTED", [ctx.reshape(h, (-1, n)), tri, None], "FullyConnectedOptions",
                  out_shape=(h.numel // n, n), out_dtype=torch.float32, fusedActivationFunction=0, keepNumDims=False)
     return ctx.cast(ctx.transpose(ctx.reshape(y, h.shape), inverse), dtype)
+
+
+@lower(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
+def _(ctx, node, x, dim=None):
+    # counted in float32 (exact below 2**24): no runtime here sums booleans, onert no int64
+    nonzero = ctx.cast(ctx.binary("NOT_EQUAL", x, 0, out_dtype=torch.bool), torch.float32)
+    return ctx.cast(reduce(ctx, "SUM", nonzero, dim, False, torch.float32), torch.int64)
+
+
+def _vector_norm(x, ord, dims, keepdim):
+    a = torch.abs(x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x)
+    if ord == 2:
+        y = torch.sqrt((a * a).sum(dims, keepdim=keepdim))
+    elif ord == 1:
+        y = a.sum(dims, keepdim=keepdim)
+    elif ord == float("inf"):
+        y = a.amax(dims, keepdim=keepdim)
+    elif ord == float("-inf"):
+        y = a.amin(dims, keepdim=keepdim)
+    elif ord == 0:
+        y = (a != 0).to(a.dtype).sum(dims, keepdim=keepdim)
+    else:
+        y = torch.pow(torch.pow(a, ord).sum(dims, keepdim=keepdim), 1.0 / ord)
+    return y.to(x.dtype)
+
+
+@lower(aten.linalg_vector_norm)
+def _(ctx, node, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    dims = tuple(_axes(x, dim))
+    return ctx.cast(ctx.call(_vector_norm, ctx.cast(x, ctx.out_dtype), float(ord), dims, bool(keepdim)), ctx.out_dtype)
+
+
+def _histc(x, bins, lo, hi):
+    h = x.reshape(-1)
+    if lo == hi:  # torch: the data's own range (and a width of 1 if that is a point)
+        lo_t, hi_t = h.amin(), h.amax()
+        same = lo_t == hi_t
+        lo_t, hi_t = torch.where(same, lo_t - 1, lo_t), torch.where(same, hi_t + 1, hi_t)
+    else:
+        lo_t, hi_t = h.new_full((), lo), h.new_full((), hi)
+    inside = (h >= lo_t) & (h <= hi_t)
+    idx = torch.floor((h - lo_t) * bins / (hi_t - lo_t))
+    idx = torch.where(h == hi_t, bins - 1, idx)
+    hit = (idx.unsqueeze(0) == torch.arange(bins, dtype=h.dtype, device=h.device).unsqueeze(1)) & inside
+    return hit.to(h.dtype).sum(1)
+
+
+@lower(aten.histc)
+def _(ctx, node, x, bins=100, min=0, max=0):
+    if x.numel * bins > 1 << 24:
+        raise ctx.unsupported(f"histograms {x.numel} values into {bins} bins", "Histogram fewer values or bins.")
+    return ctx.call(_histc, ctx.cast(x, torch.float32), int(bins), float(min), float(max))
 
 
 @lower(aten.topk)

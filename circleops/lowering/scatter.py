@@ -79,6 +79,12 @@ def _(ctx, node, x, indices, values, accumulate=False):
             mask = indices[dims[0]]
             mask = ctx.reshape(mask, (1,) * dims[0] + mask.shape + (1,) * (x.rank - dims[0] - mask.rank))
             return ctx.call(_masked_put, x, mask, values)
+        from circleops.lowering.views import masked_rows
+
+        if len(indices) - indices.count(None) == 1 and indices[0] is not None:
+            y = masked_rows(ctx, x, indices[0], values, accumulate)  # the same row written to every hit
+            if y is not None:
+                return y
         raise ctx.unsupported(
             "writes through a boolean mask with more than one value (how many it writes depends on the data)",
             "Write x = torch.where(mask, values, x) with values of x's shape, or use integer indices.")
@@ -135,8 +141,10 @@ def _index_put_dense(x, indices, values, *, dims, sizes, rest, picked_shape, lea
 @lower(aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.scatter.reduce, aten.scatter.value_reduce)
 def _(ctx, node, x, dim, index, src, reduce=None):
     add = node.target is aten.scatter_add.default or reduce == "add"
-    if reduce not in (None, "add"):
-        raise ctx.unsupported(f"scatters with reduce={reduce!r}", "Use reduce='add' or scatter_add.")
+    if reduce not in (None, "add"):  # multiply: through flat positions (views.py)
+        from circleops.lowering.views import scatter_reduce
+
+        return scatter_reduce(ctx, x, dim, index, src, reduce)
     dim %= x.rank
     if not hasattr(src, "shape"):  # scatter.value: a Python number
         src = ctx.const(src, x.dtype)

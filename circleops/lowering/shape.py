@@ -191,25 +191,15 @@ def pad_rows(rank, pad):
     return rows
 
 
-@lower(aten.constant_pad_nd)
-def _(ctx, node, x, pad, value=0):
-    rows = pad_rows(x.rank, pad)
-    if any(v < 0 for row in rows for v in row):
-        raise ctx.unsupported("pads by a negative amount", "Slice the tensor instead.")
-    paddings = const_value(torch.tensor(rows, dtype=torch.int32))
-    if value == 0:
-        return ctx.emit("PAD", [x, paddings])
-    return ctx.emit("PADV2", [x, paddings, ctx.const(value, x.dtype)])
-
-
 @lower(aten.flip)
 def _(ctx, node, x, dims):
-    dims = sorted({d % x.rank for d in dims})
-    if not ctx.supports("REVERSE_V2", x.dtype):  # onert's is float-only
-        for d in dims:
+    dims = sorted({d % x.rank for d in dims if x.shape[d % x.rank] > 1})
+    for d in dims:
+        if not ctx.supports("REVERSE_V2", x.dtype):  # onert's is float-only
             x = ctx.gather(x, list(range(x.shape[d] - 1, -1, -1)), d)
-        return x
-    return ctx.emit("REVERSE_V2", [x, ctx.i32(dims)])
+        else:  # one axis per REVERSE_V2: LiteRT reverses one axis only, and crashes on none
+            x = ctx.emit("REVERSE_V2", [x, ctx.i32([d])], out_shape=x.shape, out_dtype=x.dtype)
+    return x
 
 
 @lower(aten.diff)

@@ -58,3 +58,9 @@ def test_prompt_logits_match_the_model(graphs, model):
 def test_past_the_cache_is_refused(graphs):
     with pytest.raises(GenerationLimitError, match=f"more than the {CACHE} slots"):
         graphs.generate(_prompt(CACHE), 1)
+
+
+def test_timing_line_counts_the_chunks(graphs):
+    result = graphs.generate(_prompt(40), 2, stop_at_eos=False)
+    assert result.prefill_runs == 3  # 0..15, 16..31, then 24..39 end-aligned
+    assert f"(graph length {PREFILL}, 3 runs)" in result.timing_line(PREFILL)

@@ -15,6 +15,11 @@ from circleops.manifest import read_manifest
 from circleops.serialize import read_model
 
 pytestmark = pytest.mark.slow
+
+# onert against the reference interpreter on the real 30-layer model (tests/conftest.py):
+# measured 1.04e-5 and 1.1e-5 of the output's scale on cache values (prefill over a 336-slot
+# cache, and a 300-token prompt in chunks), just past the default 1e-5.
+CROSS_CHECK_ATOL = 5e-5
 LAYERS = 30
 
 

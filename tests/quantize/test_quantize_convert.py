@@ -176,3 +176,39 @@ def test_refusals(tmp_path, llama, kwargs, match):
     with pytest.raises(TargetError, match=match):
         circleops.convert(copy.deepcopy(llama), (example_ids(8),), tmp_path / "m.x", **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("threads,conv", [(None, True), (2, True), (1, False)])
+def test_threads_choose_the_linear_form(tmp_path, llama, threads, conv):
+    """One onert thread: multi-row linears stay FULLY_CONNECTED (onert's 1x1 CONV_2D is the
+    faster one only with a second core); the one-row, 8x wider lm_head stays a CONV_2D."""
+    path = tmp_path / "m.circle"
+    report = circleops.convert(llama, (example_ids(8),), path, target="onert", threads=threads, verify=True)
+    assert ("CONV_2D" in report.ops) == conv
+    assert report.ops["FULLY_CONNECTED"] > 0 if not conv else True
+
+
+def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
+    """GGML graphs are made for one onert thread; generate opens their sessions with
+    NUM_THREADS=1 (unless the user set it) and leaves the environment as it was."""
+    import os
+
+    import circleops.generate as rt
+    from circleops.generate import open_graph
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+
+    convert_graphs(copy.deepcopy(llama), tmp_path / "g", target="onert", prefill_len=8, max_cache_len=16,
+                   quantize="q8_0")
+    manifest = read_manifest(tmp_path / "g")
+    assert manifest.num_threads == 1
+    monkeypatch.delenv("NUM_THREADS", raising=False)
+    seen, real = {}, rt.open_session
+
+    def spy(runtime, path, signature=None):
+        seen["threads"] = os.environ.get("NUM_THREADS")
+        return real(runtime, path, signature)
+
+    monkeypatch.setattr(rt, "open_session", spy)
+    open_graph(manifest, "decode", "onert")
+    assert seen["threads"] == "1" and "NUM_THREADS" not in os.environ

@@ -1,0 +1,33 @@
+"""The real SmolLM2-135M (a Q4_1 GGUF) as q4_0 generation graphs for onert: the summary
+says its weights were requantized, the files are a fifth of fp32's, onert generates
+English, and the perplexity text is long enough in its tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_q4_0_graphs_generate(tmp_path):
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+    from circleops.models import load_smollm2
+    from circleops.quantize.check import text_ids
+
+    model, tokenizer = load_smollm2()
+    assert len(text_ids(tokenizer, model.config.vocab_size)) >= 2000
+    params = sum(p.numel() for p in model.parameters())  # tied: the embedding counted once
+    out = tmp_path / "q4"
+    report = convert_graphs(model, out, target="onert", prefill_len=16, max_cache_len=64, tokenizer=tokenizer,
+                            verify=True, quantize="q4_0", source="smollm2")
+    q = report.quantization
+    assert q.embedding is not None and not q.kept_fp32
+    assert q.requantized_from.get("Q4_1", 0) >= 200  # 30 layers x 7 linears + the embedding
+    assert "GGUF Q4_1 tensors requantized to GGML_Q4_0" in report.summary()
+    manifest = read_manifest(out)
+    size = (out / manifest.files["decode"]).stat().st_size
+    assert size < 0.2 * params * 4, (size, params)
+    gen = Generator(manifest).generate(tokenizer("Once upon a time,")["input_ids"], 12)
+    text = tokenizer.decode(gen.tokens)
+    assert sum(c.isalpha() for c in text) > 20 and " " in text, text
