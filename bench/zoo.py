@@ -204,7 +204,8 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
 
 
 def table(rows: list[dict], elapsed: float, tree: Path) -> str:
-    built = [r for r in rows if r["status"] != "no tiny build"]
+    measured = [r for r in rows if r["status"] != "not measured"]
+    built = [r for r in measured if r["status"] != "no tiny build"]
     passed = [r for r in built if r["status"] == "pass"]
     lines = [
         "# The Hugging Face causal-LM zoo on target onert",
@@ -217,7 +218,9 @@ def table(rows: list[dict], elapsed: float, tree: Path) -> str:
         f"onert's logits match torch within {TOLERANCE:g} x max(1, max|logits|).",
         "",
         f"**{len(passed)} of {len(built)}** architectures that build tiny pass "
-        f"({len(rows) - len(built)} more do not build or run in torch at that size). "
+        f"({len(measured) - len(built)} more do not build or run in torch at that size"
+        + (f"; {len(rows) - len(measured)} not measured: a partial run" if len(measured) < len(rows) else "")
+        + "). "
         f"transformers {_version('transformers')}, torch {_version('torch')}, onert {_version('onert')}"
         + (f"; {elapsed / 60:.0f} min." if elapsed else "."),
         "",
@@ -248,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--tree", default=str(ROOT), help="the circleops checkout to measure (default: this one)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
-    ap.add_argument("--from-json", help="render the table from a --json file of an earlier (or partial) run")
+    ap.add_argument("--shard", help="i/n: run every n-th architecture from the i-th (several processes, one table "
+                                    "with --from-json a.json,b.json,...)")
+    ap.add_argument("--from-json", help="render the table from --json files (comma-separated) of earlier or partial runs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -257,9 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",") if args.only else None
     t = time.perf_counter()
     if args.from_json:
-        rows = json.loads(Path(args.from_json).read_text())
+        got = {r["arch"]: r for p in args.from_json.split(",") for r in json.loads(Path(p).read_text())}
+        archs = architectures(only)
+        rows = [got[a] for a, _ in archs if a in got]
+        if len(rows) < len(archs):  # a partial run: say which were not measured
+            rows += [{"arch": a, "class": c, "status": "not measured", "reason": "the run was stopped before it",
+                      "fused": {}} for a, c in archs if a not in got]
     else:
-        rows = run_zoo(architectures(only), Path(args.tree).resolve(), args.timeout,
+        archs = architectures(only)
+        if args.shard:
+            i, n = (int(v) for v in args.shard.split("/"))
+            archs = archs[i::n]
+        rows = run_zoo(archs, Path(args.tree).resolve(), args.timeout,
                        progress=Path(args.json) if args.json else None)
     text = table(rows, None if args.from_json else time.perf_counter() - t, Path(args.tree))
     if args.out == "-":

@@ -702,6 +702,9 @@ def fused_counts(ep: Any) -> dict[str, int]:
 
 def _run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Tensor]:
     ctx = hf_export_settings(model) if model is not None else contextlib.nullcontext()
+    # on copies: a forward that writes into its inputs (x.mul_(2)) must not change what the
+    # written file is then run on
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     with ctx, torch.no_grad():
         out = module(*args)
     flat, _ = torch.utils._pytree.tree_flatten(out)

@@ -70,6 +70,12 @@ def _falcon_attention(x, y):
     return scores.softmax(-1) @ y
 
 
+def _writes_into_inputs(x, y):
+    x.mul_(2)  # the caller's tensor: the file computes from the value it is given
+    y[0] = 0.0
+    return x + y
+
+
 def _scatter(x, y):
     i = torch.tensor([[0, 4], [1, 2], [3, 3], [2, 0]])
     groups = torch.zeros(4, 5, dtype=x.dtype).scatter_(1, i, 1.0)  # DeepSeek-V3's group mask
@@ -77,7 +83,7 @@ def _scatter(x, y):
 
 
 CASES = {f.__name__[1:]: f for f in (_inplace_arith, _copy_detach, _writes_through_views, _index_put, _copy_variants,
-                                     _out_variants, _falcon_attention, _scatter)}
+                                     _out_variants, _falcon_attention, _writes_into_inputs, _scatter)}
 
 
 class Fn(torch.nn.Module):
