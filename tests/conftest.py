@@ -17,7 +17,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # the two must agree within 1e-5 x max(1, max|output|) (fp32 outputs): the real runtimes check the interpreter on
 # every file the tests produce. Tests that pin a runtime's own deviations (onert's ROPE
 # reading one row, ignored flags; LiteRT's fp16 kernel list) opt out.
-_CROSS_CHECK_OPT_OUT = ("test_onert_runtime.py",
+# test_quantize_smollm2.py: 30 real layers amplify Q8_0 input-rounding flips (see GGML_CROSS_CHECK_ATOL)
+# past 1e-2 of the logits; its verify still compares onert with torch on the same weights.
+_CROSS_CHECK_OPT_OUT = ("test_onert_runtime.py", "test_quantize_smollm2.py",
                         "test_coverage_opinfo.py")  # compares every runtime with torch itself
 CROSS_CHECK_ATOL = 1e-5
 # A file with GGML weights: onert's kernel rounds each linear's input to Q8_0, so a 1-ulp
