@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from circleops.generate import Generator
-    from circleops.graphs import read_manifest
+    from circleops.manifest import read_manifest
 
     load_before = os.getloadavg()
     sessions = []

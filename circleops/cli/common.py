@@ -38,6 +38,14 @@ class ProgressBar:
             self.bar.close()
 
 
+def convert_stages(model: str | None, fuse: str, quantize: bool, verify: bool) -> list[str]:
+    """The stages ``circleops convert`` goes through, in order (the progress bar's steps)."""
+    exported_input = model is not None and Path(model).suffix.lower() in (".pt2", ".pt", ".ep")
+    stages = ["load"] + ([] if exported_input else ["export"])
+    stages += ["fuse"] if fuse in ("auto", "patterns") else []
+    return stages + ["lower"] + (["quantize"] if quantize else []) + ["write"] + (["verify"] if verify else [])
+
+
 @contextlib.contextmanager
 def scipy_hidden() -> Iterator[None]:
     """transformers imports scipy.optimize when it loads (for object-detection losses only),

@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli.common import ProgressBar, scipy_hidden, writable
+    from circleops.cli.common import ProgressBar, convert_stages, scipy_hidden, writable
     from circleops.dtypes import float_dtype
     from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
@@ -114,10 +114,7 @@ def main(args: argparse.Namespace) -> int:
     if verify:
         api.resolve_runtime(verify, args.target, dtype)
 
-    exported_input = args.model is not None and Path(args.model).suffix.lower() in (".pt2", ".pt", ".ep")
-    stages = ["load"] + ([] if exported_input else ["export"])
-    stages += ["fuse"] if args.fuse in ("auto", "patterns") else []
-    stages += ["lower"] + (["quantize"] if quantize else []) + ["write"] + (["verify"] if verify else [])
+    stages = convert_stages(args.model, args.fuse, bool(quantize), bool(verify))
     progress = ProgressBar(stages, enabled=not args.quiet and sys.stderr.isatty())
     try:
         progress("load")

@@ -19,6 +19,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from circleops import ir
+from circleops.dtypes import float_dtype
 from circleops.errors import REPORT_BUG, CircleOpsError, InternalError, TargetError, UnsupportedOpError
 from circleops.lowering.context import LoweringContext
 from circleops.lowering.registry import lower, lowering_for
@@ -48,11 +49,10 @@ def _program_dtype(ep: torch.export.ExportedProgram) -> torch.dtype | None:
 def _as_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if str(dtype) not in names:
+    resolved = float_dtype(dtype)  # the one name map (circleops.dtypes)
+    if resolved is None:
         raise TargetError(f"unknown dtype {dtype!r}: use float32, float16 or bfloat16")
-    return names[str(dtype)]
+    return resolved
 
 
 def _check_dtype(ep: torch.export.ExportedProgram, target: TargetProfile, dtype: Any) -> None:
