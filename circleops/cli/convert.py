@@ -52,9 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="target onert: the NUM_THREADS the file will run with. 1 keeps multi-row linears "
-                             "FULLY_CONNECTED (onert's 1x1 CONV_2D is faster only with a second core); with "
-                             "--graphs it is recorded for generate (default: 1 with --quantize, else onert's)")
+                        help="target onert: the NUM_THREADS the file runs with (1: linears stay FULLY_CONNECTED; "
+                             "--graphs records it for generate; default 1 with --quantize, else onert's)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -102,8 +101,7 @@ def main(args: argparse.Namespace) -> int:
     dtype = float_dtype(args.dtype)
     fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
-    quantize = api.check_quantize(args.quantize, args.target)
-    api.check_target_dtype(args.target, dtype, quantize)
+    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target))
     out = api.check_output_path(args.output, fmt)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
