@@ -11,7 +11,8 @@ machine falls on both alike; the median of the rounds is reported. See bench/REA
 setting up tico in its own venv (it must not replace the main torch).
 
 Then both files of the 45M model run in onert (``--latency-runs``, default 20; 0 skips it):
-the same input ids, 2 threads (NUM_THREADS), each output checked against torch (max abs
+the same input ids, ``--threads`` (default 2; NUM_THREADS for onert, and ours converted with
+``convert --threads N``, the form that is fastest at that count), each output checked against torch (max abs
 error printed), interleaved timed runs after a warm-up, and the median onert latency of
 ours / tico's reported as a ratio.
 """
@@ -28,8 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-THREADS = 2
-os.environ.setdefault("NUM_THREADS", str(THREADS))  # onert's thread count, read from the environment
+THREADS = 2  # default --threads; onert_latency sets NUM_THREADS (onert reads it when a session is made)
 
 LLAMA_45M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
@@ -78,7 +78,8 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
             "tail": (err or out).strip().splitlines()[-3:]}
 
 
-def onert_latency(files: dict[str, Path], hf_dir: Path, seq_len: int, runs: int, warmup: int = 3) -> dict:
+def onert_latency(files: dict[str, Path], hf_dir: Path, seq_len: int, runs: int, warmup: int = 3,
+                  threads: int = THREADS) -> dict:
     """Both files in onert on the same ids: max abs error against torch, then the median
     of ``runs`` interleaved timed calls each (one call of every file per round)."""
     import numpy as np
@@ -86,7 +87,8 @@ def onert_latency(files: dict[str, Path], hf_dir: Path, seq_len: int, runs: int,
     import torch
     import transformers
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
+    os.environ["NUM_THREADS"] = str(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
@@ -95,7 +97,7 @@ def onert_latency(files: dict[str, Path], hf_dir: Path, seq_len: int, runs: int,
     del model
     ids_np = ids.numpy()
     sessions = {name: onert.infer.session(str(path), "cpu") for name, path in files.items()}
-    result: dict = {"threads": THREADS, "runs": runs, "load_before": os.getloadavg()[0]}
+    result: dict = {"threads": threads, "runs": runs, "load_before": os.getloadavg()[0]}
     for name, sess in sessions.items():
         got = sess.infer([ids_np])[0]
         # onert ignores FULLY_CONNECTED's keepNumDims: a file ending in a rank-3 FC comes
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tico", action="store_true", help="only circleops (no ratios)")
     ap.add_argument("--work", default=None, help="directory for models and outputs (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help="the thread count the files are converted for and run with in onert (default 2)")
     ap.add_argument("--latency-runs", type=int, default=20,
                     help="timed onert runs of each file of the 45M model after the conversions (0: skip)")
     args = ap.parse_args(argv)
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             out.unlink(missing_ok=True)
             ours = [sys.executable, "-m", "circleops.cli", "convert", *case["ours"], "-o", str(out),
-                    "--target", args.target, "--seq-len", str(args.seq_len), "--quiet"]
+                    "--target", args.target, "--seq-len", str(args.seq_len), "--quiet",
+                    "--threads", str(args.threads)]
             runs["circleops"].append(run_measured(ours))
             if use_tico:
                 tout.unlink(missing_ok=True)
@@ -176,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             row["rss_ratio"] = ours_r["peak_rss_bytes"] / row["tico"]["peak_rss_bytes"]
         files = {name: path for name, path in (("circleops", out), ("tico", tout)) if path.exists()}
         if args.latency_runs > 0 and "hf_dir" in case and args.target == "onert" and files:
-            print(f"{case['name']}: onert latency, {THREADS} threads, median of {args.latency_runs} interleaved runs",
+            print(f"{case['name']}: onert latency, {args.threads} threads, median of {args.latency_runs} interleaved runs",
                   flush=True)
-            row["onert_latency"] = onert_latency(files, case["hf_dir"], args.seq_len, args.latency_runs)
+            row["onert_latency"] = onert_latency(files, case["hf_dir"], args.seq_len, args.latency_runs,
+                                                threads=args.threads)
         out.unlink(missing_ok=True)
         tout.unlink(missing_ok=True)
         results.append(row)
