@@ -46,7 +46,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None) -> Report:
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = ()) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -72,13 +72,16 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
         Verify compares with the fake-quantized torch module. ``integer_io``: the file's
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
+        ``int16`` (with "uint8", target circle): parts kept at int16 activations, mixed
+        precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
+        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj").
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
-    quantize = check_quantize(quantize, target)
+    quantize = check_quantize(quantize, target, int16)
     check_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -117,12 +120,12 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     if quantize in INTEGER_FORMATS:
         job.quantize, job.pretrained, job.integer_io = None, None, integer_io
         return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
-                                                     calibration_data, tokenizer), job)
+                                                     calibration_data, tokenizer, int16), job)
     return _lower_write_verify(ep, job)
 
 
 def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
-                      data: Any, tokenizer: Any) -> Any:
+                      data: Any, tokenizer: Any, int16: Sequence[str] = ()) -> Any:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
     prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
     then lowers that program and verifies against the converted (fake-quantized) module."""
@@ -141,7 +144,7 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
     config = getattr(model, "config", None)
     samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
                                        vocab_size=getattr(config, "vocab_size", None))
-    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
+    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8", int16=int16)
     with hf_export_settings(model), torch.no_grad():
         converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
                                        progress=getattr(job.progress, "bar", None) is not None)
@@ -248,9 +251,18 @@ def target_profile(target: str, threads: int | None = None) -> Any:
     return p
 
 
-def check_quantize(quantize: str | None, target: str) -> str | None:
+def check_quantize(quantize: str | None, target: str, int16: Sequence[str] = ()) -> str | None:
     """The quantization asked for (None: none): a GGML format or an integer scheme
-    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target."""
+    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target, and for
+    ``int16`` parts (mixed precision) outside a uint8 graph for target circle."""
+    if [p for p in int16 if p.strip()]:
+        if quantize != "uint8" or target != "circle":
+            raise TargetError(f"int16 parts ({', '.join(int16)}) mix int16 into a uint8 graph: use quantize='uint8' "
+                              f"with target 'circle' (got quantize={quantize!r}, target {target!r}; onert 0.1.0 "
+                              "loads no int16 tensor)")
+        from circleops.quantize.pt2e import int16_parts
+
+        int16_parts(int16)  # a bad part name fails here, before any work
     if quantize in INTEGER_FORMATS:
         if target == "tflite":
             raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
