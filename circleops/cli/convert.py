@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Light modules only (no torch): `circleops convert --help` must be instant.
     from circleops.graphs import DEFAULT_MAX_CACHE_LEN
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
-    from circleops.quantize import WEIGHT_FORMATS
+    from circleops.quantize import INT16_PARTS, INT16_PRESETS, WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
 
@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
                              "shipped in circleops/quantize/calibration.txt; other models: the example input with "
                              "seeded noise, or --calibration-data) (default 8)")
+    parser.add_argument("--int16", metavar="PARTS", default="", help="with --quantize uint8: int16 activations for "
+                        "these comma-separated parts (mixed precision): " + "; ".join(f"{k}: {v}" for k, v in
+                        INT16_PARTS.items()) + f"; presets {INT16_PRESETS}; or module names / globs (*.mlp.down_proj)")
     parser.add_argument("--calibration-data", metavar="PT", default=None,
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
@@ -101,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
     dtype = float_dtype(args.dtype)
     fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
-    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target))
+    int16 = [p for p in args.int16.split(",") if p.strip()]
+    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target, int16))
     out = api.check_output_path(args.output, fmt)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
@@ -130,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             if quantize in api.INTEGER_FORMATS:
                 common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
-                              tokenizer=loaded.tokenizer)
+                              tokenizer=loaded.tokenizer, int16=int16)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()
