@@ -119,7 +119,7 @@ def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start:
         result = json.load(f)
     t = result["timings"]
     seconds = sum(v for k, v in t.items() if k not in ("import", "load", "torch logits"))
-    label = "tico 0.3.0 PTQ, default PTQConfig() (uint8 activations, uint8 weights)"
+    label = "tico 0.3.0 PTQ, default PTQConfig(): uint8 activations, uint8 per-channel weights"
     torch_note = ""
     if "torch_logits" in result:  # tico's own fake-quantized torch model, before its export
         fq = torch.load(result["torch_logits"])[0, start:-1].numpy()

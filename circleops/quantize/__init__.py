@@ -29,12 +29,13 @@ INT16_PARTS: dict[str, str] = {
     "residual": "every float add (in an LLM with the fused ops: the residual adds)",
     "embedding": "the embedding table (stored int16) and its output, the start of the residual stream",
     "attention": "circle.attention: its input, cos/sin and output (projections stay int8)",
+    "mlp": "every MLP (modules *.mlp): gate/up/down projections, activation and product",
     "mlp_out": "the MLP down projections (modules *.mlp.down_proj): its input and output",
     "lm_head": "the output projection (module *lm_head)",
 }
 # named sets of INT16_PARTS (bench/README.md, "SmolLM2-135M" table: what each costs and buys)
 INT16_PRESETS: dict[str, tuple[str, ...]] = {
-    "llm": ("norms", "residual"),
+    "llm": ("norms", "residual", "mlp"),
 }
 
 # GGML choices -> the Circle TensorType their weights are stored as

@@ -58,7 +58,7 @@ def int16_parts(parts: Iterable[str]) -> tuple[list[Any], list[str]]:
         "embedding": [aten.embedding.default],
         "attention": [circle.attention],
     }
-    by_module = {"mlp_out": ["*.mlp.down_proj"], "lm_head": ["*lm_head"]}
+    by_module = {"mlp": ["*.mlp"], "mlp_out": ["*.mlp.down_proj"], "lm_head": ["*lm_head"]}
     assert set(by_op) | set(by_module) == set(INT16_PARTS)
     ops: list[Any] = []
     modules: list[str] = []

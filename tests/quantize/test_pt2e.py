@@ -224,7 +224,7 @@ def test_int16_parts_name_what_they_select(tiny_llama):
 
     ops, modules = pt2e.int16_parts(["llm", "mlp_out", "lm_head", "model.norm"])
     assert torch.ops.circle.rms_norm in ops and torch.ops.aten.add.Tensor in ops
-    assert modules == ["*.mlp.down_proj", "*lm_head", "model.norm", "*.model.norm"]
+    assert modules == ["*.mlp", "*.mlp.down_proj", "*lm_head", "model.norm", "*.model.norm"]
     assert set(INT16_PRESETS["llm"]) <= set(INT16_PARTS)
     with pytest.raises(QuantizeConfigError, match="norms, residual"):
         pt2e.int16_parts(["rms norm!"])

@@ -46,7 +46,7 @@ def test_cli_quantize_int16_llm_from_config(capsys, tmp_path, llama_config):
     assert ("RMS_NORM", "INT16") in ops and ("FULLY_CONNECTED", "INT16") in ops
 
 
-def test_cli_quantize_uint8_with_int16_norms_and_residual(capsys, tmp_path, llama_config):
+def test_cli_quantize_uint8_with_int16_llm_preset(capsys, tmp_path, llama_config):
     out = tmp_path / "m.circle"
     code = main(["convert", "--config", str(llama_config), "-o", str(out), "--seq-len", "8",
                  "--quantize", "uint8", "--int16", "llm", "--calibrate", "1", "--verify"])
@@ -54,7 +54,9 @@ def test_cli_quantize_uint8_with_int16_norms_and_residual(capsys, tmp_path, llam
     assert code == 0, captured.err
     assert "verify:  reference: max abs error" in captured.out and "MISMATCH" not in captured.out
     ops = _dtypes(out)
-    assert ("RMS_NORM", "INT16") in ops and ("ADD", "INT16") in ops and ("FULLY_CONNECTED", "UINT8") in ops
+    # the preset llm: norms, residual adds and the MLPs int16; attention and the lm_head uint8
+    assert ("RMS_NORM", "INT16") in ops and ("ADD", "INT16") in ops and ("FULLY_CONNECTED", "INT16") in ops
+    assert ("ATTENTION", "UINT8") in ops and ("FULLY_CONNECTED", "UINT8") in ops
     assert ("RMS_NORM", "UINT8") not in ops and ("ADD", "UINT8") not in ops
 
 
