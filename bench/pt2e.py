@@ -57,7 +57,8 @@ def recipe(name: str) -> tuple[str, list[str], str]:
     return scheme, parts, f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
 
 
-def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None) -> None:
+def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
+            tico_result: str | None = None) -> None:
     import circleops
     from circleops import models
     from circleops.runtime import reference
@@ -101,22 +102,28 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None)
         seconds = time.perf_counter() - t
         logits = reference.run(path, [seq.numpy()])[0][0, start:-1]
         row(label + ", int8 weights", logits, path, seconds, "circleops, reference interpreter")
-    if tico:
-        tico_ptq(seq, fp, calibrate, tmp, start, row)
+    if tico or tico_result:
+        tico_ptq(seq, fp, calibrate, tmp, start, row, tico_result)
     with open(os.path.join(tmp, "rows.md"), "a") as f:
         f.write("\n".join(rows) + "\n")
 
 
-def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start: int, row) -> None:
+def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start: int, row,
+             tico_result: str | None = None) -> None:
     """tico's PTQ in its venv (bench/_tico_ptq.py); its file run by the reference
     interpreter, else onert; what fails is a row too."""
     seq_path, out, result_path = (os.path.join(tmp, n) for n in ("seq.pt", "tico_ptq.circle", "tico_ptq.json"))
-    torch.save(seq, seq_path)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
-    proc = subprocess.run([TICO_PYTHON, os.path.join(HERE, "_tico_ptq.py"), seq_path, out, str(calibrate),
-                           result_path], env=env, capture_output=True, text=True)
+    if tico_result:  # a finished run of bench/_tico_ptq.py (same sequence and calibration)
+        result_path, stderr = tico_result, ""
+    else:
+        torch.save(seq, seq_path)
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+        proc = subprocess.run([TICO_PYTHON, os.path.join(HERE, "_tico_ptq.py"), seq_path, out, str(calibrate),
+                               result_path], env=env, capture_output=True, text=True)
+        stderr = proc.stderr
     with open(result_path) as f:
         result = json.load(f)
+    out = result.get("file", out)
     t = result["timings"]
     seconds = sum(v for k, v in t.items() if k not in ("import", "load", "torch logits"))
     label = "tico 0.3.0 PTQ, default PTQConfig(): uint8 activations, uint8 per-channel weights"
@@ -129,7 +136,7 @@ def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start:
         e = result["error"]
         row(label, None, None, "-", f"fails at {e['stage']}: {e['type']}: {e['message']} ({e['where']})"
             + torch_note)
-        print(proc.stderr[-3000:], file=sys.stderr)
+        print(stderr[-3000:], file=sys.stderr)
         return
     logits, runner, errors = None, "", []
     for runtime in ("reference", "onert"):
@@ -138,6 +145,13 @@ def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start:
 
             logits = open_session(runtime, out).run([seq.numpy()])[0]
             runner = runtime
+            if not np.issubdtype(logits.dtype, np.floating):  # tico's output stays uint8: dequantize it
+                from circleops.serialize import read_model
+
+                sg = read_model(out).subgraphs[0]
+                q = sg.tensors[sg.outputs[0]].quant
+                logits = (logits.astype(np.float64) - q.zero_point[0]) * q.scale[0]
+                runner += f" (its {sg.tensors[sg.outputs[0]].dtype} logits dequantized)"
             break
         except Exception as err:  # noqa: BLE001 - which runtime runs tico's file is the finding
             errors.append(f"{runtime}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
@@ -219,10 +233,12 @@ def main() -> int:
     p.add_argument("--recipes", default="int16,uint8,llm", help="comma-separated: int16, uint8, a preset, "
                    "or uint8+PART+PART")
     p.add_argument("--tico", action="store_true", help="also tico 0.3.0's PTQ (its venv: " + TICO_PYTHON + ")")
+    p.add_argument("--tico-result", default=None, help="the RESULT.json of a finished bench/_tico_ptq.py run: "
+                   "evaluate its file instead of running tico again")
     p.add_argument("--out", default=None, help="directory for the files (default: a temporary one)")
     args = p.parse_args()
     if args.what == "smollm2":
-        smollm2(args.calibrate, [r for r in args.recipes.split(",") if r], args.tico, args.out)
+        smollm2(args.calibrate, [r for r in args.recipes.split(",") if r], args.tico, args.out, args.tico_result)
     else:
         convnet()
     return 0
