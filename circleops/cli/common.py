@@ -67,3 +67,16 @@ def writable(path: Path) -> bool:
     parent = path.parent if str(path.parent) else Path(".")
     return not path.is_dir() and parent.is_dir() and os.access(parent, os.W_OK)
 
+
+
+def one_length(text: str | None) -> int | None:
+    """``--seq-len`` without ``--graphs``: one sequence length (a list is for --graphs only)."""
+    from circleops.errors import TargetError
+
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise TargetError(f"--seq-len takes one length (several, comma-separated, only with --graphs: one prefill "
+                          f"graph each); got {text!r}.") from None

@@ -17,7 +17,7 @@ EXIT_WITHOUT_TEARDOWN = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Light modules only (no torch): `circleops convert --help` must be instant.
-    from circleops.graphs import DEFAULT_MAX_CACHE_LEN
+    from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
     from circleops.quantize import WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
@@ -36,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
     parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
-    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2)")
+    parser.add_argument("--seq-len", default=None, metavar="N",
+                        help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2); "
+                             "with --graphs the prefill graphs' lengths, comma-separated (default "
+                             f"{','.join(map(str, DEFAULT_PREFILL_LENS))})")
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
                         help="auto: adapters for the families that have them, then pattern fusion; "
                              "adapters / patterns only; none (default: auto)")
@@ -71,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", metavar="LIST", default=None,
                         help="write generation graphs instead of one forward: prefill,decode (with a static KV "
                              "cache) into the directory -o, with manifest.json and the tokenizer, for "
-                             "`circleops generate`. --seq-len is the prefill length (default 64)")
+                             "`circleops generate`. --seq-len gives the prefill lengths (default "
+                             f"{','.join(map(str, DEFAULT_PREFILL_LENS))}: one prefill graph each)")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
@@ -86,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli.common import ProgressBar, convert_stages, scipy_hidden, writable
+    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, writable
     from circleops.dtypes import float_dtype
     from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
@@ -106,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")
+    args.seq_len = one_length(args.seq_len)
     if args.seq_len is not None and args.seq_len < 1:
         models.check_seq_len(args.seq_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
