@@ -1,13 +1,17 @@
 """Integer (PT2E) models: accuracy against fp32, and onert latency.
 
-    python bench/pt2e.py smollm2 [--calibrate 8]   # SmolLM2-135M: int16 and uint8 files
+    python bench/pt2e.py smollm2 [--calibrate 8] [--recipes int16,uint8,llm,...] [--tico]
     python bench/pt2e.py convnet                   # ResNet-style net with instance norm, uint8
 
 smollm2: the fp32 model greedily continues "Once upon a time," by 32 tokens; each integer
-file (circleops.convert(..., quantize=...), run by the reference interpreter's integer
-kernels) reads that same sequence once (teacher forcing). Reported: logits SQNR in dB
+file (circleops.convert(..., quantize=..., int16=...), run by the reference interpreter's
+integer kernels) reads that same sequence once (teacher forcing). Reported: logits SQNR in dB
 (10·log10(Σ fp32² / Σ (fp32 - int)²) over the 32 predicted positions), greedy agreement
-(argmax equal at each of the 32 positions), file size and convert time.
+(argmax equal at each of the 32 positions), file size and convert time (circleops.convert:
+export, calibration, lowering, write; the model already loaded). A recipe is int16, uint8,
+or uint8 with int16 parts: "uint8+norms+residual" or a preset name ("llm" = uint8 + its parts).
+--tico: tico 0.3.0's PTQ (tico.quantization, default PTQConfig()) on the same model and
+calibration windows (bench/_tico_ptq.py in the tico venv), its file run the same way.
 
 convnet: a small ResNet-style classifier (conv + instance norm + ReLU, residual blocks,
 global average pool, linear), random weights (seed 0), 64 seeded inputs: top-1 agreement
@@ -17,8 +21,10 @@ files (interleaved medians, 1 thread).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +35,8 @@ from torch import nn
 
 PROMPT = "Once upon a time,"
 NEW_TOKENS = 32
+TICO_PYTHON = "/tmp/tico-venv/bin/python"
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -36,7 +44,20 @@ def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / noise)
 
 
-def smollm2(calibrate: int) -> None:
+def recipe(name: str) -> tuple[str, list[str], str]:
+    """(scheme, int16 parts, label) of a recipe name."""
+    from circleops.quantize import INT16_PRESETS
+
+    if name in INT16_PRESETS:
+        parts = list(INT16_PRESETS[name])
+        return "uint8", parts, f"uint8 + int16 {'+'.join(parts)} (`--int16 {name}`)"
+    scheme, *parts = name.split("+")
+    if not parts:
+        return scheme, [], f"{scheme} activations"
+    return scheme, parts, f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
+
+
+def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None) -> None:
     import circleops
     from circleops import models
     from circleops.runtime import reference
@@ -47,21 +68,84 @@ def smollm2(calibrate: int) -> None:
     with torch.no_grad():
         seq = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         fp = model(seq).logits[0, ids.shape[1] - 1:-1].numpy()  # the 32 predicting positions
+    start = ids.shape[1] - 1
     print(f"SmolLM2-135M, prompt {PROMPT!r} + {NEW_TOKENS} greedy tokens (seq {seq.shape[1]}), "
-          f"calibration {calibrate} windows of circleops/quantize/calibration.txt")
+          f"calibration {calibrate} windows of circleops/quantize/calibration.txt; "
+          f"torch threads {torch.get_num_threads()}")
     print(f"fp32 continuation: {tok.decode(seq[0, ids.shape[1]:])!r}")
-    print("| file | logits SQNR (dB) | greedy agreement (32 tokens) | file size | convert time |")
-    print("|---|---|---|---|---|")
-    tmp = tempfile.mkdtemp()
-    for scheme in ("int16", "uint8"):
-        path = os.path.join(tmp, f"smollm2_{scheme}.circle")
+    tmp = out_dir or tempfile.mkdtemp()
+    os.makedirs(tmp, exist_ok=True)
+    rows = []
+
+    def row(label: str, logits: np.ndarray | None, path: str | None, seconds: float | str, note: str = "") -> None:
+        if logits is not None:
+            agree = int((logits.argmax(-1) == fp.argmax(-1)).sum())
+            cells = [f"{sqnr_db(fp, logits):.1f}", f"{agree}/{NEW_TOKENS}"]
+        else:
+            cells = ["-", "-"]
+        size = f"{os.path.getsize(path) / 2**20:.0f} MB" if path and os.path.exists(path) else "-"
+        secs = f"{seconds:.0f} s" if isinstance(seconds, float) else seconds
+        line = f"| {label} | {' | '.join(cells)} | {size} | {secs} | {os.getloadavg()[0]:.1f} |" + \
+            (f" {note} |" if note else " |")
+        rows.append(line)
+        print(line, flush=True)
+
+    print("| file | logits SQNR (dB) | greedy agreement (32 tokens) | file size | convert time | load avg | note |")
+    print("|---|---|---|---|---|---|---|")
+    for name in recipes:
+        scheme, parts, label = recipe(name)
+        path = os.path.join(tmp, f"smollm2_{name.replace('+', '_')}.circle")
         t = time.perf_counter()
-        circleops.convert(model, (seq,), path, target="circle", quantize=scheme, calibrate=calibrate, tokenizer=tok)
+        circleops.convert(model, (seq,), path, target="circle", quantize=scheme, int16=parts, calibrate=calibrate,
+                          tokenizer=tok)
         seconds = time.perf_counter() - t
-        logits = reference.run(path, [seq.numpy()])[0][0, ids.shape[1] - 1:-1]
-        agree = int((logits.argmax(-1) == fp.argmax(-1)).sum())
-        print(f"| {scheme} activations, int8 weights | {sqnr_db(fp, logits):.1f} | {agree}/{NEW_TOKENS} | "
-              f"{os.path.getsize(path) / 2**20:.0f} MB | {seconds:.0f} s |")
+        logits = reference.run(path, [seq.numpy()])[0][0, start:-1]
+        row(label + ", int8 weights", logits, path, seconds, "circleops, reference interpreter")
+    if tico:
+        tico_ptq(seq, fp, calibrate, tmp, start, row)
+    with open(os.path.join(tmp, "rows.md"), "a") as f:
+        f.write("\n".join(rows) + "\n")
+
+
+def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start: int, row) -> None:
+    """tico's PTQ in its venv (bench/_tico_ptq.py); its file run by the reference
+    interpreter, else onert; what fails is a row too."""
+    seq_path, out, result_path = (os.path.join(tmp, n) for n in ("seq.pt", "tico_ptq.circle", "tico_ptq.json"))
+    torch.save(seq, seq_path)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    proc = subprocess.run([TICO_PYTHON, os.path.join(HERE, "_tico_ptq.py"), seq_path, out, str(calibrate),
+                           result_path], env=env, capture_output=True, text=True)
+    with open(result_path) as f:
+        result = json.load(f)
+    t = result["timings"]
+    seconds = sum(v for k, v in t.items() if k not in ("import", "load", "torch logits"))
+    label = "tico 0.3.0 PTQ, default PTQConfig() (uint8 activations, uint8 weights)"
+    torch_note = ""
+    if "torch_logits" in result:  # tico's own fake-quantized torch model, before its export
+        fq = torch.load(result["torch_logits"])[0, start:-1].numpy()
+        torch_note = (f"; tico's fake-quantized torch model: {sqnr_db(fp, fq):.1f} dB, "
+                      f"{int((fq.argmax(-1) == fp.argmax(-1)).sum())}/{NEW_TOKENS}")
+    if "error" in result:
+        e = result["error"]
+        row(label, None, None, "-", f"fails at {e['stage']}: {e['type']}: {e['message']} ({e['where']})"
+            + torch_note)
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return
+    logits, runner, errors = None, "", []
+    for runtime in ("reference", "onert"):
+        try:
+            from circleops.runtime import open_session
+
+            logits = open_session(runtime, out).run([seq.numpy()])[0]
+            runner = runtime
+            break
+        except Exception as err:  # noqa: BLE001 - which runtime runs tico's file is the finding
+            errors.append(f"{runtime}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    note = f"tico, run by {runner}" if runner else "its file runs nowhere: " + "; ".join(errors)
+    if errors and runner:
+        note += " (" + "; ".join(errors) + ")"
+    row(label, None if logits is None else np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[start:-1],
+        out, seconds, note + torch_note)
 
 
 class Block(nn.Module):
@@ -132,8 +216,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("smollm2", "convnet"))
     p.add_argument("--calibrate", type=int, default=8)
+    p.add_argument("--recipes", default="int16,uint8,llm", help="comma-separated: int16, uint8, a preset, "
+                   "or uint8+PART+PART")
+    p.add_argument("--tico", action="store_true", help="also tico 0.3.0's PTQ (its venv: " + TICO_PYTHON + ")")
+    p.add_argument("--out", default=None, help="directory for the files (default: a temporary one)")
     args = p.parse_args()
-    smollm2(args.calibrate) if args.what == "smollm2" else convnet()
+    if args.what == "smollm2":
+        smollm2(args.calibrate, [r for r in args.recipes.split(",") if r], args.tico, args.out)
+    else:
+        convnet()
     return 0
 
 

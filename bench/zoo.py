@@ -73,6 +73,9 @@ def _small_kwargs(default) -> dict:
     keys = set(default.to_dict()) | set(vars(default))
     settable = {k for k in keys if not isinstance(getattr(type(default), k, None), property)}
     kwargs = {k: v for k, v in SMALL.items() if k in settable}
+    if {"expand", "num_heads", "head_dim"} <= keys and "hidden_size" in kwargs:
+        # SSM heads (Mamba2) tile the expanded inner width: num_heads * head_dim == hidden * expand
+        kwargs["num_heads"] = kwargs["hidden_size"] * int(getattr(default, "expand")) // kwargs["head_dim"]
     layers = kwargs.get("num_hidden_layers", kwargs.get("n_layer", 2))
     for name in ("layer_types", "mlp_layer_types", "layers_block_type"):
         value = getattr(default, name, None)

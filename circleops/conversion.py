@@ -28,7 +28,7 @@ from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.options import CONVERT_DTYPES, FUSE_MODES
-from circleops.quantize import INTEGER_FORMATS
+from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 from circleops.runtime import RUNTIMES
@@ -46,7 +46,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None) -> Report:
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = ()) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -72,13 +72,16 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         with seeded noise otherwise, or the tensors of the ``calibration_data`` .pt file).
         Verify compares with the fake-quantized torch module. ``integer_io``: the file's
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
+        ``int16`` (with "uint8", target circle): parts kept at int16 activations, mixed
+        precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
+        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj").
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
-    quantize = check_quantize(quantize, target)
+    quantize = check_quantize(quantize, target, int16)
     check_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -94,23 +97,35 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     if model_dtype(model) not in (None, torch_dtype):
         model.to(torch_dtype)
     module = export_module(model)
+    importance = None
+    if quantize in GGML_FORMATS and GGML_FORMATS[quantize] == "GGML_Q4_0":
+        from circleops.quantize.importance import input_importance
+
+        t_imp = time.perf_counter()
+        with hf_export_settings(model), _dense_experts(model):  # the model's own forward, before fusion
+            importance = input_importance(model, example_args, tokenizer)
+        t_imp = time.perf_counter() - t_imp
+        t += t_imp
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
-               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads)
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads,
+               importance=importance)
+    if importance is not None:
+        job.timings["calibrate"] = t_imp
     with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
     if quantize in INTEGER_FORMATS:
         job.quantize, job.pretrained, job.integer_io = None, None, integer_io
         return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
-                                                     calibration_data, tokenizer), job)
+                                                     calibration_data, tokenizer, int16), job)
     return _lower_write_verify(ep, job)
 
 
 def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
-                      data: Any, tokenizer: Any) -> Any:
+                      data: Any, tokenizer: Any, int16: Sequence[str] = ()) -> Any:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
     prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
     then lowers that program and verifies against the converted (fake-quantized) module."""
@@ -129,7 +144,7 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
     config = getattr(model, "config", None)
     samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
                                        vocab_size=getattr(config, "vocab_size", None))
-    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8")
+    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8", int16=int16)
     with hf_export_settings(model), torch.no_grad():
         converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
                                        progress=getattr(job.progress, "bar", None) is not None)
@@ -236,9 +251,18 @@ def target_profile(target: str, threads: int | None = None) -> Any:
     return p
 
 
-def check_quantize(quantize: str | None, target: str) -> str | None:
+def check_quantize(quantize: str | None, target: str, int16: Sequence[str] = ()) -> str | None:
     """The quantization asked for (None: none): a GGML format or an integer scheme
-    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target."""
+    (circleops.quantize.INTEGER_FORMATS); errors for a bad choice or target, and for
+    ``int16`` parts (mixed precision) outside a uint8 graph for target circle."""
+    if [p for p in int16 if p.strip()]:
+        if quantize != "uint8" or target != "circle":
+            raise TargetError(f"int16 parts ({', '.join(int16)}) mix int16 into a uint8 graph: use quantize='uint8' "
+                              f"with target 'circle' (got quantize={quantize!r}, target {target!r}; onert 0.1.0 "
+                              "loads no int16 tensor)")
+        from circleops.quantize.pt2e import int16_parts
+
+        int16_parts(int16)  # a bad part name fails here, before any work
     if quantize in INTEGER_FORMATS:
         if target == "tflite":
             raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
@@ -558,6 +582,7 @@ class _Job:
     fusion_model: torch.nn.Module | None = None
     quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    importance: Any = None  # input importances for Q4_0 scales (circleops.quantize.importance)
     threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
@@ -617,7 +642,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         from circleops.quantize.weights import quantize_weights
 
         quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
-                                        pretrained=job.pretrained)
+                                        pretrained=job.pretrained, importance=job.importance)
         timings["quantize"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
@@ -637,7 +662,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         # so a failed verify leaves a previous good file where it was.
         _enter(job, "verify")
         t_verify = time.perf_counter()
-        with dequantized_sources(quant_report):  # torch runs the weights the file holds
+        with dequantized_sources(quant_report, job.fusion_model):  # torch runs the weights the file holds
             expected = job.reference()
         tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
         report.verify = verify_file(tmp, job.runtime, job.example_args, expected, job.dtype, tolerance)

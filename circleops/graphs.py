@@ -44,6 +44,7 @@ from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyErr
 from circleops.generate import open_graph
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
+from circleops.quantize import GGML_FORMATS
 from circleops.targets import PROFILES
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks
@@ -452,6 +453,13 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         t = stage("torch reference logits")
         references = _verify_references(model, lengths)
         timings["verify"] = time.perf_counter() - t
+    importance = None
+    if quantize and GGML_FORMATS.get(quantize) == "GGML_Q4_0":
+        t = time.perf_counter()  # the model's own forward, before its modules are fused
+        from circleops.quantize.importance import input_importance
+
+        importance = input_importance(model, tokenizer=tokenizer)
+        timings["calibrate"] = time.perf_counter() - t
 
     t = stage("export")
     step = decoder_step(model, max_cache_len)
@@ -471,14 +479,14 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         pretrained = api.pretrained_blocks(model)
         for g, m in lowered.items():
             quantize_weights(m, quantize, parameters=api.parameter_names(eps[g]), pretrained=pretrained,
-                             cache=cache, report=quant_report)
+                             cache=cache, report=quant_report, importance=importance)
         timings["quantize"] = time.perf_counter() - t
         if runtime is not None:
             # the model's forward (fused by now: same numerics) on the weights the files hold
             from circleops.quantize.weights import dequantized_sources
 
             t = stage("torch reference logits")
-            with dequantized_sources(quant_report):
+            with dequantized_sources(quant_report, model):
                 references = _verify_references(model, lengths)
             timings["verify"] = time.perf_counter() - t
     del eps

@@ -126,7 +126,8 @@ class OneRowPrefill(torch.nn.Module):
 
     def __init__(self, step: DecoderWithCache):
         super().__init__()
-        self.step = step
+        self.model = step.model  # registered under the decode step's name: the same parameter names
+        self._run = step.run
 
     def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
-        return self.step.run(input_ids, pos, caches, row)
+        return self._run(input_ids, pos, caches, row)

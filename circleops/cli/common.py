@@ -69,14 +69,20 @@ def writable(path: Path) -> bool:
 
 
 
-def one_length(text: str | None) -> int | None:
-    """``--seq-len`` without ``--graphs``: one sequence length (a list is for --graphs only)."""
+def one_length(text: str | None, source: str | None) -> int | None:
+    """``--seq-len`` without ``--graphs``: one sequence length, at least 1 (a list is for
+    --graphs only)."""
     from circleops.errors import TargetError
 
     if text is None:
         return None
     try:
-        return int(text)
+        length = int(text)
     except ValueError:
         raise TargetError(f"--seq-len takes one length (several, comma-separated, only with --graphs: one prefill "
                           f"graph each); got {text!r}.") from None
+    if length < 1:
+        from circleops.models import check_seq_len
+
+        check_seq_len(length, None, source)
+    return length

@@ -18,8 +18,9 @@ EXIT_WITHOUT_TEARDOWN = True
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Light modules only (no torch): `circleops convert --help` must be instant.
     from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
+    prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
-    from circleops.quantize import WEIGHT_FORMATS
+    from circleops.quantize import INT16_PARTS, INT16_PRESETS, WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
 
@@ -36,10 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
     parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
-    parser.add_argument("--seq-len", default=None, metavar="N",
-                        help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2); "
-                             "with --graphs the prefill graphs' lengths, comma-separated (default "
-                             f"{','.join(map(str, DEFAULT_PREFILL_LENS))})")
+    parser.add_argument("--seq-len", default=None, metavar="N", help="sequence length of the exported graph (default: "
+                        f"64, or a .pt2's saved inputs); with --graphs the prefill lengths (default {prefill_lens})")
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
                         help="auto: adapters for the families that have them, then pattern fusion; "
                              "adapters / patterns only; none (default: auto)")
@@ -50,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
                              "shipped in circleops/quantize/calibration.txt; other models: the example input with "
                              "seeded noise, or --calibration-data) (default 8)")
+    parser.add_argument("--int16", metavar="PARTS", default="", help="with --quantize uint8: int16 activations for "
+                        "these comma-separated parts (mixed precision): " + "; ".join(f"{k}: {v}" for k, v in
+                        INT16_PARTS.items()) + f"; presets {INT16_PRESETS}; or module names / globs (*.mlp.down_proj)")
     parser.add_argument("--calibration-data", metavar="PT", default=None,
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
@@ -73,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", metavar="LIST", default=None,
                         help="write generation graphs instead of one forward: prefill,decode (with a static KV "
                              "cache) into the directory -o, with manifest.json and the tokenizer, for "
-                             "`circleops generate`. --seq-len gives the prefill lengths (default "
-                             f"{','.join(map(str, DEFAULT_PREFILL_LENS))}: one prefill graph each)")
+                             f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens})")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
@@ -104,14 +105,13 @@ def main(args: argparse.Namespace) -> int:
     dtype = float_dtype(args.dtype)
     fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
-    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target))
+    int16 = [p for p in args.int16.split(",") if p.strip()]
+    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target, int16))
     out = api.check_output_path(args.output, fmt)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")
-    args.seq_len = one_length(args.seq_len)
-    if args.seq_len is not None and args.seq_len < 1:
-        models.check_seq_len(args.seq_len, None, args.model or args.config)
+    args.seq_len = one_length(args.seq_len, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
         api.resolve_runtime(verify, args.target, dtype)
@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             if quantize in api.INTEGER_FORMATS:
                 common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
-                              tokenizer=loaded.tokenizer)
+                              tokenizer=loaded.tokenizer, int16=int16)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()

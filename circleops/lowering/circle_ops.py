@@ -36,19 +36,6 @@ _FLOAT32 = torch.float32
 LOWERING_META = "circleops_lowering"  # node.meta key: "decomposed" forces the decomposition
 
 
-def bind(spec: OpSpec, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in."""
-    bound = {}
-    for i, arg in enumerate(spec.overload._schema.arguments):
-        if i < len(args):
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value
-    return bound
-
-
 def form(ctx, spec: OpSpec) -> str:
     """How ctx's target profile writes ``spec``: BUILTIN, DECOMPOSED or COMPOSITE."""
     return ctx.profile.fused_form(spec.circle["builtin"])
@@ -143,7 +130,7 @@ def _offset_folded(bound: dict[str, Any]) -> dict[str, Any]:
 @lower(torch.ops.circle.rms_norm)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["rms_norm"]
-    bound = bind(spec, args, kwargs)
+    bound = spec.bind(args, kwargs)
     if form(ctx, spec) == COMPOSITE:
         bound = _offset_folded(bound)
     return fused(ctx, spec, bound, _rms_norm_builtin)
@@ -178,7 +165,7 @@ def _rope_builtin(ctx, spec, x, cos, sin, mode):
 @lower(torch.ops.circle.rope)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["rope"]
-    return fused(ctx, spec, bind(spec, args, kwargs), _rope_builtin)
+    return fused(ctx, spec, spec.bind(args, kwargs), _rope_builtin)
 
 
 # ------------------------------------------------------------------------ attention
@@ -205,7 +192,7 @@ def _attention_with_rope_op(**bound):
 @lower(torch.ops.circle.attention)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["attention"]
-    bound = bind(spec, args, kwargs)
+    bound = spec.bind(args, kwargs)
     if form(ctx, spec) == DECOMPOSED:
         return ctx.call(_attention_with_rope_op, **bound)
     return fused(ctx, spec, bound, _attention_builtin)
@@ -233,4 +220,4 @@ def instance_norm(ctx, x, weight, bias, eps):
 @lower(torch.ops.circle.instance_norm)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["instance_norm"]
-    return fused(ctx, spec, bind(spec, args, kwargs), _instance_norm_builtin)
+    return fused(ctx, spec, spec.bind(args, kwargs), _instance_norm_builtin)

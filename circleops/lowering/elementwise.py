@@ -13,7 +13,8 @@ aten = torch.ops.aten
 
 
 # ------------------------------------------------------------------------ arithmetic
-def _scaled(ctx, y, alpha):
+def _times_alpha(ctx, y, alpha):
+    """y · alpha: the multiplier aten.add/sub/rsub apply to their second operand."""
     return y if alpha == 1 else (y * alpha if not isinstance(y, Value) else ctx.mul(y, alpha, ctx.out_dtype))
 
 
@@ -21,17 +22,17 @@ def _scaled(ctx, y, alpha):
 def _(ctx, node, x, y, alpha=1):
     if ctx.out_dtype == torch.bool:  # boolean add is logical or
         return ctx.binary("LOGICAL_OR", x, y, dtype=torch.bool)
-    return ctx.add(x, _scaled(ctx, y, alpha), ctx.out_dtype)
+    return ctx.add(x, _times_alpha(ctx, y, alpha), ctx.out_dtype)
 
 
 @lower(aten.sub)
 def _(ctx, node, x, y, alpha=1):
-    return ctx.sub(x, _scaled(ctx, y, alpha), ctx.out_dtype)
+    return ctx.sub(x, _times_alpha(ctx, y, alpha), ctx.out_dtype)
 
 
 @lower(aten.rsub)
 def _(ctx, node, x, y, alpha=1):
-    return ctx.sub(y, _scaled(ctx, x, alpha), ctx.out_dtype)
+    return ctx.sub(y, _times_alpha(ctx, x, alpha), ctx.out_dtype)
 
 
 @lower(aten.mul)

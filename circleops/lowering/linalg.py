@@ -58,8 +58,12 @@ def _(ctx, node, x, weight, bias=None):
     return fully_connected(ctx, x, weight, bias)
 
 
+# BatchMatMulOptions' "b is transposed" field: the Circle and TFLite schemas name it differently.
+_ADJOINT_RHS = {"circle": "adjointRhs", "tflite": "adjY"}
+
+
 def batch_matmul(ctx, a, b):
-    """a @ b for ranks >= 2 with broadcast batch dims. No adjX/adjY: onert ignores them."""
+    """a @ b for ranks >= 2 with broadcast batch dims."""
     dtype = ctx.out_dtype
     a, b = ctx.cast(a, dtype), ctx.cast(b, dtype)
     if b.rank == 2 and b.is_const:
@@ -78,8 +82,14 @@ def batch_matmul(ctx, a, b):
         return ctx.transpose(y, list(range(y.rank - 2)) + [y.rank - 1, y.rank - 2])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     shape = tuple(batch) + (a.shape[-2], b.shape[-1])
-    # no adjoint fields: their defaults (False) are what we want, and the Circle and TFLite
-    # schemas name them differently (adjointLhs / adjX)
+    if ctx.transposed(b) is not None:
+        # q·Kᵀ: onert's and LiteRT's kernels take the right operand as [..., N, K] and
+        # transpose any other layout themselves (a copy per call). So b = TRANSPOSE(src) is
+        # written as its [..., N, K] form with the adjoint flag: the transposes compose
+        # (to none when b only swapped its last two dims) and the kernel copies nothing.
+        bt = ctx.transpose(b, list(range(b.rank - 2)) + [b.rank - 1, b.rank - 2])
+        return ctx.emit("BATCH_MATMUL", [a, bt], "BatchMatMulOptions", out_shape=shape, out_dtype=dtype,
+                        **{_ADJOINT_RHS[ctx.profile.format]: True})
     return ctx.emit("BATCH_MATMUL", [a, b], "BatchMatMulOptions", out_shape=shape, out_dtype=dtype)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from circleops.ops._common import define, with_defaults
+from circleops.ops._common import bind, define, with_defaults
 
 def _schema_path() -> Path:
     # schema/ops.yaml lives at the top of the repository (an editable install reads it in
@@ -87,6 +87,11 @@ class OpSpec:
     def autocast(self) -> str:
         """What the op does under torch.autocast: "fp32", "lower_precision" or "none"."""
         return self.contract["autocast"]
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """A call's arguments by schema name, the schema's defaults filled in."""
+        schema = self.overload._schema
+        return dict(zip((a.name for a in schema.arguments), bind(schema, args, kwargs)))
 
     def sample_inputs(self, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
         """``(args, kwargs)`` pairs exercising every attribute, for generic tests."""

@@ -73,18 +73,15 @@ def update_cache(cache: Tensor, new: Tensor, pos: Tensor) -> Tensor:
     Written as gather + where (no scatter) so that every runtime can run the decomposition.
     """
     s, c = new.shape[1], cache.shape[1]
+    if s == 1:
+        # a decode step: the one new row, broadcast, where the slot is pos (no gather, no
+        # index arithmetic: one compare and one select of the cache)
+        hit = torch.arange(c, device=cache.device, dtype=torch.int64) == pos.reshape(-1)[:1].to(torch.int64)
+        return torch.where(hit[None, :, None, None], new.to(cache.dtype), cache)
     rel = torch.arange(c, device=cache.device, dtype=torch.int64) - pos.reshape(-1)[:1].to(torch.int64)
     hit = (rel >= 0) & (rel < s)
     rows = new.index_select(1, rel.clamp(0, s - 1))
     return torch.where(hit[None, :, None, None], rows.to(cache.dtype), cache)
-
-
-def _expand_kv(t: Tensor, groups: int) -> Tensor:
-    # [B, Hkv, C, D] -> [B, Hkv*groups, C, D], each kv head repeated for its query group.
-    if groups == 1:
-        return t
-    b, h, c, d = t.shape
-    return t[:, :, None].expand(b, h, groups, c, d).reshape(b, h * groups, c, d)
 
 
 def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> torch.dtype:
@@ -117,15 +114,19 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     k = rope(k, cos, sin, "gpt_neox")
     k_cache = update_cache(k_cache, k.transpose(1, 2), pos)
     v_cache = update_cache(v_cache, v, pos)
-    keys = _expand_kv(k_cache.transpose(1, 2), hq // hkv)
-    values = _expand_kv(v_cache.transpose(1, 2), hq // hkv)
+    # GQA without repeating the cache: the G = Hq/Hkv query heads that share kv head h
+    # (heads h·G .. h·G+G-1) are G·S rows of one product with that head's C keys, so each
+    # key and value is read once, in one BATCH_MATMUL per layer, not copied G times.
+    c, g = k_cache.shape[1], hq // hkv
+    keys = k_cache.transpose(1, 2).to(dtype)  # [B, Hkv, C, D]
+    values = v_cache.transpose(1, 2).to(dtype)
     scaling = scale if scale != 0.0 else d ** -0.5
-    scores = torch.matmul(q, keys.transpose(2, 3).to(dtype)) * scaling
+    scores = torch.matmul(q.reshape(b, hkv, g * s, d), keys.transpose(2, 3)).view(b, hq, s, c) * scaling
     m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
     scores = scores + m
     probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
-    out = torch.matmul(probs, values.to(dtype)).transpose(1, 2).reshape(b, s, hq * d)
-    return F.linear(out, wo), k_cache, v_cache
+    out = torch.matmul(probs.reshape(b, hkv, g * s, c), values).view(b, hq, s, d)
+    return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_cache, v_cache
 
 
 def fake(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,

@@ -14,7 +14,7 @@ input dtype, which is exactly where the HF families differ:
     computed in fp64 (HF would downcast it; nobody exports fp64, gradcheck needs it).
   * ``"scaled"``: compute in the input dtype on x scaled by a power of two near max|x|,
     with eps rescaled to match, so that fp16-only hardware never overflows x². See
-    :func:`_scaled` for the exact form and its error bound.
+    :func:`_overflow_free_normalize` for the exact form and its error bound.
   * ``"native"``: compute in the input dtype, reproducing what a backend that drops the
     cast computes (and where it overflows: fp16 x² is inf once |x| >= 256).
 
@@ -50,7 +50,7 @@ def _check(x: Tensor, weight: Optional[Tensor], policy: str, multiply: str) -> N
               lambda: f"circle::rms_norm: weight must be [{x.shape[-1]}] to match x's last dim, got {list(weight.shape)}")
 
 
-def _scaled(x: Tensor, eps: float) -> Tensor:
+def _overflow_free_normalize(x: Tensor, eps: float) -> Tensor:
     """The normalisation computed in x.dtype without overflow: the ``scaled`` policy.
 
     With k = ceil(log2(max|x|)) and m = 2^k, the variance is taken of x/m (|x/m| <= ~1, so
@@ -94,7 +94,7 @@ def _normalize(x: Tensor, eps: float, policy: str) -> Tensor:
     if policy == "native":
         variance = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(variance + eps)
-    return _scaled(x, eps)
+    return _overflow_free_normalize(x, eps)
 
 
 def reference(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, multiply: str, policy: str) -> Tensor:

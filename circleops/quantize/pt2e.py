@@ -30,18 +30,54 @@ class CalibrationError(CircleOpsError):
 
 
 def make_quantizer(scheme: str, *, weight: str = "int8", int16_ops: Iterable[Any] = (),
-                   int16_modules: Iterable[str] = ()) -> Any:
-    """A CircleQuantizer for ``scheme`` ("uint8" / "int16") with optional int16 layers."""
+                   int16_modules: Iterable[str] = (), int16: Iterable[str] = ()) -> Any:
+    """A CircleQuantizer for ``scheme`` ("uint8" / "int16") with optional int16 layers:
+    ``int16_ops`` by operator type, ``int16_modules`` by module name (or glob), ``int16``
+    by part name (circleops.quantize.INT16_PARTS / INT16_PRESETS, or module names)."""
     from circleops.quantize.quantizer import CircleQuantizer
 
     if scheme not in ACTIVATIONS:
         raise QuantizeConfigError(f"integer scheme {scheme!r} is not offered: choose one of {', '.join(ACTIVATIONS)}")
+    ops, modules = int16_parts(int16)
     q = CircleQuantizer(scheme, weight)
-    for op in int16_ops:
+    for op in [*int16_ops, *ops]:
         q.set_operator_type(op, "int16")
-    for name in int16_modules:
+    for name in [*int16_modules, *modules]:
         q.set_module_name(name, "int16")
     return q
+
+
+def int16_parts(parts: Iterable[str]) -> tuple[list[Any], list[str]]:
+    """(operator types, module names) that the ``--int16`` parts stand for."""
+    from circleops.quantize import INT16_PARTS, INT16_PRESETS
+
+    aten, circle = torch.ops.aten, torch.ops.circle
+    by_op: dict[str, list[Any]] = {
+        "norms": [circle.rms_norm, circle.instance_norm, aten.layer_norm.default, aten.instance_norm.default],
+        "residual": [aten.add.Tensor],
+        "embedding": [aten.embedding.default],
+        "attention": [circle.attention],
+    }
+    by_module = {"mlp_out": ["*.mlp.down_proj"], "lm_head": ["*lm_head"]}
+    assert set(by_op) | set(by_module) == set(INT16_PARTS)
+    ops: list[Any] = []
+    modules: list[str] = []
+    for part in parts:
+        part = part.strip()
+        if not part:
+            continue
+        for name in INT16_PRESETS.get(part, (part,)):
+            if name in by_op:
+                ops += by_op[name]
+            elif name in by_module:
+                modules += by_module[name]
+            elif not name.replace(".", "").replace("*", "").replace("_", "").isalnum():
+                raise QuantizeConfigError(
+                    f"int16 part {name!r} is neither a part ({', '.join(INT16_PARTS)}), a preset "
+                    f"({', '.join(INT16_PRESETS)}) nor a module name (e.g. model.layers.0.mlp or *.mlp.down_proj)")
+            else:  # as written, or under the module circleops wraps (CausalLMLogits.model)
+                modules += [name] if name.startswith("*") else [name, "*." + name]
+    return ops, modules
 
 
 def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: Any,

@@ -22,6 +22,7 @@ input's parameters, so they need no requantization.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -171,10 +172,12 @@ def _make_class() -> type:
             self.global_scheme = Scheme(activation, weight)
             self.module_names: dict[str, Scheme] = {}
             self.operator_types: dict[Any, Scheme] = {}
+            self._matched: set[str] = set()  # module names that matched an op (annotate checks)
 
         def set_module_name(self, name: str, activation: str, weight: str | None = None) -> "CircleQuantizer":
-            """Quantize the ops inside submodule ``name`` (e.g. "model.layers.0.input_layernorm")
-            with ``activation`` (and ``weight``) instead of the global scheme."""
+            """Quantize the ops inside submodule ``name`` (e.g. "model.layers.0.input_layernorm",
+            or a glob such as "*.mlp.down_proj") with ``activation`` (and ``weight``) instead
+            of the global scheme. Module names win over operator types."""
             self.module_names[name] = Scheme(activation, weight or self.global_scheme.weight)
             return self
 
@@ -191,21 +194,33 @@ def _make_class() -> type:
             return _scalars_to_attrs(model)
 
         def annotate(self, model: GraphModule) -> GraphModule:
+            self._matched = set()
             for node in model.graph.nodes:
                 if node.op != "call_function":
                     continue
                 scheme = self._scheme(node)
                 _annotate(node, scheme)
+            unmatched = [n for n in self.module_names if n not in self._matched]
+            # a name and its "*.name" form (circleops.quantize.pt2e.int16_parts) need one match
+            unmatched = [n for n in unmatched
+                         if not ({"*." + n, n[2:] if n.startswith("*.") else n} & self._matched)]
+            if unmatched:
+                raise QuantizeConfigError(
+                    f"set_module_name: no op of the model lies in a module named {', '.join(map(repr, unmatched))}; "
+                    "give a qualified submodule name as model.named_modules() lists it (or a glob such as "
+                    "'*.mlp.down_proj')")
             return model
 
         def validate(self, model: GraphModule) -> None:
             pass
 
         def _scheme(self, node: Node) -> Scheme:
-            _, qmod = torchao_pt2e()
-            for name, scheme in self.module_names.items():
-                if qmod.get_module_name_filter(name)(node):
-                    return scheme
+            if self.module_names:
+                paths = _module_paths(node)
+                hits = [name for name in self.module_names if any(fnmatch.fnmatchcase(p, name) for p in paths)]
+                if hits:
+                    self._matched.update(hits)
+                    return self.module_names[hits[0]]
             target = node.target
             packet = getattr(target, "overloadpacket", None)
             for op, scheme in self.operator_types.items():
@@ -216,6 +231,15 @@ def _make_class() -> type:
     CircleQuantizer.__module__ = __name__
     CircleQuantizer.__qualname__ = "CircleQuantizer"
     return CircleQuantizer
+
+
+def _module_paths(node: Node) -> list[str]:
+    """The qualified names of the modules a node was traced in (torch.export's
+    nn_module_stack), outermost first: what set_module_name matches."""
+    paths = []
+    for path, _ in node.meta.get("nn_module_stack", {}).values():
+        paths.append(path[len("L['self']."):] if path.startswith("L['self'].") else path)
+    return paths
 
 
 def _annotate(node: Node, scheme: Scheme) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
+from circleops.runtime.inputs import check_inputs, in_order
 
 NUM_THREADS = 2
 
@@ -100,17 +101,17 @@ class Session:
 
     def run(self, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Run on ``inputs`` (in :attr:`inputs` order, or a dict by name); returns the outputs
-        in :attr:`outputs` order. An input whose shape differs from the file's is resized
-        (the model must allow it)."""
-        if isinstance(inputs, Mapping):
-            missing = [n for n in self._names if n not in inputs]
-            if missing:
-                raise RuntimeRunError(f"missing inputs {missing}; the model takes {self._names}")
-            inputs = [inputs[n] for n in self._names]
-        if len(inputs) != len(self._names):
-            what = f"signature {self.signature!r}" if self.signature is not None else "the model"
-            raise RuntimeRunError(f"{what} takes {len(self._names)} inputs ({self._names}), got {len(inputs)}")
-        arrays = [_check(n, np.asarray(x), d) for n, d, x in zip(self._names, self._in_details, inputs)]
+        in :attr:`outputs` order. Only a dimension the file declares dynamic (-1 in its
+        shape signature) may differ from :attr:`inputs`' shapes: the input is resized to it."""
+        where = self.path if self.signature is None else f"{self.path} (signature {self.signature!r})"
+        arrays = [np.asarray(x) for x in in_order(self.inputs, inputs, where)]
+        # against the shape signature: only a dynamic (-1) dimension may be resized, any other
+        # difference ends in an XNNPACK error or outputs of another shape
+        check_inputs([_spec(n, d, "shape_signature") for n, d in zip(self._names, self._in_details)], arrays, where)
+        # a 0-d input passes for [1] (check_inputs); not np.ascontiguousarray: it would turn
+        # a 0-d input into shape (1,) silently
+        arrays = [x.reshape(1) if x.ndim == 0 and tuple(d["shape"]) == (1,) else
+                  x if x.flags.c_contiguous else np.array(x, order="C") for x, d in zip(arrays, self._in_details)]
         try:
             if self._runner is not None:
                 outs = self._runner(**dict(zip(self._names, arrays)))
@@ -136,18 +137,11 @@ class Session:
         return [it.get_tensor(d["index"]) for d in it.get_output_details()]  # get_tensor copies
 
 
-def _spec(name: str, detail: dict) -> TensorSpec:
-    return TensorSpec(name, tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]).name)
-
-
-def _check(name: str, value: np.ndarray, detail: dict) -> np.ndarray:
-    want = np.dtype(detail["dtype"])
-    if value.dtype != want:
-        raise RuntimeRunError(
-            f"input {name!r}: got {value.dtype}, the model expects {want}; cast the input "
-            f"(e.g. x.astype(np.{want.name}))")
-    # not np.ascontiguousarray: it turns a 0-d (scalar) input into shape (1,)
-    return value if value.flags.c_contiguous else np.array(value, order="C")
+def _spec(name: str, detail: dict, shape_key: str = "shape") -> TensorSpec:
+    shape = detail.get(shape_key)
+    if shape is None or len(shape) != len(detail["shape"]):  # no signature: the static shape
+        shape = detail["shape"]
+    return TensorSpec(name, tuple(int(d) for d in shape), np.dtype(detail["dtype"]).name)
 
 
 def run(path: str | os.PathLike, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray],
@@ -156,8 +150,8 @@ def run(path: str | os.PathLike, inputs: Sequence[np.ndarray] | Mapping[str, np.
 
     Without ``signature`` the main subgraph runs with inputs and outputs in subgraph order.
     With it, the named signature runs; ``inputs`` are then in the SignatureDef's order (or
-    a dict by name) and outputs come back in its order. An input whose shape differs from
-    the file's is resized (the model must allow it).
+    a dict by name) and outputs come back in its order. Only dimensions the file declares
+    dynamic (-1) may differ from the file's shapes.
     """
     return Session(path, signature).run(inputs)
 

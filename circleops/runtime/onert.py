@@ -24,6 +24,7 @@ import numpy as np
 
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
+from circleops.runtime.inputs import check_inputs
 
 
 @contextlib.contextmanager
@@ -106,18 +107,16 @@ class Session:
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Run on ``inputs`` (numpy arrays in the file's input order, dtype and shape as
         :attr:`inputs` says); returns the outputs in the file's order."""
-        if len(inputs) != len(self._inputs):
-            raise RuntimeRunError(f"{self.path} takes {len(self._inputs)} input(s), but {len(inputs)} were given")
-        arrays = []
-        for i, (spec, arr) in enumerate(zip(self._inputs, inputs)):
-            arr = np.asarray(arr)
-            if arr.ndim == 0 and spec.shape == (1,):
-                arr = arr.reshape(1)  # onert takes no rank-0 inputs: target onert writes a 0-d input as [1]
-            if arr.shape != spec.shape or arr.dtype != np.dtype(spec.dtype):
-                raise RuntimeRunError(f"{self.path}: input {i} must be {spec.dtype}{list(spec.shape)}, got "
-                                      f"{arr.dtype}{list(arr.shape)}")
-            # not np.ascontiguousarray: it turns a 0-d (scalar) input into shape (1,)
-            arrays.append(arr if arr.flags.c_contiguous else np.array(arr, order="C"))
+        arrays = [np.asarray(a) for a in inputs]
+        try:
+            check_inputs(self._inputs, arrays, self.path)
+        except RuntimeRunError:  # again with the names, which cost a read of the file
+            check_inputs(self.inputs, arrays, self.path)
+            raise
+        # onert takes no rank-0 inputs (target onert writes a 0-d input as [1]); not
+        # np.ascontiguousarray: it would turn a 0-d input into shape (1,) silently
+        arrays = [a.reshape(spec.shape) if a.ndim == 0 else a if a.flags.c_contiguous else np.array(a, order="C")
+                  for spec, a in zip(self._inputs, arrays)]
         failure: Exception | None = None
         outputs: list[np.ndarray] = []
         with captured_stderr() as text:

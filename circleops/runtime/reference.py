@@ -28,6 +28,7 @@ from circleops import ir
 from circleops.errors import RuntimeRunError
 from circleops.quantize.ggml import BlockTensor
 from circleops.runtime import TensorSpec
+from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
                                        check_alloc, max_tensor_bytes)
 from circleops.runtime.kernels import quantized as quantized_kernels
@@ -238,14 +239,8 @@ def _out_name(sg: ir.Subgraph, op: ir.Operator) -> str:
     return sg.tensors[op.outputs[0]].name if op.outputs and op.outputs[0] >= 0 else "?"
 
 
-_NUMPY_TYPE = {
-    "FLOAT32": np.float32, "FLOAT16": np.float16, "FLOAT64": np.float64, "INT64": np.int64,
-    "INT32": np.int32, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_,
-}
-
-
 def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
-    """A user input as a torch tensor (no copy), checked against the model's input tensor."""
+    """A user input as a torch tensor (no copy; check_inputs checks it against the file)."""
     if isinstance(value, Tensor):
         x = value.detach()
     else:
@@ -264,17 +259,6 @@ def _input_to_torch(value: Any, t: ir.Tensor, position: str) -> Tensor:
     if t.dtype not in ir.TYPE_TO_TORCH:
         raise RuntimeRunError(f"input {position} ({t.name!r}) has type {t.dtype}, which the reference "
                               "interpreter does not support (quantized and exotic types)")
-    if x.dtype != t.torch_dtype:
-        raise RuntimeRunError(
-            f"input {position} ({t.name!r}) has dtype {str(x.dtype).replace('torch.', '')} but the model expects "
-            f"{t.dtype}; convert it (e.g. arr.astype(np.{_NUMPY_TYPE.get(t.dtype, np.float32).__name__})).")
-    want = tuple(t.shape)
-    if want == (1,) and x.dim() == 0:
-        x = x.reshape(1)  # target onert writes a 0-d input as [1] (onert takes no rank-0 inputs)
-    if len(want) != x.dim() or any(w >= 0 and w != g for w, g in zip(want, x.shape)):
-        raise RuntimeRunError(
-            f"input {position} ({t.name!r}) has shape {list(x.shape)} but the model expects {list(want)}; "
-            "the file was converted for that shape (convert again with other example inputs for another shape).")
     return x
 
 
@@ -300,6 +284,7 @@ class Interpreter:
         if not model.subgraphs:
             raise RuntimeRunError("the model has no subgraphs; nothing to run")
         self.model = model
+        self.source = "the model"  # how input errors name it (Session: the file's path)
         self._plans: dict[int, SubgraphPlan] = {}
         self._depth = 0
 
@@ -367,17 +352,17 @@ class Interpreter:
         self._depth = 0
         index, in_idx, out_idx, names = self.entry(signature)
         sg = self.model.subgraphs[index]
-        if isinstance(inputs, Mapping):
-            missing = [n for n in names if n not in inputs]
-            if missing:
-                raise RuntimeRunError(f"inputs given by name lack {missing}; the model's inputs are {names}")
-            inputs = [inputs[n] for n in names]
-        inputs = list(inputs)
+        where = self.source if signature is None else f"{self.source} (signature {signature!r})"
+        specs = [_spec(n, sg.tensors[j]) for n, j in zip(names, in_idx)]
+        inputs = in_order(specs, inputs, where)
         if len(inputs) != len(in_idx):
-            raise RuntimeRunError(f"the model takes {len(in_idx)} inputs {names}, got {len(inputs)}; "
-                                  "pass one array per input, in this order")
+            check_inputs(specs, inputs, where)  # says how many, and which
         plan = self.plan(index)
         tensors = [_input_to_torch(v, sg.tensors[j], f"#{i}") for i, (v, j) in enumerate(zip(inputs, in_idx))]
+        check_inputs(specs, tensors, where)
+        # target onert writes a 0-d input as [1] (onert takes no rank-0 inputs)
+        tensors = [x.reshape(1) if x.dim() == 0 and tuple(sg.tensors[j].shape) == (1,) else x
+                   for x, j in zip(tensors, in_idx)]
         if in_idx != plan.inputs:  # a signature may list the inputs in another order
             order = {j: t for j, t in zip(in_idx, tensors)}
             tensors = [order[j] for j in plan.inputs]
@@ -412,6 +397,7 @@ class Session:
         self.path = "<ir.Model>" if isinstance(path, ir.Model) else os.fspath(path)
         self.signature = signature
         self.interpreter = Interpreter(model)
+        self.interpreter.source = self.path
         index, in_idx, out_idx, names = self.interpreter.entry(signature)  # an unknown signature fails now
         try:
             sg = model.subgraphs[index]

@@ -73,6 +73,10 @@ CASES = {
                                   (_r(2, 4), _r(2, 4)),
                                   {"yes": torch.ones(2, 4, dtype=torch.bool), "no": torch.zeros(2, 4, dtype=torch.bool),
                                    "some": torch.rand(2, 4, generator=g) > 0.5, "order": torch.arange(4)}),
+    # alpha scales the second operand (lowering.elementwise._times_alpha), a tensor or a constant
+    "add_sub_rsub_alpha": (lambda m, x, y: (torch.add(x, y, alpha=0.5), torch.sub(x, m.w, alpha=3),
+                                            torch.rsub(x, y, alpha=-2), torch.add(x, 2.0, alpha=0.25)),
+                           (_r(2, 4), _r(2, 4)), {"w": _r(4)}),
     "softmax_mid_dim_and_where": (lambda m, x: torch.where(x > 0, torch.softmax(x, 1), torch.log_softmax(x, 1) * 0.5),
                                   (_r(2, 3, 4),), {}),
 }

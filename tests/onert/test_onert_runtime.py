@@ -138,7 +138,7 @@ def test_runner_checks_inputs_and_paths(tmp_path):
                   x.shape, options_type="RmsNormOptions", epsilon=1e-6)
     with pytest.raises(RuntimeRunError, match="takes 1 input"):
         onert.run(path, [x, x])
-    with pytest.raises(RuntimeRunError, match=r"must be float32\[1, 5, 16\]"):
+    with pytest.raises(RuntimeRunError, match=r"has shape \[1, 4, 16\], the file expects \[1, 5, 16\]"):
         onert.run(path, [np.zeros((1, 4, 16), np.float32)])
     with pytest.raises(RuntimeRunError, match="no such file"):
         onert.run(tmp_path / "missing.circle", [x])

@@ -190,18 +190,45 @@ def test_llm_fused_ops_quantized_whole(tmp_path, tiny_llama, scheme):
             assert ins[:7] == [act, "INT8", "INT8", "INT8", "INT8", act, act] and outs == [act]
 
 
-def test_mixed_precision_int16_norms(tmp_path, tiny_llama):
+def test_mixed_precision_by_op_type_part_and_module_name(tmp_path, tiny_llama):
     model, module, ep, ids = tiny_llama
-    q = pt2e.make_quantizer("uint8", int16_ops=[torch.ops.circle.rms_norm])
+    # an operator type, a part (residual: the float adds) and an HF module name (matched under
+    # the CausalLMLogits wrapper, as "model.model.layers.1.mlp.down_proj")
+    q = pt2e.make_quantizer("uint8", int16_ops=[torch.ops.circle.rms_norm],
+                            int16=["residual", "model.layers.1.mlp.down_proj"])
     samples = pt2e.calibration_samples((ids,), 2, vocab_size=256)
     _, qep = pt2e.quantize(module, (ids,), q, samples, exported=ep)
     report = circleops.save(qep, tmp_path / "mixed.circle", verify="reference")
     assert report.verify.passed
-    _, ops = _op_dtypes(tmp_path / "mixed.circle")
+    sg, ops = _op_dtypes(tmp_path / "mixed.circle")
     assert all(o[2] == ["INT16"] for o in ops if o[0] == "RMS_NORM")
-    assert all(o[1][0] == "UINT8" for o in ops if o[0] == "FULLY_CONNECTED")
+    adds = [o for o in ops if o[0] == "ADD"]
+    assert len(adds) == 4 and all(o[1] == ["INT16", "INT16"] and o[2] == ["INT16"] for o in adds)
+    # FCs in graph order; a down projection's weight is [hidden, intermediate]
+    fcs = [(list(sg.tensors[op.inputs[1]].shape), sg.tensors[op.inputs[0]].dtype, sg.tensors[op.outputs[0]].dtype)
+           for op in sg.operators if op.opcode == "FULLY_CONNECTED"]
+    down = [k for k, f in enumerate(fcs) if f[0] == [model.config.hidden_size, model.config.intermediate_size]]
+    assert len(down) == 2 and fcs[down[1]][1:] == ("INT16", "INT16"), fcs
+    assert all(f[1:] == ("UINT8", "UINT8") for k, f in enumerate(fcs) if k != down[1]), fcs
     # int16 -> uint8 (and back) are requantizing QUANTIZE ops between the two precisions
     assert any(o[0] == "QUANTIZE" and o[1] == ["INT16"] and o[2] == ["UINT8"] for o in ops)
+
+
+def test_int16_parts_name_what_they_select(tiny_llama):
+    from circleops.quantize import INT16_PARTS, INT16_PRESETS
+    from circleops.quantize.quantizer import QuantizeConfigError
+
+    ops, modules = pt2e.int16_parts(["llm", "mlp_out", "lm_head", "model.norm"])
+    assert torch.ops.circle.rms_norm in ops and torch.ops.aten.add.Tensor in ops
+    assert modules == ["*.mlp.down_proj", "*lm_head", "model.norm", "*.model.norm"]
+    assert set(INT16_PRESETS["llm"]) <= set(INT16_PARTS)
+    with pytest.raises(QuantizeConfigError, match="norms, residual"):
+        pt2e.int16_parts(["rms norm!"])
+    # a module name that names nothing in the model fails at prepare, naming it
+    model, module, ep, ids = tiny_llama
+    q = pt2e.make_quantizer("uint8", int16=["model.layers.7.mlp"])
+    with pytest.raises(QuantizeConfigError, match="model.layers.7.mlp"):
+        pt2e.quantize(module, (ids,), q, [(ids,)], exported=ep)
 
 
 def test_quantizer_is_a_torchao_quantizer():

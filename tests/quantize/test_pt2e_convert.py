@@ -10,7 +10,7 @@ import torch
 
 import circleops
 from circleops.cli import main
-from circleops.errors import TargetError
+from circleops.errors import CircleOpsError
 from circleops.serialize import read_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "convert"))
@@ -46,14 +46,29 @@ def test_cli_quantize_int16_llm_from_config(capsys, tmp_path, llama_config):
     assert ("RMS_NORM", "INT16") in ops and ("FULLY_CONNECTED", "INT16") in ops
 
 
+def test_cli_quantize_uint8_with_int16_norms_and_residual(capsys, tmp_path, llama_config):
+    out = tmp_path / "m.circle"
+    code = main(["convert", "--config", str(llama_config), "-o", str(out), "--seq-len", "8",
+                 "--quantize", "uint8", "--int16", "llm", "--calibrate", "1", "--verify"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "verify:  reference: max abs error" in captured.out and "MISMATCH" not in captured.out
+    ops = _dtypes(out)
+    assert ("RMS_NORM", "INT16") in ops and ("ADD", "INT16") in ops and ("FULLY_CONNECTED", "UINT8") in ops
+    assert ("RMS_NORM", "UINT8") not in ops and ("ADD", "UINT8") not in ops
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(target="tflite", quantize="uint8"), "target 'circle'"),
     (dict(target="onert", quantize="int16"), "int16"),
     (dict(quantize="uint8", integer_io=True, verify=True), "integer_io"),
+    (dict(target="onert", quantize="uint8", int16=["norms"]), "int16 parts"),
+    (dict(quantize="int16", int16=["norms"]), "int16 parts"),
+    (dict(quantize="uint8", int16=["norms", "no such!"]), "neither a part"),
 ])
 def test_convert_refuses_before_work(tmp_path, kwargs, match):
     model = torch.nn.Linear(4, 4)
     suffix = ".tflite" if kwargs.get("target") == "tflite" else ".circle"
-    with pytest.raises(TargetError, match=match):
+    with pytest.raises(CircleOpsError, match=match):  # TargetError, QuantizeConfigError
         circleops.convert(model, (torch.randn(1, 4),), tmp_path / f"m{suffix}", **kwargs)
     assert not list(tmp_path.iterdir())

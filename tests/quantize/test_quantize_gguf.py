@@ -49,7 +49,8 @@ def test_gguf_blocks_carried_over_bit_for_bit(tmp_path, mixed_gguf):
     assert q.requantized_from == {"GGML_Q8_0": 1, "Q4_1": 1}
     summary = report.summary()
     assert "4 carried over bit for bit from the GGUF file" in summary
-    assert "1 GGUF Q4_1 tensors requantized to GGML_Q4_0" in summary
+    assert "1 GGUF Q4_1 tensors requantized to GGML_Q8_0" in summary  # the lm_head: q4_0 keeps the head at Q8_0
+    assert "1 GGUF GGML_Q8_0 tensors requantized to GGML_Q4_0" in summary
     tensors = {t.name: t for t in read_model(out).subgraphs[0].tensors if t.dtype == "GGML_Q4_0"}
     cfg = model.config
     for gguf_name, hf, heads in (("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight", cfg.num_attention_heads),

@@ -47,7 +47,7 @@ def test_run_tflite_on_litert(files, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--input", "missing.npy"], "input file 'missing.npy' does not exist"),
-    ([], r"takes 1 inputs \['in0'\], got 0"),
+    ([], r"takes 1 input\(s\) \(in0 float32\[1, 2, 8\]\), 0 given"),
 ])
 def test_run_errors_exit_2_with_one_message(files, capsys, argv, match, monkeypatch):
     d, _, _ = files

@@ -81,7 +81,7 @@ def test_litert_run_errors(tmp_path):
     write_model(model, path, "tflite")
     with pytest.raises(RuntimeRunError, match="float64.*float32"):
         litert.run(path, [np.zeros((1, 4))])
-    with pytest.raises(RuntimeRunError, match="takes 1 inputs"):
+    with pytest.raises(RuntimeRunError, match=r"takes 1 input\(s\)"):
         litert.run(path, [])
     with pytest.raises(RuntimeRunError, match="no signature 'nope'"):
         litert.run(path, [np.zeros((1, 4), np.float32)], signature="nope")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +15,38 @@ from circleops.runtime.kernels import (KernelError, activation, check_alloc, enu
 _PADDING = ("SAME", "VALID")
 
 
+# Products, convolutions and padding size their results from input shapes and options, not
+# from the inputs' sizes: [N, 1] x [1, N] from two small tensors, a 2^20-wide pooling window,
+# are checked against the allocation limit before torch allocates (check_alloc).
+
+def check_matmul(a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+    """Refuse a product of [..., M, K] and [..., K, N] whose [..., M, N] result is over the limit."""
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        return
+    try:
+        batch = torch.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
+    except RuntimeError:
+        return  # not broadcastable: torch reports it
+    check_alloc([*batch, a_shape[-2], b_shape[-1]], dtype, what)
+
+
+def check_conv(xc: Tensor, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, out_channels: int,
+               dtype: torch.dtype, what: str) -> None:
+    """Refuse a convolution of the padded NCHW ``xc`` whose output is over the limit."""
+    oh = (xc.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xc.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh > 0 and ow > 0:
+        check_alloc([xc.shape[0], oh, ow, out_channels], dtype, what)
+
+
 @kernel("FULLY_CONNECTED")
 def _fully_connected(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
+    check_alloc([x.numel() // max(w.shape[1], 1), w.shape[0]], x.dtype, "FULLY_CONNECTED")
     if isinstance(w, BlockTensor):
         # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
+        check_alloc(w.shape, torch.float32, f"dequantized {w.dtype} weight")
         w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
     # TFLite flattens the input to [-1, in]; keepNumDims restores the leading dims.
@@ -37,6 +64,7 @@ def _batch_matmul(op, inputs, ctx):
         a = a.transpose(-1, -2)
     if option(op, "adjY", "adjointRhs", default=False):
         b = b.transpose(-1, -2)
+    check_matmul(a.shape, b.shape, a.dtype, "BATCH_MATMUL")
     return [torch.matmul(a, b)]
 
 
@@ -55,6 +83,8 @@ def pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw:
     top, bottom = _same_pad(x.shape[2], kh, sh, dh)
     left, right = _same_pad(x.shape[3], kw, sw, dw)
     if top or bottom or left or right:
+        check_alloc([*x.shape[:2], x.shape[2] + top + bottom, x.shape[3] + left + right], x.dtype,
+                    f"SAME padding of {op.opcode} (window {kh}x{kw}, dilation {dh}x{dw})")
         x = F.pad(x, (left, right, top, bottom), value=value)
     return x
 
@@ -76,6 +106,7 @@ def _conv_2d(op, inputs, ctx):
     sh, sw, dh, dw = conv_strides(op)
     groups = x.shape[3] // w.shape[3]  # filter OHWI with I = C / groups
     xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[0], x.dtype, "CONV_2D")
     y = F.conv2d(xc, w.permute(0, 3, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=groups)
     return [activation(y.permute(0, 2, 3, 1), op)]
 
@@ -93,6 +124,7 @@ def _depthwise_conv_2d(op, inputs, ctx):
     # filter [1, KH, KW, C·M]: output channel c·M + m reads input channel c, which is
     # torch's grouped-conv order with groups = C.
     xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
+    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[3], x.dtype, "DEPTHWISE_CONV_2D")
     y = F.conv2d(xc, w.permute(3, 0, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=c)
     return [activation(y.permute(0, 2, 3, 1), op)]
 

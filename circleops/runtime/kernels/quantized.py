@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from circleops import ir
-from circleops.runtime.kernels import KERNELS, KernelContext, KernelError, enum_value, kernel, option
+from circleops.runtime.kernels import KERNELS, KernelContext, KernelError, check_alloc, enum_value, kernel, option
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 _RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127), torch.int16: (-32768, 32767),
@@ -181,6 +181,7 @@ def _fc(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     xt, wt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
+    check_alloc([x.numel() // max(w.shape[1], 1), w.shape[0]], torch.int64, "FULLY_CONNECTED")
     xs = _offsets(x, xt).reshape(-1, w.shape[1])
     acc = xs @ _offsets(w, wt).T
     if b is not None:
@@ -193,7 +194,7 @@ def _fc(op, inputs, ctx):
 
 
 def _conv_common(op, inputs, ctx, depthwise: bool):
-    from circleops.runtime.kernels.nn import pad_nchw, conv_strides
+    from circleops.runtime.kernels.nn import check_conv, conv_strides, pad_nchw
 
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
@@ -201,6 +202,8 @@ def _conv_common(op, inputs, ctx, depthwise: bool):
     sh, sw, dh, dw = conv_strides(op)
     xc = pad_nchw(_offsets(x, xt).permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
     wq = _offsets(w, wt)
+    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[3] if depthwise else w.shape[0], torch.int64,
+               op.opcode)
     if depthwise:
         acc = F.conv2d(xc, wq.permute(3, 0, 1, 2), _bias(b), stride=(sh, sw), dilation=(dh, dw), groups=x.shape[3])
     else:
@@ -224,6 +227,9 @@ def _depthwise(op, inputs, ctx):
 def _bmm(op, inputs, ctx):
     a, b = inputs
     at, bt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
+    from circleops.runtime.kernels.nn import check_matmul
+
+    check_matmul(a.shape, b.shape, torch.int64, "BATCH_MATMUL")
     acc = torch.matmul(_offsets(a, at), _offsets(b, bt)).round().to(torch.int64)
     real = float(at.quant.scale[0]) * float(bt.quant.scale[0]) / float(ot.quant.scale[0])
     return [_requantize_acc(acc, [real], ot, op, _wide(at), 0)]

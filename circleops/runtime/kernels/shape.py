@@ -19,6 +19,7 @@ def _reshape(op, inputs, ctx):
         shape = ints(shape_t)
     else:
         shape = list(option(op, "newShape", default=None) or ctx.outputs[0].shape)
+    # never allocates more than x: torch refuses a shape of another element count
     return [x.reshape(shape)]
 
 
@@ -51,6 +52,9 @@ def _transpose(op, inputs, ctx):
 def _concatenation(op, inputs, ctx):
     same_dtype(op, *inputs)
     axis = axis_of(int(option(op, "axis", default=0)), inputs[0].dim())
+    # one tensor may be listed thousands of times
+    check_alloc([*inputs[0].shape[:axis], sum(t.shape[axis] for t in inputs if t.dim() > axis),
+                 *inputs[0].shape[axis + 1:]], inputs[0].dtype, "CONCATENATION")
     return [activation(torch.cat(inputs, dim=axis), op)]
 
 
@@ -58,6 +62,7 @@ def _concatenation(op, inputs, ctx):
 def _pack(op, inputs, ctx):
     same_dtype(op, *inputs)
     axis = int(option(op, "axis", default=0))
+    check_alloc([len(inputs), *inputs[0].shape], inputs[0].dtype, "PACK")  # one tensor may be listed many times
     return [torch.stack(inputs, dim=axis if axis >= 0 else axis + inputs[0].dim() + 1)]
 
 
@@ -157,12 +162,15 @@ def _gather(op, inputs, ctx):
     if isinstance(params, BlockTensor):  # a Q4_0 embedding table: unpack the picked rows
         if int(option(op, "axis", default=0)) != 0 or int(option(op, "batchDims", default=0)) != 0:
             raise KernelError(f"a {params.dtype} table is gathered along axis 0 only (batchDims 0)")
+        check_alloc([*indices.shape, *params.shape[1:]], torch.float32, "GATHER")
         rows = params.rows(indices.to(torch.long).reshape(-1))
         return [rows.reshape(*indices.shape, *params.shape[1:])]
     axis = axis_of(int(option(op, "axis", default=0)), params.dim())
     batch_dims = int(option(op, "batchDims", default=0))
     if batch_dims < 0:
         batch_dims += indices.dim()
+    # the result has a row per index: a few indices into a wide table make a big tensor
+    check_alloc([*params.shape[:axis], *indices.shape[batch_dims:], *params.shape[axis + 1:]], params.dtype, "GATHER")
     idx = indices.to(torch.long)
     if batch_dims == 0:
         out = params.index_select(axis, idx.reshape(-1))
@@ -180,6 +188,8 @@ def _gather(op, inputs, ctx):
 @kernel("GATHER_ND")
 def _gather_nd(op, inputs, ctx):
     params, indices = inputs
+    if indices.dim() > 0:
+        check_alloc([*indices.shape[:-1], *params.shape[indices.shape[-1]:]], params.dtype, "GATHER_ND")
     idx = indices.to(torch.long)
     return [params[tuple(idx.unbind(-1))]]
 
@@ -187,6 +197,7 @@ def _gather_nd(op, inputs, ctx):
 @kernel("EMBEDDING_LOOKUP")
 def _embedding_lookup(op, inputs, ctx):
     ids, table = inputs
+    check_alloc([*ids.shape, *table.shape[1:]], table.dtype, "EMBEDDING_LOOKUP")
     return [table.index_select(0, ids.to(torch.long).reshape(-1)).reshape(*ids.shape, *table.shape[1:])]
 
 
@@ -311,4 +322,5 @@ def _one_hot(op, inputs, ctx):
 
 @kernel("WHERE")
 def _where(op, inputs, ctx):
+    check_alloc([int(torch.count_nonzero(inputs[0])), inputs[0].dim()], ctx.out_dtype(), "WHERE")
     return [torch.nonzero(inputs[0]).to(ctx.out_dtype())]
