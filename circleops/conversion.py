@@ -28,7 +28,7 @@ from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.options import CONVERT_DTYPES, FUSE_MODES
-from circleops.quantize import INTEGER_FORMATS
+from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 from circleops.runtime import RUNTIMES
@@ -97,11 +97,23 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     if model_dtype(model) not in (None, torch_dtype):
         model.to(torch_dtype)
     module = export_module(model)
+    importance = None
+    if quantize in GGML_FORMATS and GGML_FORMATS[quantize] == "GGML_Q4_0":
+        from circleops.quantize.importance import input_importance
+
+        t_imp = time.perf_counter()
+        with hf_export_settings(model), _dense_experts(model):  # the model's own forward, before fusion
+            importance = input_importance(model, example_args, tokenizer)
+        t_imp = time.perf_counter() - t_imp
+        t += t_imp
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
-               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads)
+               quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads,
+               importance=importance)
+    if importance is not None:
+        job.timings["calibrate"] = t_imp
     with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
@@ -570,6 +582,7 @@ class _Job:
     fusion_model: torch.nn.Module | None = None
     quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
+    importance: Any = None  # input importances for Q4_0 scales (circleops.quantize.importance)
     threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
@@ -629,7 +642,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         from circleops.quantize.weights import quantize_weights
 
         quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
-                                        pretrained=job.pretrained)
+                                        pretrained=job.pretrained, importance=job.importance)
         timings["quantize"] = time.perf_counter() - t
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
@@ -649,7 +662,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         # so a failed verify leaves a previous good file where it was.
         _enter(job, "verify")
         t_verify = time.perf_counter()
-        with dequantized_sources(quant_report):  # torch runs the weights the file holds
+        with dequantized_sources(quant_report, job.fusion_model):  # torch runs the weights the file holds
             expected = job.reference()
         tolerance = job.tolerance if job.tolerance is not None or not job.quantize else QUANT_TOLERANCE
         report.verify = verify_file(tmp, job.runtime, job.example_args, expected, job.dtype, tolerance)

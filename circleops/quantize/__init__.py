@@ -7,7 +7,10 @@ from __future__ import annotations
 
 # choice -> what it stores (shown by --help and in errors)
 WEIGHT_FORMATS: dict[str, str] = {
-    "q4_0": "GGML_Q4_0 linear weights and embedding table (4.5 bits/weight; targets onert, circle)",
+    "q4_0": "GGML_Q4_0 linear weights and embedding table, the output head (lm_head) GGML_Q8_0 "
+            "(targets onert, circle)",
+    "q4_0-pure": "GGML_Q4_0 linear weights and embedding table, a tied lm_head sharing the table "
+                 "(4.5 bits/weight; targets onert, circle)",
     "q8_0": "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)",
 }
 
@@ -35,6 +38,6 @@ INT16_PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 # GGML choices -> the Circle TensorType their weights are stored as
-GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q4_0-pure": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
 
 __all__ = ["WEIGHT_FORMATS", "GGML_FORMATS", "INTEGER_FORMATS", "INT16_PARTS", "INT16_PRESETS"]

@@ -103,7 +103,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     from circleops.numerics import LayerOutputs
     from circleops.quantize.weights import check_format
 
-    from circleops.quantize import INTEGER_FORMATS
+    from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
@@ -131,6 +131,11 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     say(f"fp32 reference: {new_tokens} greedy tokens")
     reference = fp.fp32_model(model)
     tokens = fp.greedy(reference, ids, new_tokens)
+    importance = None
+    if quantize in GGML_FORMATS and GGML_FORMATS[quantize] == "GGML_Q4_0":  # as convert does
+        from circleops.quantize.importance import input_importance
+
+        importance = input_importance(reference, tokenizer=tokenizer)
     seq = torch.tensor([ids + tokens[:-1]])
     want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
@@ -141,7 +146,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         with hf_export_settings(reference), torch.no_grad():
             ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
         path = Path(directory) / f"layers_{quantize}.circle"
-        qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg)
+        qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg,
+                         importance)
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
         errors, rel, sqnr = [], [], []
@@ -172,7 +178,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
             ep = export(module, (example,), adapters=True, warn_list=[])
             fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
         lm_path = Path(directory) / f"logits_{quantize}.circle"
-        _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg)
+        _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg,
+               importance)
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
         timings["perplexity"] = time.perf_counter() - t
@@ -198,7 +205,7 @@ class _IntegerReport:
 
 
 def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any, target: str = "onert",
-           example: tuple = (), tokenizer: Any = None, config: Any = None) -> Any:
+           example: tuple = (), tokenizer: Any = None, config: Any = None, importance: Any = None) -> Any:
     from circleops.conversion import write_for_target
     from circleops.lowering import lower_program
     from circleops.quantize import INTEGER_FORMATS
@@ -215,7 +222,7 @@ def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any,
         return _IntegerReport([f"{quantize} activations, {weight} weights, int32 bias (PT2E, 8 calibration windows)"])
 
     model = lower_program(ep, "onert")
-    report = quantize_weights(model, quantize, parameters=parameters, pretrained=pretrained)
+    report = quantize_weights(model, quantize, parameters=parameters, pretrained=pretrained, importance=importance)
     write_for_target(model, path, "onert", "circle")
     return report
 

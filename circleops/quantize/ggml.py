@@ -4,8 +4,10 @@ quantization onert's kernel applies to a FULLY_CONNECTED input.
 Layout (ggml's, and Circle's GGML_Q4_0 / GGML_Q8_0 tensors): rows of 32-element blocks
 along the last dimension; a Q8_0 block is fp16 d + 32 int8 (value q*d), a Q4_0 block is
 fp16 d + 16 bytes (low nibble element j, high nibble element j+16, value (q-8)*d).
-Packing uses the ``gguf`` package (bit-exact with ggml's reference quantizer); unpacking
-is done in torch here because it runs on every decode step of the reference interpreter.
+Packing uses the ``gguf`` package (bit-exact with ggml's reference quantizer), or for Q4_0
+with input importances ``quantize_q4_0_weighted`` (the same format, a better choice of each
+block's scale); unpacking is done in torch here because it runs on every decode step of the
+reference interpreter.
 """
 from __future__ import annotations
 
@@ -27,15 +29,90 @@ def _gguf_type(dtype: str) -> Any:
     return {"GGML_Q4_0": GGMLQuantizationType.Q4_0, "GGML_Q8_0": GGMLQuantizationType.Q8_0}[dtype]
 
 
-def quantize(weight: Tensor | np.ndarray, dtype: str) -> np.ndarray:
-    """Pack a float [..., K] weight (K % 32 == 0) as ``dtype`` blocks: flat uint8, row by row."""
+def quantize(weight: Tensor | np.ndarray, dtype: str, importance: Tensor | np.ndarray | None = None) -> np.ndarray:
+    """Pack a float [..., K] weight (K % 32 == 0) as ``dtype`` blocks: flat uint8, row by row.
+
+    importance: [K] weights of the input channels (Q4_0 only): the blocks then minimise the
+    importance-weighted squared error (``quantize_q4_0_weighted``); None: ggml's reference
+    max-abs rounding, bit for bit.
+    """
     from gguf import quants
 
+    if importance is not None and dtype == "GGML_Q4_0":
+        return quantize_q4_0_weighted(weight, importance)
     w = weight.detach().to(torch.float32).cpu().numpy() if isinstance(weight, Tensor) else \
         np.asarray(weight, dtype=np.float32)
     if w.shape[-1] % BLOCK:
         raise ValueError(f"{dtype} needs a last dimension that is a multiple of {BLOCK}, got {list(w.shape)}")
     return quants.quantize(w, _gguf_type(dtype)).reshape(-1)
+
+
+# llama.cpp's make_qx_quants tries the scales -(8 + 0.1 s) / max for s in -9..9; every third
+# of them gives the same weighted error on SmolLM2's weights (0.572 vs 0.571 of the reference
+# max-abs rounding's) at a third of the time
+_SCALE_STEPS = (-0.9, -0.6, -0.3, 0.0, 0.3, 0.6, 0.9)
+_CHUNK_BLOCKS = 1 << 14  # blocks per step: keeps the candidates' temporaries in cache
+
+
+def quantize_q4_0_weighted(weight: Tensor | np.ndarray, importance: Tensor | np.ndarray) -> np.ndarray:
+    """Q4_0 blocks of ``weight`` [N, K] that minimise sum_k importance[k] * (w - w_q)^2 per block.
+
+    ggml's reference Q4_0 maps each block's largest-magnitude value to -8 (d = max / -8). Here,
+    as llama.cpp does when it has an importance matrix (make_qx_quants), each block tries the
+    roundings of the scales -(8 + s) / max, keeps the one whose least-squares scale leaves the
+    smallest weighted error, and rounds again to the stored fp16 scale. importance is the
+    mean square of each input channel over calibration text, so what shrinks is the error
+    that reaches the output, E[((w - w_q) . x)^2] (its diagonal part). Same format: onert and
+    gguf decode it unchanged.
+    """
+    w = weight.detach() if isinstance(weight, Tensor) else torch.from_numpy(np.asarray(weight))
+    w = w.to(torch.float32).cpu()
+    if w.dim() != 2 or w.shape[1] % BLOCK:
+        raise ValueError(f"GGML_Q4_0 needs an [N, K] weight with K a multiple of {BLOCK}, got {list(w.shape)}")
+    imp = importance.detach() if isinstance(importance, Tensor) else torch.from_numpy(np.asarray(importance))
+    imp = imp.to(torch.float32).cpu().reshape(-1)
+    if imp.numel() != w.shape[1]:
+        raise ValueError(f"importance has {imp.numel()} values for a weight with K={w.shape[1]}")
+    # a floor keeps a block whose inputs never fired (importance 0) quantized by magnitude
+    imp = imp.clamp_min(max(float(imp.max()), 1e-30) * 1e-6).reshape(-1, BLOCK)
+    x_all = w.reshape(-1, BLOCK)
+    imp_all = imp.repeat(w.shape[0], 1)  # [N * K/32, 32]: block b of every row weighs by imp[b]
+    out = torch.empty(x_all.shape[0], 2 + BLOCK // 2, dtype=torch.uint8)
+    for start in range(0, x_all.shape[0], _CHUNK_BLOCKS):
+        x = x_all[start:start + _CHUNK_BLOCKS]
+        out[start:start + len(x)] = _pack_q4_0(x, _best_scale(x, imp_all[start:start + _CHUNK_BLOCKS]))
+    return out.numpy().reshape(-1)
+
+
+def _best_scale(x: Tensor, q: Tensor) -> Tensor:
+    """[B, 1] least-squares scales of the best of the candidate roundings (weights q > 0)."""
+    mx = x.gather(1, x.abs().argmax(1, keepdim=True))  # the signed value of largest magnitude
+    mx = torch.where(mx == 0, torch.ones_like(mx), mx)
+    t = x / mx
+    qx, qcol = (q * x).unsqueeze(2), q.unsqueeze(2)
+    levels, squares = torch.empty_like(x), torch.empty_like(x)
+    best = torch.full_like(mx, -1.0)
+    scale = torch.zeros_like(mx)
+    for step in _SCALE_STEPS:
+        torch.mul(t, -(8.0 + step), out=levels)
+        levels.round_().clamp_(-8, 7)  # the largest value lands on -8 (or -7): suml2 > 0
+        sumlx = torch.bmm(levels.unsqueeze(1), qx).squeeze(2)
+        suml2 = torch.bmm(torch.mul(levels, levels, out=squares).unsqueeze(1), qcol).squeeze(2)
+        score = sumlx * sumlx / suml2  # the weighted error is sum(q x^2) - score
+        better = score > best
+        best = torch.where(better, score, best)
+        scale = torch.where(better, sumlx / suml2, scale)
+    return scale
+
+
+def _pack_q4_0(x: Tensor, scale: Tensor) -> Tensor:
+    """[B, 32] values at [B, 1] scales -> [B, 18] Q4_0 blocks (fp16 d, nibbles j | j+16 << 4)."""
+    d16 = scale.to(torch.float16)
+    d = d16.to(torch.float32)
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    levels = (torch.clamp(torch.round(x * inv), -8, 7) + 8).to(torch.uint8)
+    qs = levels[:, :BLOCK // 2] | (levels[:, BLOCK // 2:] << 4)
+    return torch.cat([d16.view(torch.uint8), qs], dim=1)
 
 
 def _as_uint8(blocks: Tensor | np.ndarray) -> Tensor:

@@ -7,7 +7,15 @@ onert 0.1.0 executes (shared/FACTS.md, "onert quantized weights"):
 * a linear that target onert wrote as a 1x1 CONV_2D is written back as that FULLY_CONNECTED
   (onert runs GGML weights only there);
 * q4_0 only: GATHER of a model parameter [V, H] (the embedding) as a GGML_Q4_0 table with
-  int32 indices (onert fails on Q8_0 tables and int64 indices); a tied lm_head shares it.
+  int32 indices (onert fails on Q8_0 tables and int64 indices);
+* q4_0 keeps the output head (a tied lm_head, or a parameter named ``lm_head.weight``) at
+  GGML_Q8_0, as llama.cpp's q4_0 recipe keeps output.weight at a higher type: it alone cost
+  SmolLM2 +6 % perplexity at 4 bits. A tied head then has two buffers (the Q4_0 table the
+  GATHER reads, the Q8_0 weight of the FULLY_CONNECTED); ``q4_0-pure`` stores everything at
+  4 bits, the tied lm_head sharing the embedding's one Q4_0 buffer;
+* with ``importance`` (circleops.quantize.importance: each linear's mean square input over
+  calibration text), Q4_0 block scales minimise the importance-weighted error
+  (ggml.quantize_q4_0_weighted, same format); without, ggml's reference rounding.
 
 It runs after lowering, on the IR, so it needs nothing from the lowering beyond the ops it
 wrote. Weights whose K is not a multiple of 32 stay FLOAT32 and the report names them.
@@ -15,6 +23,7 @@ wrote. Weights whose K is not a multiple of 32 stay FLOAT32 and the report names
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -39,7 +48,7 @@ class QuantizedWeight:
     name: str
     shape: tuple[int, ...]
     dtype: str  # GGML_Q4_0 / GGML_Q8_0
-    origin: str  # "quantized" (from float values) or "gguf" (blocks carried over)
+    origin: str  # "quantized" (reference rounding), "weighted" (importance-weighted Q4_0 scales) or "gguf"
     nbytes: int
 
 
@@ -52,13 +61,15 @@ class QuantReport:
     kept_fp32: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # name, shape, why
     embedding: str | None = None  # the GATHER table stored as Q4_0, if any
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors requantized
+    requantized: dict[tuple[str, str], int] = field(default_factory=dict)  # (GGUF type, GGML type) -> tensors
     fp32_bytes: int = 0  # what the quantized weights took in fp32
 
     def __post_init__(self) -> None:
-        # (torch source tensor, blocks, dtype, [N, K]): what verify swaps into the torch
-        # model. Not a field: asdict() would deep-copy the weights.
-        self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...]]] = []
+        # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
+        # into the torch model. Not a field: asdict() would deep-copy the weights.
+        self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...], str]] = []
         self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
+        self._counted: set = set()  # source keys already in fp32_bytes
 
     @property
     def ggml_bytes(self) -> int:
@@ -69,18 +80,33 @@ class QuantReport:
                 "weights": [vars(w) for w in self.weights],
                 "kept_fp32": [{"name": n, "shape": list(s), "reason": r} for n, s, r in self.kept_fp32],
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
-                "ggml_bytes": self.ggml_bytes}
+                "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision]}
+
+    @property
+    def higher_precision(self) -> list[QuantizedWeight]:
+        """Weights stored at a higher type than the format's (q4_0's Q8_0 output head)."""
+        return [w for w in self.weights if w.dtype != GGML_FORMATS[self.format]]
 
     def summary_lines(self) -> list[str]:
         dtype = GGML_FORMATS[self.format]
         gguf = sum(w.origin == "gguf" for w in self.weights)
-        lines = [f"{len(self.weights)} weights as {dtype} ({self.fp32_bytes / 1e6:.1f} MB fp32 -> "
+        higher = self.higher_precision
+        count = f"{len(self.weights) - len(higher)} weights as {dtype}" + \
+            "".join(f", {n} as {d}" for d, n in sorted(Counter(w.dtype for w in higher).items()))
+        lines = [f"{count} ({self.fp32_bytes / 1e6:.1f} MB fp32 -> "
                  f"{self.ggml_bytes / 1e6:.1f} MB)" + (f"; embedding {self.embedding} as GGML_Q4_0 "
                                                        "(int32 ids)" if self.embedding else "")]
+        if higher:
+            lines.append("kept at higher precision: the output head (lm_head) " + ", ".join(
+                f"{w.name} {list(w.shape)} as {w.dtype}" for w in higher) + "; --quantize q4_0-pure stores it at 4 bits")
+        weighted = sum(w.origin == "weighted" for w in self.weights)
+        if weighted:
+            lines.append(f"{weighted} GGML_Q4_0 weights with block scales fitted to their inputs' importance "
+                         "(the shipped calibration text)")
         if gguf:
             lines.append(f"{gguf} carried over bit for bit from the GGUF file")
-        for src, n in sorted(self.requantized_from.items()):
-            lines.append(f"{n} GGUF {src} tensors requantized to {dtype} from their dequantized values")
+        for (src, to), n in sorted(self.requantized.items()):
+            lines.append(f"{n} GGUF {src} tensors requantized to {to} from their dequantized values")
         if self.kept_fp32:
             names = ", ".join(f"{n} {list(s)} ({r})" for n, s, r in self.kept_fp32[:6])
             more = f" and {len(self.kept_fp32) - 6} more" if len(self.kept_fp32) > 6 else ""
@@ -89,20 +115,37 @@ class QuantReport:
 
 
 @contextlib.contextmanager
-def dequantized_sources(report: QuantReport | None) -> Iterator[None]:
+def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | None = None) -> Iterator[None]:
     """Inside: the torch weights the report quantized hold their dequantized values (what
-    the file computes with), so torch is the reference for a quantized file; restored after."""
+    the file computes with), so torch is the reference for a quantized file; restored after.
+
+    A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight)
+    cannot hold both in one tensor: the shared tensor takes the lm_head's values and every
+    ``nn.Embedding`` of ``model`` reading it gets its own tensor of the table's values.
+    """
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    entries = report.sources if report is not None else []
+    linear = {src.data_ptr(): dtype for src, _, dtype, _, role in entries if role == "linear"}
     try:
         with torch.no_grad():
-            for src, blocks, dtype, shape2d in (report.sources if report is not None else []):
+            for src, blocks, dtype, shape2d, role in entries:
+                values = ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype)
+                if role == "table" and linear.get(src.data_ptr(), dtype) != dtype:
+                    for module in (model.modules() if model is not None else ()):
+                        if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
+                            swapped.append((module, module.weight))
+                            module.weight = torch.nn.Parameter(values, requires_grad=False)
+                    continue
                 saved.append((src, src.clone()))
-                src.copy_(ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype))
+                src.copy_(values)
         yield
     finally:
         with torch.no_grad():
             for src, old in reversed(saved):
                 src.copy_(old)
+        for module, weight in reversed(swapped):
+            module.weight = weight
 
 
 def check_format(quantize: str | None, target: str) -> str | None:
@@ -137,22 +180,36 @@ def source_key(data: Any) -> tuple | None:
     return None
 
 
+# formats that keep the output head at a higher type: format -> the head's type
+HEAD_DTYPES = {"q4_0": "GGML_Q8_0"}
+
+
 class _Quantizer:
     def __init__(self, fmt: str, report: QuantReport, pretrained: Pretrained | None,
-                 cache: dict[tuple, np.ndarray] | None):
+                 cache: dict[tuple, np.ndarray] | None, importance: dict[tuple, torch.Tensor] | None):
         self.dtype = GGML_FORMATS[fmt]
+        self.head_dtype = HEAD_DTYPES.get(fmt)
+        self.pure = fmt != "q4_0"  # the embedding table's blocks serve a tied head too
         self.report = report
         self.pretrained = pretrained or {}
         self.cache = cache if cache is not None else {}
+        self.importance = importance or {}
+        self.tables: set[tuple] = set()  # source keys of the embedding tables (a tied head's too)
+
+    def is_head(self, t: ir.Tensor) -> bool:
+        """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
+        key = source_key(t.data)
+        return (key is not None and key in self.tables) or self.name(t).endswith("lm_head.weight")
 
     def name(self, t: ir.Tensor) -> str:
         """The parameter ``t`` views (a lowering may have named a reshaped view otherwise)."""
         key = source_key(t.data)
         return self.report.parameter_names.get(key, t.name) if key is not None else t.name
 
-    def blocks(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str) -> np.ndarray:
+    def blocks(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str, role: str = "linear") -> np.ndarray:
         """``t``'s values as ``dtype`` blocks of ``shape2d``, computed once per source memory
-        (the cache may be shared by several models: the prefill and decode graphs)."""
+        (the cache may be shared by several models: the prefill and decode graphs).
+        role: "linear" (a FULLY_CONNECTED weight) or "table" (a GATHER's)."""
         key = source_key(t.data)
         if key is not None and (key, dtype) in self.cache:
             return self.cache[(key, dtype)]
@@ -162,20 +219,31 @@ class _Quantizer:
         else:
             if pre is not None:
                 self.report.requantized_from[pre[0]] = self.report.requantized_from.get(pre[0], 0) + 1
+                self.report.requantized[(pre[0], dtype)] = self.report.requantized.get((pre[0], dtype), 0) + 1
             data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
-            blocks, origin = ggml.quantize(data.reshape(shape2d), dtype), "quantized"
+            # a table's rows are read as they are: weighted by a linear's inputs only when a
+            # tied head shares its blocks (q4_0-pure)
+            imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
+            if imp is not None and (dtype != "GGML_Q4_0" or imp.numel() != shape2d[-1]):
+                imp = None
+            blocks = ggml.quantize(data.reshape(shape2d), dtype, importance=imp)
+            origin = "quantized" if imp is None else "weighted"
         if key is not None:
             self.cache[(key, dtype)] = blocks
         self.report.weights.append(QuantizedWeight(self.name(t), tuple(shape2d), dtype, origin, int(blocks.nbytes)))
-        self.report.fp32_bytes += int(np.prod(shape2d)) * 4
+        if key is None or key not in self.report._counted:
+            self.report.fp32_bytes += int(np.prod(shape2d)) * 4
+            if key is not None:
+                self.report._counted.add(key)
         if isinstance(t.data, torch.Tensor):
-            self.report.sources.append((t.data, blocks, dtype, tuple(shape2d)))
+            self.report.sources.append((t.data, blocks, dtype, tuple(shape2d), role))
         return blocks
 
 
 def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | None = None,
                      pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
-                     report: QuantReport | None = None) -> QuantReport:
+                     report: QuantReport | None = None,
+                     importance: dict[tuple, torch.Tensor] | None = None) -> QuantReport:
     """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
 
     parameters: the model's parameters (names, or a name -> tensor dict, which also names
@@ -185,6 +253,9 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     pretrained: blocks already in the asked format (a GGUF file's), by ``source_key`` of the
         torch parameter: written as they are instead of quantizing the float values.
     cache: shares blocks between several models (the prefill and decode graphs).
+    importance: input-channel importances by ``source_key`` of the weight
+        (circleops.quantize.importance.input_importance): Q4_0 weights with one get block
+        scales fitted to it (ggml.quantize_q4_0_weighted); others the reference rounding.
     """
     if fmt not in GGML_FORMATS:
         raise TargetError(f"quantize_weights: {fmt!r} is not a GGML format ({', '.join(GGML_FORMATS)})")
@@ -196,9 +267,16 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
             if key is not None:
                 report.parameter_names.setdefault(key, name)
     is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
-    q = _Quantizer(fmt, report, pretrained, cache)
+    q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
     from circleops.lowering.program import prune
+
+    for sg in model.subgraphs:  # the embedding tables first: a tied head reads one
+        for op in sg.operators:
+            if op.opcode == "GATHER" and _is_table(sg, op, is_param):
+                key = source_key(sg.tensors[op.inputs[0]].data)
+                if key is not None:
+                    q.tables.add(key)
 
     for si, sg in enumerate(model.subgraphs):
         _quantize_subgraph(sg, q, is_param, kept)
@@ -241,12 +319,15 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
     # weight tensor index -> its GGML tensor index (one per weight, however many users)
     converted: dict[tuple[int, str, tuple], int] = {}
 
-    def ggml_tensor(index: int, shape2d: tuple[int, int], dtype: str) -> int:
+    def ggml_tensor(index: int, shape2d: tuple[int, int], dtype: str, role: str = "linear") -> int:
         key = (index, dtype, shape2d)
         if key not in converted:
             t = sg.tensors[index]
-            blocks = q.blocks(t, shape2d, dtype)
-            converted[key] = sg.add_tensor(ir.Tensor(q.name(t), shape2d, dtype, blocks))
+            blocks = q.blocks(t, shape2d, dtype, role)
+            name = q.name(t)
+            if source_key(t.data) in q.tables and dtype != q.dtype:  # a tied head beside its 4-bit table
+                name = f"{name}_{dtype[5:].lower()}"
+            converted[key] = sg.add_tensor(ir.Tensor(name, shape2d, dtype, blocks))
         return converted[key]
 
     def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
@@ -277,7 +358,8 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             kept[w.name] = ((n, k), f"K={k} is not a multiple of {ggml.BLOCK}")
             new_ops.append(op)
             continue
-        qi = ggml_tensor(wi, (n, k), q.dtype)
+        dtype = q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype
+        qi = ggml_tensor(wi, (n, k), dtype)
         x_i, out_i = op.inputs[0], op.outputs[0]
         x, out = sg.tensors[x_i], sg.tensors[out_i]
         rows = int(np.prod(x.shape, dtype=np.int64)) // k
@@ -311,17 +393,23 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
     sg.operators = new_ops
 
 
+def _is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool]) -> bool:
+    """A GATHER of rows of a constant [V, H] model parameter: an embedding."""
+    t = sg.tensors[op.inputs[0]]
+    return (_is_f32_const(t) and len(t.shape) == 2 and is_param(t.name)
+            and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0)
+
+
 def _gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor) -> list[ir.Operator]:
     table_i, idx_i = op.inputs[0], op.inputs[1]
     t = sg.tensors[table_i]
-    if not (_is_f32_const(t) and len(t.shape) == 2 and is_param(t.name)
-            and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0):
+    if not _is_table(sg, op, is_param):
         return [op]
     if t.shape[1] % ggml.BLOCK:
         kept[t.name] = (tuple(t.shape), f"row length {t.shape[1]} is not a multiple of {ggml.BLOCK}")
         return [op]
-    q.report.embedding = q.report.embedding or t.name
-    qi = ggml_tensor(table_i, tuple(t.shape), "GGML_Q4_0")
+    q.report.embedding = q.report.embedding or q.name(t)
+    qi = ggml_tensor(table_i, tuple(t.shape), "GGML_Q4_0", "table")
     ops = []
     idx = sg.tensors[idx_i]
     if idx.dtype != "INT32":  # onert's Q4_0 GATHER takes int32 ids only

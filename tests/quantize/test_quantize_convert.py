@@ -1,7 +1,8 @@
-"""convert / save / convert_graphs with quantize="q4_0"|"q8_0": what the file holds (GGML
-linear weights in the FULLY_CONNECTED form onert runs, a Q4_0 embedding with int32 ids
-shared with a tied lm_head), that it runs (onert, the reference interpreter) and matches
-torch running the same dequantized weights, and the refusals."""
+"""convert / save / convert_graphs with quantize="q4_0"|"q4_0-pure"|"q8_0": what the file
+holds (GGML linear weights in the FULLY_CONNECTED form onert runs, a Q4_0 embedding with int32
+ids; q4_0's output head at Q8_0, q4_0-pure's tied lm_head sharing the Q4_0 table), that it
+runs (onert, the reference interpreter) and matches torch running the same dequantized
+weights, and the refusals."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,8 @@ from circleops.serialize import read_model
 from circleops.serialize.schema import get_schema
 from families import BY_NAME, example_ids
 
-FORMATS = {"q4_0": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+FORMATS = {"q4_0": "GGML_Q4_0", "q4_0-pure": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+HEAD = {"q4_0": "GGML_Q8_0"}  # the output head's type where it differs from the format's
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +38,22 @@ def _ops(sg, opcode):
 
 
 def _check_layout(path, fmt):
-    """Every FC weight is GGML, FCs take rank-2 inputs, no bias, no fused activation."""
+    """Every FC weight is GGML (the last, the lm_head, at the head's type), FCs take rank-2
+    inputs, no bias, no fused activation."""
     sg = read_model(path).subgraphs[0]
     fcs = _ops(sg, "FULLY_CONNECTED")
     assert fcs and not _ops(sg, "CONV_2D")
     for op in fcs:
         w = sg.tensors[op.inputs[1]]
-        assert w.dtype == FORMATS[fmt] and w.quant is None, w.name
+        want = HEAD.get(fmt, FORMATS[fmt]) if op is fcs[-1] else FORMATS[fmt]
+        assert w.dtype == want and w.quant is None, w.name
         assert len(sg.tensors[op.inputs[0]].shape) == 2
         assert len(op.inputs) < 3 or op.inputs[2] == -1
         assert op.options.get("fusedActivationFunction", 0) == 0
     (gather,) = [op for op in _ops(sg, "GATHER") if sg.tensors[op.inputs[0]].data is not None
                  and "embed" in sg.tensors[op.inputs[0]].name or "lm_head" in sg.tensors[op.inputs[0]].name]
     table, ids = sg.tensors[gather.inputs[0]], sg.tensors[gather.inputs[1]]
-    if fmt == "q4_0":
+    if fmt.startswith("q4_0"):
         assert (table.dtype, ids.dtype) == ("GGML_Q4_0", "INT32")
     else:
         assert table.dtype == "FLOAT32"  # onert runs no Q8_0 table
@@ -69,9 +73,14 @@ def test_convert_quantized_runs_and_verifies(tmp_path, llama, fmt, target):
     # per layer 7 linears; the lm_head; the q4_0 embedding. Target circle keeps Circle's
     # fused ATTENTION, whose q/k/v/o weights stay fp32 (and the report says so).
     attention = 4 * 2 if target == "circle" else 0
-    assert q.format == fmt and len(q.weights) == 2 * 7 + 1 + (fmt == "q4_0") - attention
+    q4 = fmt.startswith("q4_0")
+    assert q.format == fmt and len(q.weights) == 2 * 7 + 1 + q4 - attention
     assert len(q.kept_fp32) == attention
-    assert (q.embedding is not None) == (fmt == "q4_0")
+    assert (q.embedding is not None) == q4
+    assert [w.name for w in q.higher_precision] == (["model.lm_head.weight"] if fmt in HEAD else [])
+    # q4_0: the tiny model's linears get scales fitted to the calibration text's inputs
+    assert all(w.origin == ("weighted" if w.dtype == "GGML_Q4_0" and w.name != q.embedding else "quantized")
+               for w in q.weights), [(w.name, w.origin) for w in q.weights]
     assert f"as {FORMATS[fmt]}" in report.summary()
     assert report.to_dict()["quantization"]["ggml_bytes"] == q.ggml_bytes
     # verify swapped the dequantized weights in and put the model's own back
@@ -79,7 +88,7 @@ def test_convert_quantized_runs_and_verifies(tmp_path, llama, fmt, target):
     fp32 = tmp_path / "fp32.circle"
     circleops.convert(llama, (ids,), fp32, target=target)
     ratio = path.stat().st_size / fp32.stat().st_size
-    assert ratio < (0.35 if fmt == "q4_0" else 0.45) + (0.25 if target == "circle" else 0), ratio
+    assert ratio < {"q4_0": 0.45, "q4_0-pure": 0.35, "q8_0": 0.45}[fmt] + (0.25 if target == "circle" else 0), ratio
 
 
 def test_verify_compares_with_the_dequantized_weights(tmp_path, llama):
@@ -97,13 +106,43 @@ def test_verify_compares_with_the_dequantized_weights(tmp_path, llama):
 
 def test_tied_embedding_and_lm_head_share_one_q4_0_buffer(tmp_path, tied_llama):
     path = tmp_path / "m.circle"
-    report = circleops.convert(tied_llama, (example_ids(8),), path, target="onert", quantize="q4_0", verify=True)
-    sg = _check_layout(path, "q4_0")
+    report = circleops.convert(tied_llama, (example_ids(8),), path, target="onert", quantize="q4_0-pure",
+                               verify=True)
+    sg = _check_layout(path, "q4_0-pure")
     (gather,) = _ops(sg, "GATHER")
     lm_head = _ops(sg, "FULLY_CONNECTED")[-1]
     raw = get_schema("circle").cls("Model").InitFromPackedBuf(path.read_bytes(), 0).subgraphs[0]
     assert raw.tensors[gather.inputs[0]].buffer == raw.tensors[lm_head.inputs[1]].buffer
-    assert report.quantization.embedding is not None
+    assert report.quantization.embedding is not None and not report.quantization.higher_precision
+
+
+def test_tied_lm_head_q8_0_beside_a_q4_0_table(tmp_path, tied_llama):
+    """q4_0: the tied head is a Q8_0 FULLY_CONNECTED weight, the GATHER reads a Q4_0 table (two
+    buffers); verify's torch reference runs each with its own values, and the model is
+    tied again afterwards."""
+    model = copy.deepcopy(tied_llama)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(model, (example_ids(8),), path, target="onert", quantize="q4_0", verify=True)
+    sg = _check_layout(path, "q4_0")
+    (gather,) = _ops(sg, "GATHER")
+    table, head = sg.tensors[gather.inputs[0]], sg.tensors[_ops(sg, "FULLY_CONNECTED")[-1].inputs[1]]
+    assert (table.dtype, head.dtype) == ("GGML_Q4_0", "GGML_Q8_0") and table.name != head.name
+    q = report.quantization
+    assert [(w.name, w.dtype) for w in q.higher_precision] == [(q.embedding, "GGML_Q8_0")]
+    assert "kept at higher precision: the output head (lm_head)" in report.summary()
+    assert report.verify.max_abs_error < 0.1 * report.verify.tolerance  # both weights right in torch
+    embed, lm = model.model.embed_tokens, model.lm_head
+    with dequantized_sources(q, model):
+        assert embed.weight is not lm.weight
+        np.testing.assert_array_equal(embed.weight.detach().numpy(), ggml_values(table))
+        np.testing.assert_array_equal(lm.weight.detach().numpy(), ggml_values(head))
+    assert embed.weight is lm.weight and torch.equal(embed.weight, tied_llama.model.embed_tokens.weight)
+
+
+def ggml_values(t):
+    from circleops.quantize import ggml
+
+    return ggml.dequantize(t.data, t.dtype, t.shape).numpy()
 
 
 class _Odd(torch.nn.Module):
