@@ -49,6 +49,7 @@ def make_quantizer(scheme: str, *, weight: str = "int8", int16_ops: Iterable[Any
 
 def int16_parts(parts: Iterable[str]) -> tuple[list[Any], list[str]]:
     """(operator types, module names) that the ``--int16`` parts stand for."""
+    import circleops.ops  # noqa: F401 - registers torch.ops.circle.* (a fresh CLI process has not yet)
     from circleops.quantize import INT16_PARTS, INT16_PRESETS
 
     aten, circle = torch.ops.aten, torch.ops.circle
