@@ -155,6 +155,24 @@ def _unpack(b: Tensor, dtype: str) -> Tensor:
     return q * d
 
 
+def dequantize_into(blocks: Tensor | np.ndarray, dtype: str, out: Tensor) -> Tensor:
+    """The values of packed ``dtype`` blocks written into the contiguous float32 ``out``
+    (verify swaps them into the model's own weights: no second copy of each weight)."""
+    b = _as_uint8(blocks).reshape(-1, ir.GGML_BLOCKS[dtype][1])
+    o = out.view(-1, BLOCK)
+    d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    if dtype == "GGML_Q8_0":
+        o.copy_(b[:, 2:].view(torch.int8))
+    elif dtype == "GGML_Q4_0":
+        qs = b[:, 2:]
+        o[:, :BLOCK // 2].copy_(qs & 0x0F)
+        o[:, BLOCK // 2:].copy_(qs >> 4)
+        o.sub_(8.0)
+    else:
+        raise ValueError(f"not a GGML block type: {dtype}")
+    return o.mul_(d).view(out.shape)
+
+
 def dequantize(blocks: Tensor | np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
     """The float32 values of packed ``dtype`` blocks, as a tensor of ``shape``."""
     block_bytes = ir.GGML_BLOCKS[dtype][1]

@@ -66,3 +66,12 @@ def test_llm_importance_runs_the_calibration_text():
     imp = input_importance(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(imp) == len(linears) and all((v > 0).all() for v in imp.values())
+
+
+def test_dequantize_into_equals_dequantize():
+    w = np.random.default_rng(2).standard_normal((6, 64)).astype(np.float32)
+    for dtype in ("GGML_Q4_0", "GGML_Q8_0"):
+        blocks = ggml.quantize(w, dtype)
+        out = torch.full((6, 64), float("nan"))
+        ggml.dequantize_into(blocks, dtype, out)
+        assert torch.equal(out, ggml.dequantize(blocks, dtype, (6, 64)))
