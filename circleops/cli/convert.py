@@ -135,6 +135,8 @@ def main(args: argparse.Namespace) -> int:
             if quantize in api.INTEGER_FORMATS:
                 common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
                               tokenizer=loaded.tokenizer, int16=int16)
+            elif quantize:  # q4_0's block scales are fitted on the calibration text, tokenized
+                common.update(tokenizer=loaded.tokenizer)
             report = api.convert(loaded.module, example_args, out, **common)
     finally:
         progress.close()

@@ -107,15 +107,17 @@ def _best_scale(x: Tensor, q: Tensor) -> Tensor:
     mx = x.gather(1, x.abs().argmax(1, keepdim=True))  # the signed value of largest magnitude
     mx = torch.where(mx == 0, torch.ones_like(mx), mx)
     t = x / mx
-    qx, qcol = (q * x).unsqueeze(2), q.unsqueeze(2)
-    levels, squares = torch.empty_like(x), torch.empty_like(x)
+    qx = q * x
+    ones = torch.ones(BLOCK, 1)
+    levels, prod = torch.empty_like(x), torch.empty_like(x)
     best = torch.full_like(mx, -1.0)
     scale = torch.zeros_like(mx)
     for step in _SCALE_STEPS:
         torch.mul(t, -(8.0 + step), out=levels)
         levels.round_().clamp_(-8, 7)  # the largest value lands on -8 (or -7): suml2 > 0
-        sumlx = torch.bmm(levels.unsqueeze(1), qx).squeeze(2)
-        suml2 = torch.bmm(torch.mul(levels, levels, out=squares).unsqueeze(1), qcol).squeeze(2)
+        # row sums as a matrix-vector product: 2x faster than sum(1) or bmm over 32 columns
+        sumlx = torch.mm(torch.mul(qx, levels, out=prod), ones)
+        suml2 = torch.mm(torch.mul(levels, levels, out=prod).mul_(q), ones)
         score = sumlx * sumlx / suml2  # the weighted error is sum(q x^2) - score
         better = score > best
         best = torch.where(better, score, best)
