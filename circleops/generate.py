@@ -28,6 +28,11 @@ from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manif
 from circleops.runtime import RUNTIMES, Session, open_session
 
 DEFAULT_MAX_NEW_TOKENS = 64
+# What one prefill run costs beyond its rows, in rows: the chunk plan (Generator.plan)
+# minimises sum(length + this) over the runs. onert on SmolLM2-135M (fp32, 2 threads, idle):
+# a run of L positions took about (L + 24) x 4.6 ms (bench/README.md, bench/ttft.py): every
+# run reads all the weights, whatever its length.
+PREFILL_RUN_OVERHEAD = 24
 
 
 class GenerationLimitError(CircleOpsError):
@@ -83,6 +88,33 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
 
 # --------------------------------------------------------------------------- generation
 
+def plan_chunks(start: int, end: int, lengths: Sequence[int],
+                overhead: int = PREFILL_RUN_OVERHEAD) -> list[tuple[int, int]]:
+    """The prefill runs that write tokens ``start..end-1`` into the cache: (graph length,
+    position) pairs, in order, computing the fewest positions when each run counts
+    ``overhead`` more (a dynamic program over ``lengths``; ties go to the longer graph).
+
+    Every run but the last covers new tokens only. The last one is aligned to end at the
+    last token: it re-runs tokens already in the cache (their keys and values come out the
+    same) instead of padding, so nothing is written past the last real token and a prompt
+    may fill the cache exactly. Only when fewer tokens than its length exist in all does it
+    start at 0, right-padded (the padding's slots are overwritten before any query sees them).
+    """
+    longest_first = sorted(set(lengths), reverse=True)
+    left = end - start
+    cost, pick = [0] * (left + 1), [0] * (left + 1)
+    for x in range(1, left + 1):
+        cost[x], pick[x] = min((n + overhead + cost[max(0, x - n)], -n) for n in longest_first)
+        pick[x] = -pick[x]
+    runs, s, x = [], start, left
+    while x > pick[x]:
+        runs.append((pick[x], s))
+        s, x = s + pick[x], x - pick[x]
+    if x:
+        runs.append((pick[x], max(0, end - pick[x])))
+    return runs
+
+
 @dataclass
 class Generation:
     """The result of one greedy generation."""
@@ -93,6 +125,7 @@ class Generation:
     decode_seconds: float = 0.0
     decode_steps: int = 0  # decode graph runs (the first new token comes from the prefill)
     prefill_runs: int = 0  # prefill graph runs for the prompt (chunks)
+    prefill_chunks: list[int] = field(default_factory=list)  # the length of each prefill run
     stopped_at_eos: bool = False
     runtime: str = ""
     text: str | None = None
@@ -101,10 +134,16 @@ class Generation:
     def decode_tokens_per_second(self) -> float:
         return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
-    def timing_line(self, prefill_len: int) -> str:
+    def timing_line(self, prefill_len: int | None = None) -> str:
+        chunks = self.prefill_chunks or ([prefill_len] * self.prefill_runs if prefill_len else [])
+        if len(set(chunks)) > 1:
+            how = f"runs of {' + '.join(map(str, chunks))} positions"
+        elif chunks:
+            how = f"graph length {chunks[0]}{f', {len(chunks)} runs' if len(chunks) > 1 else ''}"
+        else:
+            how = "decode graph"
         line = (f"circleops generate [{self.runtime}]: prefill {len(self.prompt_ids)}-token prompt "
-                f"(graph length {prefill_len}{f', {self.prefill_runs} runs' if self.prefill_runs > 1 else ''}) "
-                f"in {self.prefill_seconds:.3f} s; ")
+                f"({how}) in {self.prefill_seconds:.3f} s; ")
         if self.decode_steps:
             line += (f"decode {self.decode_steps} tokens in {self.decode_seconds:.2f} s = "
                      f"{self.decode_tokens_per_second:.1f} tokens/s ({1000 * self.decode_seconds / self.decode_steps:.1f} "
@@ -122,9 +161,9 @@ class Generator:
     (onert for target onert, litert for tflite, reference for circle).
 
     The KV cache persists between calls: :meth:`feed` appends tokens after the ones already
-    in it (``history``), so a chat turn costs only its new tokens. A prompt longer than the
-    prefill graph runs through it in chunks (see :meth:`feed`), so any prompt up to the
-    cache length works.
+    in it (``history``), so a chat turn costs only its new tokens. A prompt runs through the
+    prefill graphs (one or several lengths) in chunks (see :meth:`plan`), so any prompt up to
+    the cache length works.
     """
 
     def __init__(self, source: Any, runtime: str | None = None):
@@ -132,20 +171,27 @@ class Generator:
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
         m = self.manifest
-        missing = [g for g in GRAPH_NAMES if g not in m.files]
+        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values()) if g not in m.files]
         if missing:
-            raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs both. "
-                                 f"Convert with --graphs prefill,decode.")
+            raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
+                                 f"prefill and decode graphs. Convert with --graphs prefill,decode.")
         self.runtime = runtime or m.default_runtime
         check_runtime(m, self.runtime)
-        self.prefill_session = open_graph(m, "prefill", self.runtime)
+        # prefill length -> its session, longest first
+        self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}
         self.decode_session = open_graph(m, "decode", self.runtime)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
         self.caches: list[Any] = []
         self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
-        self.prefill_runs = 0  # runs of the prefill graph so far (chunks)
+        self.prefill_runs = 0  # runs of the prefill graphs so far (chunks)
+        self.chunks: list[int] = []  # the length of each of those runs
+
+    @property
+    def prefill_session(self) -> Session:
+        """The session of the longest prefill graph."""
+        return self.prefill_sessions[max(self.prefill_sessions)]
 
     @property
     def position(self) -> int:
@@ -174,33 +220,38 @@ class Generator:
                 f"slots of the KV cache in {m.directory}. Generate at most {max(0, m.max_cache_len - used - prompt_len)} "
                 f"new tokens, or convert again with --max-cache-len {used + prompt_len + max_new_tokens} or more.")
 
-    def _run_prefill(self, ids: Sequence[int], pos: int) -> Any:
-        """One run of the prefill graph: ``ids`` (at most prefill_len, right-padded) written
-        at slots pos.. of the caches; returns the logits [prefill_len, V]."""
+    def run_chunk(self, length: int, ids: Sequence[int], pos: int, row: int) -> Any:
+        """One run of the prefill graph of ``length``: ``ids`` (at most ``length``, right-padded)
+        written at slots pos.. of the caches; returns the logits of ``ids[row]`` [V]."""
         np = self._np
         m = self.manifest
-        buf = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
+        buf = np.full((1, length), m.pad_token_id, dtype=np.int64)
         buf[0, :len(ids)] = ids
         if not self.caches:
             self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
-        outs = self.prefill_session.run([buf, np.array([pos], dtype=np.int64), *self.caches])
+        head = [buf, np.array([pos], dtype=np.int64)]
+        if m.prefill_one_row:
+            head.append(np.array([row], dtype=np.int64))
+        outs = self.prefill_sessions[length].run([*head, *self.caches])
         self.caches = list(outs[1:])
         self.prefill_runs += 1
-        return outs[0][0]
+        self.chunks.append(length)
+        return outs[0][0, 0 if m.prefill_one_row else row]
 
-    def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> Any:
+    def plan(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The prefill runs that write tokens ``start..end-1``: :func:`plan_chunks` over the
+        lengths of this manifest's prefill graphs."""
+        return plan_chunks(start, end, list(self.prefill_sessions))
+
+    def feed(self, token_ids: Sequence[int]) -> Any:
         """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of
-        the last one [V] (``all_logits``: of each fed token, [n, V]).
+        the last one [V].
 
-        One token is a decode step. More go through the prefill graph (length N) in chunks
-        at positions p, p+N, ...; its causal mask over the cache makes a chunk at pos p
-        attend to everything before it. The last chunk is aligned to end at the last token:
-        it re-runs up to N-1 tokens already in the cache (their keys and values come out the
-        same) instead of padding, so nothing is ever written past the last real token and a
-        prompt may fill the cache exactly. Only when fewer than N tokens exist in all is the
-        chunk right-padded (the padding's slots are overwritten before any query sees them).
+        One token is a decode step. More go through the prefill graphs in the chunks that
+        :meth:`plan` gives; a chunk's causal mask over the cache makes it attend to
+        everything before it. Each prefill run computes the logits of one row only (the
+        last token's, in the last run).
         """
-        np = self._np
         m = self.manifest
         new = [int(t) for t in token_ids]
         if not new:
@@ -209,30 +260,22 @@ class Generator:
         if end > m.max_cache_len:
             raise GenerationLimitError(f"the KV cache of {m.max_cache_len} slots is full: {start} tokens are in it "
                                        f"and {len(new)} more do not fit.")
-        if len(new) == 1 and start > 0 and not all_logits:
+        if len(new) == 1 and start > 0:
             return self.decode(new[0])
         tokens = self.history + new
-        n = m.prefill_len
-        rows = []
-        s = start
-        while end - s > n:
-            logits = self._run_prefill(tokens[s:s + n], s)
-            rows.append(logits)
-            s += n
-        c0 = max(0, end - n)
-        logits = self._run_prefill(tokens[c0:end], c0)
-        rows.append(logits[s - c0:end - c0])
+        logits = None
+        for length, s in self.plan(start, end):
+            chunk = tokens[s:s + length]
+            logits = self.run_chunk(length, chunk, s, min(end, s + length) - 1 - s)
         self.history = tokens
-        if all_logits:
-            return np.concatenate(rows, axis=0)
-        return rows[-1][-1]
+        return logits
 
-    def prefill(self, prompt_ids: Sequence[int], all_logits: bool = False) -> Any:
+    def prefill(self, prompt_ids: Sequence[int]) -> Any:
         """Start over with ``prompt_ids`` (any length up to the cache): returns the logits of
-        its last token [V] (or of every prompt token [P, V] with ``all_logits``)."""
+        its last token [V]."""
         self.reset()
         self.check_fits(len(prompt_ids), 0)
-        return self.feed(prompt_ids, all_logits=all_logits)
+        return self.feed(prompt_ids)
 
     def decode(self, token: int) -> Any:
         """Feed one token at the next position; returns its logits [V]."""
@@ -276,6 +319,7 @@ class Generator:
         token = pick(self.feed(prompt_ids))
         result.prefill_seconds = time.perf_counter() - t
         result.prefill_runs = self.prefill_runs - runs
+        result.prefill_chunks = self.chunks[len(self.chunks) - result.prefill_runs:]
         t = time.perf_counter()
         while True:
             result.tokens.append(token)

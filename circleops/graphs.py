@@ -1,17 +1,20 @@
 """Prefill and decode graphs of a causal LM over a static KV cache, for ``circleops generate``.
 
     from circleops.graphs import convert_graphs
-    report = convert_graphs(model, "out/", target="onert", prefill_len=64, max_cache_len=256,
+    report = convert_graphs(model, "out/", target="onert", prefill_len=(64, 8), max_cache_len=256,
                             tokenizer=tokenizer, verify=True)
 
-Both graphs are one :class:`~circleops.adapters.decode.DecoderWithCache` step exported at
-two sequence lengths:
+The graphs are one :class:`~circleops.adapters.decode.DecoderWithCache` step exported at
+several sequence lengths:
 
-* prefill: ``input_ids [1, N]`` (the prompt, right-padded to N), ``pos [1] = 0`` and the
-  caches in; ``logits [1, N, V]`` and the caches holding the N tokens out. Padding needs no
-  mask of its own: the causal mask already hides it from the real tokens, and its cache
-  slots (P..N-1 for a prompt of P tokens) are hidden from every later step by the decode
-  mask (slot c visible iff c <= pos) and overwritten by the tokens decoded there.
+* prefill (one per length N; the longest is ``prefill``, the others ``prefill_N``):
+  ``input_ids [1, N]`` (a chunk of the prompt, right-padded to N when the whole prompt is
+  shorter), ``pos [1]``, ``logits_row [1]`` and the caches in; ``logits [1, 1, V]`` of that
+  one row (generation needs only the last prompt token's: the lm_head runs on one row) and
+  the caches holding the N tokens out. Padding needs no mask of its own: the causal mask
+  already hides it from the real tokens, and its cache slots are hidden from every later
+  step by the decode mask (slot c visible iff c <= pos) and overwritten by the tokens
+  decoded there.
 * decode: ``input_ids [1, 1]``, ``pos [1]`` and the caches in; ``logits [1, 1, V]`` and the
   caches with that token's k/v written at ``pos`` out.
 
@@ -19,10 +22,11 @@ Caches are ``[1, C, Hkv, D]`` (ONE's layout, C = ``max_cache_len``), all k cache
 v caches, one per layer, fp32 for an fp32 model.
 
 Files: onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature
-(measured: tests/generate/test_graphs.py), so target onert writes two files
-(prefill.circle, decode.circle). Circle and TFLite targets write one file with a
-``prefill`` and a ``decode`` signature whose subgraphs share every weight buffer: the
-reference interpreter and LiteRT run either signature. ``manifest.json`` records which.
+(measured: tests/generate/test_graphs.py), so target onert writes one file per graph
+(prefill.circle, prefill_8.circle, decode.circle), each with the weights. Circle and TFLite
+targets write one file with a signature per graph whose subgraphs share every weight
+buffer: the reference interpreter and LiteRT run any signature. ``manifest.json`` records
+which.
 """
 from __future__ import annotations
 
@@ -37,12 +41,17 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import Generator, open_graph
+from circleops.generate import open_graph
+from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
+                                prefill_graph_name)
 from circleops.quantize import GGML_FORMATS
-from circleops.manifest import GRAPH_NAMES, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes
 from circleops.targets import PROFILES
 
-DEFAULT_PREFILL_LEN = 64
+# The prefill graphs' lengths, longest first: a prompt runs through them in chunks
+# (Generator.plan): long prompts in runs of the longest, short ones (and the remainder) in
+# the short one. Measured by bench/ttft.py (bench/README.md).
+DEFAULT_PREFILL_LENS = (64, 8)
+DEFAULT_PREFILL_LEN = DEFAULT_PREFILL_LENS[0]
 DEFAULT_MAX_CACHE_LEN = 512
 # The onert runtime gets one file per graph (see the module docstring). One file with a
 # dynamic sequence dimension (shape_signature -1, resized at run time) does not work on
@@ -64,6 +73,19 @@ def parse_graph_names(text: str | Sequence[str]) -> tuple[str, ...]:
         raise TargetError(f"--graphs takes a comma-separated list of {', '.join(GRAPH_NAMES)}; got "
                           f"{','.join(names) or 'nothing'}. Use --graphs prefill,decode for circleops generate.")
     return tuple(n for n in GRAPH_NAMES if n in names)
+
+
+def prefill_lengths(value: int | str | Sequence[int]) -> tuple[int, ...]:
+    """``64``, ``"64,8"`` or ``(8, 64)`` -> the distinct prefill lengths, longest first."""
+    items = value.split(",") if isinstance(value, str) else [value] if isinstance(value, int) else list(value)
+    try:
+        lengths = sorted({int(str(v).strip()) for v in items if str(v).strip()}, reverse=True)
+    except ValueError:
+        lengths = []
+    if not lengths or lengths[-1] < 1:
+        raise TargetError(f"--seq-len takes one prefill length or a comma-separated list (e.g. 64,8), each at least "
+                          f"1; got {value!r}.")
+    return tuple(lengths)
 
 
 def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | None, source: str) -> None:
@@ -90,13 +112,15 @@ def decoder_step(model: Any, max_cache_len: int) -> Any:
 
 
 def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
-    """Export inputs of ``graph``: token ids, pos, zero caches."""
+    """Export inputs of ``graph``: token ids, pos, (prefill: the logits row,) zero caches."""
     import torch
 
-    s = prefill_len if graph == "prefill" else 1
-    pos = 0 if graph == "prefill" else prefill_len
-    ids = torch.zeros((1, s), dtype=torch.int64)
-    return (ids, torch.tensor([pos], dtype=torch.int64), *step.empty_caches())
+    if graph == "prefill":
+        ids = torch.zeros((1, prefill_len), dtype=torch.int64)
+        row = torch.tensor([prefill_len - 1], dtype=torch.int64)
+        return (ids, torch.tensor([0], dtype=torch.int64), row, *step.empty_caches())
+    ids = torch.zeros((1, 1), dtype=torch.int64)
+    return (ids, torch.tensor([prefill_len], dtype=torch.int64), *step.empty_caches())
 
 
 def _save_generation_config(model: Any, out_dir: Path) -> None:
@@ -111,31 +135,36 @@ def _save_generation_config(model: Any, out_dir: Path) -> None:
         raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """Input and output names of both graphs, in order."""
+def io_names(num_layers: int, graph: str = "decode") -> tuple[list[str], list[str]]:
+    """Input and output names of ``graph``, in order. The prefill has one more input after
+    ``pos``: ``logits_row``, the one row of the chunk whose logits it computes."""
     caches = [f"k_cache_{i}" for i in range(num_layers)] + [f"v_cache_{i}" for i in range(num_layers)]
-    return ["input_ids", "pos", *caches], ["logits", *(f"new_{c}" for c in caches)]
+    row = [LOGITS_ROW] if graph == "prefill" else []
+    return ["input_ids", "pos", *row, *caches], ["logits", *(f"new_{c}" for c in caches)]
 
 
 def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
     """torch.export of one step at the graph's sequence length (errors as ExportError)."""
     import torch
 
+    from circleops.adapters.decode import OneRowPrefill
     from circleops.conversion import export
 
+    module = OneRowPrefill(step) if graph == "prefill" else step
     with torch.no_grad():
-        return export(step, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
+        return export(module, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
 
 
-def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None) -> Any:
+def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None, kind: str | None = None) -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
-    ``graph`` with the io names of :func:`io_names`."""
+    ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
+    default: ``graph``'s own)."""
     from circleops.lowering import lower_program
 
     model = lower_program(ep, target, dtype=dtype)
     sub = model.subgraphs[0]
     sub.name = graph
-    ins, outs = io_names(num_layers)
+    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"))
     if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
         raise CircleOpsError(f"internal: the {graph} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
                              f"outputs, expected {len(ins)} and {len(outs)}.")
@@ -229,18 +258,20 @@ class GraphsReport:
                          f"signature, so the weights are stored in each file")
         else:
             lines.append(f"  files: one file, a signature per graph, weights shared between them")
+        width = max([8, *(len(g) for g in self.graphs)])
         for g in self.graphs.values():
             where = g.file + (f" [signature {g.signature}]" if g.signature else "")
             ops = ", ".join(f"{k} {v}" for k, v in sorted(g.ops.items(), key=lambda kv: -kv[1])
                             if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
-            lines.append(f"  {g.name:8s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
-            lines.append(f"           {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+            lines.append(f"  {g.name:{width}s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
+            lines.append(f"  {'':{width}s} {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
         if self.quantization is not None:
             lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
                       for k, line in enumerate(self.quantization.summary_lines())]
         if self.manifest is not None:
             m = self.manifest
-            lines.append(f"  manifest.json: prefill length {m.prefill_len}, cache length {m.max_cache_len}, "
+            lines.append(f"  manifest.json: prefill length{'s' if len(m.prefill_graphs) > 1 else ''} "
+                         f"{', '.join(map(str, m.prefill_graphs))}, cache length {m.max_cache_len}, "
                          f"tokenizer {m.tokenizer or 'none'}, eos ids {m.eos_token_ids}")
         if self.verify_runtime:
             errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
@@ -248,7 +279,7 @@ class GraphsReport:
                          f"{errs} (tolerance {self.tolerance:.3g}): passed")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
                      + f", total {sum(self.timings.values()):.1f} s")
-        if set(self.graphs) == set(GRAPH_NAMES):
+        if set(GRAPH_NAMES) <= set(self.graphs):
             hint = "; for onert, convert with --target onert" if self.target == "circle" else ""
             lines.append(f"  next: circleops generate {self.directory} --prompt \"...\" (runtime "
                          f"{PROFILES[self.target].runtime}{hint})")
@@ -331,7 +362,7 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 
 def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[str] = GRAPH_NAMES,
-                   target: str = "onert", prefill_len: int = DEFAULT_PREFILL_LEN,
+                   target: str = "onert", prefill_len: int | Sequence[int] = DEFAULT_PREFILL_LENS,
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
                    progress: Progress | None = None, quantize: str | None = None,
@@ -339,6 +370,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
+    ``prefill_len``: the prefill graph's length, or several (one prefill graph each; the
+    longest is ``prefill``, the others ``prefill_N``): generation picks per chunk. Each
+    prefill returns the logits of one row (its ``logits_row`` input), the last prompt
+    token's, so a chunk pays for one row of the lm_head.
     ``model`` is a Hugging Face causal LM whose attention layers circle.attention can
     express (Llama, Mistral, Phi3, Gemma; see DecoderWithCache); it is fused in place.
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
@@ -370,14 +405,20 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
             raise TargetError(f"runtime {runtime} cannot run target {target}'s files; use one of "
                               f"{', '.join(graph_runtimes(target))}.")
     config = getattr(model, "config", None)
-    check_lengths(prefill_len, max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
+    lengths = prefill_lengths(prefill_len)
+    check_lengths(lengths[0], max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
+    check_lengths(lengths[-1], max_cache_len, None, source or "the model")
+    # graph name -> (kind, length): every prefill length, then decode
+    named = {prefill_graph_name(n, lengths): ("prefill", n) for n in lengths} if "prefill" in graphs else {}
+    if "decode" in graphs:
+        named["decode"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
     fmt = PROFILES[target].format
-    files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in graphs}
+    files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in named}
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
     try:
-        report = _convert_graphs_into(model, staging, out_dir, graphs=graphs, target=target, prefill_len=prefill_len,
+        report = _convert_graphs_into(model, staging, out_dir, graphs=named, target=target, lengths=lengths,
                                       max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
                                       tolerance=tolerance, source=source, progress=progress, quantize=quantize,
                                       torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads)
@@ -389,8 +430,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     return report
 
 
-def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: Sequence[str], target: str,
-                         prefill_len: int, max_cache_len: int, tokenizer: Any, runtime: str | None,
+def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: dict[str, tuple[str, int]],
+                         target: str, lengths: tuple[int, ...], max_cache_len: int, tokenizer: Any, runtime: str | None,
                          tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
                          torch_dtype: Any, files: dict[str, str], fmt: str, config: Any,
                          threads: int | None = None) -> GraphsReport:
@@ -410,7 +451,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
     references = None
     if runtime is not None and not quantize:  # the model's own forward, before its modules are fused
         t = stage("torch reference logits")
-        references = _verify_references(model, prefill_len)
+        references = _verify_references(model, lengths)
         timings["verify"] = time.perf_counter() - t
     importance = None
     if quantize and GGML_FORMATS.get(quantize) == "GGML_Q4_0":
@@ -422,12 +463,12 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
 
     t = stage("export")
     step = decoder_step(model, max_cache_len)
-    eps = {g: export_graph(step, g, prefill_len) for g in graphs}
+    eps = {g: export_graph(step, kind, n) for g, (kind, n) in graphs.items()}
     timings["export"] = time.perf_counter() - t
 
     t = stage("lower")
-    lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype)
-               for g, ep in eps.items()}
+    lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype,
+                             kind=graphs[g][0]) for g, ep in eps.items()}
     timings["lower"] = time.perf_counter() - t
     quant_report = None
     if quantize:
@@ -446,7 +487,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
 
             t = stage("torch reference logits")
             with dequantized_sources(quant_report, model):
-                references = _verify_references(model, prefill_len)
+                references = _verify_references(model, lengths)
             timings["verify"] = time.perf_counter() - t
     del eps
 
@@ -472,7 +513,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
                 ops=api.op_histogram(m), file_size=info.file_bytes,
                 inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
                 outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
-                         for n, i in zip(io_names(step.num_layers)[1], sub.outputs)])
+                         for n, i in zip(io_names(step.num_layers, graphs[g][0])[1], sub.outputs)])
     del lowered, groups, files_ir
     tokenizer_dir = None
     if tokenizer is not None:
@@ -487,7 +528,8 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
     manifest = Manifest(
         directory=out_dir, target=target, dtype=short_name(torch_dtype),
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
-        prefill_len=prefill_len, max_cache_len=max_cache_len, num_layers=step.num_layers,
+        prefill_len=lengths[0], prefill_lens=list(lengths), prefill_inputs=io_names(step.num_layers, "prefill")[0],
+        max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
         quantize=quantize, num_threads=threads)
@@ -511,63 +553,55 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
 
 @dataclass
 class _References:
-    prompt: Any  # [P] int64
-    prefill_logits: Any  # [P, V]: the model's logits of the prompt
-    next_token: int  # the token decoded after the prompt
-    decode_logits: Any  # [V]: the model's logits after prompt + next_token
+    ids: Any  # [P + 1] int64
+    logits: Any  # [P + 1, V]: the model's logits of every prefix of ``ids``
 
 
-def _verify_references(model: Any, prefill_len: int) -> _References:
-    """The model's own (HF, no cache) logits for a prompt of half the prefill length and
-    one more token: what the prefill and one decode step must reproduce. Causal, so one
-    forward over P + 1 tokens gives both."""
+def _verify_references(model: Any, lengths: Sequence[int]) -> _References:
+    """The model's own (HF, no cache) logits over one token sequence: each prefill graph
+    of length L is checked on its first max(1, L // 2) tokens (a right-padded chunk), and
+    the decode step on the token after them. Causal, so one forward gives every prefix."""
     import torch
 
     from circleops.models import example_token_ids
 
-    p = max(1, prefill_len // 2)
+    p = max(1, max(lengths) // 2)
     ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0].float().numpy()
-    return _References(ids[:p], logits[:p], int(ids[p]), logits[p])
+    return _References(ids, logits)
 
 
 def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References, tol: float) -> dict[str, float]:
-    """Max abs logit error per graph; VerifyError above tol x max(1, max|logit|)."""
+    """Max abs logit error per graph; VerifyError above tol x max(1, max|logit|).
+
+    Each prefill graph of length L runs the first p = max(1, L // 2) tokens from pos 0 (the
+    logits of token p - 1); then, when there is a decode graph, one decode step at p (the
+    logits of token p), which reads every key and value the prefill wrote. A decode graph
+    alone is checked as the first token at pos 0 on empty caches.
+    """
     import numpy as np
 
-    if set(graphs) != set(GRAPH_NAMES):
-        return _verify_single(manifest, graphs, runtime, refs, tol)
-    gen = Generator(manifest, runtime=runtime)
-    logits = gen.prefill(refs.prompt.tolist(), all_logits=True)
-    errors = {"prefill": float(np.abs(logits - refs.prefill_logits).max())}
-    step = gen.decode(refs.next_token)
-    errors["decode"] = float(np.abs(step - refs.decode_logits).max())
-    _check_errors(errors, {"prefill": refs.prefill_logits, "decode": refs.decode_logits}, runtime, tol, manifest)
-    return errors
-
-
-def _verify_single(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References,
-                   tol: float) -> dict[str, float]:
-    """One graph alone: prefill as above; decode as the first token at pos 0 on empty caches."""
-    import numpy as np
-    import torch
-
-    (graph,) = graphs
-    session = open_graph(manifest, graph, runtime)
-    caches = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
-    p = len(refs.prompt)
-    if graph == "prefill":
-        ids = np.full((1, manifest.prefill_len), manifest.pad_token_id, dtype=np.int64)
-        ids[0, :p] = refs.prompt.numpy()
-        out = session.run([ids, np.zeros(1, np.int64), *caches])[0][0, :p]
-        ref = refs.prefill_logits
-    else:
-        first = refs.prompt[:1]
-        out = session.run([first.numpy()[None].astype(np.int64), np.zeros(1, np.int64), *caches])[0][0, 0]
-        ref = refs.prefill_logits[0]
-    errors = {graph: float(np.abs(out - ref).max())}
-    _check_errors(errors, {graph: ref}, runtime, tol, manifest)
+    ids = [int(i) for i in refs.ids]
+    errors: dict[str, float] = {}
+    wants: dict[str, Any] = {}
+    decode = open_graph(manifest, "decode", runtime) if "decode" in graphs else None
+    zeros = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
+    for n, g in manifest.prefill_graphs.items():
+        if g not in graphs:
+            continue
+        p = max(1, n // 2)
+        buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
+        buf[0, :p] = ids[:p]
+        outs = open_graph(manifest, g, runtime).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *zeros])
+        errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
+        if decode is not None and "decode" not in errors:  # after the longest prefill
+            step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *outs[1:]])[0][0, 0]
+            errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
+    if decode is not None and "decode" not in errors:
+        out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
+        errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
+    _check_errors(errors, wants, runtime, tol, manifest)
     return errors
 
 

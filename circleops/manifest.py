@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
 from circleops.targets import PROFILES
@@ -19,6 +19,15 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "circleops-generate"
 MANIFEST_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
+# the prefill input naming the one row of the chunk whose logits it computes (absent in
+# manifests written before it: those prefills compute the logits of every row)
+LOGITS_ROW = "logits_row"
+
+
+def prefill_graph_name(length: int, lengths: Sequence[int]) -> str:
+    """The name (files/signatures key) of the prefill graph of ``length`` among ``lengths``:
+    ``prefill`` for the longest, ``prefill_N`` for the others."""
+    return "prefill" if length == max(lengths) else f"prefill_{length}"
 
 
 def graph_runtimes(target: str) -> tuple[str, ...]:
@@ -34,7 +43,8 @@ class Manifest:
 
     ``files[g]`` is the file of graph g (relative to the directory) and ``signatures[g]``
     the signature to run in it (None: the file's main subgraph). ``inputs``/``outputs``
-    name the graphs' inputs and outputs in order (the same for both graphs).
+    name the decode graph's inputs and outputs in order; ``prefill_inputs`` the prefill's
+    (``inputs`` with ``logits_row`` after ``pos``: it returns that row's logits only).
     """
 
     directory: Path
@@ -55,6 +65,19 @@ class Manifest:
     source: str = ""
     quantize: str | None = None  # GGML weight format of the files ("q4_0", "q8_0"), if any
     num_threads: int | None = None  # the onert NUM_THREADS the files were made for
+    prefill_inputs: list[str] | None = None  # None: the same as ``inputs`` (every row's logits)
+    prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
+
+    @property
+    def prefill_graphs(self) -> dict[int, str]:
+        """Prefill length -> graph name (a key of ``files``), longest first."""
+        lengths = sorted(set(self.prefill_lens or [self.prefill_len]), reverse=True)
+        return {n: prefill_graph_name(n, lengths) for n in lengths}
+
+    @property
+    def prefill_one_row(self) -> bool:
+        """The prefill computes the logits of one row (its ``logits_row`` input), not all."""
+        return LOGITS_ROW in (self.prefill_inputs or ())
 
     @property
     def default_runtime(self) -> str:
@@ -74,6 +97,8 @@ class Manifest:
             "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
             "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
             "quantize": self.quantize, "num_threads": self.num_threads,
+            "prefill_inputs": self.prefill_inputs or self.inputs,
+            "prefill_lens": list(self.prefill_graphs),
         }
 
     def write(self) -> Path:
@@ -115,7 +140,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      eos_token_ids=list(data.get("eos_token_ids") or []),
                      pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
                      source=data.get("source", ""), quantize=data.get("quantize"),
-                     num_threads=data.get("num_threads"))
+                     num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
+                     prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]])
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     if m.target not in PROFILES:

@@ -17,6 +17,8 @@ naming the layers and reasons; they are not run decomposed here.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -86,6 +88,12 @@ class DecoderWithCache(torch.nn.Module):
                 for _ in range(2 * self.num_layers)]
 
     def forward(self, input_ids: Tensor, pos: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        return self.run(input_ids, pos, caches)
+
+    def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
+             row: Tensor | None = None) -> tuple[Tensor, ...]:
+        """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
+        logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row."""
         n = self.num_layers
         if len(caches) != 2 * n:
             raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
@@ -103,5 +111,23 @@ class DecoderWithCache(torch.nn.Module):
         for layer in base.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions,
                            **{KV_KWARG: kv})
+        if row is not None:
+            hidden = hidden.index_select(1, row.reshape(1).to(torch.int64))
         logits = lm_head(base.norm(hidden))
         return (logits, *kv.k, *kv.v)
+
+
+class OneRowPrefill(torch.nn.Module):
+    """A prefill of ``step`` (a :class:`DecoderWithCache`) that computes the logits of one
+    row: ``forward(input_ids [1, S], pos [1], row [1], *caches)`` returns ``(logits [1, 1, V],
+    *new_caches)``, the logits of token ``row`` of the S. Generation needs only the last
+    prompt token's logits, and the lm_head (vocab x hidden: ~23 % of SmolLM2's multiply-adds
+    per token) on every row of a chunk would be waste."""
+
+    def __init__(self, step: DecoderWithCache):
+        super().__init__()
+        self.model = step.model  # registered under the decode step's name: the same parameter names
+        self._run = step.run
+
+    def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        return self._run(input_ids, pos, caches, row)

@@ -67,3 +67,22 @@ def writable(path: Path) -> bool:
     parent = path.parent if str(path.parent) else Path(".")
     return not path.is_dir() and parent.is_dir() and os.access(parent, os.W_OK)
 
+
+
+def one_length(text: str | None, source: str | None) -> int | None:
+    """``--seq-len`` without ``--graphs``: one sequence length, at least 1 (a list is for
+    --graphs only)."""
+    from circleops.errors import TargetError
+
+    if text is None:
+        return None
+    try:
+        length = int(text)
+    except ValueError:
+        raise TargetError(f"--seq-len takes one length (several, comma-separated, only with --graphs: one prefill "
+                          f"graph each); got {text!r}.") from None
+    if length < 1:
+        from circleops.models import check_seq_len
+
+        check_seq_len(length, None, source)
+    return length

@@ -17,7 +17,8 @@ EXIT_WITHOUT_TEARDOWN = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Light modules only (no torch): `circleops convert --help` must be instant.
-    from circleops.graphs import DEFAULT_MAX_CACHE_LEN
+    from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
+    prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
     from circleops.quantize import INT16_PARTS, INT16_PRESETS, WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
@@ -36,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
     parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
-    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help="sequence length of the exported graph (default: 64, or the saved inputs of a .pt2)")
+    parser.add_argument("--seq-len", default=None, metavar="N", help="sequence length of the exported graph (default: "
+                        f"64, or a .pt2's saved inputs); with --graphs the prefill lengths (default {prefill_lens})")
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
                         help="auto: adapters for the families that have them, then pattern fusion; "
                              "adapters / patterns only; none (default: auto)")
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", metavar="LIST", default=None,
                         help="write generation graphs instead of one forward: prefill,decode (with a static KV "
                              "cache) into the directory -o, with manifest.json and the tokenizer, for "
-                             "`circleops generate`. --seq-len is the prefill length (default 64)")
+                             f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens})")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
@@ -89,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli.common import ProgressBar, convert_stages, scipy_hidden, writable
+    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, writable
     from circleops.dtypes import float_dtype
     from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
@@ -110,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")
-    if args.seq_len is not None and args.seq_len < 1:
-        models.check_seq_len(args.seq_len, None, args.model or args.config)
+    args.seq_len = one_length(args.seq_len, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
         api.resolve_runtime(verify, args.target, dtype)

@@ -30,8 +30,8 @@ def main(args: argparse.Namespace) -> int:
     dtype = float_dtype(args.dtype)
     quantize = api.check_quantize(getattr(args, "quantize", None), args.target)
     api.check_target_dtype(args.target, dtype, quantize)
-    prefill_len = graphs.DEFAULT_PREFILL_LEN if args.seq_len is None else args.seq_len
-    graphs.check_lengths(prefill_len, args.max_cache_len, None, args.model or args.config)
+    prefill_len = graphs.prefill_lengths(graphs.DEFAULT_PREFILL_LENS if args.seq_len is None else args.seq_len)
+    graphs.check_lengths(prefill_len[0], args.max_cache_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify and verify is not True and verify not in graph_runtimes(args.target):
         raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "

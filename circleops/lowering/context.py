@@ -45,6 +45,20 @@ LAYOUT_FREE = frozenset({
 })
 
 
+# Ops that ``emit`` writes once per subgraph for the same inputs and options (pure, cheap to
+# key, and repeated by per-layer decompositions): views, casts, compares and logic.
+SHARED = frozenset({
+    "RESHAPE", "CAST", "EQUAL", "NOT_EQUAL", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL",
+    "LOGICAL_AND", "LOGICAL_OR", "LOGICAL_NOT",
+})
+
+
+# Integer constants up to this size are shared by value within a subgraph (see ``index``);
+# float constants are not: the integer pass quantizes those per consumer.
+_SHARED_CONST_DTYPES = frozenset({torch.int32, torch.int64, torch.bool})
+_SHARED_CONST_NUMEL = 1 << 16
+
+
 class LoweringContext:
     """Builds one ir.Model; lowerings call ``emit`` and the helpers below."""
 
@@ -62,6 +76,13 @@ class LoweringContext:
         # TRANSPOSE outputs -> (its input, perm), so that transpose(transpose(x)) composes:
         # NCHW <-> NHWC pairs around consecutive channels-last ops cancel.
         self._transposed: dict[tuple[int, int], tuple[Value, list[int]]] = {}
+        # RESHAPE outputs -> the tensor they reshape, so that reshape(reshape(x)) is one op
+        self._reshaped: dict[tuple[int, int], Value] = {}
+        # (subgraph, opcode, inputs, options) -> outputs of the ops in SHARED: a decomposition
+        # that recomputes the same view or mask per layer (RoPE tables, a cache-slot mask,
+        # an FC's flattened input) gets one op, not one per layer
+        self._emitted: dict[tuple, Any] = {}
+        self._i32: dict[tuple[int, ...], Value] = {}
 
     # ---------------------------------------------------------------- target queries
     def supports(self, opcode: str, dtype: torch.dtype | None = None, rank: int | None = None) -> bool:
@@ -117,8 +138,13 @@ class LoweringContext:
         return const_value(t, name)
 
     def i32(self, values: Sequence[int]) -> Value:
-        """An int32 vector constant (shapes, perms, axes, slice bounds)."""
-        return const_value(torch.tensor([int(v) for v in values], dtype=torch.int32))
+        """An int32 vector constant (shapes, perms, axes, slice bounds); one per distinct
+        vector, so that ops taking the same shape share it (and ``emit`` can see they match)."""
+        key = tuple(int(v) for v in values)
+        v = self._i32.get(key)
+        if v is None:
+            v = self._i32[key] = const_value(torch.tensor(key, dtype=torch.int32))
+        return v
 
     def index(self, v: Value | None) -> int:
         """The tensor index of ``v`` in the current subgraph (materializing a constant)."""
@@ -132,6 +158,17 @@ class LoweringContext:
             return v.index
         key = (id(self.sg), id(v.const))
         hit = self._consts.get(key)
+        if hit is None and v.const.dtype in _SHARED_CONST_DTYPES and v.const.numel() <= _SHARED_CONST_NUMEL:
+            # an integer constant a decomposition rebuilds per call (an arange of cache
+            # slots, shapes, indices) is one tensor, so ops that read it can be shared
+            by_value = (id(self.sg), v.const.dtype, tuple(v.const.shape), v.const.cpu().numpy().tobytes())
+            hit = self._consts.get(by_value)
+            if hit is not None:
+                self._consts[key] = (v.const, hit[1])
+                return hit[1]
+            key_value = by_value
+        else:
+            key_value = None
         if hit is None:
             data = v.const
             if data.dtype not in ir.TORCH_TO_TYPE:
@@ -140,6 +177,8 @@ class LoweringContext:
             idx = self.sg.add_tensor(ir.Tensor(name, tuple(data.shape), ir.TORCH_TO_TYPE[data.dtype], data))
             hit = (v.const, idx)  # keeps the tensor alive, so id() cannot be reused
             self._consts[key] = hit
+            if key_value is not None:
+                self._consts[key_value] = hit
         return hit[1]
 
     # ---------------------------------------------------------------- operators
@@ -153,6 +192,14 @@ class LoweringContext:
         ``options_type`` by object-API name.
         """
         ins = [self.index(v) for v in inputs]
+        key = None
+        if opcode in SHARED:
+            key = (id(self.sg), opcode, tuple(ins), options_type, repr(sorted(options.items())), op_version,
+                   None if out_shape is None else tuple(out_shape), out_dtype,
+                   None if outs is None else tuple((tuple(sh), dt) for sh, dt in outs))
+            hit = self._emitted.get(key)
+            if hit is not None:
+                return hit
         if outs is None:
             shape = self.out_shape if out_shape is None else out_shape
             dtype = self.out_dtype if out_dtype is None else out_dtype
@@ -161,7 +208,10 @@ class LoweringContext:
             results = [self.new(s, d) for s, d in outs]
         self.sg.operators.append(ir.Operator(opcode, ins, [r.index for r in results], options_type,
                                              dict(options), op_version))
-        return results if outs is not None else results[0]
+        result = results if outs is not None else results[0]
+        if key is not None:
+            self._emitted[key] = result
+        return result
 
     # ---------------------------------------------------------------- helpers
     def reshape(self, x: Value, shape: Sequence[int]) -> Value:
@@ -173,7 +223,12 @@ class LoweringContext:
             return x
         if x.is_const:
             return const_value(x.const.reshape(shape))
-        return self.emit("RESHAPE", [x, self.i32(shape)], out_shape=shape, out_dtype=x.dtype)
+        src = self._reshaped.get((id(self.sg), x.index))
+        if src is not None:
+            return self.reshape(src, shape)
+        y = self.emit("RESHAPE", [x, self.i32(shape)], out_shape=shape, out_dtype=x.dtype)
+        self._reshaped[(id(self.sg), y.index)] = x
+        return y
 
     def transpose(self, x: Value, perm: Sequence[int]) -> Value:
         perm = [p % max(x.rank, 1) for p in perm]
@@ -185,6 +240,11 @@ class LoweringContext:
         if producer is not None:
             src, inner = producer
             return self.transpose(src, [inner[p] for p in perm])
+        moved = [p for p in perm if x.shape[p] != 1]
+        if moved == sorted(moved):
+            # only size-1 dims move: the same memory order, a RESHAPE (no copy on most
+            # runtimes) instead of a TRANSPOSE ([1, S=1, H, D] <-> [1, H, 1, D] in a decode step)
+            return self.reshape(x, [x.shape[p] for p in perm])
         if not x.dtype.is_floating_point and not self.supports("TRANSPOSE", x.dtype):
             # integers and masks through int32 (positions and counts: far inside its range)
             return self.cast(self.transpose(self.cast(x, torch.int32), perm), x.dtype)
@@ -238,6 +298,14 @@ class LoweringContext:
             y = self.binary(opcode, a, tb[0], options_type, dtype=dtype, out_dtype=out_dtype, **options)
             return self.transpose(y, tb[1])
         shape = broadcast_shape(a.shape, b.shape)
+        if not self.supports(opcode, rank=len(shape)):
+            runs = _broadcast_runs(shape, a.shape, b.shape)
+            if len(runs) < len(shape) and self.supports(opcode, rank=len(runs)):
+                # onert computes comparisons and MAXIMUM/MINIMUM wrong from rank 5: dims where
+                # a and b broadcast alike are merged, which is the same elementwise op
+                y = self.emit(opcode, [self.reshape(a, [r[1] for r in runs]), self.reshape(b, [r[2] for r in runs])],
+                              options_type, out_shape=[r[0] for r in runs], out_dtype=out_dtype or dtype, **options)
+                return self.reshape(y, shape)
         return self.emit(opcode, [a, b], options_type, out_shape=shape, out_dtype=out_dtype or dtype, **options)
 
     def add(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
@@ -337,3 +405,22 @@ class LoweringContext:
     def unsupported(self, what: str, hint: str) -> UnsupportedOpError:
         """An UnsupportedOpError naming the node, its source line, and what to do."""
         return UnsupportedOpError(f"{self._where(what)} {hint}")
+
+
+def _broadcast_runs(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> list[list[int]]:
+    """[out, a, b] sizes of the runs of adjacent dims along which ``a`` and ``b`` broadcast
+    to ``shape`` alike (each either full or 1); size-1 dims join any run."""
+    r = len(shape)
+    a, b = (1,) * (r - len(a)) + tuple(a), (1,) * (r - len(b)) + tuple(b)
+    runs: list[list[int]] = []
+    keys: list[tuple[bool, bool]] = []
+    for o, x, y in zip(shape, a, b):
+        if o == 1 and runs:
+            continue
+        key = (x == o, y == o)
+        if runs and keys[-1] == key:
+            runs[-1] = [runs[-1][0] * o, runs[-1][1] * x, runs[-1][2] * y]
+        else:
+            runs.append([o, x, y])
+            keys.append(key)
+    return runs

@@ -133,7 +133,7 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     tiny_model.config.to_json_file(cfg)
     out = tmp_path / "out"
     conv = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", "--config", str(cfg), "--graphs",
-                           "prefill,decode", "--target", "onert", "--seq-len", "8", "--max-cache-len", "32",
+                           "prefill,decode", "--target", "onert", "--seq-len", "4,8", "--max-cache-len", "32",
                            "--verify", "-o", str(out), "--report", str(tmp_path / "r.json")],
                           capture_output=True, text=True)
     assert conv.returncode == 0, conv.stderr
@@ -142,6 +142,9 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["graphs"]["decode"]["ops"]["ROPE"] == 4
     assert report["graphs"]["decode"]["max_abs_error"] < 1e-4
+    # two prefill graphs, each verified: prefill (8, the longest) and prefill_4
+    assert report["manifest"]["prefill_lens"] == [8, 4] and (out / "prefill_4.circle").is_file()
+    assert max(report["graphs"][g]["max_abs_error"] for g in ("prefill", "prefill_4")) < 1e-4
     expected = hf_greedy(load_config(cfg).module, TINY_PROMPTS[0], TINY_NEW)
     proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(out), "--token-ids",
                            _ids(TINY_PROMPTS[0]), "--max-new-tokens", str(TINY_NEW)], capture_output=True, text=True)
@@ -171,3 +174,31 @@ def test_other_families_on_onert(tmp_path, family):
     with one_torch_thread():
         convert_graphs(model, tmp_path, target="onert", prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE)
     assert Generator(tmp_path).generate(prompt, 8).tokens == expected
+
+
+def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_expected):
+    """A directory converted before the one-row prefill (its prefill returns every row's
+    logits; manifest.json has no prefill_inputs / prefill_lens) generates the same tokens."""
+    import copy
+
+    import torch
+
+    from circleops.conversion import export
+    from circleops.graphs import convert_graphs, decoder_step, lower_step
+    from circleops.serialize import write_model
+
+    out = tmp_path / "old"
+    convert_graphs(copy.deepcopy(tiny_model), out, target="onert", prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE)
+    step = decoder_step(copy.deepcopy(tiny_model), TINY_CACHE)
+    ids, pos = torch.zeros((1, TINY_PREFILL), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    ep = export(step, (ids, pos, *step.empty_caches()), adapters=False, warn_list=[])
+    model = lower_step(ep, "prefill", "onert", step.num_layers, kind="decode")  # the io of the old prefill
+    write_model(model, out / "prefill.circle", "circle")
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["prefill_inputs"], manifest["prefill_lens"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    gen = Generator(out)
+    assert not gen.manifest.prefill_one_row
+    for prompt in TINY_PROMPTS[:2] + [list(range(1, TINY_PREFILL + 4))]:  # the last takes two chunks
+        expected = tiny_expected.get(tuple(prompt)) or hf_greedy(tiny_model, prompt, TINY_NEW)
+        assert gen.generate(prompt, TINY_NEW).tokens == expected

@@ -44,8 +44,10 @@ def test_onert_graph_io(tiny_onert):
         outs = [(sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.outputs]
         cache = (1, TINY_CACHE, 2, 16)
         assert ins[:2] == [("input_ids", (1, s), "INT64"), ("pos", (1,), "INT64")]
-        assert [i[1] for i in ins[2:]] == [cache] * 2 * LAYERS
-        assert outs == [((1, s, 256), "FLOAT32")] + [(cache, "FLOAT32")] * 2 * LAYERS
+        row = [("logits_row", (1,), "INT64")] if graph == "prefill" else []  # the one row whose logits it returns
+        assert ins[2:2 + len(row)] == row
+        assert [i[1] for i in ins[2 + len(row):]] == [cache] * 2 * LAYERS
+        assert outs == [((1, 1, 256), "FLOAT32")] + [(cache, "FLOAT32")] * 2 * LAYERS
         assert [sig.key for sig in m.signatures] == [graph]
 
 
@@ -58,6 +60,7 @@ def test_manifest(tiny_onert):
     assert data["cache_shape"] == [1, TINY_CACHE, 2, 16]
     assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
     assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"][0] == "logits"
+    assert data["prefill_inputs"] == io_names(LAYERS, "prefill")[0] and data["prefill_lens"] == [TINY_PREFILL]
     m = read_manifest(tiny_onert.directory)
     assert m.path("decode").is_file() and m.default_runtime == "onert"
 
@@ -110,8 +113,8 @@ def test_onert_runs_only_subgraph_0(tmp_path, tiny_onert):
     assert not any(hasattr(sess.session, name) for name in ("set_signature", "set_subgraph", "run_signature"))
     ids = np.zeros((1, TINY_PREFILL), np.int64)
     caches = [np.zeros((1, TINY_CACHE, 2, 16), np.float32)] * (2 * LAYERS)
-    outs = sess.infer([ids, np.zeros(1, np.int64), *caches])
-    assert outs[0].shape == (1, TINY_PREFILL, 256)  # it ran the prefill
+    outs = sess.infer([ids, np.zeros(1, np.int64), np.zeros(1, np.int64), *caches])
+    assert outs[0].shape == (1, 1, 256) and outs[1].shape == caches[0].shape  # it ran the prefill
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.attention_fusable], ids=lambda f: f.name)

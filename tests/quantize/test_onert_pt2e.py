@@ -23,15 +23,9 @@ def _save(model, x, path, target="onert", weight="uint8", scheme="uint8", export
     return converted
 
 
-def test_conv_net_uint8_runs_in_onert_like_the_reference(tmp_path):
-    from convnet import TransformerNet
-
-    from circleops.passes.fusion import fuse_patterns
-
-    torch.manual_seed(0)
-    model, x = TransformerNet(4, 1).eval(), torch.rand(1, 3, 16, 16)
-    ep, _ = fuse_patterns(torch.export.export(model, (x,)))
-    converted = _save(model, x, tmp_path / "net.circle", exported=ep)
+def test_conv_net_uint8_runs_in_onert_like_the_reference(tmp_path, convnet_uint8):
+    model, x, converted, ep = convnet_uint8  # uint8 per-tensor weights (tests/quantize/conftest.py)
+    circleops.save(ep, tmp_path / "net.circle", target="onert")
     sg = read_model(str(tmp_path / "net.circle")).subgraphs[0]
     assert sum(op.opcode == "CONV_2D" for op in sg.operators) == 8
     assert all(sg.tensors[op.inputs[1]].dtype == "UINT8" for op in sg.operators if op.opcode == "CONV_2D")

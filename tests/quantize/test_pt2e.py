@@ -80,6 +80,16 @@ def _quantized_program(model, args, quantizer, samples=4, exported=None):
     return pt2e.quantize(model, args, quantizer, calib, exported=exported)
 
 
+@pytest.fixture(scope="module")
+def small_net_uint8():
+    """SmallNet quantized once (uint8, int8 per-channel weights) for the tests that only
+    write it differently: (model, x, converted module, its ExportedProgram)."""
+    torch.manual_seed(0)
+    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+    converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"))
+    return model, x, converted, ep
+
+
 def _op_dtypes(path):
     sg = read_model(str(path)).subgraphs[0]
     return sg, [(op.opcode, [sg.tensors[i].dtype for i in op.inputs if i >= 0],
@@ -96,10 +106,13 @@ def _assert_integer_inside(ops):
 
 
 @pytest.mark.parametrize("scheme", ["uint8", "int16"])
-def test_small_net_integer_file_matches_fake_quant(tmp_path, scheme):
-    torch.manual_seed(0)
-    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
-    converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer(scheme))
+def test_small_net_integer_file_matches_fake_quant(tmp_path, scheme, request):
+    if scheme == "uint8":
+        model, x, converted, ep = request.getfixturevalue("small_net_uint8")
+    else:
+        torch.manual_seed(0)
+        model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
+        converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer(scheme))
     report = circleops.save(ep, tmp_path / "m.circle", verify="reference")
     assert report.verify.passed
     sg, ops = _op_dtypes(tmp_path / "m.circle")
@@ -122,10 +135,8 @@ def test_small_net_integer_file_matches_fake_quant(tmp_path, scheme):
     assert np.abs(out - want).max() <= 2 * step + 1e-7
 
 
-def test_integer_io_keeps_integer_inputs_and_outputs(tmp_path):
-    torch.manual_seed(0)
-    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
-    converted, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"))
+def test_integer_io_keeps_integer_inputs_and_outputs(tmp_path, small_net_uint8):
+    model, x, converted, ep = small_net_uint8
     circleops.save(ep, tmp_path / "m.circle", integer_io=True)
     sg, ops = _op_dtypes(tmp_path / "m.circle")
     assert sg.tensors[sg.inputs[0]].dtype == "UINT8" and sg.tensors[sg.outputs[0]].dtype == "UINT8"
@@ -137,15 +148,8 @@ def test_integer_io_keeps_integer_inputs_and_outputs(tmp_path):
     assert np.abs(real - converted(x).detach().numpy()).max() <= 2 * qout.scale[0] + 1e-7
 
 
-def test_conv_net_with_instance_norm_uint8(tmp_path):
-    from convnet import TransformerNet
-
-    from circleops.passes.fusion import fuse_patterns
-
-    torch.manual_seed(0)
-    model, x = TransformerNet(4, 1).eval(), torch.rand(1, 3, 16, 16)
-    ep, _ = fuse_patterns(torch.export.export(model, (x,)))  # instance norm as circle.instance_norm
-    converted, qep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), exported=ep)
+def test_conv_net_with_instance_norm_uint8(tmp_path, convnet_uint8):
+    model, x, converted, qep = convnet_uint8  # tests/quantize/conftest.py
     report = circleops.save(qep, tmp_path / "net.circle", verify="reference")
     assert report.verify.passed
     _, ops = _op_dtypes(tmp_path / "net.circle")
@@ -254,21 +258,17 @@ def test_calibration_file_and_errors(tmp_path):
     assert torch.equal(pt2e.calibration_samples((x,), 3)[2][0], noisy[2][0])  # seeded
 
 
-def test_tflite_target_refuses_integer_graph(tmp_path):
-    torch.manual_seed(0)
-    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
-    _, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), samples=1)
+def test_tflite_target_refuses_integer_graph(tmp_path, small_net_uint8):
+    _, _, _, ep = small_net_uint8
     with pytest.raises(circleops.errors.TargetError, match="circle"):
         circleops.save(ep, tmp_path / "m.tflite", target="tflite")
     assert not (tmp_path / "m.tflite").exists()
 
 
-def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys):
+def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys, small_net_uint8):
     from circleops.cli import main
 
-    torch.manual_seed(0)
-    model, x = SmallNet().eval(), torch.randn(1, 3, 8, 8)
-    _, ep = _quantized_program(model, (x,), pt2e.make_quantizer("uint8"), samples=1)
+    _, _, _, ep = small_net_uint8
     circleops.save(ep, tmp_path / "m.circle", integer_io=True)
     assert main(["inspect", str(tmp_path / "m.circle"), "--tensors"]) == 0
     out = capsys.readouterr().out

@@ -3,8 +3,6 @@ file against fp32; inspect shows each tensor's storage type and bytes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -37,16 +35,17 @@ def test_perplexity_text_is_long_enough():
     assert PERPLEXITY_TEXT.read_text().startswith("The Keeper of the North Light")
 
 
-def test_cli_check_quantize(tmp_path):
+def test_cli_check_quantize(tmp_path, capsys):
+    from circleops.cli import main  # in-process: a subprocess pays torch's imports again
+
     cfg = tmp_path / "config.json"
     c = BY_NAME["llama"].config().to_dict()
     c["architectures"] = ["LlamaForCausalLM"]
     cfg.write_text(json.dumps(c))
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "check", "--config", str(cfg), "--quantize", "q4_0",
-                           "--prompt-ids", "5,17,42", "-n", "4", "--window", "32", "--max-windows", "1",
-                           "--json", str(out), "-q"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    code = main(["check", "--config", str(cfg), "--quantize", "q4_0", "--prompt-ids", "5,17,42", "-n", "4",
+                 "--window", "32", "--max-windows", "1", "--json", str(out), "-q"])
+    assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert data["format"] == "q4_0" and data["perplexity_tokens"] == 31 and len(data["layer_max_abs"]) == 2
 

@@ -3,7 +3,6 @@ and the report says so; the CLI's --quantize flag."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import gguf
@@ -72,15 +71,19 @@ def _raw_unpermute(blocks, heads):
     return blocks.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
 
 
-def test_cli_quantize(tmp_path, mixed_gguf):
+def test_cli_quantize(tmp_path, mixed_gguf, capsys):
+    # in-process (circleops.cli.main, as the console script calls it): a subprocess would pay
+    # torch's and transformers' imports again for the same code path
+    from circleops.cli import main
+
     out = tmp_path / "m.circle"
-    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(mixed_gguf), "-o", str(out),
-                           "--target", "onert", "--quantize", "q8_0", "--verify", "--seq-len", "8"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "as GGML_Q8_0" in proc.stdout and "verify:  onert" in proc.stdout
-    assert "1 carried over bit for bit" in proc.stdout  # blk.1.ffn_down
-    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(mixed_gguf), "-o",
-                           str(tmp_path / "m.tflite"), "--target", "tflite", "--quantize", "q4_0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "only in Circle" in proc.stderr
+    code = main(["convert", str(mixed_gguf), "-o", str(out), "--target", "onert", "--quantize", "q8_0", "--verify",
+                 "--seq-len", "8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "as GGML_Q8_0" in captured.out and "verify:  onert" in captured.out
+    assert "1 carried over bit for bit" in captured.out  # blk.1.ffn_down
+    code = main(["convert", str(mixed_gguf), "-o", str(tmp_path / "m.tflite"), "--target", "tflite", "--quantize",
+                 "q4_0"])
+    assert code == 2 and "only in Circle" in capsys.readouterr().err
+    assert not (tmp_path / "m.tflite").exists()
