@@ -12,6 +12,11 @@ each session in turn, round after round (interleaved, so load from other process
 on all alike), and the median ms per step. The caches are the real ones: each session
 keeps feeding its own new caches back, at consecutive positions after a common prefill.
 Prints the load average before and after.
+
+Ratios are against the fp32 directory listed last before each row, so one interleaved run
+can compare two builds: ``old/none old/q8_0 old/q4_0 new/none new/q8_0 new/q4_0``.
+``--prefill N`` also times N prefill runs per session (the graph's whole length, from a
+zero cache), interleaved the same way.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dirs", nargs="+", help="directories written by convert --graphs (fp32 first)")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per session (default 30)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="NUM_THREADS values (default 1 2)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="also time N prefill runs per session")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -49,25 +55,41 @@ def main(argv: list[str] | None = None) -> int:
             gen = Generator(manifest, runtime="onert")
             logits = gen.prefill(prompt)
             sessions.append({"dir": d, "threads": n, "gen": gen, "token": int(np.argmax(logits)), "times": [],
-                             "bytes": _size(Path(d), manifest), "quantize": manifest.quantize or "fp32"})
+                             "bytes": _size(Path(d), manifest), "quantize": manifest.quantize or "fp32",
+                             "prefill": [], "length": manifest.prefill_len})
     for _ in range(args.steps):
         for s in sessions:
             t = time.perf_counter()
             logits = s["gen"].decode(s["token"])
             s["times"].append(time.perf_counter() - t)
             s["token"] = int(np.argmax(logits))
+    for _ in range(args.prefill):
+        for s in sessions:
+            ids = [1 + (k * 7919) % 40000 for k in range(s["length"])]  # any ids: the whole graph length
+            s["gen"].reset()
+            t = time.perf_counter()
+            s["gen"].prefill(ids)
+            s["prefill"].append(time.perf_counter() - t)
     load_after = os.getloadavg()
 
-    base = {s["threads"]: statistics.median(s["times"]) for s in sessions if s["dir"] == args.dirs[0]}
-    fp32_bytes = sessions[0]["bytes"]
     print(f"SmolLM2-135M decode on onert, median of {args.steps} interleaved steps; load average "
           f"{load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)\n")
-    print("| weights | NUM_THREADS | ms/token | vs fp32 (same threads) | files | vs fp32 |")
-    print("|---|---|---|---|---|---|")
+    head = "| dir | weights | NUM_THREADS | ms/token | vs fp32 (same threads) | files | vs fp32 |"
+    if args.prefill:
+        head += " prefill ms (length) |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    base: dict[int, tuple[float, int]] = {}  # threads -> (fp32 ms, fp32 bytes) of the last fp32 dir
     for s in sessions:
         ms = statistics.median(s["times"]) * 1e3
-        print(f"| {s['quantize']} | {s['threads']} | {ms:.1f} | {ms / (base[s['threads']] * 1e3):.2f}x | "
-              f"{s['bytes'] / 1e6:.0f} MB | {s['bytes'] / fp32_bytes:.2f}x |")
+        if s["quantize"] == "fp32":
+            base[s["threads"]] = (ms, s["bytes"])
+        ref_ms, ref_bytes = base.get(s["threads"], (float("nan"), 0))
+        row = (f"| {s['dir']} | {s['quantize']} | {s['threads']} | {ms:.1f} | {ms / ref_ms:.2f}x | "
+               f"{s['bytes'] / 1e6:.0f} MB | {s['bytes'] / ref_bytes if ref_bytes else float('nan'):.2f}x |")
+        if args.prefill:
+            row += f" {statistics.median(s['prefill']) * 1e3:.0f} ({s['length']}) |"
+        print(row)
     return 0
 
 

@@ -171,7 +171,7 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
     pending = list(archs)
     while pending:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(pending)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(tree))
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0, env=env, cwd=str(tree))
         current, started = None, time.monotonic()
         while True:
             ready, _, _ = select.select([proc.stdout], [], [], 5.0)
@@ -184,7 +184,9 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
                 if proc.poll() is not None:
                     break
                 continue
-            line = proc.stdout.readline()
+            # unbuffered: a line left in a read buffer would hide the next "start" from select,
+            # and a hung architecture (onert deadlocks) would never time out
+            line = proc.stdout.readline().decode()
             if not line:
                 proc.wait()
                 if current is not None:

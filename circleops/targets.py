@@ -160,8 +160,18 @@ ONERT = TargetProfile(
     }),
     # RMS_NORM: rank 2 and 5 fail at prepare ("ShapeValidator")
     # PAD, PADV2: "Padding for rank > 4 NYI"
+    # SUM, MEAN, REDUCE_MAX/PROD/ANY: rank 5 and 6 fail at prepare ("ShapeValidator"), with or
+    # without keepDims: lowering.reduce merges dims down to rank 4 (Mamba2-style hybrids)
     builtin_ranks=_frozen({"RMS_NORM": frozenset({3, 4}), "PAD": frozenset({1, 2, 3, 4}),
-                           "PADV2": frozenset({1, 2, 3, 4})}),
+                           "PADV2": frozenset({1, 2, 3, 4}),
+                           "BATCH_MATMUL": frozenset({2, 3, 4}),  # rank 5: "ShapeValidator" at prepare
+                           **{op: frozenset({0, 1, 2, 3, 4})
+                              for op in ("SUM", "MEAN", "REDUCE_MAX", "REDUCE_PROD", "REDUCE_ANY")},
+                           # silently wrong from rank 5, even on equal shapes (ADD, SUB, MUL, DIV are
+                           # right): ctx.binary merges dims that broadcast alike
+                           **{op: frozenset({0, 1, 2, 3, 4})
+                              for op in ("EQUAL", "NOT_EQUAL", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL",
+                                         "MAXIMUM", "MINIMUM")}}),
     rope_max_positions=1,  # ROPE reads only the first row of sin/cos: exact for a decode step only
     rope_modes=frozenset({"gpt_neox"}),  # GPT_J: "Unsupported RoPE mode"
     # onert's CPU CONV_2D is a blocked GEMM, up to 2x faster than its FULLY_CONNECTED from 4

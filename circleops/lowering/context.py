@@ -298,6 +298,14 @@ class LoweringContext:
             y = self.binary(opcode, a, tb[0], options_type, dtype=dtype, out_dtype=out_dtype, **options)
             return self.transpose(y, tb[1])
         shape = broadcast_shape(a.shape, b.shape)
+        if not self.supports(opcode, rank=len(shape)):
+            runs = _broadcast_runs(shape, a.shape, b.shape)
+            if len(runs) < len(shape) and self.supports(opcode, rank=len(runs)):
+                # onert computes comparisons and MAXIMUM/MINIMUM wrong from rank 5: dims where
+                # a and b broadcast alike are merged, which is the same elementwise op
+                y = self.emit(opcode, [self.reshape(a, [r[1] for r in runs]), self.reshape(b, [r[2] for r in runs])],
+                              options_type, out_shape=[r[0] for r in runs], out_dtype=out_dtype or dtype, **options)
+                return self.reshape(y, shape)
         return self.emit(opcode, [a, b], options_type, out_shape=shape, out_dtype=out_dtype or dtype, **options)
 
     def add(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
@@ -397,3 +405,22 @@ class LoweringContext:
     def unsupported(self, what: str, hint: str) -> UnsupportedOpError:
         """An UnsupportedOpError naming the node, its source line, and what to do."""
         return UnsupportedOpError(f"{self._where(what)} {hint}")
+
+
+def _broadcast_runs(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> list[list[int]]:
+    """[out, a, b] sizes of the runs of adjacent dims along which ``a`` and ``b`` broadcast
+    to ``shape`` alike (each either full or 1); size-1 dims join any run."""
+    r = len(shape)
+    a, b = (1,) * (r - len(a)) + tuple(a), (1,) * (r - len(b)) + tuple(b)
+    runs: list[list[int]] = []
+    keys: list[tuple[bool, bool]] = []
+    for o, x, y in zip(shape, a, b):
+        if o == 1 and runs:
+            continue
+        key = (x == o, y == o)
+        if runs and keys[-1] == key:
+            runs[-1] = [runs[-1][0] * o, runs[-1][1] * x, runs[-1][2] * y]
+        else:
+            runs.append([o, x, y])
+            keys.append(key)
+    return runs

@@ -82,6 +82,10 @@ def batch_matmul(ctx, a, b):
         return ctx.transpose(y, list(range(y.rank - 2)) + [y.rank - 1, y.rank - 2])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     shape = tuple(batch) + (a.shape[-2], b.shape[-1])
+    if a.shape[:-2] == b.shape[:-2] and not ctx.supports("BATCH_MATMUL", rank=len(shape)):
+        # onert: rank 5+ fails at prepare; equal batch dims fold into one (SSM hybrids' [1, H, 1, L, L])
+        merged = [ctx.reshape(v, (-1,) + v.shape[-2:]) for v in (a, b)]
+        return ctx.reshape(batch_matmul(ctx, *merged), shape)
     if ctx.transposed(b) is not None:
         # q·Kᵀ: onert's and LiteRT's kernels take the right operand as [..., N, K] and
         # transpose any other layout themselves (a copy per call). So b = TRANSPOSE(src) is

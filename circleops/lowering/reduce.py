@@ -1,6 +1,8 @@
 """Reductions: mean, sum, max/min, prod, any/all, argmax/argmin, cumsum."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from circleops.lowering.context import const_value
@@ -25,11 +27,33 @@ def reduce(ctx, opcode, x, dim, keepdim, dtype=None):
     axes = _axes(x, dim)
     kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
     shape = kept if keepdim else [d for i, d in enumerate(x.shape) if i not in axes]
+    if x.rank and not ctx.supports(opcode, rank=x.rank):
+        x, axes = _within_rank(ctx, opcode, x, axes)
+        y = ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_dtype=x.dtype, keepDims=True,
+                     out_shape=[1 if i in axes else d for i, d in enumerate(x.shape)])
+        return ctx.reshape(y, shape)
     if not keepdim and not ctx.profile.reduce_drops_dims:
         y = ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=kept, out_dtype=x.dtype, keepDims=True)
         return ctx.reshape(y, shape)
     return ctx.emit(opcode, [x, ctx.i32(axes)], "ReducerOptions", out_shape=shape, out_dtype=x.dtype,
                     keepDims=bool(keepdim))
+
+
+def _within_rank(ctx, opcode, x, axes):
+    """``x`` reshaped (and ``axes`` renumbered) to a rank the target's reducer runs (onert:
+    at most 4): adjacent reduced or kept dims merged, and where that is not enough, the
+    reduced dims moved last first ([kept..., reduced...] -> [K, R])."""
+    runs: list[list] = []  # [size, reduced?] per run of adjacent dims of one kind
+    for i, d in enumerate(x.shape):
+        if runs and runs[-1][1] == (i in axes):
+            runs[-1][0] *= d
+        else:
+            runs.append([d, i in axes])
+    if not ctx.supports(opcode, rank=len(runs)):
+        x = ctx.transpose(x, [i for i in range(x.rank) if i not in axes] + list(axes))
+        reduced = math.prod(x.shape[x.rank - len(axes):])
+        runs = [[math.prod(x.shape[:x.rank - len(axes)]), False], [reduced, True]]
+    return ctx.reshape(x, [size for size, _ in runs]), [i for i, (_, r) in enumerate(runs) if r]
 
 
 @lower(aten.mean.dim)

@@ -77,6 +77,17 @@ CASES = {
     "add_sub_rsub_alpha": (lambda m, x, y: (torch.add(x, y, alpha=0.5), torch.sub(x, m.w, alpha=3),
                                             torch.rsub(x, y, alpha=-2), torch.add(x, 2.0, alpha=0.25)),
                            (_r(2, 4), _r(2, 4)), {"w": _r(4)}),
+    # onert's reducers run rank <= 4 only (Mamba2-style hybrids reduce rank-6 tensors):
+    # adjacent dims merged, or the reduced ones moved last when they alternate
+    "reduce_rank6": (lambda m, x: (x.sum(-1, keepdim=True), x.mean((1, 3)), x.amax((0, 2, 4)), x.sum(),
+                                   x.amin(2), (x > 0).any(5)),
+                     (_r(2, 2, 3, 3, 2, 4),), {}),
+    # onert's BATCH_MATMUL runs rank <= 4: equal batch dims fold into one
+    "matmul_rank5": (lambda m, a, b: (a @ b, a @ a.transpose(-1, -2)), (_r(1, 4, 2, 6, 5), _r(1, 4, 2, 5, 3)), {}),
+    # onert's comparisons and MAXIMUM/MINIMUM are wrong from rank 5: dims that broadcast alike merge
+    "compare_rank5": (lambda m, x, y: (x > y, x <= 0.5, torch.eq(x.round(), y.round()), torch.maximum(x, y),
+                                       torch.minimum(x, m.c), x != y[:, :1]),
+                      (_r(2, 2, 3, 4, 5), _r(1, 2, 1, 4, 5)), {"c": _r(4, 1)}),
     "softmax_mid_dim_and_where": (lambda m, x: torch.where(x > 0, torch.softmax(x, 1), torch.log_softmax(x, 1) * 0.5),
                                   (_r(2, 3, 4),), {}),
 }
