@@ -178,7 +178,8 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
             if current is not None and time.monotonic() - started > timeout:
                 proc.kill()
                 proc.wait()
-                rows[current] = {"arch": current, "status": "timeout", "reason": f"over {timeout:.0f} s", "fused": {}}
+                rows[current] = {"arch": current, "class": dict(archs)[current], "status": "timeout",
+                                 "reason": f"over {timeout:.0f} s", "fused": {}}
                 break
             if not ready:
                 if proc.poll() is not None:
@@ -190,7 +191,7 @@ def run_zoo(archs: list[tuple[str, str]], tree: Path, timeout: float, log=print,
             if not line:
                 proc.wait()
                 if current is not None:
-                    rows[current] = {"arch": current, "status": "crash",
+                    rows[current] = {"arch": current, "class": dict(archs)[current], "status": "crash",
                                      "reason": f"the process died (exit code {proc.returncode})", "fused": {}}
                 break
             msg = json.loads(line)
