@@ -10,6 +10,7 @@ linears cost +5 % perplexity this way, +17 % with the reference max-abs rounding
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,8 +28,6 @@ def calibration_ids(model: Any, tokenizer: Any = None) -> torch.Tensor | None:
     """[1, S] token ids of the shipped calibration text for a Hugging Face CausalLM (UTF-8
     bytes modulo the vocabulary without a tokenizer), its first CALIBRATION_TOKENS within
     the model's context; None for any other model."""
-    from circleops.conversion import _is_hf_causal_lm
-
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not vocab or not _is_hf_causal_lm(model):
@@ -37,6 +36,14 @@ def calibration_ids(model: Any, tokenizer: Any = None) -> torch.Tensor | None:
     ids = list(tokenizer(text).input_ids) if tokenizer is not None else [b % int(vocab) for b in text.encode()]
     limit = min(CALIBRATION_TOKENS, getattr(config, "max_position_embeddings", None) or len(ids))
     return torch.tensor([ids[:limit]], dtype=torch.long)
+
+
+def _is_hf_causal_lm(model: Any) -> bool:
+    """A transformers model with an output embedding (as circleops.conversion tells them; not
+    imported from there: conversion imports this module)."""
+    transformers = sys.modules.get("transformers")
+    return (transformers is not None and isinstance(model, transformers.PreTrainedModel)
+            and hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None)
 
 
 def input_importance(model: torch.nn.Module, example_args: Sequence[Any] = (), tokenizer: Any = None
