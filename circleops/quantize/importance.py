@@ -24,11 +24,11 @@ def calibration_ids(model: Any, tokenizer: Any = None) -> torch.Tensor | None:
     """[1, S] token ids of the shipped calibration text for a Hugging Face CausalLM (UTF-8
     bytes modulo the vocabulary without a tokenizer), cut to the model's context; None for
     any other model."""
-    from circleops.conversion import _is_hf_causal_lm
-
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
-    if not vocab or not _is_hf_causal_lm(model):
+    # a language model head is what makes it a CausalLM (no import of conversion: it imports us)
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if not vocab or not callable(output_embeddings) or output_embeddings() is None:
         return None
     text = CALIBRATION_TEXT.read_text()
     ids = list(tokenizer(text).input_ids) if tokenizer is not None else [b % int(vocab) for b in text.encode()]
