@@ -13,7 +13,10 @@ one-row logits, the decode session opened too), timed as `generate(prompt,
 max_new_tokens=1).prefill_seconds` (prefill runs + the argmax). torch:
 `model.generate(ids, max_new_tokens=1)` (greedy, DynamicCache), in the same process,
 alternating with onert, torch.set_num_threads = NUM_THREADS. Medians of --rounds after one
-warm-up run per session; the ratio onert / torch is what issue 13 asks to keep <= 2.
+warm-up run per session; the ratio onert / torch is what issue 13 asks to keep <= 2. Also the
+CPU seconds each took (time.process_time, every thread of the process): on a shared machine
+wall times follow the other jobs, CPU seconds much less (at 1 thread they are close to an
+idle machine's wall time).
 """
 from __future__ import annotations
 
@@ -68,12 +71,12 @@ def main() -> None:
     ids = [int(i) for i in tokenizer(TEXT * 40)["input_ids"]]
     prompts = {n: ids[:n] for n in args.prompts}
 
-    def torch_ttft(prompt: list[int]) -> float:
+    def torch_ttft(prompt: list[int]) -> tuple[float, float]:
         x = torch.tensor([prompt])
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             model.generate(x, max_new_tokens=1, do_sample=False, attention_mask=torch.ones_like(x))
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
 
     with tempfile.TemporaryDirectory() as work:
         if args.dir:
@@ -89,7 +92,8 @@ def main() -> None:
             manifest = read_manifest(Path(work) / "graphs")
         print(f"load average {os.getloadavg()[0]:.2f} at the start; rounds {args.rounds}; cache "
               f"{manifest.max_cache_len}; weights {manifest.quantize or 'fp32'}")
-        print(f"{'--seq-len':>10} {'threads':>7} {'prompt':>6} {'onert s':>8} {'torch s':>8} {'onert/torch':>11}  runs")
+        print(f"{'--seq-len':>10} {'threads':>7} {'prompt':>6} {'onert s':>8} {'torch s':>8} {'onert/torch':>11} "
+              f"{'onert cpu s':>11} {'torch cpu s':>11} {'cpu ratio':>9}  runs")
         for threads in args.threads:
             os.environ["NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
@@ -99,13 +103,14 @@ def main() -> None:
                     gen.generate(prompt, 1)  # warm-up: a session's first run prepares it
                     times, runs = [], []
                     for _ in range(args.rounds):
+                        c = time.process_time()
                         result = gen.generate(prompt, 1)
-                        times.append((result.prefill_seconds, torch_ttft(prompt)))
+                        c = time.process_time() - c
+                        times.append((result.prefill_seconds, c, *torch_ttft(prompt)))
                         runs = result.prefill_chunks
-                    o = statistics.median(t[0] for t in times)
-                    p = statistics.median(t[1] for t in times)
-                    print(f"{','.join(map(str, lengths)):>10} {threads:>7} {n:>6} {o:>8.3f} {p:>8.3f} {o / p:>11.2f}  "
-                          f"{'+'.join(map(str, runs))}", flush=True)
+                    o, oc, p, pc = (statistics.median(t[i] for t in times) for i in range(4))
+                    print(f"{','.join(map(str, lengths)):>10} {threads:>7} {n:>6} {o:>8.3f} {p:>8.3f} {o / p:>11.2f} "
+                          f"{oc:>11.3f} {pc:>11.3f} {oc / pc:>9.2f}  {'+'.join(map(str, runs))}", flush=True)
                 del gen
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 

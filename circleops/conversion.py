@@ -60,10 +60,13 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         (onert for onert, litert for tflite, reference for circle), or name one of
         "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
         to max(1, max|torch output|)).
-    quantize: "q4_0" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every linear weight
-        with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too (targets onert
-        and circle; float32 only); verify then compares with torch running the dequantized
-        weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
+    quantize: "q4_0" / "q4_0-pure" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every
+        linear weight with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too
+        (targets onert and circle; float32 only); q4_0 keeps the output head (lm_head) at
+        Q8_0, q4_0-pure at Q4_0 (a tied one sharing the table). Q4_0 block scales are fitted
+        to each linear's inputs on the shipped calibration text (``tokenizer`` tokenizes it;
+        circleops.quantize.importance). verify then compares with torch running the
+        dequantized weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
         "uint8" / "int16" write an integer graph (PT2E with circleops.quantize's
         CircleQuantizer): uint8 asymmetric or int16 symmetric activations, int8 per-channel
         weights (uint8 per tensor for target onert, which runs only those), int32 biases;

@@ -28,10 +28,10 @@ from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manif
 from circleops.runtime import RUNTIMES, Session, open_session
 
 DEFAULT_MAX_NEW_TOKENS = 64
-# What one prefill run costs beyond its rows, in rows: the chunk plan (Generator.plan)
-# minimises sum(length + this) over the runs. onert on SmolLM2-135M (fp32, 2 threads, idle):
-# a run of L positions took about (L + 24) x 4.6 ms (bench/README.md, bench/ttft.py): every
-# run reads all the weights, whatever its length.
+# What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
+# minimises sum(length + this) over the runs. onert on SmolLM2-135M (fp32, 2 threads, idle,
+# bench/README.md "bench/ttft.py"): a run of L = 8, 16, 64 positions took about
+# (L + 24) x 4.6 ms: every run reads all the weights, whatever its length.
 PREFILL_RUN_OVERHEAD = 24
 
 

@@ -171,7 +171,8 @@ ONERT = TargetProfile(
                            # right): ctx.binary merges dims that broadcast alike
                            **{op: frozenset({0, 1, 2, 3, 4})
                               for op in ("EQUAL", "NOT_EQUAL", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL",
-                                         "MAXIMUM", "MINIMUM")}}),
+                                         "MAXIMUM", "MINIMUM")},
+                           "SELECT_V2": frozenset({0, 1, 2, 3, 4, 5})}),  # rank 6, broadcast condition: wrong
     rope_max_positions=1,  # ROPE reads only the first row of sin/cos: exact for a decode step only
     rope_modes=frozenset({"gpt_neox"}),  # GPT_J: "Unsupported RoPE mode"
     # onert's CPU CONV_2D is a blocked GEMM, up to 2x faster than its FULLY_CONNECTED from 4

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--quantize", choices=list(GGML_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
-                        help="instead of --dtype: what GGML weights (q4_0, q8_0) or an integer graph (uint8, "
+                        help="instead of --dtype: what GGML weights (q4_0, q4_0-pure, q8_0) or an integer graph (uint8, "
                              "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
                              "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
     parser.add_argument("--runtime", choices=("onert", "reference"), default="onert",

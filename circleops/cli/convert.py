@@ -133,9 +133,9 @@ def main(args: argparse.Namespace) -> int:
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:
             if quantize in api.INTEGER_FORMATS:
-                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data,
-                              tokenizer=loaded.tokenizer, int16=int16)
-            report = api.convert(loaded.module, example_args, out, **common)
+                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data, int16=int16)
+            # the tokenizer tokenizes the calibration text (PT2E, and q4_0's fitted block scales)
+            report = api.convert(loaded.module, example_args, out, tokenizer=loaded.tokenizer, **common)
     finally:
         progress.close()
     report.timings = {"load": load_seconds, **report.timings}

@@ -298,15 +298,22 @@ class LoweringContext:
             y = self.binary(opcode, a, tb[0], options_type, dtype=dtype, out_dtype=out_dtype, **options)
             return self.transpose(y, tb[1])
         shape = broadcast_shape(a.shape, b.shape)
+        return self.broadcasting(opcode, [a, b], shape, out_dtype or dtype, options_type, **options)
+
+    def broadcasting(self, opcode: str, operands: list[Value], shape: Sequence[int], out_dtype: torch.dtype,
+                     options_type: str | None = None, **options: Any) -> Value:
+        """Elementwise ``opcode`` over ``operands`` broadcast to ``shape``. Above the rank the
+        target runs it at (onert computes comparisons, MAXIMUM/MINIMUM and SELECT_V2 wrong
+        from rank 5 or 6), the dims where every operand broadcasts alike are merged: the same
+        elementwise op on reshaped operands."""
         if not self.supports(opcode, rank=len(shape)):
-            runs = _broadcast_runs(shape, a.shape, b.shape)
+            runs = _broadcast_runs(shape, [v.shape for v in operands])
             if len(runs) < len(shape) and self.supports(opcode, rank=len(runs)):
-                # onert computes comparisons and MAXIMUM/MINIMUM wrong from rank 5: dims where
-                # a and b broadcast alike are merged, which is the same elementwise op
-                y = self.emit(opcode, [self.reshape(a, [r[1] for r in runs]), self.reshape(b, [r[2] for r in runs])],
-                              options_type, out_shape=[r[0] for r in runs], out_dtype=out_dtype or dtype, **options)
+                merged = [self.reshape(v, [r[k + 1] for r in runs]) for k, v in enumerate(operands)]
+                y = self.emit(opcode, merged, options_type, out_shape=[r[0] for r in runs], out_dtype=out_dtype,
+                              **options)
                 return self.reshape(y, shape)
-        return self.emit(opcode, [a, b], options_type, out_shape=shape, out_dtype=out_dtype or dtype, **options)
+        return self.emit(opcode, list(operands), options_type, out_shape=tuple(shape), out_dtype=out_dtype, **options)
 
     def add(self, a: Any, b: Any, dtype: torch.dtype | None = None) -> Value:
         return self.binary("ADD", a, b, "AddOptions", dtype=dtype)
@@ -407,20 +414,21 @@ class LoweringContext:
         return UnsupportedOpError(f"{self._where(what)} {hint}")
 
 
-def _broadcast_runs(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> list[list[int]]:
-    """[out, a, b] sizes of the runs of adjacent dims along which ``a`` and ``b`` broadcast
-    to ``shape`` alike (each either full or 1); size-1 dims join any run."""
+def _broadcast_runs(shape: Sequence[int], operands: Sequence[Sequence[int]]) -> list[list[int]]:
+    """[out, operand sizes...] of the runs of adjacent dims along which every operand
+    broadcasts to ``shape`` alike (full or 1); size-1 dims join any run."""
     r = len(shape)
-    a, b = (1,) * (r - len(a)) + tuple(a), (1,) * (r - len(b)) + tuple(b)
+    padded = [(1,) * (r - len(o)) + tuple(o) for o in operands]
     runs: list[list[int]] = []
-    keys: list[tuple[bool, bool]] = []
-    for o, x, y in zip(shape, a, b):
+    keys: list[tuple[bool, ...]] = []
+    for i, o in enumerate(shape):
         if o == 1 and runs:
             continue
-        key = (x == o, y == o)
+        sizes = [p[i] for p in padded]
+        key = tuple(d == o for d in sizes)
         if runs and keys[-1] == key:
-            runs[-1] = [runs[-1][0] * o, runs[-1][1] * x, runs[-1][2] * y]
+            runs[-1] = [a * b for a, b in zip(runs[-1], [o, *sizes])]
         else:
-            runs.append([o, x, y])
+            runs.append([o, *sizes])
             keys.append(key)
     return runs

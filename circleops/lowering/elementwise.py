@@ -258,7 +258,7 @@ def _select(ctx, cond, x, y):
             return ctx.cast(picked, dtype)
     cond, x, y = ctx.cast(cond, torch.bool), ctx.cast(x, dtype), ctx.cast(y, dtype)
     if ctx.supports("SELECT_V2", dtype):
-        return ctx.emit("SELECT_V2", [cond, x, y])
+        return ctx.broadcasting("SELECT_V2", [cond, x, y], ctx.out_shape, dtype)
     if dtype == torch.bool:  # (c and x) or (not c and y)
         return ctx.binary("LOGICAL_OR", ctx.binary("LOGICAL_AND", cond, x, dtype=torch.bool),
                           ctx.binary("LOGICAL_AND", ctx.unary("LOGICAL_NOT", cond), y, dtype=torch.bool), dtype=torch.bool)

@@ -18,21 +18,24 @@ import torch
 from circleops.quantize.weights import source_key
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+# tokens of it an LLM runs: SmolLM2's q4_0 perplexity was the same within noise with the
+# importances of 64, 128 or all 513 tokens (+4.6 / +5.9 / +5.7 %), and the forward is 4x shorter
+CALIBRATION_TOKENS = 128
 
 
 def calibration_ids(model: Any, tokenizer: Any = None) -> torch.Tensor | None:
     """[1, S] token ids of the shipped calibration text for a Hugging Face CausalLM (UTF-8
-    bytes modulo the vocabulary without a tokenizer), cut to the model's context; None for
-    any other model."""
-    from circleops.conversion import _is_hf_causal_lm
-
+    bytes modulo the vocabulary without a tokenizer), its first CALIBRATION_TOKENS within
+    the model's context; None for any other model."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
-    if not vocab or not _is_hf_causal_lm(model):
+    # a language model head is what makes it a CausalLM (no import of conversion: it imports us)
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if not vocab or not callable(output_embeddings) or output_embeddings() is None:
         return None
     text = CALIBRATION_TEXT.read_text()
     ids = list(tokenizer(text).input_ids) if tokenizer is not None else [b % int(vocab) for b in text.encode()]
-    limit = getattr(config, "max_position_embeddings", None) or len(ids)
+    limit = min(CALIBRATION_TOKENS, getattr(config, "max_position_embeddings", None) or len(ids))
     return torch.tensor([ids[:limit]], dtype=torch.long)
 
 
@@ -62,8 +65,10 @@ def input_importance(model: torch.nn.Module, example_args: Sequence[Any] = (), t
                 acc[1] += x.shape[0]
 
             handles.append(module.register_forward_pre_hook(hook))
+    from circleops.quantize.ggml import one_thread
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             if ids is not None:
                 model(input_ids=ids, use_cache=False)
             else:

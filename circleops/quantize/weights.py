@@ -127,25 +127,50 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     entries = report.sources if report is not None else []
     linear = {src.data_ptr(): dtype for src, _, dtype, _, role in entries if role == "linear"}
+    workers = torch.get_num_threads()
     try:
-        with torch.no_grad():
-            for src, blocks, dtype, shape2d, role in entries:
-                values = ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype)
+        # whole weights on parallel workers, each on one intra-op thread: SmolLM2's 212
+        # unpack-and-copy steps took 35 s as many small two-thread ops on busy cores
+        with torch.no_grad(), ggml.one_thread(), _pool(workers if len(entries) > 1 else 1) as pool:
+            def swap_in(entry: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+                """(the table's own values, None) for a split tied table, else (src, its old values)."""
+                src, blocks, dtype, shape2d, role = entry
                 if role == "table" and linear.get(src.data_ptr(), dtype) != dtype:
-                    for module in (model.modules() if model is not None else ()):
-                        if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
-                            swapped.append((module, module.weight))
-                            module.weight = torch.nn.Parameter(values, requires_grad=False)
+                    return ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
+                old = src.clone()
+                if src.dtype == torch.float32 and src.is_contiguous():
+                    ggml.dequantize_into(blocks, dtype, src)
+                else:
+                    src.copy_(ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape))
+                return src, old
+
+            for (src, *_), (values, old) in zip(entries, pool(swap_in, entries)):
+                if old is not None:
+                    saved.append((src, old))
                     continue
-                saved.append((src, src.clone()))
-                src.copy_(values)
+                for module in (model.modules() if model is not None else ()):
+                    if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
+                        swapped.append((module, module.weight))
+                        module.weight = torch.nn.Parameter(values, requires_grad=False)
         yield
     finally:
-        with torch.no_grad():
+        with torch.no_grad(), ggml.one_thread():
             for src, old in reversed(saved):
                 src.copy_(old)
         for module, weight in reversed(swapped):
             module.weight = weight
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[Callable]:
+    """A ``map`` over ``workers`` threads (the builtin one for a single worker)."""
+    if workers < 2:
+        yield map
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="circleops-dequantize") as pool:
+        yield pool.map
 
 
 def check_format(quantize: str | None, target: str) -> str | None:
@@ -195,6 +220,7 @@ class _Quantizer:
         self.cache = cache if cache is not None else {}
         self.importance = importance or {}
         self.tables: set[tuple] = set()  # source keys of the embedding tables (a tied head's too)
+        self.pending: dict[tuple, Any] = {}  # (source key, dtype) -> Future of _make's result
 
     def is_head(self, t: ir.Tensor) -> bool:
         """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
@@ -206,6 +232,37 @@ class _Quantizer:
         key = source_key(t.data)
         return self.report.parameter_names.get(key, t.name) if key is not None else t.name
 
+    def _make(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str, role: str) -> tuple[np.ndarray, str, str | None]:
+        """(blocks, origin, the GGUF type they were requantized from or None); touches no
+        shared state, so workers run it."""
+        key = source_key(t.data)
+        pre = self.pretrained.get(key) if key is not None else None
+        if pre is not None and pre[0] == dtype and pre[1] is not None:
+            return pre[1], "gguf", None
+        data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
+        # a table's rows are read as they are: weighted by a linear's inputs only when a
+        # tied head shares its blocks (q4_0-pure)
+        imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
+        if imp is not None and (dtype != "GGML_Q4_0" or imp.numel() != shape2d[-1]):
+            imp = None
+        blocks = ggml.quantize(data.reshape(shape2d), dtype, importance=imp)
+        return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
+
+    def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:
+        """Start computing the blocks of ``jobs`` (tensor, [N, K], dtype, role) on ``workers``
+        threads (torch and numpy release the GIL); ``blocks`` then takes each result in the
+        graph's order, so the report and the file are the same as computed one by one."""
+        if workers < 2:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="circleops-quantize")
+        for t, shape2d, dtype, role in jobs:
+            key = source_key(t.data)
+            if key is not None and (key, dtype) not in self.cache and (key, dtype) not in self.pending:
+                self.pending[(key, dtype)] = pool.submit(self._make, t, shape2d, dtype, role)
+        pool.shutdown(wait=False)
+
     def blocks(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str, role: str = "linear") -> np.ndarray:
         """``t``'s values as ``dtype`` blocks of ``shape2d``, computed once per source memory
         (the cache may be shared by several models: the prefill and decode graphs).
@@ -213,21 +270,12 @@ class _Quantizer:
         key = source_key(t.data)
         if key is not None and (key, dtype) in self.cache:
             return self.cache[(key, dtype)]
-        pre = self.pretrained.get(key) if key is not None else None
-        if pre is not None and pre[0] == dtype and pre[1] is not None:
-            blocks, origin = pre[1], "gguf"
-        else:
-            if pre is not None:
-                self.report.requantized_from[pre[0]] = self.report.requantized_from.get(pre[0], 0) + 1
-                self.report.requantized[(pre[0], dtype)] = self.report.requantized.get((pre[0], dtype), 0) + 1
-            data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
-            # a table's rows are read as they are: weighted by a linear's inputs only when a
-            # tied head shares its blocks (q4_0-pure)
-            imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
-            if imp is not None and (dtype != "GGML_Q4_0" or imp.numel() != shape2d[-1]):
-                imp = None
-            blocks = ggml.quantize(data.reshape(shape2d), dtype, importance=imp)
-            origin = "quantized" if imp is None else "weighted"
+        pending = self.pending.pop((key, dtype), None) if key is not None else None
+        blocks, origin, requantized = pending.result() if pending is not None else self._make(t, shape2d, dtype, role)
+        if requantized is not None:
+            self.report.requantized_from[requantized] = self.report.requantized_from.get(requantized, 0) + 1
+            pair = (requantized, dtype)
+            self.report.requantized[pair] = self.report.requantized.get(pair, 0) + 1
         if key is not None:
             self.cache[(key, dtype)] = blocks
         self.report.weights.append(QuantizedWeight(self.name(t), tuple(shape2d), dtype, origin, int(blocks.nbytes)))
@@ -278,15 +326,34 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
                 if key is not None:
                     q.tables.add(key)
 
-    for si, sg in enumerate(model.subgraphs):
-        _quantize_subgraph(sg, q, is_param, kept)
-        remap = prune(sg)  # the fp32 weights the GGML tensors replaced
-        for sig in model.signatures:
-            if sig.subgraph_index == si:
-                sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
-                sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+    # one worker per torch thread the caller allows, each on one intra-op thread (whole
+    # weights in parallel instead of many small parallel ops: see ggml.one_thread)
+    workers = torch.get_num_threads()
+    with ggml.one_thread():
+        q.prefetch((job for sg in model.subgraphs for job in _jobs(sg, q, is_param)), workers)
+        for si, sg in enumerate(model.subgraphs):
+            _quantize_subgraph(sg, q, is_param, kept)
+            remap = prune(sg)  # the fp32 weights the GGML tensors replaced
+            for sig in model.signatures:
+                if sig.subgraph_index == si:
+                    sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
+                    sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
     report.kept_fp32 = [(n, s, r) for n, (s, r) in kept.items()]
     return report
+
+
+def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> Iterator[tuple]:
+    """The (tensor, [N, K], dtype, role) blocks _quantize_subgraph will ask for, in its order."""
+    for op in sg.operators:
+        if op.opcode == "GATHER" and q.dtype == "GGML_Q4_0":
+            t = sg.tensors[op.inputs[0]]
+            if _is_table(sg, op, is_param) and t.shape[1] % ggml.BLOCK == 0:
+                yield t, tuple(t.shape), "GGML_Q4_0", "table"
+            continue
+        lin = _linear_weight(sg, op)
+        if lin is not None and lin[1] % ggml.BLOCK == 0:
+            w = sg.tensors[lin[2]]
+            yield w, (lin[0], lin[1]), q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype, "linear"
 
 
 def _is_f32_const(t: ir.Tensor) -> bool:
