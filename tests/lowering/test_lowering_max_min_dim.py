@@ -7,8 +7,6 @@ import torch
 
 import circleops
 
-g = torch.Generator().manual_seed(0)
-
 
 class Fn(torch.nn.Module):
     def __init__(self, fn):
@@ -34,8 +32,12 @@ CASES = {
 @pytest.mark.parametrize("target", ["circle", "onert", "tflite"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_max_min_dim(name, target, tmp_path):
-    # distinct values: indices of ties would be the runtimes' choice
-    x = torch.randperm(60, generator=g).float().reshape(3, 4, 5) / 7
+    # distinct values: indices of ties would be the runtimes' choice; a generator of the
+    # test's own, so the input does not depend on which tests ran before in this worker
+    x = torch.randperm(60, generator=torch.Generator().manual_seed(0)).float().reshape(3, 4, 5) / 7
     path = tmp_path / ("m.tflite" if target == "tflite" else "m.circle")
     report = circleops.convert(Fn(CASES[name]), (x,), path, target=target, verify=True)
-    assert report.verify.passed and report.verify.max_abs_error <= 1e-6  # softmax: summation order
+    # a few float32 ulps of the largest output: sums (the min values' total reaches ~50)
+    # and softmax may add in another order than torch
+    bound = 1e-6 * max(1.0, report.verify.reference_max_abs)
+    assert report.verify.passed and report.verify.max_abs_error <= bound
