@@ -1,5 +1,6 @@
 """Benchmark (not a test): the same matrix product as onert runs it, FULLY_CONNECTED against a
-1x1 CONV_2D, per shape. The measurement behind circleops.lowering.linalg's choice for
+1x1 CONV_2D and a BATCH_MATMUL with a constant right operand, per shape, beside torch's
+F.linear (MKL sgemm, torch.set_num_threads = NUM_THREADS: what the peer's prefill runs). The measurement behind circleops.lowering.linalg's choice for
 target onert (CONV_2D from circleops.targets.ONERT.linear_as_conv.min_rows rows up, or for a very wide output).
 
     python bench/onert_matmul.py                       # the default shapes, 2 threads
@@ -7,8 +8,9 @@ target onert (CONV_2D from circleops.targets.ONERT.linear_as_conv.min_rows rows 
 
 A shape is rows x in x out: x [rows, in] times a constant weight [out, in]. FULLY_CONNECTED
 gets x as [1, rows, in]; CONV_2D gets [1, 1, rows, in] with the weight as its [out, 1, 1, in]
-filter and a zero bias (onert's CONV_2D needs one). Both files come from circleops' own
-writer, both outputs are checked against numpy, then the median of interleaved timed calls
+filter and a zero bias (onert's CONV_2D needs one); BATCH_MATMUL gets [1, rows, in] and the
+weight transposed as [1, in, out]. All files come from circleops' own
+writer, all outputs are checked against numpy, then the median of interleaved timed calls
 is printed.
 """
 from __future__ import annotations
@@ -37,6 +39,11 @@ def _model(kind: str, rows: int, inner: int, out: int, weight):
         w = sg.add_tensor(ir.Tensor("w", (out, inner), "FLOAT32", weight))
         y = sg.add_tensor(ir.Tensor("y", (rows, out), "FLOAT32"))
         sg.operators.append(ir.Operator("FULLY_CONNECTED", [x, w, -1], [y], "FullyConnectedOptions", {}))
+    elif kind == "BATCH_MATMUL":
+        x = sg.add_tensor(ir.Tensor("x", (1, rows, inner), "FLOAT32"))
+        w = sg.add_tensor(ir.Tensor("w", (1, inner, out), "FLOAT32", np.ascontiguousarray(weight.T)[None]))
+        y = sg.add_tensor(ir.Tensor("y", (1, rows, out), "FLOAT32"))
+        sg.operators.append(ir.Operator("BATCH_MATMUL", [x, w], [y], "BatchMatMulOptions", {}))
     else:
         x = sg.add_tensor(ir.Tensor("x", (1, 1, rows, inner), "FLOAT32"))
         w = sg.add_tensor(ir.Tensor("w", (out, 1, 1, inner), "FLOAT32", weight.reshape(out, 1, 1, inner)))
@@ -61,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     from circleops.serialize import write_model
 
     rng = np.random.default_rng(0)
-    print(f"{'rows x in x out':>18s} {'FULLY_CONNECTED':>16s} {'CONV_2D':>10s} {'conv/fc':>8s}   (onert, "
-          f"{args.threads} threads, medians)")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"{'rows x in x out':>18s} {'FULLY_CONNECTED':>16s} {'CONV_2D':>10s} {'conv/fc':>8s} {'BATCH_MATMUL':>13s} "
+          f"{'torch':>10s} {'best/torch':>10s}   (onert and torch, {args.threads} threads, medians)")
     with tempfile.TemporaryDirectory() as d:
         for spec in args.shapes:
             rows, inner, out = (int(v) for v in spec.lower().split("x"))
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             x = rng.standard_normal((rows, inner)).astype(np.float32)
             want = x @ weight.T
             runs = {}
-            for kind in ("FULLY_CONNECTED", "CONV_2D"):
+            for kind in ("FULLY_CONNECTED", "CONV_2D", "BATCH_MATMUL"):
                 model, shape = _model(kind, rows, inner, out, weight)
                 path = Path(d) / f"{kind}.circle"
                 write_model(model, path)
@@ -82,14 +92,20 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 runs[kind] = (sess, x.reshape(shape))
             rounds = max(15, min(300, int(1e9 / (rows * inner * out))))
-            times: dict[str, list[float]] = {k: [] for k in runs}
+            times: dict[str, list[float]] = {k: [] for k in (*runs, "torch")}
+            tx, tw = torch.from_numpy(x), torch.from_numpy(weight)
             for _ in range(rounds):
                 for kind, (sess, xs) in runs.items():
                     t = time.perf_counter()
                     sess.infer([xs])
                     times[kind].append(time.perf_counter() - t)
-            fc, conv = (statistics.median(times[k]) * 1e3 for k in ("FULLY_CONNECTED", "CONV_2D"))
-            print(f"{spec:>18s} {fc:13.2f} ms {conv:7.2f} ms {conv / fc:8.2f}", flush=True)
+                t = time.perf_counter()
+                torch.nn.functional.linear(tx, tw)  # MKL's sgemm: the peer's prefill
+                times["torch"].append(time.perf_counter() - t)
+            fc, conv, bmm, ref = (statistics.median(times[k]) * 1e3
+                                  for k in ("FULLY_CONNECTED", "CONV_2D", "BATCH_MATMUL", "torch"))
+            print(f"{spec:>18s} {fc:13.2f} ms {conv:7.2f} ms {conv / fc:8.2f} {bmm:10.2f} ms {ref:7.2f} ms "
+                  f"{min(fc, conv, bmm) / ref:10.2f}", flush=True)
             del runs
     return 0
 

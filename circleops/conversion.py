@@ -647,6 +647,9 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
                                         pretrained=job.pretrained, importance=job.importance)
         timings["quantize"] = time.perf_counter() - t
+    from circleops.passes.fuse_linears import fuse_for_target
+
+    fuse_for_target(ir_model, target_profile(job.target, job.threads))  # onert: GGML q/k/v, gate/up as one FC
 
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,

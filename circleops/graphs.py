@@ -526,6 +526,11 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
             with dequantized_sources(quant_report, model):
                 references = _verify_references(model, lengths)
             timings["verify"] = time.perf_counter() - t
+    from circleops.passes.fuse_linears import fuse_for_target
+
+    fused_cache: dict = {}  # one concatenation per fused weight, shared by the graphs
+    for m in lowered.values():  # onert: GGML q/k/v, gate/up as one FULLY_CONNECTED each
+        fuse_for_target(m, api.target_profile(target, threads), cache=fused_cache)
     del eps
 
     t = stage("write")

@@ -69,6 +69,7 @@ class TargetProfile:
     quantized_per_channel_int8: bool  # int8 per-channel quantized weights compute right
     quantized_float_only: frozenset[str]  # builtins with no integer kernel: they stay float (DEQUANTIZE/QUANTIZE around)
     quantized_mean_needs_keep_dims: bool  # an integer MEAN without keepDims fails: it stays float
+    fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -128,6 +129,7 @@ CIRCLE = TargetProfile(
     quantized_per_channel_int8=True,
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
+    fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
 )
 
 ONERT = TargetProfile(
@@ -147,6 +149,7 @@ ONERT = TargetProfile(
         "SIGN", "CEIL", "HARD_SWISH", "ATAN2",  # load fails: "Unsupported operation" (tests/coverage)
         "TRANSPOSE_CONV",           # "KernelGenerator: NYI for operation 'TransposeConv'"
         "TOPK_V2",                  # load fails: "Unsupported operation"
+        "SPLIT_V",                  # runs, silently wrong (outputs zeros or another part's values)
     }),
     builtin_dtypes=_frozen({
         # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
@@ -196,6 +199,10 @@ ONERT = TargetProfile(
     quantized_per_channel_int8=False,
     quantized_float_only=frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
     quantized_mean_needs_keep_dims=True,
+    # onert runs each GGML FULLY_CONNECTED as its own ggml graph, starting NUM_THREADS-1
+    # workers per call (~66 us at 2 threads): q/k/v and gate/up as one call each
+    # (circleops.passes.fuse_linears; bench/README.md). fp32 linears measured no faster fused.
+    fuse_linear_dtypes=frozenset({"GGML_Q4_0", "GGML_Q8_0"}),
 )
 
 TFLITE = TargetProfile(
@@ -221,6 +228,7 @@ TFLITE = TargetProfile(
     quantized_per_channel_int8=False,
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
+    fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
 )
 
 PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})

@@ -209,6 +209,7 @@ def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any,
     from circleops.conversion import write_for_target
     from circleops.lowering import lower_program
     from circleops.quantize import INTEGER_FORMATS
+    from circleops.passes.fuse_linears import fuse_for_target
     from circleops.quantize.weights import quantize_weights
 
     if quantize in INTEGER_FORMATS:  # PT2E: calibrate on windows of the shipped calibration text
@@ -223,6 +224,7 @@ def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any,
 
     model = lower_program(ep, "onert")
     report = quantize_weights(model, quantize, parameters=parameters, pretrained=pretrained, importance=importance)
+    fuse_for_target(model, "onert")  # the file convert writes (exact for GGML weights)
     write_for_target(model, path, "onert", "circle")
     return report
 

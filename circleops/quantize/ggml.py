@@ -24,35 +24,107 @@ from circleops import ir
 BLOCK = 32
 
 
-def _gguf_type(dtype: str) -> Any:
-    from gguf import GGMLQuantizationType
-
-    return {"GGML_Q4_0": GGMLQuantizationType.Q4_0, "GGML_Q8_0": GGMLQuantizationType.Q8_0}[dtype]
-
-
 def quantize(weight: Tensor | np.ndarray, dtype: str, importance: Tensor | np.ndarray | None = None) -> np.ndarray:
     """Pack a float [..., K] weight (K % 32 == 0) as ``dtype`` blocks: flat uint8, row by row.
 
     importance: [K] weights of the input channels (Q4_0 only): the blocks then minimise the
     importance-weighted squared error (``quantize_q4_0_weighted``); None: ggml's reference
-    max-abs rounding, bit for bit.
+    max-abs rounding, bit for bit (the bytes of ``gguf.quants.quantize``, computed here in
+    torch a cache-sized chunk at a time: 2x faster than gguf's numpy, which matters on
+    every weight of a q8_0 convert).
     """
-    from gguf import quants
-
     if importance is not None and dtype == "GGML_Q4_0":
         return quantize_q4_0_weighted(weight, importance)
-    w = weight.detach().to(torch.float32).cpu().numpy() if isinstance(weight, Tensor) else \
-        np.asarray(weight, dtype=np.float32)
-    if w.shape[-1] % BLOCK:
+    w = _float32(weight)
+    if w.dim() == 0 or w.shape[-1] % BLOCK:
         raise ValueError(f"{dtype} needs a last dimension that is a multiple of {BLOCK}, got {list(w.shape)}")
-    return quants.quantize(w, _gguf_type(dtype)).reshape(-1)
+    pack = {"GGML_Q4_0": _pack_q4_0_reference, "GGML_Q8_0": _pack_q8_0}.get(dtype)
+    if pack is None:
+        raise ValueError(f"not a GGML block type: {dtype}")
+    x_all = w.reshape(-1, BLOCK)
+    out = torch.empty(x_all.shape[0], ir.GGML_BLOCKS[dtype][1], dtype=torch.uint8)
+    with one_thread():
+        for start in range(0, x_all.shape[0], _CHUNK_BLOCKS):
+            pack(x_all[start:start + _CHUNK_BLOCKS], out[start:start + _CHUNK_BLOCKS])
+    return out.numpy().reshape(-1)
+
+
+def _float32(data: Tensor | np.ndarray) -> Tensor:
+    """A float32 CPU tensor of ``data`` (no copy when it is one, or a float32 array)."""
+    if isinstance(data, Tensor):
+        return data.detach().to(torch.float32).cpu()
+    arr = np.asarray(data, dtype=np.float32)
+    with warnings.catch_warnings():  # read-only arrays (an mmap'd file): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+def _pack_q8_0(x: Tensor, out: Tensor) -> None:
+    """ggml's quantize_row_q8_0_ref as gguf writes it: d = amax / 127, q = x / d rounded
+    half away from zero (gguf's np_roundf), into ``out`` [B, 34]."""
+    d = _absmax(x).div_(127.0)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    v = x * inv
+    a = v.abs()
+    rounded = a.floor()
+    rounded.add_(a.sub_(rounded) >= 0.5)  # a - floor(a) is exact: ties go away from zero
+    out[:, :2] = d.to(torch.float16).view(torch.uint8)
+    out[:, 2:] = rounded.copysign_(v).to(torch.int8).view(torch.uint8)
+
+
+def _pack_q4_0_reference(x: Tensor, out: Tensor) -> None:
+    """ggml's quantize_row_q4_0_ref as gguf writes it: d = max / -8 (max: the signed value
+    of largest magnitude), q = trunc(x / d + 8.5) clipped to 0..15, into ``out`` [B, 18]."""
+    d = _signed_absmax(x).div_(-8.0)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    levels = torch.mul(x, inv).add_(8.5).trunc_().clamp_(0, 15)
+    _write_q4_0(levels, d.to(torch.float16), out)
+
+
+def _write_q4_0(levels: Tensor, d16: Tensor, out: Tensor) -> None:
+    """[B, 32] levels 0..15 (float) and [B, 1] fp16 scales as [B, 18] Q4_0 blocks: element j
+    in the low nibble of byte j, element j + 16 in its high nibble (the byte computed in
+    float and converted once: uint8 shifts cost more than the whole scale search step)."""
+    out[:, :2] = d16.view(torch.uint8)
+    out[:, 2:] = levels[:, BLOCK // 2:].mul(16).add_(levels[:, :BLOCK // 2])
+
+
+def _halves(x: Tensor, op: Any) -> Tensor:
+    """[B, 1] reduction of [B, 32] rows by pairwise ``op`` (torch.maximum / minimum): exact,
+    and 2-3x faster than amax/aminmax over 32-wide rows."""
+    n = x.shape[1] // 2
+    r = op(x[:, :n], x[:, n:])
+    while n > 1:
+        n //= 2
+        r = op(r[:, :n], r[:, n:2 * n])
+    return r
+
+
+def _absmax(x: Tensor) -> Tensor:
+    """[B, 1] max |x| per row (+0.0 for a row of zeros, as abs gives)."""
+    return torch.maximum(_halves(x, torch.maximum), _halves(x, torch.minimum).neg_()).abs_()
+
+
+def _signed_absmax(x: Tensor) -> Tensor:
+    """[B, 1] the signed value of largest magnitude per row; of two equal magnitudes of
+    opposite sign, the first (as ``x.gather(1, x.abs().argmax(1))`` and numpy's argmax)."""
+    hi, lo = _halves(x, torch.maximum), _halves(x, torch.minimum)
+    # a row of zeros: its first element, whose sign gives the sign of gguf's d = -0.0 / -8
+    mx = torch.where(hi >= -lo, hi, lo)
+    mx = torch.where(mx == 0, x[:, :1], mx)
+    tie = ((hi == -lo) & (hi != 0)).squeeze(1)
+    if bool(tie.any()):  # rare: argmax over those rows only
+        rows = tie.nonzero().squeeze(1)
+        picked = x[rows]
+        mx[rows] = picked.gather(1, picked.abs().argmax(1, keepdim=True))
+    return mx
 
 
 # llama.cpp's make_qx_quants tries the scales -(8 + 0.1 s) / max for s in -9..9; every third
 # of them gives the same weighted error on SmolLM2's weights (0.572 vs 0.571 of the reference
 # max-abs rounding's) at a third of the time
 _SCALE_STEPS = (-0.9, -0.6, -0.3, 0.0, 0.3, 0.6, 0.9)
-_CHUNK_BLOCKS = 1 << 14  # blocks per step: keeps the candidates' temporaries in cache
+_CHUNK_BLOCKS = 1 << 12  # blocks per step: keeps the candidates' temporaries in L2 (measured best of 2k-16k)
 
 
 def quantize_q4_0_weighted(weight: Tensor | np.ndarray, importance: Tensor | np.ndarray) -> np.ndarray:
@@ -66,23 +138,25 @@ def quantize_q4_0_weighted(weight: Tensor | np.ndarray, importance: Tensor | np.
     that reaches the output, E[((w - w_q) . x)^2] (its diagonal part). Same format: onert and
     gguf decode it unchanged.
     """
-    w = weight.detach() if isinstance(weight, Tensor) else torch.from_numpy(np.asarray(weight))
-    w = w.to(torch.float32).cpu()
+    w = _float32(weight)
     if w.dim() != 2 or w.shape[1] % BLOCK:
         raise ValueError(f"GGML_Q4_0 needs an [N, K] weight with K a multiple of {BLOCK}, got {list(w.shape)}")
-    imp = importance.detach() if isinstance(importance, Tensor) else torch.from_numpy(np.asarray(importance))
-    imp = imp.to(torch.float32).cpu().reshape(-1)
+    imp = _float32(importance).reshape(-1)
     if imp.numel() != w.shape[1]:
         raise ValueError(f"importance has {imp.numel()} values for a weight with K={w.shape[1]}")
     # a floor keeps a block whose inputs never fired (importance 0) quantized by magnitude
     imp = imp.clamp_min(max(float(imp.max()), 1e-30) * 1e-6).reshape(-1, BLOCK)
     x_all = w.reshape(-1, BLOCK)
-    imp_all = imp.repeat(w.shape[0], 1)  # [N * K/32, 32]: block b of every row weighs by imp[b]
+    # whole rows per chunk, so that one [rows * K/32, 32] importance serves every chunk
+    # (block b of every row weighs by imp[b]) instead of a copy the size of the weight
+    rows = max(1, _CHUNK_BLOCKS // imp.shape[0])
+    imp_chunk = imp.repeat(rows, 1)
+    step = rows * imp.shape[0]
     out = torch.empty(x_all.shape[0], 2 + BLOCK // 2, dtype=torch.uint8)
     with one_thread():
-        for start in range(0, x_all.shape[0], _CHUNK_BLOCKS):
-            x = x_all[start:start + _CHUNK_BLOCKS]
-            out[start:start + len(x)] = _pack_q4_0(x, _best_scale(x, imp_all[start:start + _CHUNK_BLOCKS]))
+        for start in range(0, x_all.shape[0], step):
+            x = x_all[start:start + step]
+            _pack_q4_0(x, _best_scale(x, imp_chunk[:len(x)]), out[start:start + len(x)])
     return out.numpy().reshape(-1)
 
 
@@ -104,7 +178,7 @@ def one_thread() -> Iterator[None]:
 
 def _best_scale(x: Tensor, q: Tensor) -> Tensor:
     """[B, 1] least-squares scales of the best of the candidate roundings (weights q > 0)."""
-    mx = x.gather(1, x.abs().argmax(1, keepdim=True))  # the signed value of largest magnitude
+    mx = _signed_absmax(x)
     mx = torch.where(mx == 0, torch.ones_like(mx), mx)
     t = x / mx
     qx = q * x
@@ -125,14 +199,13 @@ def _best_scale(x: Tensor, q: Tensor) -> Tensor:
     return scale
 
 
-def _pack_q4_0(x: Tensor, scale: Tensor) -> Tensor:
-    """[B, 32] values at [B, 1] scales -> [B, 18] Q4_0 blocks (fp16 d, nibbles j | j+16 << 4)."""
+def _pack_q4_0(x: Tensor, scale: Tensor, out: Tensor) -> None:
+    """[B, 32] values at [B, 1] scales as [B, 18] Q4_0 blocks into ``out`` (levels rounded
+    half to even at the stored fp16 scale)."""
     d16 = scale.to(torch.float16)
     d = d16.to(torch.float32)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    levels = (torch.clamp(torch.round(x * inv), -8, 7) + 8).to(torch.uint8)
-    qs = levels[:, :BLOCK // 2] | (levels[:, BLOCK // 2:] << 4)
-    return torch.cat([d16.view(torch.uint8), qs], dim=1)
+    _write_q4_0(torch.mul(x, inv).round_().clamp_(-8, 7).add_(8), d16, out)
 
 
 def _as_uint8(blocks: Tensor | np.ndarray) -> Tensor:

@@ -105,6 +105,33 @@ def test_missing_builtins_fail_with_the_real_reason(tmp_path, opcode, message):
     assert opcode in ONERT.missing_builtins
 
 
+def test_split_v_is_silently_wrong(tmp_path):
+    """Why ONERT lists SPLIT_V as missing (passes.fuse_linears splits unequal parts with
+    STRIDED_SLICE instead), while SPLIT of equal parts is right."""
+    sg = ir.Subgraph("main")
+    t = lambda name, shape, dtype="FLOAT32", data=None: sg.add_tensor(ir.Tensor(name, shape, dtype, data))  # noqa: E731
+    x, a, b, c = t("x", (2, 12)), t("a", (2, 6)), t("b", (2, 3)), t("c", (2, 3))
+    sg.operators = [ir.Operator("SPLIT_V", [x, t("sizes", (3,), "INT32", np.array([6, 3, 3], np.int32)),
+                                            t("axis", (1,), "INT32", np.array([1], np.int32))],
+                                [a, b, c], "SplitVOptions", {"numSplits": 3})]
+    sg.inputs, sg.outputs = [x], [a, b, c]
+    write_model(ir.Model([sg]), tmp_path / "split_v.circle", "circle")
+    v = rng.standard_normal((2, 12)).astype(np.float32)
+    got = onert.run(tmp_path / "split_v.circle", [v])
+    want = np.split(v, [6, 9], axis=1)
+    assert any(not np.array_equal(g, w) for g, w in zip(got, want))
+    from circleops.targets import ONERT
+
+    assert not ONERT.runs("SPLIT_V")
+    sg.operators = [ir.Operator("SPLIT", [t("axis0", (1,), "INT32", np.array([1], np.int32)), x], [a, b, c],
+                                "SplitOptions", {"numSplits": 3})]
+    for o in (a, b, c):
+        sg.tensors[o].shape = (2, 4)
+    write_model(ir.Model([sg]), tmp_path / "split.circle", "circle")
+    for g, w in zip(onert.run(tmp_path / "split.circle", [v]), np.split(v, 3, axis=1)):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_integer_maximum_is_missing(tmp_path):
     a = np.array([-2, 5, 1], np.int64)
     path = one_op(tmp_path, "MAXIMUM", [((3,), "INT64", None), ((), "INT64", np.array(0, np.int64))], (3,), "INT64")

@@ -55,9 +55,11 @@ def test_inspect_lists_storage_type_and_bytes(tmp_path, llama):
     circleops.convert(llama, (example_ids(8),), path, target="onert", quantize="q4_0")
     s = summarize(path)
     ggml = [t for t in s["constants"] if t["dtype"] == "GGML_Q4_0"]
-    assert len(ggml) == 15 and all(t["bytes"] == t["shape"][0] * t["shape"][1] // 32 * 18 for t in ggml)
+    # 2 layers x (q/k/v fused, o, gate/up fused, down) + the embedding (passes.fuse_linears)
+    assert len(ggml) == 9 and all(t["bytes"] == t["shape"][0] * t["shape"][1] // 32 * 18 for t in ggml)
     assert s["constants_by_dtype"]["GGML_Q4_0"]["bytes"] == sum(t["bytes"] for t in ggml)
     (head,) = [t for t in s["constants"] if t["dtype"] == "GGML_Q8_0"]  # q4_0 keeps the lm_head at Q8_0
     assert head["name"].endswith("lm_head.weight") and head["bytes"] == head["shape"][0] * head["shape"][1] // 32 * 34
     text = format_text(s, tensors=True)
-    assert "model.model.layers.0.mlp.up_proj.weight" in text and "4.5 bits/weight" in text
+    assert "model.model.layers.0.mlp.{gate,up}_proj.weight" in text and "4.5 bits/weight" in text
+    assert "model.model.layers.0.mlp.down_proj.weight" in text

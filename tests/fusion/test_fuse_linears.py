@@ -1,0 +1,214 @@
+"""Sibling linears (circleops.passes.fuse_linears): FULLY_CONNECTED ops reading one input
+with GGML weights become one FULLY_CONNECTED + a split, bit for bit the same outputs on onert
+and the reference interpreter; what must stay apart stays apart; convert and convert_graphs
+write the fused form for target onert (q/k/v and gate/up: 7 GGML calls per layer -> 4)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops import ir
+from circleops.passes import fuse_linears
+from circleops.passes.fuse_linears import fuse_for_target, fuse_sibling_linears, fused_name
+from circleops.quantize import ggml
+from circleops.runtime import onert, reference
+from circleops.serialize import read_model, write_model
+from families import BY_NAME, example_ids
+
+rng = np.random.default_rng(0)
+
+
+def _weight(dtype: str, n: int, k: int) -> np.ndarray:
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    return w if dtype == "FLOAT32" else ggml.quantize(w, dtype)
+
+
+def _siblings() -> tuple[ir.Model, dict[str, int]]:
+    """x [3, 64] read by: q4 a [64], b [32], c [32] (fusable, unequal sizes); q8 d, e [48]
+    (fusable, equal); f fp32; g with a RELU; h with a bias; t whose weight a GATHER also
+    reads (tied). y [3, 64] read by one more q4 linear (another input)."""
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (3, 64), "FLOAT32"))
+    y = sg.add_tensor(ir.Tensor("y", (3, 64), "FLOAT32"))
+    ids = sg.add_tensor(ir.Tensor("ids", (2,), "INT32", np.array([0, 5], np.int32)))
+    outs: dict[str, int] = {}
+
+    def fc(name, src, dtype, n, act=0, bias=False):
+        w = sg.add_tensor(ir.Tensor(f"layer.{name}_proj.weight", (n, 64), dtype, _weight(dtype, n, 64)))
+        b = sg.add_tensor(ir.Tensor(f"{name}.bias", (n,), "FLOAT32", rng.standard_normal(n).astype(np.float32))) \
+            if bias else -1
+        out = outs[name] = sg.add_tensor(ir.Tensor(name, (3, n), "FLOAT32"))
+        sg.operators.append(ir.Operator("FULLY_CONNECTED", [src, w, b], [out], "FullyConnectedOptions",
+                                        {"fusedActivationFunction": act, "keepNumDims": False}))
+        return w
+
+    for name, dtype, n in [("a", "GGML_Q4_0", 64), ("d", "GGML_Q8_0", 48), ("b", "GGML_Q4_0", 32),
+                           ("c", "GGML_Q4_0", 32), ("e", "GGML_Q8_0", 48)]:
+        fc(name, x, dtype, n)
+    fc("f", x, "FLOAT32", 16)
+    fc("g", x, "FLOAT32", 16, act=1)
+    fc("h", x, "FLOAT32", 16, bias=True)
+    tied = fc("t", x, "FLOAT32", 16)
+    outs["rows"] = sg.add_tensor(ir.Tensor("rows", (2, 64), "FLOAT32"))
+    sg.operators.append(ir.Operator("GATHER", [tied, ids], [outs["rows"]], "GatherOptions", {"axis": 0}))
+    fc("other", y, "GGML_Q4_0", 32)
+    sg.inputs, sg.outputs = [x, y], list(outs.values())
+    return ir.Model([sg], [ir.Signature("serving_default", 0, {"x": x, "y": y},
+                                        {k: v for k, v in outs.items()})]), outs
+
+
+def _fc_weights(model: ir.Model) -> list[str]:
+    sg = model.subgraphs[0]
+    return sorted(sg.tensors[op.inputs[1]].name for op in sg.operators if op.opcode == "FULLY_CONNECTED")
+
+
+def _run_both(path, inputs):
+    return onert.run(path, inputs), reference.run(path, inputs)
+
+
+def test_fuses_ggml_siblings_only(tmp_path):
+    model, _ = _siblings()
+    inputs = [rng.standard_normal((3, 64)).astype(np.float32) * 2 for _ in range(2)]
+    write_model(model, tmp_path / "before.circle", "circle")
+    report = fuse_sibling_linears(model)
+    assert sorted(parts for _, parts in report.groups) == [
+        ["layer.a_proj.weight", "layer.b_proj.weight", "layer.c_proj.weight"],
+        ["layer.d_proj.weight", "layer.e_proj.weight"]]
+    assert report.removed == 3
+    assert _fc_weights(model) == sorted(["layer.{a,b,c}_proj.weight", "layer.{d,e}_proj.weight", "layer.f_proj.weight",
+                                         "layer.g_proj.weight", "layer.h_proj.weight", "layer.t_proj.weight",
+                                         "layer.other_proj.weight"])
+    sg = model.subgraphs[0]
+    ops = [op.opcode for op in sg.operators]
+    assert ops.count("SPLIT") == 1 and ops.count("STRIDED_SLICE") == 3 and "SPLIT_V" not in ops
+    fused = {sg.tensors[op.inputs[1]].name: sg.tensors[op.inputs[1]] for op in sg.operators
+             if op.opcode == "FULLY_CONNECTED"}
+    assert fused["layer.{a,b,c}_proj.weight"].shape == (128, 64)
+    assert fused["layer.{d,e}_proj.weight"].shape == (96, 64) and fused["layer.{d,e}_proj.weight"].dtype == "GGML_Q8_0"
+    assert not any(t.name in ("layer.a_proj.weight", "layer.d_proj.weight") for t in sg.tensors)  # pruned
+    write_model(model, tmp_path / "after.circle", "circle")
+    (before_onert, before_ref), (after_onert, after_ref) = (
+        _run_both(tmp_path / f"{n}.circle", inputs) for n in ("before", "after"))
+    for want, got in zip(before_onert, after_onert):
+        np.testing.assert_array_equal(got, want)  # GGML rows are independent: bit for bit
+    for want, got in zip(before_ref, after_ref):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, float(np.abs(want).max())))
+
+
+def test_float_siblings_when_asked():
+    model, _ = _siblings()
+    report = fuse_sibling_linears(model, {"FLOAT32"})
+    # f and the tied t read x with fp32 weights; g (activation), h (bias) and t (a GATHER
+    # reads its weight) stay: nothing left to pair f with
+    assert report.groups == []
+    model, _ = _siblings()
+    sg = model.subgraphs[0]
+    sg.operators = [op for op in sg.operators if op.opcode != "GATHER"]
+    sg.outputs = [o for o in sg.outputs if sg.tensors[o].name != "rows"]
+    model.signatures = []
+    report = fuse_sibling_linears(model, {"FLOAT32"})
+    assert [parts for _, parts in report.groups] == [["layer.f_proj.weight", "layer.t_proj.weight"]]
+
+
+def test_split_v_where_the_runtime_runs_it(tmp_path):
+    model, _ = _siblings()
+    inputs = [rng.standard_normal((3, 64)).astype(np.float32) for _ in range(2)]
+    write_model(model, tmp_path / "before.circle", "circle")
+    fuse_sibling_linears(model, split_v=True)
+    ops = [op.opcode for op in model.subgraphs[0].operators]
+    assert ops.count("SPLIT_V") == 1 and "STRIDED_SLICE" not in ops
+    write_model(model, tmp_path / "after.circle", "circle")
+    for want, got in zip(reference.run(tmp_path / "before.circle", inputs), reference.run(tmp_path / "after.circle", inputs)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, float(np.abs(want).max())))
+
+
+def test_targets_choose():
+    for target, removed in [("onert", 3), ("circle", 0), ("tflite", 0)]:
+        model, _ = _siblings()
+        assert fuse_for_target(model, target).removed == removed
+
+
+def test_fused_names():
+    assert fused_name(["m.layers.0.self_attn.q_proj.weight", "m.layers.0.self_attn.k_proj.weight",
+                       "m.layers.0.self_attn.v_proj.weight"]) == "m.layers.0.self_attn.{q,k,v}_proj.weight"
+    assert fused_name(["w", "w"]) == "w+w"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return BY_NAME["llama"].build()
+
+
+def _unfused(monkeypatch):
+    monkeypatch.setattr(fuse_linears, "fuse_for_target", lambda model, target, cache=None: fuse_linears.FusedLinears())
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_convert_writes_fused_linears_with_the_same_logits(tmp_path, llama, fmt, monkeypatch):
+    ids = example_ids(8)
+    fused = circleops.convert(llama, (ids,), tmp_path / "fused.circle", target="onert", quantize=fmt, verify=True)
+    with monkeypatch.context() as m:
+        _unfused(m)
+        plain = circleops.convert(llama, (ids,), tmp_path / "plain.circle", target="onert", quantize=fmt)
+    layers = llama.config.num_hidden_layers
+    assert plain.ops["FULLY_CONNECTED"] == 7 * layers + 1
+    assert fused.ops["FULLY_CONNECTED"] == 4 * layers + 1  # q/k/v -> 1, gate/up -> 1
+    assert fused.ops["SPLIT"] == layers  # gate/up: equal halves; q/k/v (GQA) three STRIDED_SLICEs
+    assert fused.verify.passed
+    # the report still names every quantized weight
+    assert [w.name for w in fused.quantization.weights] == [w.name for w in plain.quantization.weights]
+    names = {t.name for t in read_model(tmp_path / "fused.circle").subgraphs[0].tensors}
+    assert "model.model.layers.0.mlp.{gate,up}_proj.weight" in names
+    x = [ids.numpy()]
+    (want_onert, want_ref), (got_onert, got_ref) = (
+        _run_both(tmp_path / f"{n}.circle", x) for n in ("plain", "fused"))
+    np.testing.assert_array_equal(got_onert[0], want_onert[0])
+    np.testing.assert_allclose(got_ref[0], want_ref[0], rtol=0, atol=1e-5 * float(np.abs(want_ref[0]).max()))
+
+
+def test_graphs_generate_the_same_tokens(tmp_path, llama, monkeypatch):
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+
+    kw = dict(target="onert", prefill_len=8, max_cache_len=32, quantize="q4_0")
+    convert_graphs(copy.deepcopy(llama), tmp_path / "fused", **kw)
+    with monkeypatch.context() as m:
+        _unfused(m)
+        convert_graphs(copy.deepcopy(llama), tmp_path / "plain", **kw)
+    tokens = {}
+    for name in ("fused", "plain"):
+        manifest = read_manifest(tmp_path / name)
+        fcs = [sum(op.opcode == "FULLY_CONNECTED" for op in read_model(manifest.path(g)).subgraphs[0].operators)
+               for g in ("prefill", "decode")]
+        assert fcs == [(4 if name == "fused" else 7) * llama.config.num_hidden_layers + 1] * 2
+        tokens[name] = Generator(manifest).generate([5, 17, 42], 8).tokens
+    assert tokens["fused"] == tokens["plain"]
+
+
+def test_shared_fused_weight_between_graphs(tmp_path, llama):
+    """prefill and decode share their GGML blocks, so they share each fused weight too."""
+    import circleops.graphs as graphs
+
+    seen = []
+    real = fuse_linears.fuse_sibling_linears
+
+    def spy(model, dtypes, *, split_v=False, cache=None):
+        out = real(model, dtypes, split_v=split_v, cache=cache)
+        seen.append({t.name: t.data for t in model.subgraphs[0].tensors if "{" in t.name})
+        return out
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(fuse_linears, "fuse_sibling_linears", spy)
+        graphs.convert_graphs(copy.deepcopy(llama), tmp_path / "g", target="onert", prefill_len=8, max_cache_len=16,
+                              quantize="q8_0")
+    finally:
+        mp.undo()
+    prefill, decode = seen
+    assert prefill.keys() == decode.keys() and prefill
+    assert all(prefill[k] is decode[k] for k in prefill)
