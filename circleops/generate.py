@@ -3,7 +3,10 @@ graphs (``circleops convert MODEL --graphs prefill,decode``).
 
 The prompt runs through the prefill graph (in chunks of its length when longer: any prompt
 up to the cache length), which fills the KV caches; then the decode graph runs once per new
-token with the caches passed in and out as numpy arrays. Each runtime session is created
+token with the caches passed in as numpy arrays. Graphs of manifest cache_update "rows"
+(target onert's and tflite's) return only the step's new k/v rows, which the Generator
+writes into its caches at the position in place; "full" ones return the whole updated
+caches, which become the next step's inputs. Each runtime session is created
 once and reused for every step, so a token costs one decode run: generation time grows
 linearly with the number of new tokens. Greedy by default; a ``circleops.sampling.Sampler``
 draws tokens instead. The cache persists between calls (``keep_cache``, ``feed``), which
@@ -87,6 +90,19 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
 
 
 # --------------------------------------------------------------------------- generation
+
+def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_update: str) -> list[Any]:
+    """The caches after a step whose cache outputs are ``outputs`` (manifest ``cache_update``):
+    "full" -> the outputs themselves (whole updated caches); "rows" -> ``caches``, each with
+    its output's S new rows written at slots pos..pos+S-1 in place (no cache is copied; slots
+    past the end are dropped, as the "full" form drops them)."""
+    if cache_update != "rows":
+        return list(outputs)
+    for cache, rows in zip(caches, outputs):
+        n = min(rows.shape[1], cache.shape[1] - pos)
+        cache[:, pos:pos + n] = rows[:, :n]
+    return caches
+
 
 def plan_chunks(start: int, end: int, lengths: Sequence[int],
                 overhead: int = PREFILL_RUN_OVERHEAD) -> list[tuple[int, int]]:
@@ -220,6 +236,13 @@ class Generator:
                 f"slots of the KV cache in {m.directory}. Generate at most {max(0, m.max_cache_len - used - prompt_len)} "
                 f"new tokens, or convert again with --max-cache-len {used + prompt_len + max_new_tokens} or more.")
 
+    def _ensure_caches(self) -> None:
+        """Zero caches when there are none (a new conversation). With rows outputs they are
+        the arrays every step reads and the Generator writes each step's rows into."""
+        if not self.caches:
+            m, np = self.manifest, self._np
+            self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
+
     def run_chunk(self, length: int, ids: Sequence[int], pos: int, row: int) -> Any:
         """One run of the prefill graph of ``length``: ``ids`` (at most ``length``, right-padded)
         written at slots pos.. of the caches; returns the logits of ``ids[row]`` [V]."""
@@ -227,13 +250,12 @@ class Generator:
         m = self.manifest
         buf = np.full((1, length), m.pad_token_id, dtype=np.int64)
         buf[0, :len(ids)] = ids
-        if not self.caches:
-            self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
+        self._ensure_caches()
         head = [buf, np.array([pos], dtype=np.int64)]
         if m.prefill_one_row:
             head.append(np.array([row], dtype=np.int64))
         outs = self.prefill_sessions[length].run([*head, *self.caches])
-        self.caches = list(outs[1:])
+        self.caches = store_caches(self.caches, outs[1:], pos, m.cache_update)
         self.prefill_runs += 1
         self.chunks.append(length)
         return outs[0][0, 0 if m.prefill_one_row else row]
@@ -283,8 +305,9 @@ class Generator:
             raise GenerationLimitError(f"the KV cache of {self.manifest.max_cache_len} slots is full.")
         self._ids[0, 0] = token
         self._pos[0] = self.position
+        self._ensure_caches()
         outs = self.decode_session.run([self._ids, self._pos, *self.caches])
-        self.caches = outs[1:]
+        self.caches = store_caches(self.caches, outs[1:], self.position, self.manifest.cache_update)
         self.history.append(int(token))
         return outs[0][0, 0]
 

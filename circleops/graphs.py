@@ -21,6 +21,14 @@ several sequence lengths:
 Caches are ``[1, C, Hkv, D]`` (ONE's layout, C = ``max_cache_len``), all k caches then all
 v caches, one per layer, fp32 for an fp32 model.
 
+``cache_update`` (manifest.json records it) says what the cache outputs are. "full": the
+whole updated caches (``new_k_cache_i``), the next step's inputs. "rows" (the default where
+attention is decomposed or a composite: targets onert and tflite): only the new tokens'
+rows ``k_new_i``/``v_new_i`` [1, S, Hkv, D]; the caches are inputs only, and the Generator
+writes the rows into its arrays at ``pos`` (llama.cpp's in-place form: a decode step no
+longer reads and writes every slot of every cache, ~24 MB per SmolLM2 step at C = 256).
+Target circle keeps "full": its ATTENTION builtin updates the caches in place itself.
+
 Files: onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature
 (measured: tests/generate/test_graphs.py), so target onert writes one file per graph
 (prefill.circle, prefill_8.circle, decode.circle), each with the weights. Circle and TFLite
@@ -41,9 +49,10 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import open_graph
+from circleops.generate import open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
+from circleops.options import CACHE_UPDATES
 from circleops.quantize import GGML_FORMATS
 from circleops.targets import PROFILES
 
@@ -104,11 +113,19 @@ def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | Non
 
 # --------------------------------------------------------------------------- build, export, lower
 
-def decoder_step(model: Any, max_cache_len: int) -> Any:
+def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full") -> Any:
     """The model as a :class:`DecoderWithCache` (fuses the model's modules in place)."""
     from circleops.adapters.decode import DecoderWithCache
 
-    return DecoderWithCache(model, max_len=max_cache_len)
+    return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update)
+
+
+def default_cache_update(target: str) -> str:
+    """"rows" unless the target writes attention as its in-place builtin (target circle's
+    ATTENTION updates the caches itself: its graphs return them whole)."""
+    from circleops.targets import BUILTIN
+
+    return "full" if PROFILES[target].fused_form("ATTENTION") == BUILTIN else "rows"
 
 
 def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
@@ -135,12 +152,17 @@ def _save_generation_config(model: Any, out_dir: Path) -> None:
         raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
 
 
-def io_names(num_layers: int, graph: str = "decode") -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, graph: str = "decode", cache_update: str = "full") -> tuple[list[str], list[str]]:
     """Input and output names of ``graph``, in order. The prefill has one more input after
-    ``pos``: ``logits_row``, the one row of the chunk whose logits it computes."""
+    ``pos``: ``logits_row``, the one row of the chunk whose logits it computes. The cache
+    outputs are ``new_k_cache_i`` (whole caches) or, for ``cache_update="rows"``, ``k_new_i``."""
     caches = [f"k_cache_{i}" for i in range(num_layers)] + [f"v_cache_{i}" for i in range(num_layers)]
     row = [LOGITS_ROW] if graph == "prefill" else []
-    return ["input_ids", "pos", *row, *caches], ["logits", *(f"new_{c}" for c in caches)]
+    if cache_update == "rows":
+        outs = [f"{kv}_new_{i}" for kv in "kv" for i in range(num_layers)]
+    else:
+        outs = [f"new_{c}" for c in caches]
+    return ["input_ids", "pos", *row, *caches], ["logits", *outs]
 
 
 def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
@@ -155,16 +177,17 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
         return export(module, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
 
 
-def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None, kind: str | None = None) -> Any:
+def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None, kind: str | None = None,
+               cache_update: str = "full") -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
     ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
-    default: ``graph``'s own)."""
+    default: ``graph``'s own) and ``cache_update``."""
     from circleops.lowering import lower_program
 
     model = lower_program(ep, target, dtype=dtype)
     sub = model.subgraphs[0]
     sub.name = graph
-    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"))
+    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
     if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
         raise CircleOpsError(f"internal: the {graph} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
                              f"outputs, expected {len(ins)} and {len(outs)}.")
@@ -291,10 +314,16 @@ def _mb(n: int) -> str:
 
 
 def _io(items: list[tuple[str, list[int], str]]) -> str:
+    def is_row(name: str) -> bool:
+        return name.startswith(("k_new_", "v_new_"))
+
     caches = [x for x in items if "cache" in x[0]]
-    rest = [f"{n} {s}" for n, s, _ in items if "cache" not in n]
+    rows = [x for x in items if is_row(x[0])]
+    rest = [f"{n} {s}" for n, s, _ in items if "cache" not in n and not is_row(n)]
     if caches:
         rest.append(f"{len(caches)} caches {caches[0][1]}")
+    if rows:
+        rest.append(f"{len(rows)} new cache rows {rows[0][1]}")
     return ", ".join(rest)
 
 
@@ -366,7 +395,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
                    progress: Progress | None = None, quantize: str | None = None,
-                   threads: int | None = None) -> GraphsReport:
+                   threads: int | None = None, cache_update: str | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -384,6 +413,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
     share one set of blocks, and verify compares with the model running those weights
     dequantized.
+    ``cache_update``: "rows" (the graphs return only the new k/v rows; the Generator writes
+    them into its caches) or "full" (the whole updated caches); default
+    :func:`default_cache_update` of the target.
     """
     import torch
 
@@ -392,6 +424,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     graphs = parse_graph_names(graphs)
     if target not in PROFILES:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
+    if cache_update is None:
+        cache_update = default_cache_update(target)
+    if cache_update not in CACHE_UPDATES:
+        raise TargetError(f"cache_update takes one of {', '.join(CACHE_UPDATES)}; got {cache_update!r}.")
     torch_dtype = api.model_dtype(model) or torch.float32
     quantize = api.check_quantize(quantize, target)
     api.check_target_dtype(target, torch_dtype, quantize)
@@ -421,7 +457,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         report = _convert_graphs_into(model, staging, out_dir, graphs=named, target=target, lengths=lengths,
                                       max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
                                       tolerance=tolerance, source=source, progress=progress, quantize=quantize,
-                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads)
+                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads,
+                                      cache_update=cache_update)
         _publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -434,7 +471,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
                          target: str, lengths: tuple[int, ...], max_cache_len: int, tokenizer: Any, runtime: str | None,
                          tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
                          torch_dtype: Any, files: dict[str, str], fmt: str, config: Any,
-                         threads: int | None = None) -> GraphsReport:
+                         threads: int | None = None, cache_update: str = "full") -> GraphsReport:
     """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
     import torch  # noqa: F401
 
@@ -462,13 +499,13 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         timings["calibrate"] = time.perf_counter() - t
 
     t = stage("export")
-    step = decoder_step(model, max_cache_len)
+    step = decoder_step(model, max_cache_len, cache_update)
     eps = {g: export_graph(step, kind, n) for g, (kind, n) in graphs.items()}
     timings["export"] = time.perf_counter() - t
 
     t = stage("lower")
     lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype,
-                             kind=graphs[g][0]) for g, ep in eps.items()}
+                             kind=graphs[g][0], cache_update=cache_update) for g, ep in eps.items()}
     timings["lower"] = time.perf_counter() - t
     quant_report = None
     if quantize:
@@ -518,7 +555,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
                 ops=api.op_histogram(m), file_size=info.file_bytes,
                 inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
                 outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
-                         for n, i in zip(io_names(step.num_layers, graphs[g][0])[1], sub.outputs)])
+                         for n, i in zip(io_names(step.num_layers, graphs[g][0], cache_update)[1], sub.outputs)])
     del lowered, groups, files_ir
     tokenizer_dir = None
     if tokenizer is not None:
@@ -529,7 +566,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         tokenizer_dir = TOKENIZER_DIR
     _save_generation_config(model, out_dir)
     eos = _eos_ids(model)
-    ins, outs = io_names(step.num_layers)
+    ins, outs = io_names(step.num_layers, "decode", cache_update)
     manifest = Manifest(
         directory=out_dir, target=target, dtype=short_name(torch_dtype),
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
@@ -537,7 +574,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         max_cache_len=max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
-        quantize=quantize, num_threads=threads)
+        quantize=quantize, num_threads=threads, cache_update=cache_update)
     timings["write"] = time.perf_counter() - t
 
     report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,
@@ -598,10 +635,12 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
         p = max(1, n // 2)
         buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
         buf[0, :p] = ids[:p]
-        outs = open_graph(manifest, g, runtime).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *zeros])
+        caches = [z.copy() for z in zeros]
+        outs = open_graph(manifest, g, runtime).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
         errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
         if decode is not None and "decode" not in errors:  # after the longest prefill
-            step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *outs[1:]])[0][0, 0]
+            caches = store_caches(caches, outs[1:], 0, manifest.cache_update)
+            step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
     if decode is not None and "decode" not in errors:
         out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]

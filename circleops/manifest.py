@@ -12,12 +12,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
+from circleops.options import CACHE_UPDATES
 from circleops.targets import PROFILES
 
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "circleops-generate"
-MANIFEST_VERSION = 1
+# 2: "cache_update" (the decode graph may return only the new k/v rows). A version-1
+# manifest still reads, as cache_update "full"; a reader older than 2 refuses a version-2
+# directory instead of feeding rows back as caches.
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# How the graphs hand back the KV cache (circle::attention's cache_update):
+#   full: every cache output is the whole updated cache [1, C, Hkv, D]; it is the next input
+#   rows: every cache output is the step's new rows [1, S, Hkv, D]; the caller writes them
+#         into its caches at slots pos..pos+S-1 (in place: no cache is copied per step)
 TOKENIZER_DIR = "tokenizer"
 # the prefill input naming the one row of the chunk whose logits it computes (absent in
 # manifests written before it: those prefills compute the logits of every row)
@@ -67,6 +76,7 @@ class Manifest:
     num_threads: int | None = None  # the onert NUM_THREADS the files were made for
     prefill_inputs: list[str] | None = None  # None: the same as ``inputs`` (every row's logits)
     prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
+    cache_update: str = "full"  # what the cache outputs are: whole caches, or the new rows (CACHE_UPDATES)
 
     @property
     def prefill_graphs(self) -> dict[int, str]:
@@ -98,7 +108,7 @@ class Manifest:
             "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
             "quantize": self.quantize, "num_threads": self.num_threads,
             "prefill_inputs": self.prefill_inputs or self.inputs,
-            "prefill_lens": list(self.prefill_graphs),
+            "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
         }
 
     def write(self) -> Path:
@@ -127,8 +137,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
-    if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
-        raise ModelLoadError(f"{path} is not a circleops generate manifest of version {MANIFEST_VERSION} "
+    if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:
+        raise ModelLoadError(f"{path} is not a circleops generate manifest of version "
+                             f"{' or '.join(map(str, READABLE_VERSIONS))} "
                              f"(format {data.get('format')!r}, version {data.get('version')!r}). Convert again "
                              f"with --graphs.")
     try:
@@ -141,9 +152,13 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
                      source=data.get("source", ""), quantize=data.get("quantize"),
                      num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
-                     prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]])
+                     prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
+                     cache_update=data.get("cache_update") or "full")
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
+    if m.cache_update not in CACHE_UPDATES:
+        raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
+                             f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
     return m

@@ -10,5 +10,8 @@ from __future__ import annotations
 FUSE_MODES = ("auto", "adapters", "patterns", "none")
 # the dtypes convert writes (names of circleops.dtypes.FLOAT_NAMES)
 CONVERT_DTYPES = ("fp32", "fp16")
+# how generation graphs hand back the KV cache (circle::attention's cache_update attribute,
+# manifest.json's "cache_update"): "full" updated caches, or only the "rows" of the new tokens
+CACHE_UPDATES = ("full", "rows")
 
-__all__ = ["FUSE_MODES", "CONVERT_DTYPES"]
+__all__ = ["FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES"]

@@ -30,11 +30,14 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 @dataclass
 class StaticKV:
     """Explicit caches for one step: per layer k/v [B, C, Hkv, D], the slot of the first new
-    token, and (after the step) the updated caches, written in place of the inputs."""
+    token, and (after the step) the updated caches, written in place of the inputs; with
+    ``cache_update="rows"`` (circle.attention's in-place form) the new rows [B, S, Hkv, D]
+    instead, for the caller to write at ``pos``."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     pos: torch.Tensor
+    cache_update: str = "full"
 
 
 def _sliding_window(module: torch.nn.Module) -> Optional[int]:
@@ -146,8 +149,10 @@ def attention_forward(label: str, rope_label: str, original: Callable[..., Any])
                 raise CircleOpsError(f"{type(self).__name__} has no layer_idx; cannot pick its cache.")
             k_cache, v_cache, pos = kv.k[layer], kv.v[layer], kv.pos
             mask = attention_mask
+        # the default form is left out of the call, so its exported graphs stay as they were
+        form = {"cache_update": kv.cache_update} if kv is not None and kv.cache_update != "full" else {}
         out, k_new, v_new = torch.ops.circle.attention(
-            hidden_states, wq, wk, wv, self.o_proj.weight, cos, sin, mask, k_cache, v_cache, pos, 0.0)
+            hidden_states, wq, wk, wv, self.o_proj.weight, cos, sin, mask, k_cache, v_cache, pos, 0.0, **form)
         if kv is not None:
             kv.k[layer], kv.v[layer] = k_new, v_new
         return out, None

@@ -25,6 +25,7 @@ from torch import Tensor
 from circleops.adapters._attention import KV_KWARG, StaticKV, attention_blockers, projection_weights
 from circleops.adapters._instance import fuse
 from circleops.errors import CircleOpsError
+from circleops.options import CACHE_UPDATES
 
 
 def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -43,17 +44,24 @@ class DecoderWithCache(torch.nn.Module):
     ``forward(input_ids [1, S], pos int64 [1], *k_caches, *v_caches)`` returns
     ``(logits [1, S, V], *new_k_caches, *new_v_caches)``; each cache is [1, C, Hkv, D]
     with C = ``max_len``, and the S new tokens are written at slots pos .. pos+S-1.
+    With ``cache_update="rows"`` the caches are only read (slots >= pos are masked: they
+    are stale) and the step returns the S new rows ``(logits, *k_rows, *v_rows)``, each
+    [1, S, Hkv, D], which the caller writes at slots pos .. pos+S-1 of its caches (in
+    place, as llama.cpp does: a decode step then reads each cache once and writes one row).
 
     The model's modules are fused in place (as :func:`circleops.fuse` does; undo with
     :func:`circleops.unfuse`); run HF's own ``generate`` on it still works, decomposed.
     """
 
-    def __init__(self, model: torch.nn.Module, max_len: int):
+    def __init__(self, model: torch.nn.Module, max_len: int, cache_update: str = "full"):
         super().__init__()
         base, _ = _parts(model)
         config = model.config
         if max_len < 1:
             raise CircleOpsError(f"DecoderWithCache: max_len must be at least 1, got {max_len}.")
+        if cache_update not in CACHE_UPDATES:
+            raise CircleOpsError(f"DecoderWithCache: cache_update must be one of {', '.join(CACHE_UPDATES)}, got "
+                                 f"{cache_update!r}.")
         blocked = []
         for i, layer in enumerate(base.layers):
             attn = getattr(layer, "self_attn", None)
@@ -70,6 +78,7 @@ class DecoderWithCache(torch.nn.Module):
                 "decomposed there).")
         self.model = fuse(model)
         self.max_len = int(max_len)
+        self.cache_update = cache_update
         self.num_layers = len(base.layers)
         attn = base.layers[0].self_attn
         _, wk, _ = projection_weights(attn)
@@ -102,12 +111,17 @@ class DecoderWithCache(torch.nn.Module):
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, positions)
-        # slot c is visible to new token i iff c <= pos + i: written already, or now
         slots = torch.arange(self.max_len, device=input_ids.device)
-        visible = slots[None, :] <= positions[0, :, None]  # [S, C]
+        if self.cache_update == "rows":
+            # slot c of the input caches is visible iff c < pos: the new tokens' own keys come
+            # as rows (attended causally by the op), and slots from pos on are stale
+            visible = slots[None, :] < pos.reshape(1, 1).to(torch.int64)  # [1, C], the same for every row
+        else:
+            # slot c is visible to new token i iff c <= pos + i: written already, or now
+            visible = slots[None, :] <= positions[0, :, None]  # [S, C]
         mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S, C]
-        kv = StaticKV(list(caches[:n]), list(caches[n:]), pos)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S or 1, C]
+        kv = StaticKV(list(caches[:n]), list(caches[n:]), pos, self.cache_update)
         for layer in base.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions,
                            **{KV_KWARG: kv})

@@ -173,6 +173,8 @@ def _attention_builtin(ctx, spec, **bound):
     d = bound["k_cache"].shape[3]
     if bound["scale"] not in (0.0, d ** -0.5):
         return None  # AttentionOptions has no scale field
+    if bound["cache_update"] != "full":
+        return None  # ONE's kernel writes the caches in place and has no rows output
     out_shape, out_dtype = ctx.out[0].shape, ctx.out[0].dtype
     inputs = [bound[n] for n in spec.circle["inputs"]]
     out = ctx.emit(spec.circle["builtin"], inputs, spec.circle["options"], out_shape=out_shape,

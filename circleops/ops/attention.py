@@ -10,7 +10,7 @@ Inputs, in the order of the Circle ATTENTION contract:
   k_cache  [B, C, Hkv, D]       ONE's cache layout (slot-major, not HF's [B, H, S, D])
   v_cache  [B, C, Hkv, D]
   pos      int64 or int32 [1]   slot of the first new token, 0 <= pos < C
-Attribute: scale (0 means 1/sqrt(D)).
+Attributes: scale (0 means 1/sqrt(D)); cache_update ("full" or "rows", below).
 
 Semantics, step by step (the reference kernel below is exactly this):
   1. compute dtype T = promote(x, wq, wk, wv, wo); cos and sin are cast to T.
@@ -30,6 +30,16 @@ dtypes). In torch the update is functional (the inputs are not modified); an NPU
 ONE's included, writes the same values into k_cache/v_cache in place and returns only out.
 A decode step after a prefill of P tokens is pos = P, S = 1, mask[0, j] = 0 for j <= P.
 
+cache_update = "rows" (llama.cpp's in-place form; what target onert's generation graphs use):
+the input caches are only read, and the 2nd/3rd outputs are the S new rows, k_new and v_new
+[B, S, Hkv, D] (the RoPE'd k and the v, in the cache dtypes); the caller writes them into its
+caches at slots pos.. itself, so a decode step reads the caches once and writes nothing of
+them (the "full" form reads and writes every slot of every cache per step). Attention is
+over the C input slots the mask leaves visible, plus the S new tokens causally (new token i
+sees new tokens j <= i), one softmax over both. The mask must hide the slots >= pos (they
+are stale: not written yet in the input); a decode step's is mask[0, j] = 0 for j < pos.
+Without stale slots visible, both forms give the same result (up to the summation order).
+
 Autocast: like linear and scaled_dot_product_attention, the op follows the active autocast
 dtype: every floating input (caches included) is cast to it, so the outputs are in it.
 """
@@ -43,11 +53,14 @@ from torch import Tensor
 
 from circleops.ops import rope as _rope
 from circleops.ops._common import at_least_fp32, check
+from circleops.options import CACHE_UPDATES
 
 NAME = "attention"
 
 
-def _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos) -> None:
+def _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, cache_update) -> None:
+    check(cache_update in CACHE_UPDATES,
+          lambda: f"circle::attention: cache_update must be one of {CACHE_UPDATES}, got {cache_update!r}")
     check(x.dim() == 3, lambda: f"circle::attention: x must be [B, S, E], got {list(x.shape)}")
     check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
           lambda: f"circle::attention: k_cache and v_cache must both be [B, C, Hkv, D], got {list(k_cache.shape)} and {list(v_cache.shape)}")
@@ -93,15 +106,15 @@ def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> 
 
 
 def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
-              mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-              scale: float, *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
+              mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, cache_update: str,
+              *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
     """The reference kernel (also the decomposition).
 
     ``rope(x, cos, sin, mode)`` rotates q and k (GPT-NeoX layout, the ATTENTION contract's): the rope reference kernel, or (when a lowering
     traces this kernel) ``torch.ops.circle.rope``, so that the rotation is lowered as the
     rope op is on that target (onert: the ROPE builtin in a decode step).
     """
-    _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
+    _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, cache_update)
     dtype = compute_dtype(x, wq, wk, wv, wo)
     x, wq, wk, wv, wo, cos, sin = (t.to(dtype) for t in (x, wq, wk, wv, wo, cos, sin))
     b, s, _ = x.shape
@@ -112,6 +125,12 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     v = F.linear(x, wv).view(b, s, hkv, d)
     q = rope(q, cos, sin, "gpt_neox")
     k = rope(k, cos, sin, "gpt_neox")
+    m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
+    scaling = scale if scale != 0.0 else d ** -0.5
+    if cache_update == "rows":
+        k_new, v_new = k.transpose(1, 2).to(k_cache.dtype), v.to(v_cache.dtype)
+        out = _attend_rows(q, k_cache, v_cache, k_new, v_new, m, scaling, dtype)
+        return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_new, v_new
     k_cache = update_cache(k_cache, k.transpose(1, 2), pos)
     v_cache = update_cache(v_cache, v, pos)
     # GQA without repeating the cache: the G = Hq/Hkv query heads that share kv head h
@@ -120,28 +139,55 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     c, g = k_cache.shape[1], hq // hkv
     keys = k_cache.transpose(1, 2).to(dtype)  # [B, Hkv, C, D]
     values = v_cache.transpose(1, 2).to(dtype)
-    scaling = scale if scale != 0.0 else d ** -0.5
     scores = torch.matmul(q.reshape(b, hkv, g * s, d), keys.transpose(2, 3)).view(b, hq, s, c) * scaling
-    m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
     scores = scores + m
     probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
     out = torch.matmul(probs.reshape(b, hkv, g * s, c), values).view(b, hq, s, d)
     return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_cache, v_cache
 
 
+def _attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor,
+                 scaling: float, dtype: torch.dtype) -> Tensor:
+    """The "rows" form's attention [B, Hq, S, D]: q [B, Hq, S, D] over the C input cache
+    slots (``mask`` [.., S, C] hides the stale ones) and the S new keys/values [B, S, Hkv, D]
+    (causal among themselves); one softmax over the C + S scores, concatenated."""
+    b, hq, s, d = q.shape
+    c, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * s, d)
+    cached = torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling + mask
+    # the new keys through the cache dtype and back: the values the "full" form reads from its cache
+    own = torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s) * scaling
+    if s > 1:
+        own = own + torch.full((s, s), torch.finfo(own.dtype).min, dtype=own.dtype, device=own.device).triu(1)
+    probs = torch.softmax(torch.cat((cached, own), -1), dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
+    p_cached, p_own = probs[..., :c].reshape(b, hkv, g * s, c), probs[..., c:].reshape(b, hkv, g * s, s)
+    out = torch.matmul(p_cached, v_cache.transpose(1, 2).to(dtype)) + torch.matmul(p_own, v_new.to(dtype).transpose(1, 2))
+    return out.view(b, hq, s, d)
+
+
 def fake(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-         k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+         k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, cache_update: str) -> tuple[Tensor, Tensor, Tensor]:
     """The outputs' shapes and dtypes (torch.export, FakeTensor)."""
-    _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos)
+    _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, cache_update)
     out_dtype = compute_dtype(x, wq, wk, wv, wo)
+    if cache_update == "rows":
+        rows = (*x.shape[:2], *k_cache.shape[2:])
+        return (x.new_empty((*x.shape[:2], wo.shape[0]), dtype=out_dtype),
+                k_cache.new_empty(rows), v_cache.new_empty(rows))
     return (x.new_empty((*x.shape[:2], wo.shape[0]), dtype=out_dtype),
             torch.empty_like(k_cache, memory_format=torch.contiguous_format),
             torch.empty_like(v_cache, memory_format=torch.contiguous_format))
 
 
-def causal_mask(s: int, c: int, pos: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The additive mask [S, C] for S new tokens written at slot ``pos``: token i sees slots <= pos + i."""
-    visible = torch.arange(c)[None, :] <= (pos + torch.arange(s))[:, None]
+def causal_mask(s: int, c: int, pos: int, dtype: torch.dtype = torch.float32, cache_update: str = "full") -> Tensor:
+    """The additive mask [S, C] for S new tokens written at slot ``pos``: token i sees slots <= pos + i
+    ("full"), or the slots before pos, which hold the earlier tokens ("rows": the new ones come
+    as rows, and the input cache's slots from pos on are stale)."""
+    if cache_update == "rows":
+        visible = (torch.arange(c)[None, :] < pos).expand(s, c)
+    else:
+        visible = torch.arange(c)[None, :] <= (pos + torch.arange(s))[:, None]
     return torch.zeros(s, c, dtype=dtype).masked_fill(~visible, float("-inf"))
 
 
@@ -168,7 +214,12 @@ def sample_inputs(dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     mha = layer(hq=2, hkv=2, s=2, pos=6)  # writes past the cache end are dropped
     mha[7] = mha[7][None, None]  # [B, 1, S, C]
     mha[10] = mha[10].to(torch.int32)
-    samples = [(tuple(prefill), {}), (tuple(decode), {}), (tuple(mqa), {"scale": 0.3}), (tuple(mha), {})]
+    rows = layer(s=1, pos=5)  # the in-place form: the new rows out, the mask hiding slots >= pos
+    rows[7] = causal_mask(1, 8, 5, dtype, "rows")
+    rows_prefill = layer(hkv=1, s=3, pos=2)
+    rows_prefill[7] = causal_mask(3, 8, 2, dtype, "rows")
+    samples = [(tuple(prefill), {}), (tuple(decode), {}), (tuple(mqa), {"scale": 0.3}), (tuple(mha), {}),
+               (tuple(rows), {"cache_update": "rows"}), (tuple(rows_prefill), {"cache_update": "rows", "scale": 0.3})]
     if dtype != torch.float32 and dtype != torch.float64:
         samples.append((tuple(layer(wdtype=torch.float32, cache_dtype=torch.float32)), {}))  # fp32 weights and caches
     return samples

@@ -178,7 +178,8 @@ def test_other_families_on_onert(tmp_path, family):
 
 def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_expected):
     """A directory converted before the one-row prefill (its prefill returns every row's
-    logits; manifest.json has no prefill_inputs / prefill_lens) generates the same tokens."""
+    logits; manifest.json of version 1 has no prefill_inputs / prefill_lens / cache_update,
+    and its graphs return whole caches) generates the same tokens."""
     import copy
 
     import torch
@@ -188,17 +189,19 @@ def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_ex
     from circleops.serialize import write_model
 
     out = tmp_path / "old"
-    convert_graphs(copy.deepcopy(tiny_model), out, target="onert", prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE)
+    convert_graphs(copy.deepcopy(tiny_model), out, target="onert", prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE,
+                   cache_update="full")
     step = decoder_step(copy.deepcopy(tiny_model), TINY_CACHE)
     ids, pos = torch.zeros((1, TINY_PREFILL), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     ep = export(step, (ids, pos, *step.empty_caches()), adapters=False, warn_list=[])
     model = lower_step(ep, "prefill", "onert", step.num_layers, kind="decode")  # the io of the old prefill
     write_model(model, out / "prefill.circle", "circle")
     manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["prefill_inputs"], manifest["prefill_lens"]
+    del manifest["prefill_inputs"], manifest["prefill_lens"], manifest["cache_update"]
+    manifest["version"] = 1
     (out / "manifest.json").write_text(json.dumps(manifest))
     gen = Generator(out)
-    assert not gen.manifest.prefill_one_row
+    assert not gen.manifest.prefill_one_row and gen.manifest.cache_update == "full"
     for prompt in TINY_PROMPTS[:2] + [list(range(1, TINY_PREFILL + 4))]:  # the last takes two chunks
         expected = tiny_expected.get(tuple(prompt)) or hf_greedy(tiny_model, prompt, TINY_NEW)
         assert gen.generate(prompt, TINY_NEW).tokens == expected

@@ -41,13 +41,15 @@ def test_onert_graph_io(tiny_onert):
         m = read_model(str(tiny_onert.directory / f"{graph}.circle"))
         sub = m.subgraphs[0]
         ins = [(sub.tensors[i].name, sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.inputs]
-        outs = [(sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.outputs]
-        cache = (1, TINY_CACHE, 2, 16)
+        outs = [(sub.tensors[i].name, sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.outputs]
+        cache, rows = (1, TINY_CACHE, 2, 16), (1, s, 2, 16)
         assert ins[:2] == [("input_ids", (1, s), "INT64"), ("pos", (1,), "INT64")]
         row = [("logits_row", (1,), "INT64")] if graph == "prefill" else []  # the one row whose logits it returns
         assert ins[2:2 + len(row)] == row
         assert [i[1] for i in ins[2 + len(row):]] == [cache] * 2 * LAYERS
-        assert outs == [((1, 1, 256), "FLOAT32")] + [(cache, "FLOAT32")] * 2 * LAYERS
+        # cache_update "rows": the caches are inputs only; the outputs are the new tokens' k/v rows
+        assert outs == [("logits", (1, 1, 256), "FLOAT32")] + [
+            (f"{kv}_new_{i}", rows, "FLOAT32") for kv in "kv" for i in range(LAYERS)]
         assert [sig.key for sig in m.signatures] == [graph]
 
 
@@ -59,7 +61,8 @@ def test_manifest(tiny_onert):
     assert (data["prefill_len"], data["max_cache_len"], data["num_layers"]) == (TINY_PREFILL, TINY_CACHE, LAYERS)
     assert data["cache_shape"] == [1, TINY_CACHE, 2, 16]
     assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
-    assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"][0] == "logits"
+    assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"] == io_names(LAYERS, "decode", "rows")[1]
+    assert data["cache_update"] == "rows" and data["version"] == 2
     assert data["prefill_inputs"] == io_names(LAYERS, "prefill")[0] and data["prefill_lens"] == [TINY_PREFILL]
     m = read_manifest(tiny_onert.directory)
     assert m.path("decode").is_file() and m.default_runtime == "onert"
@@ -114,7 +117,7 @@ def test_onert_runs_only_subgraph_0(tmp_path, tiny_onert):
     ids = np.zeros((1, TINY_PREFILL), np.int64)
     caches = [np.zeros((1, TINY_CACHE, 2, 16), np.float32)] * (2 * LAYERS)
     outs = sess.infer([ids, np.zeros(1, np.int64), np.zeros(1, np.int64), *caches])
-    assert outs[0].shape == (1, 1, 256) and outs[1].shape == caches[0].shape  # it ran the prefill
+    assert outs[0].shape == (1, 1, 256) and outs[1].shape == (1, TINY_PREFILL, 2, 16)  # it ran the prefill
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.attention_fusable], ids=lambda f: f.name)

@@ -125,3 +125,35 @@ def test_shape_errors_name_the_input():
         _call(layer, torch.zeros(2, 8), torch.tensor([0]))
     with pytest.raises(OpArgumentError, match="mask's last dim must be the cache size 8"):
         _call(_layer(s=2), torch.zeros(2, 5), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("s,pos,hkv", [(1, 5, 2), (1, 0, 1), (3, 2, 2), (4, 4, 1)])
+def test_rows_form_equals_the_full_form(s, pos, hkv):
+    """cache_update="rows": the same output as "full" (whose mask shows the slots just
+    written), without the whole caches: the new rows are the k/v "full" writes at pos, and
+    the stale slots >= pos of the input caches (random here) are never attended."""
+    c = 8
+    layer = _layer(s=s, c=c, hkv=hkv, seed=s + pos)
+    full, k_full, v_full = _call(layer, causal_mask(s, c, pos), torch.tensor([pos]))
+    t = layer
+    rows, k_rows, v_rows = attention(t["x"], t["wq"], t["wk"], t["wv"], t["wo"], t["cos"], t["sin"],
+                                     causal_mask(s, c, pos, cache_update="rows"), t["k_cache"], t["v_cache"],
+                                     torch.tensor([pos]), cache_update="rows")
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-5)
+    assert k_rows.shape == v_rows.shape == (1, s, hkv, 4)
+    assert torch.equal(k_rows, k_full[:, pos:pos + s]) and torch.equal(v_rows, v_full[:, pos:pos + s])
+
+
+def test_rows_form_never_reads_the_stale_slots():
+    c = 8
+    layer = _layer(s=1, c=c)
+    mask = causal_mask(1, c, 3, cache_update="rows")
+    want = _call_rows(layer, mask, 3)
+    layer["k_cache"][:, 3:] = 1e4  # stale values where the new token and later ones go (a rolled-back chat)
+    layer["v_cache"][:, 3:] = -1e4
+    torch.testing.assert_close(_call_rows(layer, mask, 3), want, rtol=0, atol=0)
+
+
+def _call_rows(t, mask, pos):
+    return attention(t["x"], t["wq"], t["wk"], t["wv"], t["wo"], t["cos"], t["sin"], mask, t["k_cache"], t["v_cache"],
+                     torch.tensor([pos]), cache_update="rows")[0]

@@ -1,0 +1,129 @@
+"""The "rows" cache form (manifest cache_update): the graphs return only the new k/v rows and
+the Generator writes them into its caches in place. It must compute what the "full" form
+(whole caches out and back in) computes, on every runtime, and older directories still run."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, one_torch_thread
+
+from circleops.errors import ModelLoadError, TargetError
+from circleops.generate import Generator, store_caches
+from circleops.graphs import convert_graphs, default_cache_update
+from circleops.manifest import MANIFEST_VERSION, Manifest, read_manifest
+
+# (target, runtime) of the rows-form fixtures: every runtime the Generator supports for them
+CASES = [("onert", "onert"), ("onert", "reference"), ("tflite", "litert")]
+
+
+@pytest.fixture(scope="module")
+def full_form(tmp_path_factory, tiny_model):
+    """The tiny Llama converted with cache_update="full" for onert and tflite (lazily)."""
+    dirs = {}
+
+    def get(target: str):
+        if target not in dirs:
+            dirs[target] = tmp_path_factory.mktemp(f"full_{target}")
+            with one_torch_thread():
+                convert_graphs(copy.deepcopy(tiny_model), dirs[target], target=target, prefill_len=TINY_PREFILL,
+                               max_cache_len=TINY_CACHE, cache_update="full")
+        return dirs[target]
+    return get
+
+
+def _trace(gen: Generator, prompt: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """The logits of the prompt's last token and of ``steps`` greedy decode steps."""
+    gen.reset()
+    logits = [np.array(gen.feed(prompt))]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps):
+        logits.append(np.array(gen.decode(tokens[-1])))
+        tokens.append(int(logits[-1].argmax()))
+    return logits, tokens
+
+
+def test_targets_default_to_rows_where_attention_is_not_the_in_place_builtin():
+    assert default_cache_update("onert") == "rows" and default_cache_update("tflite") == "rows"
+    assert default_cache_update("circle") == "full"  # ONE's ATTENTION updates the caches in place
+
+
+@pytest.mark.parametrize("target,runtime", CASES, ids=[f"{t}-{r}" for t, r in CASES])
+def test_rows_form_gives_the_full_forms_logits(request, full_form, target, runtime):
+    rows_dir = request.getfixturevalue(f"tiny_{target}").directory
+    rows, full = Generator(rows_dir, runtime=runtime), Generator(full_form(target), runtime=runtime)
+    assert (rows.manifest.cache_update, full.manifest.cache_update) == ("rows", "full")
+    steps = 2 if runtime == "reference" else 6  # the interpreter runs the decomposed graphs slowly
+    # a prompt of two prefill chunks (the second re-runs cached tokens), then decode steps
+    prompt = list(range(1, TINY_PREFILL + 4))
+    got, got_tokens = _trace(rows, prompt, steps)
+    want, want_tokens = _trace(full, prompt, steps)
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("target", ["onert", "tflite"])
+def test_full_form_still_generates_transformers_tokens(full_form, tiny_expected, target):
+    gen = Generator(full_form(target))
+    for prompt in TINY_PROMPTS[:2]:
+        assert gen.generate(prompt, TINY_NEW).tokens == tiny_expected[tuple(prompt)]
+
+
+def test_rows_are_written_into_the_same_cache_arrays(tiny_onert):
+    """No cache is copied per step: the decode graph gets the Generator's arrays, and each
+    step changes exactly the slot at its position (the rest stays as it was)."""
+    gen = Generator(tiny_onert.directory)
+    prompt = TINY_PROMPTS[2]  # fills the prefill graph: no padding rows written past it
+    assert len(prompt) == TINY_PREFILL
+    token = int(gen.feed(prompt).argmax())
+    arrays = [id(c) for c in gen.caches]
+    before = [c.copy() for c in gen.caches]
+    assert all(not c[:, len(prompt):].any() for c in before)  # nothing written past the prompt
+    gen.decode(token)
+    assert [id(c) for c in gen.caches] == arrays
+    p = len(prompt)
+    for old, new in zip(before, gen.caches):
+        assert np.array_equal(old[:, :p], new[:, :p]) and not new[:, p + 1:].any()
+        assert new[:, p].any()
+
+
+def test_store_caches_drops_rows_past_the_end():
+    caches = [np.zeros((1, 4, 1, 2), np.float32)]
+    rows = [np.arange(6, dtype=np.float32).reshape(1, 3, 1, 2) + 1]
+    out = store_caches(caches, rows, 2, "rows")
+    assert out[0] is caches[0]
+    assert np.array_equal(caches[0][0, 2:, 0], [[1, 2], [3, 4]]) and not caches[0][:, :2].any()
+    assert store_caches(caches, rows, 0, "full") == rows  # full: the outputs are the caches
+
+
+def _manifest(tmp_path, **kw) -> Manifest:
+    return Manifest(directory=tmp_path, target="onert", dtype="fp32", files={"prefill": "p.circle", "decode": "d.circle"},
+                    signatures={"prefill": None, "decode": None}, prefill_len=8, max_cache_len=32, num_layers=2,
+                    cache_shape=[1, 32, 2, 16], vocab_size=256, inputs=["input_ids", "pos"], outputs=["logits"], **kw)
+
+
+def test_manifest_round_trip_and_older_versions(tmp_path):
+    _manifest(tmp_path, cache_update="rows").write()
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    assert data["version"] == MANIFEST_VERSION == 2 and data["cache_update"] == "rows"
+    assert read_manifest(tmp_path).cache_update == "rows"
+    # a version-1 directory (written before the field) reads as the full form it is
+    del data["cache_update"]
+    data["version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path).cache_update == "full"
+    for bad, match in (({"version": 3}, "version 1 or 2"), ({"version": 2, "cache_update": "half"}, "cache_update")):
+        (tmp_path / "manifest.json").write_text(json.dumps({**data, **bad}))
+        with pytest.raises(ModelLoadError, match=match):
+            read_manifest(tmp_path)
+
+
+def test_unknown_cache_update_is_refused(tmp_path, tiny_model):
+    with pytest.raises(TargetError, match="cache_update takes one of full, rows"):
+        convert_graphs(tiny_model, tmp_path / "out", target="onert", prefill_len=4, max_cache_len=8,
+                       cache_update="half")
+    assert not (tmp_path / "out" / "manifest.json").exists()
