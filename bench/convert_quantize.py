@@ -33,9 +33,10 @@ from pathlib import Path
 FORMS = {"plain": [], "graphs": ["--graphs", "prefill,decode", "--target", "onert"]}
 
 
-def run(cmd: list[str], env: dict) -> dict:
+def run(cmd: list[str], env: dict, cwd: str) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # cwd: ``python -m`` puts it first on sys.path, before PYTHONPATH
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     out = proc.stdout.read().decode() + proc.stderr.read().decode()
@@ -70,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     formats, forms = args.formats.split(","), args.forms.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="circleops-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
-    trees = dict(t.split("=", 1) for t in args.tree) or {"circleops": str(Path(__file__).resolve().parents[1])}
-    envs = {name: {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(d).resolve()),
-                                                                             os.environ.get("PYTHONPATH")]))}
+    trees = {name: str(Path(d).resolve()) for name, d in (t.split("=", 1) for t in args.tree)} or \
+        {"circleops": str(Path(__file__).resolve().parents[1])}
+    envs = {name: {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [d, os.environ.get("PYTHONPATH")]))}
             for name, d in trees.items()}
 
     def command(form: str, fmt: str) -> tuple[list[str], Path]:
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return [sys.executable, "-m", "circleops.cli", "convert", "smollm2", *quant, *FORMS[form], "-o", str(out)], out
 
     if args.importance == "warm" and "q4_0" in formats:  # the importances a first q4_0 convert caches
-        for env in envs.values():
-            run(command("plain", "q4_0")[0], env)
+        for tree, env in envs.items():
+            run(command("plain", "q4_0")[0], env, trees[tree])
     results: dict = {}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 for tree, env in envs.items():
                     cmd, out = command(form, fmt)
                     shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
-                    one = run(cmd, cold_env(env, work) if args.importance == "cold" else env)
+                    one = run(cmd, cold_env(env, work) if args.importance == "cold" else env, trees[tree])
                     key = f"{form} {tree}" if len(envs) > 1 else form
                     results.setdefault(key, {}).setdefault(fmt, []).append(one)
                     print(f"round {r + 1} {key:12} {fmt:5} {one['seconds']:6.1f} s"
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         load.append(os.getloadavg()[0])
     import torch
 
-    print(f"\nload average {' -> '.join(f'{x:.1f}' for x in load)} (before, after each round); "
+    print(f"\ntrees: {trees}")
+    print(f"load average {' -> '.join(f'{x:.1f}' for x in load)} (before, after each round); "
           f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}; importance cache {args.importance}")
     print("| form | format | median s | vs fp32 | rounds | stages (last round) |\n|---|---|---|---|---|---|")
     summary = []
