@@ -12,12 +12,14 @@ Q8_0 per input row, so the fused weight is the byte concatenation of the parts' 
 the result equals the separate products bit for bit. A float weight is fused by copying
 it (memory during convert), so which dtypes to fuse is the caller's choice.
 
-A group is fused only when every member: reads the same input tensor (or a RESHAPE of the same
-tensor to the same shape); has a constant rank-2
-weight of the same dtype and K that no other op reads (a tied weight keeps its one buffer);
-has no bias and no fused activation; writes an output of the same leading shape. The output
-is split along its last axis: SPLIT for equal parts, one STRIDED_SLICE per part otherwise
-(onert 0.1.0's SPLIT_V returns wrong values: targets.ONERT lists it as missing).
+A group is fused only when every member is the same kind of linear (FULLY_CONNECTED with an
+[N, K] weight, or target onert's 1x1 CONV_2D with an [N, 1, 1, K] filter) with the same
+options and no fused activation; reads the same input tensor (or a RESHAPE of the same tensor
+to the same shape); has a constant weight of the same dtype and K that no other op reads (a
+tied weight keeps its one buffer); has a constant bias (concatenated too) or none, all alike;
+writes an output of the same leading shape. The output is split along its last axis: SPLIT
+for equal parts, one STRIDED_SLICE per part otherwise (onert 0.1.0's SPLIT_V returns wrong
+values: targets.ONERT lists it as missing).
 """
 from __future__ import annotations
 
@@ -99,20 +101,31 @@ def _same_reshapes(sg: ir.Subgraph) -> dict[int, int]:
 
 
 def _candidate(sg: ir.Subgraph, op: ir.Operator, dtypes: frozenset[str], readers: dict[int, int]) -> tuple | None:
-    """The group key (input, dtype, K, leading output shape) of a fusable FULLY_CONNECTED."""
-    if op.opcode != "FULLY_CONNECTED" or len(op.inputs) < 2 or len(op.outputs) != 1:
-        return None
-    if len(op.inputs) > 2 and op.inputs[2] >= 0:
+    """The group key (input, opcode, options, dtype, K, leading output shape, bias dtype) of a
+    fusable linear: a FULLY_CONNECTED with a [N, K] weight, or a 1x1 stride-1 CONV_2D with an
+    [N, 1, 1, K] filter (target onert's multi-row linear)."""
+    if op.opcode not in ("FULLY_CONNECTED", "CONV_2D") or len(op.inputs) < 2 or len(op.outputs) != 1:
         return None
     if _act(op) or int(op.options.get("weightsFormat", 0) or 0):
         return None
     x, wi = op.inputs[0], op.inputs[1]
     w, out = sg.tensors[wi], sg.tensors[op.outputs[0]]
-    if w.data is None or w.quant is not None or w.dtype not in dtypes or len(w.shape) != 2:
+    if w.data is None or w.quant is not None or w.dtype not in dtypes or readers.get(wi, 0) != 1:
         return None
-    if readers.get(wi, 0) != 1 or not out.shape or out.shape[-1] != w.shape[0]:
+    if op.opcode == "CONV_2D":
+        ones = all(int(op.options.get(k, 1) or 1) == 1
+                   for k in ("strideW", "strideH", "dilationWFactor", "dilationHFactor"))
+        if len(w.shape) != 4 or tuple(w.shape[1:3]) != (1, 1) or not ones:
+            return None
+    elif len(w.shape) != 2:
         return None
-    return x, w.dtype, w.shape[1], tuple(out.shape[:-1]), out.dtype
+    bias = op.inputs[2] if len(op.inputs) > 2 else -1
+    if bias >= 0 and (sg.tensors[bias].data is None or sg.tensors[bias].quant is not None):
+        return None
+    if not out.shape or out.shape[-1] != w.shape[0]:
+        return None
+    return (x, op.opcode, repr(sorted(op.options.items())), w.dtype, w.shape[-1], tuple(out.shape[:-1]), out.dtype,
+            sg.tensors[bias].dtype if bias >= 0 else None)
 
 
 def _fuse_subgraph(sg: ir.Subgraph, dtypes: frozenset[str], split_v: bool, cache: dict, report: FusedLinears) -> bool:
@@ -156,10 +169,13 @@ def _fuse(sg: ir.Subgraph, x: int, ops: list[ir.Operator], split_v: bool, cache:
     name = fused_name(names)
     report.groups.append((name, names))
     w0, out0 = weights[0], sg.tensors[outs[0]]
-    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), w0.shape[1]), w0.dtype, _concat(weights, cache)))
+    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), *w0.shape[1:]), w0.dtype, _concat(weights, cache)))
     y = sg.add_tensor(ir.Tensor(f"{out0.name}_fused", (*out0.shape[:-1], sum(sizes)), out0.dtype))
-    fc = ir.Operator("FULLY_CONNECTED", [x, wi, -1], [y], ops[0].options_type,
-                     dict(ops[0].options), ops[0].version)
+    bias = -1
+    if len(ops[0].inputs) > 2 and ops[0].inputs[2] >= 0:
+        biases = [sg.tensors[op.inputs[2]] for op in ops]
+        bias = sg.add_tensor(ir.Tensor(f"{name}_bias", (sum(sizes),), biases[0].dtype, _concat(biases, cache)))
+    fc = ir.Operator(ops[0].opcode, [x, wi, bias], [y], ops[0].options_type, dict(ops[0].options), ops[0].version)
     rank = len(out0.shape)
 
     def i32(label: str, values: list[int]) -> int:

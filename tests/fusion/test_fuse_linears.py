@@ -114,6 +114,37 @@ def test_float_siblings_when_asked():
     assert [parts for _, parts in report.groups] == [["layer.f_proj.weight", "layer.t_proj.weight"]]
 
 
+def test_float_1x1_convs_with_biases(tmp_path):
+    """Target onert's multi-row linear form (1x1 CONV_2D, a bias always present: one zero
+    bias shared, one real): filters and biases concatenated, outputs as before."""
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (1, 1, 5, 64), "FLOAT32"))
+    zero = sg.add_tensor(ir.Tensor("zero", (32,), "FLOAT32", np.zeros(32, np.float32)))
+    outs = []
+    for name, n, bias in [("a", 32, zero), ("b", 32, zero), ("c", 32, None), ("s", 32, zero)]:
+        w = sg.add_tensor(ir.Tensor(f"{name}.weight", (n, 1, 1, 64), "FLOAT32",
+                                    rng.standard_normal((n, 1, 1, 64)).astype(np.float32)))
+        if bias is None:
+            bias = sg.add_tensor(ir.Tensor("c.bias", (n,), "FLOAT32", rng.standard_normal(n).astype(np.float32)))
+        stride = 2 if name == "s" else 1  # not a linear: stays
+        outs.append(sg.add_tensor(ir.Tensor(name, (1, 1, 5 if stride == 1 else 3, n), "FLOAT32")))
+        sg.operators.append(ir.Operator("CONV_2D", [x, w, bias], [outs[-1]], "Conv2DOptions", {
+            "padding": "VALID", "strideW": stride, "strideH": 1, "dilationWFactor": 1, "dilationHFactor": 1}))
+    sg.inputs, sg.outputs = [x], outs
+    model = ir.Model([sg])
+    write_model(model, tmp_path / "before.circle", "circle")
+    assert fuse_sibling_linears(model).removed == 0  # fp32: only when asked
+    report = fuse_sibling_linears(model, {"FLOAT32"})
+    assert [parts for _, parts in report.groups] == [["a.weight", "b.weight", "c.weight"]]
+    convs = [op for op in model.subgraphs[0].operators if op.opcode == "CONV_2D"]
+    assert len(convs) == 2 and model.subgraphs[0].tensors[convs[0].inputs[1]].shape == (96, 1, 1, 64)
+    write_model(model, tmp_path / "after.circle", "circle")
+    v = [rng.standard_normal((1, 1, 5, 64)).astype(np.float32)]
+    for runtime in (onert, reference):
+        for want, got in zip(runtime.run(tmp_path / "before.circle", v), runtime.run(tmp_path / "after.circle", v)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
 def test_split_v_where_the_runtime_runs_it(tmp_path):
     model, _ = _siblings()
     inputs = [rng.standard_normal((3, 64)).astype(np.float32) for _ in range(2)]

@@ -75,3 +75,25 @@ def test_dequantize_into_equals_dequantize():
         out = torch.full((6, 64), float("nan"))
         ggml.dequantize_into(blocks, dtype, out)
         assert torch.equal(out, ggml.dequantize(blocks, dtype, (6, 64)))
+
+
+def test_llm_importance_is_read_back_from_the_cache_until_a_weight_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CIRCLEOPS_CACHE", str(tmp_path))
+    model = BY_NAME["llama"].build().eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    first = input_importance(model)
+    assert len(forwards) == 1 and len(list((tmp_path / "importance").glob("*.pt"))) == 1
+    again = input_importance(model)
+    assert len(forwards) == 1  # no second forward
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    changed = input_importance(model)
+    assert len(forwards) == 2
+    down = source_key(model.model.layers[0].mlp.down_proj.weight.detach())
+    assert not torch.equal(changed[down], first[down])  # the up projection feeds it
+    # a damaged cache file is computed again, not trusted
+    for f in (tmp_path / "importance").glob("*.pt"):
+        f.write_bytes(b"not a torch file")
+    assert input_importance(model).keys() == first.keys() and len(forwards) == 3
