@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
+from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -91,16 +92,34 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
 
 # --------------------------------------------------------------------------- generation
 
-def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_update: str) -> list[Any]:
+def empty_caches(manifest: Any) -> list[Any]:
+    """Zero caches for the manifest's graphs (k caches then v caches, in its cache_layout)."""
+    import numpy as np
+
+    return [np.zeros(shape, dtype=np.float32) for shape in manifest.cache_shapes]
+
+
+def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_update: str,
+                 cache_layout: str = SLOT_MAJOR) -> list[Any]:
     """The caches after a step whose cache outputs are ``outputs`` (manifest ``cache_update``):
     "full" -> the outputs themselves (whole updated caches); "rows" -> ``caches``, each with
-    its output's S new rows written at slots pos..pos+S-1 in place (no cache is copied; slots
-    past the end are dropped, as the "full" form drops them)."""
+    its output's S new rows [1, S, Hkv, D] written at slots pos..pos+S-1 in place, in the
+    caches' ``cache_layout`` (no cache is copied; slots past the end are dropped, as the
+    "full" form drops them)."""
     if cache_update != "rows":
         return list(outputs)
-    for cache, rows in zip(caches, outputs):
-        n = min(rows.shape[1], cache.shape[1] - pos)
-        cache[:, pos:pos + n] = rows[:, :n]
+    half = len(caches) // 2
+    for i, (cache, rows) in enumerate(zip(caches, outputs)):
+        if cache_layout == HEAD_MAJOR:
+            if i < half:  # k [1, Hkv, C, D]
+                n = min(rows.shape[1], cache.shape[2] - pos)
+                cache[0, :, pos:pos + n, :] = rows[0, :n].transpose(1, 0, 2)
+            else:  # v [1, Hkv, D, C]
+                n = min(rows.shape[1], cache.shape[3] - pos)
+                cache[0, :, :, pos:pos + n] = rows[0, :n].transpose(1, 2, 0)
+        else:
+            n = min(rows.shape[1], cache.shape[1] - pos)
+            cache[:, pos:pos + n] = rows[:, :n]
     return caches
 
 
@@ -240,8 +259,7 @@ class Generator:
         """Zero caches when there are none (a new conversation). With rows outputs they are
         the arrays every step reads and the Generator writes each step's rows into."""
         if not self.caches:
-            m, np = self.manifest, self._np
-            self.caches = [np.zeros(m.cache_shape, dtype=np.float32) for _ in range(2 * m.num_layers)]
+            self.caches = empty_caches(self.manifest)
 
     def run_chunk(self, length: int, ids: Sequence[int], pos: int, row: int) -> Any:
         """One run of the prefill graph of ``length``: ``ids`` (at most ``length``, right-padded)
@@ -255,7 +273,7 @@ class Generator:
         if m.prefill_one_row:
             head.append(np.array([row], dtype=np.int64))
         outs = self.prefill_sessions[length].run([*head, *self.caches])
-        self.caches = store_caches(self.caches, outs[1:], pos, m.cache_update)
+        self.caches = store_caches(self.caches, outs[1:], pos, m.cache_update, m.cache_layout)
         self.prefill_runs += 1
         self.chunks.append(length)
         return outs[0][0, 0 if m.prefill_one_row else row]
@@ -307,7 +325,8 @@ class Generator:
         self._pos[0] = self.position
         self._ensure_caches()
         outs = self.decode_session.run([self._ids, self._pos, *self.caches])
-        self.caches = store_caches(self.caches, outs[1:], self.position, self.manifest.cache_update)
+        m = self.manifest
+        self.caches = store_caches(self.caches, outs[1:], self.position, m.cache_update, m.cache_layout)
         self.history.append(int(token))
         return outs[0][0, 0]
 

@@ -28,6 +28,9 @@ rows ``k_new_i``/``v_new_i`` [1, S, Hkv, D]; the caches are inputs only, and the
 writes the rows into its arrays at ``pos`` (llama.cpp's in-place form: a decode step no
 longer reads and writes every slot of every cache, ~24 MB per SmolLM2 step at C = 256).
 Target circle keeps "full": its ATTENTION builtin updates the caches in place itself.
+Rows graphs take their caches head-major, k [1, Hkv, C, D] and v [1, Hkv, D, C]
+(manifest ``cache_layout``): the operands BATCH_MATMUL reads in place, so no cache is
+transposed per step either (slot-major, each step copied every cache into that layout).
 
 Files: onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature
 (measured: tests/generate/test_graphs.py), so target onert writes one file per graph
@@ -49,10 +52,10 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import open_graph, store_caches
+from circleops.generate import empty_caches, open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
-from circleops.options import CACHE_UPDATES
+from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 from circleops.quantize import GGML_FORMATS
 from circleops.targets import PROFILES
 
@@ -113,11 +116,15 @@ def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | Non
 
 # --------------------------------------------------------------------------- build, export, lower
 
-def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full") -> Any:
-    """The model as a :class:`DecoderWithCache` (fuses the model's modules in place)."""
+def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full", cache_layout: str | None = None) -> Any:
+    """The model as a :class:`DecoderWithCache` (fuses the model's modules in place); the
+    cache layout defaults to head-major for "rows" (the caller owns the caches, so they can
+    be kept in the layout the attention's products read without a copy)."""
     from circleops.adapters.decode import DecoderWithCache
 
-    return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update)
+    if cache_layout is None:
+        cache_layout = HEAD_MAJOR if cache_update == "rows" else SLOT_MAJOR
+    return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update, cache_layout=cache_layout)
 
 
 def default_cache_update(target: str) -> str:
@@ -572,7 +579,8 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
         files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
         prefill_len=lengths[0], prefill_lens=list(lengths), prefill_inputs=io_names(step.num_layers, "prefill")[0],
         max_cache_len=max_cache_len, num_layers=step.num_layers,
-        cache_shape=list(step.cache_shape), vocab_size=int(config.vocab_size), inputs=ins, outputs=outs,
+        cache_shape=list(step.cache_shape), cache_layout=step.cache_layout, vocab_size=int(config.vocab_size),
+        inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
         quantize=quantize, num_threads=threads, cache_update=cache_update)
     timings["write"] = time.perf_counter() - t
@@ -628,7 +636,7 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
     errors: dict[str, float] = {}
     wants: dict[str, Any] = {}
     decode = open_graph(manifest, "decode", runtime) if "decode" in graphs else None
-    zeros = [np.zeros(manifest.cache_shape, dtype=np.float32) for _ in range(2 * manifest.num_layers)]
+    zeros = empty_caches(manifest)
     for n, g in manifest.prefill_graphs.items():
         if g not in graphs:
             continue
@@ -639,7 +647,7 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
         outs = open_graph(manifest, g, runtime).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
         errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
         if decode is not None and "decode" not in errors:  # after the longest prefill
-            caches = store_caches(caches, outs[1:], 0, manifest.cache_update)
+            caches = store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout)
             step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
     if decode is not None and "decode" not in errors:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
-from circleops.options import CACHE_UPDATES
+from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 from circleops.targets import PROFILES
 
 GRAPH_NAMES = ("prefill", "decode")
@@ -77,6 +77,14 @@ class Manifest:
     prefill_inputs: list[str] | None = None  # None: the same as ``inputs`` (every row's logits)
     prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
     cache_update: str = "full"  # what the cache outputs are: whole caches, or the new rows (CACHE_UPDATES)
+    cache_layout: str = SLOT_MAJOR  # the cache arrays' layout (CACHE_LAYOUTS); cache_shape is [1, C, Hkv, D] in any
+
+    @property
+    def cache_shapes(self) -> list[list[int]]:
+        """The shape of each cache array the graphs take: the k caches, then the v caches."""
+        _, c, h, d = self.cache_shape
+        k, v = ([1, h, c, d], [1, h, d, c]) if self.cache_layout == HEAD_MAJOR else (self.cache_shape, self.cache_shape)
+        return [list(k)] * self.num_layers + [list(v)] * self.num_layers
 
     @property
     def prefill_graphs(self) -> dict[int, str]:
@@ -103,7 +111,7 @@ class Manifest:
             "files": self.files, "signatures": self.signatures,
             "one_file_per_graph": len(set(self.files.values())) > 1,
             "prefill_len": self.prefill_len, "max_cache_len": self.max_cache_len,
-            "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": "[1, C, Hkv, D]",
+            "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": self.cache_layout,
             "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
             "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
             "quantize": self.quantize, "num_threads": self.num_threads,
@@ -153,12 +161,16 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      source=data.get("source", ""), quantize=data.get("quantize"),
                      num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
                      prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
-                     cache_update=data.get("cache_update") or "full")
+                     cache_update=data.get("cache_update") or "full",
+                     cache_layout=data.get("cache_layout") or SLOT_MAJOR)
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     if m.cache_update not in CACHE_UPDATES:
         raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
                              f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
+    if m.cache_layout not in CACHE_LAYOUTS or (m.cache_layout == HEAD_MAJOR and m.cache_update != "rows"):
+        raise ModelLoadError(f"{path}: unknown cache_layout {m.cache_layout!r} (this circleops reads "
+                             f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
     return m

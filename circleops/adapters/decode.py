@@ -25,7 +25,7 @@ from torch import Tensor
 from circleops.adapters._attention import KV_KWARG, StaticKV, attention_blockers, projection_weights
 from circleops.adapters._instance import fuse
 from circleops.errors import CircleOpsError
-from circleops.options import CACHE_UPDATES
+from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 
 
 def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -48,12 +48,15 @@ class DecoderWithCache(torch.nn.Module):
     are stale) and the step returns the S new rows ``(logits, *k_rows, *v_rows)``, each
     [1, S, Hkv, D], which the caller writes at slots pos .. pos+S-1 of its caches (in
     place, as llama.cpp does: a decode step then reads each cache once and writes one row).
+    ``cache_layout`` HEAD_MAJOR (with "rows" only) takes k caches [1, Hkv, C, D] and v
+    caches [1, Hkv, D, C]: what the attention's matrix products read without a transpose.
 
     The model's modules are fused in place (as :func:`circleops.fuse` does; undo with
     :func:`circleops.unfuse`); run HF's own ``generate`` on it still works, decomposed.
     """
 
-    def __init__(self, model: torch.nn.Module, max_len: int, cache_update: str = "full"):
+    def __init__(self, model: torch.nn.Module, max_len: int, cache_update: str = "full",
+                 cache_layout: str = SLOT_MAJOR):
         super().__init__()
         base, _ = _parts(model)
         config = model.config
@@ -62,6 +65,10 @@ class DecoderWithCache(torch.nn.Module):
         if cache_update not in CACHE_UPDATES:
             raise CircleOpsError(f"DecoderWithCache: cache_update must be one of {', '.join(CACHE_UPDATES)}, got "
                                  f"{cache_update!r}.")
+        if cache_layout not in CACHE_LAYOUTS or (cache_layout == HEAD_MAJOR and cache_update != "rows"):
+            raise CircleOpsError(f"DecoderWithCache: cache_layout must be {SLOT_MAJOR!r}, or {HEAD_MAJOR!r} with "
+                                 f"cache_update='rows' (whole updated caches come out slot-major); got "
+                                 f"{cache_layout!r}.")
         blocked = []
         for i, layer in enumerate(base.layers):
             attn = getattr(layer, "self_attn", None)
@@ -79,6 +86,7 @@ class DecoderWithCache(torch.nn.Module):
         self.model = fuse(model)
         self.max_len = int(max_len)
         self.cache_update = cache_update
+        self.cache_layout = cache_layout
         self.num_layers = len(base.layers)
         attn = base.layers[0].self_attn
         _, wk, _ = projection_weights(attn)
@@ -90,11 +98,17 @@ class DecoderWithCache(torch.nn.Module):
         """[1, C, Hkv, D], ONE's cache layout."""
         return (1, self.max_len, self.kv_heads, self.head_dim)
 
+    @property
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each cache argument, k caches then v caches, in ``cache_layout``."""
+        _, c, h, d = self.cache_shape
+        k, v = ((1, h, c, d), (1, h, d, c)) if self.cache_layout == HEAD_MAJOR else (self.cache_shape,) * 2
+        return [k] * self.num_layers + [v] * self.num_layers
+
     def empty_caches(self, dtype: torch.dtype | None = None) -> list[Tensor]:
         """Zero k caches then zero v caches, one per layer (2 × num_layers tensors)."""
         ref = next(self.model.parameters())
-        return [torch.zeros(self.cache_shape, dtype=dtype or ref.dtype, device=ref.device)
-                for _ in range(2 * self.num_layers)]
+        return [torch.zeros(shape, dtype=dtype or ref.dtype, device=ref.device) for shape in self.cache_shapes]
 
     def forward(self, input_ids: Tensor, pos: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
         return self.run(input_ids, pos, caches)
@@ -121,7 +135,13 @@ class DecoderWithCache(torch.nn.Module):
             visible = slots[None, :] <= positions[0, :, None]  # [S, C]
         mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
         mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S or 1, C]
-        kv = StaticKV(list(caches[:n]), list(caches[n:]), pos, self.cache_update)
+        k_caches, v_caches = list(caches[:n]), list(caches[n:])
+        if self.cache_layout == HEAD_MAJOR:
+            # views in circle.attention's [1, C, Hkv, D]: the attention's own transposes to
+            # [1, Hkv, C, D] and [1, Hkv, D, C] cancel them when lowered, so none is copied
+            k_caches = [k.transpose(1, 2) for k in k_caches]
+            v_caches = [v.permute(0, 3, 1, 2) for v in v_caches]
+        kv = StaticKV(k_caches, v_caches, pos, self.cache_update)
         for layer in base.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions,
                            **{KV_KWARG: kv})

@@ -15,6 +15,7 @@ from circleops.errors import ModelLoadError, TargetError
 from circleops.generate import Generator, store_caches
 from circleops.graphs import convert_graphs, default_cache_update
 from circleops.manifest import MANIFEST_VERSION, Manifest, read_manifest
+from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 
 # (target, runtime) of the rows-form fixtures: every runtime the Generator supports for them
 CASES = [("onert", "onert"), ("onert", "reference"), ("tflite", "litert")]
@@ -73,6 +74,12 @@ def test_full_form_still_generates_transformers_tokens(full_form, tiny_expected,
         assert gen.generate(prompt, TINY_NEW).tokens == tiny_expected[tuple(prompt)]
 
 
+def _slots(gen: Generator) -> list[np.ndarray]:
+    """The Generator's caches as [1, C, Hkv, D] views (they are head-major, v transposed)."""
+    n = gen.manifest.num_layers
+    return [c.transpose(0, 2, 1, 3) for c in gen.caches[:n]] + [c.transpose(0, 3, 1, 2) for c in gen.caches[n:]]
+
+
 def test_rows_are_written_into_the_same_cache_arrays(tiny_onert):
     """No cache is copied per step: the decode graph gets the Generator's arrays, and each
     step changes exactly the slot at its position (the rest stays as it was)."""
@@ -80,24 +87,31 @@ def test_rows_are_written_into_the_same_cache_arrays(tiny_onert):
     prompt = TINY_PROMPTS[2]  # fills the prefill graph: no padding rows written past it
     assert len(prompt) == TINY_PREFILL
     token = int(gen.feed(prompt).argmax())
+    assert gen.manifest.cache_layout == HEAD_MAJOR
+    assert [list(c.shape) for c in gen.caches] == [[1, 2, TINY_CACHE, 16]] * 2 + [[1, 2, 16, TINY_CACHE]] * 2
     arrays = [id(c) for c in gen.caches]
-    before = [c.copy() for c in gen.caches]
+    before = [c.copy() for c in _slots(gen)]
     assert all(not c[:, len(prompt):].any() for c in before)  # nothing written past the prompt
     gen.decode(token)
     assert [id(c) for c in gen.caches] == arrays
     p = len(prompt)
-    for old, new in zip(before, gen.caches):
+    for old, new in zip(before, _slots(gen)):
         assert np.array_equal(old[:, :p], new[:, :p]) and not new[:, p + 1:].any()
         assert new[:, p].any()
 
 
 def test_store_caches_drops_rows_past_the_end():
-    caches = [np.zeros((1, 4, 1, 2), np.float32)]
-    rows = [np.arange(6, dtype=np.float32).reshape(1, 3, 1, 2) + 1]
-    out = store_caches(caches, rows, 2, "rows")
-    assert out[0] is caches[0]
-    assert np.array_equal(caches[0][0, 2:, 0], [[1, 2], [3, 4]]) and not caches[0][:, :2].any()
-    assert store_caches(caches, rows, 0, "full") == rows  # full: the outputs are the caches
+    rows = [np.arange(12, dtype=np.float32).reshape(1, 3, 2, 2) + 1 for _ in range(2)]  # S=3, Hkv=2, D=2
+    slots = [np.zeros((1, 4, 2, 2), np.float32) for _ in range(2)]
+    out = store_caches(slots, rows, 2, "rows", SLOT_MAJOR)
+    assert out[0] is slots[0] and out[1] is slots[1]
+    for c in slots:
+        assert np.array_equal(c[0, 2:], rows[0][0, :2]) and not c[:, :2].any()
+    heads = [np.zeros((1, 2, 4, 2), np.float32), np.zeros((1, 2, 2, 4), np.float32)]  # k [1, H, C, D], v [1, H, D, C]
+    store_caches(heads, rows, 2, "rows", HEAD_MAJOR)
+    assert np.array_equal(heads[0].transpose(0, 2, 1, 3), slots[0])
+    assert np.array_equal(heads[1].transpose(0, 3, 1, 2), slots[1])
+    assert store_caches(slots, rows, 0, "full") == rows  # full: the outputs are the caches
 
 
 def _manifest(tmp_path, **kw) -> Manifest:
@@ -110,13 +124,19 @@ def test_manifest_round_trip_and_older_versions(tmp_path):
     _manifest(tmp_path, cache_update="rows").write()
     data = json.loads((tmp_path / "manifest.json").read_text())
     assert data["version"] == MANIFEST_VERSION == 2 and data["cache_update"] == "rows"
-    assert read_manifest(tmp_path).cache_update == "rows"
+    assert read_manifest(tmp_path).cache_update == "rows" and read_manifest(tmp_path).cache_layout == SLOT_MAJOR
+    _manifest(tmp_path, cache_update="rows", cache_layout=HEAD_MAJOR).write()
+    m = read_manifest(tmp_path)
+    assert m.cache_layout == HEAD_MAJOR and m.cache_shapes == [[1, 2, 32, 16]] * 2 + [[1, 2, 16, 32]] * 2
+    data = json.loads((tmp_path / "manifest.json").read_text())
     # a version-1 directory (written before the field) reads as the full form it is
     del data["cache_update"]
-    data["version"] = 1
+    data["version"], data["cache_layout"] = 1, "[1, C, Hkv, D]"
     (tmp_path / "manifest.json").write_text(json.dumps(data))
-    assert read_manifest(tmp_path).cache_update == "full"
-    for bad, match in (({"version": 3}, "version 1 or 2"), ({"version": 2, "cache_update": "half"}, "cache_update")):
+    assert (read_manifest(tmp_path).cache_update, read_manifest(tmp_path).cache_layout) == ("full", SLOT_MAJOR)
+    for bad, match in (({"version": 3}, "version 1 or 2"), ({"version": 2, "cache_update": "half"}, "cache_update"),
+                       ({"version": 2, "cache_layout": "[C, D]"}, "cache_layout"),
+                       ({"version": 2, "cache_layout": HEAD_MAJOR}, "cache_layout")):  # whole caches are slot-major
         (tmp_path / "manifest.json").write_text(json.dumps({**data, **bad}))
         with pytest.raises(ModelLoadError, match=match):
             read_manifest(tmp_path)
@@ -127,3 +147,32 @@ def test_unknown_cache_update_is_refused(tmp_path, tiny_model):
         convert_graphs(tiny_model, tmp_path / "out", target="onert", prefill_len=4, max_cache_len=8,
                        cache_update="half")
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_decoder_step_in_rows_form_equals_the_full_form(tiny_model):
+    """In torch (before any lowering): DecoderWithCache with rows out and head-major caches
+    in gives the full form's logits, a 5-token prefill then decode steps."""
+    import torch
+
+    from circleops.adapters.decode import DecoderWithCache
+    from circleops.errors import CircleOpsError
+
+    full = DecoderWithCache(copy.deepcopy(tiny_model), 16)
+    rows = DecoderWithCache(copy.deepcopy(tiny_model), 16, cache_update="rows", cache_layout=HEAD_MAJOR)
+    n = rows.num_layers
+    assert [tuple(c.shape) for c in rows.empty_caches()] == [(1, 2, 16, 16)] * 2 * n  # Hkv 2, C 16, D 16
+    cf, cr = full.empty_caches(), rows.empty_caches()
+    with torch.no_grad():
+        for ids, p in (([5, 17, 42, 99, 3], 0), ([7], 5), ([8], 6)):
+            args = (torch.tensor([ids]), torch.tensor([p]))
+            want, *cf = full(*args, *cf)
+            got, *new = rows(*args, *cr)
+            assert all(tuple(r.shape) == (1, len(ids), 2, 16) for r in new)
+            for i, r in enumerate(new):  # the caller's in-place write: k [1, H, C, D], v [1, H, D, C]
+                if i < n:
+                    cr[i][0, :, p:p + len(ids)] = r[0].transpose(0, 1)
+                else:
+                    cr[i][0, :, :, p:p + len(ids)] = r[0].permute(1, 2, 0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(CircleOpsError, match="cache_layout"):
+        DecoderWithCache(copy.deepcopy(tiny_model), 16, cache_layout=HEAD_MAJOR)  # whole caches come out slot-major

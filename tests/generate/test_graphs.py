@@ -42,11 +42,12 @@ def test_onert_graph_io(tiny_onert):
         sub = m.subgraphs[0]
         ins = [(sub.tensors[i].name, sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.inputs]
         outs = [(sub.tensors[i].name, sub.tensors[i].shape, sub.tensors[i].dtype) for i in sub.outputs]
-        cache, rows = (1, TINY_CACHE, 2, 16), (1, s, 2, 16)
+        # head-major caches (manifest cache_layout): k [1, Hkv, C, D], v [1, Hkv, D, C]
+        k_cache, v_cache, rows = (1, 2, TINY_CACHE, 16), (1, 2, 16, TINY_CACHE), (1, s, 2, 16)
         assert ins[:2] == [("input_ids", (1, s), "INT64"), ("pos", (1,), "INT64")]
         row = [("logits_row", (1,), "INT64")] if graph == "prefill" else []  # the one row whose logits it returns
         assert ins[2:2 + len(row)] == row
-        assert [i[1] for i in ins[2 + len(row):]] == [cache] * 2 * LAYERS
+        assert [i[1] for i in ins[2 + len(row):]] == [k_cache] * LAYERS + [v_cache] * LAYERS
         # cache_update "rows": the caches are inputs only; the outputs are the new tokens' k/v rows
         assert outs == [("logits", (1, 1, 256), "FLOAT32")] + [
             (f"{kv}_new_{i}", rows, "FLOAT32") for kv in "kv" for i in range(LAYERS)]
@@ -63,6 +64,7 @@ def test_manifest(tiny_onert):
     assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
     assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"] == io_names(LAYERS, "decode", "rows")[1]
     assert data["cache_update"] == "rows" and data["version"] == 2
+    assert data["cache_layout"] == "k [1, Hkv, C, D], v [1, Hkv, D, C]"
     assert data["prefill_inputs"] == io_names(LAYERS, "prefill")[0] and data["prefill_lens"] == [TINY_PREFILL]
     m = read_manifest(tiny_onert.directory)
     assert m.path("decode").is_file() and m.default_runtime == "onert"
@@ -115,7 +117,7 @@ def test_onert_runs_only_subgraph_0(tmp_path, tiny_onert):
     assert not any(hasattr(sess, name) for name in ("set_signature", "select_signature", "get_signature_runner"))
     assert not any(hasattr(sess.session, name) for name in ("set_signature", "set_subgraph", "run_signature"))
     ids = np.zeros((1, TINY_PREFILL), np.int64)
-    caches = [np.zeros((1, TINY_CACHE, 2, 16), np.float32)] * (2 * LAYERS)
+    caches = [np.zeros(shape, np.float32) for shape in read_manifest(tiny_onert.directory).cache_shapes]
     outs = sess.infer([ids, np.zeros(1, np.int64), np.zeros(1, np.int64), *caches])
     assert outs[0].shape == (1, 1, 256) and outs[1].shape == (1, TINY_PREFILL, 2, 16)  # it ran the prefill
 
