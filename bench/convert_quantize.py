@@ -6,6 +6,7 @@ quantize, write), interleaved so that load from other processes falls on every f
     python bench/convert_quantize.py --forms graphs --rounds 3 --formats fp32,q4_0
     python bench/convert_quantize.py --importance cold         # q4_0 calibrates every time
     python bench/convert_quantize.py --tree before=/tmp/old-checkout --tree after=.   # A/B, interleaved
+    python bench/convert_quantize.py --kernels                 # the packers alone, one thread
 
 Forms: ``plain`` is ``convert smollm2 -o F.circle`` (target circle, one 64-token graph);
 ``graphs`` is ``convert smollm2 --graphs prefill,decode --target onert -o DIR`` (what
@@ -47,6 +48,54 @@ def run(cmd: list[str], env: dict, cwd: str) -> dict:
             "stages": stages, "tail": out.strip().splitlines()[-3:]}
 
 
+def kernels(rounds: int) -> None:
+    """One thread, every SmolLM2 linear weight (and the embedding): circleops' packers against
+    gguf's numpy quantizer (same bytes, checked), the weighted Q4_0 search, and the
+    calibration importances computed against read from the cache; best of ``rounds``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    from circleops.models import load_smollm2
+    from circleops.quantize import ggml, importance
+    from circleops.quantize.weights import source_key
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_smollm2()
+    linears = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)][:-1]  # tied head
+    table = model.get_input_embeddings().weight.detach()
+    cache = Path(tempfile.mkdtemp(prefix="importance-cache-"))
+    os.environ["CIRCLEOPS_CACHE"] = str(cache)  # the model is loaded: only the importances go here
+    cases = {
+        "importance: calibration forward": lambda: importance.input_importance(model, (), tokenizer),
+        "importance: read from the cache": lambda: importance.input_importance(model, (), tokenizer),
+    }
+    imp = importance.input_importance(model, (), tokenizer)
+    types = {"GGML_Q8_0": GGMLQuantizationType.Q8_0, "GGML_Q4_0": GGMLQuantizationType.Q4_0}
+    for dtype, qtype in types.items():
+        ours = [ggml.quantize(w, dtype) for w in linears]
+        assert all(np.array_equal(a, quants.quantize(w.numpy(), qtype).reshape(-1)) for a, w in zip(ours, linears))
+        cases[f"{dtype[5:]} reference, gguf numpy"] = lambda qtype=qtype: [quants.quantize(w.numpy(), qtype) for w in linears]
+        cases[f"{dtype[5:]} reference, circleops"] = lambda dtype=dtype: [ggml.quantize(w, dtype) for w in linears]
+    cases["Q4_0 embedding table, circleops"] = lambda: ggml.quantize(table, "GGML_Q4_0")
+    cases["Q4_0 importance-weighted, circleops"] = lambda: [ggml.quantize(w, "GGML_Q4_0", imp[source_key(w)])
+                                                            for w in linears]
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            if name.endswith("forward"):
+                shutil.rmtree(cache / "importance", ignore_errors=True)
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    shutil.rmtree(cache, ignore_errors=True)
+    n = sum(w.numel() for w in linears)
+    print(f"{len(linears)} linear weights, {n / 1e6:.1f}M values; load average {os.getloadavg()[0]:.1f}; 1 thread")
+    for name, sec in best.items():
+        print(f"| {name} | {sec:.3f} s |")
+
+
 def cold_env(base: dict, work: Path) -> dict:
     """A CIRCLEOPS_CACHE with no importances that reuses the cached smollm2 directory."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--importance", choices=["warm", "cold"], default="warm")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="run the circleops in DIR (repeat: each tree interleaved with the others); default: this one")
+    ap.add_argument("--kernels", action="store_true", help="time the packers and the calibration alone, then exit")
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.kernels:
+        kernels(max(args.rounds, 3))
+        return 0
     formats, forms = args.formats.split(","), args.forms.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="circleops-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -116,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             summary.append({"form": form, "format": fmt, "median_seconds": med, "runs": runs})
     if args.json:
         Path(args.json).write_text(json.dumps({"load": load, "results": summary}, indent=2) + "\n")
+    if args.work is None:  # the written files (hundreds of MB) and the cold caches
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if all(x["ok"] for s in summary for x in s["runs"]) else 1
 
 
