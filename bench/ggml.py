@@ -14,7 +14,10 @@ keeps feeding its own new caches back, at consecutive positions after a common p
 Prints the load average before and after.
 
 Ratios are against the fp32 directory listed last before each row, so one interleaved run
-can compare two builds: ``old/none old/q8_0 old/q4_0 new/none new/q8_0 new/q4_0``.
+can compare two builds: ``old/none old/q8_0 old/q4_0 new/none new/q8_0 new/q4_0``. The
+"cache" column is the manifest's form: "full" (version-1 directories: whole caches out and
+back in) or "rows" (only the new k/v rows out, written into the Generator's caches in place;
+"heads": head-major caches, none transposed per step).
 ``--prefill N`` also times N prefill runs per session (the graph's whole length, from a
 zero cache), interleaved the same way.
 """
@@ -30,6 +33,12 @@ from pathlib import Path
 
 def _size(directory: Path, manifest) -> int:
     return sum((directory / f).stat().st_size for f in set(manifest.files.values()))
+
+
+def _cache_form(manifest) -> str:
+    from circleops.options import HEAD_MAJOR
+
+    return manifest.cache_update + (", heads" if manifest.cache_layout == HEAD_MAJOR else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             logits = gen.prefill(prompt)
             sessions.append({"dir": d, "threads": n, "gen": gen, "token": int(np.argmax(logits)), "times": [],
                              "bytes": _size(Path(d), manifest), "quantize": manifest.quantize or "fp32",
-                             "prefill": [], "length": manifest.prefill_len})
+                             "prefill": [], "length": manifest.prefill_len, "cache": _cache_form(manifest)})
     for _ in range(args.steps):
         for s in sessions:
             t = time.perf_counter()
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"SmolLM2-135M decode on onert, median of {args.steps} interleaved steps; load average "
           f"{load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)\n")
-    head = "| dir | weights | NUM_THREADS | ms/token | vs fp32 (same threads) | files | vs fp32 |"
+    head = "| dir | weights | cache | NUM_THREADS | ms/token | vs fp32 (same threads) | files | vs fp32 |"
     if args.prefill:
         head += " prefill ms (length) |"
     print(head)
@@ -85,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if s["quantize"] == "fp32":
             base[s["threads"]] = (ms, s["bytes"])
         ref_ms, ref_bytes = base.get(s["threads"], (float("nan"), 0))
-        row = (f"| {s['dir']} | {s['quantize']} | {s['threads']} | {ms:.1f} | {ms / ref_ms:.2f}x | "
+        row = (f"| {s['dir']} | {s['quantize']} | {s['cache']} | {s['threads']} | {ms:.1f} | {ms / ref_ms:.2f}x | "
                f"{s['bytes'] / 1e6:.0f} MB | {s['bytes'] / ref_bytes if ref_bytes else float('nan'):.2f}x |")
         if args.prefill:
             row += f" {statistics.median(s['prefill']) * 1e3:.0f} ({s['length']}) |"

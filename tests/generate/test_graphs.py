@@ -31,6 +31,9 @@ def test_onert_decode_graph_has_fused_rope_and_rms_norm(tiny_onert):
     assert decode["ROPE"] == 2 * LAYERS
     assert decode["RMS_NORM"] == 2 * LAYERS + 1
     assert decode["ATTENTION"] == 0
+    # rows out, head-major caches in: no cache is selected into a copy or transposed per
+    # step (the one SELECT_V2 builds the mask, once for all layers)
+    assert decode["TRANSPOSE"] == 0 and decode["SELECT_V2"] == 1
     prefill = opcodes(tiny_onert.directory / "prefill.circle")
     assert prefill["ROPE"] == 0  # 8 positions: decomposed, never the one-row ROPE
     assert prefill["RMS_NORM"] == 2 * LAYERS + 1
