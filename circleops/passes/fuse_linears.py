@@ -44,7 +44,7 @@ class FusedLinears:
 
     @property
     def removed(self) -> int:
-        """FULLY_CONNECTED ops the fusion removed."""
+        """Linear ops (FULLY_CONNECTED or CONV_2D) the fusion removed."""
         return sum(len(parts) - 1 for _, parts in self.groups)
 
 
@@ -61,7 +61,7 @@ def fuse_for_target(model: ir.Model, target: Any, cache: dict[tuple, Any] | None
 
 def fuse_sibling_linears(model: ir.Model, dtypes: Iterable[str] = GGML_DTYPES, *, split_v: bool = False,
                          cache: dict[tuple, Any] | None = None) -> FusedLinears:
-    """Fuse sibling FULLY_CONNECTED ops of ``model`` in place (see the module docstring).
+    """Fuse sibling linears (FULLY_CONNECTED, 1x1 CONV_2D) of ``model`` in place (see the module docstring).
 
     dtypes: weight dtypes (schema TensorType names) whose linears may be fused.
     split_v: unequal parts may be split by one SPLIT_V (a runtime that runs it right)

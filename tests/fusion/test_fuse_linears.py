@@ -8,7 +8,6 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 
 import circleops
 from circleops import ir
@@ -153,7 +152,8 @@ def test_split_v_where_the_runtime_runs_it(tmp_path):
     ops = [op.opcode for op in model.subgraphs[0].operators]
     assert ops.count("SPLIT_V") == 1 and "STRIDED_SLICE" not in ops
     write_model(model, tmp_path / "after.circle", "circle")
-    for want, got in zip(reference.run(tmp_path / "before.circle", inputs), reference.run(tmp_path / "after.circle", inputs)):
+    before, after = (reference.run(tmp_path / f"{n}.circle", inputs) for n in ("before", "after"))
+    for want, got in zip(before, after):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, float(np.abs(want).max())))
 
 
