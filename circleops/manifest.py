@@ -18,9 +18,10 @@ from circleops.targets import PROFILES
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "circleops-generate"
-# 2: "cache_update" (the decode graph may return only the new k/v rows). A version-1
-# manifest still reads, as cache_update "full"; a reader older than 2 refuses a version-2
-# directory instead of feeding rows back as caches.
+# 2: "cache_update" (the graphs may return only the new k/v rows) and a "cache_layout" that
+# is read (version 1 wrote it, always slot-major; "rows" graphs take head-major caches). A
+# version-1 manifest still reads, as cache_update "full"; a reader older than 2 refuses a
+# version-2 directory instead of feeding rows back as caches.
 MANIFEST_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 # How the graphs hand back the KV cache (circle::attention's cache_update):
