@@ -93,7 +93,7 @@ def _reference_weighted(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
     return torch.cat(out).numpy().reshape(-1)
 
 
-@pytest.mark.parametrize("shape", [(40, 256), (300, 1536), (2, 32 * 4100)])
+@pytest.mark.parametrize("shape", [(40, 256), (300, 1536), (2, 32 * 16500)])
 def test_weighted_search_equals_the_per_chunk_reference(shape):
     rng = np.random.default_rng(shape[0])
     w = _edge_weights(*shape, seed=shape[1]) if shape[0] >= 8 else \
