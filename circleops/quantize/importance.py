@@ -138,15 +138,28 @@ def _cache_path(model: torch.nn.Module, ids: torch.Tensor) -> Path | None:
         configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
         add([(getattr(c, "_attn_implementation", None), getattr(c, "_experts_implementation_internal", None))
              for c in configs.values()])
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            t = t.detach()
-            if t.device.type != "cpu" or type(t) is not torch.Tensor:
-                return None
-            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-            add(name, tuple(t.shape), str(t.dtype), zlib.crc32(memoryview(raw)))
+        tensors = [(name, t.detach()) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+        if any(t.device.type != "cpu" or type(t) is not torch.Tensor for _, t in tensors):
+            return None
+        for (name, t), crc in zip(tensors, _crcs([t for _, t in tensors])):
+            add(name, tuple(t.shape), str(t.dtype), crc)
     except Exception:  # noqa: BLE001 - a model this cannot fingerprint is calibrated every time
         return None
     return cache_dir() / "importance" / f"{h.hexdigest()[:32]}.pt"
+
+
+def _crcs(tensors: list[torch.Tensor]) -> list[int]:
+    """CRC-32 of each tensor's bytes, on one thread per torch thread (zlib releases the GIL)."""
+    def crc(t: torch.Tensor) -> int:
+        return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    workers = min(torch.get_num_threads(), len(tensors))
+    if workers < 2:
+        return [crc(t) for t in tensors]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="circleops-crc") as pool:
+        return list(pool.map(crc, tensors))
 
 
 def _read(path: Path, linears: dict[str, tuple]) -> dict[tuple, torch.Tensor] | None:
