@@ -433,15 +433,12 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     return (model, tokenizer) if with_tokenizer else model
 
 
-def _attach_gguf_blocks(model: torch.nn.Module, path: Path) -> None:
-    """Keep the file's raw Q4_0/Q8_0 weight blocks (and the other weights' GGUF types) on the
-    model, so that convert(quantize=...) carries them over instead of requantizing."""
+def _attach_gguf_blocks(model: torch.nn.Module, path: Path, cache: Path | None = None) -> None:
+    """Let convert(quantize=...) find the file's raw Q4_0/Q8_0 weight blocks (and the other
+    weights' GGUF types), to carry them over instead of requantizing; read when asked for."""
     from circleops.quantize.gguf import attach
 
-    try:
-        attach(model, path)
-    except Exception:  # noqa: BLE001 - a file transformers read but gguf-py cannot: requantize
-        pass
+    attach(model, path, cache)
 
 
 # --------------------------------------------------------------------------- SmolLM2, cached
@@ -571,7 +568,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    _attach_gguf_blocks(model, _smollm2_gguf())  # its Q4_1 weights: the report says requantized
+    # its Q4_1 weights (the report says requantized) and Q8_0 embedding, kept beside the cache
+    _attach_gguf_blocks(model, _smollm2_gguf(), cache=path / "gguf_blocks")
     return model, tokenizer
 
 

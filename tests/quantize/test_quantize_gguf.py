@@ -98,3 +98,30 @@ def test_cli_quantize(tmp_path, mixed_gguf, capsys):
                  "q4_0"])
     assert code == 2 and "only in Circle" in capsys.readouterr().err
     assert not (tmp_path / "m.tflite").exists()
+
+
+def test_gguf_blocks_read_only_when_quantizing_and_cached(tmp_path, mixed_gguf, monkeypatch):
+    """gguf.GGUFReader parses every metadata field first (2.5 s on SmolLM2): an fp32 convert
+    never reads the blocks, and with a cache directory a second quantized convert maps the
+    kept .npy files instead of parsing the GGUF again, writing the same bytes."""
+    from circleops.quantize import gguf as gguf_pass
+
+    calls = []
+    real = gguf_pass.read_blocks
+    monkeypatch.setattr(gguf_pass, "read_blocks", lambda *a: calls.append(a) or real(*a))
+    cache = tmp_path / "blocks"
+
+    def convert(quantize, name):
+        model = load_gguf(mixed_gguf)
+        gguf_pass.attach(model, mixed_gguf, cache if quantize else None)
+        circleops.convert(model, (example_ids(8),), tmp_path / name, target="onert", quantize=quantize)
+        return (tmp_path / name).read_bytes()
+
+    convert(None, "fp32.circle")
+    assert calls == []  # neither loading nor an fp32 convert parsed the GGUF for blocks
+    first = convert("q4_0", "a.circle")
+    assert len(calls) == 1 and (cache / "index.json").is_file()
+    assert convert("q4_0", "b.circle") == first and len(calls) == 1  # from the cache
+    (cache / "index.json").write_text("{not json")  # damaged: read the GGUF again, same bytes
+    assert convert("q4_0", "c.circle") == first and len(calls) == 2
+    assert convert("q4_0", "d.circle") == first and len(calls) == 2  # and the index is whole again
