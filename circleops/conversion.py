@@ -91,7 +91,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                           "verify (verify compares float outputs with torch)")
     path = check_output_path(path, fmt)
     torch_dtype = _resolve_dtype(dtype, model)
-    runtime = resolve_runtime(verify, target, torch_dtype)
+    host_notes: list[str] = []
+    runtime = resolve_runtime(verify, target, torch_dtype, quantize, host_notes)
     check_target_dtype(target, torch_dtype, quantize)
     example_args = tuple(example_args)
 
@@ -115,6 +116,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
                quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads,
                importance=importance)
+    job.warnings.extend(host_notes)
     if importance is not None:
         job.timings["calibrate"] = t_imp
     with hf_export_settings(model), _dense_experts(model), torch.no_grad():
@@ -200,7 +202,8 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
             f"the ExportedProgram's weights are {short_name(program_dtype)} but dtype "
             f"{short_name(torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
             f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
-    runtime = resolve_runtime(verify, target, torch_dtype)
+    host_notes: list[str] = []
+    runtime = resolve_runtime(verify, target, torch_dtype, quantize, host_notes)
     check_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
         from circleops.models import exported_example_args
@@ -211,6 +214,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
                reference=lambda: _run_torch(exported_program.module(), args, None), progress=progress,
                source="ExportedProgram", parameters=_count_params(exported_program), quantize=quantize,
                threads=threads)
+    job.warnings.extend(host_notes)
     job.integer_io = integer_io
     if quantized and tolerance is None:
         job.tolerance = INTEGER_TOLERANCE
@@ -313,15 +317,25 @@ def _resolve_dtype(dtype: str | torch.dtype | None, model: torch.nn.Module | Non
     return resolved
 
 
-def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype = torch.float32) -> str | None:
+def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype = torch.float32,
+                    quantize: str | None = None, notes: list[str] | None = None) -> str | None:
     """The runtime ``verify`` asks for (True: the target's own), None for no verify;
-    TargetError for a runtime that cannot read the target's files."""
+    TargetError for a runtime that cannot read the target's files. GGML weights on a CPU
+    whose onert cannot run them (circleops.runtime.host): the reference interpreter
+    instead of a default onert, with a note appended to ``notes``."""
     if not verify:
         return None
+    note = None
+    if target == "onert" and (verify is True or verify == "onert"):
+        from circleops.runtime.host import onert_or_reference
+
+        note = onert_or_reference(verify, quantize)[1]
+        if note is not None and notes is not None:
+            notes.append(note)
     if verify is True:
         # fp16 tflite too: the lowering legalizes fp16 graphs for LiteRT's CPU kernels
         # (circleops.lowering.tflite_fp16), so LiteRT runs them
-        return PROFILES[target].runtime
+        return PROFILES[target].runtime if note is None else "reference"
     if verify not in RUNTIMES:
         raise TargetError(f"unknown verify runtime {verify!r}: choose one of {', '.join(RUNTIMES)}.")
     if verify == "litert" and target != "tflite":

@@ -33,6 +33,11 @@ class RuntimeRunError(CircleOpsError):
     """A runtime (onert, LiteRT, the reference interpreter) failed to run a file."""
 
 
+class HostCPUError(RuntimeRunError):
+    """The runtime cannot run this file on this machine's CPU (onert's GGML kernels need
+    AVX-512): the file is fine elsewhere, and another runtime may run it here."""
+
+
 class VerifyError(CircleOpsError):
     """The written file ran but does not match torch."""
 

@@ -45,6 +45,21 @@ class GenerationLimitError(CircleOpsError):
 
 # --------------------------------------------------------------------------- runtimes
 
+def choose_runtime(manifest: Any, runtime: str | None) -> tuple[str, str | None]:
+    """``runtime`` (None: the manifest's default), checked against its files, and a note to
+    show when the default had to change: onert cannot run GGML weights on a CPU without
+    AVX-512 (circleops.runtime.host), so a quantized onert directory then runs on the
+    reference interpreter; onert asked for by name is refused there with a HostCPUError."""
+    note = None
+    if manifest.target == "onert" and runtime in (None, "onert"):
+        from circleops.runtime.host import onert_or_reference
+
+        runtime, note = onert_or_reference(runtime, manifest.quantize, "run")
+    runtime = runtime or manifest.default_runtime
+    check_runtime(manifest, runtime)
+    return runtime, note
+
+
 def check_runtime(manifest: Any, runtime: str) -> None:
     """Refuse a runtime that cannot run the manifest's files, saying which can."""
     if runtime not in RUNTIMES:

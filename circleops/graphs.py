@@ -261,6 +261,7 @@ class GraphsReport:
     manifest: Manifest | None
     timings: dict[str, float] = field(default_factory=dict)
     verify_runtime: str | None = None
+    verify_note: str | None = None  # why verify did not run on the target's own runtime
     tolerance: float | None = None
     source: str = ""
     quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
@@ -273,7 +274,7 @@ class GraphsReport:
                 "quantization": self.quantization.to_dict() if self.quantization is not None else None,
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
-                "verify_runtime": self.verify_runtime, "tolerance": self.tolerance,
+                "verify_runtime": self.verify_runtime, "verify_note": self.verify_note, "tolerance": self.tolerance,
                 "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
@@ -307,6 +308,8 @@ class GraphsReport:
             errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
             lines.append(f"  verify ({self.verify_runtime}, against the model's own forward): max abs logit error "
                          f"{errs} (tolerance {self.tolerance:.3g}): passed")
+            if self.verify_note:
+                lines.append(f"  note: {self.verify_note}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
                      + f", total {sum(self.timings.values()):.1f} s")
         if set(GRAPH_NAMES) <= set(self.graphs):
@@ -441,9 +444,13 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     api.check_threads(threads)
     if threads is None and target == "onert" and quantize:
         threads = 1  # GGML kernels: 1 thread measured faster on 2 shared cores (bench/README.md)
-    runtime = None
+    runtime, verify_note = None, None
     if verify:
         runtime = PROFILES[target].runtime if verify is True else str(verify)
+        if target == "onert" and runtime == "onert":
+            from circleops.runtime.host import onert_or_reference
+
+            runtime, verify_note = onert_or_reference(verify, quantize)  # GGML on a CPU without AVX-512
         if runtime not in graph_runtimes(target):
             raise TargetError(f"runtime {runtime} cannot run target {target}'s files; use one of "
                               f"{', '.join(graph_runtimes(target))}.")
@@ -466,6 +473,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                                       tolerance=tolerance, source=source, progress=progress, quantize=quantize,
                                       torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads,
                                       cache_update=cache_update)
+        report.verify_note = verify_note
         _publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

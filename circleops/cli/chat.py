@@ -33,12 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops.chat import Chat, CacheFullError
-    from circleops.generate import Generator, TextStream, hf_tokenizer, check_runtime
+    from circleops.generate import Generator, TextStream, hf_tokenizer, choose_runtime
     from circleops.manifest import read_manifest
 
     manifest = read_manifest(args.directory)
-    runtime = args.runtime or manifest.default_runtime
-    check_runtime(manifest, runtime)
+    runtime, note = choose_runtime(manifest, args.runtime)
+    if note:
+        print(f"circleops: {note}", file=sys.stderr)
     if not manifest.tokenizer:
         from circleops.errors import ModelLoadError
 

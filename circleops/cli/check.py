@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of --dtype: what GGML weights (q4_0, q4_0-pure, q8_0) or an integer graph (uint8, "
                              "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
                              "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
-    parser.add_argument("--runtime", choices=("onert", "reference"), default="onert",
-                        help="with --quantize: the runtime of the quantized file (default: onert)")
+    parser.add_argument("--runtime", choices=("onert", "reference"), default=None,
+                        help="with --quantize: the runtime of the quantized file (default: onert; the reference "
+                             "interpreter where onert cannot run GGML weights on this CPU)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
                         help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
     parser.add_argument("--max-windows", type=int, default=None, metavar="K",

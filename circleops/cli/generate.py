@@ -66,12 +66,13 @@ def sampler_from_args(args: argparse.Namespace, directory):
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops.generate import Generator, TextStream, check_runtime, encode_prompt, load_tokenizer
+    from circleops.generate import Generator, TextStream, choose_runtime, encode_prompt, load_tokenizer
     from circleops.manifest import read_manifest
 
     manifest = read_manifest(args.directory)
-    runtime = args.runtime or manifest.default_runtime
-    check_runtime(manifest, runtime)
+    runtime, note = choose_runtime(manifest, args.runtime)
+    if note:
+        print(f"circleops: {note}", file=sys.stderr)
     if args.prompt is not None:
         tokenizer = load_tokenizer(manifest)
         ids = encode_prompt(tokenizer, args.prompt, args.chat)

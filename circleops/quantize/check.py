@@ -50,6 +50,7 @@ class QuantCheckReport:
     quantization: list[str] = field(default_factory=list)  # QuantReport.summary_lines()
     timings: dict[str, float] = field(default_factory=dict)
     layer_sqnr_db: list[float] = field(default_factory=list)  # 10·log10(Σ fp32² / Σ error²) per layer
+    note: str | None = None  # why the file ran on another runtime than asked by default
 
     @property
     def perplexity_ratio(self) -> float:
@@ -64,6 +65,8 @@ class QuantCheckReport:
     def table(self) -> str:
         lines = [f"{self.source}: {self.format} weights, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
         lines += [f"  {line}" for line in self.quantization]
+        if self.note:
+            lines.append(f"  note: {self.note}")
         lines.append("")
         lines.append("layer  max abs error  relative (to max |fp32 output|)  SQNR (dB)")
         for k, (a, r) in enumerate(zip(self.layer_max_abs, self.layer_rel)):
@@ -90,10 +93,13 @@ def text_ids(tokenizer: Any, vocab: int, text: str | None = None) -> list[int]:
 
 def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", prompt: str | None = None,
                 prompt_ids: Sequence[int] | None = None, new_tokens: int = 32, text: str | None = None,
-                window: int = DEFAULT_WINDOW, max_windows: int | None = None, runtime: str = "onert",
+                window: int = DEFAULT_WINDOW, max_windows: int | None = None, runtime: str | None = None,
                 work_dir: str | os.PathLike | None = None, source: str | None = None,
                 progress: Callable[[str], None] | None = None) -> QuantCheckReport:
-    """The quantization report of ``model`` (a Hugging Face *ForCausalLM, fp32, unchanged)."""
+    """The quantization report of ``model`` (a Hugging Face *ForCausalLM, fp32, unchanged).
+
+    ``runtime``: "onert" or "reference"; None is onert, or the reference interpreter where
+    onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so)."""
     import numpy as np
     import torch
 
@@ -107,13 +113,16 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
-    target = "onert" if quantize not in INTEGER_FORMATS or runtime == "onert" else "circle"
+    target = "onert" if quantize not in INTEGER_FORMATS or runtime in (None, "onert") else "circle"
     if quantize in INTEGER_FORMATS:
         from circleops.conversion import check_quantize
 
         check_quantize(quantize, target)
     else:
         check_format(quantize, "onert")
+    from circleops.runtime.host import onert_or_reference
+
+    runtime, note = onert_or_reference(runtime, quantize, "run")
     if runtime not in ("onert", "reference"):
         raise CircleOpsError(f"runtime {runtime!r}: the quantized file runs in onert or the reference interpreter")
     if new_tokens < 1:
@@ -186,7 +195,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         file_bytes = path.stat().st_size
 
     return QuantCheckReport(
-        source=source or type(model).__name__, format=quantize, runtime=runtime, prompt=prompt,
+        source=source or type(model).__name__, format=quantize, runtime=runtime, note=note, prompt=prompt,
         prompt_ids=list(ids), new_tokens=new_tokens, reference_tokens=tokens,
         reference_text=fp.decode_text(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
         logits_max_abs=logits_error, agreement=agreement,

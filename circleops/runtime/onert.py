@@ -73,6 +73,7 @@ class Session:
             self._link_dir = tempfile.TemporaryDirectory()
             load_path = os.path.join(self._link_dir.name, Path(self.path).name + ".circle")
             os.symlink(os.path.abspath(self.path), load_path)
+        _check_host(self.path)
         from onert.native.libnnfw_api_pybind import infer, prepare_config  # heavy: loaded on first use
 
         failure: Exception | None = None
@@ -130,6 +131,23 @@ class Session:
                 failure = err
         _raise_or_echo(failure, text, "run", self.path)
         return outputs
+
+
+def _check_host(path: str) -> None:
+    """HostCPUError before onert loads a file whose GGML weights this CPU cannot run: onert
+    would kill the process with SIGILL at the first run (circleops.runtime.host)."""
+    from circleops import ir
+    from circleops.errors import CircleOpsError, HostCPUError
+    from circleops.runtime.host import onert_ggml_refusal
+    from circleops.serialize.reader import tensor_types
+
+    try:
+        ggml = {t for t in tensor_types(path) if t in ir.GGML_BLOCKS}
+    except CircleOpsError:
+        return  # not a readable file: onert's own load error says so
+    refusal = onert_ggml_refusal(path, ggml)
+    if refusal:
+        raise HostCPUError(refusal)
 
 
 def _spec(info: Any) -> TensorSpec:

@@ -100,6 +100,27 @@ def read_model(path: str | os.PathLike) -> ir.Model:
                              f"{_short(err)}); the file is truncated or corrupt") from None
 
 
+def tensor_types(path: str | os.PathLike) -> set[str]:
+    """The TensorType names of every tensor in the file, read through the zero-copy
+    accessors (milliseconds on a 500 MB model, where read_model decodes every table)."""
+    fmt = detect_format(path)
+    schema = get_schema(fmt)
+    names = schema.tensor_type_names
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        m = schema.reader_cls("Model").GetRootAs(buf, 0)
+        types: set[int] = set()
+        for i in range(m.SubgraphsLength()):
+            sg = m.Subgraphs(i)
+            types.update(sg.Tensors(j).Type() for j in range(sg.TensorsLength()))
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({type(err).__name__}: "
+                             f"{_short(err)}); the file is truncated or corrupt") from None
+    return {names.get(t, f"UNKNOWN_{t}") for t in types}
+
+
 def _short(err: BaseException, limit: int = 200) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."

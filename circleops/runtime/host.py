@@ -1,0 +1,80 @@
+"""Can this machine's CPU run what a file asks of onert?
+
+onert 0.1.0's wheel links ggml into its CPU backend compiled for AVX-512: on a CPU without
+it, the first FULLY_CONNECTED with GGML_Q4_0 / GGML_Q8_0 weights stops the whole process
+with SIGILL ("Illegal instruction"), which no Python code can catch. Measured on an AMD
+EPYC with AVX2 only (2026-12-01): ``ggml_graph_plan`` executes ``vmovdqu8 %ymm0`` (EVEX:
+AVX512BW+VL) and the kernels use ``vextractf32x8`` (AVX512DQ), zmm registers (AVX512F) and
+EVEX ``vpdpbusd`` (AVX512_VNNI); fp32 files run on that CPU. So a session checks before
+loading: a file with GGML tensors on a CPU without these flags is refused with a clear
+error instead (the file itself is fine for a CPU that has them).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+# /proc/cpuinfo flag names of the instructions found in onert 0.1.0's libbackend_cpu.so
+ONERT_GGML_CPU_FLAGS: tuple[str, ...] = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo; None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def missing_for_onert_ggml() -> list[str]:
+    """The CPU flags onert 0.1.0's GGML kernels need that this CPU lacks ([] when it can run
+    them, or when the flags cannot be read: then onert is left to try)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []  # the AVX-512 build is the x86_64 wheel's
+    flags = cpu_flags()
+    if flags is None:
+        return []
+    return [f for f in ONERT_GGML_CPU_FLAGS if f not in flags]
+
+
+def onert_ggml_refusal(path: str | os.PathLike, ggml_types: set[str] | frozenset[str]) -> str | None:
+    """Why onert must not run ``path`` here (a message), or None when it can."""
+    missing = missing_for_onert_ggml() if ggml_types else []
+    if not missing:
+        return None
+    return (f"onert cannot run {path} on this CPU: the file holds {', '.join(sorted(ggml_types))} weights, and "
+            f"onert 0.1.0's GGML kernels are compiled for AVX-512 (this CPU lacks {', '.join(missing)}), so "
+            f"onert would stop the process with 'Illegal instruction'. The file is fine for a CPU with "
+            f"AVX-512 VNNI. Here: run it with --runtime reference (circleops' interpreter runs GGML weights "
+            f"as onert does), or convert without --quantize for an fp32 file onert runs on any x86-64.")
+
+
+def onert_or_reference(requested: bool | str | None, quantize: str | None, doing: str = "verify") -> tuple[str, str | None]:
+    """The runtime for a target-onert file quantized as ``quantize`` on this machine, and a
+    note when it is not onert. ``requested``: True or None (the target's own runtime, onert)
+    or the runtime the user named. A default onert gives way to the reference interpreter
+    when this CPU cannot run the file's GGML weights; onert named explicitly is refused.
+    ``doing``: "verify" or "run", for the words of the note."""
+    from circleops.errors import HostCPUError
+    from circleops.quantize import GGML_FORMATS
+
+    default = requested is True or requested is None
+    runtime = "onert" if default else str(requested)
+    missing = missing_for_onert_ggml() if runtime == "onert" and quantize in GGML_FORMATS else []
+    if not missing:
+        return runtime, None
+    why = (f"onert 0.1.0's GGML kernels are compiled for AVX-512 and this CPU lacks {', '.join(missing)} "
+           f"(onert would stop with 'Illegal instruction')")
+    if not default:
+        raise HostCPUError(f"cannot {doing} {quantize} weights with onert on this machine: {why}. Use the "
+                           f"reference interpreter (--runtime reference), which runs GGML weights as onert does, "
+                           f"or a CPU with AVX-512 VNNI.")
+    done = "verified" if doing == "verify" else "running"
+    return "reference", (f"{done} on circleops' reference interpreter, not onert: {why}. The interpreter "
+                         f"computes GGML weights as onert does; the files run on onert on a CPU with AVX-512 VNNI.")
