@@ -208,7 +208,9 @@ class Generator:
 
     ``source``: the directory written by ``circleops convert --graphs`` (or its Manifest).
     ``runtime``: "onert", "reference" or "litert"; None takes the manifest's default
-    (onert for target onert, litert for tflite, reference for circle).
+    (onert for target onert, litert for tflite, reference for circle; the reference
+    interpreter for GGML weights on a CPU whose onert cannot run them: ``runtime_note``
+    says so).
 
     The KV cache persists between calls: :meth:`feed` appends tokens after the ones already
     in it (``history``), so a chat turn costs only its new tokens. A prompt runs through the
@@ -225,8 +227,7 @@ class Generator:
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
-        self.runtime = runtime or m.default_runtime
-        check_runtime(m, self.runtime)
+        self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
         self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}
         self.decode_session = open_graph(m, "decode", self.runtime)

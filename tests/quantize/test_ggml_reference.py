@@ -13,6 +13,7 @@ from circleops.errors import RuntimeRunError
 from circleops.quantize import ggml
 from circleops.runtime import onert, reference
 from circleops.serialize import write_model
+from onert_host import ONERT_RUNS_GGML, run_ggml
 
 GGUF = {"GGML_Q4_0": gguf.GGMLQuantizationType.Q4_0, "GGML_Q8_0": gguf.GGMLQuantizationType.Q8_0}
 DTYPES = sorted(GGUF)
@@ -63,14 +64,16 @@ def test_fully_connected_matches_onert(tmp_path, dtype, rows):
     x = np.random.default_rng(1).standard_normal((rows, 128)).astype(np.float32) * 3
     path = tmp_path / "fc.circle"
     write_model(_fc_model(dtype, w, rows), path, "circle")
-    got = onert.run(path, [x])[0]  # cross-checked against the interpreter by conftest
+    got = run_ggml(path, [x])[0]  # onert where this CPU runs GGML (cross-checked by conftest)
     ref = reference.run(path, [x])[0]
     # the input's Q8_0 rounding is part of the result: without it the error is far larger
     deq = ggml.dequantize(ggml.quantize(w, dtype), dtype, w.shape).numpy()
     plain = x @ deq.T
+    emulated = ggml.quantize_q8_0_input(torch.from_numpy(x)).numpy().astype(np.float64) @ deq.T.astype(np.float64)
     scale = np.abs(got).max()
     assert np.abs(ref - got).max() <= 1e-5 * scale
-    assert np.abs(plain - got).max() > 10 * np.abs(ref - got).max()
+    assert np.abs(ref - emulated).max() <= 1e-5 * scale  # onert's kernel: Q8_0(x) . dequant(W)
+    assert np.abs(plain - ref).max() > 10 * max(np.abs(ref - emulated).max(), 1e-7 * scale)
 
 
 def test_gather_q4_0_table_matches_onert(tmp_path):
@@ -84,7 +87,7 @@ def test_gather_q4_0_table_matches_onert(tmp_path):
     path = tmp_path / "gather.circle"
     write_model(ir.Model([sg]), path, "circle")
     idx = np.array([[0, 49, 3, 3, 17, 1]], np.int32)
-    got = onert.run(path, [idx])[0]
+    got = run_ggml(path, [idx])[0]
     deq = gguf.quants.dequantize(ggml.quantize(table, "GGML_Q4_0").reshape(50, -1), GGUF["GGML_Q4_0"])
     np.testing.assert_array_equal(got[0], deq[idx[0]])
     np.testing.assert_array_equal(reference.run(path, [idx])[0], got)

@@ -10,6 +10,7 @@ import circleops
 from circleops.inspect import format_text, summarize
 from circleops.quantize.check import PERPLEXITY_TEXT, quant_check, text_ids
 from families import BY_NAME, example_ids
+from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,8 @@ def test_quant_check_q8_0_costs_little_and_q4_0_more(llama):
         assert len(r.layer_max_abs) == 2 and r.perplexity_tokens == 2 * 63
         assert r.perplexity_fp32 == q8.perplexity_fp32  # the same torch reference
         assert 0 <= r.agreement <= 6
+        # onert, or where it cannot run GGML here the interpreter, and the table says why
+        assert r.runtime == GGML_RUNTIME and (r.note is None) == ONERT_RUNS_GGML
     assert abs(q8.perplexity_ratio - 1) < 0.01
     assert max(q4.layer_rel) > 3 * max(q8.layer_rel)  # 4 bits cost more than 8
     table = q4.table()
@@ -48,6 +51,7 @@ def test_cli_check_quantize(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert data["format"] == "q4_0" and data["perplexity_tokens"] == 31 and len(data["layer_max_abs"]) == 2
+    assert data["runtime"] == GGML_RUNTIME
 
 
 def test_inspect_lists_storage_type_and_bytes(tmp_path, llama):

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import circleops
-from circleops.errors import TargetError
+from circleops.errors import HostCPUError, TargetError
 from circleops.quantize.weights import dequantized_sources
 from circleops.runtime import reference
 from circleops.serialize import read_model
 from circleops.serialize.schema import get_schema
 from families import BY_NAME, example_ids
+from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 
 FORMATS = {"q4_0": "GGML_Q4_0", "q4_0-pure": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
 HEAD = {"q4_0": "GGML_Q8_0"}  # the output head's type where it differs from the format's
@@ -67,7 +68,9 @@ def test_convert_quantized_runs_and_verifies(tmp_path, llama, fmt, target):
     before = {k: v.clone() for k, v in llama.state_dict().items()}
     path = tmp_path / "m.circle"
     report = circleops.convert(llama, (ids,), path, target=target, quantize=fmt, verify=True)
-    assert report.verify.passed and report.verify.runtime == ("onert" if target == "onert" else "reference")
+    assert report.verify.passed and report.verify.runtime == (GGML_RUNTIME if target == "onert" else "reference")
+    # where onert cannot run GGML (no AVX-512), the report says why the interpreter verified
+    assert any("AVX-512" in w for w in report.warnings) == (target == "onert" and not ONERT_RUNS_GGML)
     _check_layout(path, fmt)
     q = report.quantization
     # per layer 7 linears; the lm_head; the q4_0 embedding. Target circle keeps Circle's
@@ -190,8 +193,11 @@ def test_graphs_quantized_generate(tmp_path, llama, fmt):
     assert manifest.quantize == fmt
     for g in ("prefill", "decode"):
         _check_layout(manifest.path(g), fmt)
-    gen = Generator(manifest).generate([5, 17, 42], 6)
-    assert gen.runtime == "onert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
+    assert report.verify_runtime == GGML_RUNTIME and (report.verify_note is None) == ONERT_RUNS_GGML
+    generator = Generator(manifest)
+    assert (generator.runtime_note is None) == ONERT_RUNS_GGML
+    gen = generator.generate([5, 17, 42], 6)
+    assert gen.runtime == GGML_RUNTIME and (len(gen.tokens) == 6 or gen.stopped_at_eos)
     assert all(0 <= t < 256 for t in gen.tokens)
 
 
@@ -249,5 +255,9 @@ def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
         return real(runtime, path, signature)
 
     monkeypatch.setattr(rt, "open_session", spy)
-    open_graph(manifest, "decode", "onert")
+    if ONERT_RUNS_GGML:
+        open_graph(manifest, "decode", "onert")
+    else:  # refused before onert loads, with NUM_THREADS already set, and the env restored
+        with pytest.raises(HostCPUError, match="AVX-512"):
+            open_graph(manifest, "decode", "onert")
     assert seen["threads"] == "1" and "NUM_THREADS" not in os.environ

@@ -14,6 +14,7 @@ import torch
 import circleops
 from circleops.models import load_gguf
 from circleops.serialize import read_model
+from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 from families import BY_NAME, example_ids
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "convert"))
@@ -92,7 +93,8 @@ def test_cli_quantize(tmp_path, mixed_gguf, capsys):
                  "--seq-len", "8"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "as GGML_Q8_0" in captured.out and "verify:  onert" in captured.out
+    assert "as GGML_Q8_0" in captured.out and f"verify:  {GGML_RUNTIME}" in captured.out
+    assert ("warning: verified on circleops' reference interpreter, not onert" in captured.out) != ONERT_RUNS_GGML
     assert "1 carried over bit for bit" in captured.out  # blk.1.ffn_down
     code = main(["convert", str(mixed_gguf), "-o", str(tmp_path / "m.tflite"), "--target", "tflite", "--quantize",
                  "q4_0"])
