@@ -38,7 +38,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-os.environ.setdefault("CIRCLEOPS_MAX_TENSOR_BYTES", str(64 << 20))
+# hostile sizes fail fast instead of allocating gigabytes: set for a fuzz run only (at
+# import it leaked into every later test of the same pytest worker, whose real SmolLM2
+# lm_head then failed the 64 MB cap)
+MAX_TENSOR_BYTES = str(64 << 20)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -287,6 +290,17 @@ def run_case(path: Path, seed: Seed, npys: list[str], with_cli: bool, stats: Sta
 def fuzz(cases: int, seed: int = 0, timeout: int = 10, time_budget: float | None = None,
          save_dir: Path | None = None, cli_every: int = 10, verbose: bool = False) -> Stats:
     """Run ``cases`` mutated files (or stop at ``time_budget`` seconds); returns the counts."""
+    saved = os.environ.get("CIRCLEOPS_MAX_TENSOR_BYTES")
+    os.environ.setdefault("CIRCLEOPS_MAX_TENSOR_BYTES", MAX_TENSOR_BYTES)
+    try:
+        return _fuzz(cases, seed, timeout, time_budget, save_dir, cli_every, verbose)
+    finally:
+        if saved is None:
+            os.environ.pop("CIRCLEOPS_MAX_TENSOR_BYTES", None)
+
+
+def _fuzz(cases: int, seed: int, timeout: int, time_budget: float | None, save_dir: Path | None,
+          cli_every: int, verbose: bool) -> Stats:
     rng = random.Random(seed)
     stats = Stats()
     old = signal.signal(signal.SIGALRM, _alarm)
