@@ -127,9 +127,10 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     """Inside: the torch weights the report quantized hold their dequantized values (what
     the file computes with), so torch is the reference for a quantized file; restored after.
 
-    A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight)
-    cannot hold both in one tensor: the shared tensor takes the lm_head's values and every
-    ``nn.Embedding`` of ``model`` reading it gets its own tensor of the table's values.
+    A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight;
+    w8: the fp32 table, the lm_head's int8 weight) cannot hold both in one tensor: the shared
+    tensor takes the lm_head's values and every ``nn.Embedding`` of ``model`` reading it gets
+    its own tensor of the table's values.
     """
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
@@ -155,9 +156,14 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                     src.copy_(_dequantize(blocks, dtype, shape2d).reshape(src.shape))
                 return src, old
 
-            for (src, *_), (values, old) in zip(entries, pool(swap_in, entries)):
+            for (src, _, dtype, _, _), (values, old) in zip(entries, pool(swap_in, entries)):
                 if old is not None:
                     saved.append((src, old))
+                    if dtype == int8.DTYPE:  # w8: a tied table stays fp32 in the file, its head int8
+                        for module in (model.modules() if model is not None else ()):
+                            if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
+                                swapped.append((module, module.weight))
+                                module.weight = torch.nn.Parameter(old.reshape(module.weight.shape), requires_grad=False)
                     continue
                 for module in (model.modules() if model is not None else ()):
                     if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
