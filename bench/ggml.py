@@ -1,10 +1,13 @@
 """Benchmark (not a test): SmolLM2-135M decode on onert with fp32, GGML_Q8_0 and GGML_Q4_0
-weights, at NUM_THREADS=1 and 2, and the files' sizes.
+weights (or any --quantize, e.g. w8's int8 hybrid weights), at NUM_THREADS=1 and 2, and the
+files' sizes.
 
     python -m circleops.cli convert smollm2 --graphs prefill,decode --target onert -o /tmp/smol/none
     python -m circleops.cli convert smollm2 --graphs prefill,decode --target onert -o /tmp/smol/q8_0 --quantize q8_0
     python -m circleops.cli convert smollm2 --graphs prefill,decode --target onert -o /tmp/smol/q4_0 --quantize q4_0
+    python -m circleops.cli convert smollm2 --graphs prefill,decode --target onert -o /tmp/smol/w8 --quantize w8
     python bench/ggml.py /tmp/smol/none /tmp/smol/q8_0 /tmp/smol/q4_0 --steps 30
+    python bench/ggml.py /tmp/smol/none /tmp/smol/w8 --steps 40 --prefill 15   # any CPU (no AVX-512)
 
 One onert session per (directory, thread count), each created with its NUM_THREADS
 (onert reads it from the environment when a session is made). Then one decode step of

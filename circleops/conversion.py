@@ -67,6 +67,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         to each linear's inputs on the shipped calibration text (``tokenizer`` tokenizes it;
         circleops.quantize.importance). verify then compares with torch running the
         dequantized weights. A GGUF model's Q4_0/Q8_0 tensors are carried over as they are.
+        "w8": every linear weight int8 per output channel for onert's hybrid FULLY_CONNECTED
+        (float activations, the input quantized per row at run time), then a MUL by the
+        channel scales; the embedding stays fp32 (circleops.quantize.int8). onert runs it on
+        any x86-64 (the GGML kernels need AVX-512); verify as for the GGML formats.
         "uint8" / "int16" write an integer graph (PT2E with circleops.quantize's
         CircleQuantizer): uint8 asymmetric or int16 symmetric activations, int8 per-channel
         weights (uint8 per tensor for target onert, which runs only those), int32 biases;
@@ -353,8 +357,8 @@ def check_target_dtype(target: str, dtype: torch.dtype, quantize: str | None = N
                           f"{short_name(dtype)}: use dtype fp32 with quantize.")
     if quantize and dtype != torch.float32:
         raise TargetError(
-            f"quantize={quantize!r} stores GGML weights for float32 graphs (onert's GGML kernels take "
-            f"float32 inputs), but the model is {short_name(dtype)}: use dtype fp32 with quantize.")
+            f"quantize={quantize!r} stores quantized weights for float32 graphs (onert's GGML and hybrid kernels "
+            f"take float32 inputs), but the model is {short_name(dtype)}: use dtype fp32 with quantize.")
     if target == "onert" and dtype != torch.float32:
         raise TargetError(
             f"target onert is fp32 only: the onert CPU runtime refuses {short_name(dtype)} tensors. "
@@ -597,7 +601,7 @@ class _Job:
     parameters: int
     output_names: list[str] | None = None
     fusion_model: torch.nn.Module | None = None
-    quantize: str | None = None  # a GGML format (circleops.quantize.GGML_FORMATS)
+    quantize: str | None = None  # a weight-only format (circleops.quantize.WEIGHT_ONLY_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
     importance: Any = None  # input importances for Q4_0 scales (circleops.quantize.importance)
     threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)

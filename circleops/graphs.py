@@ -443,7 +443,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     api.check_target_dtype(target, torch_dtype, quantize)
     api.check_threads(threads)
     if threads is None and target == "onert" and quantize:
-        threads = 1  # GGML kernels: 1 thread measured faster on 2 shared cores (bench/README.md)
+        # GGML kernels: 1 thread measured faster on 2 shared cores; w8's hybrid FULLY_CONNECTED
+        # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
+        threads = 1
     runtime, verify_note = None, None
     if verify:
         runtime = PROFILES[target].runtime if verify is True else str(verify)

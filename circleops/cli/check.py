@@ -37,12 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 is fastest on a busy machine")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
     # GGML weight quantization instead of the fp16/bf16 policies (circleops.quantize.check)
-    from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
+    from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
     from circleops.quantize.check import DEFAULT_WINDOW
 
-    parser.add_argument("--quantize", choices=list(GGML_FORMATS) + list(INTEGER_FORMATS), default=None,
+    parser.add_argument("--quantize", choices=list(WEIGHT_ONLY_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
-                        help="instead of --dtype: what GGML weights (q4_0, q4_0-pure, q8_0) or an integer graph (uint8, "
+                        help="instead of --dtype: what GGML weights (q4_0, q4_0-pure, q8_0), int8 hybrid weights (w8) "
+                             "or an integer graph (uint8, "
                              "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
                              "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
     parser.add_argument("--runtime", choices=("onert", "reference"), default=None,

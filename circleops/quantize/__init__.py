@@ -12,6 +12,8 @@ WEIGHT_FORMATS: dict[str, str] = {
     "q4_0-pure": "GGML_Q4_0 linear weights and embedding table, a tied lm_head sharing the table "
                  "(4.5 bits/weight; targets onert, circle)",
     "q8_0": "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)",
+    "w8": "int8 per-channel linear weights, fp32 activations (onert's hybrid FULLY_CONNECTED + MUL: runs on "
+          "any x86-64 onert, no AVX-512 needed; targets onert, circle)",
 }
 
 # PT2E integer graphs (circleops.quantize.pt2e): choice -> activation scheme
@@ -40,5 +42,9 @@ INT16_PRESETS: dict[str, tuple[str, ...]] = {
 
 # GGML choices -> the Circle TensorType their weights are stored as
 GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q4_0-pure": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
+# int8 weights of onert's hybrid FULLY_CONNECTED (float input and output; circleops.quantize.int8)
+HYBRID_FORMATS: dict[str, str] = {"w8": "INT8"}
+# weight-only formats (float activations; circleops.quantize.weights.quantize_weights) -> stored type
+WEIGHT_ONLY_FORMATS: dict[str, str] = {**GGML_FORMATS, **HYBRID_FORMATS}
 
-__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS", "INTEGER_FORMATS", "INT16_PARTS", "INT16_PRESETS"]
+__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS", "HYBRID_FORMATS", "WEIGHT_ONLY_FORMATS", "INTEGER_FORMATS", "INT16_PARTS", "INT16_PRESETS"]

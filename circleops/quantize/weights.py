@@ -17,8 +17,14 @@ onert 0.1.0 executes (shared/FACTS.md, "onert quantized weights"):
   calibration text), Q4_0 block scales minimise the importance-weighted error
   (ggml.quantize_q4_0_weighted, same format); without, ggml's reference rounding.
 
+``w8`` (circleops.quantize.int8) stores each linear weight as INT8 [N, K] with scale [1.0]
+for onert's hybrid FULLY_CONNECTED (float input and output), then a MUL by the per-channel
+scales [N] (onert reads only scale[0]), then the bias ADD and the activation as above, in
+the same FULLY_CONNECTED form; any K; the embedding stays FLOAT32 (onert loads no INT8
+GATHER table), so a tied lm_head gets its own INT8 weight.
+
 It runs after lowering, on the IR, so it needs nothing from the lowering beyond the ops it
-wrote. Weights whose K is not a multiple of 32 stay FLOAT32 and the report names them.
+wrote. GGML weights whose K is not a multiple of 32 stay FLOAT32 and the report names them.
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ import torch
 
 from circleops import ir
 from circleops.errors import TargetError
-from circleops.quantize import GGML_FORMATS, WEIGHT_FORMATS
-from circleops.quantize import ggml
+from circleops.quantize import HYBRID_FORMATS, WEIGHT_FORMATS, WEIGHT_ONLY_FORMATS
+from circleops.quantize import ggml, int8
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -47,16 +53,16 @@ Pretrained = dict[tuple, tuple[str, "np.ndarray | None"]]
 class QuantizedWeight:
     name: str
     shape: tuple[int, ...]
-    dtype: str  # GGML_Q4_0 / GGML_Q8_0
+    dtype: str  # GGML_Q4_0 / GGML_Q8_0 / INT8 (w8)
     origin: str  # "quantized" (reference rounding), "weighted" (importance-weighted Q4_0 scales) or "gguf"
     nbytes: int
 
 
 @dataclass
 class QuantReport:
-    """What ``quantize_weights`` stored as GGML blocks and what it left in fp32."""
+    """What ``quantize_weights`` stored as GGML blocks (or w8's int8) and what it left in fp32."""
 
-    format: str  # "q4_0" | "q8_0"
+    format: str  # "q4_0" | "q4_0-pure" | "q8_0" | "w8"
     weights: list[QuantizedWeight] = field(default_factory=list)  # one per distinct weight
     kept_fp32: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # name, shape, why
     embedding: str | None = None  # the GATHER table stored as Q4_0, if any
@@ -85,10 +91,12 @@ class QuantReport:
     @property
     def higher_precision(self) -> list[QuantizedWeight]:
         """Weights stored at a higher type than the format's (q4_0's Q8_0 output head)."""
-        return [w for w in self.weights if w.dtype != GGML_FORMATS[self.format]]
+        return [w for w in self.weights if w.dtype != WEIGHT_ONLY_FORMATS[self.format]]
 
     def summary_lines(self) -> list[str]:
-        dtype = GGML_FORMATS[self.format]
+        dtype = WEIGHT_ONLY_FORMATS[self.format]
+        if self.format in HYBRID_FORMATS:
+            dtype = "INT8 per channel (hybrid FULLY_CONNECTED + MUL by the scales)"
         gguf = sum(w.origin == "gguf" for w in self.weights)
         higher = self.higher_precision
         count = f"{len(self.weights) - len(higher)} weights as {dtype}" + \
@@ -119,9 +127,10 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     """Inside: the torch weights the report quantized hold their dequantized values (what
     the file computes with), so torch is the reference for a quantized file; restored after.
 
-    A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight)
-    cannot hold both in one tensor: the shared tensor takes the lm_head's values and every
-    ``nn.Embedding`` of ``model`` reading it gets its own tensor of the table's values.
+    A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight;
+    w8: the fp32 table, the lm_head's int8 weight) cannot hold both in one tensor: the shared
+    tensor takes the lm_head's values and every ``nn.Embedding`` of ``model`` reading it gets
+    its own tensor of the table's values.
     """
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
@@ -136,17 +145,25 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                 """(the table's own values, None) for a split tied table, else (src, its old values)."""
                 src, blocks, dtype, shape2d, role = entry
                 if role == "table" and linear.get(src.data_ptr(), dtype) != dtype:
-                    return ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
+                    return _dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
                 old = src.clone()
                 if src.dtype == torch.float32 and src.is_contiguous():
-                    ggml.dequantize_into(blocks, dtype, src)
+                    if dtype == int8.DTYPE:
+                        int8.dequantize_into(blocks, src)
+                    else:
+                        ggml.dequantize_into(blocks, dtype, src)
                 else:
-                    src.copy_(ggml.dequantize(blocks, dtype, shape2d).reshape(src.shape))
+                    src.copy_(_dequantize(blocks, dtype, shape2d).reshape(src.shape))
                 return src, old
 
-            for (src, *_), (values, old) in zip(entries, pool(swap_in, entries)):
+            for (src, _, dtype, _, _), (values, old) in zip(entries, pool(swap_in, entries)):
                 if old is not None:
                     saved.append((src, old))
+                    if dtype == int8.DTYPE:  # w8: a tied table stays fp32 in the file, its head int8
+                        for module in (model.modules() if model is not None else ()):
+                            if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
+                                swapped.append((module, module.weight))
+                                module.weight = torch.nn.Parameter(old.reshape(module.weight.shape), requires_grad=False)
                     continue
                 for module in (model.modules() if model is not None else ()):
                     if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
@@ -159,6 +176,13 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                 src.copy_(old)
         for module, weight in reversed(swapped):
             module.weight = weight
+
+
+def _dequantize(packed: Any, dtype: str, shape2d: tuple[int, ...]) -> torch.Tensor:
+    """The float32 values of a weight as ``quantize_weights`` stored it (GGML blocks or int8)."""
+    if dtype == int8.DTYPE:
+        return int8.dequantize(packed).reshape(shape2d)
+    return ggml.dequantize(packed, dtype, shape2d)
 
 
 @contextlib.contextmanager
@@ -174,18 +198,22 @@ def _pool(workers: int) -> Iterator[Callable]:
 
 
 def check_format(quantize: str | None, target: str) -> str | None:
-    """The GGML format asked for, or None; a TargetError for an unknown choice or a target
-    that cannot hold GGML weights."""
+    """The weight-only format asked for (GGML or w8), or None; a TargetError for an unknown
+    choice or a target that cannot hold its weights."""
     if quantize is None:
         return None
     if quantize not in WEIGHT_FORMATS:
         raise TargetError(f"unknown quantize={quantize!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
-    if quantize not in GGML_FORMATS:
+    if quantize not in WEIGHT_ONLY_FORMATS:
         # another quantization path's choice (PT2E integer graphs): its owner wires it here
         raise TargetError(
             f"quantize={quantize!r} makes an integer graph: quantize the model with "
             "circleops.quantize's PT2E quantizer and write it with circleops.save; convert and "
-            f"--graphs take {', '.join(GGML_FORMATS)}")
+            f"--graphs take {', '.join(WEIGHT_ONLY_FORMATS)}")
+    if target == "tflite" and quantize in HYBRID_FORMATS:
+        raise TargetError(
+            f"quantize={quantize!r} writes int8 weights for onert's hybrid FULLY_CONNECTED (scale [1.0] and a MUL "
+            "by the per-channel scales, the form onert computes right): use target 'onert' or 'circle'")
     if target == "tflite":
         raise TargetError(
             f"quantize={quantize!r} stores GGML block weights, which exist only in Circle (the TFLite schema "
@@ -212,7 +240,7 @@ HEAD_DTYPES = {"q4_0": "GGML_Q8_0"}
 class _Quantizer:
     def __init__(self, fmt: str, report: QuantReport, pretrained: Pretrained | None,
                  cache: dict[tuple, np.ndarray] | None, importance: dict[tuple, torch.Tensor] | None):
-        self.dtype = GGML_FORMATS[fmt]
+        self.dtype = WEIGHT_ONLY_FORMATS[fmt]
         self.head_dtype = HEAD_DTYPES.get(fmt)
         self.pure = fmt != "q4_0"  # the embedding table's blocks serve a tied head too
         self.report = report
@@ -221,6 +249,10 @@ class _Quantizer:
         self.importance = importance or {}
         self.tables: set[tuple] = set()  # source keys of the embedding tables (a tied head's too)
         self.pending: dict[tuple, Any] = {}  # (source key, dtype) -> Future of _make's result
+
+    def fits(self, k: int) -> bool:
+        """Whether a linear with inputs of length ``k`` can be stored in this format."""
+        return self.dtype == int8.DTYPE or k % ggml.BLOCK == 0
 
     def is_head(self, t: ir.Tensor) -> bool:
         """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
@@ -232,7 +264,7 @@ class _Quantizer:
         key = source_key(t.data)
         return self.report.parameter_names.get(key, t.name) if key is not None else t.name
 
-    def _make(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str, role: str) -> tuple[np.ndarray, str, str | None]:
+    def _make(self, t: ir.Tensor, shape2d: tuple[int, ...], dtype: str, role: str) -> tuple[Any, str, str | None]:
         """(blocks, origin, the GGUF type they were requantized from or None); touches no
         shared state, so workers run it."""
         key = source_key(t.data)
@@ -240,6 +272,8 @@ class _Quantizer:
         if pre is not None and pre[0] == dtype and pre[1] is not None:
             return pre[1], "gguf", None
         data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
+        if dtype == int8.DTYPE:
+            return int8.quantize_per_channel(data.reshape(shape2d)), "quantized", pre[0] if pre is not None else None
         # a table's rows are read as they are: weighted by a linear's inputs only when a
         # tied head shares its blocks (q4_0-pure)
         imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
@@ -305,8 +339,8 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
         (circleops.quantize.importance.input_importance): Q4_0 weights with one get block
         scales fitted to it (ggml.quantize_q4_0_weighted); others the reference rounding.
     """
-    if fmt not in GGML_FORMATS:
-        raise TargetError(f"quantize_weights: {fmt!r} is not a GGML format ({', '.join(GGML_FORMATS)})")
+    if fmt not in WEIGHT_ONLY_FORMATS:
+        raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format ({', '.join(WEIGHT_ONLY_FORMATS)})")
     report = report or QuantReport(fmt)
     names = set(parameters) if parameters is not None else None
     if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
@@ -351,7 +385,7 @@ def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> It
                 yield t, tuple(t.shape), "GGML_Q4_0", "table"
             continue
         lin = _linear_weight(sg, op)
-        if lin is not None and lin[1] % ggml.BLOCK == 0:
+        if lin is not None and q.fits(lin[1]):
             w = sg.tensors[lin[2]]
             yield w, (lin[0], lin[1]), q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype, "linear"
 
@@ -397,6 +431,20 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             converted[key] = sg.add_tensor(ir.Tensor(name, shape2d, dtype, blocks))
         return converted[key]
 
+    def int8_tensors(index: int, shape2d: tuple[int, int]) -> tuple[int, int]:
+        """(the INT8 weight with scale [1.0], the FLOAT32 [N] scales of the MUL after it)."""
+        key = (index, int8.DTYPE, shape2d)
+        if key not in converted:
+            t = sg.tensors[index]
+            packed = q.blocks(t, shape2d, int8.DTYPE)
+            name = q.name(t) + ("_int8" if source_key(t.data) in q.tables else "")  # a tied head beside its fp32 table
+            wi = sg.add_tensor(ir.Tensor(name, shape2d, int8.DTYPE, packed.q, ir.QuantParams(
+                np.ones(1, np.float32), np.zeros(1, np.int64))))
+            converted[key] = wi
+            converted[(index, "scale", shape2d)] = sg.add_tensor(
+                ir.Tensor(f"{name}_scale", (shape2d[0],), "FLOAT32", packed.scale))
+        return converted[key], converted[(index, "scale", shape2d)]
+
     def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
         return sg.add_tensor(ir.Tensor(f"{like.name}_{suffix}", tuple(shape), dtype or like.dtype))
 
@@ -421,12 +469,15 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             continue
         n, k, wi = lin
         w = sg.tensors[wi]
-        if k % ggml.BLOCK:
+        if not q.fits(k):
             kept[w.name] = ((n, k), f"K={k} is not a multiple of {ggml.BLOCK}")
             new_ops.append(op)
             continue
         dtype = q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype
-        qi = ggml_tensor(wi, (n, k), dtype)
+        if dtype == int8.DTYPE:
+            qi, scale_i = int8_tensors(wi, (n, k))
+        else:
+            qi, scale_i = ggml_tensor(wi, (n, k), dtype), -1
         x_i, out_i = op.inputs[0], op.outputs[0]
         x, out = sg.tensors[x_i], sg.tensors[out_i]
         rows = int(np.prod(x.shape, dtype=np.int64)) // k
@@ -439,9 +490,14 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             bias = -1  # all zero (the CONV_2D form always has one): onert drops it anyway
         act = op.options.get("fusedActivationFunction", 0) or 0
         act = _ACTIVATION_NAMES.get(act.upper(), act) if isinstance(act, str) else int(act)
-        fc_out = out_i if (len(out.shape) == 2 and bias < 0 and not act) else new_tensor(out, (rows, n), "fc")
+        last = len(out.shape) == 2 and bias < 0 and not act  # the next op may write the output
+        fc_out = out_i if last and scale_i < 0 else new_tensor(out, (rows, n), "fc")
         post: list[ir.Operator] = []
         y = fc_out
+        if scale_i >= 0:  # w8: the per-channel scales, which onert's hybrid FC cannot apply
+            z = out_i if last else new_tensor(out, (rows, n), "scaled")
+            post.append(ir.Operator("MUL", [y, scale_i], [z], "MulOptions", {"fusedActivationFunction": 0}))
+            y = z
         if bias >= 0:
             z = out_i if (len(out.shape) == 2 and not act) else new_tensor(out, (rows, n), "bias")
             post.append(ir.Operator("ADD", [y, bias], [z], "AddOptions", {"fusedActivationFunction": 0}))

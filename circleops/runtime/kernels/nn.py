@@ -4,10 +4,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circleops import ir
 from circleops.quantize.ggml import BlockTensor, quantize_q8_0_input
 from circleops.runtime.kernels import (KernelError, activation, check_alloc, enum_value, ints, kernel, option,
                                        same_dtype)
@@ -44,6 +46,8 @@ def _fully_connected(op, inputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     check_alloc([x.numel() // max(w.shape[1], 1), w.shape[0]], x.dtype, "FULLY_CONNECTED")
+    if w.dtype == torch.int8 and ctx.inputs and ctx.inputs[1] is not None and ctx.inputs[1].quant is not None:
+        return [activation(_hybrid(op, x, w, b, ctx.inputs[1]), op)]
     if isinstance(w, BlockTensor):
         # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
         check_alloc(w.shape, torch.float32, f"dequantized {w.dtype} weight")
@@ -54,6 +58,25 @@ def _fully_connected(op, inputs, ctx):
     if option(op, "keepNumDims", default=False):
         y = y.reshape(*x.shape[:-1], w.shape[0])
     return [activation(y, op)]
+
+
+def _hybrid(op, x: Tensor, w: Tensor, b: Tensor | None, wt: ir.Tensor) -> Tensor:
+    """onert's hybrid FULLY_CONNECTED (float x, INT8 w, float out): x quantized per row to
+    int8, an integer dot, times the row's scale and the weight's scale[0]
+    (circleops.quantize.int8.hybrid_linear). onert reads only scale[0] and ignores zero
+    points: other parameters are refused rather than computed one way or the other."""
+    from circleops.quantize.int8 import hybrid_linear
+
+    scale, zp = np.asarray(wt.quant.scale).reshape(-1), np.asarray(wt.quant.zero_point).reshape(-1)
+    if len(scale) != 1 or np.any(zp != 0):
+        raise KernelError(
+            f"hybrid FULLY_CONNECTED weight {wt.name!r}: {len(scale)} scales, zero points {zp[:4].tolist()}: onert "
+            "uses only scale[0] and ignores zero points, so only one scale and zero point 0 compute the same "
+            "everywhere (circleops --quantize w8 writes scale [1.0] and a MUL by the channel scales)")
+    y = hybrid_linear(x.reshape(-1, w.shape[1]), w, float(scale[0]), b)
+    if option(op, "keepNumDims", default=False):
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y
 
 
 @kernel("BATCH_MATMUL")

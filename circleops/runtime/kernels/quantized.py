@@ -294,6 +294,16 @@ def _generic(float_kernel):
     return run
 
 
+def is_hybrid_fc(op: ir.Operator, ctx: KernelContext) -> bool:
+    """A FULLY_CONNECTED with a float input and output and an INT8 weight: onert's hybrid kernel
+    (the input quantized per row at run time; circleops.quantize.int8, ``--quantize w8``)."""
+    if op.opcode != "FULLY_CONNECTED" or len(ctx.inputs) < 2 or ctx.inputs[1] is None:
+        return False
+    x, w, out = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
+    return (w.dtype == "INT8" and w.quant is not None and x is not None and x.quant is None
+            and x.dtype == "FLOAT32" and out.quant is None and out.dtype == "FLOAT32")
+
+
 def select(op: ir.Operator, ctx: KernelContext) -> Optional[Callable]:
     """The kernel for ``op`` when it touches quantized tensors, else None (the float kernel)."""
     ins = [t for t in ctx.inputs if t is not None]
@@ -303,6 +313,8 @@ def select(op: ir.Operator, ctx: KernelContext) -> Optional[Callable]:
         return _dequantize
     if op.opcode in ("QUANTIZE", "DEQUANTIZE") or not (quantized_ins or quantized_outs):
         return None
+    if is_hybrid_fc(op, ctx):
+        return None  # the FULLY_CONNECTED kernel computes it as onert does (kernels/nn.py)
     if op.opcode in QUANTIZED and len(quantized_ins) >= 2 and quantized_outs:
         return QUANTIZED[op.opcode]
     if op.opcode in DIRECT and quantized_outs and _same_params([ctx.inputs[0]] + quantized_outs) \

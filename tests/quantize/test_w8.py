@@ -1,0 +1,294 @@
+"""--quantize w8: int8 per-channel linear weights for onert's hybrid FULLY_CONNECTED (float input
+and output, INT8 weight with scale [1.0]) followed by a MUL by the channel scales. The packing,
+the reference interpreter's hybrid kernel against onert (which runs it on any x86-64, so these
+run on a CPU without AVX-512 too), convert / convert_graphs / generate with verify, and what the
+files hold."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops import ir
+from circleops.errors import TargetError
+from circleops.quantize import int8
+from circleops.quantize.weights import dequantized_sources
+from circleops.runtime import reference
+from circleops.serialize import read_model, write_model
+from families import BY_NAME, example_ids
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "convert"))
+from convert_fixtures import llama_config, llama_model  # noqa: E402,F401
+
+# Whole models: onert and the interpreter quantize each linear's input per row, so a 1-ulp
+# difference upstream (an RMS_NORM's or a softmax's summation order) can move one input value
+# across a rounding boundary and that row's outputs by one quantum of the input, about
+# max|x_row|/127 x |w| (as for GGML weights: conftest's GGML_CROSS_CHECK_ATOL). Measured on the
+# tiny Llama's 64-token logits file of test_cli_check_w8: 1 row of 64 off by 1.5e-3 (of
+# max(1, max|y|)), the 63 others equal. Fed the same input, the two agree within 1e-5 at the
+# output's scale: test_interpreter_hybrid_fc_equals_onert checks that on its own.
+CROSS_CHECK_ATOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return BY_NAME["llama"].build()
+
+
+def _ops(sg, opcode):
+    return [op for op in sg.operators if op.opcode == opcode]
+
+
+# ----------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("shape", [(64, 40), (7, 576), (300, 33)])
+def test_packing_round_trip(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    w[0] = 0  # an all-zero row: scale 1, values 0
+    w[1, 5] = -w[1].abs().max() * 2  # the row's largest magnitude is negative
+    packed = int8.quantize_per_channel(w)
+    q, s = packed.q, packed.scale
+    assert q.dtype == np.int8 and q.shape == shape and s.dtype == np.float32 and s.shape == (shape[0],)
+    assert q.min() >= -127 and q.max() <= 127
+    assert s[0] == 1 and not q[0].any() and q[1, 5] == -127
+    assert (np.abs(q[1:]).max(1) == 127).all()  # each row's largest magnitude maps to +-127
+    deq = int8.dequantize(packed)
+    err = (deq - w).abs().max(1).values
+    assert (err <= torch.from_numpy(s) * 0.5 * (1 + 1e-5)).all()  # half a step per row
+    out = torch.empty(shape)
+    assert torch.equal(int8.dequantize_into(packed, out), deq)
+    assert packed.nbytes == shape[0] * shape[1] + 4 * shape[0]
+
+
+def test_rounding_is_half_away_from_zero():
+    w = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 0.0]])  # scale 1
+    assert int8.quantize_per_channel(w).q.tolist() == [[127, 1, -1, 2, -3, 0]]
+    xq, sx = int8.quantize_rows(torch.tensor([[254.0, 1.0, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0]]))  # scale 2
+    assert xq.tolist() == [[127, 1, -1, 2], [0, 0, 0, 0]] and sx.flatten().tolist() == [2.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- the kernel vs onert
+def _hybrid_fc_file(path, packed: int8.Int8Weight, rows: int, bias: np.ndarray | None = None) -> None:
+    """x [rows, K] -> hybrid FULLY_CONNECTED (INT8 weight, scale [1.0]) -> MUL by the scales."""
+    n, k = packed.q.shape
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (rows, k), "FLOAT32"))
+    w = sg.add_tensor(ir.Tensor("w", (n, k), "INT8", packed.q, ir.QuantParams(np.ones(1, np.float32),
+                                                                                np.zeros(1, np.int64))))
+    b = -1 if bias is None else sg.add_tensor(ir.Tensor("b", (n,), "FLOAT32", bias.astype(np.float32)))
+    y = sg.add_tensor(ir.Tensor("y", (rows, n), "FLOAT32"))
+    s = sg.add_tensor(ir.Tensor("s", (n,), "FLOAT32", packed.scale))
+    z = sg.add_tensor(ir.Tensor("z", (rows, n), "FLOAT32"))
+    opts = {"fusedActivationFunction": 0}
+    sg.operators += [ir.Operator("FULLY_CONNECTED", [x, w, b], [y], "FullyConnectedOptions",
+                                 {**opts, "keepNumDims": False}),
+                     ir.Operator("MUL", [y, s], [z], "MulOptions", opts)]
+    sg.inputs, sg.outputs = [x], [z]
+    write_model(ir.Model([sg]), str(path), "circle")
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n,k", [(96, 64), (1536, 576), (576, 1536)])
+def test_interpreter_hybrid_fc_equals_onert(tmp_path, rows, n, k):
+    pytest.importorskip("onert")
+    from circleops.runtime import onert
+
+    rng = np.random.default_rng(rows * 7 + n)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.2, 3.0, (n, 1)) / np.sqrt(k)).astype(np.float32)
+    packed = int8.quantize_per_channel(w)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10.0, (rows, 1))).astype(np.float32)
+    x[:, :3] *= 8  # outlier features, as in an LLM's activations
+    path = tmp_path / "fc.circle"
+    _hybrid_fc_file(path, packed, rows)
+    got = onert.Session(str(path)).run([x])[0]
+    ref = reference.run(path, [x])[0]
+    scale = float(np.abs(got).max())
+    np.testing.assert_allclose(ref, got, atol=1e-5 * scale, rtol=0)
+    # and both are the dequantized product up to the input's rounding: half a step
+    # (max|x_row| / 127) per input value, times the weight row's absolute sum
+    wd = int8.dequantize(packed).double().numpy()
+    deq = x.astype(np.float64) @ wd.T
+    bound = 0.5 * np.abs(x).max(1, keepdims=True) / 127 * np.abs(wd).sum(1)[None, :]
+    assert (np.abs(got - deq) <= bound * (1 + 1e-4) + 1e-6 * scale).all()
+
+
+def test_interpreter_refuses_per_channel_hybrid_scales(tmp_path):
+    packed = int8.quantize_per_channel(torch.randn(8, 32))
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (1, 32), "FLOAT32"))
+    w = sg.add_tensor(ir.Tensor("w", (8, 32), "INT8", packed.q, ir.QuantParams(packed.scale, np.zeros(8, np.int64))))
+    y = sg.add_tensor(ir.Tensor("y", (1, 8), "FLOAT32"))
+    sg.operators.append(ir.Operator("FULLY_CONNECTED", [x, w, -1], [y], "FullyConnectedOptions",
+                                    {"fusedActivationFunction": 0, "keepNumDims": False}))
+    sg.inputs, sg.outputs = [x], [y]
+    write_model(ir.Model([sg]), str(tmp_path / "pc.circle"), "circle")
+    with pytest.raises(Exception, match="only scale"):
+        reference.run(tmp_path / "pc.circle", [np.ones((1, 32), np.float32)])
+
+
+# ----------------------------------------------------------------------------- convert
+def _check_w8_layout(path):
+    """Every FULLY_CONNECTED weight is INT8 with scale [1.0] and zero point 0, read by a MUL by
+    a FLOAT32 [N] constant; no GGML tensor; the embedding table stays FLOAT32."""
+    sg = read_model(str(path)).subgraphs[0]
+    fcs = _ops(sg, "FULLY_CONNECTED")
+    assert fcs and not _ops(sg, "CONV_2D")
+    assert not [t.name for t in sg.tensors if t.dtype in ir.GGML_BLOCKS]
+    readers = {i: op for op in sg.operators for i in op.inputs}
+    for op in fcs:
+        w = sg.tensors[op.inputs[1]]
+        assert w.dtype == "INT8" and list(w.quant.scale) == [1.0] and list(w.quant.zero_point) == [0], w.name
+        assert len(op.inputs) < 3 or op.inputs[2] == -1
+        assert op.options.get("fusedActivationFunction", 0) == 0
+        mul = readers[op.outputs[0]]
+        assert mul.opcode == "MUL"
+        s = sg.tensors[mul.inputs[1]]
+        assert s.dtype == "FLOAT32" and tuple(s.shape) == (w.shape[0],) and s.data is not None
+    (gather,) = [op for op in _ops(sg, "GATHER") if sg.tensors[op.inputs[0]].data is not None]
+    assert sg.tensors[gather.inputs[0]].dtype == "FLOAT32"
+    return sg
+
+
+@pytest.mark.parametrize("target", ["onert", "circle"])
+def test_convert_w8_runs_and_verifies(tmp_path, llama, target):
+    ids = example_ids(8)
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    path = tmp_path / "m.circle"
+    report = circleops.convert(llama, (ids,), path, target=target, quantize="w8", verify=True)
+    assert report.verify.passed and report.verify.runtime == ("onert" if target == "onert" else "reference")
+    _check_w8_layout(path)
+    q = report.quantization
+    attention = 4 * 2 if target == "circle" else 0  # Circle's fused ATTENTION keeps its float weights
+    assert q.format == "w8" and len(q.weights) == 2 * 7 + 1 - attention and q.embedding is None
+    assert all(w.dtype == "INT8" for w in q.weights) and not q.higher_precision
+    assert "as INT8 per channel" in report.summary()
+    assert all(torch.equal(v, llama.state_dict()[k]) for k, v in before.items())
+    fp32 = tmp_path / "fp32.circle"
+    circleops.convert(llama, (ids,), fp32, target=target)
+    # the tiny model's embedding (256 x 64) stays fp32 and weighs as much as a layer
+    assert path.stat().st_size / fp32.stat().st_size < (0.55 if target == "onert" else 0.75)
+
+
+def test_verify_compares_with_the_dequantized_weights(tmp_path, llama):
+    """The file's logits are closer to torch on the dequantized weights than on fp32's."""
+    ids = example_ids(8)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(llama, (ids,), path, target="circle", quantize="w8")
+    got = reference.run(path, [ids.numpy()])[0]
+    with torch.no_grad():
+        fp32 = llama(ids).logits.numpy()
+        with dequantized_sources(report.quantization):
+            deq = llama(ids).logits.numpy()
+    assert np.abs(got - deq).max() < np.abs(got - fp32).max()
+
+
+def test_tied_lm_head_gets_its_own_int8_weight(tmp_path):
+    model = BY_NAME["llama"].build(tie_word_embeddings=True)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(model, (example_ids(8),), path, target="onert", quantize="w8", verify=True)
+    sg = _check_w8_layout(path)
+    (gather,) = _ops(sg, "GATHER")
+    table, head = sg.tensors[gather.inputs[0]], sg.tensors[_ops(sg, "FULLY_CONNECTED")[-1].inputs[1]]
+    assert (table.dtype, head.dtype) == ("FLOAT32", "INT8") and head.name.endswith("_int8")
+    # verify's torch reference runs the dequantized head and the fp32 table, as the file does
+    assert report.verify.passed
+    embed, lm = model.model.embed_tokens, model.lm_head
+    fp32 = embed.weight.detach().clone()
+    with dequantized_sources(report.quantization, model):
+        assert embed.weight is not lm.weight and torch.equal(embed.weight, fp32)
+        assert torch.equal(lm.weight.detach(), int8.dequantize(int8.quantize_per_channel(fp32)))
+    assert embed.weight is lm.weight and torch.equal(embed.weight, fp32)
+
+
+class _Odd(torch.nn.Module):
+    """A K=40 linear (any K works for w8), a biased linear with a ReLU, and a K=64 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(40, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=True)
+        self.c = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+
+@pytest.mark.parametrize("target", ["onert", "circle"])
+def test_any_k_and_bias_after_the_scales(tmp_path, target):
+    torch.manual_seed(0)
+    model = _Odd().eval()
+    with torch.no_grad():
+        model.b.bias.uniform_(1, 2)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(model, (torch.randn(6, 40),), path, target=target, quantize="w8", verify=True)
+    assert not report.quantization.kept_fp32 and len(report.quantization.weights) == 3
+    sg = read_model(str(path)).subgraphs[0]
+    assert [sg.tensors[op.inputs[1]].dtype for op in _ops(sg, "FULLY_CONNECTED")] == ["INT8"] * 3
+    # the bias is added after the MUL by the scales, then the ReLU
+    order = [op.opcode for op in sg.operators if op.opcode in ("FULLY_CONNECTED", "MUL", "ADD", "RELU")]
+    assert order[:3] == ["FULLY_CONNECTED", "MUL", "FULLY_CONNECTED"] and order[3:6] == ["MUL", "ADD", "RELU"]
+
+
+def test_graphs_w8_generate(tmp_path, llama):
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+
+    out = tmp_path / "g"
+    report = convert_graphs(copy.deepcopy(llama), out, target="onert", prefill_len=8, max_cache_len=32,
+                            verify=True, quantize="w8")
+    assert report.quantization.format == "w8" and "quantize:" in report.summary()
+    manifest = read_manifest(out)
+    assert manifest.quantize == "w8"
+    for g in ("prefill", "decode"):
+        _check_w8_layout(manifest.path(g))
+    gen = Generator(manifest).generate([5, 17, 42], 6)
+    assert gen.runtime == "onert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
+    assert all(0 <= t < 256 for t in gen.tokens)
+
+
+def test_cli_convert_w8(capsys, tmp_path, llama_config):
+    from circleops.cli import main
+
+    out = tmp_path / "m.circle"
+    code = main(["convert", "--config", str(llama_config), "-o", str(out), "--seq-len", "8", "--target", "onert",
+                 "--quantize", "w8", "--verify"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "verify:  onert: max abs error" in captured.out and "MISMATCH" not in captured.out
+    _check_w8_layout(out)
+
+
+def test_refused_for_tflite(tmp_path, llama):
+    with pytest.raises(TargetError, match="hybrid FULLY_CONNECTED"):
+        circleops.convert(copy.deepcopy(llama), (example_ids(8),), tmp_path / "m.tflite", target="tflite",
+                          quantize="w8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quant_check_w8_costs_little(llama):
+    from circleops.quantize.check import quant_check
+
+    r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2)
+    assert r.runtime == "onert" and r.note is None  # onert runs w8 on any x86-64
+    assert len(r.layer_max_abs) == 2 and r.perplexity_tokens == 2 * 63
+    assert abs(r.perplexity_ratio - 1) < 0.01
+    assert "INT8 per channel" in r.table()
+
+
+def test_cli_check_w8(tmp_path, capsys, llama_config):
+    import json
+
+    from circleops.cli import main
+
+    out = tmp_path / "r.json"
+    code = main(["check", "--config", str(llama_config), "--quantize", "w8", "--prompt-ids", "5,17,42", "-n", "4",
+                 "--window", "32", "--max-windows", "1", "--json", str(out), "-q"])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["format"] == "w8" and data["perplexity_tokens"] == 31
