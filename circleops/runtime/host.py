@@ -52,7 +52,8 @@ def onert_ggml_refusal(path: str | os.PathLike, ggml_types: set[str] | frozenset
             f"onert 0.1.0's GGML kernels are compiled for AVX-512 (this CPU lacks {', '.join(missing)}), so "
             f"onert would stop the process with 'Illegal instruction'. The file is fine for a CPU with "
             f"AVX-512 VNNI. Here: run it with --runtime reference (circleops' interpreter runs GGML weights "
-            f"as onert does), or convert without --quantize for an fp32 file onert runs on any x86-64.")
+            f"as onert does), or convert with --quantize w8 (int8 weights onert runs on any x86-64) or "
+            f"without --quantize.")
 
 
 def onert_or_reference(requested: bool | str | None, quantize: str | None, doing: str = "verify") -> tuple[str, str | None]:
@@ -74,7 +75,9 @@ def onert_or_reference(requested: bool | str | None, quantize: str | None, doing
     if not default:
         raise HostCPUError(f"cannot {doing} {quantize} weights with onert on this machine: {why}. Use the "
                            f"reference interpreter (--runtime reference), which runs GGML weights as onert does, "
-                           f"or a CPU with AVX-512 VNNI.")
+                           f"a CPU with AVX-512 VNNI, or convert with --quantize w8 (int8 weights onert runs on "
+                           f"any x86-64).")
     done = "verified" if doing == "verify" else "running"
     return "reference", (f"{done} on circleops' reference interpreter, not onert: {why}. The interpreter "
-                         f"computes GGML weights as onert does; the files run on onert on a CPU with AVX-512 VNNI.")
+                         f"computes GGML weights as onert does; the files run on onert on a CPU with AVX-512 VNNI "
+                         f"(for onert here: --quantize w8).")
