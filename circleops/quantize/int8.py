@@ -1,8 +1,8 @@
 """int8 per-channel linear weights for onert's hybrid FULLY_CONNECTED (``--quantize w8``).
 
-What onert 0.1.0 runs on any x86-64 (shared/FACTS.md, "onert quantized weights"; measured in
-/tmp/hybrid): FULLY_CONNECTED with a FLOAT32 input [R, K], an INT8 weight [N, K] and a FLOAT32
-output. onert reads only scale[0] of the weight (per-channel scales give wrong results) and
+What onert 0.1.0 runs on any x86-64 (shared/FACTS.md, "onert quantized weights"; measured
+on hand-built single-FC files, 2026-12-01): FULLY_CONNECTED with a FLOAT32 input [R, K], an
+INT8 weight [N, K] and a FLOAT32 output. onert reads only scale[0] of the weight (per-channel scales give wrong results) and
 ignores zero points, so the file holds the weight with scale [1.0], zero point [0], and a MUL
 by a constant FLOAT32 [N] vector restores each output channel's scale:
 
