@@ -194,6 +194,9 @@ def _check(c: Command, p: subprocess.CompletedProcess) -> None:
         assert p.stdout.split("\n")[0] == c.transcript[0], f"{where}: printed {p.stdout!r}"
 
 
+# one worker, in README order: a command reads what an earlier one wrote (inspect reads the
+# file convert made) in the worker's shell_dir (pyproject: --dist loadgroup)
+@pytest.mark.xdist_group("readme_commands")
 @pytest.mark.parametrize("c", FAST, ids=[f"L{c.line}:{c.cmd[:60]}" for c in FAST])
 def test_command_runs(c, shell_dir):
     cwd, env = shell_dir
