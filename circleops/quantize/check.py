@@ -15,6 +15,7 @@ it) and run by onert (or the reference interpreter); the report gives
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -109,7 +110,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     from circleops.numerics import LayerOutputs
     from circleops.quantize.weights import check_format
 
-    from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
+    from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS, INTEGER_FORMATS
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
@@ -149,7 +150,16 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
 
-    with fp.WorkDirectory(work_dir) as directory:
+    smoothing = None
+    with contextlib.ExitStack() as restore, fp.WorkDirectory(work_dir) as directory:
+        if quantize in HYBRID_FORMATS:  # w8: SmoothQuant folded into the weights, as convert does
+            from circleops.conversion import hf_export_settings
+            from circleops.quantize.smooth import smoothed
+
+            t = time.perf_counter()
+            with hf_export_settings(reference):
+                smoothing = restore.enter_context(smoothed(reference, tokenizer=tokenizer)).summary_line()
+            timings["smooth"] = time.perf_counter() - t
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
         with hf_export_settings(reference), torch.no_grad():
@@ -157,6 +167,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         path = Path(directory) / f"layers_{quantize}.circle"
         qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg,
                          importance)
+        if smoothing is not None:
+            qreport.smoothing = smoothing
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
         errors, rel, sqnr = [], [], []
