@@ -150,10 +150,21 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
 
+    all_ids = text_ids(tokenizer, int(cfg.vocab_size), text)
+    count = len(all_ids) // window if max_windows is None else min(max_windows, len(all_ids) // window)
+    if count < 1:
+        raise CircleOpsError(f"the perplexity text has {len(all_ids)} tokens, fewer than one window of {window}.")
+    chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
+    example = torch.tensor([chunks[0]])
+    module = CausalLMLogits(reference).eval()
+    t = time.perf_counter()
+    with hf_export_settings(reference), torch.no_grad():  # the model as given (before w8's smoothing)
+        fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
+    fp32_seconds = time.perf_counter() - t
+
     smoothing = None
     with contextlib.ExitStack() as restore, fp.WorkDirectory(work_dir) as directory:
         if quantize in HYBRID_FORMATS:  # w8: SmoothQuant folded into the weights, as convert does
-            from circleops.conversion import hf_export_settings
             from circleops.quantize.smooth import smoothed
 
             t = time.perf_counter()
@@ -188,22 +199,14 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
 
         t = time.perf_counter()
         say(f"perplexity: fp32 (torch) and {quantize} ({runtime}), windows of {window}")
-        all_ids = text_ids(tokenizer, int(cfg.vocab_size), text)
-        count = len(all_ids) // window if max_windows is None else min(max_windows, len(all_ids) // window)
-        if count < 1:
-            raise CircleOpsError(f"the perplexity text has {len(all_ids)} tokens, fewer than one window of {window}.")
-        chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
-        example = torch.tensor([chunks[0]])
-        module = CausalLMLogits(reference).eval()
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
-            fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
         lm_path = Path(directory) / f"logits_{quantize}.circle"
         _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg,
                importance)
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
-        timings["perplexity"] = time.perf_counter() - t
+        timings["perplexity"] = time.perf_counter() - t + fp32_seconds
         file_bytes = path.stat().st_size
 
     return QuantCheckReport(

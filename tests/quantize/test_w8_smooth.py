@@ -88,15 +88,16 @@ def test_smoothing_lowers_the_w8_error_with_an_outlier_channel(tmp_path, monkeyp
     model = _llama(outlier=100.0)
     ids = example_ids(16)
     want = _logits(model, ids)[0].numpy()
-    errors = {}
+    errors, ops = {}, {}
     for setting in ("off", "0.3"):
         monkeypatch.setenv("CIRCLEOPS_W8_SMOOTH", setting)
         path = tmp_path / f"m_{setting}.circle"
         # no verify: torch's reference has fp32 activations, and the unsmoothed file's error from
         # quantizing them is what this measures (above verify's tolerance)
-        circleops.convert(model, (ids,), path, target="onert", quantize="w8")
+        ops[setting] = circleops.convert(model, (ids,), path, target="onert", quantize="w8").ops
         got = onert.Session(str(path)).run([ids.numpy()])[0][0]
         errors[setting] = float(np.sqrt(np.mean((got.astype(np.float64) - want) ** 2)))
+    assert ops["0.3"] == ops["off"]  # the same graph: smoothing only changes weight values
     assert errors["0.3"] < 0.5 * errors["off"], errors  # measured 0.0035 vs 0.0086 (RMS of the logits error)
 
 
