@@ -28,7 +28,7 @@ from circleops.dtypes import float_dtype, short_name
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.options import CONVERT_DTYPES, FUSE_MODES
-from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
+from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS, INTEGER_FORMATS
 from circleops.quantize.weights import dequantized_sources
 from circleops.report import Report, VerifyResult
 from circleops.runtime import RUNTIMES
@@ -104,6 +104,25 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     t = time.perf_counter()
     if model_dtype(model) not in (None, torch_dtype):
         model.to(torch_dtype)
+    with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the file is written
+        smoothing = None
+        if quantize in HYBRID_FORMATS:
+            from circleops.quantize.smooth import smoothed
+
+            t_smooth = time.perf_counter()
+            with hf_export_settings(model), _dense_experts(model):  # the model's own forward, before fusion
+                smoothing = restore.enter_context(smoothed(model, example_args, tokenizer)).summary_line()
+            t_smooth = time.perf_counter() - t_smooth
+            t += t_smooth
+        return _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance,
+                                 progress, quantize, calibrate, calibration_data, tokenizer, integer_io, threads,
+                                 int16, host_notes, t, smoothing, t_smooth if smoothing else None)
+
+
+def _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance, progress,
+                      quantize, calibrate, calibration_data, tokenizer, integer_io, threads, int16, host_notes, t,
+                      smoothing, t_smooth) -> Report:
+    """convert after the checks: export, calibrate, lower, write, verify."""
     module = export_module(model)
     importance = None
     if quantize in GGML_FORMATS and GGML_FORMATS[quantize] == "GGML_Q4_0":
@@ -121,8 +140,11 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads,
                importance=importance)
     job.warnings.extend(host_notes)
+    job.smoothing = smoothing
     if importance is not None:
         job.timings["calibrate"] = t_imp
+    if t_smooth is not None:
+        job.timings["smooth"] = t_smooth
     with hf_export_settings(model), _dense_experts(model), torch.no_grad():
         ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
     job.timings["export"] = time.perf_counter() - t
@@ -604,6 +626,7 @@ class _Job:
     quantize: str | None = None  # a weight-only format (circleops.quantize.WEIGHT_ONLY_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
     importance: Any = None  # input importances for Q4_0 scales (circleops.quantize.importance)
+    smoothing: str | None = None  # w8: the SmoothQuant summary line (circleops.quantize.smooth)
     threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
@@ -664,6 +687,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
 
         quant_report = quantize_weights(ir_model, job.quantize, parameters=parameter_names(ep),
                                         pretrained=job.pretrained, importance=job.importance)
+        quant_report.smoothing = job.smoothing
         timings["quantize"] = time.perf_counter() - t
     from circleops.passes.fuse_linears import fuse_for_target
 

@@ -41,6 +41,7 @@ which.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,7 +57,7 @@ from circleops.generate import empty_caches, open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
-from circleops.quantize import GGML_FORMATS
+from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS
 from circleops.targets import PROFILES
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks
@@ -470,11 +471,20 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
     try:
-        report = _convert_graphs_into(model, staging, out_dir, graphs=named, target=target, lengths=lengths,
-                                      max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
-                                      tolerance=tolerance, source=source, progress=progress, quantize=quantize,
-                                      torch_dtype=torch_dtype, files=files, fmt=fmt, config=config, threads=threads,
-                                      cache_update=cache_update)
+        with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
+            smoothing = None
+            if quantize in HYBRID_FORMATS:
+                from circleops.quantize.smooth import smoothed
+
+                with api.hf_export_settings(model):
+                    smoothing = restore.enter_context(smoothed(model.eval(), tokenizer=tokenizer)).summary_line()
+            report = _convert_graphs_into(model, staging, out_dir, graphs=named, target=target, lengths=lengths,
+                                          max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
+                                          tolerance=tolerance, source=source, progress=progress, quantize=quantize,
+                                          torch_dtype=torch_dtype, files=files, fmt=fmt, config=config,
+                                          threads=threads, cache_update=cache_update)
+            if smoothing is not None and report.quantization is not None:
+                report.quantization.smoothing = smoothing
         report.verify_note = verify_note
         _publish(staging, out_dir)
     except BaseException:

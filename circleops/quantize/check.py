@@ -15,6 +15,7 @@ it) and run by onert (or the reference interpreter); the report gives
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -109,7 +110,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     from circleops.numerics import LayerOutputs
     from circleops.quantize.weights import check_format
 
-    from circleops.quantize import GGML_FORMATS, INTEGER_FORMATS
+    from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS, INTEGER_FORMATS
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
@@ -149,7 +150,27 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
 
-    with fp.WorkDirectory(work_dir) as directory:
+    all_ids = text_ids(tokenizer, int(cfg.vocab_size), text)
+    count = len(all_ids) // window if max_windows is None else min(max_windows, len(all_ids) // window)
+    if count < 1:
+        raise CircleOpsError(f"the perplexity text has {len(all_ids)} tokens, fewer than one window of {window}.")
+    chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
+    example = torch.tensor([chunks[0]])
+    module = CausalLMLogits(reference).eval()
+    t = time.perf_counter()
+    with hf_export_settings(reference), torch.no_grad():  # the model as given (before w8's smoothing)
+        fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
+    fp32_seconds = time.perf_counter() - t
+
+    smoothing = None
+    with contextlib.ExitStack() as restore, fp.WorkDirectory(work_dir) as directory:
+        if quantize in HYBRID_FORMATS:  # w8: SmoothQuant folded into the weights, as convert does
+            from circleops.quantize.smooth import smoothed
+
+            t = time.perf_counter()
+            with hf_export_settings(reference):
+                smoothing = restore.enter_context(smoothed(reference, tokenizer=tokenizer)).summary_line()
+            timings["smooth"] = time.perf_counter() - t
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
         with hf_export_settings(reference), torch.no_grad():
@@ -157,6 +178,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         path = Path(directory) / f"layers_{quantize}.circle"
         qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg,
                          importance)
+        if smoothing is not None:
+            qreport.smoothing = smoothing
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
         errors, rel, sqnr = [], [], []
@@ -176,22 +199,14 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
 
         t = time.perf_counter()
         say(f"perplexity: fp32 (torch) and {quantize} ({runtime}), windows of {window}")
-        all_ids = text_ids(tokenizer, int(cfg.vocab_size), text)
-        count = len(all_ids) // window if max_windows is None else min(max_windows, len(all_ids) // window)
-        if count < 1:
-            raise CircleOpsError(f"the perplexity text has {len(all_ids)} tokens, fewer than one window of {window}.")
-        chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
-        example = torch.tensor([chunks[0]])
-        module = CausalLMLogits(reference).eval()
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
-            fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
         lm_path = Path(directory) / f"logits_{quantize}.circle"
         _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg,
                importance)
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
-        timings["perplexity"] = time.perf_counter() - t
+        timings["perplexity"] = time.perf_counter() - t + fp32_seconds
         file_bytes = path.stat().st_size
 
     return QuantCheckReport(

@@ -59,9 +59,26 @@ def input_importance(model: torch.nn.Module, example_args: Sequence[Any] = (), t
     runs ``example_args``. A linear the forward never reached has no entry (its weight is
     then quantized with the reference rounding).
     """
+    return _calibrate(model, example_args, tokenizer, "importance")
+
+
+def input_absmax(model: torch.nn.Module, example_args: Sequence[Any] = (), tokenizer: Any = None
+                 ) -> dict[str, torch.Tensor]:
+    """Max |x| of each input channel of every ``nn.Linear`` of ``model`` over the same run as
+    ``input_importance`` (the shipped calibration text for an LLM), keyed by module name (the
+    first module holding each weight); cached the same way. SmoothQuant's scales for w8
+    (circleops.quantize.smooth) are made of them."""
+    by_key = _calibrate(model, example_args, tokenizer, "absmax")
+    return {name: by_key[key] for name, key in _linear_keys(model).items() if key in by_key}
+
+
+def _calibrate(model: torch.nn.Module, example_args: Sequence[Any], tokenizer: Any, stat: str
+               ) -> dict[tuple, torch.Tensor]:
+    """One forward with a pre-hook on every nn.Linear: "importance" (mean of x^2) or "absmax"
+    (max |x|) per input channel, by source_key; read from / written to the disk cache."""
     ids = calibration_ids(model, tokenizer)
     linears = _linear_keys(model)
-    cache = _cache_path(model, ids) if ids is not None and linears else None
+    cache = _cache_path(model, ids, stat) if ids is not None and linears else None
     cached = _read(cache, linears) if cache is not None else None
     if cached is not None:
         return cached
@@ -76,7 +93,10 @@ def input_importance(model: torch.nn.Module, example_args: Sequence[Any] = (), t
             def hook(_mod: torch.nn.Module, args: tuple, key: tuple = key) -> None:
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
                 acc = sums.setdefault(key, [torch.zeros(x.shape[1], dtype=torch.float64), 0])
-                acc[0] += (x * x).sum(0)
+                if stat == "absmax":
+                    acc[0] = torch.maximum(acc[0], x.abs().amax(0))
+                else:
+                    acc[0] += (x * x).sum(0)
                 acc[1] += x.shape[0]
 
             handles.append(module.register_forward_pre_hook(hook))
@@ -91,7 +111,10 @@ def input_importance(model: torch.nn.Module, example_args: Sequence[Any] = (), t
     finally:
         for h in handles:
             h.remove()
-    result = {key: (total / max(count, 1)).to(torch.float32) for key, (total, count) in sums.items()}
+    if stat == "absmax":
+        result = {key: total.to(torch.float32) for key, (total, _count) in sums.items()}
+    else:
+        result = {key: (total / max(count, 1)).to(torch.float32) for key, (total, count) in sums.items()}
     if cache is not None:
         _write(cache, {"linears": list(linears),
                        "importance": {name: result[key] for name, key in linears.items() if key in result}})
@@ -115,7 +138,7 @@ def _linear_keys(model: torch.nn.Module) -> dict[str, tuple]:
     return out
 
 
-def _cache_path(model: torch.nn.Module, ids: torch.Tensor) -> Path | None:
+def _cache_path(model: torch.nn.Module, ids: torch.Tensor, stat: str = "importance") -> Path | None:
     """The cache file of ``model`` run on ``ids``; None when the model cannot be fingerprinted."""
     from circleops.models import cache_dir
 
@@ -145,7 +168,8 @@ def _cache_path(model: torch.nn.Module, ids: torch.Tensor) -> Path | None:
             add(name, tuple(t.shape), str(t.dtype), crc)
     except Exception:  # noqa: BLE001 - a model this cannot fingerprint is calibrated every time
         return None
-    return cache_dir() / "importance" / f"{h.hexdigest()[:32]}.pt"
+    suffix = "" if stat == "importance" else f"-{stat}"  # the importances keep their file names
+    return cache_dir() / "importance" / f"{h.hexdigest()[:32]}{suffix}.pt"
 
 
 def _crcs(tensors: list[torch.Tensor]) -> list[int]:

@@ -69,6 +69,7 @@ class QuantReport:
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors requantized
     requantized: dict[tuple[str, str], int] = field(default_factory=dict)  # (GGUF type, GGML type) -> tensors
     fp32_bytes: int = 0  # what the quantized weights took in fp32
+    smoothing: str | None = None  # w8: what SmoothQuant folded (circleops.quantize.smooth.SmoothReport)
 
     def __post_init__(self) -> None:
         # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
@@ -86,7 +87,8 @@ class QuantReport:
                 "weights": [vars(w) for w in self.weights],
                 "kept_fp32": [{"name": n, "shape": list(s), "reason": r} for n, s, r in self.kept_fp32],
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
-                "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision]}
+                "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision],
+                "smoothing": self.smoothing}
 
     @property
     def higher_precision(self) -> list[QuantizedWeight]:
@@ -115,6 +117,8 @@ class QuantReport:
             lines.append(f"{gguf} carried over bit for bit from the GGUF file")
         for (src, to), n in sorted(self.requantized.items()):
             lines.append(f"{n} GGUF {src} tensors requantized to {to} from their dequantized values")
+        if self.smoothing:
+            lines.append(self.smoothing)
         if self.kept_fp32:
             names = ", ".join(f"{n} {list(s)} ({r})" for n, s, r in self.kept_fp32[:6])
             more = f" and {len(self.kept_fp32) - 6} more" if len(self.kept_fp32) > 6 else ""

@@ -180,9 +180,13 @@ def test_verify_compares_with_the_dequantized_weights(tmp_path, llama):
     path = tmp_path / "m.circle"
     report = circleops.convert(llama, (ids,), path, target="circle", quantize="w8")
     got = reference.run(path, [ids.numpy()])[0]
+    from circleops.quantize.smooth import smoothed
+
     with torch.no_grad():
         fp32 = llama(ids).logits.numpy()
-        with dequantized_sources(report.quantization):
+        # the file holds the SmoothQuant-folded weights: the same fold (the same cached maxima), then
+        # the weights the file holds swapped in
+        with smoothed(llama), dequantized_sources(report.quantization):
             deq = llama(ids).logits.numpy()
     assert np.abs(got - deq).max() < np.abs(got - fp32).max()
 
