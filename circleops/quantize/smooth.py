@@ -206,9 +206,9 @@ def _apply(model, example_args, tokenizer, alpha, report, saved) -> None:
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from circleops.conversion import hf_export_settings
     from circleops.quantize.ggml import one_thread
 
-    with torch.no_grad(), one_thread(), hf_export_settings(model):
+    # the model's own attention settings: both sides of the comparison run the same way
+    with torch.no_grad(), one_thread():
         out = model(input_ids=ids, use_cache=False)
     return (out.logits if hasattr(out, "logits") else out[0]).detach().to(torch.float64)
