@@ -23,3 +23,27 @@ def convnet_uint8():
     calib = pt2e.calibration_samples((x,), 3)
     converted, qep = pt2e.quantize(model, (x,), pt2e.make_quantizer("uint8", weight="uint8"), calib, exported=ep)
     return model, x, converted, qep
+
+
+class _OddLinears(torch.nn.Module):
+    """A K=40 linear (not a multiple of GGML's 32-value blocks), a linear with a real bias
+    and a ReLU after it, and a K=64 one: what weight formats must handle besides plain FCs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(40, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=True)
+        self.c = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+
+@pytest.fixture
+def odd_linears():
+    """_OddLinears with seeded weights and a bias in [1, 2) (which onert's GGML FC would refuse)."""
+    torch.manual_seed(0)
+    model = _OddLinears().eval()
+    with torch.no_grad():
+        model.b.bias.uniform_(1, 2)
+    return model
