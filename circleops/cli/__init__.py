@@ -14,6 +14,7 @@ import sys
 from circleops._version import __version__
 from circleops.cli.process import (Terminated, exit_without_teardown, install_sigterm, one_line, restore_sigterm,
                                    silence_stdout)
+from circleops.cli.quiet import dependency_output
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,6 +38,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     subparsers = {}
     for name, (_, help_text) in COMMANDS.items():
         subparsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+        subparsers[name].add_argument(
+            "--verbose", action="store_true",
+            help="also show what the libraries underneath (torch, torchao, transformers, ...) log and warn; "
+                 "hidden by default")
     return parser, subparsers
 
 
@@ -77,7 +82,8 @@ def _main(argv: list[str]) -> int:
 
     previous = install_sigterm()
     try:
-        return int(args._module.main(args) or 0)
+        with dependency_output(args.verbose):
+            return int(args._module.main(args) or 0)
     except CircleOpsError as err:
         print(f"circleops {args.command}: error: {err}", file=sys.stderr)
         return 2
