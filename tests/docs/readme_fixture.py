@@ -1,6 +1,6 @@
-"""The README's placeholders, defined once, in plain sight.
+"""The placeholders of the README's and the guides' code blocks, defined once, in plain sight.
 
-The README's code blocks use names they do not define (``x``, ``weight``, ``model``,
+The code blocks of README.md and docs/*.md (:data:`PAGES`) use names they do not define (``x``, ``weight``, ``model``,
 ``input_ids``...) and files they do not create (``model.circle``, ``ids.npy``...). This
 module defines them: tiny random models (tests/families.py) and files converted from them.
 Python blocks run section by section, each section in a fresh namespace built by
@@ -23,6 +23,9 @@ from families import BY_NAME, example_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# every page whose code blocks run: the README, then each guide of docs/ (by name; a guide's
+# commands may read files an earlier command of the same page wrote, never another page's)
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 # shell placeholders, replaced word for word before a command runs
 SHELL_PLACEHOLDERS = {"MODEL": "hf_dir"}

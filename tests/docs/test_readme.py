@@ -1,8 +1,9 @@
-"""Every code block of README.md runs, so the README cannot drift from the code.
+"""Every code block of README.md and of the guides in docs/ runs, so the docs cannot drift
+from the code.
 
 - Every fenced block is labelled: ``python``, ``shell`` (commands), ``console`` (``$ command``
   followed by what it prints) or ``text`` (synopses, tables, listings).
-- Python blocks run in README order, section by section, in a fresh namespace holding the
+- Python blocks run in page order, section by section (a section = one page's heading), in a fresh namespace holding the
   placeholders of tests/docs/readme_fixture.py.
 - Shell and console commands run in a prepared directory, with ``circleops`` being this
   tree. A console transcript that shows an error must fail with exit status 2 and that
@@ -27,7 +28,7 @@ LANGS = {"python", "shell", "console", "text"}
 
 @dataclass(frozen=True)
 class Block:
-    section: str  # "## parent / ### heading"
+    section: str  # "page.md: ## parent / ### heading"
     lang: str
     code: str
     line: int
@@ -42,9 +43,10 @@ class Command:
     console: bool = False
 
 
-def _blocks() -> list[Block]:
+def _page_blocks(page) -> list[Block]:
     out, parents, inside = [], {}, None
-    lines = fx.README.read_text().split("\n")
+    name = page.relative_to(fx.ROOT).as_posix()
+    lines = page.read_text().split("\n")
     for n, line in enumerate(lines, 1):
         if inside is None:
             m = re.match(r"(#{1,6}) ", line)
@@ -57,11 +59,15 @@ def _blocks() -> list[Block]:
         elif line.startswith("```"):
             lang, start, body = inside
             section = " / ".join(parents[k] for k in sorted(parents) if k >= 2)
-            out.append(Block(section, lang, "\n".join(body), start))
+            out.append(Block(f"{name}: {section}", lang, "\n".join(body), start))
             inside = None
         else:
             inside[2].append(line)
     return out
+
+
+def _blocks() -> list[Block]:
+    return [b for page in fx.PAGES for b in _page_blocks(page)]
 
 
 BLOCKS = _blocks()
@@ -97,16 +103,22 @@ FAST = [c for c in COMMANDS if c not in SLOW and c.cmd not in fx.NOT_RUN]
 
 
 def test_every_block_is_labelled():
-    bad = [f"line {b.line}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGS]
-    assert not bad, f"README blocks need one of {sorted(LANGS)}: {bad}"
+    bad = [f"{b.section.split(':')[0]}:{b.line}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGS]
+    assert not bad, f"code blocks need one of {sorted(LANGS)}: {bad}"
+
+
+def test_guides_are_read():
+    """The guides' blocks are collected too (the harness reads docs/*.md, not only the README)."""
+    pages = {b.section.split(":")[0] for b in BLOCKS}
+    assert "README.md" in pages and {"docs/converting.md", "docs/llm.md", "docs/quantization.md"} <= pages
 
 
 def test_every_command_runs_or_says_why_not():
-    """A new README command either runs here or gets a reason in NOT_RUN; a NOT_RUN entry
-    whose command left the README is stale."""
+    """A new command in the docs either runs here or gets a reason in NOT_RUN; a NOT_RUN entry
+    whose command left the docs is stale."""
     known = {c.cmd for c in COMMANDS}
     stale = [c for c in fx.NOT_RUN if c not in known]
-    assert not stale, f"NOT_RUN names commands the README no longer has: {stale}"
+    assert not stale, f"NOT_RUN names commands the docs no longer have: {stale}"
     assert FAST and SLOW
 
 
@@ -158,7 +170,7 @@ def test_python_blocks_run(section, python_dir, monkeypatch, kernels_restored, c
     torch.set_num_threads(1)
     try:
         for b in PY_SECTIONS[section]:
-            code = compile(b.code, f"README.md:{b.line}", "exec")
+            code = compile(b.code, f"{b.section.split(':')[0]}:{b.line}", "exec")
             exec(code, namespace)
     finally:
         torch.set_num_threads(saved_threads)
@@ -183,7 +195,7 @@ def _run(c: Command, cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 def _check(c: Command, p: subprocess.CompletedProcess) -> None:
-    where = f"README.md:{c.line}: {c.cmd}"
+    where = f"{c.section.split(':')[0]}:{c.line}: {c.cmd}"
     errors = [t for t in c.transcript if ": error:" in t]
     if errors:
         assert p.returncode == 2, f"{where}: the README shows an error, exit status was {p.returncode}"
@@ -194,10 +206,10 @@ def _check(c: Command, p: subprocess.CompletedProcess) -> None:
         assert p.stdout.split("\n")[0] == c.transcript[0], f"{where}: printed {p.stdout!r}"
 
 
-# one worker, in README order: a command reads what an earlier one wrote (inspect reads the
+# one worker, in page order: a command reads what an earlier one wrote (inspect reads the
 # file convert made) in the worker's shell_dir (pyproject: --dist loadgroup)
 @pytest.mark.xdist_group("readme_commands")
-@pytest.mark.parametrize("c", FAST, ids=[f"L{c.line}:{c.cmd[:60]}" for c in FAST])
+@pytest.mark.parametrize("c", FAST, ids=[f"{c.section.split(':')[0]}:L{c.line}:{c.cmd[:60]}" for c in FAST])
 def test_command_runs(c, shell_dir):
     cwd, env = shell_dir
     _check(c, _run(c, cwd, env))
@@ -205,8 +217,8 @@ def test_command_runs(c, shell_dir):
 
 @pytest.mark.slow
 def test_real_smollm2_commands_run(tmp_path_factory):
-    """The 'Run a real LLM on onert' commands on the real SmolLM2, in README order (a
-    command shown twice runs once): convert, generate the README's text, the cache error."""
+    """The LLM guide's commands on the real SmolLM2 (docs/llm.md), in page order (a command
+    shown twice runs once): convert, generate the guide's text, the cache error."""
     cwd = tmp_path_factory.mktemp("readme_smollm2")
     env = fx.shell_env(tmp_path_factory.mktemp("bin_smollm2"))
     done: dict[str, subprocess.CompletedProcess] = {}
