@@ -6,8 +6,11 @@ from the code.
 - Python blocks run in page order, section by section (a section = one page's heading), in a fresh namespace holding the
   placeholders of tests/docs/readme_fixture.py.
 - Shell and console commands run in a prepared directory, with ``circleops`` being this
-  tree. A console transcript that shows an error must fail with exit status 2 and that
-  message; `circleops generate` must print exactly the transcript's text. Commands that are
+  tree, and print no line of a dependency on stderr. A console transcript that shows an
+  error must fail with exit status 2 and that message; `circleops generate` must print
+  exactly the transcript's text, `circleops inspect` exactly the transcript. Other
+  transcripts (convert's, with timings and the real model's figures) are run, not compared;
+  ``text`` blocks (synopses, tables, listings) are not run. Commands that are
   not run are listed, each with its reason, in readme_fixture.NOT_RUN (pip installs, the
   test suite itself, repeated conversions of the real model).
 """
@@ -202,8 +205,16 @@ def _check(c: Command, p: subprocess.CompletedProcess) -> None:
         assert errors[0].strip() in p.stderr.strip(), f"{where}: printed {p.stderr!r}, the README shows {errors[0]!r}"
         return
     assert p.returncode == 0, f"{where}: exit status {p.returncode}\n{p.stderr[-3000:]}"
+    # what a dependency logs is hidden in a normal run (circleops/cli/quiet.py): every stderr
+    # line is circleops' own ("circleops...", or the indented continuation of one)
+    foreign = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(("circleops", " "))]
+    assert not foreign, f"{where}: lines from a dependency on stderr: {foreign[:5]}"
     if c.console and c.cmd.startswith("circleops generate") and c.transcript:
         assert p.stdout.split("\n")[0] == c.transcript[0], f"{where}: printed {p.stdout!r}"
+    if c.console and c.cmd.startswith("circleops inspect") and c.transcript:
+        # inspect is deterministic: the transcript is exactly what it prints
+        shown = "\n".join(c.transcript).rstrip("\n")
+        assert p.stdout.rstrip("\n") == shown, f"{where}: printed\n{p.stdout}"
 
 
 # one worker, in page order: a command reads what an earlier one wrote (inspect reads the
