@@ -3,7 +3,7 @@ CircleQuantizer, written for target onert, loaded and run in onert, compared wit
 reference interpreter's integer kernels (error in output steps). Files are written for
 target circle (every op integer), except the rows marked for target onert.
 
-    python bench/onert_quantized.py [uint8|int16]   # prints a markdown table (bench/README.md)
+    python bench/onert_quantized.py [uint8|int16]   # prints a markdown table (docs/benchmarks.md)
 
 onert prints its real error to stderr; the table keeps the first line of it.
 """

@@ -6,7 +6,7 @@ hybrid FULLY_CONNECTED in torch (circleops.quantize.int8.hybrid_linear on every 
 Variants: int8 weights with fp32 activations; w8 as written; w8 with down_proj / lm_head kept
 fp32; w8 with SmoothQuant input-channel scales m = max|x|^a / max|W|^(1-a) (x / m, W * m; the
 maxima from the fp32 run over the same windows). Windows of 256 tokens of the shipped text.
-bench/README.md ("bench/ggml.py with --quantize w8") has the figures.
+docs/benchmarks.md ("bench/ggml.py with --quantize w8") has the figures.
 """
 from __future__ import annotations
 
