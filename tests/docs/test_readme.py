@@ -61,7 +61,8 @@ def _page_blocks(page) -> list[Block]:
                 inside = (line[3:].strip(), n, [])
         elif line.startswith("```"):
             lang, start, body = inside
-            section = " / ".join(parents[k] for k in sorted(parents) if k >= 2)
+            # a page's sections are its ## headings (a block above the first: the page title)
+            section = " / ".join(parents[k] for k in sorted(parents) if k >= 2) or parents.get(1, "")
             out.append(Block(f"{name}: {section}", lang, "\n".join(body), start))
             inside = None
         else:
