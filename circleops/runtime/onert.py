@@ -14,6 +14,7 @@ fd 2 is process-wide: do not run sessions from several threads at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -159,8 +160,10 @@ def _raise_or_echo(failure: Exception | None, text: list[str], stage: str, path:
     message = text[0] if text else ""
     if failure is not None:
         raise RuntimeRunError(f"onert could not {stage} {path}: {message or failure} ({failure}). {_HINT}") from failure
-    if message:
-        print(message, file=sys.stderr)
+    if text:
+        # onert's own words: a dependency's line, shown by the logging module (the CLI shows
+        # dependencies' log lines only with --verbose: circleops/cli/quiet.py)
+        logging.getLogger("onert").warning("\n".join(text))
 
 
 def _io_names(path: str) -> tuple[list[str], list[str]]:
