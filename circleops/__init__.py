@@ -18,6 +18,10 @@ _LAZY = {
     "fuse": "circleops.adapters",
     "unfuse": "circleops.adapters",
     "ops": "circleops.ops",
+    "op": "circleops.ops",
+    "OpSpec": "circleops.ops",
+    "lookup": "circleops.ops",
+    "load_plugins": "circleops.ops",
 }
 
 
