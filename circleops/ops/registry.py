@@ -360,15 +360,19 @@ def _define(spec: OpSpec, reference: Callable[..., Any], parsed: Any, mutates: t
 
 
 # ------------------------------------------------------------------------ lookups
-def load_plugins() -> dict[str, tuple[str, str | None]]:
+def load_plugins(*, refresh: bool = False) -> dict[str, tuple[str, str | None]]:
     """Import every ``circleops.ops`` entry point once (a module defining ops, or a callable
     that does). A plugin that fails is reported as a :class:`PluginWarning` naming it and
-    its package, and skipped. Returns PLUGINS: name -> (package, error or None)."""
+    its package, and skipped. ``refresh``: look at the entry points again (a package
+    installed since) and load the ones not loaded yet. Returns PLUGINS: name -> (package,
+    error or None)."""
     global _plugins_loaded
-    if _plugins_loaded:
+    if _plugins_loaded and not refresh:
         return PLUGINS
     _plugins_loaded = True
     for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        if ep.name in PLUGINS:
+            continue
         dist = ep.dist.name if getattr(ep, "dist", None) is not None else ep.value.split(":")[0]
         _loading_plugin.append(dist)
         try:
