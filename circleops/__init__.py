@@ -22,6 +22,9 @@ _LAZY = {
     "OpSpec": "circleops.ops",
     "lookup": "circleops.ops",
     "load_plugins": "circleops.ops",
+    "patch_module": "circleops.adapters",
+    "patch_function": "circleops.adapters",
+    "UnusedPatchWarning": "circleops.adapters",
 }
 
 
