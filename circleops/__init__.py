@@ -23,6 +23,7 @@ _LAZY = {
     "lookup": "circleops.ops",
     "load_plugins": "circleops.ops",
     "patch_module": "circleops.adapters",
+    "patch_modules": "circleops.adapters",
     "patch_function": "circleops.adapters",
     "UnusedPatchWarning": "circleops.adapters",
 }

@@ -18,7 +18,7 @@ import importlib
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -251,10 +251,23 @@ def patch_module(cls: type, forward: Callable[..., Any], *, name: str | None = N
     Export inside the ``with``: a patch that never ran while active (the model exported
     after the block closed) is reported with an :class:`UnusedPatchWarning` naming it.
     """
-    if not isinstance(cls, type):
-        raise TypeError(f"patch_module: expected a class (torch.nn.Module subclass), got {cls!r}; "
-                        "use patch_function for a function or method")
-    return patch_function(cls, "forward", forward, name=name or f"patch_module({cls.__qualname__})")
+    return patch_modules({cls: forward}, name=name or f"patch_module({getattr(cls, '__qualname__', cls)})")
+
+
+def patch_modules(forwards: Mapping[type, Callable[..., Any]], *, name: str = "patch_modules") -> PatchSession:
+    """:func:`patch_module` for several classes in one session (a plugin's adapter set).
+    Like the built-in family adapters, the "never exercised" warning names a class only
+    when none of them ran (a model rarely uses every class a plugin routes)."""
+    patches = []
+    for cls, forward in forwards.items():
+        if not isinstance(cls, type):
+            raise TypeError(f"patch_module: expected a class (torch.nn.Module subclass), got {cls!r}; "
+                            "use patch_function for a function or method")
+        label = _label(cls, "forward")
+        patches.append(Patch(module=cls.__module__, owner=None, attr="forward", label=label, group=label,
+                             build=lambda original, label=label, forward=forward: _counted(label, forward),
+                             target=cls))
+    return PatchSession(name, patches)
 
 
 def patch_function(owner: Any, attr: str, replacement: Callable[..., Any], *,
