@@ -21,6 +21,7 @@ _LAZY = {
     "op": "circleops.ops",
     "OpSpec": "circleops.ops",
     "lookup": "circleops.ops",
+    "register_op": "circleops.ops",
     "load_plugins": "circleops.ops",
     "patch_module": "circleops.adapters",
     "patch_modules": "circleops.adapters",

@@ -104,7 +104,11 @@ def _generic_builtin(ctx, spec: OpSpec, **bound: Any) -> Any:
     """A registered op's Circle builtin: the tensor args in ``circle.inputs`` order (default:
     the schema's), options from option_fields / option_values."""
     names = spec.circle.get("inputs") or spec.tensor_args
-    ys = ctx.emit(spec.circle["builtin"], [bound[n] for n in names], spec.circle.get("options"),
+    # a non-tensor argument listed among the inputs (an output size, a shape) is an int32
+    # constant tensor, as Circle builtins take such parameters
+    inputs = [bound[n] if bound[n] is None or isinstance(bound[n], Value) else
+              ctx.i32(list(bound[n]) if isinstance(bound[n], (list, tuple)) else [bound[n]]) for n in names]
+    ys = ctx.emit(spec.circle["builtin"], inputs, spec.circle.get("options"),
                   outs=_outs(ctx), **_options(spec, _attributes(ctx, spec, bound, spec.attribute_args)))
     return ys if isinstance(ctx.out, (tuple, list)) else ys[0]
 

@@ -27,7 +27,7 @@ import yaml
 
 from circleops.ops.registry import (PLUGIN_GROUP, PLUGINS, REGISTRY, OpDefinitionError, OpSpec, PluginWarning,
                                     UnknownCustomOpError, by_custom_code, by_overload, load_plugins, lookup, op,
-                                    unknown_custom_code)
+                                    register_op, unknown_custom_code)
 
 def _schema_path() -> Path:
     # schema/ops.yaml lives at the top of the repository (an editable install reads it in
@@ -67,4 +67,4 @@ BUILTINS: tuple[str, ...] = tuple(_load_builtins())
 
 __all__ = ["BUILTINS", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP", "PluginWarning", "REGISTRY",
            "SCHEMA_PATH", "UnknownCustomOpError", "by_custom_code", "by_overload", "load_plugins", "lookup", "op",
-           "unknown_custom_code"]
+           "register_op", "unknown_custom_code"]

@@ -30,6 +30,7 @@ reported as a warning naming it, and skipped.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import warnings
 from types import ModuleType
@@ -45,6 +46,9 @@ PLUGIN_GROUP = "circleops.ops"
 AUTOCAST_RULES = ("fp32", "lower_precision", "none")
 CIRCLE_FORMS = ("custom", "builtin", "decompose")
 TFLITE_FORMS = ("composite", "custom", "decompose")
+# namespace -> the circleops module that registers other toolchains' ops of that namespace
+# (with the public register_op), imported on the first miss of one of its ops
+INTEROP = {"circle_custom": "circleops.interop.tico"}
 # namespaces whose ops never come from a plugin: a miss there loads nothing
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "higher_order", "quantized_decomposed", "_operator", "quantized"})
 
@@ -330,6 +334,39 @@ def op(schema: str, *, custom_code: str | None = None, circle: str | Mapping[str
     return decorate
 
 
+def register_op(op: Any, reference: Callable[..., Any], *, custom_code: str | None = None,
+                circle: str | Mapping[str, Any] = "custom", tflite: str | Mapping[str, Any] = "composite",
+                samples: Callable[[torch.dtype], list] | None = None, provider: str | None = None) -> OpSpec:
+    """Register an op that already exists in torch (defined elsewhere with torch.library, e.g.
+    by another toolchain) with how each target writes it. ``reference`` is its computation
+    in aten (or registered) ops: the decomposition and what the reference interpreter runs
+    for a CUSTOM op; the torch op itself (its kernels, fake, autograd) is left as it is.
+    The forms are :func:`op`'s. Returns the OpSpec; registering a name twice raises."""
+    overload = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+    if not isinstance(overload, torch._ops.OpOverload):
+        raise OpDefinitionError(f"register_op: expected a torch op (torch.ops.ns.name), got {op!r}")
+    parsed = overload._schema
+    schema = str(parsed)
+    if parsed.overload_name:  # the spec's overload is the op's default one
+        raise OpDefinitionError(f"register_op: {schema} is the {parsed.overload_name!r} overload; register the "
+                                "default overload (torch.ops.ns.name.default)")
+    key = parsed.name.split("::")[1] if parsed.name.startswith("circle::") else parsed.name
+    if key in REGISTRY:
+        raise OpDefinitionError(f"{parsed.name} is already registered (by {REGISTRY[key].provider})")
+    attributes = [a.name for a in parsed.arguments if not _is_tensor_type(a.type) and not _is_tensor_list(a.type)]
+    spec = OpSpec(schema, with_defaults(reference, parsed),
+                  circle=_normalize_circle(circle, parsed.name, custom_code, attributes),
+                  tflite=_normalize_tflite(tflite, parsed.name, custom_code, attributes), autocast="none",
+                  contract={}, provider=provider or getattr(reference, "__module__", None) or "?", module=None,
+                  samples=samples)
+    REGISTRY[key] = spec
+    _BY_TARGET[spec.overload] = spec
+    _BY_TARGET[spec.op] = spec
+    for code in spec.custom_codes:
+        _BY_CUSTOM_CODE.setdefault(code, spec)
+    return spec
+
+
 def _define(spec: OpSpec, reference: Callable[..., Any], parsed: Any, mutates: tuple[str, ...]) -> None:
     """Register the torch op: eager kernel, fake, autograd through the reference kernel,
     the autocast rule."""
@@ -399,8 +436,13 @@ def _namespace(target: Any) -> str:
 def by_overload(target: Any) -> OpSpec | None:
     """The OpSpec for an FX node target (``torch.ops.ns.x.default`` or the packet), else None."""
     spec = _BY_TARGET.get(target) if _hashable(target) else None
-    if spec is None and not _plugins_loaded and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
-            and _namespace(target) not in _TORCH_NAMESPACES:
+    if spec is not None or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return spec
+    namespace = _namespace(target)
+    if namespace in INTEROP:
+        importlib.import_module(INTEROP[namespace]).register_defined()
+        spec = _BY_TARGET.get(target)
+    if spec is None and not _plugins_loaded and namespace not in _TORCH_NAMESPACES:
         load_plugins()
         spec = _BY_TARGET.get(target)
     return spec
@@ -449,4 +491,4 @@ def unknown_custom_code(code: str) -> UnknownCustomOpError:
 
 __all__ = ["BUILTIN", "COMPOSITE", "CUSTOM", "DECOMPOSED", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP",
            "PluginWarning", "REGISTRY", "UnknownCustomOpError", "by_custom_code", "by_overload", "load_plugins",
-           "lookup", "op", "unknown_custom_code"]
+           "lookup", "op", "register_op", "unknown_custom_code"]
