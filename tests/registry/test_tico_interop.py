@@ -15,9 +15,13 @@ import torch
 import circleops
 from circleops.runtime import reference
 
-tico_ops = pytest.importorskip("tico.utils.register_custom_op", reason="tico (a test extra) is not installed")
-tico_ops.RegisterOps()
-from tico.ops import ResizeBilinear2d  # noqa: E402
+try:
+    from tico.ops import ResizeBilinear2d
+    from tico.utils.register_custom_op import RegisterOps
+except ImportError as err:  # a test extra: pip install -e ".[test]" (tico==0.3.0)
+    raise ImportError(f"tests/registry/test_tico_interop.py needs TICO: pip install -e '.[test]' ({err})") from err
+
+RegisterOps()
 
 cc = torch.ops.circle_custom
 SUFFIX = {"circle": "circle", "onert": "circle", "tflite": "tflite"}

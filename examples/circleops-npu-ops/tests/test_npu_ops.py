@@ -27,7 +27,7 @@ def test_the_op_battery(op, samples):
     check_op(op, samples)
 
 
-def test_circleops_ops_lists_the_plugin_ops():
+def test_circleops_ops_lists_the_plugin_ops(installed):
     # the CLI of this interpreter's environment, in a fresh process: the plugin is found by
     # its entry point, not by an import in this test
     out = subprocess.run([sys.executable, "-m", "circleops.cli", "ops", "--format", "json"], capture_output=True,
@@ -80,7 +80,7 @@ def test_the_adapters_route_a_model_to_the_ops_on_every_target(tmp_path, target)
         assert "CUSTOM" not in report.ops
 
 
-def test_a_fresh_process_loads_the_plugin_for_a_file_that_needs_it(tmp_path):
+def test_a_fresh_process_loads_the_plugin_for_a_file_that_needs_it(tmp_path, installed):
     path = tmp_path / "mlp.circle"
     with patched_npu_modules():
         circleops.convert(MLP(), (X,), path, target="circle")
