@@ -214,3 +214,20 @@ def test_a_shape_derived_attribute_is_written_as_a_constant(tmp_path):
     path = tmp_path / "d.circle"
     circleops.convert(Dyn(), (X,), path, target="circle", verify=True)
     assert "custom_options {s=3.0}" in circleops.inspect.format_text(circleops.inspect.summarize(path))
+
+
+@circleops.op("mylib::band(Tensor x) -> Tensor", circle="decompose")
+def band(x):
+    # writes into a tensor it made: the decomposition must keep the write (the trace is
+    # functionalized; before, the write was dropped and the file silently computed x @ 0)
+    m = torch.zeros(x.shape[-1], x.shape[-1])
+    m[0, 1] += 1.0
+    m.diagonal().fill_(2.0)
+    return x @ m
+
+
+@pytest.mark.parametrize("target", ["circle", "tflite"])
+def test_a_reference_kernel_writing_in_place_decomposes_right(tmp_path, target):
+    path = tmp_path / f"band.{'tflite' if target == 'tflite' else 'circle'}"
+    report = circleops.convert(Call(band), (X,), path, target=target, verify=True)
+    assert report.verify.max_abs_error == 0.0
