@@ -318,18 +318,14 @@ def op(schema: str, *, custom_code: str | None = None, circle: str | Mapping[str
         if key in REGISTRY:
             raise OpDefinitionError(f"{qualname} is already defined (by {REGISTRY[key].provider}); an op is "
                                     "defined once: pick another name or namespace")
+        _check_custom_codes(qualname, circle_form, tflite_form)
         provider = _loading_plugin[-1] if _loading_plugin else (contract or {}).get("provider") or \
             getattr(fn, "__module__", None) or "?"
         spec = OpSpec(schema, with_defaults(fn, parsed), circle=circle_form, tflite=tflite_form, autocast=autocast,
                       contract=dict(contract or {}), provider=provider,
                       module=(contract or {}).get("module"), samples=samples)
         _define(spec, fn, parsed, mutates)
-        REGISTRY[key] = spec
-        _BY_TARGET[spec.overload] = spec
-        _BY_TARGET[spec.op] = spec
-        for code in spec.custom_codes:
-            _BY_CUSTOM_CODE.setdefault(code, spec)
-        return spec
+        return _add(key, spec)
 
     return decorate
 
@@ -354,11 +350,27 @@ def register_op(op: Any, reference: Callable[..., Any], *, custom_code: str | No
     if key in REGISTRY:
         raise OpDefinitionError(f"{parsed.name} is already registered (by {REGISTRY[key].provider})")
     attributes = [a.name for a in parsed.arguments if not _is_tensor_type(a.type) and not _is_tensor_list(a.type)]
-    spec = OpSpec(schema, with_defaults(reference, parsed),
-                  circle=_normalize_circle(circle, parsed.name, custom_code, attributes),
-                  tflite=_normalize_tflite(tflite, parsed.name, custom_code, attributes), autocast="none",
+    circle_form = _normalize_circle(circle, parsed.name, custom_code, attributes)
+    tflite_form = _normalize_tflite(tflite, parsed.name, custom_code, attributes)
+    _check_custom_codes(parsed.name, circle_form, tflite_form)
+    spec = OpSpec(schema, with_defaults(reference, parsed), circle=circle_form, tflite=tflite_form, autocast="none",
                   contract={}, provider=provider or getattr(reference, "__module__", None) or "?", module=None,
                   samples=samples)
+    return _add(key, spec)
+
+
+def _check_custom_codes(qualname: str, *forms: Mapping[str, Any]) -> None:
+    """A custom_code names one op: the interpreter and NPU compilers look it up by that name."""
+    taken = {f["custom_code"]: _BY_CUSTOM_CODE[f["custom_code"]] for f in forms
+             if f["form"] == "custom" and f["custom_code"] in _BY_CUSTOM_CODE}
+    if taken:
+        code, other = next(iter(taken.items()))
+        raise OpDefinitionError(f"{qualname}: custom_code {code!r} already names {other.qualname} "
+                                f"(from {other.provider}); give this op another custom_code=")
+
+
+def _add(key: str, spec: OpSpec) -> OpSpec:
+    """Index ``spec`` under its key, its torch op and its custom codes."""
     REGISTRY[key] = spec
     _BY_TARGET[spec.overload] = spec
     _BY_TARGET[spec.op] = spec

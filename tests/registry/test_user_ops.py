@@ -201,6 +201,8 @@ def test_definition_errors_are_clear():
         circleops.op("mylib::nope(Tensor x) -> Tensor", circle={"builtin": "NOT_AN_OP"})
     with pytest.raises(OpDefinitionError, match="option_fields name"):
         circleops.op("mylib::nope(Tensor x) -> Tensor", circle={"builtin": "GELU", "option_fields": {"approximate": "y"}})
+    with pytest.raises(OpDefinitionError, match="custom_code 'VendorScale' already names mylib::scaled"):
+        circleops.op("mylib::other_scale(Tensor x) -> Tensor", custom_code="VendorScale")(lambda x: x)
     with pytest.raises(OpDefinitionError, match="schema must be"):
         circleops.op("swiglu(Tensor x) -> Tensor")
     assert issubclass(OpDefinitionError, CircleOpsError)
