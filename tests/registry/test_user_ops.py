@@ -19,7 +19,7 @@ from flatbuffers import flexbuffers
 import circleops
 from circleops.cli import main as cli_main
 import circleops.inspect
-from circleops.errors import CircleOpsError, RuntimeRunError
+from circleops.errors import CircleOpsError, RuntimeRunError, UnsupportedOpError
 from circleops.ops import REGISTRY, OpDefinitionError, by_custom_code
 from circleops.runtime import litert, reference
 
@@ -233,3 +233,23 @@ def test_a_reference_kernel_writing_in_place_decomposes_right(tmp_path, target):
     path = tmp_path / f"band.{'tflite' if target == 'tflite' else 'circle'}"
     report = circleops.convert(Call(band), (X,), path, target=target, verify=True)
     assert report.verify.max_abs_error == 0.0
+
+
+@torch.library.custom_op("plainlib::twice", mutates_args=())
+def plain_twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@plain_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_plain_torch_library_op_is_refused_with_the_way_in(tmp_path):
+    with pytest.raises(UnsupportedOpError, match=r"plainlib\.twice.*@circleops\.op\(schema\).*circleops\.register_op"):
+        circleops.convert(Call(torch.ops.plainlib.twice), (X,), tmp_path / "p.circle", target="circle")
+    # registered with its reference kernel, the same op converts
+    circleops.register_op(torch.ops.plainlib.twice, lambda x: x * 2)
+    report = circleops.convert(Call(torch.ops.plainlib.twice), (X,), tmp_path / "p.circle", target="circle",
+                               verify=True)
+    assert report.ops == {"CUSTOM": 1} and report.verify.passed
