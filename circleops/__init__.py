@@ -18,6 +18,15 @@ _LAZY = {
     "fuse": "circleops.adapters",
     "unfuse": "circleops.adapters",
     "ops": "circleops.ops",
+    "op": "circleops.ops",
+    "OpSpec": "circleops.ops",
+    "lookup": "circleops.ops",
+    "register_op": "circleops.ops",
+    "load_plugins": "circleops.ops",
+    "patch_module": "circleops.adapters",
+    "patch_modules": "circleops.adapters",
+    "patch_function": "circleops.adapters",
+    "UnusedPatchWarning": "circleops.adapters",
 }
 
 

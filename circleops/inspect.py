@@ -1,7 +1,8 @@
 """``circleops inspect FILE``: what a Circle or TFLite file holds.
 
 Op histogram, inputs and outputs with shapes and dtypes, constant tensors and bytes by
-dtype, subgraphs, signatures and composites (name, attributes, decomposition subgraph).
+dtype, subgraphs, signatures, composites (name, attributes, decomposition subgraph) and
+CUSTOM ops (custom_code, custom_options decoded from their flexbuffer map).
 Works on any Circle or TFLite file; ``--json`` prints the same as one JSON object.
 """
 from __future__ import annotations
@@ -20,6 +21,19 @@ def json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+def _custom_options(raw: Any) -> dict[str, Any] | str:
+    """A CUSTOM op's custom_options: the flexbuffer map circleops writes (and most NPU
+    toolchains do), else a note of how many opaque bytes they are."""
+    from circleops.serialize.composite import decode_attributes
+
+    if not raw:
+        return {}
+    try:
+        return decode_attributes(raw)
+    except Exception:  # noqa: BLE001 - another writer's raw bytes are not an error
+        return f"{len(raw)} bytes, not a flexbuffer map"
 
 
 def _layout(path: Path, fmt: str) -> dict[str, int]:
@@ -77,6 +91,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     const_by_dtype: dict[str, dict[str, int]] = {}
     seen_data: set[int] = set()
     composites: dict[tuple, dict[str, Any]] = {}
+    customs: dict[tuple, dict[str, Any]] = {}
     constants: list[dict[str, Any]] = []
     activations: list[dict[str, Any]] = []  # quantized non-constant tensors (integer graphs)
     for si, sg in enumerate(model.subgraphs):
@@ -98,6 +113,13 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
             constants.append({"subgraph": si, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                               "bytes": int(t.data.nbytes), "shared": shared, "quantization": _quant_info(t)})
         for op in sg.operators:
+            if op.opcode == "CUSTOM":
+                options = _custom_options(op.options.get("customOptions"))
+                key = (op.options.get("customCode"), json.dumps(options, sort_keys=True, default=json_default))
+                c = customs.setdefault(key, {"custom_code": op.options.get("customCode"), "options": options,
+                                             "count": 0})
+                c["count"] += 1
+                continue
             if op.opcode != "STABLEHLO_COMPOSITE":
                 continue
             o = op.options
@@ -142,6 +164,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "constants_by_dtype": dict(sorted(const_by_dtype.items())),
         "constant_bytes": sum(v["bytes"] for v in const_by_dtype.values()),
         "composites": list(composites.values()),
+        "custom_ops": list(customs.values()),
         "constants": constants,
         "quantized_activations": activations,
         "metadata": {k: len(v) for k, v in model.metadata.items()},
@@ -218,6 +241,12 @@ def format_text(s: dict[str, Any], tensors: bool = False) -> str:
             attrs = ", ".join(f"{k}={v!r}" for k, v in c["attributes"].items())
             lines.append(f"  {c['name']} x{c['count']}  decomposition subgraph {c['decomposition_subgraph']}"
                          f"  {{{attrs}}}")
+    if s.get("custom_ops"):
+        lines.append(f"\ncustom ops ({sum(c['count'] for c in s['custom_ops'])}):")
+        for c in s["custom_ops"]:
+            opts = c["options"]
+            shown = ", ".join(f"{k}={v!r}" for k, v in opts.items()) if isinstance(opts, dict) else opts
+            lines.append(f"  {c['custom_code']} x{c['count']}  custom_options {{{shown}}}")
     if s["metadata"]:
         lines.append("\nmetadata: " + ", ".join(f"{k} ({n} B)" for k, n in s["metadata"].items()))
     return "\n".join(lines)

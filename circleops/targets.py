@@ -22,7 +22,8 @@ from circleops.errors import TargetError
 BUILTIN = "builtin"        # the Circle builtin (RMS_NORM, ROPE, ATTENTION, INSTANCE_NORM)
 DECOMPOSED = "decomposed"  # the op's reference kernel, lowered op by op
 COMPOSITE = "composite"    # STABLEHLO_COMPOSITE whose decomposition subgraph is the reference kernel
-FUSED_FORMS = (BUILTIN, DECOMPOSED, COMPOSITE)
+CUSTOM = "custom"          # a CUSTOM op (custom_code + flexbuffer custom_options): users' and NPU vendors' ops
+FUSED_FORMS = (BUILTIN, DECOMPOSED, COMPOSITE, CUSTOM)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,8 @@ ONERT = TargetProfile(
         "TRANSPOSE_CONV",           # "KernelGenerator: NYI for operation 'TransposeConv'"
         "TOPK_V2",                  # load fails: "Unsupported operation"
         "SPLIT_V",                  # runs, silently wrong (outputs zeros or another part's values)
+        "CUSTOM",                   # SIGSEGV at load (a custom_code without a C++ kernel built into onert)
+        "PRELU",                    # "KernelGenerator: NYI for operation 'PReLU'" (tests/registry/test_tico_interop.py)
     }),
     builtin_dtypes=_frozen({
         # "Gather: unsupported input data type" for int64 / bool data (indices may be int64)
@@ -245,5 +248,5 @@ def profile(target: str | TargetProfile) -> TargetProfile:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}") from None
 
 
-__all__ = ["BUILTIN", "COMPOSITE", "DECOMPOSED", "FUSED_FORMS", "PROFILES", "TARGETS", "Conv1x1Rule",
+__all__ = ["BUILTIN", "COMPOSITE", "CUSTOM", "DECOMPOSED", "FUSED_FORMS", "PROFILES", "TARGETS", "Conv1x1Rule",
            "TargetProfile", "profile"]

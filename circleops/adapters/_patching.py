@@ -13,10 +13,12 @@ simulated and then dropped.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from types import ModuleType
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -99,8 +101,11 @@ class Patch:
     label: str  # what warnings and reports call it; also the usage-count key
     group: str = ""  # family name: unused patches are reported per group
     tracked: bool = True  # False: a helper patch (no cache by default) the unused-warning ignores
+    target: Any = field(default=None, compare=False)  # the owner object itself (public patches): no import
 
     def resolve(self) -> Any:
+        if self.target is not None:
+            return self.target
         module = importlib.import_module(self.module)
         return module if self.owner is None else getattr(module, self.owner)
 
@@ -217,3 +222,62 @@ class PatchSession:
                 UnusedPatchWarning,
                 stacklevel=3,
             )
+
+
+# ------------------------------------------------------------------------ public routing
+def _label(owner: Any, attr: str) -> str:
+    if isinstance(owner, ModuleType):
+        return f"{owner.__name__}.{attr}"
+    name = getattr(owner, "__qualname__", None) or type(owner).__qualname__
+    return f"{getattr(owner, '__module__', '?')}.{name}.{attr}"
+
+
+def _counted(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        mark_ran(label)
+        return fn(*args, **kwargs)
+
+    return replacement
+
+
+def patch_module(cls: type, forward: Callable[..., Any], *, name: str | None = None) -> PatchSession:
+    """Route a module class to your op during export: ``cls.forward`` is ``forward`` while
+    the ``with`` block is active, and put back on exit (exceptions included; sessions nest).
+
+        with circleops.patch_module(SwiGLU, lambda self, x: torch.ops.npu.swiglu(self.up(x))):
+            ep = torch.export.export(model, (x,))
+
+    Export inside the ``with``: a patch that never ran while active (the model exported
+    after the block closed) is reported with an :class:`UnusedPatchWarning` naming it.
+    """
+    return patch_modules({cls: forward}, name=name or f"patch_module({getattr(cls, '__qualname__', cls)})")
+
+
+def patch_modules(forwards: Mapping[type, Callable[..., Any]], *, name: str = "patch_modules") -> PatchSession:
+    """:func:`patch_module` for several classes in one session (a plugin's adapter set).
+    Like the built-in family adapters, the "never exercised" warning names a class only
+    when none of them ran (a model rarely uses every class a plugin routes)."""
+    patches = []
+    for cls, forward in forwards.items():
+        if not isinstance(cls, type):
+            raise TypeError(f"patch_module: expected a class (torch.nn.Module subclass), got {cls!r}; "
+                            "use patch_function for a function or method")
+        label = _label(cls, "forward")
+        patches.append(Patch(module=cls.__module__, owner=None, attr="forward", label=label, group=label,
+                             build=lambda original, label=label, forward=forward: _counted(label, forward),
+                             target=cls))
+    return PatchSession(name, patches)
+
+
+def patch_function(owner: Any, attr: str, replacement: Callable[..., Any], *,
+                   name: str | None = None) -> PatchSession:
+    """Route ``owner.attr`` (a module-level function, a method, a class attribute) to
+    ``replacement`` while the ``with`` block is active, with patch_module's guarantees and
+    its "never exercised" warning."""
+    if not hasattr(owner, attr):
+        raise AttributeError(f"patch_function: {owner!r} has no attribute {attr!r} to patch")
+    label = _label(owner, attr)
+    patch = Patch(module=getattr(owner, "__module__", "") or "", owner=None, attr=attr,
+                  build=lambda original: _counted(label, replacement), label=label, group=label, target=owner)
+    return PatchSession(name or f"patch_function({label})", [patch])

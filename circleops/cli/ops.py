@@ -1,4 +1,5 @@
-"""``circleops ops [OP ...]``: the fused-op registry as a table (circleops.ops.table)."""
+"""``circleops ops [OP ...]``: the op registry as a table (circleops.ops.table): the built-in
+fused ops, then users' and installed plugins' ops (entry points ``circleops.ops``)."""
 from __future__ import annotations
 
 import argparse

@@ -1,9 +1,16 @@
-"""The fused circle ops, written as the target profile says (``TargetProfile.fused_form``):
+"""The registered ops (circleops.ops.REGISTRY: the fused circle ops and users' own), written
+as their OpSpec and the target profile say (``OpSpec.form(profile)``):
 
 * builtin    -> the Circle builtin, when it can express the node's attributes exactly;
                 otherwise the node is decomposed (numerics are never silently changed)
+* custom     -> a CUSTOM op: the spec's custom_code, custom_options = a flexbuffer map of
+                the schema's non-tensor arguments by name
 * decomposed -> the op's reference kernel traced with make_fx, lowered inline
 * composite  -> STABLEHLO_COMPOSITE whose decomposition subgraph holds the reference kernel
+
+The four built-ins have an @lower of their own below (layouts, fp16 islands, onert's
+limits); every other registered op is lowered by :func:`lower_registered` (a resolver of
+the lowering table), from its spec alone.
 
 A node whose ``meta[LOWERING_META]`` is ``"decomposed"`` is decomposed whatever its target
 says (set by a pass before lowering, e.g. circleops.check, to write an fp16 graph's
@@ -27,27 +34,30 @@ from typing import Any, Callable
 import torch
 
 from circleops.lowering.context import Value, const_value
-from circleops.lowering.registry import lower
-from circleops.ops import REGISTRY, OpSpec
+from circleops.lowering.registry import RESOLVERS, lower
+from circleops.ops import REGISTRY, OpSpec, by_overload
 from circleops.ops._common import at_least_fp32
-from circleops.targets import BUILTIN, COMPOSITE, DECOMPOSED
+from circleops.serialize.composite import encode_attributes
+from circleops.targets import BUILTIN, COMPOSITE, CUSTOM, DECOMPOSED
 
 _FLOAT32 = torch.float32
 LOWERING_META = "circleops_lowering"  # node.meta key: "decomposed" forces the decomposition
 
 
 def form(ctx, spec: OpSpec) -> str:
-    """How ctx's target profile writes ``spec``: BUILTIN, DECOMPOSED or COMPOSITE."""
-    return ctx.profile.fused_form(spec.circle["builtin"])
+    """How ctx's target profile writes ``spec``: BUILTIN, CUSTOM, DECOMPOSED or COMPOSITE."""
+    return spec.form(ctx.profile)
 
 
 def fused(ctx, spec: OpSpec, bound: dict[str, Any], builtin: Callable[..., Any]) -> Any:
-    """Write one fused op the way ctx's target profile wants it (see the module docstring)."""
+    """Write one registered op the way ctx's target profile wants it (see the module docstring)."""
     how = form(ctx, spec)
     if ctx.node is not None and ctx.node.meta.get(LOWERING_META) == DECOMPOSED:
         how = DECOMPOSED
     if how == COMPOSITE:
         return composite(ctx, spec, bound)
+    if how == CUSTOM:
+        return custom(ctx, spec, bound)
     if how == BUILTIN:
         result = builtin(ctx, spec, **bound)
         if result is not None:
@@ -55,10 +65,72 @@ def fused(ctx, spec: OpSpec, bound: dict[str, Any], builtin: Callable[..., Any])
     return ctx.call(spec.reference, **bound)
 
 
+def _outs(ctx) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    vals = ctx.out if isinstance(ctx.out, (tuple, list)) else [ctx.out]
+    return [(tuple(int(d) for d in v.shape), v.dtype) for v in vals]
+
+
+def _attributes(ctx, spec: OpSpec, bound: dict[str, Any], names: Any) -> dict[str, Any]:
+    """The non-tensor arguments named, as plain values (a tensor-valued one is an error)."""
+    out = {}
+    for name in names:
+        value = bound[name]
+        if isinstance(value, Value):
+            if not value.is_const or value.const.numel() != 1:
+                raise ctx.unsupported(
+                    f"passes a computed value as {spec.qualname}'s non-tensor argument {name!r}",
+                    "Its attributes are written into the file: pass a Python constant.")
+            value = value.const.item()
+        out[name] = value
+    return out
+
+
+def custom(ctx, spec: OpSpec, bound: dict[str, Any]) -> Any:
+    """CUSTOM(tensor args in schema order; an absent optional one is -1), custom_code from
+    the spec, custom_options = flexbuffer map of the non-tensor arguments by name."""
+    how = spec.tflite if ctx.profile.fused_ops == COMPOSITE else spec.circle
+    lists = [a.name for a in spec.arguments if isinstance(bound[a.name], (list, tuple))
+             and any(isinstance(v, Value) for v in bound[a.name])]
+    if lists:
+        raise ctx.unsupported(f"passes a list of tensors ({', '.join(lists)}) to {spec.qualname}, which a CUSTOM "
+                              "op cannot carry", f"Write the op with circle='decompose', or take the tensors one by one.")
+    inputs = [bound[n] for n in spec.tensor_args]
+    options = encode_attributes(_attributes(ctx, spec, bound, spec.attribute_args)).tobytes()
+    ys = ctx.emit("CUSTOM", inputs, None, outs=_outs(ctx), customCode=how["custom_code"], customOptions=options)
+    return ys if isinstance(ctx.out, (tuple, list)) else ys[0]
+
+
+def _generic_builtin(ctx, spec: OpSpec, **bound: Any) -> Any:
+    """A registered op's Circle builtin: the tensor args in ``circle.inputs`` order (default:
+    the schema's), options from option_fields / option_values."""
+    names = spec.circle.get("inputs") or spec.tensor_args
+    # a non-tensor argument listed among the inputs (an output size, a shape) is an int32
+    # constant tensor, as Circle builtins take such parameters
+    inputs = [bound[n] if bound[n] is None or isinstance(bound[n], Value) else
+              ctx.i32(list(bound[n]) if isinstance(bound[n], (list, tuple)) else [bound[n]]) for n in names]
+    ys = ctx.emit(spec.circle["builtin"], inputs, spec.circle.get("options"),
+                  outs=_outs(ctx), **_options(spec, _attributes(ctx, spec, bound, spec.attribute_args)))
+    return ys if isinstance(ctx.out, (tuple, list)) else ys[0]
+
+
+def lower_registered(ctx, node, *args, **kwargs):
+    """The lowering of a registered op with no @lower of its own: from its spec alone."""
+    spec = by_overload(node.target)
+    return fused(ctx, spec, spec.bind(args, kwargs), _generic_builtin)
+
+
+def _resolve(target: Any) -> Callable[..., Any] | None:
+    return lower_registered if by_overload(target) is not None else None
+
+
+RESOLVERS.append(_resolve)
+
+
 def composite(ctx, spec: OpSpec, bound: dict[str, Any]) -> Any:
     """STABLEHLO_COMPOSITE(tensor args) with the reference kernel as its decomposition."""
     tensors = {n: v for n, v in bound.items() if isinstance(v, Value)}
-    attributes = {key: bound[arg] for key, arg in spec.tflite["attributes"].items()}
+    values = _attributes(ctx, spec, bound, set(spec.tflite["attributes"].values()))
+    attributes = {key: values[arg] for key, arg in spec.tflite["attributes"].items()}
     with ctx.subgraph(f"{spec.name}_{ctx.node.name}") as index:
         inner = {n: ctx.input(v.shape, v.dtype, n) if n in tensors else v for n, v in bound.items()}
         result = ctx.call(spec.reference, **inner)

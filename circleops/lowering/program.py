@@ -325,7 +325,9 @@ def _decompose(ctx: LoweringContext, node: torch.fx.Node, args: tuple, kwargs: d
         raise ctx.unsupported(
             f"calls {target}, which has no lowering for target {ctx.target!r} and no decomposition into ops that do",
             "Replace that call in the model with supported ops, register a lowering with "
-            "@circleops.lowering.lower(<op>), or wrap it in a circle op (circleops.ops).")
+            "@circleops.lowering.lower(<op>), or, for your own op, define it with @circleops.op(schema) "
+            "(a torch op already defined with torch.library: circleops.register_op(op, reference)), which "
+            "writes it for every target (docs/own-ops.md).")
     ctx.decomposing.append(target)
     try:
         return ctx.call(target, *args, _decompose=True, **kwargs)

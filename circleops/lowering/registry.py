@@ -49,9 +49,19 @@ def _where(fn: Lowering) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}{at}"
 
 
+# Functions target -> lowering or None, asked when no @lower entry exists: the registered
+# ops (circleops.op) get their lowering from their OpSpec (lowering.circle_ops), no @lower.
+RESOLVERS: list[Callable[[Any], Lowering | None]] = []
+
+
 def lowering_for(target: Any) -> Lowering | None:
-    """The lowering registered for an FX node target, else None."""
+    """The lowering registered for an FX node target, else one a resolver gives, else None."""
     fn = LOWERINGS.get(target)
     if fn is None and isinstance(target, torch._ops.OpOverload):
         fn = LOWERINGS.get(target.overloadpacket)
+    if fn is None and isinstance(target, torch._ops.OpOverload):
+        for resolve in RESOLVERS:
+            fn = resolve(target)
+            if fn is not None:
+                break
     return fn

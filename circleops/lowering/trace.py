@@ -78,5 +78,19 @@ def _trace(fn: Callable[..., Any], leaves: list[Any], spec: Any, slots: list[int
 
     metas = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in slots]
     if decompose:
-        return make_fx(traced, decomposition_table=fallback_decompositions())(*metas)
-    return make_fx(traced, pre_dispatch=True)(*metas)
+        gm = make_fx(traced, decomposition_table=fallback_decompositions())(*metas)
+    else:
+        gm = make_fx(traced, pre_dispatch=True)(*metas)
+    if any(_mutates(n) for n in gm.graph.nodes):
+        # A kernel writing into a tensor it made (m[0, 1] += 1): the lowering is functional
+        # and would drop the write. Functionalized, the write is a new value.
+        table = fallback_decompositions() if decompose else None
+        gm = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"), decomposition_table=table)(*metas)
+    return gm
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)

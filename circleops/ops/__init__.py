@@ -12,20 +12,22 @@ positionally:
 * ``sample_inputs(dtype)``: ``(args, kwargs)`` pairs for the generic tests in tests/ops.
 
 Adding an op = one file here + one entry in schema/ops.yaml.
+
+The built-ins are defined through the same public decorator as users' and plugins' ops
+(:func:`circleops.op`, circleops.ops.registry): one registry, ``REGISTRY``, keyed by the
+short name for ``circle::*`` and by the qualified name (``mylib::swiglu``) for the others.
 """
 from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable
 
-import torch
 import yaml
 
-from circleops.ops._common import bind, define, with_defaults
+from circleops.ops.registry import (PLUGIN_GROUP, PLUGINS, REGISTRY, OpDefinitionError, OpSpec, PluginWarning,
+                                    UnknownCustomOpError, by_custom_code, by_overload, load_plugins, lookup, op,
+                                    register_op, unknown_custom_code)
 
 def _schema_path() -> Path:
     # schema/ops.yaml lives at the top of the repository (an editable install reads it in
@@ -44,80 +46,25 @@ def _schema_path() -> Path:
 SCHEMA_PATH = _schema_path()
 
 
-@dataclass(frozen=True)
-class OpSpec:
-    """One fused op: its contract from schema/ops.yaml and its implementation module."""
-
-    name: str
-    contract: dict[str, Any]
-    module: ModuleType = field(repr=False)
-    # The reference kernel callable with the schema's defaults (module.reference takes all)
-    reference: Callable[..., Any] = field(repr=False)
-
-    @property
-    def op(self) -> torch._ops.OpOverloadPacket:
-        """``torch.ops.circle.<name>``."""
-        return getattr(torch.ops.circle, self.name)
-
-    @property
-    def overload(self) -> torch._ops.OpOverload:
-        return self.op.default
-
-    @property
-    def schema(self) -> str:
-        return self.contract["schema"]
-
-    @property
-    def circle(self) -> dict[str, Any]:
-        return self.contract["circle"]
-
-    @property
-    def tflite(self) -> dict[str, Any]:
-        return self.contract["tflite"]
-
-    @property
-    def targets(self) -> dict[str, str]:
-        """target -> how its profile writes the op: builtin, decomposed or composite
-        (circleops.targets: a target that lacks the builtin decomposes the op)."""
-        from circleops.targets import PROFILES
-
-        return {name: p.fused_form(self.circle["builtin"]) for name, p in PROFILES.items()}
-
-    @property
-    def autocast(self) -> str:
-        """What the op does under torch.autocast: "fp32", "lower_precision" or "none"."""
-        return self.contract["autocast"]
-
-    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """A call's arguments by schema name, the schema's defaults filled in."""
-        schema = self.overload._schema
-        return dict(zip((a.name for a in schema.arguments), bind(schema, args, kwargs)))
-
-    def sample_inputs(self, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-        """``(args, kwargs)`` pairs exercising every attribute, for generic tests."""
-        return self.module.sample_inputs(dtype)
-
-
-def _load() -> dict[str, OpSpec]:
+def _load_builtins() -> list[str]:
+    """Define every op of schema/ops.yaml through :func:`op`, the public path."""
     with open(SCHEMA_PATH) as f:
         contracts = yaml.safe_load(f)["ops"]
-    specs = {}
     for name, contract in contracts.items():
         module = importlib.import_module(f"circleops.ops.{name}")
-        op = define(contract, module)
-        specs[name] = OpSpec(name, contract, module, with_defaults(module.reference, op._opoverload._schema))
-    return specs
+        spec = op(contract["schema"], circle=contract["circle"], tflite=contract["tflite"],
+                  autocast=contract["autocast"], samples=module.sample_inputs,
+                  contract={**contract, "module": module, "provider": "circleops"})(module.reference)
+        spec.register_fake(module.fake)
+        if getattr(module, "kernel", None) is not None:
+            spec.register_kernel(module.kernel)
+    return list(contracts)
 
 
-REGISTRY: dict[str, OpSpec] = _load()
+# The built-in ops' REGISTRY keys, in schema/ops.yaml order (REGISTRY also holds user ops).
+BUILTINS: tuple[str, ...] = tuple(_load_builtins())
 
 
-def by_overload(target: Any) -> OpSpec | None:
-    """The OpSpec for an FX node target (``torch.ops.circle.x.default``), else None."""
-    for spec in REGISTRY.values():
-        if target is spec.overload or target is spec.op:
-            return spec
-    return None
-
-
-__all__ = ["OpSpec", "REGISTRY", "SCHEMA_PATH", "by_overload"]
+__all__ = ["BUILTINS", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP", "PluginWarning", "REGISTRY",
+           "SCHEMA_PATH", "UnknownCustomOpError", "by_custom_code", "by_overload", "load_plugins", "lookup", "op",
+           "register_op", "unknown_custom_code"]

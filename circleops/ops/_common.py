@@ -1,10 +1,9 @@
-"""Helpers shared by the op modules: argument errors, compute dtypes, and the one way every
-circle op is registered (:func:`define`): from its schema string in schema/ops.yaml, with the
-module's kernel and fake, autograd through the reference kernel, and the yaml autocast rule.
+"""Helpers shared by the op modules and the registry (circleops.ops.registry): argument
+errors, compute dtypes, binding a call to its schema, autograd through the reference kernel
+and the autocast rules.
 """
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -41,19 +40,22 @@ def _cast_floating(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     return value
 
 
-# Registrations made here must outlive the call that made them.
-_AUTOCAST_LIB = torch.library.Library("circle", "FRAGMENT")
+# Registrations made here must outlive the call that made them: one library per namespace.
+_AUTOCAST_LIBS: dict[str, Any] = {}
 
 
-def _register_autocast_lower_precision(qualname: str, device_types: tuple[str, ...]) -> None:
-    """Under autocast, cast the floating inputs of ``qualname`` to the *active* autocast dtype.
+def _register_autocast_lower_precision(op: Any, device_types: tuple[str, ...]) -> None:
+    """Under autocast, cast the floating inputs of ``op`` to the *active* autocast dtype.
 
     ``torch.library.register_autocast`` takes one fixed dtype; an op that behaves like
     ``linear`` or ``scaled_dot_product_attention`` must follow whichever lower-precision
     dtype the enclosing ``torch.autocast`` chose (bf16 or fp16).
     """
-    name = qualname.split("::")[1]
-    overload = getattr(getattr(torch.ops.circle, name), "default")
+    namespace, name = op._qualname.split("::")
+    overload = getattr(getattr(getattr(torch.ops, namespace), name), "default")
+    lib = _AUTOCAST_LIBS.get(namespace)
+    if lib is None:
+        lib = _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
     for device_type in device_types:
         if not torch._C._is_autocast_available(device_type):
             continue
@@ -65,7 +67,7 @@ def _register_autocast_lower_precision(qualname: str, device_types: tuple[str, .
             with torch._C._ExcludeDispatchKeyGuard(_keyset):
                 return overload(*_cast_floating(args, _device_type, dtype))
 
-        _AUTOCAST_LIB.impl(name, kernel, key)
+        lib.impl(name, kernel, key)
 
 
 def register_autocast(op: Any, rule: str, device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
@@ -77,9 +79,9 @@ def register_autocast(op: Any, rule: str, device_types: tuple[str, ...] = ("cpu"
             if torch._C._is_autocast_available(device_type):
                 torch.library.register_autocast(op, device_type, torch.float32)
     elif rule == "lower_precision":
-        _register_autocast_lower_precision(op._qualname, device_types)
+        _register_autocast_lower_precision(op, device_types)
     elif rule != "none":
-        raise ValueError(f"{op._qualname}: unknown autocast rule {rule!r} in schema/ops.yaml (fp32, lower_precision, none)")
+        raise ValueError(f"{op._qualname}: unknown autocast rule {rule!r} (fp32, lower_precision, none)")
 
 
 def bind(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> list[Any]:
@@ -111,7 +113,7 @@ def with_defaults(fn: Callable[..., Any], schema: torch.FunctionSchema) -> Calla
     return call
 
 
-def _contiguous(out: Any) -> Any:
+def contiguous(out: Any) -> Any:
     if isinstance(out, tuple):
         return tuple(t.contiguous() for t in out)
     return out.contiguous()
@@ -145,25 +147,3 @@ def register_autograd_from_reference(op: Any, reference: Callable[..., Any]) -> 
         return tuple(result)
 
     op.register_autograd(backward, setup_context=setup_context)
-
-
-def define(contract: dict[str, Any], module: ModuleType) -> Any:
-    """Register ``circle::<op>`` from its ops.yaml contract, the only place its schema and
-    defaults are written. ``module`` provides ``reference`` and ``fake`` (and optionally a
-    faster ``kernel``; default: the reference kernel), each taking every schema argument
-    positionally, defaults already filled in."""
-    schema = torch._C.parse_schema(contract["schema"])
-    qualname, paren, signature = contract["schema"].partition("(")
-    kernel = getattr(module, "kernel", None)
-    reference, fake = module.reference, module.fake
-
-    def eager(*args: Any, **kwargs: Any) -> Any:
-        full = bind(schema, args, kwargs)
-        return kernel(*full) if kernel is not None else _contiguous(reference(*full))
-
-    eager.__name__ = eager.__qualname__ = qualname.split("::")[1]
-    op = torch.library.custom_op(qualname, eager, mutates_args=(), schema=paren + signature)
-    op.register_fake(lambda *args, **kwargs: fake(*bind(schema, args, kwargs)))
-    register_autograd_from_reference(op, reference)
-    register_autocast(op, contract["autocast"])
-    return op

@@ -1,34 +1,57 @@
-"""The fused-op registry as a table (what ``circleops ops`` prints), read from schema/ops.yaml.
+"""The op registry as a table (what ``circleops ops`` prints): the built-ins of
+schema/ops.yaml, then users' and plugins' ops (plugins are loaded first).
 
-One row per op: name, Circle builtin (code) and options table, TFLite composite name,
-how each target profile writes the op, the autocast rule, and the torch schema.
+One row per op: name, Circle form (builtin and code, or CUSTOM and its custom_code) and
+options, TFLite form (composite name, or CUSTOM), how each target profile writes the op,
+the autocast rule, who provides it, and the torch schema.
 """
 from __future__ import annotations
 
 from circleops.errors import CircleOpsError
 
-COLUMNS = ("op", "circle builtin", "circle options", "tflite composite", "targets", "autocast", "torch schema")
+COLUMNS = ("op", "circle builtin", "circle options", "tflite composite", "targets", "autocast", "provider",
+           "torch schema")
+
+
+def _circle(spec) -> tuple[str, str]:
+    c = spec.circle
+    if c["form"] == "builtin":
+        return f"{c['builtin']} ({c['code']})", c.get("options") or "-"
+    if c["form"] == "custom":
+        return f"CUSTOM {c['custom_code']!r}", "flexbuffer {" + ", ".join(spec.attribute_args) + "}"
+    return "decomposed", "-"
+
+
+def _tflite(spec) -> str:
+    t = spec.tflite
+    if t["form"] == "composite":
+        return t["composite"]
+    return f"CUSTOM {t['custom_code']!r}" if t["form"] == "custom" else "decomposed"
 
 
 def rows(names: list[str] | None = None) -> list[dict[str, str]]:
     """The table's rows, one dict per op (keys = COLUMNS), in registry order."""
-    from circleops.ops import REGISTRY
+    from circleops.ops import REGISTRY, load_plugins, lookup
 
-    unknown = [n for n in names or () if n not in REGISTRY]
+    load_plugins()
+    wanted = [lookup(n) for n in names or ()]
+    unknown = [n for n, spec in zip(names or (), wanted) if spec is None]
     if unknown:
         raise CircleOpsError(f"unknown op(s) {', '.join(unknown)}; the registry has {', '.join(REGISTRY)}. "
                              "Run `circleops ops` without arguments to list them all.")
     out = []
-    for name, spec in REGISTRY.items():
-        if names and name not in names:
+    for spec in REGISTRY.values():
+        if names and spec not in wanted:
             continue
+        circle, options = _circle(spec)
         out.append({
-            "op": f"circle::{name}",
-            "circle builtin": f"{spec.circle['builtin']} ({spec.circle['code']})",
-            "circle options": spec.circle.get("options") or "-",
-            "tflite composite": spec.tflite["composite"],
+            "op": spec.qualname,
+            "circle builtin": circle,
+            "circle options": options,
+            "tflite composite": _tflite(spec),
             "targets": ", ".join(f"{t}: {how}" for t, how in spec.targets.items()),
             "autocast": spec.autocast,
+            "provider": spec.provider,
             "torch schema": spec.schema,
         })
     return out

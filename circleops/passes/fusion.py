@@ -450,7 +450,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, *, model: Optional[torch.nn.
     report = FusionReport()
     for n in graph.nodes:
         spec = circleops.ops.by_overload(n.target) if n.op == "call_function" else None
-        if spec is not None and spec.name in ("rms_norm", "rope"):
+        if spec is not None and spec.builtin and spec.name in ("rms_norm", "rope"):
             report.fused.append(FusionEntry(spec.name, _where(n), "already fused (adapter)"))
 
     doomed: set[Node] = set()

@@ -32,6 +32,8 @@ from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
                                        check_alloc, max_tensor_bytes)
 from circleops.runtime.kernels import quantized as quantized_kernels
+from circleops.runtime.kernels.fused import custom_spec
+from circleops.ops import UnknownCustomOpError
 from circleops.runtime.kernels.elementwise import BINARY
 
 # Ops whose output shape is the broadcast of their inputs: checked against the allocation
@@ -114,6 +116,12 @@ class SubgraphPlan:
         last_use: dict[int, int] = {}
         for k, op in enumerate(sg.operators):
             fn = KERNELS.get(op.opcode)
+            if op.opcode == "CUSTOM":
+                try:
+                    custom_spec(op)  # an unknown custom_code is an error at prepare, not mid-run
+                except UnknownCustomOpError as err:
+                    raise RuntimeRunError(f"reference interpreter: operator {k} of subgraph {index} {sg.name!r}: "
+                                          f"{err}") from None
             if fn is None:
                 name = op.opcode
                 if name == "CUSTOM":  # the custom code is what names a custom op

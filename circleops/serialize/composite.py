@@ -33,7 +33,7 @@ def decode_attributes(data: Any, max_items: int | None = None) -> dict[str, Any]
     the elements it produces and stops past ``max_items`` (default: 4 per byte + 1000)."""
     if data is None or len(data) == 0:
         return {}
-    raw = bytes(np.asarray(data, dtype=np.uint8))
+    raw = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else bytes(np.asarray(data, dtype=np.uint8))
     budget = [max_items if max_items is not None else 4 * len(raw) + 1000]
     value = _value(flexbuffers.GetRoot(raw), budget, 0)
     return value if isinstance(value, dict) else {"value": value}

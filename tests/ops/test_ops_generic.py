@@ -1,21 +1,22 @@
-"""Checks every registered op gets by being in circleops.ops.REGISTRY.
+"""Checks every built-in op gets by being in schema/ops.yaml (circleops.ops.BUILTINS).
 
 Per-op inputs come from the op module's ``sample_inputs(dtype)``, so nothing here is
-written per op: eager vs reference kernel, opcheck (fp32, fp16, bf16, mixed dtypes),
-gradcheck (fp64), backward, torch.export (strict and non-strict, the op kept whole through
-run_decompositions) and torch.autocast (the rule declared in schema/ops.yaml).
+written per op. The battery is circleops.testing's, the one ``check_op`` runs on users'
+ops: schema, eager vs reference kernel, opcheck (fp32, fp16, bf16, mixed dtypes, with
+grad), gradcheck (fp64), torch.autocast (the rule declared in schema/ops.yaml),
+torch.export (strict and non-strict, the op kept whole through run_decompositions), and
+every target converted and its file verified against torch. Here besides: backward vs
+autograd of the reference, export and a training step under autocast.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from circleops.ops import REGISTRY, by_overload
+from circleops.ops import BUILTINS, REGISTRY
+from circleops.testing import CHECKS, CallOp
 
-OPS = list(REGISTRY)
-LOW = (torch.float16, torch.bfloat16)
-DTYPES = (torch.float32, *LOW)
-CHEAP_OPCHECK = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+OPS = list(BUILTINS)
 
 
 def _tuple(out):
@@ -27,65 +28,15 @@ def _with_grad(args):
                  for a in args)
 
 
-def _dtype_id(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
-class _Call(torch.nn.Module):
-    """forward(*tensors) = the op with the sample's non-tensor arguments baked in."""
-
-    def __init__(self, op, args, kwargs):
-        super().__init__()
-        self.op, self.kwargs = op, kwargs
-        self.template = [None if isinstance(a, torch.Tensor) else a for a in args]
-        self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def forward(self, *tensors):
-        args = list(self.template)
-        for i, t in zip(self.slots, tensors):
-            args[i] = t
-        return self.op(*args, **self.kwargs)
-
-
 def _tensors(args):
     return tuple(a for a in args if isinstance(a, torch.Tensor))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("name", OPS)
-def test_kernel_equals_reference(name, dtype):
+def test_battery(name, check):
     spec = REGISTRY[name]
-    for args, kwargs in spec.sample_inputs(dtype):
-        got, want = _tuple(spec.op(*args, **kwargs)), _tuple(spec.reference(*args, **kwargs))
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and torch.equal(g, w), f"circle::{name} {kwargs} in {dtype}: kernel != reference"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, dtype):
-    # every sample (mixed weight/input dtypes included for fp16/bf16), without grad
-    for args, kwargs in REGISTRY[name].sample_inputs(dtype):
-        torch.library.opcheck(REGISTRY[name].op, args, kwargs, test_utils=CHEAP_OPCHECK)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_with_grad(name, dtype):
-    # the autograd formula traced through AOT dispatch (dynamic shapes): the first sample
-    # in fp32, the last one (mixed weight/input dtypes) in fp16 and bf16
-    samples = REGISTRY[name].sample_inputs(dtype)
-    args, kwargs = samples[0] if dtype == torch.float32 else samples[-1]
-    torch.library.opcheck(REGISTRY[name].op, _with_grad(args), kwargs)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_gradcheck_fp64(name):
-    spec = REGISTRY[name]
-    for args, kwargs in spec.sample_inputs(torch.float64)[:2]:
-        args = _with_grad(args)
-        module = _Call(spec.op, args, kwargs)
-        assert torch.autograd.gradcheck(module, _tensors(args), fast_mode=True)
+    CHECKS[check](spec, spec.sample_inputs)
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -106,46 +57,6 @@ def test_backward_equals_autograd_of_reference(name):
                 torch.testing.assert_close(t1.grad, t2.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strict", (False, True), ids=("nonstrict", "strict"))
-@pytest.mark.parametrize("name", OPS)
-def test_export_keeps_the_op_whole(name, strict):
-    spec = REGISTRY[name]
-    args, kwargs = spec.sample_inputs(torch.float32)[0]
-    module = _Call(spec.op, args, kwargs)
-    ep = torch.export.export(module, _tensors(args), strict=strict)
-    decomposed = ep.run_decompositions()
-    for program in (ep, decomposed):
-        fused = [n for n in program.graph.nodes if n.op == "call_function" and by_overload(n.target) is spec]
-        assert len(fused) == 1, f"circle::{name} must stay one node, got graph:\n{program.graph}"
-    for got, want in zip(_tuple(decomposed.module()(*_tensors(args))), _tuple(spec.op(*args, **kwargs))):
-        assert torch.equal(got, want)
-
-
-def _autocast_expected(spec, args, kwargs, autocast_dtype):
-    """What the op must return inside autocast(autocast_dtype), per the yaml rule."""
-    rule = spec.autocast
-    if rule == "none":
-        return spec.op(*args, **kwargs)
-    target = torch.float32 if rule == "fp32" else autocast_dtype
-    cast = tuple(a.to(target) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    return spec.op(*cast, **kwargs)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_autocast_rule(name):
-    spec = REGISTRY[name]
-    for dtype, autocast_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)):
-        for args, kwargs in spec.sample_inputs(dtype):
-            expected = _tuple(_autocast_expected(spec, args, kwargs, autocast_dtype))
-            with torch.autocast("cpu", dtype=autocast_dtype):
-                got = _tuple(spec.op(*args, **kwargs))
-            for g, e in zip(got, expected):
-                assert g.dtype == e.dtype and torch.equal(g, e), f"{name} {kwargs}: autocast rule {spec.autocast!r} not followed"
-    if spec.autocast == "fp32":
-        assert got[0].dtype == torch.float32
-    elif spec.autocast == "lower_precision":
-        assert got[0].dtype == torch.float16
-
 
 @pytest.mark.parametrize("strict", (False, True), ids=("nonstrict", "strict"))
 @pytest.mark.parametrize("name", OPS)
@@ -153,7 +64,7 @@ def test_export_under_autocast(name, strict):
     # The exported program carries the autocast casts: run outside autocast, it matches eager inside.
     spec = REGISTRY[name]
     args, kwargs = spec.sample_inputs(torch.float32)[0]
-    module = _Call(spec.op, args, kwargs)
+    module = CallOp(spec.op, args, kwargs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _tuple(module(*_tensors(args)))
         ep = torch.export.export(module, _tensors(args), strict=strict).run_decompositions()

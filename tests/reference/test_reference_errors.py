@@ -105,5 +105,7 @@ def test_custom_op_error_names_its_custom_code():
     model, feeds = one_op("RELU", [Feed(np.ones((2,), np.float32))], [np.ones((2,), np.float32)])
     op = model.subgraphs[0].operators[0]
     op.opcode, op.options = "CUSTOM", {"customCode": "MyFancyOp", "customOptions": b""}
-    with pytest.raises(RuntimeRunError, match=r"no kernel for opcode CUSTOM 'MyFancyOp' \(operator 0"):
+    # no registered op (circleops.op, a plugin) has this custom_code
+    with pytest.raises(RuntimeRunError, match=r"operator 0 of subgraph 0 'main': CUSTOM op with custom_code "
+                                              r"'MyFancyOp': no registered op provides it"):
         reference.run(model, feeds)

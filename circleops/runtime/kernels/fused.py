@@ -1,4 +1,5 @@
-"""The Circle fused ops through the op registry's reference kernels, and STABLEHLO_COMPOSITE.
+"""The Circle fused ops through the op registry's reference kernels, STABLEHLO_COMPOSITE,
+and CUSTOM ops through the reference kernel of the op their custom_code names.
 
 The registry kernel is the contract (circleops.ops, schema/ops.yaml), so the interpreter
 computes exactly what the torch op computes. Only the Circle conventions are mapped here:
@@ -6,8 +7,11 @@ input order (ROPE is x, sin, cos), layout (INSTANCE_NORM is NHWC) and option enc
 """
 from __future__ import annotations
 
-from circleops.ops import REGISTRY
-from circleops.runtime.kernels import activation, enum_value, kernel, option
+import torch
+
+from circleops.ops import REGISTRY, by_custom_code, unknown_custom_code
+from circleops.runtime.kernels import KernelError, activation, enum_value, kernel, option
+from circleops.serialize.composite import decode_attributes
 
 _ROPE_MODES = ("GPT_NEOX", "GPT_J")
 
@@ -48,3 +52,42 @@ def _attention(op, inputs, ctx):
 def _composite(op, inputs, ctx):
     # A composite means exactly its decomposition subgraph (that is what LiteRT runs).
     return ctx.call(int(option(op, "decompositionSubgraphIndex", default=0)), list(inputs))
+
+
+def custom_spec(op):
+    """The registered op a CUSTOM operator's custom_code names (plugins loaded on a miss);
+    an UnknownCustomOpError naming the code when nobody provides it."""
+    code = op.options.get("customCode") or ""
+    spec = by_custom_code(code)
+    if spec is None:
+        raise unknown_custom_code(code)
+    return spec
+
+
+def _attribute(arg, value):
+    # flexbuffers keeps ints and floats apart; a float argument written as 1 reads back as 1
+    if value is not None and isinstance(arg.type, torch.FloatType):
+        return float(value)
+    return value
+
+
+@kernel("CUSTOM")
+def _custom(op, inputs, ctx):
+    # The op's reference kernel: tensor arguments from the operator's inputs in schema
+    # order, the others from custom_options (a flexbuffer map by name; absent: the default).
+    spec = custom_spec(op)
+    options = decode_attributes(op.options.get("customOptions") or b"")
+    tensors = iter(inputs)
+    args = []
+    for arg in spec.arguments:
+        if arg.name in spec.tensor_args:
+            args.append(next(tensors, None))
+        elif arg.name in options:
+            args.append(_attribute(arg, options[arg.name]))
+        elif arg.has_default_value():
+            args.append(arg.default_value)
+        else:
+            raise KernelError(f"{spec.qualname}: custom_options lack the argument {arg.name!r} "
+                              f"(they hold {sorted(options)})")
+    out = spec.reference(*args)
+    return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -1,0 +1,91 @@
+"""Plugins: packages with an entry point in group ``circleops.ops``, found by
+importlib.metadata, loaded on the first registry lookup that misses (and by `circleops
+ops`); a broken one is a warning naming it, never a failure of anything else.
+
+Each test runs a fresh Python whose path holds two installed distributions (dist-info
+directories with entry_points.txt, as pip writes them): a working plugin and a broken one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _dist(site, name, entry_name, module, source):
+    info = site / f"{name.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[circleops.ops]\n{entry_name} = {module}\n")
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture()
+def site(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    _dist(site, "acme-ops", "acme", "acme_ops", """
+        import torch, circleops
+
+        @circleops.op("acme::twice(Tensor x, int k=2) -> Tensor")
+        def twice(x, k=2):
+            return x * k
+    """)
+    _dist(site, "broken-ops", "broken", "broken_ops", """
+        raise ImportError("this plugin needs libnpu.so, which is not installed")
+    """)
+    return site
+
+
+def _python(site, code, *args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+
+
+def test_ops_lists_a_plugin_and_survives_a_broken_one(site):
+    run = _python(site, "import sys; from circleops.cli import main; sys.exit(main(sys.argv[1:]))",
+                  "ops", "--format", "json")
+    assert run.returncode == 0, run.stderr
+    rows = {r["op"]: r for r in json.loads(run.stdout)}
+    assert rows["acme::twice"]["provider"] == "acme-ops"
+    assert rows["acme::twice"]["circle options"] == "flexbuffer {k}"
+    assert "circle::rms_norm" in rows
+    assert "circleops plugin 'broken' (package broken-ops" in run.stderr
+    assert "libnpu.so" in run.stderr and "skipped" in run.stderr
+
+
+def test_plugins_load_on_the_first_lookup_that_misses(site):
+    code = """
+        import sys, warnings
+        import torch
+        import circleops.ops as ops
+        assert "acme_ops" not in sys.modules            # importing circleops loads no plugin
+        assert ops.lookup("rms_norm") is not None       # a hit loads nothing either
+        assert "acme_ops" not in sys.modules
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            spec = ops.lookup("acme::twice")            # the miss loads the plugins
+        assert spec is not None and spec.provider == "acme-ops" and "acme_ops" in sys.modules
+        assert torch.equal(torch.ops.acme.twice(torch.ones(2), 3), torch.full((2,), 3.0))
+        assert [str(w.message).split(" (")[0] for w in seen] == ["circleops plugin 'broken'"]
+        assert ops.PLUGINS["acme"] == ("acme-ops", None)
+        assert ops.PLUGINS["broken"] == ("broken-ops", "ImportError: this plugin needs libnpu.so, which is not installed")
+    """
+    run = _python(site, textwrap.dedent(code))
+    assert run.returncode == 0, run.stderr
+
+
+def test_an_unknown_custom_code_names_the_plugin_that_failed(site):
+    code = """
+        import circleops.ops as ops
+        err = ops.unknown_custom_code("broken::fused_moe") if ops.by_custom_code("broken::fused_moe") is None else None
+        print(err)
+    """
+    run = _python(site, textwrap.dedent(code))
+    assert run.returncode == 0, run.stderr
+    assert "custom_code 'broken::fused_moe': no registered op provides it" in run.stdout
+    assert "The package broken-ops provides it, but its plugin failed to load: ImportError" in run.stdout
