@@ -108,7 +108,7 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
 
     import torch
 
-    from circleops.conversion import hf_export_settings
+    from circleops.pipeline import hf_export_settings
 
     params = inspect.signature(model.forward).parameters
     cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
@@ -226,7 +226,7 @@ def layer_outputs(model: Any, seq: Any) -> list[Any]:
     """[logits, each decoder layer's output] of ``model`` on ``seq``, in fp32."""
     import torch
 
-    from circleops.conversion import hf_export_settings
+    from circleops.pipeline import hf_export_settings
     from circleops.numerics import LayerOutputs
 
     with hf_export_settings(model), torch.no_grad():
@@ -237,7 +237,7 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
     import torch
 
-    from circleops.conversion import hf_export_settings, export
+    from circleops.pipeline import hf_export_settings, export
     from circleops.numerics import LayerOutputs, rms_norm_nodes
 
     low = copy.deepcopy(model).to(dtype).eval()
@@ -253,7 +253,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 
-    from circleops.conversion import op_histogram
+    from circleops.pipeline import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
     from circleops.runtime import reference

@@ -70,6 +70,8 @@ class TargetProfile:
     quantized_float_only: frozenset[str]  # builtins with no integer kernel: they stay float (DEQUANTIZE/QUANTIZE around)
     quantized_mean_needs_keep_dims: bool  # an integer MEAN without keepDims fails: it stays float
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
+    one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
+    quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -130,6 +132,8 @@ CIRCLE = TargetProfile(
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
+    one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
+    quantized_threads=None,
 )
 
 ONERT = TargetProfile(
@@ -203,6 +207,13 @@ ONERT = TargetProfile(
     # workers per call (~66 us at 2 threads): q/k/v and gate/up as one call each
     # (circleops.passes.fuse_linears; bench/README.md). fp32 linears measured no faster fused.
     fuse_linear_dtypes=frozenset({"GGML_Q4_0", "GGML_Q8_0"}),
+    # onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature; one
+    # file with a dynamic sequence dimension does not work either (bench/onert_dynamic_seq.py:
+    # every layout fails to prepare, returns the first run's shape, or crashes)
+    one_file_per_graph=True,
+    # GGML kernels: 1 thread measured faster on 2 shared cores; w8's hybrid FULLY_CONNECTED
+    # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
+    quantized_threads=1,
 )
 
 TFLITE = TargetProfile(
@@ -229,6 +240,8 @@ TFLITE = TargetProfile(
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
     fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
+    one_file_per_graph=False,  # LiteRT runs any signature
+    quantized_threads=None,
 )
 
 PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})

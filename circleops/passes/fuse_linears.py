@@ -33,7 +33,8 @@ import torch
 from circleops import ir
 from circleops.lowering.program import prune
 
-GGML_DTYPES = frozenset({"GGML_Q4_0", "GGML_Q8_0"})
+# the default weight types of fuse_sibling_linears: GGML blocks (the schema types ir knows the blocks of)
+GGML_DTYPES = frozenset(ir.GGML_BLOCKS)
 
 
 @dataclass
