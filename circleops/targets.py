@@ -4,8 +4,8 @@ One frozen :class:`TargetProfile` per target. Lowerings never compare target nam
 ask the profile (``ctx.profile.fc_keep_num_dims``, ``ctx.supports("GATHER", dtype)``), so
 adding a runtime, or a new onert version that runs more, is one new profile here:
 
-    PROFILES["onert-0.2"] = dataclasses.replace(ONERT, name="onert-0.2",
-                                                missing_builtins=ONERT.missing_builtins - {"CUMSUM"})
+    register_target(dataclasses.replace(ONERT, name="onert-0.2",
+                                        missing_builtins=ONERT.missing_builtins - {"CUMSUM"}))
 
 The onert facts are measured on onert 0.1.0 (shared/FACTS.md; tests/onert pins them).
 This module imports nothing heavy (no torch), so the CLI can read TARGETS cheaply.
@@ -244,8 +244,26 @@ TFLITE = TargetProfile(
     quantized_threads=None,
 )
 
-PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})
+_PROFILES: dict[str, TargetProfile] = {p.name: p for p in (CIRCLE, ONERT, TFLITE)}
+# every target, a read-only live view (register_target adds to it)
+PROFILES: Mapping[str, TargetProfile] = MappingProxyType(_PROFILES)
+# the built-in targets (the CLI's --target choices)
 TARGETS: tuple[str, ...] = tuple(PROFILES)
+
+
+def register_target(p: TargetProfile) -> TargetProfile:
+    """Add a target: every conversion path (convert, save, --graphs, generate, the checks)
+    then takes its name. A name already taken raises."""
+    if p.name in _PROFILES:
+        raise ValueError(f"target {p.name!r} is already registered")
+    _PROFILES[p.name] = p
+    return p
+
+
+def unregister_target(name: str) -> None:
+    """Remove a target added by register_target (tests that add their own)."""
+    if name not in TARGETS:
+        _PROFILES.pop(name, None)
 
 
 def profile(target: str | TargetProfile) -> TargetProfile:
@@ -255,8 +273,8 @@ def profile(target: str | TargetProfile) -> TargetProfile:
     try:
         return PROFILES[target]
     except (KeyError, TypeError):
-        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}") from None
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}") from None
 
 
 __all__ = ["BUILTIN", "COMPOSITE", "DECOMPOSED", "FUSED_FORMS", "PROFILES", "TARGETS", "Conv1x1Rule",
-           "TargetProfile", "profile"]
+           "TargetProfile", "profile", "register_target", "unregister_target"]

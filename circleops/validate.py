@@ -23,8 +23,8 @@ _FORMAT_NAMES = {"circle": "Circle", "tflite": "TFLite"}
 
 def validate_target(target: str, fuse: str = "none") -> tuple[str, str, str]:
     """(target, its file format, fuse) after checking both names."""
-    if target not in TARGETS:
-        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}.")
+    if target not in PROFILES:
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
     if fuse not in FUSE_MODES:
         raise TargetError(f"unknown fuse mode {fuse!r}: choose one of {', '.join(FUSE_MODES)}.")
     return target, PROFILES[target].format, fuse
@@ -63,7 +63,7 @@ def validate_quantize(quantize: str | None, target: str, int16: Sequence[str] = 
                               f"bench/onert_quantized.py): use quantize='uint8' for {target}, or target 'circle' for "
                               f"an {fmt.activations} file")
         return quantize
-    if target not in fmt.targets:
+    if p.format not in fmt.file_formats:
         raise TargetError(f"quantize={quantize!r} {fmt.target_refusal}")
     return quantize
 
@@ -113,7 +113,7 @@ def resolve_runtime(verify: bool | str | None, target: str, dtype: Any = None, q
         info, fmt = runtime_info(str(verify)), PROFILES[target].format
         if fmt not in info.formats:
             others = [n for n in RUNTIMES if fmt in RUNTIMES[n]]
-            targets = [t for t in TARGETS if PROFILES[t].format in info.formats]
+            targets = [t for t in TARGETS if PROFILES[t].format in info.formats]  # the built-in ones
             raise TargetError(f"{info.label} runs {' and '.join(_FORMAT_NAMES.get(f, f) for f in info.formats)} files "
                               f"only; target {target} writes {_FORMAT_NAMES.get(fmt, fmt)}. Verify with "
                               f"{' or '.join(others)}, or use --target {' / --target '.join(targets)}.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any, Mapping, Protocol
 
 # WeightFormat.kind
@@ -58,8 +58,8 @@ class WeightFormat:
     smoothing: bool = False  # SmoothQuant folded into the weights first (quantize.smooth)
     gguf_type: str | None = None  # the GGUF tensor type carried over as it is (a GGUF model's blocks)
     activations: str | None = None  # INTEGER: the activation scheme ("uint8", "int16")
-    targets: frozenset[str] = frozenset()  # targets whose files may hold it
-    target_refusal: str = ""  # why another target cannot (the end of the error message)
+    file_formats: frozenset[str] = frozenset()  # file formats whose schema holds its weights (WEIGHTS)
+    target_refusal: str = ""  # why a target writing another file format cannot (the end of the error message)
     runtimes: frozenset[str] = frozenset()  # runtimes that run its files
     host_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # runtime -> CPU flags it needs
 
@@ -108,14 +108,6 @@ def names(kind: str | None = None) -> tuple[str, ...]:
     return tuple(n for n, f in _FORMATS.items() if kind is None or f.kind == kind)
 
 
-def codec_for(tensor_type: str) -> ModuleType:
-    """The codec module that packs ``tensor_type`` (asked by the weight pass and verify)."""
-    for f in _FORMATS.values():
-        if f.codec and tensor_type in f.tensor_types():
-            return importlib.import_module(f.codec)
-    raise ValueError(f"no quantization format stores {tensor_type}")
-
-
 def host_flags(name: str | None, runtime: str) -> tuple[str, ...]:
     """The CPU flags ``runtime`` needs to run a file quantized as ``name`` (() for none)."""
     f = get(name)
@@ -132,7 +124,7 @@ def tensor_host_flags(tensor_types: Any, runtime: str) -> tuple[str, ...]:
     return tuple(flags)
 
 
-_GGML_TARGETS = frozenset({"onert", "circle"})
+_CIRCLE_FILES = frozenset({"circle"})  # GGML and hybrid INT8 weights: Circle schema types
 _GGML_REFUSAL = ("stores GGML block weights, which exist only in Circle (the TFLite schema has no GGML types): use "
                  "target 'onert' or 'circle', or leave out quantize for tflite")
 _GGML_RUNTIMES = frozenset({"onert", "reference"})
@@ -141,31 +133,30 @@ _ONERT_AVX512 = {"onert": ONERT_GGML_CPU_FLAGS}
 register(WeightFormat(
     "q4_0", "GGML_Q4_0 linear weights and embedding table, the output head (lm_head) GGML_Q8_0 (targets onert, "
     "circle)", WEIGHTS, "GGML_Q4_0", "circleops.quantize.ggml", head_type="GGML_Q8_0", embedding=True,
-    tied_table=False, importance=True, gguf_type="Q4_0", targets=_GGML_TARGETS, target_refusal=_GGML_REFUSAL,
+    tied_table=False, importance=True, gguf_type="Q4_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL,
     runtimes=_GGML_RUNTIMES, host_flags=_ONERT_AVX512))
 register(WeightFormat(
     "q4_0-pure", "GGML_Q4_0 linear weights and embedding table, a tied lm_head sharing the table (4.5 "
     "bits/weight; targets onert, circle)", WEIGHTS, "GGML_Q4_0", "circleops.quantize.ggml", embedding=True,
-    importance=True, gguf_type="Q4_0", targets=_GGML_TARGETS, target_refusal=_GGML_REFUSAL, runtimes=_GGML_RUNTIMES,
+    importance=True, gguf_type="Q4_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL, runtimes=_GGML_RUNTIMES,
     host_flags=_ONERT_AVX512))
 register(WeightFormat(
     "q8_0", "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)", WEIGHTS, "GGML_Q8_0",
-    "circleops.quantize.ggml", gguf_type="Q8_0", targets=_GGML_TARGETS, target_refusal=_GGML_REFUSAL,
+    "circleops.quantize.ggml", gguf_type="Q8_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL,
     runtimes=_GGML_RUNTIMES, host_flags=_ONERT_AVX512))
 register(WeightFormat(
     "w8", "int8 per-channel linear weights, fp32 activations (onert's hybrid FULLY_CONNECTED + MUL: runs on any "
     "x86-64 onert, no AVX-512 needed; targets onert, circle)", WEIGHTS, "INT8", "circleops.quantize.int8",
-    form=HYBRID, smoothing=True, targets=_GGML_TARGETS,
+    form=HYBRID, smoothing=True, file_formats=_CIRCLE_FILES,
     target_refusal="writes int8 weights for onert's hybrid FULLY_CONNECTED (scale [1.0] and a MUL by the per-channel "
                    "scales, the form onert computes right): use target 'onert' or 'circle'",
     runtimes=_GGML_RUNTIMES))
 register(WeightFormat(
     "uint8", "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
-    "circle)", INTEGER, activations="uint8", targets=frozenset({"circle", "onert"}),
+    "circle)", INTEGER, activations="uint8",
     runtimes=frozenset({"onert", "reference"})))
 register(WeightFormat(
     "int16", "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
-    "circle)", INTEGER, activations="int16", targets=frozenset({"circle"}), runtimes=frozenset({"reference"})))
+    "circle)", INTEGER, activations="int16", runtimes=frozenset({"reference"})))
 
-__all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat",
-           "codec_for", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]
+__all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

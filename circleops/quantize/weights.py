@@ -140,6 +140,7 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     entries = report.sources if report is not None else []
     linear = {src.data_ptr(): dtype for src, _, dtype, _, role in entries if role == "linear"}
+    codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
     workers = torch.get_num_threads()
     try:
         # whole weights on parallel workers, each on one intra-op thread: SmolLM2's 212
@@ -149,12 +150,12 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                 """(the table's own values, None) for a split tied table, else (src, its old values)."""
                 src, blocks, dtype, shape2d, role = entry
                 if role == "table" and linear.get(src.data_ptr(), dtype) != dtype:
-                    return _dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
+                    return codec.decode(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
                 old = src.clone()
                 if src.dtype == torch.float32 and src.is_contiguous():
-                    formats.codec_for(dtype).decode_into(blocks, dtype, src)
+                    codec.decode_into(blocks, dtype, src)
                 else:
-                    src.copy_(_dequantize(blocks, dtype, shape2d).reshape(src.shape))
+                    src.copy_(codec.decode(blocks, dtype, shape2d).reshape(src.shape))
                 return src, old
 
             for (src, _, dtype, _, _), (values, old) in zip(entries, pool(swap_in, entries)):
@@ -177,11 +178,6 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                 src.copy_(old)
         for module, weight in reversed(swapped):
             module.weight = weight
-
-
-def _dequantize(packed: Any, dtype: str, shape2d: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of a weight as ``quantize_weights`` stored it (its format's codec)."""
-    return formats.codec_for(dtype).decode(packed, dtype, shape2d)
 
 
 def _hybrid(report: QuantReport) -> bool:
@@ -222,6 +218,7 @@ class _Quantizer:
         self.head_dtype = self.format.head_type
         self.block = self.format.block
         self.hybrid = self.format.form == formats.HYBRID
+        self.codec = self.format.codec_module()  # packs the format's types (the head's too)
         self.pure = self.format.tied_table  # the embedding table's blocks serve a tied head too
         self.report = report
         self.pretrained = pretrained or {}
@@ -257,7 +254,7 @@ class _Quantizer:
         imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
         if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
-        blocks = formats.codec_for(dtype).encode(data.reshape(shape2d), dtype, importance=imp)
+        blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp)
         return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
 
     def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:
