@@ -155,7 +155,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
                           "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
                           "CircleQuantizer) and save the converted program, or use circleops.convert")
     validate_threads(threads)
-    from circleops.passes.qdq import has_qdq
+    from circleops.quantize.integer.qdq import has_qdq
 
     quantized = has_qdq(exported_program)
     if quantized:

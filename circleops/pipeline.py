@@ -236,7 +236,7 @@ def lower(ep: Any, opts: Options, output_names: Sequence[str] | None = None) -> 
     """The ir.Model of ``ep`` for the target: an integer graph for a program with
     quantize/dequantize pairs (PT2E), else the float lowering."""
     from circleops.lowering import lower_program
-    from circleops.lowering.integer import lower_quantized
+    from circleops.quantize.integer.lower import lower_quantized
 
     model = lower_quantized(ep, opts.target, dtype=opts.dtype, integer_io=opts.integer_io) \
         or lower_program(ep, opts.profile, dtype=opts.dtype)
