@@ -327,8 +327,6 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
     q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
-    from circleops.lowering.program import prune
-
     for sg in model.subgraphs:  # the embedding tables first: a tied head reads one
         for op in sg.operators:
             if op.opcode == "GATHER" and _is_table(sg, op, is_param):
@@ -343,11 +341,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
         q.prefetch((job for sg in model.subgraphs for job in _jobs(sg, q, is_param)), workers)
         for si, sg in enumerate(model.subgraphs):
             _quantize_subgraph(sg, q, is_param, kept)
-            remap = prune(sg)  # the fp32 weights the GGML tensors replaced
-            for sig in model.signatures:
-                if sig.subgraph_index == si:
-                    sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
-                    sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+            ir.prune_subgraph(model, si)  # the fp32 weights the GGML tensors replaced
     report.kept_fp32 = [(n, s, r) for n, (s, r) in kept.items()]
     return report
 

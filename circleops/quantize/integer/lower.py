@@ -117,7 +117,6 @@ class _Graph:
 
 def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "circle") -> None:
     """Turn the lowered PT2E graph ``model`` into an integer graph, in place (see module doc)."""
-    from circleops.lowering.program import prune
 
     sg = model.subgraphs[0]
     g = _Graph(sg)
@@ -128,8 +127,7 @@ def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "
     _drop_identity_requantize(g)
     _check_target(sg, target)
     _boundaries(model, sg, plan.integer_io)
-    remap = prune(sg)
-    del remap  # the signature lists the subgraph's inputs and outputs, in order
+    ir.prune(sg)  # the signature lists the subgraph's inputs and outputs, in order
     for sig in model.signatures:
         if sig.subgraph_index == 0:
             sig.inputs = dict(zip(sig.inputs, sg.inputs))
