@@ -487,7 +487,7 @@ def dense_experts(model: Any) -> Any:
     as the sparse dispatch): circleops.adapters._experts. Only for HF models."""
     if not _is_hf_causal_lm(model):
         return contextlib.nullcontext()
-    from circleops.adapters._experts import dense_experts_implementation
+    from circleops.adapters import dense_experts_implementation
 
     return dense_experts_implementation(model)
 

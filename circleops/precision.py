@@ -6,7 +6,7 @@ target circle and run by the reference interpreter; the report gives the max err
 every decoder layer's output against the fp32 model, and how many greedy tokens agree
 with fp32's before the first divergence.
 
-    from circleops.check import check
+    from circleops.precision import check
     report = check(model, tokenizer, dtype="fp16", new_tokens=32)
     print(report.table())
 
@@ -94,7 +94,8 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     with WorkDirectory(work_dir) as directory:
         for policy in chosen:
             say(f"{policy.name}: convert, run")
-            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens, len(ids), eos, tokenizer)
+            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens=tokens,
+                                     prompt_len=len(ids), eos=eos, tokenizer=tokenizer)
             report.policies.append(result)
             timings[policy.name] = sum(result.seconds.values())
     return report
@@ -249,7 +250,7 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     return ep
 
 
-def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], tokens: list[int],
+def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], *, tokens: list[int],
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 

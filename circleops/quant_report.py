@@ -5,11 +5,11 @@ it) and run by onert (or the reference interpreter); the report gives
 
 * per decoder layer, the max error of its output against the fp32 model (torch);
 * how many of fp32's N greedy tokens the quantized file reproduces before the first
-  divergence (measured as circleops.check does: one run over prompt + fp32's tokens);
+  divergence (measured as circleops.precision does: one run over prompt + fp32's tokens);
 * the perplexity of fp32 (torch) and of the quantized file on a fixed English text shipped
   with circleops (``perplexity.txt``, ~2.4k SmolLM2 tokens), in non-overlapping windows.
 
-    from circleops.quantize.check import quant_check
+    from circleops.quant_report import quant_check
     report = quant_check(model, tokenizer, quantize="q4_0")
     print(report.table())
 """
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-PERPLEXITY_TEXT = Path(__file__).with_name("perplexity.txt")
+PERPLEXITY_TEXT = Path(__file__).parent / "quantize" / "perplexity.txt"  # shipped with the quantizers
 DEFAULT_WINDOW = 256
 
 
@@ -105,7 +105,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     import numpy as np
     import torch
 
-    from circleops import check as fp
+    from circleops import precision as fp
     from circleops import pipeline
     from circleops.errors import CircleOpsError
     from circleops.numerics import LayerOutputs

@@ -18,7 +18,8 @@ from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
 from circleops.adapters._instance import fuse, is_fused, unfuse
-from circleops.adapters._patching import AttentionDecision, PatchSession, UnusedPatchWarning
+from circleops.adapters._experts import dense_experts_implementation
+from circleops.adapters._patching import DECISIONS, AttentionDecision, PatchSession, UnusedPatchWarning
 from circleops.adapters.gemma import patched_gemma_attention, patched_gemma_modules, patched_gemma_rmsnorm, patched_gemma_rope
 from circleops.adapters.gemma2 import patched_gemma2_attention, patched_gemma2_modules, patched_gemma2_rmsnorm, patched_gemma2_rope
 from circleops.adapters.gemma3 import patched_gemma3_attention, patched_gemma3_modules, patched_gemma3_rmsnorm, patched_gemma3_rope
@@ -70,7 +71,7 @@ def family_of(model) -> Family | None:
 
 __all__ = [
     "FAMILIES", "BY_NAME", "Family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
-    "attention_blockers", "family_of", "fuse", "unfuse", "is_fused", "patched_modules",
+    "DECISIONS", "attention_blockers", "dense_experts_implementation", "family_of", "fuse", "unfuse", "is_fused", "patched_modules",
     *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
                                    "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss")
       for k in ("rmsnorm", "rope", "attention", "modules")],

@@ -6,7 +6,7 @@
 * composite  -> STABLEHLO_COMPOSITE whose decomposition subgraph holds the reference kernel
 
 A node whose ``meta[LOWERING_META]`` is ``"decomposed"`` is decomposed whatever its target
-says (set by a pass before lowering, e.g. circleops.check, to write an fp16 graph's
+says (set by a pass before lowering, e.g. circleops.precision, to write an fp16 graph's
 fp32-policy RMSNorm as a CAST-ops-CAST island instead of the RMS_NORM builtin).
 
 Semantics of the builtins as onert 0.1.0 runs them (probed with hand-built files; the
@@ -29,7 +29,7 @@ import torch
 from circleops.lowering.context import Value, const_value
 from circleops.lowering.registry import lower
 from circleops.ops import REGISTRY, OpSpec
-from circleops.ops._common import at_least_fp32
+from circleops.ops import at_least_fp32
 from circleops.targets import BUILTIN, COMPOSITE, DECOMPOSED
 
 _FLOAT32 = torch.float32

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from circleops.ops._common import bind, define, with_defaults
+from circleops.ops._common import at_least_fp32, bind, define, with_defaults
 
 def _schema_path() -> Path:
     # schema/ops.yaml lives at the top of the repository (an editable install reads it in
@@ -120,4 +120,4 @@ def by_overload(target: Any) -> OpSpec | None:
     return None
 
 
-__all__ = ["OpSpec", "REGISTRY", "SCHEMA_PATH", "by_overload"]
+__all__ = ["OpSpec", "REGISTRY", "SCHEMA_PATH", "at_least_fp32", "by_overload"]

@@ -427,7 +427,7 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
 
     for op in sg.operators:
         if op.opcode == "GATHER" and q.format.embedding:
-            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor))
+            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=ggml_tensor, new_tensor=new_tensor))
             continue
         lin = _linear_weight(sg, op)
         if lin is None:
@@ -493,7 +493,7 @@ def _is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool])
             and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0)
 
 
-def _gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor) -> list[ir.Operator]:
+def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:
     table_i, idx_i = op.inputs[0], op.inputs[1]
     t = sg.tensors[table_i]
     if not _is_table(sg, op, is_param):
