@@ -65,14 +65,18 @@ def check_runtime(manifest: Any, runtime: str) -> None:
         raise TargetError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
     if runtime in graph_runtimes(manifest.target):
         return
-    if runtime == "litert":
-        why = ("LiteRT runs .tflite files, and these are Circle files: convert with --target tflite "
-               "(`circleops convert MODEL --graphs prefill,decode --target tflite -o DIR`)")
-    elif runtime == "onert" and manifest.target == "tflite":
-        why = "onert runs the Circle files of --target onert; these are .tflite files"
+    from circleops.targets import PROFILES
+
+    info, fmt = runtime_info(runtime), PROFILES[manifest.target].format
+    own = next((t for t in PROFILES if PROFILES[t].runtime == runtime), None)  # the target made for it
+    if fmt not in info.formats:
+        other = own or next(t for t in PROFILES if PROFILES[t].format in info.formats)
+        why = (f"{info.label} runs {' and '.join('.' + f for f in info.formats)} files, and these are .{fmt} files: "
+               f"convert with --target {other} (`circleops convert MODEL --graphs prefill,decode --target {other} "
+               f"-o DIR`)")
     else:
-        why = (f"the files of target {manifest.target} hold ops onert does not run (ATTENTION); "
-               f"convert with --target onert for onert")
+        why = (f"the files of target {manifest.target} hold ops {info.label} does not run (ATTENTION)"
+               + (f"; convert with --target {own} for {runtime}" if own else ""))
     raise TargetError(f"--runtime {runtime} cannot run {manifest.directory}: {why}. Runtimes for these files: "
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 

@@ -119,8 +119,9 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
     target = "onert" if not integer or runtime in (None, "onert") else "circle"
     validate_quantize(quantize, target)
-    if runtime is not None and runtime not in ("onert", "reference"):
-        raise CircleOpsError(f"runtime {runtime!r}: the quantized file runs in onert or the reference interpreter")
+    if runtime is not None and runtime not in formats.get(quantize).runtimes:
+        raise CircleOpsError(f"runtime {runtime!r}: {quantize} files run in "
+                             f"{' or '.join(sorted(formats.get(quantize).runtimes))}")
     runtime, note = choose_runtime(runtime, target, quantize, "run")
     if new_tokens < 1:
         raise CircleOpsError(f"--new-tokens must be at least 1, got {new_tokens}.")
