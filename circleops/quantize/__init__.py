@@ -42,6 +42,11 @@ WEIGHT_FORMATS: Mapping[str, str] = _View(lambda f: True, lambda f: f.summary)
 INTEGER_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.INTEGER, lambda f: f.activations)
 # weight-only formats (float activations; circleops.quantize.weights.quantize_weights) -> stored type
 WEIGHT_ONLY_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.WEIGHTS, lambda f: f.tensor_type)
+# the former tables, as views (code should ask the entry: formats.get(name).form / .tensor_type)
+GGML_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.WEIGHTS and f.form == _formats.BLOCKS,
+                                        lambda f: f.tensor_type)
+HYBRID_FORMATS: Mapping[str, str] = _View(lambda f: f.form == _formats.HYBRID and f.kind == _formats.WEIGHTS,
+                                          lambda f: f.tensor_type)
 
 # --int16 PART[,PART...] (convert(..., int16=[...])): the parts of a uint8 integer graph whose
 # activations are int16 instead (CircleQuantizer.set_operator_type / set_module_name).
@@ -60,4 +65,5 @@ INT16_PRESETS: dict[str, tuple[str, ...]] = {
     "llm": ("norms", "residual", "mlp"),
 }
 
-__all__ = ["WEIGHT_FORMATS", "WEIGHT_ONLY_FORMATS", "INTEGER_FORMATS", "INT16_PARTS", "INT16_PRESETS"]
+__all__ = ["WEIGHT_FORMATS", "WEIGHT_ONLY_FORMATS", "INTEGER_FORMATS", "GGML_FORMATS", "HYBRID_FORMATS", "INT16_PARTS",
+           "INT16_PRESETS"]
