@@ -24,7 +24,7 @@ Measured with onert 0.1.0 (x86_64, cpu backend), errors against torch:
   fresh  S = 5 right; a new session first run with S = 1 or 7 fails at prepare
          ("ShapeValidator failed at line 1141"); once, the session after that crashed
 So onert 0.1.0 cannot run one file at two sequence lengths, and target onert keeps one file
-per graph (circleops/graphs.py, ONE_FILE_PER_GRAPH). The graphs also differ beyond shapes:
+per graph (TargetProfile.one_file_per_graph, circleops/targets.py). The graphs also differ beyond shapes:
 decode uses onert's fused ROPE (which reads one row of its tables, right only for S == 1)
 and FULLY_CONNECTED for one-row linears where prefill uses decomposed RoPE and CONV_2D.
 """

@@ -18,7 +18,7 @@ import torch
 
 from circleops import models
 from circleops.quantize import int8
-from circleops.quantize.check import text_ids
+from circleops.quant_report import text_ids
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
-from circleops.runtime import RUNTIMES, Session, open_session
+from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
 
 DEFAULT_MAX_NEW_TOKENS = 64
 # What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
@@ -47,15 +47,14 @@ class GenerationLimitError(CircleOpsError):
 
 def choose_runtime(manifest: Any, runtime: str | None) -> tuple[str, str | None]:
     """``runtime`` (None: the manifest's default), checked against its files, and a note to
-    show when the default had to change: onert cannot run GGML weights on a CPU without
-    AVX-512 (circleops.runtime.host), so a quantized onert directory then runs on the
-    reference interpreter; onert asked for by name is refused there with a HostCPUError."""
-    note = None
-    if manifest.target == "onert" and runtime in (None, "onert"):
-        from circleops.runtime.host import onert_or_reference
+    show when the default had to change (circleops.runtime.choose_runtime: onert cannot run
+    GGML weights on a CPU without AVX-512, so a quantized onert directory then runs on the
+    reference interpreter; onert asked for by name is refused there with a HostCPUError)."""
+    from circleops.runtime import choose_runtime as choose
 
-        runtime, note = onert_or_reference(runtime, manifest.quantize, "run")
-    runtime = runtime or manifest.default_runtime
+    if runtime is not None:
+        check_runtime(manifest, runtime)
+    runtime, note = choose(runtime, manifest.target, manifest.quantize, "run")
     check_runtime(manifest, runtime)
     return runtime, note
 
@@ -66,14 +65,18 @@ def check_runtime(manifest: Any, runtime: str) -> None:
         raise TargetError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
     if runtime in graph_runtimes(manifest.target):
         return
-    if runtime == "litert":
-        why = ("LiteRT runs .tflite files, and these are Circle files: convert with --target tflite "
-               "(`circleops convert MODEL --graphs prefill,decode --target tflite -o DIR`)")
-    elif runtime == "onert" and manifest.target == "tflite":
-        why = "onert runs the Circle files of --target onert; these are .tflite files"
+    from circleops.targets import PROFILES
+
+    info, fmt = runtime_info(runtime), PROFILES[manifest.target].format
+    own = next((t for t in PROFILES if PROFILES[t].runtime == runtime), None)  # the target made for it
+    if fmt not in info.formats:
+        other = own or next(t for t in PROFILES if PROFILES[t].format in info.formats)
+        why = (f"{info.label} runs {' and '.join('.' + f for f in info.formats)} files, and these are .{fmt} files: "
+               f"convert with --target {other} (`circleops convert MODEL --graphs prefill,decode --target {other} "
+               f"-o DIR`)")
     else:
-        why = (f"the files of target {manifest.target} hold ops onert does not run (ATTENTION); "
-               f"convert with --target onert for onert")
+        why = (f"the files of target {manifest.target} hold ops {info.label} does not run (ATTENTION)"
+               + (f"; convert with --target {own} for {runtime}" if own else ""))
     raise TargetError(f"--runtime {runtime} cannot run {manifest.directory}: {why}. Runtimes for these files: "
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 
@@ -89,19 +92,21 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
-    if runtime == "onert" and signature is not None:
-        raise TargetError(f"{path} keeps the graphs as signatures, which onert 0.1.0 cannot select; convert "
+    info = runtime_info(runtime)
+    if not info.selects_signatures and signature is not None:
+        raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select; convert "
                           f"with --target onert for one file per graph.")
     threads = getattr(manifest, "num_threads", None)
-    if runtime == "onert" and threads and "NUM_THREADS" not in os.environ:
+    env = info.threads_env
+    if env and threads and env not in os.environ:
         # the thread count the graphs were made for (convert --threads; 1 for GGML weights:
         # onert's GGML kernel starts NUM_THREADS-1 workers per call, and on 2 busy cores 2
         # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
-        os.environ["NUM_THREADS"] = str(threads)
+        os.environ[env] = str(threads)
         try:
             return open_session(runtime, path, signature)
         finally:
-            del os.environ["NUM_THREADS"]
+            del os.environ[env]
     return open_session(runtime, path, signature)
 
 

@@ -42,11 +42,9 @@ which.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -57,7 +55,7 @@ from circleops.generate import empty_caches, open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
-from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS
+from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
 from circleops.targets import PROFILES
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks
@@ -66,12 +64,9 @@ from circleops.targets import PROFILES
 DEFAULT_PREFILL_LENS = (64, 8)
 DEFAULT_PREFILL_LEN = DEFAULT_PREFILL_LENS[0]
 DEFAULT_MAX_CACHE_LEN = 512
-# The onert runtime gets one file per graph (see the module docstring). One file with a
-# dynamic sequence dimension (shape_signature -1, resized at run time) does not work on
-# onert 0.1.0: measured by bench/onert_dynamic_seq.py, every layout either fails
-# ("num_elements() cannot calculate when any dimension is unspecified", "ShapeValidator
-# failed"), returns the first run's shape for another length (wrong results), or crashes.
-ONE_FILE_PER_GRAPH = {"onert": True, "circle": False, "tflite": False}
+# Which targets get one file per graph is TargetProfile.one_file_per_graph (onert: see the
+# module docstring, and bench/onert_dynamic_seq.py for why one file with a dynamic sequence
+# dimension does not work on onert 0.1.0 either).
 
 Progress = Callable[[str], None]
 
@@ -178,21 +173,28 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
     import torch
 
     from circleops.adapters.decode import OneRowPrefill
-    from circleops.conversion import export
+    from circleops.pipeline import export
 
     module = OneRowPrefill(step) if graph == "prefill" else step
     with torch.no_grad():
         return export(module, example_args(step, graph, prefill_len), adapters=False, warn_list=[])
 
 
-def lower_step(ep: Any, graph: str, target: Any, num_layers: int, dtype: Any = None, kind: str | None = None,
+def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any = None, kind: str | None = None,
                cache_update: str = "full") -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
     ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
-    default: ``graph``'s own) and ``cache_update``."""
-    from circleops.lowering import lower_program
+    default: ``graph``'s own) and ``cache_update``. ``target``: a target's name, a
+    TargetProfile, or the pipeline's Options (circleops.pipeline)."""
+    from circleops import pipeline
 
-    model = lower_program(ep, target, dtype=dtype)
+    opts = target if isinstance(target, pipeline.Options) else None
+    if opts is None:
+        from circleops.lowering import lower_program
+
+        model = lower_program(ep, target, dtype=dtype)
+    else:
+        model = pipeline.lower(ep, opts)
     sub = model.subgraphs[0]
     sub.name = graph
     ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
@@ -430,33 +432,33 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     """
     import torch
 
-    from circleops import conversion as api
+    from circleops import pipeline
+    from circleops.runtime import choose_runtime
+    from circleops.validate import model_dtype, validate_quantize, validate_target_dtype, validate_threads
 
     graphs = parse_graph_names(graphs)
     if target not in PROFILES:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
+    profile = PROFILES[target]
     if cache_update is None:
         cache_update = default_cache_update(target)
     if cache_update not in CACHE_UPDATES:
         raise TargetError(f"cache_update takes one of {', '.join(CACHE_UPDATES)}; got {cache_update!r}.")
-    torch_dtype = api.model_dtype(model) or torch.float32
-    quantize = api.check_quantize(quantize, target)
-    api.check_target_dtype(target, torch_dtype, quantize)
-    api.check_threads(threads)
-    if threads is None and target == "onert" and quantize:
-        # GGML kernels: 1 thread measured faster on 2 shared cores; w8's hybrid FULLY_CONNECTED
-        # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
-        threads = 1
+    torch_dtype = model_dtype(model) or torch.float32
+    quantize = validate_quantize(quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write: use one of "
+                          f"{', '.join(WEIGHT_ONLY_FORMATS)} (weight-only), or circleops convert for an integer file")
+    validate_target_dtype(target, torch_dtype, quantize)
+    validate_threads(threads)
+    if threads is None and quantize:
+        threads = profile.quantized_threads  # the thread count quantized files are made for (the profile says)
     runtime, verify_note = None, None
     if verify:
-        runtime = PROFILES[target].runtime if verify is True else str(verify)
-        if target == "onert" and runtime == "onert":
-            from circleops.runtime.host import onert_or_reference
-
-            runtime, verify_note = onert_or_reference(verify, quantize)  # GGML on a CPU without AVX-512
-        if runtime not in graph_runtimes(target):
-            raise TargetError(f"runtime {runtime} cannot run target {target}'s files; use one of "
+        if verify is not True and str(verify) not in graph_runtimes(target):
+            raise TargetError(f"runtime {verify} cannot run target {target}'s files; use one of "
                               f"{', '.join(graph_runtimes(target))}.")
+        runtime, verify_note = choose_runtime(verify, target, quantize)  # GGML on a CPU without AVX-512
     config = getattr(model, "config", None)
     lengths = prefill_lengths(prefill_len)
     check_lengths(lengths[0], max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
@@ -466,25 +468,18 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     if "decode" in graphs:
         named["decode"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
-    fmt = PROFILES[target].format
-    files = {g: (f"{g}.{fmt}" if ONE_FILE_PER_GRAPH[target] else f"model.{fmt}") for g in named}
+    fmt = profile.format
+    files = {g: (f"{g}.{fmt}" if profile.one_file_per_graph else f"model.{fmt}") for g in named}
+    opts = pipeline.Options(target, torch_dtype, quantize=quantize, threads=threads, runtime=runtime,
+                            tolerance=tolerance, functionalize=False)
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
+    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir)
+    tracker = pipeline.Tracker(progress)
     try:
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
-            smoothing = None
-            if quantize in HYBRID_FORMATS:
-                from circleops.quantize.smooth import smoothed
-
-                with api.hf_export_settings(model):
-                    smoothing = restore.enter_context(smoothed(model.eval(), tokenizer=tokenizer)).summary_line()
-            report = _convert_graphs_into(model, staging, out_dir, graphs=named, target=target, lengths=lengths,
-                                          max_cache_len=max_cache_len, tokenizer=tokenizer, runtime=runtime,
-                                          tolerance=tolerance, source=source, progress=progress, quantize=quantize,
-                                          torch_dtype=torch_dtype, files=files, fmt=fmt, config=config,
-                                          threads=threads, cache_update=cache_update)
-            if smoothing is not None and report.quantization is not None:
-                report.quantization.smoothing = smoothing
+            weights = pipeline.prepare_weights(model.eval(), opts, restore, tokenizer=tokenizer, tracker=tracker)
+            report = _convert_graphs_into(model, plan, opts, weights, tracker)
         report.verify_note = verify_note
         _publish(staging, out_dir)
     except BaseException:
@@ -494,129 +489,114 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     return report
 
 
-def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: dict[str, tuple[str, int]],
-                         target: str, lengths: tuple[int, ...], max_cache_len: int, tokenizer: Any, runtime: str | None,
-                         tolerance: float | None, source: str, progress: Progress | None, quantize: str | None,
-                         torch_dtype: Any, files: dict[str, str], fmt: str, config: Any,
-                         threads: int | None = None, cache_update: str = "full") -> GraphsReport:
-    """convert_graphs' work, written into ``out_dir`` (the staging directory)."""
-    import torch  # noqa: F401
+@dataclass
+class GraphsPlan:
+    """What convert_graphs writes: the graphs, their lengths and files, and where."""
 
-    from circleops import conversion as api
+    graphs: dict[str, tuple[str, int]]  # graph name -> (kind: "prefill" / "decode", sequence length)
+    lengths: tuple[int, ...]  # the prefill lengths, longest first
+    max_cache_len: int
+    cache_update: str
+    files: dict[str, str]  # graph name -> file name
+    tokenizer: Any
+    source: str
+    out_dir: Path  # where the files are written (the staging directory)
+    final_dir: Path  # where they are published
 
-    timings: dict[str, float] = {}
 
-    def stage(name: str) -> float:
-        if progress is not None:
-            progress(name)
-        return time.perf_counter()
+def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, tracker: Any) -> GraphsReport:
+    """convert_graphs' work, written into ``plan.out_dir`` (the staging directory): export
+    each graph, then the pipeline (circleops.pipeline.build), the write and verify."""
+    from circleops import pipeline
+    from circleops.quantize.weights import dequantized_sources
 
-    model.eval()
+    timings = tracker.timings
     references = None
-    if runtime is not None and not quantize:  # the model's own forward, before its modules are fused
-        t = stage("torch reference logits")
-        references = _verify_references(model, lengths)
-        timings["verify"] = time.perf_counter() - t
-    importance = None
-    if quantize and GGML_FORMATS.get(quantize) == "GGML_Q4_0":
-        t = time.perf_counter()  # the model's own forward, before its modules are fused
-        from circleops.quantize.importance import input_importance
+    if opts.runtime is not None and not opts.quantize:  # the model's own forward, before its modules are fused
+        with tracker.stage("torch reference logits", "verify", enter=False):
+            references = _verify_references(model, plan.lengths)
+    with tracker.stage("export"):
+        step = decoder_step(model, plan.max_cache_len, plan.cache_update)
+        eps = {g: export_graph(step, kind, n) for g, (kind, n) in plan.graphs.items()}
+    built = pipeline.build(eps, opts, weights, tracker, lower_one=lambda g, ep: lower_step(
+        ep, g, opts, step.num_layers, kind=plan.graphs[g][0], cache_update=plan.cache_update))
+    lowered = built.models
+    del eps, built
+    if opts.runtime is not None and weights.report is not None:
+        # the model's forward (fused by now: same numerics) on the weights the files hold
+        with tracker.stage("torch reference logits", "verify", enter=False), dequantized_sources(weights.report, model):
+            references = _verify_references(model, plan.lengths)
 
-        importance = input_importance(model, tokenizer=tokenizer)
-        timings["calibrate"] = time.perf_counter() - t
+    with tracker.stage("write"):
+        infos = _write_graphs(lowered, plan, opts, step.num_layers)
+        del lowered
+        manifest = _write_manifest(model, plan, opts, step, infos)
+    report = GraphsReport(directory=str(plan.final_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
+                          manifest=manifest, timings=timings, source=plan.source, quantization=weights.report)
+    if opts.runtime is not None:
+        tol = opts.verify_tolerance()
+        tol = pipeline.TOLERANCE[opts.dtype] if tol is None else tol
+        with tracker.stage("verify"):
+            errors = _verify(manifest, plan.graphs, opts.runtime, references, tol)
+        for g, err in errors.items():
+            infos[g].max_abs_error = err
+        report.verify_runtime, report.tolerance = opts.runtime, tol
+    manifest.write()
+    return report
 
-    t = stage("export")
-    step = decoder_step(model, max_cache_len, cache_update)
-    eps = {g: export_graph(step, kind, n) for g, (kind, n) in graphs.items()}
-    timings["export"] = time.perf_counter() - t
 
-    t = stage("lower")
-    lowered = {g: lower_step(ep, g, api.target_profile(target, threads), step.num_layers, dtype=torch_dtype,
-                             kind=graphs[g][0], cache_update=cache_update) for g, ep in eps.items()}
-    timings["lower"] = time.perf_counter() - t
-    quant_report = None
-    if quantize:
-        t = stage("quantize")
-        from circleops.quantize.weights import QuantReport, quantize_weights
+def _write_graphs(lowered: dict[str, Any], plan: GraphsPlan, opts: Any, num_layers: int) -> dict[str, GraphInfo]:
+    """Write the lowered graphs into their files (one per graph, or one with a signature
+    per graph, as the target profile says); every file fits its target before the first is
+    written."""
+    from circleops import pipeline
 
-        quant_report, cache = QuantReport(quantize), {}
-        pretrained = api.pretrained_blocks(model)
-        for g, m in lowered.items():
-            quantize_weights(m, quantize, parameters=api.parameter_names(eps[g]), pretrained=pretrained,
-                             cache=cache, report=quant_report, importance=importance)
-        timings["quantize"] = time.perf_counter() - t
-        if runtime is not None:
-            # the model's forward (fused by now: same numerics) on the weights the files hold
-            from circleops.quantize.weights import dequantized_sources
-
-            t = stage("torch reference logits")
-            with dequantized_sources(quant_report, model):
-                references = _verify_references(model, lengths)
-            timings["verify"] = time.perf_counter() - t
-    from circleops.passes.fuse_linears import fuse_for_target
-
-    fused_cache: dict = {}  # one concatenation per fused weight, shared by the graphs
-    for m in lowered.values():  # onert: GGML q/k/v, gate/up as one FULLY_CONNECTED each
-        fuse_for_target(m, api.target_profile(target, threads), cache=fused_cache)
-    del eps
-
-    t = stage("write")
-    infos: dict[str, GraphInfo] = {}
+    one_file_per_graph = opts.profile.one_file_per_graph
     groups: dict[str, dict[str, Any]] = {}
     for g, m in lowered.items():
-        groups.setdefault(files[g], {})[g] = m
-    files_ir = {file: next(iter(members.values())) if len(members) == 1 and ONE_FILE_PER_GRAPH[target]
+        groups.setdefault(plan.files[g], {})[g] = m
+    files_ir = {file: next(iter(members.values())) if len(members) == 1 and one_file_per_graph
                 else merge_models(members) for file, members in groups.items()}
-    for one in files_ir.values():  # every file fits its target before the first is written
-        api.check_file_size(one, target)
+    for one in files_ir.values():
+        pipeline.check_size(one, opts.profile)
+    infos: dict[str, GraphInfo] = {}
     for file, members in groups.items():
-        one = files_ir[file]
-        try:
-            info = api.write_for_target(one, out_dir / file, target, fmt)
-        except OSError as err:
-            raise OutputError(f"cannot write {out_dir / file}: {err.strerror or err}.") from None
+        info = pipeline.write(files_ir[file], plan.out_dir / file, opts)
         for g, m in members.items():
             sub = m.subgraphs[0]
             infos[g] = GraphInfo(
-                name=g, file=file, signature=None if ONE_FILE_PER_GRAPH[target] else g,
-                ops=api.op_histogram(m), file_size=info.file_bytes,
+                name=g, file=file, signature=None if one_file_per_graph else g,
+                ops=pipeline.op_histogram(m), file_size=info.file_bytes,
                 inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
                 outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
-                         for n, i in zip(io_names(step.num_layers, graphs[g][0], cache_update)[1], sub.outputs)])
-    del lowered, groups, files_ir
+                         for n, i in zip(io_names(num_layers, plan.graphs[g][0], plan.cache_update)[1], sub.outputs)])
+    return infos
+
+
+def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: dict[str, GraphInfo]) -> Manifest:
+    """The tokenizer, generation_config.json and the Manifest (written last, by the caller)."""
+    out_dir = plan.out_dir
     tokenizer_dir = None
-    if tokenizer is not None:
+    if plan.tokenizer is not None:
         try:
-            tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+            plan.tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
         except OSError as err:
             raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
         tokenizer_dir = TOKENIZER_DIR
     _save_generation_config(model, out_dir)
     eos = _eos_ids(model)
-    ins, outs = io_names(step.num_layers, "decode", cache_update)
-    manifest = Manifest(
-        directory=out_dir, target=target, dtype=short_name(torch_dtype),
-        files={g: files[g] for g in graphs}, signatures={g: infos[g].signature for g in graphs},
-        prefill_len=lengths[0], prefill_lens=list(lengths), prefill_inputs=io_names(step.num_layers, "prefill")[0],
-        max_cache_len=max_cache_len, num_layers=step.num_layers,
+    ins, outs = io_names(step.num_layers, "decode", plan.cache_update)
+    config = model.config
+    return Manifest(
+        directory=out_dir, target=opts.target, dtype=short_name(opts.dtype),
+        files={g: plan.files[g] for g in plan.graphs}, signatures={g: infos[g].signature for g in plan.graphs},
+        prefill_len=plan.lengths[0], prefill_lens=list(plan.lengths),
+        prefill_inputs=io_names(step.num_layers, "prefill")[0],
+        max_cache_len=plan.max_cache_len, num_layers=step.num_layers,
         cache_shape=list(step.cache_shape), cache_layout=step.cache_layout, vocab_size=int(config.vocab_size),
         inputs=ins, outputs=outs,
-        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=source,
-        quantize=quantize, num_threads=threads, cache_update=cache_update)
-    timings["write"] = time.perf_counter() - t
-
-    report = GraphsReport(directory=str(final_dir), target=target, dtype=manifest.dtype, graphs=infos,
-                          manifest=manifest, timings=timings, source=source, quantization=quant_report)
-    if runtime is not None:
-        t = stage("verify")
-        tol = (api.QUANT_TOLERANCE if quantize else api.TOLERANCE[torch_dtype]) if tolerance is None else tolerance
-        errors = _verify(manifest, graphs, runtime, references, tol)
-        for g, err in errors.items():
-            infos[g].max_abs_error = err
-        report.verify_runtime, report.tolerance = runtime, tol
-        timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t
-    manifest.write()
-    return report
+        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=plan.source,
+        quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update)
 
 
 # --------------------------------------------------------------------------- verify

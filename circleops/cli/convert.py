@@ -106,8 +106,8 @@ def main(args: argparse.Namespace) -> int:
     fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
     int16 = [p for p in args.int16.split(",") if p.strip()]
-    api.check_target_dtype(args.target, dtype, quantize := api.check_quantize(args.quantize, args.target, int16))
-    out = api.check_output_path(args.output, fmt)
+    api.validate_target_dtype(args.target, dtype, quantize := api.validate_quantize(args.quantize, args.target, int16))
+    out = api.validate_output_path(args.output, fmt)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")

@@ -28,8 +28,8 @@ def main(args: argparse.Namespace) -> int:
         raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
                           f"lives in circle.attention); --fuse {args.fuse} cannot apply. Drop --fuse.")
     dtype = float_dtype(args.dtype)
-    quantize = api.check_quantize(getattr(args, "quantize", None), args.target)
-    api.check_target_dtype(args.target, dtype, quantize)
+    quantize = api.validate_quantize(getattr(args, "quantize", None), args.target)
+    api.validate_target_dtype(args.target, dtype, quantize)
     prefill_len = graphs.prefill_lengths(graphs.DEFAULT_PREFILL_LENS if args.seq_len is None else args.seq_len)
     graphs.check_lengths(prefill_len[0], args.max_cache_len, None, args.model or args.config)
     verify: bool | str = args.runtime or bool(args.verify)

@@ -19,6 +19,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from circleops import ir
+from circleops.ir import prune
 from circleops.dtypes import float_dtype
 from circleops.errors import REPORT_BUG, CircleOpsError, InternalError, TargetError, UnsupportedOpError
 from circleops.lowering.context import LoweringContext
@@ -190,29 +191,6 @@ def _copy_consumed_outputs(sg: ir.Subgraph) -> None:
             copy = sg.add_tensor(ir.Tensor(f"{t.name}_out", t.shape, t.dtype))
             sg.operators.append(ir.Operator("RESHAPE", [idx, shape], [copy]))
             sg.outputs[k] = copy
-
-
-def prune(sg: ir.Subgraph) -> dict[int, int]:
-    """Drop operators whose outputs nothing uses (e.g. a transpose that a composed
-    transpose bypassed) and tensors no operator or boundary refers to; returns the
-    old -> new tensor index map."""
-    needed = set(sg.outputs)
-    kept = []
-    for op in reversed(sg.operators):
-        if any(o in needed for o in op.outputs):
-            kept.append(op)
-            needed.update(i for i in op.inputs if i >= 0)
-    kept.reverse()
-    used = needed | set(sg.inputs) | {o for op in kept for o in op.outputs}
-    remap = {old: new for new, old in enumerate(sorted(used))}
-    sg.tensors = [sg.tensors[i] for i in sorted(used)]
-    for op in kept:
-        op.inputs = [remap[i] if i >= 0 else -1 for i in op.inputs]
-        op.outputs = [remap[i] for i in op.outputs]
-    sg.operators = kept
-    sg.inputs = [remap[i] for i in sg.inputs]
-    sg.outputs = [remap[i] for i in sg.outputs]
-    return remap
 
 
 def _map(x: Any, fn: Any, kind: type) -> Any:

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from circleops import ir
-from circleops.lowering.program import prune
 
-GGML_DTYPES = frozenset({"GGML_Q4_0", "GGML_Q8_0"})
+# the default weight types of fuse_sibling_linears: GGML blocks (the schema types ir knows the blocks of)
+GGML_DTYPES = frozenset(ir.GGML_BLOCKS)
 
 
 @dataclass
@@ -75,11 +75,7 @@ def fuse_sibling_linears(model: ir.Model, dtypes: Iterable[str] = GGML_DTYPES, *
     for si, sg in enumerate(model.subgraphs):
         if not _fuse_subgraph(sg, dtypes, split_v, cache, report):
             continue
-        remap = prune(sg)  # the parts' weights
-        for sig in model.signatures:
-            if sig.subgraph_index == si:
-                sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
-                sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+        ir.prune_subgraph(model, si)  # the parts' weights
     return report
 
 

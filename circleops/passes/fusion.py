@@ -398,9 +398,7 @@ def _prune(graph: Graph, doomed: set[Node]) -> None:
 
 def _attention_entries(graph: Graph, model: Optional[torch.nn.Module]) -> tuple[list[FusionEntry], list[FusionEntry]]:
     """circle.attention nodes, and attention modules the graph holds decomposed (with why)."""
-    from circleops.adapters import FAMILIES
-    from circleops.adapters._attention import attention_blockers
-    from circleops.adapters._patching import DECISIONS
+    from circleops.adapters import DECISIONS, FAMILIES, attention_blockers
 
     known = {f.attention_class: f for f in FAMILIES}
     scopes: dict[str, str] = {}

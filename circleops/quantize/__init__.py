@@ -1,27 +1,52 @@
 """Quantized weights and graphs.
 
-``WEIGHT_FORMATS`` lists what ``convert(..., quantize=...)`` and ``--quantize`` accept, once
-for the library and the CLI: each quantization path adds its choices here.
+Every format is one entry of the registry in circleops.quantize.formats (name, tensor type,
+codec, the linears it applies to, targets, runtimes, host requirements); ``WEIGHT_FORMATS``
+(what ``convert(..., quantize=...)`` and ``--quantize`` accept), ``INTEGER_FORMATS`` and
+``WEIGHT_ONLY_FORMATS`` are views of it for the CLI.
 """
 from __future__ import annotations
 
-# choice -> what it stores (shown by --help and in errors)
-WEIGHT_FORMATS: dict[str, str] = {
-    "q4_0": "GGML_Q4_0 linear weights and embedding table, the output head (lm_head) GGML_Q8_0 "
-            "(targets onert, circle)",
-    "q4_0-pure": "GGML_Q4_0 linear weights and embedding table, a tied lm_head sharing the table "
-                 "(4.5 bits/weight; targets onert, circle)",
-    "q8_0": "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)",
-    "w8": "int8 per-channel linear weights, fp32 activations (onert's hybrid FULLY_CONNECTED + MUL: runs on "
-          "any x86-64 onert, no AVX-512 needed; targets onert, circle)",
-}
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
 
-# PT2E integer graphs (circleops.quantize.pt2e): choice -> activation scheme
-INTEGER_FORMATS: dict[str, str] = {"uint8": "uint8", "int16": "int16"}
-WEIGHT_FORMATS.update({
-    "uint8": "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; target circle)",
-    "int16": "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target circle)",
-})
+from circleops.quantize import formats as _formats
+
+
+class _View(Mapping):
+    """A read-only view of the format registry (circleops.quantize.formats): name -> one
+    field, for the formats ``keep`` selects; a format registered later shows up too."""
+
+    def __init__(self, keep: Callable[[Any], bool], value: Callable[[Any], Any]):
+        self._keep, self._value = keep, value
+
+    def _selected(self) -> dict[str, Any]:
+        return {n: self._value(f) for n, f in _formats.FORMATS.items() if self._keep(f)}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._selected()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._selected())
+
+    def __len__(self) -> int:
+        return len(self._selected())
+
+    def __repr__(self) -> str:
+        return repr(self._selected())
+
+
+# choice -> what it stores (shown by --help and in errors): every format
+WEIGHT_FORMATS: Mapping[str, str] = _View(lambda f: True, lambda f: f.summary)
+# PT2E integer graphs (circleops.quantize.integer): choice -> activation scheme
+INTEGER_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.INTEGER, lambda f: f.activations)
+# weight-only formats (float activations; circleops.quantize.weights.quantize_weights) -> stored type
+WEIGHT_ONLY_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.WEIGHTS, lambda f: f.tensor_type)
+# the former tables, as views (code should ask the entry: formats.get(name).form / .tensor_type)
+GGML_FORMATS: Mapping[str, str] = _View(lambda f: f.kind == _formats.WEIGHTS and f.form == _formats.BLOCKS,
+                                        lambda f: f.tensor_type)
+HYBRID_FORMATS: Mapping[str, str] = _View(lambda f: f.form == _formats.HYBRID and f.kind == _formats.WEIGHTS,
+                                          lambda f: f.tensor_type)
 
 # --int16 PART[,PART...] (convert(..., int16=[...])): the parts of a uint8 integer graph whose
 # activations are int16 instead (CircleQuantizer.set_operator_type / set_module_name).
@@ -40,11 +65,5 @@ INT16_PRESETS: dict[str, tuple[str, ...]] = {
     "llm": ("norms", "residual", "mlp"),
 }
 
-# GGML choices -> the Circle TensorType their weights are stored as
-GGML_FORMATS: dict[str, str] = {"q4_0": "GGML_Q4_0", "q4_0-pure": "GGML_Q4_0", "q8_0": "GGML_Q8_0"}
-# int8 weights of onert's hybrid FULLY_CONNECTED (float input and output; circleops.quantize.int8)
-HYBRID_FORMATS: dict[str, str] = {"w8": "INT8"}
-# weight-only formats (float activations; circleops.quantize.weights.quantize_weights) -> stored type
-WEIGHT_ONLY_FORMATS: dict[str, str] = {**GGML_FORMATS, **HYBRID_FORMATS}
-
-__all__ = ["WEIGHT_FORMATS", "GGML_FORMATS", "HYBRID_FORMATS", "WEIGHT_ONLY_FORMATS", "INTEGER_FORMATS", "INT16_PARTS", "INT16_PRESETS"]
+__all__ = ["WEIGHT_FORMATS", "WEIGHT_ONLY_FORMATS", "INTEGER_FORMATS", "GGML_FORMATS", "HYBRID_FORMATS", "INT16_PARTS",
+           "INT16_PRESETS"]

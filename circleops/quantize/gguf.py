@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 
 ATTRIBUTE = "_circleops_gguf_blocks"  # on the model: {parameter name: (dtype, blocks)}
-CARRIED = {"Q4_0": "GGML_Q4_0", "Q8_0": "GGML_Q8_0"}
+
+
+def carried() -> dict[str, str]:
+    """GGUF tensor type -> the TensorType its blocks are carried over as, for every format
+    of the registry (circleops.quantize.formats) that names a ``gguf_type``."""
+    from circleops.quantize import formats
+
+    return {f.gguf_type: f.tensor_type for f in formats.FORMATS.values() if f.gguf_type}
+
 
 # GGUF tensor name (llama.cpp's) -> HF parameter name, for the Llama-like families
 _LAYER = {
@@ -55,6 +63,7 @@ def read_blocks(path: str | os.PathLike, config: Any) -> dict[str, tuple[str, np
     if field is not None:
         arch = bytes(field.parts[field.data[0]]).decode()
     out: dict[str, tuple[str, np.ndarray | None]] = {}
+    types = carried()
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None or len(t.shape) != 2:
@@ -62,7 +71,7 @@ def read_blocks(path: str | os.PathLike, config: Any) -> dict[str, tuple[str, np
         kind = t.tensor_type.name
         if kind in ("F32", "F16", "BF16", "F64"):
             continue  # plain floats: quantized like any float weight
-        if kind not in CARRIED:
+        if kind not in types:
             out[name] = (kind, None)
             continue
         rows = int(t.shape[1])  # GGUF lists dimensions innermost first
@@ -70,7 +79,7 @@ def read_blocks(path: str | os.PathLike, config: Any) -> dict[str, tuple[str, np
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             blocks = _unpermute_rows(blocks, int(heads))
-        out[name] = (CARRIED[kind], blocks)
+        out[name] = (types[kind], blocks)
     return out
 
 

@@ -99,3 +99,23 @@ def hybrid_linear(x: Tensor, q: Tensor, weight_scale: float = 1.0, bias: Tensor 
     acc = (xq @ q.to(torch.float64).T).to(torch.float32)
     y = acc * (sx * torch.tensor(weight_scale, dtype=torch.float32))
     return y if bias is None else y + bias.to(torch.float32)
+
+
+# The codec interface of circleops.quantize.formats (the format registry asks these).
+BLOCK = 1  # any K
+
+
+def encode(weight: Tensor | np.ndarray, dtype: str = DTYPE, importance: object = None) -> Int8Weight:
+    """``weight`` [N, K] as the file stores it (``quantize_per_channel``; no importances)."""
+    return quantize_per_channel(weight)
+
+
+def decode(packed: Int8Weight, dtype: str = DTYPE, shape: tuple[int, ...] | None = None) -> Tensor:
+    """The float32 values of ``packed`` (as ``shape`` when given)."""
+    values = dequantize(packed)
+    return values.reshape(shape) if shape is not None else values
+
+
+def decode_into(packed: Int8Weight, dtype: str, out: Tensor) -> Tensor:
+    """``dequantize_into`` under the codec interface's signature."""
+    return dequantize_into(packed, out)

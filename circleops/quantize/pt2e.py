@@ -6,7 +6,7 @@
 ``quantize`` exports (unless given a GraphModule already), runs torchao's
 ``prepare_pt2e`` with CircleQuantizer, calibrates on ``samples`` (a progress bar), runs
 ``convert_pt2e`` and exports the converted module again: that ExportedProgram holds the
-quantize/dequantize pairs that circleops.passes.qdq folds into tensor parameters.
+quantize/dequantize pairs that circleops.quantize.integer.qdq folds into tensor parameters.
 Calibration samples: :func:`calibration_samples` (LLMs: token windows of the text shipped
 in circleops/quantize/calibration.txt; other models: the example input with seeded noise,
 or tensors from a ``.pt`` file).

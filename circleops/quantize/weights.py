@@ -38,8 +38,7 @@ import torch
 
 from circleops import ir
 from circleops.errors import TargetError
-from circleops.quantize import HYBRID_FORMATS, WEIGHT_FORMATS, WEIGHT_ONLY_FORMATS
-from circleops.quantize import ggml, int8
+from circleops.quantize import formats, ggml
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -93,11 +92,12 @@ class QuantReport:
     @property
     def higher_precision(self) -> list[QuantizedWeight]:
         """Weights stored at a higher type than the format's (q4_0's Q8_0 output head)."""
-        return [w for w in self.weights if w.dtype != WEIGHT_ONLY_FORMATS[self.format]]
+        return [w for w in self.weights if w.dtype != formats.get(self.format).tensor_type]
 
     def summary_lines(self) -> list[str]:
-        dtype = WEIGHT_ONLY_FORMATS[self.format]
-        if self.format in HYBRID_FORMATS:
+        fmt = formats.get(self.format)
+        dtype = fmt.tensor_type
+        if fmt.form == formats.HYBRID:
             dtype = "INT8 per channel (hybrid FULLY_CONNECTED + MUL by the scales)"
         gguf = sum(w.origin == "gguf" for w in self.weights)
         higher = self.higher_precision
@@ -140,6 +140,7 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     entries = report.sources if report is not None else []
     linear = {src.data_ptr(): dtype for src, _, dtype, _, role in entries if role == "linear"}
+    codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
     workers = torch.get_num_threads()
     try:
         # whole weights on parallel workers, each on one intra-op thread: SmolLM2's 212
@@ -149,21 +150,18 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
                 """(the table's own values, None) for a split tied table, else (src, its old values)."""
                 src, blocks, dtype, shape2d, role = entry
                 if role == "table" and linear.get(src.data_ptr(), dtype) != dtype:
-                    return _dequantize(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
+                    return codec.decode(blocks, dtype, shape2d).reshape(src.shape).to(src.dtype), None
                 old = src.clone()
                 if src.dtype == torch.float32 and src.is_contiguous():
-                    if dtype == int8.DTYPE:
-                        int8.dequantize_into(blocks, src)
-                    else:
-                        ggml.dequantize_into(blocks, dtype, src)
+                    codec.decode_into(blocks, dtype, src)
                 else:
-                    src.copy_(_dequantize(blocks, dtype, shape2d).reshape(src.shape))
+                    src.copy_(codec.decode(blocks, dtype, shape2d).reshape(src.shape))
                 return src, old
 
             for (src, _, dtype, _, _), (values, old) in zip(entries, pool(swap_in, entries)):
                 if old is not None:
                     saved.append((src, old))
-                    if dtype == int8.DTYPE:  # w8: a tied table stays fp32 in the file, its head int8
+                    if _hybrid(report):  # w8: a tied table stays fp32 in the file, its head int8
                         for module in (model.modules() if model is not None else ()):
                             if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
                                 swapped.append((module, module.weight))
@@ -182,11 +180,10 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
             module.weight = weight
 
 
-def _dequantize(packed: Any, dtype: str, shape2d: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of a weight as ``quantize_weights`` stored it (GGML blocks or int8)."""
-    if dtype == int8.DTYPE:
-        return int8.dequantize(packed).reshape(shape2d)
-    return ggml.dequantize(packed, dtype, shape2d)
+def _hybrid(report: QuantReport) -> bool:
+    """Whether the report's format writes hybrid linears (an embedding table then stays
+    float in the file while its tied head is quantized)."""
+    return formats.get(report.format).form == formats.HYBRID
 
 
 @contextlib.contextmanager
@@ -201,30 +198,6 @@ def _pool(workers: int) -> Iterator[Callable]:
         yield pool.map
 
 
-def check_format(quantize: str | None, target: str) -> str | None:
-    """The weight-only format asked for (GGML or w8), or None; a TargetError for an unknown
-    choice or a target that cannot hold its weights."""
-    if quantize is None:
-        return None
-    if quantize not in WEIGHT_FORMATS:
-        raise TargetError(f"unknown quantize={quantize!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
-    if quantize not in WEIGHT_ONLY_FORMATS:
-        # another quantization path's choice (PT2E integer graphs): its owner wires it here
-        raise TargetError(
-            f"quantize={quantize!r} makes an integer graph: quantize the model with "
-            "circleops.quantize's PT2E quantizer and write it with circleops.save; convert and "
-            f"--graphs take {', '.join(WEIGHT_ONLY_FORMATS)}")
-    if target == "tflite" and quantize in HYBRID_FORMATS:
-        raise TargetError(
-            f"quantize={quantize!r} writes int8 weights for onert's hybrid FULLY_CONNECTED (scale [1.0] and a MUL "
-            "by the per-channel scales, the form onert computes right): use target 'onert' or 'circle'")
-    if target == "tflite":
-        raise TargetError(
-            f"quantize={quantize!r} stores GGML block weights, which exist only in Circle (the TFLite schema "
-            "has no GGML types): use target 'onert' or 'circle', or leave out quantize for tflite")
-    return quantize
-
-
 def source_key(data: Any) -> tuple | None:
     """Identifies a weight's memory whatever view of it a lowering made (a CONV_2D filter
     is a reshaped view of the linear's weight; a tied lm_head is the embedding table)."""
@@ -237,16 +210,16 @@ def source_key(data: Any) -> tuple | None:
     return None
 
 
-# formats that keep the output head at a higher type: format -> the head's type
-HEAD_DTYPES = {"q4_0": "GGML_Q8_0"}
-
-
 class _Quantizer:
     def __init__(self, fmt: str, report: QuantReport, pretrained: Pretrained | None,
                  cache: dict[tuple, np.ndarray] | None, importance: dict[tuple, torch.Tensor] | None):
-        self.dtype = WEIGHT_ONLY_FORMATS[fmt]
-        self.head_dtype = HEAD_DTYPES.get(fmt)
-        self.pure = fmt != "q4_0"  # the embedding table's blocks serve a tied head too
+        self.format = formats.get(fmt)
+        self.dtype = self.format.tensor_type
+        self.head_dtype = self.format.head_type
+        self.block = self.format.block
+        self.hybrid = self.format.form == formats.HYBRID
+        self.codec = self.format.codec_module()  # packs the format's types (the head's too)
+        self.pure = self.format.tied_table  # the embedding table's blocks serve a tied head too
         self.report = report
         self.pretrained = pretrained or {}
         self.cache = cache if cache is not None else {}
@@ -256,7 +229,7 @@ class _Quantizer:
 
     def fits(self, k: int) -> bool:
         """Whether a linear with inputs of length ``k`` can be stored in this format."""
-        return self.dtype == int8.DTYPE or k % ggml.BLOCK == 0
+        return k % self.block == 0
 
     def is_head(self, t: ir.Tensor) -> bool:
         """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
@@ -276,14 +249,12 @@ class _Quantizer:
         if pre is not None and pre[0] == dtype and pre[1] is not None:
             return pre[1], "gguf", None
         data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
-        if dtype == int8.DTYPE:
-            return int8.quantize_per_channel(data.reshape(shape2d)), "quantized", pre[0] if pre is not None else None
         # a table's rows are read as they are: weighted by a linear's inputs only when a
         # tied head shares its blocks (q4_0-pure)
         imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
-        if imp is not None and (dtype != "GGML_Q4_0" or imp.numel() != shape2d[-1]):
+        if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
-        blocks = ggml.quantize(data.reshape(shape2d), dtype, importance=imp)
+        blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp)
         return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
 
     def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:
@@ -343,8 +314,9 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
         (circleops.quantize.importance.input_importance): Q4_0 weights with one get block
         scales fitted to it (ggml.quantize_q4_0_weighted); others the reference rounding.
     """
-    if fmt not in WEIGHT_ONLY_FORMATS:
-        raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format ({', '.join(WEIGHT_ONLY_FORMATS)})")
+    if fmt not in formats.names(formats.WEIGHTS):
+        raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format "
+                          f"({', '.join(formats.names(formats.WEIGHTS))})")
     report = report or QuantReport(fmt)
     names = set(parameters) if parameters is not None else None
     if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
@@ -355,8 +327,6 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
     q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
-    from circleops.lowering.program import prune
-
     for sg in model.subgraphs:  # the embedding tables first: a tied head reads one
         for op in sg.operators:
             if op.opcode == "GATHER" and _is_table(sg, op, is_param):
@@ -371,11 +341,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
         q.prefetch((job for sg in model.subgraphs for job in _jobs(sg, q, is_param)), workers)
         for si, sg in enumerate(model.subgraphs):
             _quantize_subgraph(sg, q, is_param, kept)
-            remap = prune(sg)  # the fp32 weights the GGML tensors replaced
-            for sig in model.signatures:
-                if sig.subgraph_index == si:
-                    sig.inputs = {k: remap[i] for k, i in sig.inputs.items()}
-                    sig.outputs = {k: remap[i] for k, i in sig.outputs.items()}
+            ir.prune_subgraph(model, si)  # the fp32 weights the GGML tensors replaced
     report.kept_fp32 = [(n, s, r) for n, (s, r) in kept.items()]
     return report
 
@@ -383,10 +349,10 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
 def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> Iterator[tuple]:
     """The (tensor, [N, K], dtype, role) blocks _quantize_subgraph will ask for, in its order."""
     for op in sg.operators:
-        if op.opcode == "GATHER" and q.dtype == "GGML_Q4_0":
+        if op.opcode == "GATHER" and q.format.embedding:
             t = sg.tensors[op.inputs[0]]
-            if _is_table(sg, op, is_param) and t.shape[1] % ggml.BLOCK == 0:
-                yield t, tuple(t.shape), "GGML_Q4_0", "table"
+            if _is_table(sg, op, is_param) and t.shape[1] % q.block == 0:
+                yield t, tuple(t.shape), q.dtype, "table"
             continue
         lin = _linear_weight(sg, op)
         if lin is not None and q.fits(lin[1]):
@@ -437,12 +403,12 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
 
     def int8_tensors(index: int, shape2d: tuple[int, int]) -> tuple[int, int]:
         """(the INT8 weight with scale [1.0], the FLOAT32 [N] scales of the MUL after it)."""
-        key = (index, int8.DTYPE, shape2d)
+        key = (index, q.dtype, shape2d)
         if key not in converted:
             t = sg.tensors[index]
-            packed = q.blocks(t, shape2d, int8.DTYPE)
+            packed = q.blocks(t, shape2d, q.dtype)
             name = q.name(t) + ("_int8" if source_key(t.data) in q.tables else "")  # a tied head beside its fp32 table
-            wi = sg.add_tensor(ir.Tensor(name, shape2d, int8.DTYPE, packed.q, ir.QuantParams(
+            wi = sg.add_tensor(ir.Tensor(name, shape2d, q.dtype, packed.q, ir.QuantParams(
                 np.ones(1, np.float32), np.zeros(1, np.int64))))
             converted[key] = wi
             converted[(index, "scale", shape2d)] = sg.add_tensor(
@@ -460,8 +426,8 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
         return ir.Operator("RESHAPE", [src, shape_t], [out], "ReshapeOptions", {"newShape": list(shape)}), out
 
     for op in sg.operators:
-        if op.opcode == "GATHER" and q.dtype == "GGML_Q4_0":
-            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor))
+        if op.opcode == "GATHER" and q.format.embedding:
+            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=ggml_tensor, new_tensor=new_tensor))
             continue
         lin = _linear_weight(sg, op)
         if lin is None:
@@ -474,11 +440,11 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
         n, k, wi = lin
         w = sg.tensors[wi]
         if not q.fits(k):
-            kept[w.name] = ((n, k), f"K={k} is not a multiple of {ggml.BLOCK}")
+            kept[w.name] = ((n, k), f"K={k} is not a multiple of {q.block}")
             new_ops.append(op)
             continue
         dtype = q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype
-        if dtype == int8.DTYPE:
+        if q.hybrid:
             qi, scale_i = int8_tensors(wi, (n, k))
         else:
             qi, scale_i = ggml_tensor(wi, (n, k), dtype), -1
@@ -527,16 +493,16 @@ def _is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool])
             and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0)
 
 
-def _gather(sg, op, q, is_param, kept, ggml_tensor, new_tensor) -> list[ir.Operator]:
+def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:
     table_i, idx_i = op.inputs[0], op.inputs[1]
     t = sg.tensors[table_i]
     if not _is_table(sg, op, is_param):
         return [op]
-    if t.shape[1] % ggml.BLOCK:
-        kept[t.name] = (tuple(t.shape), f"row length {t.shape[1]} is not a multiple of {ggml.BLOCK}")
+    if t.shape[1] % q.block:
+        kept[t.name] = (tuple(t.shape), f"row length {t.shape[1]} is not a multiple of {q.block}")
         return [op]
     q.report.embedding = q.report.embedding or q.name(t)
-    qi = ggml_tensor(table_i, tuple(t.shape), "GGML_Q4_0", "table")
+    qi = ggml_tensor(table_i, tuple(t.shape), q.dtype, "table")
     ops = []
     idx = sg.tensors[idx_i]
     if idx.dtype != "INT32":  # onert's Q4_0 GATHER takes int32 ids only

@@ -14,7 +14,8 @@ Each runtime module has the same two entry points:
 
 Runtime modules are imported on use so that no runtime loads unless needed; this module
 imports only the standard library. Adding a runtime is a module with ``Session`` and
-``run`` plus a line in :data:`RUNTIMES`.
+``run`` plus one :func:`register_runtime` entry (its facts: formats, label, signatures,
+thread variable); tests/runtime/test_runtime_registry.py adds one that exists only there.
 """
 from __future__ import annotations
 
@@ -22,14 +23,101 @@ import importlib
 import os
 from dataclasses import dataclass
 from types import ModuleType
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, Sequence
 
+@dataclass(frozen=True)
+class Runtime:
+    """One runtime's facts, asked wherever a runtime is chosen or opened (convert --verify,
+    --graphs, generate, the quantization report, ``circleops run``)."""
+
+    name: str
+    formats: tuple[str, ...]  # the file formats it reads
+    module: str  # the module with Session(path, signature=None) and run(path, inputs)
+    label: str  # how messages name it
+    selects_signatures: bool  # can run a signature other than subgraph 0 of a file
+    threads_env: str | None  # the environment variable its thread count is read from
+
+
+_REGISTRY: dict[str, Runtime] = {}
+
+
+class _Formats(Mapping):
+    """RUNTIMES: runtime -> the file formats it reads, a live view of the registry."""
+
+    def __getitem__(self, name: str) -> tuple[str, ...]:
+        return _REGISTRY[name].formats
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_REGISTRY)
+
+    def __len__(self) -> int:
+        return len(_REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 # runtime -> the file formats it reads (the order of the CLI's --runtime choices)
-RUNTIMES: dict[str, tuple[str, ...]] = {
-    "onert": ("circle",),
-    "litert": ("tflite",),
-    "reference": ("circle", "tflite"),
-}
+RUNTIMES: Mapping[str, tuple[str, ...]] = _Formats()
+
+
+def register_runtime(runtime: Runtime) -> Runtime:
+    """Add a runtime (its module provides ``Session`` and ``run``); a taken name raises."""
+    if runtime.name in _REGISTRY:
+        raise ValueError(f"runtime {runtime.name!r} is already registered")
+    _REGISTRY[runtime.name] = runtime
+    return runtime
+
+
+def unregister_runtime(name: str) -> None:
+    """Remove a runtime (tests that register their own)."""
+    _REGISTRY.pop(name, None)
+
+
+def runtime_info(name: str) -> Runtime:
+    """The registry entry of ``name``; RuntimeRunError for an unknown runtime."""
+    from circleops.errors import RuntimeRunError
+
+    if name not in _REGISTRY:
+        raise RuntimeRunError(f"unknown runtime {name!r}: choose one of {', '.join(_REGISTRY)}.")
+    return _REGISTRY[name]
+
+
+register_runtime(Runtime("onert", ("circle",), "circleops.runtime.onert", "onert", selects_signatures=False,
+                         threads_env="NUM_THREADS"))
+register_runtime(Runtime("litert", ("tflite",), "circleops.runtime.litert", "LiteRT", selects_signatures=True,
+                         threads_env=None))
+register_runtime(Runtime("reference", ("circle", "tflite"), "circleops.runtime.reference",
+                         "circleops' reference interpreter", selects_signatures=True, threads_env=None))
+
+
+def choose_runtime(requested: bool | str | None, target: Any, quantize: str | None = None,
+                   doing: str = "verify") -> tuple[str, str | None]:
+    """The one runtime choice: the runtime for ``target``'s files quantized as ``quantize``
+    on this machine, and a note when it is not the one asked for by default.
+
+    ``requested``: True or None (the target profile's own runtime) or a runtime's name.
+    A default runtime this CPU cannot run the format on (its host requirements,
+    circleops.quantize.formats, e.g. AVX-512 for GGML weights on onert) gives way to the
+    reference interpreter with a note; one named explicitly raises HostCPUError.
+    TargetError for an unknown runtime or one that cannot read the target's files.
+    ``doing``: "verify" or "run", for the words of the note."""
+    from circleops.errors import TargetError
+    from circleops.runtime import host
+    from circleops.targets import profile
+
+    p = profile(target)
+    default = requested is True or requested is None
+    runtime = p.runtime if default else str(requested)
+    if runtime not in _REGISTRY:
+        raise TargetError(f"unknown runtime {runtime!r}: choose one of {', '.join(_REGISTRY)}.")
+    chosen, note = host.runtime_for_host(runtime, default, quantize, doing)
+    if p.format not in _REGISTRY[chosen].formats:
+        raise TargetError(f"{_REGISTRY[chosen].label} runs {' and '.join(_REGISTRY[chosen].formats)} files; target "
+                          f"{p.name} writes {p.format}. Use one of "
+                          f"{', '.join(n for n, r in _REGISTRY.items() if p.format in r.formats)}.")
+    return chosen, note
 
 
 @dataclass(frozen=True)
@@ -61,10 +149,9 @@ def runtime_module(runtime: str) -> ModuleType:
     package is not installed."""
     from circleops.errors import RuntimeRunError
 
-    if runtime not in RUNTIMES:
-        raise RuntimeRunError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
+    info = runtime_info(runtime)
     try:
-        return importlib.import_module(f"circleops.runtime.{runtime}")
+        return importlib.import_module(info.module)
     except ImportError as err:
         raise RuntimeRunError(f"runtime {runtime!r} is not available ({err}); install circleops[{runtime}] "
                               "or use --runtime reference") from None
@@ -83,4 +170,5 @@ def open_session(runtime: str, path: str | os.PathLike, signature: str | None = 
                               "or use --runtime reference") from None
 
 
-__all__ = ["RUNTIMES", "Session", "TensorSpec", "open_session", "runtime_module"]
+__all__ = ["RUNTIMES", "Runtime", "Session", "TensorSpec", "choose_runtime", "open_session", "register_runtime",
+           "runtime_info", "runtime_module", "unregister_runtime"]

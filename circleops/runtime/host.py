@@ -15,8 +15,10 @@ import functools
 import os
 import platform
 
-# /proc/cpuinfo flag names of the instructions found in onert 0.1.0's libbackend_cpu.so
-ONERT_GGML_CPU_FLAGS: tuple[str, ...] = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+from circleops.quantize.formats import ONERT_GGML_CPU_FLAGS, host_flags, tensor_host_flags
+
+# ONERT_GGML_CPU_FLAGS: /proc/cpuinfo flag names of the instructions found in onert 0.1.0's
+# libbackend_cpu.so; the formats that need them say so in circleops.quantize.formats
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,20 +34,26 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
-def missing_for_onert_ggml() -> list[str]:
-    """The CPU flags onert 0.1.0's GGML kernels need that this CPU lacks ([] when it can run
-    them, or when the flags cannot be read: then onert is left to try)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+def missing_flags(needed: tuple[str, ...] | list[str]) -> list[str]:
+    """The x86-64 CPU flags among ``needed`` this CPU lacks ([] when it has them, on another
+    architecture, or when the flags cannot be read: then the runtime is left to try)."""
+    if not needed or platform.machine().lower() not in ("x86_64", "amd64"):
         return []  # the AVX-512 build is the x86_64 wheel's
     flags = cpu_flags()
     if flags is None:
         return []
-    return [f for f in ONERT_GGML_CPU_FLAGS if f not in flags]
+    return [f for f in needed if f not in flags]
+
+
+def missing_for_onert_ggml() -> list[str]:
+    """The CPU flags onert 0.1.0's GGML kernels need that this CPU lacks ([] when it can run
+    them, or when the flags cannot be read: then onert is left to try)."""
+    return missing_flags(ONERT_GGML_CPU_FLAGS)
 
 
 def onert_ggml_refusal(path: str | os.PathLike, ggml_types: set[str] | frozenset[str]) -> str | None:
     """Why onert must not run ``path`` here (a message), or None when it can."""
-    missing = missing_for_onert_ggml() if ggml_types else []
+    missing = missing_flags(tensor_host_flags(ggml_types, "onert")) if ggml_types else []
     if not missing:
         return None
     return (f"onert cannot run {path} on this CPU: the file holds {', '.join(sorted(ggml_types))} weights, and "
@@ -56,28 +64,31 @@ def onert_ggml_refusal(path: str | os.PathLike, ggml_types: set[str] | frozenset
             f"without --quantize.")
 
 
-def onert_or_reference(requested: bool | str | None, quantize: str | None, doing: str = "verify") -> tuple[str, str | None]:
-    """The runtime for a target-onert file quantized as ``quantize`` on this machine, and a
-    note when it is not onert. ``requested``: True or None (the target's own runtime, onert)
-    or the runtime the user named. A default onert gives way to the reference interpreter
-    when this CPU cannot run the file's GGML weights; onert named explicitly is refused.
+def runtime_for_host(runtime: str, default: bool, quantize: str | None, doing: str = "verify") -> tuple[str, str | None]:
+    """``runtime`` if this CPU runs ``quantize``'s weights on it (the format's host
+    requirements, circleops.quantize.formats), else: a ``default`` runtime gives way to the
+    reference interpreter with a note; one named explicitly raises HostCPUError.
     ``doing``: "verify" or "run", for the words of the note."""
     from circleops.errors import HostCPUError
-    from circleops.quantize import GGML_FORMATS
 
-    default = requested is True or requested is None
-    runtime = "onert" if default else str(requested)
-    missing = missing_for_onert_ggml() if runtime == "onert" and quantize in GGML_FORMATS else []
+    missing = missing_flags(host_flags(quantize, runtime))
     if not missing:
         return runtime, None
-    why = (f"onert 0.1.0's GGML kernels are compiled for AVX-512 and this CPU lacks {', '.join(missing)} "
-           f"(onert would stop with 'Illegal instruction')")
+    why = (f"{runtime} 0.1.0's GGML kernels are compiled for AVX-512 and this CPU lacks {', '.join(missing)} "
+           f"({runtime} would stop with 'Illegal instruction')")
     if not default:
-        raise HostCPUError(f"cannot {doing} {quantize} weights with onert on this machine: {why}. Use the "
-                           f"reference interpreter (--runtime reference), which runs GGML weights as onert does, "
+        raise HostCPUError(f"cannot {doing} {quantize} weights with {runtime} on this machine: {why}. Use the "
+                           f"reference interpreter (--runtime reference), which runs GGML weights as {runtime} does, "
                            f"a CPU with AVX-512 VNNI, or convert with --quantize w8 (int8 weights onert runs on "
                            f"any x86-64).")
     done = "verified" if doing == "verify" else "running"
-    return "reference", (f"{done} on circleops' reference interpreter, not onert: {why}. The interpreter "
-                         f"computes GGML weights as onert does; the files run on onert on a CPU with AVX-512 VNNI "
-                         f"(for onert here: --quantize w8).")
+    return "reference", (f"{done} on circleops' reference interpreter, not {runtime}: {why}. The interpreter "
+                         f"computes GGML weights as {runtime} does; the files run on {runtime} on a CPU with AVX-512 "
+                         f"VNNI (for onert here: --quantize w8).")
+
+
+def onert_or_reference(requested: bool | str | None, quantize: str | None, doing: str = "verify") -> tuple[str, str | None]:
+    """The runtime for a target-onert file quantized as ``quantize`` on this machine
+    (circleops.runtime.choose_runtime for target onert, without its format check)."""
+    default = requested is True or requested is None
+    return runtime_for_host("onert" if default else str(requested), default, quantize, doing)

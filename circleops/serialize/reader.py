@@ -172,7 +172,7 @@ def _index(value: Any, count: int, what: str, path: str, *, optional: bool = Fal
     return i
 
 
-def _tensor(t: Any, si: int, ti: int, schema: Schema, const: Any, nbuffers: int, path: str) -> ir.Tensor:
+def _tensor(t: Any, si: int, ti: int, schema: Schema, const: Any, *, nbuffers: int, path: str) -> ir.Tensor:
     dtype = schema.tensor_type_names.get(int(t.type), f"TYPE_{t.type}")
     name = _str(t.name) or ""
     where = f"tensor {ti} {name!r} of subgraph {si}"
@@ -234,7 +234,7 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
     for si, sg in enumerate(m.subgraphs or []):
         out = ir.Subgraph(_str(sg.name) or f"subgraph_{si}")
         for ti, t in enumerate(sg.tensors or []):
-            out.tensors.append(_tensor(t, si, ti, schema, const, len(datas), path))
+            out.tensors.append(_tensor(t, si, ti, schema, const, nbuffers=len(datas), path=path))
         n = len(out.tensors)
         for k, op in enumerate(sg.operators or []):
             where = f"operator {k} of subgraph {si}"

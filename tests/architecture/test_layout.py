@@ -164,3 +164,90 @@ def test_every_subcommand_has_its_module():
     for command, (module, _) in COMMANDS.items():
         mod = importlib.import_module(module)
         assert callable(mod.add_arguments) and callable(mod.main), command
+
+
+# --------------------------------------------------------------------------- layers (issue 21)
+
+# The packages (and top-level modules) from the bottom up: each imports only those before
+# it, function-level imports included (a lazy import keeps start-up fast; it still points
+# down). Below the line of each group, what it is:
+LAYERS: tuple[str, ...] = (
+    # the base: no circleops import but errors
+    "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache",
+    # the model of a file, the targets' facts, the fused ops, the file formats
+    "ir", "targets", "ops", "serialize",
+    # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR
+    "adapters", "passes", "lowering",
+    # every quantization format (weight codecs, the weight pass, the PT2E integer path)
+    "quantize",
+    # running files (the reference interpreter's kernels use the weight codecs)
+    "runtime", "numerics", "models", "manifest",
+    # one conversion: its option checks, then the pipeline
+    "validate", "pipeline",
+    # the applications over the pipeline, then the CLI over them
+    "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
+    "cli", "circleops",
+    # users of the public API, as a plugin would be: other toolchains' ops, the op test kit
+    "interop", "testing",
+)
+
+
+def _layer(module: str) -> str:
+    """The LAYERS entry of a module: its package under circleops, or the module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_package_has_a_layer():
+    missing = sorted({_layer(m) for m in MODULES} - set(LAYERS))
+    assert not missing, f"give these a place in LAYERS (tests/architecture/test_layout.py): {missing}"
+
+
+def test_imports_run_down_the_layers():
+    """No circleops module imports a package above its own (issue 21: runtime -> numerics ->
+    models -> quantize -> passes -> lowering -> conversion -> check formed one loop through
+    imports inside functions)."""
+    rank = {name: k for k, name in enumerate(LAYERS)}
+    bad = []
+    for name in MODULES:
+        for module, _, line in _imports(name):
+            if module in MODULES and rank[_layer(module)] > rank[_layer(name)]:
+                bad.append(f"{name}:{line} imports {module} ({_layer(module)} is above {_layer(name)})")
+    assert not bad, "imports must point down LAYERS (move the code, or pass it in):\n" + "\n".join(sorted(bad))
+
+
+def test_no_private_module_is_imported_from_another_package():
+    """``from pkg._mod import x`` (or ``import pkg._mod``) only inside ``pkg``: another package
+    imports what ``pkg`` exports."""
+    bad = []
+    for name in MODULES:
+        for module, _, line in _imports(name):
+            parts = module.split(".")
+            private = [k for k, p in enumerate(parts) if k and p.startswith("_") and not p.startswith("__")]
+            if not private:
+                continue
+            package = ".".join(parts[:private[0]])
+            if not (name == package or name.startswith(package + ".")):
+                bad.append(f"{name}:{line} imports {module}")
+    assert not bad, "import these from their package's public names:\n" + "\n".join(bad)
+
+
+MAX_POSITIONAL = 6
+# lowerings, op modules, interpreter kernels and other toolchains' op kernels (interop: TICO's
+# schemas) take an op's arguments as the op does
+POSITIONAL_EXEMPT = ("circleops.lowering.", "circleops.ops.", "circleops.runtime.kernels.", "circleops.interop.")
+
+
+def test_no_function_takes_more_than_six_positional_parameters():
+    """More than six positional parameters is a call nobody can read (issue 21:
+    _convert_exported took 21): group them in a dataclass, or make them keyword-only."""
+    bad = []
+    for name, path in MODULES.items():
+        if name.startswith(POSITIONAL_EXEMPT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                if len(positional) > MAX_POSITIONAL:
+                    bad.append(f"{name}:{node.lineno} {node.name}() takes {len(positional)} positional parameters")
+    assert not bad, f"at most {MAX_POSITIONAL} positional parameters:\n" + "\n".join(bad)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circleops.check import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
+from circleops.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
 
 pytestmark = pytest.mark.slow
 

@@ -282,7 +282,7 @@ def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys, small_net_
 def test_check_reports_layer_sqnr_and_agreement(scheme, runtime):
     from families import BY_NAME
 
-    from circleops.quantize.check import quant_check
+    from circleops.quant_report import quant_check
 
     if runtime == "onert":
         pytest.importorskip("onert")

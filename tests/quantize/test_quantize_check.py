@@ -8,7 +8,7 @@ import pytest
 
 import circleops
 from circleops.inspect import format_text, summarize
-from circleops.quantize.check import PERPLEXITY_TEXT, quant_check, text_ids
+from circleops.quant_report import PERPLEXITY_TEXT, quant_check, text_ids
 from families import BY_NAME, example_ids
 from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 

@@ -15,7 +15,7 @@ def test_smollm2_q4_0_graphs_generate(tmp_path):
     from circleops.graphs import convert_graphs
     from circleops.manifest import read_manifest
     from circleops.models import load_smollm2
-    from circleops.quantize.check import text_ids
+    from circleops.quant_report import text_ids
 
     model, tokenizer = load_smollm2()
     assert len(text_ids(tokenizer, model.config.vocab_size)) >= 2000

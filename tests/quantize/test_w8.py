@@ -243,7 +243,7 @@ def test_refused_for_tflite(tmp_path, llama):
 
 
 def test_quant_check_w8_costs_little(llama):
-    from circleops.quantize.check import quant_check
+    from circleops.quant_report import quant_check
 
     r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2)
     assert r.runtime == "onert" and r.note is None  # onert runs w8 on any x86-64

@@ -6,7 +6,7 @@ target circle and run by the reference interpreter; the report gives the max err
 every decoder layer's output against the fp32 model, and how many greedy tokens agree
 with fp32's before the first divergence.
 
-    from circleops.check import check
+    from circleops.precision import check
     report = check(model, tokenizer, dtype="fp16", new_tokens=32)
     print(report.table())
 
@@ -94,7 +94,8 @@ def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PRO
     with WorkDirectory(work_dir) as directory:
         for policy in chosen:
             say(f"{policy.name}: convert, run")
-            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens, len(ids), eos, tokenizer)
+            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens=tokens,
+                                     prompt_len=len(ids), eos=eos, tokenizer=tokenizer)
             report.policies.append(result)
             timings[policy.name] = sum(result.seconds.values())
     return report
@@ -108,7 +109,7 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
 
     import torch
 
-    from circleops.conversion import hf_export_settings
+    from circleops.pipeline import hf_export_settings
 
     params = inspect.signature(model.forward).parameters
     cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
@@ -226,7 +227,7 @@ def layer_outputs(model: Any, seq: Any) -> list[Any]:
     """[logits, each decoder layer's output] of ``model`` on ``seq``, in fp32."""
     import torch
 
-    from circleops.conversion import hf_export_settings
+    from circleops.pipeline import hf_export_settings
     from circleops.numerics import LayerOutputs
 
     with hf_export_settings(model), torch.no_grad():
@@ -237,7 +238,7 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
     import torch
 
-    from circleops.conversion import hf_export_settings, export
+    from circleops.pipeline import hf_export_settings, export
     from circleops.numerics import LayerOutputs, rms_norm_nodes
 
     low = copy.deepcopy(model).to(dtype).eval()
@@ -249,11 +250,11 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     return ep
 
 
-def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], tokens: list[int],
+def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], *, tokens: list[int],
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 
-    from circleops.conversion import op_histogram
+    from circleops.pipeline import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
     from circleops.runtime import reference

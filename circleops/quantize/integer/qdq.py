@@ -2,8 +2,8 @@
 ``convert_pt2e`` leaves in a program become two markers the lowering understands.
 
 * ``dequantize(quantize(x, s, zp))`` (an activation) -> ``quantized(x, spec)``: lowered to
-  a QUANTIZE whose output tensor carries ``spec`` (circleops.lowering.quantized); the
-  integer pass (circleops.lowering.integer) folds it into the op that produces x, so
+  a QUANTIZE whose output tensor carries ``spec`` (circleops.quantize.integer.markers); the
+  integer pass (circleops.quantize.integer.lower) folds it into the op that produces x, so
   the file holds one integer tensor with QuantizationParameters, not a float pair.
 * ``dequantize(w_int)`` of a constant (weights, biases: convert_pt2e has already
   quantized them) -> ``dequantized(w_int, spec)``: lowered to the float constant

@@ -1,9 +1,9 @@
-"""Lowering of the Q/DQ markers (circleops.passes.qdq) of a converted PT2E program.
+"""Lowering of the Q/DQ markers (circleops.quantize.integer.qdq) of a converted PT2E program.
 
 The graph is lowered as the float graph it computes; the markers say which tensors are
 stored as integers:
 * ``quantized(x, spec)``: a QUANTIZE whose output tensor has ``spec``'s dtype and
-  QuantizationParameters (circleops.lowering.integer folds it into x's producer). On the
+  QuantizationParameters (circleops.quantize.integer.lower folds it into x's producer). On the
   channels-last source of a transposed x, so NHWC convolutions keep no NCHW detour.
 * ``dequantized(w_int, spec)``: the float constant scale · (w_int - zp), remembered in the
   plan so that the integer pass writes ``w_int`` back with its parameters.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
-from circleops.passes import qdq
+from circleops.quantize.integer import qdq
 
 
 def quantize_marker(ctx, x, spec: qdq.QSpec):

@@ -5,17 +5,18 @@ it) and run by onert (or the reference interpreter); the report gives
 
 * per decoder layer, the max error of its output against the fp32 model (torch);
 * how many of fp32's N greedy tokens the quantized file reproduces before the first
-  divergence (measured as circleops.check does: one run over prompt + fp32's tokens);
+  divergence (measured as circleops.precision does: one run over prompt + fp32's tokens);
 * the perplexity of fp32 (torch) and of the quantized file on a fixed English text shipped
   with circleops (``perplexity.txt``, ~2.4k SmolLM2 tokens), in non-overlapping windows.
 
-    from circleops.quantize.check import quant_check
+    from circleops.quant_report import quant_check
     report = quant_check(model, tokenizer, quantize="q4_0")
     print(report.table())
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-PERPLEXITY_TEXT = Path(__file__).with_name("perplexity.txt")
+PERPLEXITY_TEXT = Path(__file__).parent / "quantize" / "perplexity.txt"  # shipped with the quantizers
 DEFAULT_WINDOW = 256
 
 
@@ -104,28 +105,24 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     import numpy as np
     import torch
 
-    from circleops import check as fp
-    from circleops.conversion import CausalLMLogits, hf_export_settings, export, parameter_names, pretrained_blocks
+    from circleops import precision as fp
+    from circleops import pipeline
     from circleops.errors import CircleOpsError
     from circleops.numerics import LayerOutputs
-    from circleops.quantize.weights import check_format
-
-    from circleops.quantize import GGML_FORMATS, HYBRID_FORMATS, INTEGER_FORMATS
+    from circleops.pipeline import CausalLMLogits, export, hf_export_settings
+    from circleops.quantize import formats
+    from circleops.runtime import choose_runtime
+    from circleops.validate import validate_quantize
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
-    target = "onert" if quantize not in INTEGER_FORMATS or runtime in (None, "onert") else "circle"
-    if quantize in INTEGER_FORMATS:
-        from circleops.conversion import check_quantize
-
-        check_quantize(quantize, target)
-    else:
-        check_format(quantize, "onert")
-    from circleops.runtime.host import onert_or_reference
-
-    runtime, note = onert_or_reference(runtime, quantize, "run")
-    if runtime not in ("onert", "reference"):
-        raise CircleOpsError(f"runtime {runtime!r}: the quantized file runs in onert or the reference interpreter")
+    integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
+    target = "onert" if not integer or runtime in (None, "onert") else "circle"
+    validate_quantize(quantize, target)
+    if runtime is not None and runtime not in formats.get(quantize).runtimes:
+        raise CircleOpsError(f"runtime {runtime!r}: {quantize} files run in "
+                             f"{' or '.join(sorted(formats.get(quantize).runtimes))}")
+    runtime, note = choose_runtime(runtime, target, quantize, "run")
     if new_tokens < 1:
         raise CircleOpsError(f"--new-tokens must be at least 1, got {new_tokens}.")
     say = progress or (lambda _msg: None)
@@ -133,7 +130,6 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     cfg = model.config
     limit = getattr(cfg, "max_position_embeddings", None) or window
     window = max(2, min(window, limit))
-    pretrained = pretrained_blocks(model)
 
     t = time.perf_counter()
     ids, prompt = fp.prompt_token_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
@@ -141,11 +137,6 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     say(f"fp32 reference: {new_tokens} greedy tokens")
     reference = fp.fp32_model(model)
     tokens = fp.greedy(reference, ids, new_tokens)
-    importance = None
-    if quantize in GGML_FORMATS and GGML_FORMATS[quantize] == "GGML_Q4_0":  # as convert does
-        from circleops.quantize.importance import input_importance
-
-        importance = input_importance(reference, tokenizer=tokenizer)
     seq = torch.tensor([ids + tokens[:-1]])
     want = fp.layer_outputs(reference, seq)
     timings["reference"] = time.perf_counter() - t
@@ -162,24 +153,17 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
     fp32_seconds = time.perf_counter() - t
 
-    smoothing = None
+    opts = pipeline.Options(target, quantize=quantize, functionalize=False)
     with contextlib.ExitStack() as restore, fp.WorkDirectory(work_dir) as directory:
-        if quantize in HYBRID_FORMATS:  # w8: SmoothQuant folded into the weights, as convert does
-            from circleops.quantize.smooth import smoothed
-
-            t = time.perf_counter()
-            with hf_export_settings(reference):
-                smoothing = restore.enter_context(smoothed(reference, tokenizer=tokenizer)).summary_line()
-            timings["smooth"] = time.perf_counter() - t
+        # as convert does: w8's SmoothQuant folded into the weights, q4_0's input importances
+        tracker = pipeline.Tracker(timings=timings)
+        weights = pipeline.prepare_weights(reference, opts, restore, tokenizer=tokenizer, tracker=tracker)
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
         with hf_export_settings(reference), torch.no_grad():
             ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
         path = Path(directory) / f"layers_{quantize}.circle"
-        qreport = _write(ep, path, quantize, parameter_names(ep), pretrained, target, (seq,), tokenizer, cfg,
-                         importance)
-        if smoothing is not None:
-            qreport.smoothing = smoothing
+        summary = _write(ep, path, opts, weights, Example((seq,), tokenizer, cfg))
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
         errors, rel, sqnr = [], [], []
@@ -202,8 +186,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
         lm_path = Path(directory) / f"logits_{quantize}.circle"
-        _write(ep, lm_path, quantize, parameter_names(ep), pretrained, target, (example,), tokenizer, cfg,
-               importance)
+        _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg))
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
         timings["perplexity"] = time.perf_counter() - t + fp32_seconds
@@ -217,40 +200,35 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
-        quantization=qreport.summary_lines(), timings=timings, layer_sqnr_db=sqnr)
+        quantization=summary, timings=timings, layer_sqnr_db=sqnr)
 
 
-class _IntegerReport:
-    def __init__(self, lines: list[str]):
-        self.lines = lines
+@dataclass
+class Example:
+    """The example input a file is written for, and what PT2E calibrates on."""
 
-    def summary_lines(self) -> list[str]:
-        return self.lines
+    args: tuple
+    tokenizer: Any = None
+    config: Any = None
 
 
-def _write(ep: Any, path: Path, quantize: str, parameters: Any, pretrained: Any, target: str = "onert",
-           example: tuple = (), tokenizer: Any = None, config: Any = None, importance: Any = None) -> Any:
-    from circleops.conversion import write_for_target
-    from circleops.lowering import lower_program
-    from circleops.quantize import INTEGER_FORMATS
-    from circleops.passes.fuse_linears import fuse_for_target
-    from circleops.quantize.weights import quantize_weights
+def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example) -> list[str]:
+    """The file convert writes for ``ep`` (circleops.pipeline): PT2E calibrated on windows of
+    the shipped calibration text for an integer format; the quantization summary lines."""
+    from circleops import pipeline
 
-    if quantize in INTEGER_FORMATS:  # PT2E: calibrate on windows of the shipped calibration text
-        from circleops.lowering.integer import lower_quantized
-        from circleops.quantize import pt2e
-
-        samples = pt2e.calibration_samples(example, 8, tokenizer=tokenizer, vocab_size=config.vocab_size)
-        weight = "uint8" if target == "onert" else "int8"
-        _, qep = pt2e.quantize(None, example, pt2e.make_quantizer(quantize, weight=weight), samples, exported=ep)
-        write_for_target(lower_quantized(qep, target), path, target, "circle")
-        return _IntegerReport([f"{quantize} activations, {weight} weights, int32 bias (PT2E, 8 calibration windows)"])
-
-    model = lower_program(ep, "onert")
-    report = quantize_weights(model, quantize, parameters=parameters, pretrained=pretrained, importance=importance)
-    fuse_for_target(model, "onert")  # the file convert writes (exact for GGML weights)
-    write_for_target(model, path, "onert", "circle")
-    return report
+    lines = None
+    if opts.integer_format is not None:
+        _, ep = pipeline.quantize_program(ep, None, opts, pipeline.Calibration(
+            example.args, 8, tokenizer=example.tokenizer, vocab_size=example.config.vocab_size))
+        lines = [f"{opts.quantize} activations, {pipeline.integer_weight_dtype(opts.target)} weights, int32 bias "
+                 "(PT2E, 8 calibration windows)"]
+        weights = pipeline.WeightInputs()
+    else:  # a fresh report per file, the blocks shared
+        weights = dataclasses.replace(weights, report=None, cache={}, fused_cache={})
+    built = pipeline.build({"main": ep}, opts, weights)
+    pipeline.write(built.models["main"], path, opts)
+    return lines if lines is not None else built.quantization.summary_lines()
 
 
 def _session(runtime: str, path: Path) -> Callable[[list[Any]], list[Any]]:

@@ -1,5 +1,5 @@
 """The integer pass: a lowered PT2E graph (float ops + QUANTIZE markers, see
-circleops.lowering.quantized) becomes an integer graph.
+circleops.quantize.integer.markers) becomes an integer graph.
 
 1. Each QUANTIZE marker folds into the op producing its input: that op writes the
    integer tensor directly (a constant is quantized in place).
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from circleops import ir
-from circleops.lowering import quantized as _markers  # noqa: F401  (registers the marker lowerings)
-from circleops.passes.qdq import QuantPlan
+from circleops.quantize.integer import markers as _markers  # noqa: F401  (registers the marker lowerings)
+from circleops.quantize.integer.qdq import QuantPlan
 from circleops.targets import TargetProfile, profile
 
 FLOAT = "FLOAT32"
@@ -117,7 +117,6 @@ class _Graph:
 
 def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "circle") -> None:
     """Turn the lowered PT2E graph ``model`` into an integer graph, in place (see module doc)."""
-    from circleops.lowering.program import prune
 
     sg = model.subgraphs[0]
     g = _Graph(sg)
@@ -128,8 +127,7 @@ def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "
     _drop_identity_requantize(g)
     _check_target(sg, target)
     _boundaries(model, sg, plan.integer_io)
-    remap = prune(sg)
-    del remap  # the signature lists the subgraph's inputs and outputs, in order
+    ir.prune(sg)  # the signature lists the subgraph's inputs and outputs, in order
     for sig in model.signatures:
         if sig.subgraph_index == 0:
             sig.inputs = dict(zip(sig.inputs, sg.inputs))
@@ -395,7 +393,7 @@ def lower_quantized(ep: Any, target: str, *, dtype: Any = None, integer_io: bool
     None when ``ep`` holds no quantized_decomposed ops (lower it as a float program)."""
     from circleops.errors import TargetError
     from circleops.lowering.program import lower_program
-    from circleops.passes.qdq import fold_qdq
+    from circleops.quantize.integer.qdq import fold_qdq
 
     program, plan = fold_qdq(ep, integer_io=integer_io)
     if plan is None:

@@ -1,0 +1,162 @@
+"""The quantization formats: one :class:`WeightFormat` per ``--quantize`` choice, asked by
+every other module (the CLI's choices, option checks, the weight pass, the runtime choice,
+the GGUF loader, the report).
+
+Adding a weight-only format is its codec module (``encode``/``decode``/``decode_into`` over a
+schema TensorType, see :class:`Codec`) and one :func:`register` call here (plus an
+interpreter kernel when its TensorType is new); tests/quantize/test_formats_registry.py
+registers one that exists only in the test and converts, verifies and runs a model with it.
+
+This module imports only the standard library: the CLI reads the choices without torch.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Protocol
+
+# WeightFormat.kind
+WEIGHTS = "weights"  # weight-only: float activations, an IR pass after lowering (quantize.weights)
+INTEGER = "integer"  # a PT2E integer graph: quantized tensors between ops (quantize.integer)
+
+# WeightFormat.form (weight-only formats)
+BLOCKS = "blocks"  # the linear's weight is one tensor of tensor_type (GGML blocks)
+HYBRID = "hybrid"  # INT8 weight with scale [1.0], then a MUL by the per-channel scales (onert's hybrid FC)
+
+# CPU flags onert 0.1.0's GGML kernels need (the instructions found in its libbackend_cpu.so;
+# circleops.runtime.host says more)
+ONERT_GGML_CPU_FLAGS: tuple[str, ...] = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+
+
+class Codec(Protocol):
+    """What a weight format's codec module provides (circleops.quantize.ggml, .int8)."""
+
+    BLOCK: int  # the input length K of a linear must be a multiple of it (1: any)
+
+    def encode(self, weight: Any, dtype: str, importance: Any = None) -> Any: ...
+
+    def decode(self, packed: Any, dtype: str, shape: tuple[int, ...]) -> Any: ...
+
+    def decode_into(self, packed: Any, dtype: str, out: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One ``--quantize`` choice: what it stores, where, and what runs it."""
+
+    name: str  # the one name, in the CLI, the API, the manifest and the docs
+    summary: str  # what it stores (--help, errors)
+    kind: str  # WEIGHTS or INTEGER
+    tensor_type: str | None = None  # the schema TensorType of its linear weights (WEIGHTS)
+    codec: str | None = None  # the module packing and unpacking tensor_type (and head_type)
+    form: str = BLOCKS  # how a linear is written (WEIGHTS): BLOCKS or HYBRID
+    head_type: str | None = None  # the output head (lm_head) at a higher type, or None
+    embedding: bool = False  # the embedding table is stored at tensor_type too
+    tied_table: bool = True  # a tied head may share the embedding table's blocks (else its own higher type)
+    importance: bool = False  # block scales fitted to the linears' inputs (quantize.importance)
+    smoothing: bool = False  # SmoothQuant folded into the weights first (quantize.smooth)
+    gguf_type: str | None = None  # the GGUF tensor type carried over as it is (a GGUF model's blocks)
+    activations: str | None = None  # INTEGER: the activation scheme ("uint8", "int16")
+    file_formats: frozenset[str] = frozenset()  # file formats whose schema holds its weights (WEIGHTS)
+    target_refusal: str = ""  # why a target writing another file format cannot (the end of the error message)
+    runtimes: frozenset[str] = frozenset()  # runtimes that run its files
+    host_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # runtime -> CPU flags it needs
+
+    @property
+    def block(self) -> int:
+        """K must be a multiple of this for a linear to be stored in the format."""
+        return self.codec_module().BLOCK if self.codec else 1
+
+    def codec_module(self) -> Codec:
+        """The codec (imported now: it may import torch)."""
+        if self.codec is None:
+            raise ValueError(f"format {self.name} has no weight codec")
+        return importlib.import_module(self.codec)  # type: ignore[return-value]
+
+    def tensor_types(self) -> tuple[str, ...]:
+        """The TensorTypes its weights may be stored as (the head's too)."""
+        return tuple(t for t in (self.tensor_type, self.head_type) if t)
+
+
+_FORMATS: dict[str, WeightFormat] = {}
+FORMATS: Mapping[str, WeightFormat] = MappingProxyType(_FORMATS)
+
+
+def register(fmt: WeightFormat) -> WeightFormat:
+    """Add ``fmt`` (a name already taken raises: one name, one format)."""
+    if fmt.name in _FORMATS:
+        raise ValueError(f"quantization format {fmt.name!r} is already registered")
+    if fmt.kind not in (WEIGHTS, INTEGER) or (fmt.kind == WEIGHTS and not (fmt.tensor_type and fmt.codec)):
+        raise ValueError(f"format {fmt.name!r}: a {WEIGHTS} format names its tensor_type and codec")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister(name: str) -> None:
+    """Remove a format (tests that register their own)."""
+    _FORMATS.pop(name, None)
+
+
+def get(name: str | None) -> WeightFormat | None:
+    """The format called ``name`` (None for None or an unknown name)."""
+    return _FORMATS.get(name) if name is not None else None
+
+
+def names(kind: str | None = None) -> tuple[str, ...]:
+    """The format names, of ``kind`` when given, in registration order."""
+    return tuple(n for n, f in _FORMATS.items() if kind is None or f.kind == kind)
+
+
+def host_flags(name: str | None, runtime: str) -> tuple[str, ...]:
+    """The CPU flags ``runtime`` needs to run a file quantized as ``name`` (() for none)."""
+    f = get(name)
+    return tuple(f.host_flags.get(runtime, ())) if f is not None else ()
+
+
+def tensor_host_flags(tensor_types: Any, runtime: str) -> tuple[str, ...]:
+    """The CPU flags ``runtime`` needs for a file holding weights of ``tensor_types``."""
+    wanted = set(tensor_types)
+    flags: dict[str, None] = {}
+    for f in _FORMATS.values():
+        if wanted & set(f.tensor_types()):
+            flags.update(dict.fromkeys(f.host_flags.get(runtime, ())))
+    return tuple(flags)
+
+
+_CIRCLE_FILES = frozenset({"circle"})  # GGML and hybrid INT8 weights: Circle schema types
+_GGML_REFUSAL = ("stores GGML block weights, which exist only in Circle (the TFLite schema has no GGML types): use "
+                 "target 'onert' or 'circle', or leave out quantize for tflite")
+_GGML_RUNTIMES = frozenset({"onert", "reference"})
+_ONERT_AVX512 = {"onert": ONERT_GGML_CPU_FLAGS}
+
+register(WeightFormat(
+    "q4_0", "GGML_Q4_0 linear weights and embedding table, the output head (lm_head) GGML_Q8_0 (targets onert, "
+    "circle)", WEIGHTS, "GGML_Q4_0", "circleops.quantize.ggml", head_type="GGML_Q8_0", embedding=True,
+    tied_table=False, importance=True, gguf_type="Q4_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL,
+    runtimes=_GGML_RUNTIMES, host_flags=_ONERT_AVX512))
+register(WeightFormat(
+    "q4_0-pure", "GGML_Q4_0 linear weights and embedding table, a tied lm_head sharing the table (4.5 "
+    "bits/weight; targets onert, circle)", WEIGHTS, "GGML_Q4_0", "circleops.quantize.ggml", embedding=True,
+    importance=True, gguf_type="Q4_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL, runtimes=_GGML_RUNTIMES,
+    host_flags=_ONERT_AVX512))
+register(WeightFormat(
+    "q8_0", "GGML_Q8_0 linear weights (8.5 bits/weight; targets onert, circle)", WEIGHTS, "GGML_Q8_0",
+    "circleops.quantize.ggml", gguf_type="Q8_0", file_formats=_CIRCLE_FILES, target_refusal=_GGML_REFUSAL,
+    runtimes=_GGML_RUNTIMES, host_flags=_ONERT_AVX512))
+register(WeightFormat(
+    "w8", "int8 per-channel linear weights, fp32 activations (onert's hybrid FULLY_CONNECTED + MUL: runs on any "
+    "x86-64 onert, no AVX-512 needed; targets onert, circle)", WEIGHTS, "INT8", "circleops.quantize.int8",
+    form=HYBRID, smoothing=True, file_formats=_CIRCLE_FILES,
+    target_refusal="writes int8 weights for onert's hybrid FULLY_CONNECTED (scale [1.0] and a MUL by the per-channel "
+                   "scales, the form onert computes right): use target 'onert' or 'circle'",
+    runtimes=_GGML_RUNTIMES))
+register(WeightFormat(
+    "uint8", "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
+    "circle)", INTEGER, activations="uint8",
+    runtimes=frozenset({"onert", "reference"})))
+register(WeightFormat(
+    "int16", "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
+    "circle)", INTEGER, activations="int16", runtimes=frozenset({"reference"})))
+
+__all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]
