@@ -46,7 +46,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = ()) -> Report:
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
+            output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -85,6 +86,9 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
+    output_names: names of the file's outputs, in the order the model returns them (an HF
+        CausalLM's one output is named "logits" without it). metadata: entries written into
+        the file's metadata (name -> bytes), e.g. circleops.tasks' record of the source model.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = _check_options(target, fuse)
@@ -116,12 +120,13 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             t += t_smooth
         return _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance,
                                  progress, quantize, calibrate, calibration_data, tokenizer, integer_io, threads,
-                                 int16, host_notes, t, smoothing, t_smooth if smoothing else None)
+                                 int16, host_notes, t, smoothing, t_smooth if smoothing else None,
+                                 output_names, metadata)
 
 
 def _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance, progress,
                       quantize, calibrate, calibration_data, tokenizer, integer_io, threads, int16, host_notes, t,
-                      smoothing, t_smooth) -> Report:
+                      smoothing, t_smooth, output_names=None, metadata=None) -> Report:
     """convert after the checks: export, calibrate, lower, write, verify."""
     module = export_module(model)
     importance = None
@@ -136,11 +141,12 @@ def _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse,
     job = _Job(path, target, fmt, torch_dtype, fuse, runtime, tolerance, example_args,
                reference=lambda: _run_torch(module, example_args, model), progress=progress,
                source=type(model).__name__, parameters=_count_params(model),
-               output_names=["logits"] if isinstance(module, CausalLMLogits) else None, fusion_model=module,
+               output_names=["logits"] if isinstance(module, CausalLMLogits) else output_names, fusion_model=module,
                quantize=quantize, pretrained=pretrained_blocks(model) if quantize else None, threads=threads,
                importance=importance)
     job.warnings.extend(host_notes)
     job.smoothing = smoothing
+    job.metadata = dict(metadata or {})
     if importance is not None:
         job.timings["calibrate"] = t_imp
     if t_smooth is not None:
@@ -621,7 +627,8 @@ class _Job:
     progress: Progress | None
     source: str
     parameters: int
-    output_names: list[str] | None = None
+    output_names: Sequence[str] | None = None
+    metadata: dict[str, bytes] = field(default_factory=dict)  # written into the file as it is
     fusion_model: torch.nn.Module | None = None
     quantize: str | None = None  # a weight-only format (circleops.quantize.WEIGHT_ONLY_FORMATS)
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
@@ -677,7 +684,8 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     ir_model = lower_quantized(ep, job.target, dtype=job.dtype, integer_io=job.integer_io) \
         or lower_program(ep, target_profile(job.target, job.threads), dtype=job.dtype)
     if job.output_names:
-        _name_outputs(ir_model, job.output_names)
+        _name_outputs(ir_model, list(job.output_names))
+    ir_model.metadata.update(job.metadata)
     timings["lower"] = time.perf_counter() - t
     quant_report = None
     if job.quantize:
