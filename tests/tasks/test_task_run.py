@@ -12,8 +12,6 @@ import torch
 
 from circleops.cli import main
 
-pytest.importorskip("PIL")
-
 
 @pytest.fixture(scope="module")
 def converted(tiny_dir, tmp_path_factory):
