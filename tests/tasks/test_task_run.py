@@ -138,3 +138,10 @@ def test_run_input_errors(converted, tiny_dir, tmp_path, capsys):
     llama = tmp_path / "llama.circle"
     assert main(["convert", str(tiny_dir("llama")), "-o", str(llama), "--seq-len", "4", "--quiet"]) == 0
     assert "records no task" in _error(capsys, "run", str(llama), "--text", "hi")
+
+
+def test_inspect_shows_the_task(converted, capsys):
+    model_dir, path = converted("vit")
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"task: image-classification (ViTForImageClassification, from {model_dir.resolve()}); 5 labels" in out
