@@ -154,7 +154,13 @@ def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, aud
                               f"first (e.g. sox {audio} -r {wanted} out.wav).")
     name = next(iter(shapes))
     features = extractor(samples, sampling_rate=rate, return_tensors="np")[name]
-    return Prepared([_fit(name, np.asarray(features, dtype=np.float32), shapes[name])], record)
+    tokenizer = None
+    if record.get("task") == "automatic-speech-recognition":  # CTC: its characters, when it has a tokenizer
+        from transformers import AutoTokenizer
+
+        with contextlib.suppress(Exception):
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return Prepared([_fit(name, np.asarray(features, dtype=np.float32), shapes[name])], record, tokenizer)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -195,4 +201,10 @@ def describe(prepared: Prepared, outputs: list[np.ndarray], top: int = 5) -> lis
             lines.append(f"{tok.mask_token} at {pos}: " + ", ".join(
                 f"{tok.decode([int(i)]).strip()} ({probs[i]:.3f})" for i in best))
         return lines or [f"no {tok.mask_token} in the text: nothing to fill"]
+    if task.reads == "ctc":  # greedy CTC: the best token per frame, repeats merged, blanks dropped
+        best = [int(t) for t in logits[0].argmax(-1)]
+        if tok is not None:  # a CTC tokenizer merges and drops them itself (and maps | to spaces)
+            return [f"transcript ({task.name}, greedy CTC): {tok.decode(best)!r}"]
+        ids = [t for i, t in enumerate(best) if t != 0 and (i == 0 or t != best[i - 1])]
+        return [f"transcript ({task.name}, greedy CTC, token ids: no tokenizer saved): {ids}"]
     return []

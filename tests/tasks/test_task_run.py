@@ -145,3 +145,21 @@ def test_inspect_shows_the_task(converted, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"task: image-classification (ViTForImageClassification, from {model_dir.resolve()}); 5 labels" in out
+
+
+def test_speech_recognition_prints_the_greedy_ctc_transcript(converted, tmp_path, capsys):
+    from transformers import AutoFeatureExtractor, AutoTokenizer
+
+    model_dir, path = converted("wav2vec2-ctc")
+    wav = tmp_path / "speech.wav"
+    samples = (np.random.RandomState(3).randn(1600) * 3000).astype(np.int16)
+    with wave.open(str(wav), "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000), f.writeframes(samples.tobytes())
+    assert main(["run", str(path), "--audio", str(wav), "--runtime", "onert"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("transcript")][0]
+    values = AutoFeatureExtractor.from_pretrained(str(model_dir))(samples / 32768.0, sampling_rate=16000,
+                                                                    return_tensors="pt")["input_values"]
+    with torch.no_grad():
+        ids = _torch_model(model_dir, "Wav2Vec2ForCTC")(values.float()).logits.argmax(-1)
+    expected = AutoTokenizer.from_pretrained(str(model_dir)).batch_decode(ids)[0]  # HF's own CTC decoding
+    assert expected and line == f"transcript (automatic-speech-recognition, greedy CTC): {expected!r}"

@@ -8,6 +8,7 @@ pass must be moved to "pass" and the docs regenerated).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -98,17 +99,19 @@ _VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermed
             patch_size=8)
 
 
-def _wav2vec2(cls_name: str, **extra: Any) -> Callable[[Path], None]:
+def _wav2vec2(cls_name: str, config_name: str = "Wav2Vec2Config", **extra: Any) -> Callable[[Path], None]:
     @_seeded
     def build(path: Path) -> None:
         import transformers
 
-        cfg = transformers.Wav2Vec2Config(vocab_size=len(CTC_VOCAB), hidden_size=32, num_hidden_layers=2,
-                                          num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
-                                          conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                                          num_conv_pos_embedding_groups=4, pad_token_id=0, **extra)
+        cfg = getattr(transformers, config_name)(vocab_size=len(CTC_VOCAB), hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+                                                 conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                                 num_conv_pos_embedding_groups=4, pad_token_id=0, **extra)
         _save(getattr(transformers, cls_name)(cfg), path)
         transformers.Wav2Vec2FeatureExtractor(sampling_rate=16000).save_pretrained(str(path))
+        (path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(CTC_VOCAB)}))
+        transformers.Wav2Vec2CTCTokenizer(str(path / "vocab.json")).save_pretrained(str(path))
 
     return build
 
@@ -173,4 +176,60 @@ ZOO: list[Tiny] = [
                    label2id={"speech": 0, "music": 1, "noise": 2}), ("logits",),
          ("--input-shape", "input_values=1x1600")),
     Tiny("whisper", "speech-encoder", _whisper, ("last_hidden_state",)),
+]
+
+
+def _text(cls_name: str, config_name: str, **kwargs: Any) -> Callable[[Path], None]:
+    @_seeded
+    def build(path: Path) -> None:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(vocab_size=len(WORDS), max_position_embeddings=64, **kwargs)
+        _save(getattr(transformers, cls_name)(cfg), path)
+        _bert_tokenizer(path)
+
+    return build
+
+
+_ENC = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_SEQ_ARGS = ("--seq-len", str(SEQ))
+
+# More architectures for bench/task_zoo.py's table in docs/tasks.md (not run in CI: the rows
+# above cover each task once; these show how far the same path reaches, and what fails).
+EXTRA: list[Tiny] = [
+    Tiny("roberta", "text-classification", _text("RobertaForSequenceClassification", "RobertaConfig", **_ENC,
+                                                 pad_token_id=0), ("logits",), _SEQ_ARGS),
+    Tiny("albert", "fill-mask", _text("AlbertForMaskedLM", "AlbertConfig", embedding_size=16, **_ENC), ("logits",),
+         _SEQ_ARGS),
+    Tiny("electra", "token-classification", _text("ElectraForTokenClassification", "ElectraConfig", embedding_size=16,
+                                                  **_ENC), ("logits",), _SEQ_ARGS),
+    Tiny("deberta-v2", "fill-mask", _text("DebertaV2ForMaskedLM", "DebertaV2Config", **_ENC), ("logits",), _SEQ_ARGS),
+    Tiny("deit", "image-classification", _vision("DeiTForImageClassificationWithTeacher", "DeiTConfig", **_VIT),
+         ("logits", "cls_logits", "distillation_logits")),
+    Tiny("beit", "image-classification", _vision("BeitForImageClassification", "BeitConfig", **_VIT), ("logits",)),
+    Tiny("swin", "image-classification",
+         _vision("SwinForImageClassification", "SwinConfig", image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                 num_heads=[1, 2], window_size=4), ("logits",)),
+    Tiny("resnet", "image-classification",
+         _vision("ResNetForImageClassification", "ResNetConfig", embedding_size=8, hidden_sizes=[8, 16],
+                 depths=[1, 1]), ("logits",)),
+    Tiny("mobilenet_v2", "image-classification",
+         _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=32, depth_multiplier=0.25),
+         ("logits",)),
+    Tiny("hiera", "image-classification",
+         _vision("HieraForImageClassification", "HieraConfig", image_size=[64, 64], embed_dim=8, depths=[1, 1, 1, 1],
+                 num_heads=[1, 1, 1, 1], size=64), ("logits",)),
+    Tiny("clip-vision", "image-feature-extraction",
+         _vision("CLIPVisionModel", "CLIPVisionConfig", **_VIT), ("last_hidden_state", "pooler_output")),
+    Tiny("siglip-vision", "image-feature-extraction",
+         _vision("SiglipVisionModel", "SiglipVisionConfig", **_VIT), ("last_hidden_state", "pooler_output")),
+    Tiny("detr", "object-detection",
+         _vision("DetrForObjectDetection", "DetrConfig", use_timm_backbone=False, use_pretrained_backbone=False,
+                 backbone_config={"model_type": "resnet", "embedding_size": 8, "hidden_sizes": [8, 16, 16, 16],
+                                  "depths": [1, 1, 1, 1], "out_features": ["stage4"]},
+                 d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5, num_labels=4),
+         ("logits", "pred_boxes", "last_hidden_state")),
+    Tiny("hubert-ctc", "automatic-speech-recognition", _wav2vec2("HubertForCTC", "HubertConfig"), ("logits",),
+         ("--input-shape", "input_values=1x1600")),
 ]
