@@ -229,7 +229,7 @@ EXTRA: list[Tiny] = [
                                   "depths": [1, 1, 1, 1], "out_features": ["stage4"]},
                  d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5, num_labels=4),
-         ("logits", "pred_boxes", "last_hidden_state")),
+         ("logits", "pred_boxes", "last_hidden_state", "encoder_last_hidden_state")),
     Tiny("hubert-ctc", "automatic-speech-recognition", _wav2vec2("HubertForCTC", "HubertConfig"), ("logits",),
          ("--input-shape", "input_values=1x1600")),
 ]
