@@ -335,13 +335,47 @@ def convert_task(model: str | None, path: str | os.PathLike, *, task: str | None
               "inputs": {k: list(s) for k, (s, _) in shapes.items()}, "outputs": names}
     if TASKS[name].reads in ("labels", "token-labels") and getattr(hf.config, "id2label", None):
         record["id2label"] = {str(k): v for k, v in hf.config.id2label.items()}
-    report = conversion.convert(task_module(graph_model, list(inputs)), tuple(inputs.values()), path,
-                                dtype=dtype, output_names=names,
-                                metadata={METADATA_KEY: json.dumps(record).encode()}, **convert_kwargs)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="circleops-calib-") as tmp:
+        if "input_ids" in inputs and convert_kwargs.get("quantize") and not convert_kwargs.get("calibration_data"):
+            convert_kwargs["calibration_data"] = _text_calibration(inputs, model_dir, hf.config, convert_kwargs, tmp)
+        report = conversion.convert(task_module(graph_model, list(inputs)), tuple(inputs.values()), path,
+                                    dtype=dtype, output_names=names,
+                                    metadata={METADATA_KEY: json.dumps(record).encode()}, **convert_kwargs)
     # The decoder-family adapters did not apply to this model: not a thing the user must act on.
     report.warnings[:] = [w for w in report.warnings if not w.startswith("patched_modules(): these patched")]
     report.source = f"{source.source} ({name}, {type(hf).__name__}" + (", encoder)" if TASKS[name].encoder else ")")
     return report
+
+
+def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any, kwargs: dict[str, Any],
+                      tmp: str) -> str | None:
+    """Integer quantization of a text model: calibration samples of token windows (the shipped
+    calibration text through the model's tokenizer) with an all-ones attention mask, as a .pt
+    file for convert(calibration_data=...). The generic sampler would take the mask for token ids."""
+    import torch
+
+    from circleops.quantize import INTEGER_FORMATS
+    from circleops.quantize.pt2e import calibration_samples
+
+    if kwargs.get("quantize") not in INTEGER_FORMATS:
+        return None
+    tokenizer = None
+    if model_dir is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except Exception:  # no tokenizer saved: seeded ids below vocab_size
+            tokenizer = None
+    ids = calibration_samples((inputs["input_ids"],), int(kwargs.get("calibrate", 8)), tokenizer=tokenizer,
+                              vocab_size=getattr(config, "vocab_size", None))
+    rows = [tuple(sample[0] if name == "input_ids" else torch.ones_like(t) if name == "attention_mask" else t
+                  for name, t in inputs.items()) for sample in ids]
+    path = os.path.join(tmp, "calibration.pt")
+    torch.save(rows, path)
+    return path
 
 
 def task_of(model: str | None, config: str | None) -> str:

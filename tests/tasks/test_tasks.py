@@ -107,3 +107,28 @@ def test_config_with_random_weights(tiny_dir, tmp_path, capsys):
     record = tasks.read_task_record(out)
     assert record["task"] == "image-classification" and record["model_dir"] is None
     assert record["id2label"]["0"] == "tabby cat"
+
+
+def test_integer_calibration_of_a_text_model_keeps_the_mask(tiny_dir, tmp_path):
+    """uint8/int16 calibration samples for a text model: token windows through its tokenizer,
+    and the attention mask all ones (the generic sampler would fill it with token ids)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from circleops.models import load
+
+    model_dir = tiny_dir("bert-ner")
+    config = load(str(model_dir), model_class=tasks.model_class_for("token-classification")).module.config
+    inputs = tasks.example_inputs({"input_ids": ((1, 16), "int64"), "attention_mask": ((1, 16), "int64")},
+                                  config.vocab_size)
+    path = tasks._text_calibration(inputs, str(model_dir), config, {"quantize": "uint8", "calibrate": 3},
+                                   str(tmp_path))
+    rows = torch.load(path, weights_only=True)
+    assert len(rows) == 3 and all(len(r) == 2 for r in rows)
+    assert all(torch.equal(mask, torch.ones(1, 16, dtype=torch.int64)) for _, mask in rows)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    from circleops.quantize.pt2e import CALIBRATION_TEXT
+
+    text_ids = tok(CALIBRATION_TEXT.read_text())["input_ids"]
+    assert rows[0][0][0].tolist() == text_ids[:16]  # the shipped text, tokenized by the model's tokenizer
+    assert tasks._text_calibration(inputs, str(model_dir), config, {"quantize": "w8"}, str(tmp_path)) is None
