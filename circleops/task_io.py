@@ -187,6 +187,18 @@ def describe(prepared: Prepared, outputs: list[np.ndarray], top: int = 5) -> lis
         probs = _softmax(logits.reshape(-1))
         order = np.argsort(-probs, kind="stable")[:top]
         return [f"top {len(order)} ({task.name}):"] + [f"  {probs[i]:.4f}  {_label(record, int(i))}" for i in order]
+    if task.reads == "segmentation":  # logits [1, L, h, w]: the share of pixels each label wins
+        share = np.bincount(logits[0].argmax(0).reshape(-1), minlength=logits.shape[1]) / logits[0, 0].size
+        order = [int(i) for i in np.argsort(-share, kind="stable")[:top] if share[i] > 0]
+        return [f"pixels per label ({task.name}, {logits.shape[2]}x{logits.shape[3]}):"] + [
+            f"  {share[i]:7.2%}  {_label(record, i)}" for i in order]
+    if task.reads == "detections" and len(outputs) > 1:  # DETR-style: the last class is "no object"
+        probs = _softmax(logits[0])[:, :-1]
+        boxes = np.asarray(outputs[1], dtype=np.float64)[0]
+        best = np.argsort(-probs.max(-1), kind="stable")[:top]
+        return [f"top {len(best)} queries ({task.name}; box = center x, center y, width, height, relative):"] + [
+            f"  {probs[q].max():.4f}  {_label(record, int(probs[q].argmax()))}  "
+            f"({', '.join(f'{v:.3f}' for v in boxes[q])})" for q in best]
     tok = prepared.tokenizer
     if task.reads == "token-labels" and tok is not None:
         ids, mask = prepared.inputs[0][0], prepared.extra["attention_mask"][0]

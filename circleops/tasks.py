@@ -63,10 +63,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("image-feature-extraction", "MODEL_MAPPING_NAMES", ("image",),
          "pixel_values -> last_hidden_state (+ pooler_output)", base=True),
     Task("semantic-segmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", ("image",),
-         "-> logits per label and pixel (at the model's output resolution)"),
+         "-> logits per label and pixel (at the model's output resolution)", reads="segmentation"),
     Task("depth-estimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES", ("image",), "-> predicted_depth"),
     Task("object-detection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES", ("image",),
-         "-> logits per query and label, pred_boxes (models with a static set of queries)"),
+         "-> logits per query and label, pred_boxes (models with a static set of queries)", reads="detections"),
     Task("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", ("audio",),
          "waveform or features -> logits per label", reads="labels"),
     Task("automatic-speech-recognition", "MODEL_FOR_CTC_MAPPING_NAMES", ("audio",),
@@ -333,7 +333,7 @@ def convert_task(model: str | None, path: str | os.PathLike, *, task: str | None
                           f"{str(err).strip()[:300].rstrip('.')}. Give shapes the model takes with --input-shape.") from None
     record = {"task": name, "model_type": hf.config.model_type, "class": type(hf).__name__, "model_dir": model_dir,
               "inputs": {k: list(s) for k, (s, _) in shapes.items()}, "outputs": names}
-    if TASKS[name].reads in ("labels", "token-labels") and getattr(hf.config, "id2label", None):
+    if TASKS[name].reads in ("labels", "token-labels", "segmentation", "detections") and getattr(hf.config, "id2label", None):
         record["id2label"] = {str(k): v for k, v in hf.config.id2label.items()}
     import tempfile
 

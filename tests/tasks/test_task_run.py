@@ -163,3 +163,30 @@ def test_speech_recognition_prints_the_greedy_ctc_transcript(converted, tmp_path
         ids = _torch_model(model_dir, "Wav2Vec2ForCTC")(values.float()).logits.argmax(-1)
     expected = AutoTokenizer.from_pretrained(str(model_dir)).batch_decode(ids)[0]  # HF's own CTC decoding
     assert expected and line == f"transcript (automatic-speech-recognition, greedy CTC): {expected!r}"
+
+
+def test_segmentation_and_detection_are_read_from_their_outputs(converted, tmp_path, capsys):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    image = tmp_path / "street.png"
+    Image.fromarray((np.random.RandomState(2).rand(40, 40, 3) * 255).astype("uint8")).save(image)
+    model_dir, path = converted("segformer")
+    assert main(["run", str(path), "--image", str(image), "--runtime", "onert"]) == 0
+    printed = {label: float(p) / 100 for p, label in re.findall(r"^ +(\d+\.\d\d)%  (\S+)$", capsys.readouterr().out,
+                                                                 re.M)}
+    pixels = AutoImageProcessor.from_pretrained(str(model_dir))(images=Image.open(image), return_tensors="pt")
+    with torch.no_grad():
+        winners = _torch_model(model_dir, "SegformerForSemanticSegmentation")(**pixels).logits[0].argmax(0)
+    share = torch.bincount(winners.reshape(-1), minlength=3).double() / winners.numel()
+    assert printed == pytest.approx({f"LABEL_{i}": float(s) for i, s in enumerate(share) if s > 0}, abs=1e-4)
+
+    model_dir, path = converted("yolos")
+    assert main(["run", str(path), "--image", str(image), "--top", "2", "--runtime", "onert"]) == 0
+    rows = re.findall(r"^  (0\.\d{4})  LABEL_\d  \(([\d., ]+)\)$", capsys.readouterr().out, re.M)
+    with torch.no_grad():
+        out = _torch_model(model_dir, "YolosForObjectDetection")(**pixels)
+    scores = out.logits[0].softmax(-1)[:, :-1].max(-1).values
+    top = scores.argsort(descending=True)[:2]
+    assert [float(s) for s, _ in rows] == pytest.approx([float(scores[q]) for q in top], abs=1e-4)
+    assert len(rows) == 2 and all(len(box.split(", ")) == 4 for _, box in rows)
