@@ -66,7 +66,8 @@ def resolve_model(spec: str, *, revision: str | None = None) -> str:
         raise ModelLoadError(f"{spec}: the Hugging Face cache {cache} holds a damaged copy "
                              f"({type(err).__name__}: {err}). Delete {cache / ('models--' + spec.replace('/', '--'))} "
                              "and convert again.") from None
-    where = f"it is not in the Hugging Face cache {cache} (HF_HUB_CACHE / HF_HOME)"
+    where = f"there is no such local path, and as a hub id it is not in the Hugging Face cache {cache} " \
+            "(HF_HUB_CACHE / HF_HOME)"
     if _offline():
         raise ModelLoadError(f"model {spec} not found: {where}, and HF_HUB_OFFLINE is set, so it is not downloaded. "
                              "Unset HF_HUB_OFFLINE on a machine with network access, point HF_HOME at a cache that "
