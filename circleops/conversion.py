@@ -38,7 +38,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = ()) -> Report:
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
+            output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -77,6 +78,9 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
+    output_names: names of the file's outputs, in the order the model returns them (an HF
+        CausalLM's one output is named "logits" without it). metadata: entries written into
+        the file's metadata (name -> bytes), e.g. circleops.tasks' record of the source model.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = validate_target(target, fuse)
@@ -104,8 +108,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         module = export_module(model)
         job = Job(path, type(model).__name__, _count_params(model), example_args,
                   reference=lambda: run_torch(module, example_args, model), fusion_model=module, weights=weights,
-                  output_names=["logits"] if isinstance(module, CausalLMLogits) else None, tracker=tracker,
-                  compare=verify_file)
+                  output_names=["logits"] if isinstance(module, CausalLMLogits) else output_names,
+                  tracker=tracker, compare=verify_file, metadata=dict(metadata or {}))
         job.warnings.extend(host_notes)
         with hf_export_settings(model), dense_experts(model), torch.no_grad():
             ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)

@@ -168,7 +168,20 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "constants": constants,
         "quantized_activations": activations,
         "metadata": {k: len(v) for k, v in model.metadata.items()},
+        "task": _task_record(model.metadata),
     }
+
+
+def _task_record(metadata: dict[str, bytes]) -> dict[str, Any] | None:
+    """What circleops.tasks recorded about the source model (task, inputs, labels), if anything."""
+    import json
+
+    from circleops.options import TASK_METADATA_KEY as METADATA_KEY
+
+    try:
+        return json.loads(bytes(metadata[METADATA_KEY]).decode()) if METADATA_KEY in metadata else None
+    except ValueError:
+        return None
 
 
 def _size(n: int) -> str:
@@ -249,4 +262,9 @@ def format_text(s: dict[str, Any], tensors: bool = False) -> str:
             lines.append(f"  {c['custom_code']} x{c['count']}  custom_options {{{shown}}}")
     if s["metadata"]:
         lines.append("\nmetadata: " + ", ".join(f"{k} ({n} B)" for k, n in s["metadata"].items()))
+    task = s.get("task")
+    if task:
+        labels = f"; {len(task['id2label'])} labels (config.id2label)" if task.get("id2label") else ""
+        lines.append(f"task: {task.get('task')} ({task.get('class')}, from {task.get('model_dir') or '--config'})"
+                     f"{labels}; `circleops run` makes its inputs from --image / --text / --audio")
     return "\n".join(lines)

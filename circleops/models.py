@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -28,6 +28,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
 # Bumped when the cached directory's layout changes, so old caches are rebuilt.
 _CACHE_FORMAT = 1
+# (config object, config.json as a dict, source) -> the transformers model class to build
+ModelClass = Callable[[Any, dict, str], type]
 
 
 @dataclass
@@ -84,7 +86,7 @@ def check_seq_len(seq_len: int, max_seq_len: int | None, source: str) -> None:
 # --------------------------------------------------------------------------- dispatch
 
 def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = torch.float32,
-         seed: int = 0, allow_random_init: bool = False) -> LoadedModel:
+         seed: int = 0, allow_random_init: bool = False, model_class: ModelClass | None = None) -> LoadedModel:
     """Load MODEL as ``circleops convert`` understands it.
 
     ``spec``: an HF directory (config.json + safetensors), a ``.gguf`` file, ``smollm2``, or a
@@ -92,11 +94,18 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
     so two runs give the same model) when ``spec`` is None. ``allow_random_init``: accept an
     HF directory whose weights do not cover the model (missing tensors randomly initialized,
     unexpected ones ignored); by default that is a ModelLoadError naming the tensors.
+    ``model_class(config, cfg_dict, source)`` picks the transformers class to build for an HF
+    directory or config (default: the causal-LM class; circleops.tasks passes the task's).
+    A Hugging Face model id (``org/name``) is resolved through circleops.hub (cache, then download).
     """
+    if spec is not None and config is None:
+        from circleops.hub import resolve_model
+
+        spec = resolve_model(spec)
     if config is not None:
         if spec is not None:
             raise ModelLoadError(f"give either MODEL ({spec}) or --config ({config}), not both.")
-        return load_config(config, dtype=dtype, seed=seed)
+        return load_config(config, dtype=dtype, seed=seed, model_class=model_class)
     if spec is None:
         raise ModelLoadError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 "
                              "file) or --config config.json for random weights.")
@@ -109,7 +118,8 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
             f"model not found: {spec}. MODEL is an HF directory (config.json + *.safetensors), a .gguf "
             f"file, a .pt2 ExportedProgram, or the name smollm2; --config config.json builds random weights.")
     if path.is_dir():
-        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype, allow_random_init=allow_random_init))
+        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype, allow_random_init=allow_random_init,
+                                                        model_class=model_class))
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"cannot read {spec}: permission denied.")
     suffix = path.suffix.lower()
@@ -175,6 +185,14 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json as a dict, checked to be a Hugging Face config (a ModelLoadError if not)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: a Hugging Face model directory holds config.json.")
+    return _read_config(path)
+
+
 # Sizes a model is built from: anything but a positive integer builds nonsense or crashes deep
 # inside torch (nn.Linear(-16, ...)).
 _POSITIVE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -187,9 +205,13 @@ def _build_config(cfg: dict[str, Any], source: str) -> Any:
     model_type = cfg["model_type"]
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(f"{source}: transformers does not know model_type {model_type!r}.")
+    def positive(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
     for key in _POSITIVE_CONFIG_KEYS:
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        value = cfg.get(key)  # one per stage in hierarchical vision models (SegFormer's num_attention_heads)
+        if value is not None and not (positive(value) or (isinstance(value, list) and value
+                                                          and all(map(positive, value)))):
             raise ModelLoadError(f"{source}: config.json has {key}={value!r}; it must be a positive integer. "
                                  "Fix config.json.")
     try:
@@ -229,7 +251,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                allow_random_init: bool = False) -> torch.nn.Module:
+                allow_random_init: bool = False, model_class: ModelClass | None = None) -> torch.nn.Module:
     """An HF model directory as an eval-mode CausalLM in ``dtype``.
 
     Parameters are built on meta and then assigned the memory-mapped safetensors tensors;
@@ -246,7 +268,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"Pass the directory that holds config.json and the *.safetensors weights.")
     cfg = _read_config(cfg_path)
     config = _build_config(cfg, str(path))
-    cls = _model_class(config, cfg, str(path))
+    cls = (model_class or _model_class)(config, cfg, str(path))
     files = _safetensors_files(path)
     if not files:
         if list(path.glob("pytorch_model*.bin")):
@@ -357,7 +379,8 @@ def _first_line(err: BaseException, limit: int = 300) -> str:
 
 # --------------------------------------------------------------------------- config: random weights
 
-def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                model_class: ModelClass | None = None) -> LoadedModel:
     """A model built from config.json with random weights, once, directly in ``dtype``."""
     path = Path(config_path)
     if path.is_dir():
@@ -366,7 +389,7 @@ def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         raise ModelLoadError(f"config not found: {config_path}. --config takes a Hugging Face config.json.")
     cfg = _read_config(path)
     config = _build_config(cfg, str(path))
-    cls = _model_class(config, cfg, str(path))
+    cls = (model_class or _model_class)(config, cfg, str(path))
     try:
         model = build_random(cls, config, dtype=dtype, seed=seed)
     except Exception as err:

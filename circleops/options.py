@@ -21,4 +21,8 @@ SLOT_MAJOR = "[1, C, Hkv, D]"
 HEAD_MAJOR = "k [1, Hkv, C, D], v [1, Hkv, D, C]"
 CACHE_LAYOUTS = (SLOT_MAJOR, HEAD_MAJOR)
 
-__all__ = ["FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS"]
+# the metadata entry where a task conversion (circleops.tasks) records its task, source model,
+# input shapes and labels; circleops inspect and run read it
+TASK_METADATA_KEY = "circleops.task"
+
+__all__ = ["TASK_METADATA_KEY", "FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS"]

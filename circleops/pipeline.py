@@ -360,12 +360,13 @@ class Job:
     parameters: int
     example_args: tuple = ()
     reference: Callable[[], list[torch.Tensor]] | None = None  # the torch outputs, computed on demand
-    output_names: list[str] | None = None
+    output_names: Sequence[str] | None = None
     fusion_model: Any = None  # the module the pattern pass may read (and verify dequantizes)
     weights: WeightInputs = field(default_factory=WeightInputs)
     tracker: Tracker = field(default_factory=Tracker)
     warnings: list[str] = field(default_factory=list)
     compare: Callable[..., VerifyResult] | None = None  # runs the file and compares (default verify_file)
+    metadata: dict[str, bytes] = field(default_factory=dict)  # written into the file as it is (circleops.tasks)
 
 
 def run(ep: Any, opts: Options, job: Job) -> Report:
@@ -383,13 +384,18 @@ def run(ep: Any, opts: Options, job: Job) -> Report:
                             f"stage: {type(err).__name__}: {err}. {REPORT_BUG}") from err
 
 
+def _with_metadata(model: Any, metadata: Mapping[str, bytes]) -> Any:
+    model.metadata.update(metadata)
+    return model
+
+
 def _run(ep: Any, opts: Options, job: Job) -> Report:
     from circleops.dtypes import short_name
     from circleops.quantize.weights import dequantized_sources
 
     tracker, path = job.tracker, job.path
     built = build({"main": ep}, opts, job.weights, tracker, fusion_model=job.fusion_model,
-                  lower_one=lambda _, program: lower(program, opts, job.output_names))
+                  lower_one=lambda _, program: _with_metadata(lower(program, opts, job.output_names), job.metadata))
     ep, ir_model, quant = built.programs["main"], built.models["main"], built.quantization
     report = Report(path=str(path), target=opts.target, format=opts.format, dtype=short_name(opts.dtype),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=built.fusion, fuse=opts.fuse,

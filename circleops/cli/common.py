@@ -61,12 +61,23 @@ def scipy_hidden() -> Iterator[None]:
             del sys.modules["scipy"]
 
 
+def write_report(report, path: str | None) -> None:
+    """``--report JSON``: the conversion report as JSON (an OutputError if it cannot be written)."""
+    if not path:
+        return
+    try:
+        report.to_json(path)
+    except OSError as err:
+        from circleops.errors import OutputError
+
+        raise OutputError(f"cannot write the report {path}: {err.strerror}.") from None
+
+
 def writable(path: Path) -> bool:
     """Whether a file can be created at ``path``: its directory exists and is writable, and the
     path is not a directory (checked before the slow work, so a bad path fails at once)."""
     parent = path.parent if str(path.parent) else Path(".")
     return not path.is_dir() and parent.is_dir() and os.access(parent, os.W_OK)
-
 
 
 def one_length(text: str | None, source: str | None) -> int | None:

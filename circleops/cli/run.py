@@ -1,5 +1,8 @@
 """``circleops run FILE --input x.npy ...``: run a Circle or TFLite file on .npy inputs.
 
+A file converted for a task (``circleops convert DIR``, circleops.tasks) also runs on ``--image``,
+``--text`` or ``--audio`` through the model's saved processor, and prints labels (``--top``).
+
 The reference interpreter (pure torch, every op circleops writes) is the default runtime;
 ``--runtime onert`` or ``--runtime litert`` run the file in a real runtime instead, and
 ``--compare`` runs a second runtime and reports the largest difference per output.
@@ -31,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signature", metavar="KEY", help="run this signature instead of the main subgraph")
     parser.add_argument("--compare", choices=RUNTIMES, metavar="RUNTIME",
                         help="also run on RUNTIME and print the max abs difference per output")
+    parser.add_argument("--image", metavar="PATH", help="a task model's input from this image (its processor)")
+    parser.add_argument("--text", metavar="TEXT", help="a task model's input from this text (its tokenizer)")
+    parser.add_argument("--audio", metavar="WAV", help="a task model's input from this WAV file (its feature extractor)")
+    parser.add_argument("--model", metavar="DIR", help="with --image/--text/--audio: the model directory with the "
+                        "processor (default: the one recorded in the file when it was converted)")
+    parser.add_argument("--top", type=int, default=5, metavar="K", help="labels to print for a classifier (default 5)")
 
 
 def _load_inputs(paths: Sequence[str]) -> list[np.ndarray]:
@@ -65,7 +74,8 @@ def main(args: argparse.Namespace) -> int:
     path = args.file
     if not os.path.isfile(path):
         raise RuntimeRunError(f"model file {path!r} does not exist; give the path of a .circle or .tflite file")
-    inputs = _load_inputs([p for group in args.input for p in group])
+    prepared = _task_inputs(args, path)
+    inputs = prepared.inputs if prepared else _load_inputs([p for group in args.input for p in group])
     runtime_module(args.runtime)  # imported before the clock starts: the time is the run's
     t0 = time.perf_counter()
     session = open_session(args.runtime, path, args.signature)
@@ -94,4 +104,24 @@ def main(args: argparse.Namespace) -> int:
             np.save(out_dir / f"output_{i}.npy", a)
     if out_dir is not None:
         print(f"wrote {len(outputs)} arrays to {out_dir}/output_<i>.npy")
+    if prepared:
+        from circleops.task_io import describe
+
+        print("\n".join(describe(prepared, outputs, args.top)))
     return 0
+
+
+def _task_inputs(args: argparse.Namespace, path: str):
+    """--image / --text / --audio: inputs through the processor of the model the file records."""
+    if args.image is None and args.text is None and args.audio is None:
+        return None
+    from circleops.task_io import prepare
+    from circleops.tasks import read_task_record
+
+    if args.input:
+        raise RuntimeRunError("give the inputs either as .npy files (--input) or from --image/--text/--audio.")
+    record = read_task_record(path)
+    if record is None:
+        raise RuntimeRunError(f"{path} records no task (it was not converted by `circleops convert` from a Hugging "
+                              "Face model directory): give its inputs as .npy files with --input.")
+    return prepare(record, image=args.image, text=args.text, audio=args.audio, model_dir=args.model)

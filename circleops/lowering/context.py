@@ -337,6 +337,11 @@ class LoweringContext:
             idx = [slice(None)] * x.rank
             idx[dim] = slice(start, end, step)
             return const_value(x.const[tuple(idx)])
+        if not self.supports("STRIDED_SLICE", x.dtype, x.rank):  # onert: rank 6 fails at prepare
+            # the same slice of [before, dim, after]: the dims around ``dim`` merged
+            before, after = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
+            part = self.slice(self.reshape(x, [before, x.shape[dim], after]), 1, start, end, step)
+            return self.reshape(part, list(x.shape[:dim]) + [n] + list(x.shape[dim + 1:]))
         begin = [0] * x.rank
         stop = list(x.shape)
         strides = [1] * x.rank

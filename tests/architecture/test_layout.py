@@ -173,7 +173,7 @@ def test_every_subcommand_has_its_module():
 # down). Below the line of each group, what it is:
 LAYERS: tuple[str, ...] = (
     # the base: no circleops import but errors
-    "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache",
+    "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
     # the model of a file, the targets' facts, the fused ops, the file formats
     "ir", "targets", "ops", "serialize",
     # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR
@@ -186,6 +186,8 @@ LAYERS: tuple[str, ...] = (
     "validate", "pipeline",
     # the applications over the pipeline, then the CLI over them
     "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
+    # any Hugging Face model for its task (over conversion), and its inputs from a processor
+    "tasks", "task_io",
     "cli", "circleops",
     # users of the public API, as a plugin would be: other toolchains' ops, the op test kit
     "interop", "testing",

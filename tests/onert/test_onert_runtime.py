@@ -173,3 +173,41 @@ def test_runner_checks_inputs_and_paths(tmp_path):
     other.write_bytes(path.read_bytes())
     (got,) = onert.run(other, [np.ones((1, 5, 16), np.float32)])
     np.testing.assert_allclose(got, np.ones((1, 5, 16)), atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [5, 6])
+def test_strided_slice_runs_up_to_rank_5(tmp_path, rank):
+    """onert 0.1.0's STRIDED_SLICE fails at prepare on a rank-6 input (Hiera's q/k/v unbind):
+    the onert profile's builtin_ranks says so, and LoweringContext.slice merges dims for it."""
+    from circleops.targets import ONERT
+
+    shape = (3, 1, 2, 4, 8, 2) if rank == 6 else (3, 2, 4, 8, 2)
+    x = rng.standard_normal(shape).astype(np.float32)
+    i32 = lambda v: np.array(v, np.int32)  # noqa: E731
+    out_shape = (1,) + shape[1:]
+    path = one_op(tmp_path, "STRIDED_SLICE", [(shape, "FLOAT32", None), ((rank,), "INT32", i32([1] + [0] * (rank - 1))),
+                                              ((rank,), "INT32", i32([2] + list(shape[1:]))),
+                                              ((rank,), "INT32", i32([1] * rank))],
+                  out_shape, options_type="StridedSliceOptions")
+    assert ONERT.runs("STRIDED_SLICE", None, rank) is (rank <= 5)
+    if rank > 5:
+        with pytest.raises(RuntimeRunError, match="ShapeValidator"):
+            onert.run(path, [x])
+        return
+    (got,) = onert.run(path, [x])
+    np.testing.assert_array_equal(got, x[1:2])
+
+
+def test_rank_6_slice_converts_for_onert(tmp_path):
+    """A slice of a rank-6 tensor (as Hiera's unbind of q, k, v) runs on onert: sliced as
+    [before, dim, after] between reshapes."""
+    from circleops import convert
+
+    class Unbind(torch.nn.Module):
+        def forward(self, x):
+            q, k, v = (x * 2).unbind(0)
+            return q + k * v
+
+    report = convert(Unbind(), (torch.randn(3, 1, 2, 4, 8, 2),), tmp_path / "u.circle", target="onert", verify=True)
+    assert report.verify.passed and report.verify.max_abs_error < 1e-6
+    assert report.ops["STRIDED_SLICE"] == 3
