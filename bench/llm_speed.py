@@ -473,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         after = os.getloadavg()[0]
         loads.append((round(before, 1), round(after, 1)))
         print(f"round {rnd}: load average {before:.1f} before, {after:.1f} after", flush=True)
+        if args.json:  # after every round: an interrupted run still leaves its rounds (--from-json)
+            Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads, "flags": flags, "started": started,
+                                                   "rounds": rnd + 1, "threads": args.threads, "engines": engines,
+                                                   "decode_steps": args.decode_steps}, indent=1))
 
     data = {"runs": runs, "loads": loads, "flags": flags, "started": started, "cpu": cpu_model(),
             "cores": os.cpu_count(), "rounds": args.rounds, "threads": args.threads, "engines": engines,
