@@ -34,11 +34,15 @@ _SECTION = re.compile(r"# Session: (\d+), Subgraph: \d+, Running count: (\d+)")
 _OP = re.compile(r"\| \$\d+ subgraph @(\d+) (\S+) \| \w+ \| (\d+) \|")
 
 
-def decode_breakdown(table: str, session: str = "1") -> tuple[dict[str, float], int, int]:
-    """({op type: ms per run}, ops per run, runs) of ``session`` in trace.table.md text.
+def decode_breakdown(table: str, session: str | None = None) -> tuple[dict[str, float], int, int]:
+    """({op type: ms per run}, ops per run, runs) of ``session`` in trace.table.md text
+    (None: the decode graph's, the last session the Generator opens: onert numbers sessions
+    in creation order, and with several prefill graphs, the default 64,8, decode is not 1).
 
     Each operator's latency is its median over the runs, then summed by type: on a shared
     machine a preemption inflates a few operators of one run, not the median of each."""
+    if session is None:
+        session = max((m.group(1) for m in _SECTION.finditer(table)), key=int)
     per_op: dict[str, list[int]] = collections.defaultdict(list)
     kind: dict[str, str] = {}
     runs, current = 0, False

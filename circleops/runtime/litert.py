@@ -1,4 +1,5 @@
-"""Run a .tflite file with LiteRT (ai_edge_litert.interpreter.Interpreter, 2 threads).
+"""Run a .tflite file with LiteRT (ai_edge_litert.interpreter.Interpreter; NUM_THREADS threads,
+2 when it is not set, as onert reads it).
 
     session = Session("model.tflite", signature="decode")  # loaded once
     outputs = session.run([ids, pos, *caches])             # as often as needed
@@ -19,7 +20,23 @@ from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
 
-NUM_THREADS = 2
+NUM_THREADS = 2  # when the NUM_THREADS environment variable is not set
+
+
+def num_threads() -> int:
+    """LiteRT's thread count: the NUM_THREADS environment variable, as onert reads it (and as
+    ``circleops generate`` sets it from a manifest's num_threads), else :data:`NUM_THREADS`."""
+    text = os.environ.get("NUM_THREADS", "").strip()
+    if not text:
+        return NUM_THREADS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise RuntimeRunError(f"NUM_THREADS={text!r}: give LiteRT's thread count as a whole number of 1 or more "
+                              f"(or unset it for {NUM_THREADS}).")
+    return value
 
 DELEGATE_BANNER = "Created TensorFlow Lite XNNPACK delegate"
 
@@ -61,11 +78,12 @@ class Session:
         self.signature = signature
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
+        self.num_threads = num_threads()
         try:
             # the tensors are allocated here, once: that is when LiteRT applies its delegate
             # and prints about it (delegate_banner_hidden)
             with delegate_banner_hidden():
-                self._it = Interpreter(model_path=self.path, num_threads=NUM_THREADS)
+                self._it = Interpreter(model_path=self.path, num_threads=self.num_threads)
                 self._it.allocate_tensors()
         except (ValueError, RuntimeError) as err:
             raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
@@ -156,4 +174,4 @@ def run(path: str | os.PathLike, inputs: Sequence[np.ndarray] | Mapping[str, np.
     return Session(path, signature).run(inputs)
 
 
-__all__ = ["NUM_THREADS", "Session", "run"]
+__all__ = ["NUM_THREADS", "Session", "num_threads", "run"]

