@@ -46,7 +46,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = ()) -> Report:
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
+            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto") -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -81,7 +82,13 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
         ``int16`` (with "uint8", target circle): parts kept at int16 activations, mixed
         precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
-        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj").
+        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj"); "auto": the ops
+        around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
+        ``weight_bits`` 8 / 4: int8 or int4 (Circle INT4, target circle) per-channel weights; an
+        LLM's lm_head stays int8. ``gptq``: GPTQ rounding of the weights on the calibration
+        samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
+        stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
+        file's metadata ("circleops.quantization"); see docs/integer-llm.md.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
@@ -89,6 +96,11 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     """
     target, fmt, fuse = _check_options(target, fuse)
     quantize = check_quantize(quantize, target, int16)
+    from circleops.quantize.recipe import IntegerRecipe, check_recipe
+
+    check_recipe(quantize, target, weight_bits, gptq, rotate)
+    recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
+                           calibrate) if quantize in INTEGER_FORMATS else None
     check_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -114,14 +126,46 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
                 smoothing = restore.enter_context(smoothed(model, example_args, tokenizer)).summary_line()
             t_smooth = time.perf_counter() - t_smooth
             t += t_smooth
+        if recipe is not None:  # rotation and GPTQ change the weights until the file is written
+            with hf_export_settings(model), _dense_experts(model):
+                _prepare_integer_llm(model, example_args, recipe, restore, calibration_data, tokenizer, progress)
         return _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance,
                                  progress, quantize, calibrate, calibration_data, tokenizer, integer_io, threads,
-                                 int16, host_notes, t, smoothing, t_smooth if smoothing else None)
+                                 int16, host_notes, t, smoothing, t_smooth if smoothing else None, recipe)
+
+
+def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
+                         data: Any, tokenizer: Any, progress: Progress | None) -> None:
+    """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
+    recipe asks; each step's summary goes to ``recipe.lines``."""
+    from circleops.quantize import pt2e
+    from circleops.quantize.gptq import gptq_applied
+    from circleops.quantize.rotate import rotated
+
+    config = getattr(model, "config", None)
+    is_llm = getattr(config, "vocab_size", None) is not None and callable(getattr(model, "get_output_embeddings", None))
+    if recipe.rotate != "off" and is_llm:
+        _stage(progress, "rotate")
+        report = restore.enter_context(rotated(model, tokenizer))
+        if recipe.rotate == "on" and not report.layers:
+            raise TargetError(f"rotate='on': {report.summary_line()}")
+        recipe.lines.append(report.summary_line())
+    if recipe.gptq:
+        _stage(progress, "gptq")
+        samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
+                                           vocab_size=getattr(config, "vocab_size", None))
+        from circleops.quantize.gptq import eligible_linears
+
+        head = model.get_output_embeddings() if is_llm else None
+        bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
+        report = restore.enter_context(gptq_applied(model, samples, bits, progress=getattr(progress, "bar", None)
+                                                    is not None))
+        recipe.lines.append(report.summary_line())
 
 
 def _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse, runtime, tolerance, progress,
                       quantize, calibrate, calibration_data, tokenizer, integer_io, threads, int16, host_notes, t,
-                      smoothing, t_smooth) -> Report:
+                      smoothing, t_smooth, recipe=None) -> Report:
     """convert after the checks: export, calibrate, lower, write, verify."""
     module = export_module(model)
     importance = None
@@ -150,13 +194,14 @@ def _convert_exported(model, example_args, path, target, fmt, torch_dtype, fuse,
     job.timings["export"] = time.perf_counter() - t
     if quantize in INTEGER_FORMATS:
         job.quantize, job.pretrained, job.integer_io = None, None, integer_io
+        job.recipe = recipe
         return _lower_write_verify(_quantize_integer(model, module, ep, job, quantize, calibrate,
-                                                     calibration_data, tokenizer, int16), job)
+                                                     calibration_data, tokenizer, int16, recipe), job)
     return _lower_write_verify(ep, job)
 
 
 def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job", scheme: str, calibrate: int,
-                      data: Any, tokenizer: Any, int16: Sequence[str] = ()) -> Any:
+                      data: Any, tokenizer: Any, int16: Sequence[str] = (), recipe: Any = None) -> Any:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then
     prepare_pt2e with CircleQuantizer, calibration, convert_pt2e and a new export; the job
     then lowers that program and verifies against the converted (fake-quantized) module."""
@@ -175,10 +220,27 @@ def _quantize_integer(model: Any, module: torch.nn.Module, ep: Any, job: "_Job",
     config = getattr(model, "config", None)
     samples = pt2e.calibration_samples(job.example_args, calibrate, data=data, tokenizer=tokenizer,
                                        vocab_size=getattr(config, "vocab_size", None))
-    quantizer = pt2e.make_quantizer(scheme, weight="uint8" if job.target == "onert" else "int8", int16=int16)
+    weight = "uint8" if job.target == "onert" else (recipe.weight if recipe is not None else "int8")
+    parts = [p for p in int16 if p.strip() and p.strip() != "auto"]
+    head = [name for name, m in module.named_modules() if m is model.get_output_embeddings()] \
+        if weight == "int4" and callable(getattr(model, "get_output_embeddings", None)) else []
+
+    def make(node_names: Sequence[str] = ()) -> Any:
+        q = pt2e.make_quantizer(scheme, weight=weight, int16=parts)
+        for name in head[:1]:  # 4-bit weights: the output head stays int8
+            q.set_module_name(name, scheme, "int8")
+        for name in node_names:
+            q.set_node_name(name, "int16")
+        return q
+
+    show = getattr(job.progress, "bar", None) is not None
     with hf_export_settings(model), torch.no_grad():
-        converted, qep = pt2e.quantize(module, job.example_args, quantizer, samples, exported=ep,
-                                       progress=getattr(job.progress, "bar", None) is not None)
+        if recipe is not None and recipe.auto_mixed:
+            converted, qep, mixed = pt2e.quantize_mixed(module, job.example_args, make, samples, exported=ep,
+                                                        progress=show)
+            recipe.lines.append(mixed.summary_line())
+        else:
+            converted, qep = pt2e.quantize(module, job.example_args, make(), samples, exported=ep, progress=show)
     job.reference = lambda: _run_torch(converted, job.example_args, None)
     if job.tolerance is None:
         job.tolerance = INTEGER_TOLERANCE
@@ -302,7 +364,8 @@ def check_quantize(quantize: str | None, target: str, int16: Sequence[str] = ())
                               "compilers) or 'onert' (uint8); target tflite writes float composites")
         if target == "onert" and quantize == "int16":
             raise TargetError("target onert: onert 0.1.0 loads no int16 graph (measured, bench/onert_quantized.py): "
-                              "use quantize='uint8' for onert, or target 'circle' for an int16 file")
+                              "use quantize='uint8' for onert, or target 'circle' for an int16 file, which the "
+                              "reference interpreter runs (--runtime reference)")
         return quantize
     from circleops.quantize.weights import check_format
 
@@ -369,6 +432,11 @@ def resolve_runtime(verify: bool | str | None, target: str, dtype: torch.dtype =
                           f"onert or reference, or use --target tflite.")
     if verify == "onert" and target == "tflite":
         raise TargetError("onert runs Circle files; target tflite writes TFLite. Verify with litert or reference.")
+    if verify == "onert" and target != "onert" and quantize in INTEGER_FORMATS:
+        raise TargetError(f"onert 0.1.0 cannot run this integer graph: target {target} keeps every op integer, and "
+                          "onert loads no int16 or int4 tensor and has no uint8 RMS_NORM, BATCH_MATMUL or STRIDED_SLICE "
+                          "kernel (measured, bench/README.md). Verify it with the reference interpreter "
+                          "(--runtime reference), or write --quantize uint8 --target onert (those ops stay float there)")
     return verify
 
 
@@ -627,6 +695,7 @@ class _Job:
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
     importance: Any = None  # input importances for Q4_0 scales (circleops.quantize.importance)
     smoothing: str | None = None  # w8: the SmoothQuant summary line (circleops.quantize.smooth)
+    recipe: Any = None  # an integer graph's IntegerRecipe (circleops.quantize.recipe), into the metadata
     threads: int | None = None  # the NUM_THREADS an onert file will run with (target_profile)
     integer_io: bool = False  # an integer (PT2E) graph keeps integer inputs and outputs
     timings: dict[str, float] = field(default_factory=dict)
@@ -680,6 +749,10 @@ def _run_stages(ep: Any, job: _Job) -> Report:
         _name_outputs(ir_model, job.output_names)
     timings["lower"] = time.perf_counter() - t
     quant_report = None
+    if job.recipe is not None:
+        from circleops.quantize.recipe import METADATA_KEY
+
+        ir_model.metadata[METADATA_KEY] = job.recipe.metadata()
     if job.quantize:
         _stage(job.progress, "quantize")
         t = time.perf_counter()
@@ -696,7 +769,7 @@ def _run_stages(ep: Any, job: _Job) -> Report:
     report = Report(path=str(path), target=job.target, format=job.fmt, dtype=short_name(job.dtype),
                     ops=op_histogram(ir_model), fused=fused_counts(ep), fusion=fusion_report, fuse=job.fuse,
                     source=job.source, parameters=job.parameters, warnings=job.warnings, timings=timings,
-                    quantization=quant_report)
+                    quantization=quant_report or job.recipe)
     sub = ir_model.subgraphs[0]
     report.inputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs]
     report.outputs = [(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.outputs]

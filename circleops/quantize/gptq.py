@@ -84,11 +84,13 @@ class GPTQReport:
     seconds: float = 0.0
     names: list[str] = field(default_factory=list)
     skipped: str | None = None
+    wider: list[str] = field(default_factory=list)  # linears rounded to more bits (an LLM's lm_head)
 
     def summary_line(self) -> str:
         if self.linears:
             return (f"GPTQ ({self.bits}-bit weights, damp {DAMP:g}, blocks of {BLOCK}, Hessians over {self.tokens} "
-                    f"calibration tokens): {self.linears} linears, {self.seconds:.1f} s")
+                    f"calibration tokens): {self.linears} linears, {self.seconds:.1f} s"
+                    + (f"; {', '.join(self.wider)} at 8 bits" if self.wider else ""))
         return f"no GPTQ: {self.skipped}"
 
 
@@ -147,7 +149,8 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
     if isinstance(bits, int):
         bits = {name: bits for name in linears}
     linears = {n: m for n, m in linears.items() if n in bits}
-    report = GPTQReport(bits=max(bits.values()) if bits else 0)
+    report = GPTQReport(bits=min(bits.values()) if bits else 0)
+    report.wider = sorted(n for n, b in bits.items() if b > report.bits)
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         if not linears:

@@ -2,11 +2,16 @@
 rotation folded into the weights, mixed precision from measured sensitivity, GPTQ."""
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 import circleops
+from circleops.errors import CircleOpsError
 from circleops.quantize import pt2e
 from circleops.runtime import reference
 from circleops.serialize import read_model
@@ -94,3 +99,52 @@ def test_int4_llm_fixed_point_matches_fake_quant(tiny_llama_int4):
     # each kernel rounds once where torch rounds in float: 2 layers of them, measured 3 steps
     diff = np.abs(out - want) / step
     assert diff.max() <= 4 and (diff <= 1 + 1e-3).mean() > 0.9
+
+
+# ------------------------------------------------------------------ convert: the recipe end to end
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "convert"))
+from convert_fixtures import llama_config, llama_model  # noqa: E402,F401
+
+
+def test_cli_int16_int4_gptq_rotated_llm_records_its_recipe(capsys, tmp_path, llama_config):
+    from circleops.cli import main
+    from circleops.quantize.recipe import METADATA_KEY
+
+    out = tmp_path / "m.circle"
+    code = main(["convert", "--config", str(llama_config), "-o", str(out), "--seq-len", "8", "--quantize", "int16",
+                 "--weight-bits", "4", "--gptq", "--calibrate", "2", "--verify"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "verify:  reference: max abs error" in captured.out and "MISMATCH" not in captured.out
+    model = read_model(str(out))
+    sg = model.subgraphs[0]
+    weights = [sg.tensors[op.inputs[1]] for op in sg.operators if op.opcode == "FULLY_CONNECTED"]
+    # every decoder linear INT4, the output head (the last FC, vocab rows) int8
+    assert {w.dtype for w in weights[:-1]} == {"INT4"} and weights[-1].dtype == "INT8"
+    recipe = json.loads(model.metadata[METADATA_KEY])
+    assert recipe["weights"] == "int4" and recipe["activations"] == "int16" and recipe["gptq"] is True
+    assert any(s.startswith("Hadamard rotation folded") for s in recipe["steps"])
+    assert any(s.startswith("GPTQ (4-bit") for s in recipe["steps"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target="onert", quantize="uint8", weight_bits=4), "no INT4 tensor"),
+    (dict(quantize="int16", verify="onert"), "reference interpreter"),
+    (dict(quantize="uint8", verify="onert"), "no uint8 RMS_NORM"),
+    (dict(quantize="int16", weight_bits=3), "8 or 4 bits"),
+    (dict(gptq=True), "apply to integer graphs"),
+])
+def test_refuses_what_the_runtime_cannot_run_before_work(tmp_path, kwargs, match):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CircleOpsError, match=match):
+        circleops.convert(model, (torch.randn(1, 4),), tmp_path / "m.circle", **kwargs)
+    assert not list(tmp_path.iterdir())
+
+
+def test_onert_session_refuses_an_int16_file_naming_the_reference_interpreter(tiny_llama_int4):
+    from circleops.runtime.onert import integer_refusal
+
+    _, _, path = tiny_llama_int4
+    message = integer_refusal(str(path))
+    assert "INT16, INT4 tensors" in message and "quantized ATTENTION, RMS_NORM" in message
+    assert "--runtime reference" in message
