@@ -2,9 +2,10 @@
 
 After calibration every activation observer of the prepared (PT2E) module knows the uint8
 scale and zero point its tensor will get. ``tensor_sqnr`` runs the calibration samples once
-more and measures, per observed tensor, the SQNR of that uint8 rounding alone
-(10·log10(Σx² / Σ(x - q(x))²)): a tensor with a wide range and most of its values near zero
-(an outlier channel, the gate·up product of an MLP) scores low. ``choose_int16`` then gives
+more and measures, per observed tensor, the SQNR of that uint8 rounding alone, per token
+(row) and averaged: -10·log10(mean over rows of Σ(x - q(x))² / Σx²). A tensor with a wide
+range and most of its values near zero (an outlier channel, the gate·up product of an MLP,
+the tokens beside an attention sink with a huge norm) scores low. ``choose_int16`` then gives
 int16 to the ops around the worst tensors — the op that writes the tensor and every op that
 reads it, so the tensor is int16 on every edge — until every tensor left in uint8 scores at
 least ``min_db`` or ``budget`` of the ops are int16.
@@ -107,9 +108,15 @@ def tensor_sqnr(prepared: torch.fx.GraphModule, samples: Sequence[Sequence[Any]]
             x = args[0].detach().to(torch.float64)
             q = torch.clamp(torch.round(x / scale) + zp, obs.quant_min, obs.quant_max)
             err = (q - zp) * scale - x
+            # per token (row): one token with a huge norm (an attention sink) must not hide
+            # that the others got no levels left
+            rows = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+            errs = err.reshape(rows.shape)
+            signal = rows.pow(2).sum(-1)
+            keep = signal > 0
             acc = sums.setdefault(key, [0.0, 0.0])
-            acc[0] += float(x.pow(2).sum())
-            acc[1] += float(err.pow(2).sum())
+            acc[0] += float(keep.sum())
+            acc[1] += float((errs.pow(2).sum(-1)[keep] / signal[keep]).sum())
         return hook
 
     for node, obs in observers:
@@ -123,11 +130,11 @@ def tensor_sqnr(prepared: torch.fx.GraphModule, samples: Sequence[Sequence[Any]]
             h.remove()
     scores: dict[str, TensorScore] = {}
     for node, _ in observers:
-        signal, noise = sums.get(node.name, (0.0, 0.0))
-        if signal == 0:
+        count, relative = sums.get(node.name, (0.0, 0.0))
+        if count == 0:
             continue
         src = _real_node(node)
-        db = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+        db = math.inf if relative == 0 else -10 * math.log10(relative / count)
         prev = scores.get(src.name)
         if prev is not None and prev.sqnr_db <= db:
             continue

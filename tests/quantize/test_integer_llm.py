@@ -148,3 +148,80 @@ def test_onert_session_refuses_an_int16_file_naming_the_reference_interpreter(ti
     message = integer_refusal(str(path))
     assert "INT16, INT4 tensors" in message and "quantized ATTENTION, RMS_NORM" in message
     assert "--runtime reference" in message
+
+
+# ------------------------------------------------------------------ rotation, GPTQ, sensitivity
+@pytest.fixture(scope="module")
+def tiny_llama_model():
+    from families import FAMILIES
+
+    return next(f for f in FAMILIES if f.name == "llama").build()
+
+
+def test_hadamard_rotation_folds_into_the_weights_and_is_undone():
+    from families import FAMILIES
+
+    from circleops.quantize.rotate import orthogonal, rotated
+
+    for n in (64, 576, 1536):  # powers of two, SmolLM2's hidden (8 x Paley 72) and MLP widths
+        q, how = orthogonal(n)
+        assert torch.allclose(q @ q.T, torch.eye(n, dtype=torch.float64), atol=1e-12) and "Hadamard" in how
+        assert torch.allclose(q.abs(), torch.full_like(q, n ** -0.5))
+    model = next(f for f in FAMILIES if f.name == "llama").build(tie_word_embeddings=True)  # tied, as SmolLM2
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(ids).logits
+        with rotated(model) as report:
+            got = model(ids).logits
+            emb = model.model.embed_tokens.weight
+            assert report.layers == 2 and model.lm_head.weight is not emb
+            assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+            assert not torch.allclose(emb, before["model.embed_tokens.weight"])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again
+
+    gemma = next(f for f in FAMILIES if f.name == "gemma").build()  # (1 + weight) norms: not folded
+    with rotated(gemma) as report:
+        assert report.layers == 0 and "Llama-shaped" in report.skipped
+
+
+def test_gptq_lowers_a_layers_output_error_below_round_to_nearest(tiny_llama_model):
+    from circleops.quantize.gptq import gptq, hessians, rtn
+
+    model = tiny_llama_model
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 32), generator=gen),) for _ in range(4)]
+    lin = model.model.layers[0].mlp.down_proj
+    xs = []
+    handle = lin.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+    hs, tokens = hessians(model, {"down": lin}, samples)
+    handle.remove()
+    x = torch.cat(xs)
+    assert tokens == 128 and torch.allclose(hs["down"], x.T @ x, rtol=1e-4, atol=1e-4)
+    w = lin.weight.detach()
+    for bits in (4, 8):
+        q, scale = gptq(w, hs["down"], bits)
+        qr, sr = rtn(w, bits)
+        err_gptq = (x @ (q * scale[:, None]).T - x @ w.T).pow(2).sum()
+        err_rtn = (x @ (qr * sr[:, None]).T - x @ w.T).pow(2).sum()
+        assert err_gptq < 0.8 * err_rtn, (bits, float(err_gptq), float(err_rtn))
+        # same grid as the PT2E weight observer: it finds the same scale in the GPTQ weights
+        qmax = 2 ** (bits - 1) - 1
+        assert q.abs().amax(1).eq(qmax).all() and torch.equal(scale, sr)
+        torch.testing.assert_close((q * scale[:, None]).abs().amax(1) / qmax, scale)
+
+
+def test_choose_int16_takes_the_worst_tensors_within_the_budget():
+    from circleops.quantize.sensitivity import TensorScore, choose_int16
+
+    scores = [TensorScore("mul_1", ["down_1"], 9.0), TensorScore("add_3", ["norm_4", "add_5"], 14.0),
+              TensorScore("mul_2", ["down_2"], 18.0), TensorScore("linear_7", ["silu_7"], 40.0)]
+    report = choose_int16(scores, ops=20, min_db=20, budget=0.25)  # 5 ops at most
+    assert report.int16_ops == ["mul_1", "down_1", "add_3", "norm_4", "add_5"] and report.worst_db_left == 18.0
+    report = choose_int16(scores, ops=20, min_db=20, budget=1.0)
+    assert report.int16_ops[-2:] == ["mul_2", "down_2"] and report.worst_db_left == 40.0
+    assert "7 of 20 ops int16" in report.summary_line()
