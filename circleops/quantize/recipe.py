@@ -27,7 +27,7 @@ METADATA_KEY = "circleops.quantization"
 # mixed precision "auto": uint8 tensors whose own rounding SQNR is below this go int16, up to
 # AUTO_BUDGET of the ops (measured on SmolLM2: bench/README.md, "Integer LLMs")
 AUTO_MIN_DB = 25.0
-AUTO_BUDGET = 0.25
+AUTO_BUDGET = 0.5
 
 
 @dataclass

@@ -225,3 +225,29 @@ def test_choose_int16_takes_the_worst_tensors_within_the_budget():
     report = choose_int16(scores, ops=20, min_db=20, budget=1.0)
     assert report.int16_ops[-2:] == ["mul_2", "down_2"] and report.worst_db_left == 40.0
     assert "7 of 20 ops int16" in report.summary_line()
+
+
+def test_int16_auto_gives_the_worst_measured_ops_int16(tmp_path):
+    from families import FAMILIES
+
+    from circleops.conversion import export, export_module, hf_export_settings
+
+    model = next(f for f in FAMILIES if f.name == "llama").build()
+    module = export_module(model)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with hf_export_settings(model), torch.no_grad():
+        ep = export(module, (ids,))
+    samples = pt2e.calibration_samples((ids,), 2, vocab_size=256)
+
+    def make(names=()):
+        q = pt2e.make_quantizer("uint8")
+        for n in names:
+            q.set_node_name(n, "int16")
+        return q
+
+    converted, qep, report = pt2e.quantize_mixed(module, (ids,), make, samples, exported=ep, min_db=60, budget=0.2)
+    assert 0 < len(report.int16_ops) <= 0.2 * report.ops and report.worst_db_left < 60
+    circleops.save(qep, tmp_path / "auto.circle", verify="reference")
+    sg = read_model(str(tmp_path / "auto.circle")).subgraphs[0]
+    dtypes = {sg.tensors[op.outputs[0]].dtype for op in sg.operators}
+    assert {"UINT8", "INT16"} <= dtypes
