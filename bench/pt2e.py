@@ -44,17 +44,22 @@ def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / noise)
 
 
-def recipe(name: str) -> tuple[str, list[str], str]:
-    """(scheme, int16 parts, label) of a recipe name."""
+def recipe(name: str) -> tuple[str, list[str], str, dict]:
+    """(scheme, int16 parts, label, convert options) of a recipe name: "SCHEME[+PART...]" with
+    parts from INT16_PARTS, "auto" (measured mixed precision) or a preset name, and the
+    options "w4" (4-bit weights), "gptq", "norot" (no Hadamard rotation)."""
     from circleops.quantize import INT16_PRESETS
 
     if name in INT16_PRESETS:
-        parts = list(INT16_PRESETS[name])
-        return "uint8", parts, f"uint8 + int16 {'+'.join(parts)} (`--int16 {name}`)"
-    scheme, *parts = name.split("+")
-    if not parts:
-        return scheme, [], f"{scheme} activations"
-    return scheme, parts, f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
+        name = "uint8+" + "+".join(INT16_PRESETS[name])
+    scheme, *tokens = name.split("+")
+    options = {"weight_bits": 4 if "w4" in tokens else 8, "gptq": "gptq" in tokens,
+               "rotate": "off" if "norot" in tokens else "auto"}
+    parts = [t for t in tokens if t not in ("w4", "gptq", "norot")]
+    label = f"{scheme} activations" if not parts else f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
+    label += f", int{options['weight_bits']} weights" + (", GPTQ" if options["gptq"] else "") + \
+        (", no rotation" if options["rotate"] == "off" else ", rotated")
+    return scheme, parts, label, options
 
 
 def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
@@ -74,6 +79,7 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
           f"calibration {calibrate} windows of circleops/quantize/calibration.txt; "
           f"torch threads {torch.get_num_threads()}")
     print(f"fp32 continuation: {tok.decode(seq[0, ids.shape[1]:])!r}")
+    fp32_bytes = 4 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied once
     tmp = out_dir or tempfile.mkdtemp()
     os.makedirs(tmp, exist_ok=True)
     rows = []
@@ -84,7 +90,8 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
             cells = [f"{sqnr_db(fp, logits):.1f}", f"{agree}/{NEW_TOKENS}"]
         else:
             cells = ["-", "-"]
-        size = f"{os.path.getsize(path) / 2**20:.0f} MB" if path and os.path.exists(path) else "-"
+        size = f"{os.path.getsize(path) / 2**20:.0f} MB ({os.path.getsize(path) / fp32_bytes:.2f}x fp32)" \
+            if path and os.path.exists(path) else "-"
         secs = f"{seconds:.0f} s" if isinstance(seconds, float) else seconds
         line = f"| {label} | {' | '.join(cells)} | {size} | {secs} | {os.getloadavg()[0]:.1f} |" + \
             (f" {note} |" if note else " |")
@@ -94,14 +101,17 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
     print("| file | logits SQNR (dB) | greedy agreement (32 tokens) | file size | convert time | load avg | note |")
     print("|---|---|---|---|---|---|---|")
     for name in recipes:
-        scheme, parts, label = recipe(name)
+        scheme, parts, label, options = recipe(name)
         path = os.path.join(tmp, f"smollm2_{name.replace('+', '_')}.circle")
         t = time.perf_counter()
-        circleops.convert(model, (seq,), path, target="circle", quantize=scheme, int16=parts, calibrate=calibrate,
-                          tokenizer=tok)
+        report = circleops.convert(model, (seq,), path, target="circle", quantize=scheme, int16=parts,
+                                   calibrate=calibrate, tokenizer=tok, **options)
         seconds = time.perf_counter() - t
+        for line in report.quantization.summary_lines():
+            print("   ", line, flush=True)
+        print("    stages:", ", ".join(f"{k} {v:.0f} s" for k, v in report.timings.items()), flush=True)
         logits = reference.run(path, [seq.numpy()])[0][0, start:-1]
-        row(label + ", int8 weights", logits, path, seconds, "circleops, reference interpreter")
+        row(label, logits, path, seconds, "circleops, reference interpreter")
     if tico or tico_result:
         tico_ptq(seq, fp, calibrate, tmp, start, row, tico_result)
     with open(os.path.join(tmp, "rows.md"), "a") as f:

@@ -39,7 +39,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
             integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
-            output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None) -> Report:
+            output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
+            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto") -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -74,7 +75,13 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         inputs and outputs stay integer (no QUANTIZE / DEQUANTIZE at the boundary).
         ``int16`` (with "uint8", target circle): parts kept at int16 activations, mixed
         precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
-        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj").
+        INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj"); "auto": the ops
+        around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
+        ``weight_bits`` 8 / 4: int8 or int4 (Circle INT4, target circle) per-channel weights; an
+        LLM's lm_head stays int8. ``gptq``: GPTQ rounding of the weights on the calibration
+        samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
+        stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
+        file's metadata ("circleops.quantization"); see docs/integer-llm.md.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
@@ -85,6 +92,11 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     """
     target, fmt, fuse = validate_target(target, fuse)
     quantize = validate_quantize(quantize, target, int16)
+    from circleops.quantize.recipe import IntegerRecipe, check_recipe
+
+    check_recipe(quantize, target, weight_bits, gptq, rotate)
+    recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
+                           calibrate) if quantize in INTEGER_FORMATS else None
     validate_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -104,6 +116,9 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the file is written
         weights = prepare_weights(model, opts, restore, example_args=example_args, tokenizer=tokenizer,
                                   tracker=tracker)
+        if recipe is not None:  # rotation and GPTQ change the weights until the file is written
+            with hf_export_settings(model), dense_experts(model):
+                _prepare_integer_llm(model, example_args, recipe, restore, (calibration_data, tokenizer), tracker)
         t += sum(tracker.timings.values())
         module = export_module(model)
         job = Job(path, type(model).__name__, _count_params(model), example_args,
@@ -115,11 +130,47 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
         tracker.timings["export"] = time.perf_counter() - t
         if opts.integer_format is not None:
+            head = [name for name, m in module.named_modules() if m is model.get_output_embeddings()] \
+                if callable(getattr(model, "get_output_embeddings", None)) else []
             ep, opts = _quantize_integer(ep, model, opts, job, Calibration(
                 example_args, calibrate, calibration_data, tokenizer,
                 getattr(getattr(model, "config", None), "vocab_size", None), tuple(int16),
-                getattr(progress, "bar", None) is not None))
-        return run(ep, opts, job)
+                getattr(progress, "bar", None) is not None, recipe, tuple(head)))
+            from circleops.quantize.recipe import METADATA_KEY
+
+            job.metadata[METADATA_KEY] = recipe.metadata()
+        report = run(ep, opts, job)
+        if report.quantization is None and recipe is not None:
+            report.quantization = recipe
+        return report
+
+
+def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
+                         data_and_tokenizer: tuple, tracker: Tracker) -> None:
+    """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
+    recipe asks; each step's summary goes to ``recipe.lines``."""
+    from circleops.quantize import pt2e
+    from circleops.quantize.gptq import eligible_linears, gptq_applied
+    from circleops.quantize.rotate import rotated
+
+    data, tokenizer = data_and_tokenizer
+    config = getattr(model, "config", None)
+    is_llm = getattr(config, "vocab_size", None) is not None and callable(getattr(model, "get_output_embeddings", None))
+    if recipe.rotate != "off" and is_llm:
+        with tracker.stage("rotate", enter=False):
+            report = restore.enter_context(rotated(model, tokenizer))
+        if recipe.rotate == "on" and not report.layers:
+            raise TargetError(f"rotate='on': {report.summary_line()}")
+        recipe.lines.append(report.summary_line())
+    if recipe.gptq:
+        with tracker.stage("gptq", enter=False):
+            samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
+                                               vocab_size=getattr(config, "vocab_size", None))
+            head = model.get_output_embeddings() if is_llm else None
+            bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
+            report = restore.enter_context(gptq_applied(model, samples, bits,
+                                                        progress=getattr(tracker.progress, "bar", None) is not None))
+        recipe.lines.append(report.summary_line())
 
 
 def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:

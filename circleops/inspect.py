@@ -77,6 +77,15 @@ def _quant_info(t) -> str | None:
     return None
 
 
+def _stored_bytes(t) -> int:
+    """Bytes of a constant in the file (INT4/UINT4: two values per byte; the IR holds one per element)."""
+    from circleops import ir
+
+    if t.dtype in ir.PACKED_4BIT:
+        return (int(t.data.size) + 1) // 2
+    return int(t.data.nbytes)
+
+
 def summarize(path: str | os.PathLike) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data."""
     from circleops.serialize.reader import detect_format, read_model
@@ -109,9 +118,9 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
             shared = id(t.data) in seen_data
             if not shared:  # a shared buffer counts once
                 seen_data.add(id(t.data))
-                entry["bytes"] += int(t.data.nbytes)
+                entry["bytes"] += _stored_bytes(t)
             constants.append({"subgraph": si, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                              "bytes": int(t.data.nbytes), "shared": shared, "quantization": _quant_info(t)})
+                              "bytes": _stored_bytes(t), "shared": shared, "quantization": _quant_info(t)})
         for op in sg.operators:
             if op.opcode == "CUSTOM":
                 options = _custom_options(op.options.get("customOptions"))

@@ -29,6 +29,13 @@ TORCH_TO_TYPE: dict[torch.dtype, str] = {
 }
 TYPE_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_TYPE.items()}
 
+# 4-bit integer types (Circle INT4 = 17, UINT4 = -1): in the IR a constant's data is one
+# int8 / uint8 value per element; the writer packs two per byte as ONE's luci exporter does
+# (element 2i in the low nibble, 2i+1 in the high nibble, over the flattened tensor; an odd
+# count leaves the last high nibble 0) and the reader unpacks them (circleops.serialize.buffers).
+PACKED_4BIT: dict[str, tuple[int, int]] = {"INT4": (-8, 7), "UINT4": (0, 15)}
+TYPE_TO_TORCH.update({"INT4": torch.int8, "UINT4": torch.uint8})
+
 ConstData = Union[np.ndarray, torch.Tensor]
 
 # GGML block formats (Circle TensorType -2/-4): a tensor's shape counts elements, its data is
@@ -89,6 +96,8 @@ class Tensor:
         if self.dtype in GGML_BLOCKS:
             per_block, block_bytes = GGML_BLOCKS[self.dtype]
             return n // per_block * block_bytes
+        if self.dtype in PACKED_4BIT:
+            return (n + 1) // 2
         return n * torch.empty((), dtype=self.torch_dtype).element_size()
 
 

@@ -200,6 +200,8 @@ class Calibration:
     vocab_size: int | None = None
     int16: Sequence[str] = ()
     progress_bar: bool = False
+    recipe: Any = None  # the integer recipe (circleops.quantize.recipe.IntegerRecipe): weight bits, int16 auto
+    head: tuple[str, ...] = ()  # the output head's module name: int8 weights when the others are int4
 
 
 def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibration) -> tuple[Any, Any]:
@@ -210,8 +212,27 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
 
     samples = pt2e.calibration_samples(calibration.example_args, calibration.count, data=calibration.data,
                                        tokenizer=calibration.tokenizer, vocab_size=calibration.vocab_size)
-    quantizer = pt2e.make_quantizer(opts.quantize, weight=integer_weight_dtype(opts.target), int16=calibration.int16)
-    return pt2e.quantize(module, calibration.example_args, quantizer, samples, exported=ep,
+    recipe = calibration.recipe
+    weight = integer_weight_dtype(opts.target)
+    if recipe is not None and weight == "int8":
+        weight = recipe.weight  # int4 where the recipe asks (target circle)
+    parts = [p for p in calibration.int16 if p.strip() and p.strip() != "auto"]
+
+    def make(node_names: Sequence[str] = ()) -> Any:
+        q = pt2e.make_quantizer(opts.quantize, weight=weight, int16=parts)
+        if weight == "int4":
+            for name in calibration.head[:1]:  # 4-bit weights: the output head stays int8
+                q.set_module_name(name, opts.quantize, "int8")
+        for name in node_names:
+            q.set_node_name(name, "int16")
+        return q
+
+    if recipe is not None and recipe.auto_mixed:
+        converted, qep, mixed = pt2e.quantize_mixed(module, calibration.example_args, make, samples, exported=ep,
+                                                    progress=calibration.progress_bar)
+        recipe.lines.append(mixed.summary_line())
+        return converted, qep
+    return pt2e.quantize(module, calibration.example_args, make(), samples, exported=ep,
                          progress=calibration.progress_bar)
 
 

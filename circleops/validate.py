@@ -117,6 +117,12 @@ def resolve_runtime(verify: bool | str | None, target: str, dtype: Any = None, q
             raise TargetError(f"{info.label} runs {' and '.join(_FORMAT_NAMES.get(f, f) for f in info.formats)} files "
                               f"only; target {target} writes {_FORMAT_NAMES.get(fmt, fmt)}. Verify with "
                               f"{' or '.join(others)}, or use --target {' / --target '.join(targets)}.")
+    if verify == "onert" and target != "onert" and quantize in formats.names() and \
+            formats.get(quantize).kind == formats.INTEGER:
+        raise TargetError(f"onert 0.1.0 cannot run this integer graph: target {target} keeps every op integer, and "
+                          "onert loads no int16 or int4 tensor and has no uint8 RMS_NORM, BATCH_MATMUL or STRIDED_SLICE "
+                          "kernel (measured, docs/benchmarks.md). Verify it with the reference interpreter "
+                          "(--runtime reference), or write --quantize uint8 --target onert (those ops stay float there)")
     # fp16 tflite too: the lowering legalizes fp16 graphs for LiteRT's CPU kernels
     # (circleops.lowering.tflite_fp16), so LiteRT runs them
     runtime, note = choose_runtime(verify, target, quantize, "verify")

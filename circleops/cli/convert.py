@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
     prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
-    from circleops.quantize import INT16_PARTS, INT16_PRESETS, WEIGHT_FORMATS
+    from circleops.cli.common import add_integer_arguments
+    from circleops.quantize import WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
     from circleops.tasks import TASKS
@@ -50,16 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=list(WEIGHT_FORMATS), default=None, metavar="FORMAT",
                         help="weight quantization: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items())
                              + ". Linears whose K is not a multiple of 32 stay fp32 (the summary says which)")
-    parser.add_argument("--calibrate", type=int, default=8, metavar="N",
-                        help="with --quantize uint8/int16: calibrate on N samples (LLMs: windows of the text "
-                             "shipped in circleops/quantize/calibration.txt; other models: the example input with "
-                             "seeded noise, or --calibration-data) (default 8)")
-    parser.add_argument("--int16", metavar="PARTS", default="", help="with --quantize uint8: int16 activations for "
-                        "these comma-separated parts (mixed precision): " + "; ".join(f"{k}: {v}" for k, v in
-                        INT16_PARTS.items()) + f"; presets {INT16_PRESETS}; or module names / globs (*.mlp.down_proj)")
-    parser.add_argument("--calibration-data", metavar="PT", default=None,
-                        help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
-                             "(loaded with weights_only=True)")
+    add_integer_arguments(parser)  # --calibrate, --int16, --calibration-data, --weight-bits, --gptq, --rotate
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="target onert: the NUM_THREADS the file runs with (1: linears stay FULLY_CONNECTED; "
                              "--graphs records it for generate; default 1 with --quantize, else onert's)")
@@ -92,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
     from circleops import conversion as api
     from circleops import models
     from circleops.cli import convert_graphs, convert_task
-    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
+    from circleops.cli.common import (ProgressBar, convert_stages, integer_options, one_length, scipy_hidden,
+                                      write_report, writable)
     from circleops.dtypes import float_dtype
     from circleops.errors import OutputError, TargetError
     from circleops.hub import resolve_model
@@ -110,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
     # Cheap checks first: nothing slow runs for a request that must fail.
     int16 = [p for p in args.int16.split(",") if p.strip()]
     api.validate_target_dtype(args.target, dtype, quantize := api.validate_quantize(args.quantize, args.target, int16))
+    integer = integer_options(args, quantize)  # errors for options that do not apply, before any work
     out = api.validate_output_path(args.output, PROFILES[args.target].format)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
@@ -134,8 +128,7 @@ def main(args: argparse.Namespace) -> int:
         if loaded.kind == "exported":
             report = api.save(loaded.exported, out, example_args=example_args, **common)
         else:
-            if quantize in api.INTEGER_FORMATS:
-                common.update(calibrate=args.calibrate, calibration_data=args.calibration_data, int16=int16)
+            common.update(integer)
             # the tokenizer tokenizes the calibration text (PT2E, and q4_0's fitted block scales)
             report = api.convert(loaded.module, example_args, out, tokenizer=loaded.tokenizer, **common)
     finally:

@@ -65,7 +65,7 @@ def int16_parts(parts: Iterable[str]) -> tuple[list[Any], list[str]]:
     modules: list[str] = []
     for part in parts:
         part = part.strip()
-        if not part:
+        if not part or part == "auto":  # measured at calibration (quantize_mixed)
             continue
         for name in INT16_PRESETS.get(part, (part,)):
             if name in by_op:
@@ -100,6 +100,35 @@ def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: An
     pt2e.move_exported_model_to_eval(converted)
     export_fn = export_fn or (lambda m, a: torch.export.export(m, a, strict=False))
     return converted, export_fn(converted, example_args)
+
+
+def quantize_mixed(module: torch.nn.Module, example_args: Sequence[Any], make_quantizer: Callable[..., Any],
+                   samples: Sequence[Sequence[Any]], *, exported: Any = None, progress: bool = False,
+                   min_db: float | None = None, budget: float | None = None,
+                   export_fn: Callable[[torch.nn.Module, tuple], Any] | None = None) -> tuple[Any, Any, Any]:
+    """Mixed precision chosen by measurement: calibrate with ``make_quantizer()`` (uint8),
+    score every activation's uint8 rounding (circleops.quantize.sensitivity), then prepare
+    and calibrate again with ``make_quantizer(node_names)`` giving the chosen ops int16.
+    (converted module, its ExportedProgram, the MixedReport)."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from circleops.quantize.recipe import AUTO_BUDGET, AUTO_MIN_DB
+    from circleops.quantize.sensitivity import annotated_ops, choose_int16, tensor_sqnr
+
+    example_args = tuple(example_args)
+    ep = exported if exported is not None else torch.export.export(module, example_args, strict=False)
+    prepared = prepare_pt2e(ep.module(), make_quantizer())
+    with torch.no_grad():
+        for args in _progress(samples, progress):
+            prepared(*args)
+    scores = tensor_sqnr(prepared, samples[:2])
+    known = {n.name for n in prepared.graph.nodes if "quantization_annotation" in n.meta}
+    report = choose_int16(scores, annotated_ops(prepared), min_db=AUTO_MIN_DB if min_db is None else min_db,
+                          budget=AUTO_BUDGET if budget is None else budget, known=known)
+    del prepared
+    converted, qep = quantize(module, example_args, make_quantizer(report.int16_ops), samples, exported=ep,
+                              progress=progress, export_fn=export_fn)
+    return converted, qep, report
 
 
 def _progress(samples: Sequence[Any], show: bool) -> Iterable[Any]:

@@ -9,7 +9,8 @@
 
 Schemes (what NPU compilers for Circle run):
 * activations: ``uint8`` asymmetric per tensor, or ``int16`` symmetric per tensor (zero point 0);
-* weights: ``int8`` symmetric per output channel (default), or ``uint8`` asymmetric per tensor;
+* weights: ``int8`` symmetric per output channel (default), ``int4`` the same in [-7, 7] (written
+  as Circle INT4, two values per byte), or ``uint8`` asymmetric per tensor;
 * bias: int32, scale = s_input · s_weight (per channel), zero point 0 (a DerivedQuantizationSpec).
 Mixed precision: ``set_module_name(name, "int16")`` / ``set_operator_type(op, "int16")``
 give chosen layers (e.g. the norms) 16-bit activations; the rest keep the global scheme.
@@ -47,7 +48,7 @@ def torchao_pt2e():
 
 
 ACTIVATIONS = ("uint8", "int16")
-WEIGHTS = ("int8", "uint8")
+WEIGHTS = ("int8", "uint8", "int4")
 
 aten = torch.ops.aten
 
@@ -69,7 +70,7 @@ class Scheme:
                                       f"{', '.join(ACTIVATIONS)} (uint8 asymmetric, int16 symmetric)")
         if self.weight not in WEIGHTS:
             raise QuantizeConfigError(f"weight scheme {self.weight!r} is not offered: choose one of "
-                                      f"{', '.join(WEIGHTS)} (int8 symmetric per channel, uint8 per tensor)")
+                                      f"{', '.join(WEIGHTS)} (int8 / int4 symmetric per channel, uint8 per tensor)")
 
     def act(self) -> Any:
         pt2e, q = torchao_pt2e()
@@ -87,12 +88,17 @@ class Scheme:
                                       qscheme=torch.per_channel_symmetric, ch_axis=axis,
                                       observer_or_fake_quant_ctr=pt2e.PerChannelMinMaxObserver.with_args(
                                           ch_axis=axis, eps=2 ** -30))
+        if self.weight == "int4":  # int8 storage in torch, [-7, 7]: written as Circle INT4 (passes/qdq.py)
+            return q.QuantizationSpec(dtype=torch.int8, quant_min=-7, quant_max=7,
+                                      qscheme=torch.per_channel_symmetric, ch_axis=axis,
+                                      observer_or_fake_quant_ctr=pt2e.PerChannelMinMaxObserver.with_args(
+                                          ch_axis=axis, eps=2 ** -30))
         return q.QuantizationSpec(dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine,
                                   observer_or_fake_quant_ctr=pt2e.MinMaxObserver.with_args(eps=2 ** -30))
 
     def bias_spec(self, act_node: Node, weight_node: Node, node: Node) -> Any:
         _, q = torchao_pt2e()
-        per_channel = self.weight == "int8"
+        per_channel = self.weight in ("int8", "int4")
         return q.DerivedQuantizationSpec(
             derived_from=[(act_node, node), (weight_node, node)], derive_qparams_fn=_bias_qparams,
             dtype=torch.int32, quant_min=-(2 ** 31) + 1, quant_max=2 ** 31 - 1,
@@ -172,6 +178,7 @@ def _make_class() -> type:
             self.global_scheme = Scheme(activation, weight)
             self.module_names: dict[str, Scheme] = {}
             self.operator_types: dict[Any, Scheme] = {}
+            self.node_names: dict[str, Scheme] = {}
             self._matched: set[str] = set()  # module names that matched an op (annotate checks)
 
         def set_module_name(self, name: str, activation: str, weight: str | None = None) -> "CircleQuantizer":
@@ -185,6 +192,13 @@ def _make_class() -> type:
             """Quantize every call of ``op`` (e.g. ``torch.ops.circle.rms_norm`` or
             ``torch.ops.aten.linear``) with ``activation`` (and ``weight``)."""
             self.operator_types[op] = Scheme(activation, weight or self.global_scheme.weight)
+            return self
+
+        def set_node_name(self, name: str, activation: str, weight: str | None = None) -> "CircleQuantizer":
+            """Quantize the one op whose node in the exported graph is named ``name`` with
+            ``activation`` (and ``weight``): what mixed precision chosen by measurement
+            (circleops.quantize.sensitivity) uses. Node names win over module names."""
+            self.node_names[name] = Scheme(activation, weight or self.global_scheme.weight)
             return self
 
         # ---------------------------------------------------------------- pt2e hooks
@@ -215,6 +229,8 @@ def _make_class() -> type:
             pass
 
         def _scheme(self, node: Node) -> Scheme:
+            if node.name in self.node_names:
+                return self.node_names[node.name]
             if self.module_names:
                 paths = _module_paths(node)
                 hits = [name for name in self.module_names if any(fnmatch.fnmatchcase(p, name) for p in paths)]

@@ -149,6 +149,36 @@ def _check_host(path: str) -> None:
     refusal = onert_ggml_refusal(path, ggml)
     if refusal:
         raise HostCPUError(refusal)
+    refusal = integer_refusal(path)
+    if refusal:
+        raise RuntimeRunError(refusal)
+
+
+# what onert 0.1.0 does not run in an integer graph (measured, bench/onert_quantized.py)
+ONERT_INTEGER_TYPES = frozenset({"UINT8", "INT8", "INT32"})
+ONERT_NO_UINT8_KERNEL = frozenset({"RMS_NORM", "BATCH_MATMUL", "STRIDED_SLICE", "ATTENTION"})
+
+
+def integer_refusal(path: str) -> str | None:
+    """Why onert 0.1.0 cannot run the integer graph in ``path`` (int16 / int4 tensors, a
+    quantized op it has no kernel for), naming the runtime that can; None when it can."""
+    from circleops.errors import CircleOpsError
+    from circleops.serialize import read_model
+
+    try:
+        sg = read_model(path).subgraphs[0]
+    except CircleOpsError:
+        return None  # not a readable file: onert's own load error says so
+    wide = sorted({t.dtype for t in sg.tensors if t.quant is not None and t.dtype not in ONERT_INTEGER_TYPES})
+    ops = sorted({op.opcode for op in sg.operators if op.opcode in ONERT_NO_UINT8_KERNEL
+                  and any(i >= 0 and sg.tensors[i].quant is not None for i in op.inputs)})
+    if not wide and not ops:
+        return None
+    what = (f"{', '.join(wide)} tensors (onert loads no int16 or int4 graph)" if wide else "") + \
+        ("; " if wide and ops else "") + (f"quantized {', '.join(ops)} (no onert kernel for them)" if ops else "")
+    return (f"onert 0.1.0 cannot run {path}: it holds {what}, measured in bench/README.md. Run it with the reference "
+            "interpreter (--runtime reference), or convert with --quantize uint8 --target onert (those ops stay "
+            "float there)")
 
 
 def _spec(info: Any) -> TensorSpec:

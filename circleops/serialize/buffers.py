@@ -43,6 +43,8 @@ def data_nbytes(dtype: str, shape: tuple[int, ...], itemsize: int | None = None)
     if dtype in ir.GGML_BLOCKS:
         per_block, block_bytes = ir.GGML_BLOCKS[dtype]
         return -(-n // per_block) * block_bytes
+    if dtype in ir.PACKED_4BIT:
+        return (n + 1) // 2
     return n * ELEMENT_SIZE.get(dtype, itemsize or 1)
 
 
@@ -55,12 +57,44 @@ def check_ggml_shape(dtype: str, shape: tuple[int, ...], name: str) -> None:
             f"but its shape is {list(shape)}; keep this tensor FLOAT32 or pad it")
 
 
+def pack_4bit(values: Any, dtype: str = "INT4") -> np.ndarray:
+    """Two 4-bit values per byte, as Samsung ONE's luci exporter writes INT4 (S4) / UINT4 (U4)
+    constants: element 2i in the low nibble, 2i+1 in the high nibble, over the flattened
+    tensor (row-major); an odd count leaves the last high nibble 0."""
+    v = np.asarray(values.detach().numpy() if isinstance(values, torch.Tensor) else values).reshape(-1)
+    lo, hi = ir.PACKED_4BIT[dtype]
+    if v.size and (int(v.min()) < lo or int(v.max()) > hi):
+        raise ValueError(f"{dtype} values must lie in [{lo}, {hi}], got [{int(v.min())}, {int(v.max())}]")
+    nib = (v.astype(np.int16) & 0x0F).astype(np.uint8)
+    if nib.size % 2:
+        nib = np.concatenate([nib, np.zeros(1, np.uint8)])
+    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_4bit(packed: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of :func:`pack_4bit`: int8 (INT4, sign-extended) or uint8 (UINT4) values of ``shape``."""
+    b = np.asarray(packed, np.uint8).reshape(-1)
+    nib = np.empty(b.size * 2, np.uint8)
+    nib[0::2], nib[1::2] = b & 0x0F, b >> 4
+    n = int(np.prod(shape, dtype=np.int64))
+    nib = nib[:n]
+    if dtype == "INT4":
+        return (nib.astype(np.int8) << 4 >> 4).astype(np.int8).reshape(shape)  # sign-extend the nibble
+    return nib.reshape(shape)
+
+
 def as_bytes_view(data: Any, dtype: str, shape: tuple[int, ...], name: str = "?") -> np.ndarray:
     """A contiguous 1-D uint8 view of a constant's bytes (copies only non-contiguous data).
 
     Checks that the byte count matches ``shape`` and ``dtype`` so that a lowering bug
     cannot write a file whose tensors disagree with their buffers.
     """
+    if dtype in ir.PACKED_4BIT:  # the IR holds one value per element: packed here (a copy, half the size)
+        flat = pack_4bit(data, dtype)
+        if flat.nbytes != data_nbytes(dtype, shape):
+            raise ValueError(f"constant tensor {name!r}: {np.asarray(data).size} values for shape {list(shape)} "
+                             f"of {dtype}; the lowering produced inconsistent data")
+        return flat
     if isinstance(data, torch.Tensor):
         t = data.detach()
         if t.device.type != "cpu":

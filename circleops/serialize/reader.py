@@ -16,7 +16,7 @@ import numpy as np
 
 from circleops import ir
 from circleops.errors import ModelLoadError
-from circleops.serialize.buffers import NUMPY_DTYPE, data_nbytes
+from circleops.serialize.buffers import NUMPY_DTYPE, data_nbytes, unpack_4bit
 from circleops.serialize.composite import decode_attributes
 from circleops.serialize.decode import Budget, decode_model
 from circleops.serialize.schema import Schema, get_schema
@@ -194,12 +194,16 @@ def _tensor(t: Any, si: int, ti: int, schema: Schema, const: Any, *, nbuffers: i
         if dtype in ir.GGML_BLOCKS:
             per_block, block_bytes = ir.GGML_BLOCKS[dtype]
             want = -(-_numel(static) // per_block) * block_bytes
+        elif dtype in ir.PACKED_4BIT:
+            want = (_numel(static) + 1) // 2
         elif dtype in NUMPY_DTYPE:
             want = _numel(static) * NUMPY_DTYPE[dtype].itemsize
         if want is not None and data.nbytes != want:
             raise ModelLoadError(
                 f"{path}: {where} is {dtype} {list(static)} ({want} bytes) but its buffer {buffer} holds "
                 f"{data.nbytes} bytes; the file is corrupt")
+        if dtype in ir.PACKED_4BIT:  # the IR holds one value per element
+            data = unpack_4bit(data, dtype, static)
     return ir.Tensor(name, shape, dtype, data, _quant(t.quantization))
 
 

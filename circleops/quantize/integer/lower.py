@@ -28,8 +28,9 @@ from circleops.targets import TargetProfile, profile
 
 FLOAT = "FLOAT32"
 INTEGER = ("UINT8", "INT8", "INT16", "INT32", "INT64")
-_RANGE = {"UINT8": (0, 255), "INT8": (-128, 127), "INT16": (-32768, 32767), "INT32": (-(2 ** 31), 2 ** 31 - 1)}
-_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32}
+_RANGE = {"UINT8": (0, 255), "INT8": (-128, 127), "INT16": (-32768, 32767), "INT32": (-(2 ** 31), 2 ** 31 - 1),
+          "INT4": (-8, 7)}
+_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT4": np.int8}
 
 # ops that only move (or select) values: in and out share parameters; input 0 is the data
 PASS_THROUGH = frozenset({
@@ -214,7 +215,7 @@ def _check_target(sg: ir.Subgraph, target: str | TargetProfile) -> None:
 
     p = profile(target)
     for t in sg.tensors:
-        if t.dtype in ("UINT8", "INT8", "INT16") and t.quant is not None and t.dtype not in p.quantized_dtypes:
+        if t.dtype in ("UINT8", "INT8", "INT16", "INT4") and t.quant is not None and t.dtype not in p.quantized_dtypes:
             raise TargetError(f"target {p.name}: its runtime loads no {t.dtype.lower()} graph (tensor {t.name!r} is "
                               f"{t.dtype}; onert 0.1.0: 'OperationValidator failed' for every op). Use --quantize uint8 "
                               "for onert, or --target circle for an int16 file for NPU compilers.")

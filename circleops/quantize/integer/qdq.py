@@ -46,7 +46,7 @@ def _qd():
 class QSpec:
     """One tensor's affine quantization: real = scale · (q - zero_point)."""
 
-    dtype: str  # schema TensorType name: UINT8, INT8, INT16, INT32
+    dtype: str  # schema TensorType name: UINT8, INT8, INT16, INT32, INT4
     scale: np.ndarray  # float32 [1] or [C]
     zero_point: np.ndarray  # int64 [1] or [C]
     axis: int  # quantized dimension of the torch tensor (per channel), 0 per tensor
@@ -164,7 +164,10 @@ def _spec(ep, consts, args, per_channel: bool, plan: QuantPlan) -> QSpec:
     scale = np.asarray(scale.detach().numpy() if isinstance(scale, torch.Tensor) else scale,
                        dtype=np.float32).reshape(-1)
     zp = np.asarray(zp.detach().numpy() if isinstance(zp, torch.Tensor) else zp, dtype=np.int64).reshape(-1)
-    return QSpec(_DTYPES[dtype], scale, zp, int(axis), int(qmin), int(qmax), plan)
+    name = _DTYPES[dtype]
+    if name == "INT8" and int(qmin) >= -8 and int(qmax) <= 7:  # 4-bit values in int8 storage (int4 weights)
+        name = "INT4"
+    return QSpec(name, scale, zp, int(axis), int(qmin), int(qmax), plan)
 
 
 def fold_qdq(ep: Any, *, integer_io: bool = False) -> tuple[Any, QuantPlan | None]:

@@ -1,0 +1,182 @@
+"""GPTQ: error-compensating rounding of integer weights (Frantar et al., 2022).
+
+Round-to-nearest quantizes every weight on its own. GPTQ quantizes a linear's weight W
+[rows, cols] one input column at a time and moves each column's rounding error onto the
+columns not yet quantized, weighted by the inverse Hessian of the layer's squared output
+error, H = 2·XᵀX over calibration inputs X: the output X·Wᵀ, not W, stays close. The
+standard algorithm: H damped by 1 % of its mean diagonal, the upper Cholesky factor of
+H⁻¹, blocks of 128 columns with lazy updates of the rest.
+
+The grid is the one the integer file uses (circleops.quantize.quantizer): symmetric per
+output channel, scale = max|W_row| / qmax, values in [-qmax, qmax]. Each row's largest
+weight is pinned to ±qmax (its rounding error compensated like any other), so that the
+PT2E weight observer, which takes max|W_row| / qmax of the GPTQ weights, finds exactly the
+same scale and re-rounds them to the same integers.
+
+    with gptq_applied(model, samples, bits=4) as report:   # weights ← scale · q, restored on exit
+        ...export, prepare_pt2e, calibrate, convert...
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+DAMP = 0.01
+BLOCK = 128
+
+
+def qmax_for(bits: int) -> int:
+    """The largest integer of the symmetric grid (int8: 127, int4: 7)."""
+    return 2 ** (bits - 1) - 1
+
+
+def rtn(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest on the same grid: (integers [rows, cols], scale [rows])."""
+    qmax = qmax_for(bits)
+    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
+    return torch.clamp(torch.round(w / scale[:, None]), -qmax, qmax), scale
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, damp: float = DAMP
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ of ``w`` [rows, cols] with the Hessian ``h`` [cols, cols] (XᵀX, any positive
+    multiple): (integers [rows, cols] as float, scale [rows]); scale · q approximates w."""
+    w = w.detach().to(torch.float32).clone()
+    h = h.detach().to(torch.float32).clone()
+    rows, cols = w.shape
+    qmax = qmax_for(bits)
+    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
+    pinned = w.abs().argmax(1)  # each row's largest weight keeps ±qmax (see the module docstring)
+    sign = torch.sign(w[torch.arange(rows), pinned])
+    dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(cols)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = torch.zeros_like(w)
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            qc = torch.clamp(torch.round(col / scale), -qmax, qmax)
+            pin = pinned == i1 + i
+            qc = torch.where(pin, sign * qmax, qc)
+            q[:, i1 + i] = qc
+            e = (col - qc * scale) / hinv1[i, i]
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return q, scale
+
+
+@dataclass
+class GPTQReport:
+    bits: int
+    linears: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    names: list[str] = field(default_factory=list)
+    skipped: str | None = None
+    wider: list[str] = field(default_factory=list)  # linears rounded to more bits (an LLM's lm_head)
+
+    def summary_line(self) -> str:
+        if self.linears:
+            return (f"GPTQ ({self.bits}-bit weights, damp {DAMP:g}, blocks of {BLOCK}, Hessians over {self.tokens} "
+                    f"calibration tokens): {self.linears} linears, {self.seconds:.1f} s"
+                    + (f"; {', '.join(self.wider)} at 8 bits" if self.wider else ""))
+        return f"no GPTQ: {self.skipped}"
+
+
+def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], samples: Sequence[Sequence[Any]],
+             ) -> tuple[dict[str, torch.Tensor], int]:
+    """XᵀX of every linear's input over ``samples`` (one forward each), linears reading the
+    same tensor (q/k/v, gate/up) sharing one matrix; and the token count."""
+    by_input: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive: ids stay unique; XᵀX)
+    result: dict[str, torch.Tensor] = {}
+    tokens = [0]
+    hooks = []
+
+    def hook_for(name: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            key = id(args[0])
+            if key not in by_input:  # the first reader of this tensor in this forward
+                by_input[key] = (args[0], x.T @ x)
+                if name == first:
+                    tokens[0] += x.shape[0]
+            result[name] = result.get(name, 0) + by_input[key][1]
+        return hook
+
+    first = next(iter(linears))
+    for name, lin in linears.items():
+        hooks.append(lin.register_forward_pre_hook(hook_for(name)))
+    try:
+        with torch.no_grad():
+            for args in samples:
+                by_input.clear()
+                model(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, tokens[0]
+
+
+def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every nn.Linear of ``model`` by module name (each weight once)."""
+    seen: set[int] = set()
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out[name] = m
+    return out
+
+
+@contextlib.contextmanager
+def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
+                 *, forward: Any = None, progress: bool = False) -> Iterator[GPTQReport]:
+    """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
+    restored on exit). ``bits``: per module name (names missing are left alone) or one for
+    all; ``forward``: the module to run ``samples`` through (default ``model``)."""
+    linears = eligible_linears(model)
+    if isinstance(bits, int):
+        bits = {name: bits for name in linears}
+    linears = {n: m for n, m in linears.items() if n in bits}
+    report = GPTQReport(bits=min(bits.values()) if bits else 0)
+    report.wider = sorted(n for n, b in bits.items() if b > report.bits)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        if not linears:
+            report.skipped = "no linear layer"
+        else:
+            t = time.perf_counter()
+            from circleops.quantize.ggml import one_thread
+
+            # many small ops: on busy cores a second torch thread makes them ~40x slower (measured:
+            # SmolLM2's GPTQ had done 14 of 30 layers after 45 min at load 18 on two threads)
+            with one_thread(), torch.no_grad():
+                hs, report.tokens = hessians(forward or model, linears, samples)
+                items = [(n, m) for n, m in linears.items() if n in hs]
+                if progress:
+                    from tqdm import tqdm
+
+                    items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
+                for name, lin in items:
+                    q, scale = gptq(lin.weight, hs.pop(name), bits[name])
+                    saved.append((lin.weight, lin.weight.detach().clone()))
+                    lin.weight.copy_((q * scale[:, None]).to(lin.weight.dtype))
+                    report.names.append(name)
+            report.linears = len(report.names)
+            report.seconds = time.perf_counter() - t
+        yield report
+    finally:
+        with torch.no_grad():
+            for param, original in saved:
+                param.copy_(original)

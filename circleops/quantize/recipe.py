@@ -1,0 +1,82 @@
+"""The integer (PT2E) recipe of one conversion: what is done to an LLM before, during and
+after calibration, checked before any work and recorded in the file's metadata.
+
+* ``weight_bits`` 8 or 4: int8 or int4 (Circle INT4) symmetric per-channel weights for every
+  linear; with 4, an LLM's output head (lm_head) stays int8 (its error reaches every logit).
+* ``rotate``: a Hadamard rotation of the residual stream folded into the weights
+  (circleops.quantize.rotate); "auto" rotates Llama-shaped LLMs.
+* ``gptq``: GPTQ rounding of the linear weights (circleops.quantize.gptq) on the
+  calibration samples.
+* ``int16``: parts with int16 activations in a uint8 graph; ``"auto"`` chooses the ops
+  from each activation's measured uint8 rounding SQNR (circleops.quantize.sensitivity).
+
+The metadata entry ``circleops.quantization`` (JSON) holds the recipe and what each
+step reported, so a reader of the file knows what was done.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from circleops.errors import TargetError
+
+WEIGHT_BITS = (8, 4)
+ROTATE_MODES = ("auto", "on", "off")
+METADATA_KEY = "circleops.quantization"
+# mixed precision "auto": uint8 tensors whose own rounding SQNR is below this go int16, up to
+# AUTO_BUDGET of the ops (measured on SmolLM2: bench/README.md, "Integer LLMs")
+AUTO_MIN_DB = 25.0
+AUTO_BUDGET = 0.5
+
+
+@dataclass
+class IntegerRecipe:
+    scheme: str  # activations: "uint8" / "int16"
+    weight_bits: int = 8
+    rotate: str = "auto"
+    gptq: bool = False
+    int16: tuple[str, ...] = ()
+    calibrate: int = 8
+    lines: list[str] = field(default_factory=list)  # what each step reported
+
+    @property
+    def weight(self) -> str:
+        return "int4" if self.weight_bits == 4 else "int8"
+
+    @property
+    def auto_mixed(self) -> bool:
+        return "auto" in self.int16
+
+    def summary_lines(self) -> list[str]:
+        head = (f"{self.scheme} activations, {self.weight} per-channel weights, int32 bias (PT2E, {self.calibrate} "
+                "calibration samples)")
+        return [head, *self.lines]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"activations": self.scheme, "weights": self.weight, "weight_bits": self.weight_bits,
+                "rotate": self.rotate, "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
+                "steps": list(self.lines)}
+
+    def metadata(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+
+def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bool = False,
+                 rotate: str = "auto") -> None:
+    """Errors for options that do not apply, before any work."""
+    from circleops.quantize import INTEGER_FORMATS
+
+    if weight_bits not in WEIGHT_BITS:
+        raise TargetError(f"weight_bits={weight_bits!r}: integer weights are 8 or 4 bits")
+    if rotate not in ROTATE_MODES:
+        raise TargetError(f"rotate={rotate!r}: choose one of {', '.join(ROTATE_MODES)}")
+    if scheme not in INTEGER_FORMATS:
+        if weight_bits != 8 or gptq or rotate == "on":
+            raise TargetError("weight_bits / gptq / rotate apply to integer graphs: add quantize='uint8' or "
+                              f"quantize='int16' (got quantize={scheme!r})")
+        return
+    if weight_bits == 4 and target != "circle":
+        raise TargetError(f"target {target}: onert 0.1.0 loads no INT4 tensor ('Unsupported tensor type', "
+                          "measured); write 4-bit weights with --target circle (NPU compilers) and run the file in "
+                          "the reference interpreter (--runtime reference)")
