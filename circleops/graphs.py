@@ -609,7 +609,7 @@ def _convert_graphs_into(model: Any, out_dir: Path, final_dir: Path, *, graphs: 
                           manifest=manifest, timings=timings, source=source, quantization=quant_report)
     if runtime is not None:
         t = stage("verify")
-        tol = (api.QUANT_TOLERANCE if quantize else api.TOLERANCE[torch_dtype]) if tolerance is None else tolerance
+        tol = api.format_tolerance(quantize, torch_dtype) if tolerance is None else tolerance
         errors = _verify(manifest, graphs, runtime, references, tol)
         for g, err in errors.items():
             infos[g].max_abs_error = err
