@@ -35,8 +35,10 @@ CROSS_CHECK_ATOL = 1e-5
 # difference upstream (an RMS_NORM's summation order) can move one value across a rounding
 # boundary and the output by one quantum (~1e-3 of its scale). Measured: fed onert's own
 # input, the interpreter's GGML FULLY_CONNECTED equals onert's within 1e-7
-# (tests/quantize/test_ggml_reference.py checks single ops at 1e-5).
-GGML_CROSS_CHECK_ATOL = 1e-2
+# (tests/quantize/test_ggml_reference.py checks single ops at 1e-5). On the sharp tiny Llama
+# of tests/families.py a flip in layer 0 goes on through attention that picks positions:
+# measured up to 1.2e-2 of the output's scale (logits of check --quantize, one value in 16384).
+GGML_CROSS_CHECK_ATOL = 3e-2
 # fp16 outputs agree within this many fp16 steps (2^-10) at the output's scale
 FP16_CROSS_CHECK_STEPS = 16
 

@@ -141,7 +141,9 @@ def test_tied_lm_head_q8_0_beside_a_q4_0_table(tmp_path, tied_llama):
     q = report.quantization
     assert [(w.name, w.dtype) for w in q.higher_precision] == [(q.embedding, "GGML_Q8_0")]
     assert "kept at higher precision: the output head (lm_head)" in report.summary()
-    assert report.verify.max_abs_error < 0.1 * report.verify.tolerance  # both weights right in torch
+    # both weights right in torch: measured 0.21 (tolerance 0.73); torch's table holding the
+    # head's Q8_0 values instead gives 1.8
+    assert report.verify.max_abs_error < 0.5 * report.verify.tolerance
     embed, lm = model.model.embed_tokens, model.lm_head
     with dequantized_sources(q, model):
         assert embed.weight is not lm.weight
