@@ -36,9 +36,10 @@ CROSS_CHECK_ATOL = 1e-5
 # boundary and the output by one quantum (~1e-3 of its scale). Measured: fed onert's own
 # input, the interpreter's GGML FULLY_CONNECTED equals onert's within 1e-7
 # (tests/quantize/test_ggml_reference.py checks single ops at 1e-5). On the sharp tiny Llama
-# of tests/families.py a flip in layer 0 goes on through attention that picks positions:
-# measured up to 1.2e-2 of the output's scale (logits of check --quantize, one value in 16384).
-GGML_CROSS_CHECK_ATOL = 3e-2
+# of tests/families.py such a flip goes on through attention that picks positions (a near-tie
+# of two scores can go either way): measured up to 5.3e-2 of the output's scale (one logit of
+# check --quantize q4_0 over a 32-token window), so whole GGML files agree within 1e-1.
+GGML_CROSS_CHECK_ATOL = 1e-1
 # fp16 outputs agree within this many fp16 steps (2^-10) at the output's scale
 FP16_CROSS_CHECK_STEPS = 16
 
@@ -81,8 +82,8 @@ def _cross_checked(session_class, runtime_name, atol=CROSS_CHECK_ATOL):
                     # order); fp16: FP16_CROSS_CHECK_STEPS fp16 steps at the output's scale
                     # (LiteRT's fp16 kernels accumulate in fp32, the interpreter rounds as torch)
                     scale = max(1.0, float(np.abs(a.astype(np.float32)).max(initial=0.0)))
-                    atol = self._atol if a.dtype == np.float32 else FP16_CROSS_CHECK_STEPS * 2.0 ** -10
-                    np.testing.assert_allclose(b.astype(np.float64), a.astype(np.float64), atol=atol * scale, rtol=0,
+                    tol = self._atol if a.dtype == np.float32 else FP16_CROSS_CHECK_STEPS * 2.0 ** -10
+                    np.testing.assert_allclose(b.astype(np.float64), a.astype(np.float64), atol=tol * scale, rtol=0,
                                                err_msg=where)
                 else:
                     # integers and booleans (integer graphs' outputs, token ids, positions): exactly
