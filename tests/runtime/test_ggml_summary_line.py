@@ -1,19 +1,33 @@
 """On a CPU without AVX-512 the run says, in one summary line, which tests ran their GGML
 files on the reference interpreter instead of onert (tests/conftest.py): checked by running
-tests/conftest.py on a pytest session of its own, on a CPU that lacks the flags (stubbed)."""
+tests/conftest.py on a pytest session of its own, on a CPU that lacks the flags (stubbed
+before the session's first test); a test that stubs the flags on a machine that has them
+(tests/runtime/test_host_cpu.py) does not count."""
 from __future__ import annotations
 
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
 
+from circleops.runtime.host import missing_for_onert_ggml
+
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+# on a machine that runs GGML on onert, a test that stubs the flags is no fallback of the run
+STUBBED_IN_A_TEST = '''
+from circleops.runtime import host
+
+def test_stubbed(monkeypatch):
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx2"})
+    assert host.onert_or_reference(True, "q4_0")[0] == "reference"
+'''
 
 INNER = '''
 from circleops.runtime import host
 
-def test_falls_back(monkeypatch):
-    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx2"})
+host.cpu_flags = lambda: {"avx2"}  # this session's machine: no AVX-512 (set before any test runs)
+
+def test_falls_back():
     runtime, note = host.onert_or_reference(True, "q4_0")
     assert runtime == "reference" and note
 
@@ -34,7 +48,7 @@ def test_summary_names_the_tests_that_used_the_interpreter(pytester):
 
 def test_no_line_when_nothing_fell_back(pytester):
     pytester.makeconftest(CONFTEST.read_text())
-    pytester.makepyfile(test_inner="def test_nothing():\n    assert True\n")
+    pytester.makepyfile(test_inner=STUBBED_IN_A_TEST if not missing_for_onert_ggml() else "def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "0")
     result.assert_outcomes(passed=1)
     assert not [ln for ln in result.outlines if "GGML on the reference interpreter" in ln]
