@@ -21,7 +21,7 @@ import torch
 
 from circleops.dtypes import short_name
 from circleops.errors import TargetError
-from circleops.pipeline import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, CausalLMLogits, Job,
+from circleops.pipeline import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, format_tolerance, CausalLMLogits, Job,
                                 Options, Tracker, dense_experts, export, export_module, fused_counts,
                                 hf_export_settings, op_histogram, parameter_names, prepare_weights,
                                 pretrained_blocks, quantize_program, run, run_torch, target_profile, verify_file)
@@ -237,13 +237,24 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
         example_args = exported_example_args(exported_program, None, "the ExportedProgram")
     args = tuple(example_args or ())
     if quantized and tolerance is None:
-        tolerance = INTEGER_TOLERANCE
+        tolerance = format_tolerance(_integer_scheme(exported_program))
     opts = Options(target, torch_dtype, fuse, quantize, threads, integer_io, runtime, tolerance)
     job = Job(path, "ExportedProgram", _count_params(exported_program), args,
               reference=lambda: run_torch(exported_program.module(), args, None), tracker=Tracker(progress),
               compare=verify_file)
     job.warnings.extend(host_notes)
     return run(exported_program, opts, job)
+
+
+def _integer_scheme(ep: Any) -> str:
+    """The coarsest activation format of a converted PT2E program: "int16" when every
+    quantize node rounds to 16 bits, else "uint8" (an 8-bit step, uint8 or int8)."""
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and "quantize_per_tensor" in str(node.target) \
+                and "dequantize" not in str(node.target):
+            if any(a in (torch.uint8, torch.int8) for a in node.args):
+                return "uint8"
+    return "int16"
 
 
 def _program_dtype(ep: Any) -> torch.dtype | None:
@@ -268,6 +279,6 @@ check_target_dtype = validate_target_dtype
 check_output_path = validate_output_path
 check_threads = validate_threads
 
-__all__ = ["INTEGER_TOLERANCE", "QUANT_TOLERANCE", "TOLERANCE", "CausalLMLogits", "convert", "export",
+__all__ = ["INTEGER_TOLERANCE", "QUANT_TOLERANCE", "TOLERANCE", "format_tolerance", "CausalLMLogits", "convert", "export",
            "export_module", "fused_counts", "hf_export_settings", "model_dtype", "op_histogram", "parameter_names",
            "pretrained_blocks", "resolve_runtime", "save", "target_profile", "verify_file"]

@@ -535,7 +535,7 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
                           manifest=manifest, timings=timings, source=plan.source, quantization=weights.report)
     if opts.runtime is not None:
         tol = opts.verify_tolerance()
-        tol = pipeline.TOLERANCE[opts.dtype] if tol is None else tol
+        tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
         with tracker.stage("verify"):
             errors = _verify(manifest, plan.graphs, opts.runtime, references, tol)
         for g, err in errors.items():

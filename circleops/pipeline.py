@@ -33,17 +33,29 @@ from circleops.quantize import formats
 from circleops.report import Report, VerifyResult
 from circleops.targets import PROFILES, TargetProfile, profile
 
-# Verify tolerance, relative to max(1, max|torch output|): fp32 differs from torch only
-# by summation order; an fp16 graph rounds every intermediate.
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
-# Verify tolerance of an integer (PT2E) file against the fake-quantized torch module,
-# relative to max(1, max|output|): the integer kernels round each requantization once
-# where torch rounds in float (a few output steps at most; measured 1-2 on tiny models).
-INTEGER_TOLERANCE = 5e-2
-# Verify tolerance of a GGML-quantized file, relative to max(1, max|torch output|): torch
-# runs the same dequantized weights, but onert's kernel also rounds each linear's input to
-# Q8_0 (8 bits per 32-value block), which torch does not.
-QUANT_TOLERANCE = 5e-2
+# Verify tolerances, relative to max(1, max|torch output|), derived from the format: fp32
+# differs from torch only by summation order; every other format gets VERIFY_STEPS of its
+# rounding step at the output's scale: an fp16 ulp (2^-10 relative), bf16's (2^-7), a
+# quantization format's WeightFormat.step. Measured on the sharp tiny Llama of
+# tests/families.py (tests/convert/test_format_accuracy.py): fp16 2 steps, uint8 5.6,
+# int16 7, q8_0 2.2, q4_0 4.1, w8 3.4. (A flat 5e-2 was 100x int16's error and 50x fp16's,
+# and 1.1x uint8's on that model.)
+VERIFY_STEPS = 16
+FLOAT_STEP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+TOLERANCE = {torch.float32: 1e-3, **{dt: VERIFY_STEPS * step for dt, step in FLOAT_STEP.items()}}
+
+
+def format_tolerance(quantize: str | None, dtype: Any = torch.float32) -> float:
+    """The default verify tolerance (relative to max(1, max|output|)) of a file of float
+    ``dtype`` or quantization format ``quantize`` (circleops.quantize.formats)."""
+    if quantize is None:
+        return TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    return VERIFY_STEPS * formats.get(quantize).step
+
+
+# The former flat names: an integer (PT2E) file at uint8's tolerance, a weight format at q4_0's.
+INTEGER_TOLERANCE = format_tolerance("uint8")
+QUANT_TOLERANCE = format_tolerance("q4_0")
 
 Progress = Callable[[str], None]
 
@@ -88,9 +100,9 @@ class Options:
         """The verify tolerance: the one asked for, else the format's (None: the dtype's)."""
         if self.tolerance is not None:
             return self.tolerance
-        if self.integer_format is not None:
-            return INTEGER_TOLERANCE
-        return QUANT_TOLERANCE if self.weight_format is not None else None
+        if self.integer_format is not None or self.weight_format is not None:
+            return format_tolerance(self.quantize)
+        return None
 
 
 def target_profile(target: str | TargetProfile, threads: int | None = None) -> TargetProfile:

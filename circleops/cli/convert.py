@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runtime for --verify (default: onert for onert, litert for tflite, "
                              "reference for circle and for fp16 tflite); implies --verify")
     parser.add_argument("--tolerance", type=float, default=None, metavar="REL",
-                        help="verify fails above REL x max(1, max|logit|) (default 1e-3 fp32, 5e-2 fp16)")
+                        help="verify fails above REL x max(1, max|logit|) (default: 1e-3 fp32, else 16 rounding steps of the format)")
     parser.add_argument("--report", metavar="JSON", help="also write the report as JSON to this file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
     parser.add_argument("--allow-random-init", action="store_true",

@@ -62,6 +62,12 @@ class WeightFormat:
     target_refusal: str = ""  # why a target writing another file format cannot (the end of the error message)
     runtimes: frozenset[str] = frozenset()  # runtimes that run its files
     host_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # runtime -> CPU flags it needs
+    # the format's rounding step at the output's scale, relative (verify's tolerance is a few of
+    # them, circleops.pipeline.format_tolerance): an integer graph's output quantum against the
+    # fake-quantized module (uint8: ~2 max|output| / 255; int16: 2^-15), or the GGML / w8
+    # kernels' int8 rounding of each linear's input (absmax / 127 per block or row), which torch
+    # on the dequantized weights does not do
+    step: float = 2.0 ** -7
 
     @property
     def block(self) -> int:
@@ -157,6 +163,6 @@ register(WeightFormat(
     runtimes=frozenset({"onert", "reference"})))
 register(WeightFormat(
     "int16", "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
-    "circle)", INTEGER, activations="int16", runtimes=frozenset({"reference"})))
+    "circle)", INTEGER, activations="int16", runtimes=frozenset({"reference"}), step=2.0 ** -15))
 
 __all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

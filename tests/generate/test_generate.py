@@ -104,6 +104,47 @@ def test_cli_generate_token_ids(capsys, tiny_onert):
     assert "prefill 5-token prompt" in err and "tokens/s" in err and "[onert]" in err
 
 
+def _topk_recording_sampler(config):
+    """A Sampler that also records, per pick, whether the token was among the top_k logits."""
+    from circleops.sampling import Sampler
+
+    class Recording(Sampler):
+        picks: list = []
+
+        def __call__(self, logits, context=()):
+            token = super().__call__(logits, context)
+            rank = int((np.asarray(logits) > np.asarray(logits)[token]).sum())
+            self.picks.append(rank)
+            return token
+
+    return Recording(config)
+
+
+def test_cli_sample_draws_what_the_sampler_draws(capsys, tiny_onert):
+    """--sample --top-k 5 --seed S: the CLI's tokens are the API's draws with that config,
+    each token among the 5 most likely ones, not greedy's; the seed decides the draws."""
+    from circleops.sampling import SamplingConfig
+
+    prompt, greedy = TINY_PROMPTS[0], tiny_onert.expected[tuple(TINY_PROMPTS[0])]
+    gen = Generator(tiny_onert.directory)
+    draws = {}
+    for seed in (3, 4):
+        rc = cli(["generate", str(tiny_onert.directory), "--token-ids", _ids(prompt), "--max-new-tokens",
+                  str(TINY_NEW), "--sample", "--top-k", "5", "--temperature", "1.5", "--seed", str(seed), "-q"])
+        out, _ = capsys.readouterr()
+        assert rc == 0
+        draws[seed] = [int(t) for t in out.split()]
+        sampler = _topk_recording_sampler(SamplingConfig(do_sample=True, top_k=5, temperature=1.5, seed=seed))
+        sampler.picks = []
+        api = gen.generate(prompt, TINY_NEW, sampler=sampler).tokens
+        assert draws[seed] == api, f"seed {seed}: CLI drew {draws[seed]}, the API {api}"
+        assert all(rank < 5 for rank in sampler.picks), sampler.picks
+        # sampling, not greedy: at temperature 1.5 over 5 tokens most picks are not the argmax
+        assert sum(r > 0 for r in sampler.picks) >= len(sampler.picks) // 3, sampler.picks
+        assert draws[seed] != greedy
+    assert draws[3] != draws[4]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--token-ids", _ids(range(1, 34))], "the prompt (33 tokens) plus --max-new-tokens 64 is 97 tokens"),
     (["--token-ids", "1,2", "--top-p", "0.5"], "add --sample"),

@@ -61,8 +61,9 @@ def test_fp16_circle_matches_torch(family, fused):
     want = reference_logits(family, torch.float16).float().numpy()
     assert got.dtype == np.float16
     # torch's CPU kernels compute fp16 ops in fp32 and round once (e.g. silu); a file of
-    # fp16 ops rounds per op: one or two fp16 ulps at most
-    np.testing.assert_allclose(got.astype(np.float32), want, atol=2 * 2.0 ** -11 * np.abs(want).max(), rtol=0)
+    # fp16 ops rounds per op: one or two fp16 ulps (at the largest logit's magnitude) at most
+    ulp = float(np.spacing(np.float16(np.abs(want).max())))
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=2 * ulp, rtol=0)
 
 
 class Norm(torch.nn.Module):

@@ -24,9 +24,9 @@ def test_runs_in_litert_like_torch(converted, name, resolver):
     (got,) = litert(c.path, c.inputs, resolver)
     (want,) = c.expected
     assert got.shape == want.shape and got.dtype == np.float32
+    # the comparison with torch is this test's own: the fixture converts without verify
+    # (a `verify is None or verify.passed` here passed on every file and checked nothing)
     assert max_error(got, want) <= 1e-4 * scale(want)
-    # and convert's own verify ran LiteRT and passed
-    assert c.report.verify is None or c.report.verify.passed
 
 
 def test_file_is_tfl3_schema_3(converted):
