@@ -70,17 +70,30 @@ def runtime_module(runtime: str) -> ModuleType:
                               "or use --runtime reference") from None
 
 
-def open_session(runtime: str, path: str | os.PathLike, signature: str | None = None) -> Session:
+# runtimes whose native code reads the file in-process: one-shot commands isolate them
+NATIVE_RUNTIMES: tuple[str, ...] = ("onert", "litert")
+
+
+def open_session(runtime: str, path: str | os.PathLike, signature: str | None = None, *,
+                 isolated: bool = False) -> Session:
     """A prepared session of ``runtime`` on the file at ``path`` (``signature``: run that
-    signature instead of the main subgraph)."""
+    signature instead of the main subgraph). Every runtime verifies the file first
+    (circleops.serialize.verify). ``isolated``: run a native runtime (onert, LiteRT) in a
+    child process, so that a crash inside it becomes a RuntimeCrashError instead of killing
+    this process (one-shot commands; generation keeps in-process sessions for speed)."""
     from circleops.errors import RuntimeRunError
 
     module = runtime_module(runtime)
     try:
+        if isolated and runtime in NATIVE_RUNTIMES:
+            from circleops.runtime.isolated import IsolatedSession, can_isolate
+
+            if can_isolate():
+                return IsolatedSession(runtime, path, signature)
         return module.Session(path, signature)
     except ImportError as err:  # the runtime's native package, imported on first use
         raise RuntimeRunError(f"runtime {runtime!r} is not available ({err}); install circleops[{runtime}] "
                               "or use --runtime reference") from None
 
 
-__all__ = ["RUNTIMES", "Session", "TensorSpec", "open_session", "runtime_module"]
+__all__ = ["NATIVE_RUNTIMES", "RUNTIMES", "Session", "TensorSpec", "open_session", "runtime_module"]

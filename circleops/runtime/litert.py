@@ -18,6 +18,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
+from circleops.serialize.verify import verify_file
 
 NUM_THREADS = 2
 
@@ -61,6 +62,7 @@ class Session:
         self.signature = signature
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
+        verify_file(self.path)  # before any native code reads the file (issue 24)
         try:
             # the tensors are allocated here, once: that is when LiteRT applies its delegate
             # and prints about it (delegate_banner_hidden)

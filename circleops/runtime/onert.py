@@ -25,6 +25,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs
+from circleops.serialize.verify import verify_file
 
 
 @contextlib.contextmanager
@@ -66,6 +67,9 @@ class Session:
                                   f"or run the signature with --runtime reference.")
         if not os.path.isfile(self.path):
             raise RuntimeRunError(f"cannot run {self.path}: no such file")
+        # onert reads the flatbuffer without verifying it: a damaged or hostile file would make
+        # it read out of bounds in this process (issue 24), so circleops checks it first
+        verify_file(self.path)
         self._link_dir: tempfile.TemporaryDirectory | None = None  # removed with the session
         load_path = self.path
         if Path(self.path).suffix not in (".circle", ".tflite"):

@@ -1,0 +1,158 @@
+"""A native runtime's Session in a child process, for one-shot commands.
+
+circleops verifies every file before onert or LiteRT reads it (circleops.serialize.verify),
+but a runtime can still fault on a sound file: a kernel of onert reading past a tensor whose
+shape it did not expect, an op it half supports. In-process that kills the user's process
+with a signal, which no Python code can catch. ``circleops run``, ``convert --verify`` and
+``check`` run the runtime in a forked child instead: its death is reported as a
+RuntimeCrashError naming the file, the runtime and the signal (exit 2), and the command's
+own process survives. ``generate`` and ``chat`` keep in-process sessions: a token's decode
+step must not pay a round trip through a pipe.
+
+    session = IsolatedSession("onert", "model.circle")   # the child loads and prepares it
+    outputs = session.run([x])                           # arrays go through a pipe
+    session.close()
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from typing import Any, Mapping, Sequence
+
+from circleops.errors import RuntimeCrashError, RuntimeRunError
+from circleops.runtime import TensorSpec, runtime_module
+
+
+def can_isolate() -> bool:
+    """Whether children can be forked here (Linux, macOS): a forked child inherits the loaded
+    modules, so it starts in milliseconds where a spawned interpreter re-imports torch."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` if it survives pickling, else a RuntimeRunError with its words."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001 - any unpicklable exception
+        return RuntimeRunError(f"{type(err).__name__}: {err}")
+
+
+def _serve(runtime: str, path: str, signature: str | None, conn: Any) -> None:
+    """The child: load the file in ``runtime``, then run what the parent sends until it closes."""
+    try:
+        session = runtime_module(runtime).Session(path, signature)
+        conn.send(("ok", (session.inputs, session.outputs)))
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
+        conn.send(("error", _portable(err)))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if message[0] != "run":
+            return
+        try:
+            import numpy as np
+
+            outputs = [np.asarray(o) for o in session.run(message[1])]
+            conn.send(("ok", (outputs, session.outputs)))
+        except BaseException as err:  # noqa: BLE001
+            conn.send(("error", _portable(err)))
+
+
+class IsolatedSession:
+    """``runtime``'s Session on ``path``, living in a forked child process (same interface:
+    ``inputs``, ``outputs``, ``run``). A signal that kills the child raises RuntimeCrashError."""
+
+    def __init__(self, runtime: str, path: str | os.PathLike, signature: str | None = None):
+        self.runtime, self.path, self.signature = runtime, str(path), signature
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn), daemon=True,
+                                 name=f"circleops-{runtime}")
+        self._proc.start()
+        child_conn.close()  # only the child's copy stays open: its death ends our recv
+        self._inputs, self._outputs = self._reply("load")
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    def run(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
+        """Run in the child on ``inputs`` (as the runtime's Session.run takes them)."""
+        import numpy as np
+
+        if self._proc is None:
+            raise RuntimeRunError(f"the {self.runtime} session on {self.path} is closed")
+        if isinstance(inputs, Mapping):
+            payload: Any = {k: np.asarray(v) for k, v in inputs.items()}
+        else:
+            payload = [np.asarray(v) for v in inputs]
+        try:
+            self._conn.send(("run", payload))
+        except (BrokenPipeError, OSError):
+            pass  # the child died: _reply says how
+        outputs, self._outputs = self._reply("run")
+        return outputs
+
+    def _reply(self, stage: str) -> Any:
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._crash(stage) from None
+        if kind == "error":
+            raise payload  # a CircleOpsError, or a bug: the same exception as in-process
+        return payload
+
+    def _crash(self, stage: str) -> RuntimeCrashError:
+        proc = self._proc
+        proc.join(10)
+        code = proc.exitcode
+        self.close()
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        doing = "loading" if stage == "load" else "running"
+        return RuntimeCrashError(
+            f"{self.runtime} crashed while {doing} {self.path}: its process {how}. The file passed circleops' "
+            f"structural verification, so this is a fault inside {self.runtime} on this file (an operator or "
+            f"shape it does not handle); circleops ran it in a child process, so nothing else was affected. "
+            f"Run the file with --runtime reference to check it, or convert it again for --target "
+            f"{'onert' if self.runtime == 'onert' else 'tflite'}.")
+
+    def close(self) -> None:
+        """End the child (idempotent)."""
+        proc, self._proc = getattr(self, "_proc", None), None
+        if proc is None:
+            return
+        try:
+            self._conn.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self._conn.close()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+__all__ = ["IsolatedSession", "can_isolate"]
