@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
-from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
+from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session
 
@@ -85,6 +85,7 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
+    confined(manifest.directory, manifest.files[graph], f"the file of graph {graph!r}", manifest.directory / MANIFEST)
     path = manifest.path(graph)
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
@@ -448,7 +449,8 @@ def load_tokenizer(manifest: Any) -> Any:
     if not manifest.tokenizer:
         raise ModelLoadError(f"{manifest.directory} has no tokenizer (the model was converted without one, e.g. "
                              f"from --config): pass the prompt as token ids with --token-ids 1,2,3.")
-    path = manifest.directory / manifest.tokenizer
+    # checked again here: a Manifest can be built by hand, not only read (read_manifest checks)
+    path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
     if not path.is_dir():
         raise ModelLoadError(f"the tokenizer directory {path} listed in manifest.json is missing. Convert again.")
     if (path / "tokenizer.json").is_file():

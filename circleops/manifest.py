@@ -128,6 +128,42 @@ class Manifest:
         return path
 
 
+def confined(directory: Path, name: Any, what: str, manifest_path: Path) -> str:
+    """``name`` from a manifest, checked to stay inside ``directory``: a relative path without
+    ``..`` whose real location (symlinks followed) is inside the directory. A converted
+    directory may come from someone else; its manifest must not point circleops (and onert,
+    which reads without verifying) at /etc/passwd or at a file beside the directory."""
+    why = None
+    if not isinstance(name, str) or not name or "\0" in name:
+        why = "is not a file name"
+    elif os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
+        why = "is an absolute path"
+    elif ".." in Path(name.replace("\\", "/")).parts:
+        why = "leaves the directory with '..'"
+    else:
+        real, root = (directory / name).resolve(), directory.resolve()
+        if real != root and root not in real.parents:
+            why = f"is a symbolic link to {real}, outside the directory"
+        elif real == root:
+            why = "names the directory itself"
+    if why:
+        raise ModelLoadError(f"{manifest_path}: {what} {name!r} {why}; a manifest names only files inside its own "
+                             f"directory. The directory is damaged or was not written by `circleops convert "
+                             f"--graphs`: convert again.")
+    return name
+
+
+def confined_tokenizer(directory: Path, name: str, manifest_path: Path) -> Path:
+    """The tokenizer directory ``name`` of a manifest, and every file in it, confined to
+    ``directory`` (see :func:`confined`); returns its path."""
+    confined(directory, name, "the tokenizer directory", manifest_path)
+    path = directory / name
+    if path.is_dir():
+        for entry in sorted(path.iterdir()):
+            confined(directory, str(Path(name) / entry.name), "the tokenizer file", manifest_path)
+    return path
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """The manifest of a directory written by ``circleops convert --graphs``."""
     d = Path(directory)
@@ -174,4 +210,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                              f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
+    if not isinstance(m.files, dict) or not all(isinstance(k, str) for k in m.files):
+        raise ModelLoadError(f"{path}: 'files' is not a map of graph names to file names. Convert again with --graphs.")
+    for graph, name in m.files.items():
+        confined(d, name, f"the file of graph {graph!r}", path)
+    if m.tokenizer is not None:
+        confined_tokenizer(d, m.tokenizer, path)
     return m

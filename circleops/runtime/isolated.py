@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from typing import Any, Mapping, Sequence
 
 from circleops.errors import RuntimeCrashError, RuntimeRunError
@@ -43,6 +44,12 @@ def _portable(err: BaseException) -> BaseException:
 
 def _serve(runtime: str, path: str, signature: str | None, conn: Any) -> None:
     """The child: load the file in ``runtime``, then run what the parent sends until it closes."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # the parent's OpenMP thread pool did not survive the fork: torch code in the child
+        # (the test suite's cross-check runs the reference interpreter beside the runtime)
+        # would wait forever for its workers; on one thread it never starts them
+        torch.set_num_threads(1)
     try:
         session = runtime_module(runtime).Session(path, signature)
         conn.send(("ok", (session.inputs, session.outputs)))

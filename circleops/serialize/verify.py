@@ -338,7 +338,19 @@ def _ints(buf: Any, vec: tuple[int, int] | None) -> tuple[int, ...]:
     return struct.unpack_from(f"<{n}i", buf, start) if n else ()
 
 
-def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> None:
+@dataclass(frozen=True)
+class VerifiedFile:
+    """What verification learnt on the way (runtimes use it for their own refusals)."""
+
+    path: str
+    fmt: str  # "circle" or "tflite"
+    size: int  # bytes
+    tensor_types: frozenset[str]  # TensorType names of every tensor
+    offset_buffers: int  # buffers whose bytes follow the flatbuffer (Buffer.offset/size)
+    tables: int  # tables walked
+
+
+def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[frozenset[str], int]:
     buf, size = w.buf, w.size
     if model["Version"] != schema.version:
         raise w.fail("the model", f"schema version {model['Version']}, where {schema.name} files have version "
@@ -362,6 +374,8 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> None:
 
     # buffer index -> (bytes, where they start) of the constant it holds (None: no data)
     extents: list[tuple[int, int] | None] = []
+    offset_buffers = 0
+    types: set[str] = set()
     for b, rec in enumerate(buffers):
         data, offset, nbytes = rec["Data"], rec.get("Offset") or 0, rec.get("Size") or 0
         if data is not None and data[1]:
@@ -371,6 +385,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> None:
                 raise w.fail(f"buffer {b}", f"its weights at bytes {offset}..{offset + nbytes} lie past the end of the "
                                             f"{size}-byte file (truncated?)")
             extents.append((nbytes, offset))
+            offset_buffers += 1
         else:
             extents.append(None)
 
@@ -382,6 +397,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> None:
             dtype = type_names.get(tag)
             if dtype is None:
                 raise w.fail(f"subgraph {si} tensor {ti}", f"tensor type {tag} is not a {schema.name} TensorType")
+            types.add(dtype)
             bi = t["Buffer"]
             if bi >= nbuf and not (bi == 0 and nbuf == 0):
                 raise w.fail(f"subgraph {si} tensor {ti}", f"buffer index {bi} is out of range (the file has {nbuf} "
@@ -428,6 +444,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> None:
     for k, md in enumerate(model.get("Metadata") or []):
         if md["Buffer"] >= nbuf:
             raise w.fail(f"metadata {k}", f"buffer index {md['Buffer']} is out of range (the file has {nbuf} buffers)")
+    return frozenset(types), offset_buffers
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -469,9 +486,9 @@ def _check_quant(w: _Walker, where: str, q: dict[str, Any], shape: tuple[int, ..
 
 # ----------------------------------------------------------------------------------- entry point
 
-def verify_buffer(buf: Any, size: int, path: str, fmt: str) -> dict[str, Any]:
-    """Verify the ``size`` bytes of ``buf`` (bytes, mmap or memoryview) as a ``fmt`` file;
-    returns the Model's record. CorruptFileError when anything is out of place."""
+def verify_buffer(buf: Any, size: int, path: str, fmt: str) -> VerifiedFile:
+    """Verify the ``size`` bytes of ``buf`` (bytes, mmap or memoryview) as a ``fmt`` file.
+    CorruptFileError when anything is out of place."""
     schema = get_schema(fmt)
     w = _Walker(fmt, buf, size, path)
     if size < 8:
@@ -483,16 +500,17 @@ def verify_buffer(buf: Any, size: int, path: str, fmt: str) -> dict[str, Any]:
         raise w.fail("the header", f"root table offset {root} points into the header")
     try:
         model = w.table(root, "Model", _Where(None, "the model"))
-        _check_model(w, model, schema)
+        types, offset_buffers = _check_model(w, model, schema)
     except RecursionError:
         raise w.fail("the model", "tables nested too deep") from None
-    return model
+    return VerifiedFile(path, fmt, size, types, offset_buffers, len(w.seen))
 
 
-def verify_file(path: str | os.PathLike) -> str:
+def verify_file(path: str | os.PathLike) -> VerifiedFile:
     """Check that the Circle or TFLite file at ``path`` is structurally sound, so that a native
-    runtime can read it without reading out of bounds; returns its format ("circle" or
-    "tflite"). Raises CorruptFileError (a ModelLoadError) naming the file and what is wrong."""
+    runtime can read it without reading out of bounds. Raises CorruptFileError (a
+    ModelLoadError) naming the file and what is wrong; a ModelLoadError when it cannot be read
+    or is no Circle/TFLite file at all."""
     fmt = detect_format(path)
     try:
         with open(path, "rb") as f:
@@ -501,11 +519,10 @@ def verify_file(path: str | os.PathLike) -> str:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}") from None
     try:
-        verify_buffer(buf, size, str(Path(path)), fmt)
+        return verify_buffer(buf, size, str(Path(path)), fmt)
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
-    return fmt
 
 
-__all__ = ["verify_buffer", "verify_file", "table_plan", "union_members"]
+__all__ = ["VerifiedFile", "verify_buffer", "verify_file", "table_plan", "union_members"]
