@@ -84,7 +84,7 @@ _METHOD = re.compile(r"\n    def (\w+)\(self(?:, j)?\):\n(.*?)(?=\n    (?:def |@
 _SLOT = re.compile(r"self\._tab\.Offset\((\d+)\)")
 _GET = re.compile(r"number_types\.(\w+)Flags, (o|a) \+")
 _OBJ = re.compile(r"obj = (\w+)\(\)")
-_RETURN = re.compile(r"\n\s+return (.+)\s*$")
+_RETURN = re.compile(r"\n\s+return (.+)")
 _CREATOR = re.compile(r"(\w+)Creator\(self\.\w+Type, \w+\.(\w+)\(\)\)")
 
 
@@ -170,9 +170,9 @@ def _parse_plan(schema: Schema, table: str) -> TablePlan:
             if get is None or get.group(2) != "o":
                 raise LookupError(f"{schema.name}.{table}.{name}: a field kind the verifier does not know")
             fmt = _FLAGS[get.group(1)]
-            ret = _RETURN.search(body)
-            fields[slot] = Field(name, slot, SCALAR, struct.calcsize(fmt), "<" + fmt, _default(ret.group(1)) if ret else 0,
-                                 None)
+            returns = _RETURN.findall(body)  # the last one is the value when absent
+            fields[slot] = Field(name, slot, SCALAR, struct.calcsize(fmt), "<" + fmt,
+                                 _default(returns[-1]) if returns else 0, None)
     return TablePlan(table, tuple(fields[s] for s in sorted(fields)))
 
 
@@ -372,6 +372,16 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
             raise w.fail(f"operator code {k}", f"builtin code {code} is not an operator of the {schema.name} schema")
         names.append(opnames[code])
 
+    # opcode index -> the options table the op must carry. Circle only: onert dereferences an
+    # op's options without a null or type check (a MUL without MulOptions, or with AddOptions,
+    # is a SIGSEGV); LiteRT checks, and TFLite converters omit empty options tables.
+    expected_options: dict[int, str] = {}
+    if schema.name == "circle":
+        for k, name in enumerate(names):
+            table = schema.default_options_type(name)
+            if table is not None:
+                expected_options[k] = table
+
     # buffer index -> (bytes, where they start) of the constant it holds (None: no data)
     extents: list[tuple[int, int] | None] = []
     offset_buffers = 0
@@ -425,6 +435,13 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                     if not low <= i < nt:
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"{label} {p} is tensor {i}, out of range ({low}..{nt - 1})")
+            expected = expected_options.get(oi)
+            if expected is not None:
+                carried = op.get("BuiltinOptionsTable") or op.get("BuiltinOptions2Table")
+                if carried != expected:
+                    raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
+                                 f"it carries {carried or 'no options'} where {names[oi]} has {expected} (onert reads "
+                                 f"them without a check)")
             for attr in ("BuiltinOptions", "BuiltinOptions2"):
                 options = op.get(attr)
                 if options:
