@@ -106,6 +106,19 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
     return open_session(runtime, path, signature)
 
 
+def _check_caches(manifest: Any, decode: Session) -> None:
+    """ModelLoadError unless the decode graph takes the caches the manifest describes (a
+    manifest's num_layers or cache_shape is what the caches are allocated from)."""
+    shapes = [tuple(spec.shape) for spec in decode.inputs]
+    want = sorted(tuple(s) for s in manifest.cache_shapes)
+    got = sorted(s for s in shapes if s in set(want))
+    if len(shapes) != len(manifest.inputs) or got != want:
+        raise ModelLoadError(f"{manifest.directory}/{MANIFEST} does not describe its decode graph: it lists "
+                             f"{len(manifest.inputs)} inputs and {len(want)} caches of shapes "
+                             f"{sorted(set(want))}, the graph takes {len(shapes)} inputs of shapes {shapes}. "
+                             f"Convert again with --graphs.")
+
+
 # --------------------------------------------------------------------------- generation
 
 def empty_caches(manifest: Any) -> list[Any]:
@@ -232,6 +245,7 @@ class Generator:
         # prefill length -> its session, longest first
         self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}
         self.decode_session = open_graph(m, "decode", self.runtime)
+        _check_caches(m, self.decode_session)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)

@@ -134,7 +134,7 @@ def confined(directory: Path, name: Any, what: str, manifest_path: Path) -> str:
     directory may come from someone else; its manifest must not point circleops (and onert,
     which reads without verifying) at /etc/passwd or at a file beside the directory."""
     why = None
-    if not isinstance(name, str) or not name or "\0" in name:
+    if not isinstance(name, str) or not name or "\0" in name or not Path(name).parts:
         why = "is not a file name"
     elif os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
         why = "is an absolute path"
@@ -210,6 +210,11 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                              f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
+    sizes = [m.prefill_len, m.max_cache_len, m.num_layers, m.vocab_size, *m.prefill_graphs]
+    if len(m.cache_shape) != 4 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                          for n in sizes + m.cache_shape):
+        raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
+                             f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
     if not isinstance(m.files, dict) or not all(isinstance(k, str) for k in m.files):
         raise ModelLoadError(f"{path}: 'files' is not a map of graph names to file names. Convert again with --graphs.")
     for graph, name in m.files.items():

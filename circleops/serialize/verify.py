@@ -402,6 +402,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
     for si, sg in enumerate(subgraphs):
         tensors = sg["Tensors"] or []
         nt = len(tensors)
+        ready: set[int] = set()  # tensors that hold a value before the first operator runs
         for ti, t in enumerate(tensors):
             tag = t["Type"]
             dtype = type_names.get(tag)
@@ -418,6 +419,9 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
             extent = extents[bi] if bi < nbuf else None
             if extent is not None:
                 _check_constant(w, f"subgraph {si} tensor {ti} (buffer {bi})", dtype, shape, extent[0])
+                ready.add(ti)
+            elif t["IsVariable"]:
+                ready.add(ti)
             q = t["Quantization"]
             if q is not None:
                 _check_quant(w, f"subgraph {si} tensor {ti}", q, shape)
@@ -425,6 +429,12 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
             for p, i in enumerate(_ints(buf, vec)):
                 if not 0 <= i < nt:
                     raise w.fail(f"subgraph {si}", f"{label} {p} is tensor {i}, out of range (0..{nt - 1})")
+        if not _ints(buf, sg["Outputs"]):
+            raise w.fail(f"subgraph {si}", "it has no output")
+        # dataflow: an operator reads only what exists when it runs (an input, a constant, a
+        # variable, or an earlier operator's output); onert runs a tensor nobody wrote as
+        # unallocated memory (SIGSEGV)
+        ready.update(_ints(buf, sg["Inputs"]))
         for k, op in enumerate(sg["Operators"] or []):
             oi = op["OpcodeIndex"]
             if oi >= len(opcodes):
@@ -435,6 +445,11 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                     if not low <= i < nt:
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"{label} {p} is tensor {i}, out of range ({low}..{nt - 1})")
+                    if low < 0 and i >= 0 and i not in ready:
+                        raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
+                                     f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "
+                                     f"output of an earlier operator")
+            ready.update(_ints(buf, op["Outputs"]))
             expected = expected_options.get(oi)
             if expected is not None:
                 carried = op.get("BuiltinOptionsTable") or op.get("BuiltinOptions2Table")
@@ -449,6 +464,10 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                         if field.endswith("SubgraphIndex") and isinstance(value, int) and not 0 <= value < nsub:
                             raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                          f"{field} {value} is out of range (the file has {nsub} subgraphs)")
+        for p, i in enumerate(_ints(buf, sg["Outputs"])):
+            if i not in ready:
+                raise w.fail(f"subgraph {si}", f"output {p} is tensor {i}, which no operator writes and which is not "
+                                               f"an input or a constant")
 
     for k, sd in enumerate(model.get("SignatureDefs") or []):
         si = sd["SubgraphIndex"]
