@@ -227,6 +227,9 @@ def run_forked(argv: list[str], timeout: float, log: Path) -> tuple[str, int]:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
+            # new streams on the fds: under pytest sys.stdout/stderr are its capture objects
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             from circleops.cli import main
 
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per case before it counts as a hang")
     parser.add_argument("--save-dir", type=Path, default=Path("fuzz-native-failures"))
+    parser.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     args = parser.parse_args(argv)
     paths = tuple(p for p in args.paths.split(",") if p)
     unknown = set(paths) - set(PATHS)
@@ -344,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     os.environ.setdefault("NUM_THREADS", "1")  # onert: one thread per case on a shared machine
     t0 = time.monotonic()
-    stats = fuzz_native(args.cases, args.seed, paths, args.timeout, args.save_dir, verbose=True)
+    stats = fuzz_native(args.cases, args.seed, paths, args.timeout, args.save_dir, verbose=True,
+                        time_budget=args.time_budget)
     print(f"done in {time.monotonic() - t0:.0f} s (load average {os.getloadavg()[0]:.2f}): {stats.summary()}")
     for line in stats.failures[:50]:
         print(line)
