@@ -367,7 +367,17 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
     names = []
     for k, oc in enumerate(opcodes):
         builtin, deprecated = oc["BuiltinCode"], oc["DeprecatedBuiltinCode"]
-        code = builtin if builtin < 0 else deprecated if deprecated < 0 else max(builtin, deprecated)
+        # the two fields must name one operator: readers differ in which they trust (onert
+        # takes max(builtin, deprecated), so a Circle extended op whose deprecated code is not
+        # its negative code becomes another op, with options of the wrong type: SIGSEGV)
+        if builtin < 0 or deprecated < 0:
+            consistent = builtin == deprecated
+        else:
+            consistent = not builtin or not deprecated or deprecated == min(builtin, 127)
+        if not consistent:
+            raise w.fail(f"operator code {k}", f"builtin code {builtin} and deprecated builtin code {deprecated} name "
+                                               f"different operators")
+        code = builtin if builtin < 0 else max(builtin, deprecated)
         if code not in opnames:
             raise w.fail(f"operator code {k}", f"builtin code {code} is not an operator of the {schema.name} schema")
         names.append(opnames[code])
@@ -375,6 +385,10 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
     # opcode index -> the options table the op must carry. Circle only: onert dereferences an
     # op's options without a null or type check (a MUL without MulOptions, or with AddOptions,
     # is a SIGSEGV); LiteRT checks, and TFLite converters omit empty options tables.
+    # opcode index -> the first input position that may be -1 (omitted): never an op's data
+    # or weights (LiteRT's FULLY_CONNECTED without weights is a SIGSEGV); the recurrent ops
+    # omit gates from input 1 on
+    first_optional = [1 if "LSTM" in name or "RNN" in name else 2 for name in names]
     expected_options: dict[int, str] = {}
     if schema.name == "circle":
         for k, name in enumerate(names):
@@ -445,6 +459,9 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                     if not low <= i < nt:
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"{label} {p} is tensor {i}, out of range ({low}..{nt - 1})")
+                    if i < 0 and p < first_optional[oi]:
+                        raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
+                                     f"input {p} is missing (-1); only later inputs (a bias...) may be omitted")
                     if low < 0 and i >= 0 and i not in ready:
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "

@@ -148,6 +148,9 @@ DAMAGE = {
     # what -> (edit of the ModelT, words the error must contain)
     "op input out of range": (lambda m: _fc(m).inputs.__setitem__(0, 100000), "input 0 is tensor 100000"),
     "op output -1": (lambda m: m.subgraphs[0].operators[0].outputs.__setitem__(0, -1), "output 0 is tensor -1"),
+    "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
+    "codes disagree": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode < 0),
+                                         "deprecatedBuiltinCode", 0), "name different operators"),
     "opcode index": (lambda m: setattr(m.subgraphs[0].operators[0], "opcodeIndex", 1000), "opcode index 1000"),
     "buffer index": (lambda m: setattr(_first_const(m), "buffer", 100000), "buffer index 100000"),
     "subgraph input": (lambda m: m.subgraphs[0].inputs.__setitem__(0, 7777), "input 0 is tensor 7777"),
