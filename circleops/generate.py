@@ -78,9 +78,10 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
-def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
+def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = False) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
-    numpy inputs in the manifest's input order and returns outputs in its output order."""
+    numpy inputs in the manifest's input order and returns outputs in its output order.
+    ``isolated``: a native runtime in a child process (open_session), for one-shot checks."""
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -100,10 +101,10 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
         # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
         os.environ["NUM_THREADS"] = str(threads)
         try:
-            return open_session(runtime, path, signature)
+            return open_session(runtime, path, signature, isolated=isolated)
         finally:
             del os.environ["NUM_THREADS"]
-    return open_session(runtime, path, signature)
+    return open_session(runtime, path, signature, isolated=isolated)
 
 
 def _check_caches(manifest: Any, decode: Session) -> None:
