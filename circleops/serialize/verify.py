@@ -384,7 +384,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
 
     # opcode index -> the options table the op must carry. Circle only: onert dereferences an
     # op's options without a null or type check (a MUL without MulOptions, or with AddOptions,
-    # is a SIGSEGV); LiteRT checks, and TFLite converters omit empty options tables.
+    # is a SIGSEGV); LiteRT checks, and TFLite converters omit options tables.
     # opcode index -> the first input position that may be -1 (omitted): never an op's data
     # or weights (LiteRT's FULLY_CONNECTED without weights is a SIGSEGV); the recurrent ops
     # omit gates from input 1 on
@@ -417,6 +417,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
         tensors = sg["Tensors"] or []
         nt = len(tensors)
         ready: set[int] = set()  # tensors that hold a value before the first operator runs
+        variables: set[int] = set()
         for ti, t in enumerate(tensors):
             tag = t["Type"]
             dtype = type_names.get(tag)
@@ -436,6 +437,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                 ready.add(ti)
             elif t["IsVariable"]:
                 ready.add(ti)
+                variables.add(ti)
             q = t["Quantization"]
             if q is not None:
                 _check_quant(w, f"subgraph {si} tensor {ti}", q, shape)
@@ -443,7 +445,7 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
             for p, i in enumerate(_ints(buf, vec)):
                 if not 0 <= i < nt:
                     raise w.fail(f"subgraph {si}", f"{label} {p} is tensor {i}, out of range (0..{nt - 1})")
-        if not _ints(buf, sg["Outputs"]):
+        if si == 0 and not _ints(buf, sg["Outputs"]):  # (a CALL_ONCE init subgraph has none)
             raise w.fail(f"subgraph {si}", "it has no output")
         # dataflow: an operator reads only what exists when it runs (an input, a constant, a
         # variable, or an earlier operator's output); onert runs a tensor nobody wrote as
@@ -466,11 +468,20 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "
                                      f"output of an earlier operator")
-            ready.update(_ints(buf, op["Outputs"]))
+            for p, i in enumerate(_ints(buf, op["Outputs"])):
+                # each tensor gets one value: an operator writing a subgraph input, a
+                # constant or another operator's output (or one output twice) makes onert
+                # plan two owners for one buffer (SIGSEGV); variables are written in place
+                if i in ready and i not in variables:
+                    raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
+                                 f"output {p} is tensor {i}, which already holds a value (a subgraph input, a "
+                                 f"constant or an earlier output)")
+                ready.add(i)
             expected = expected_options.get(oi)
             if expected is not None:
                 carried = op.get("BuiltinOptionsTable") or op.get("BuiltinOptions2Table")
-                if carried != expected:
+                # an empty options table (ExpOptions...) is nothing to read: writers may omit it
+                if carried != expected and (carried is not None or table_plan(w.fmt, expected).fields):
                     raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                  f"it carries {carried or 'no options'} where {names[oi]} has {expected} (onert reads "
                                  f"them without a check)")

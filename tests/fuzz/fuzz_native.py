@@ -162,7 +162,7 @@ def mutate_manifest(rng: random.Random, manifest: dict, names: list[str]) -> tup
     done = []
     for _ in range(rng.choice((1, 1, 2, 3))):
         kind = rng.choice(("file", "file", "tokenizer", "value", "value", "drop", "swap"))
-        if kind == "file" and m.get("files"):
+        if kind == "file" and isinstance(m.get("files"), dict) and m["files"]:
             graph = rng.choice(sorted(m["files"]))
             m["files"][graph] = rng.choice(_BAD_NAMES + tuple(names))
             done.append(f"files[{graph}]={m['files'][graph]!r}")
@@ -178,7 +178,7 @@ def mutate_manifest(rng: random.Random, manifest: dict, names: list[str]) -> tup
             del m[key]
             done.append(f"drop {key}")
         else:  # two graphs' files swapped (a prefill graph as the decode graph)
-            if m.get("files") and len(m["files"]) > 1:
+            if isinstance(m.get("files"), dict) and len(m["files"]) > 1:
                 a, b = rng.sample(sorted(m["files"]), 2)
                 m["files"][a], m["files"][b] = m["files"][b], m["files"][a]
                 done.append(f"swap {a} {b}")

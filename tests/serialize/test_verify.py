@@ -148,6 +148,8 @@ DAMAGE = {
     # what -> (edit of the ModelT, words the error must contain)
     "op input out of range": (lambda m: _fc(m).inputs.__setitem__(0, 100000), "input 0 is tensor 100000"),
     "op output -1": (lambda m: m.subgraphs[0].operators[0].outputs.__setitem__(0, -1), "output 0 is tensor -1"),
+    "two writers": (lambda m: m.subgraphs[0].operators[1].outputs.__setitem__(0, m.subgraphs[0].operators[0].outputs[0]),
+                    "already holds a value"),
     "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
     "codes disagree": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode < 0),
                                          "deprecatedBuiltinCode", 0), "name different operators"),
