@@ -42,8 +42,11 @@ def _portable(err: BaseException) -> BaseException:
         return RuntimeRunError(f"{type(err).__name__}: {err}")
 
 
-def _serve(runtime: str, path: str, signature: str | None, conn: Any) -> None:
+def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end: Any) -> None:
     """The child: load the file in ``runtime``, then run what the parent sends until it closes."""
+    # the fork copied the parent's end too: closed, so the parent's death is an EOF here
+    # (else an orphaned child would wait for itself forever)
+    parent_end.close()
     torch = sys.modules.get("torch")
     if torch is not None:
         # the parent's OpenMP thread pool did not survive the fork: torch code in the child
@@ -80,7 +83,7 @@ class IsolatedSession:
         self.runtime, self.path, self.signature = runtime, str(path), signature
         ctx = multiprocessing.get_context("fork")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn), daemon=True,
+        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn, self._conn), daemon=True,
                                  name=f"circleops-{runtime}")
         self._proc.start()
         child_conn.close()  # only the child's copy stays open: its death ends our recv
