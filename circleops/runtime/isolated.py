@@ -31,15 +31,62 @@ def can_isolate() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
-def _portable(err: BaseException) -> BaseException:
-    """``err`` if it survives pickling, else a RuntimeRunError with its words."""
-    import pickle
+# The pipe carries no pickles: the child reads a file from outside, and a runtime it
+# runs might be subverted by that file, so what comes back is data only: a JSON header and
+# arrays in .npy format (np.load with allow_pickle=False).
 
-    try:
-        pickle.loads(pickle.dumps(err))
-        return err
-    except Exception:  # noqa: BLE001 - any unpicklable exception
-        return RuntimeRunError(f"{type(err).__name__}: {err}")
+def _pack(header: dict[str, Any], arrays: Sequence[Any] = ()) -> bytes:
+    import io
+    import json
+
+    import numpy as np
+
+    out = io.BytesIO()
+    head = json.dumps({**header, "arrays": len(arrays)}).encode()
+    out.write(len(head).to_bytes(8, "little"))
+    out.write(head)
+    for a in arrays:
+        np.lib.format.write_array(out, np.asarray(a), allow_pickle=False)
+    return out.getvalue()
+
+
+def _unpack(data: bytes) -> tuple[dict[str, Any], list[Any]]:
+    import io
+    import json
+
+    import numpy as np
+
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n].decode())
+    stream = io.BytesIO(data[8 + n:])
+    return header, [np.load(stream, allow_pickle=False) for _ in range(int(header["arrays"]))]
+
+
+def _specs(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+    return [[s.name, list(s.shape), s.dtype] for s in specs]
+
+
+def _tensor_specs(rows: Sequence[Sequence[Any]]) -> list[TensorSpec]:
+    return [TensorSpec(str(name), tuple(int(d) for d in shape), str(dtype)) for name, shape, dtype in rows]
+
+
+def _error(err: BaseException) -> bytes:
+    return _pack({"kind": "error", "type": type(err).__name__, "message": str(err)})
+
+
+def _raise(header: dict[str, Any]) -> None:
+    """The child's exception again: a circleops error by its class name (only those), an
+    AssertionError as itself (the test suite's cross-check), anything else as a
+    RuntimeRunError with the child's words."""
+    import circleops.errors as errors
+
+    name, message = str(header.get("type")), str(header.get("message"))
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.CircleOpsError):
+        raise cls(message)
+    if name == "AssertionError":
+        raise AssertionError(message)
+    raise RuntimeRunError(f"{name}: {message}")
 
 
 def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end: Any) -> None:
@@ -55,24 +102,25 @@ def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end
         torch.set_num_threads(1)
     try:
         session = runtime_module(runtime).Session(path, signature)
-        conn.send(("ok", (session.inputs, session.outputs)))
+        conn.send_bytes(_pack({"kind": "ok", "inputs": _specs(session.inputs), "outputs": _specs(session.outputs)}))
     except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
-        conn.send(("error", _portable(err)))
+        conn.send_bytes(_error(err))
         return
     while True:
         try:
-            message = conn.recv()
+            header, arrays = _unpack(conn.recv_bytes())
         except (EOFError, OSError):  # the parent is gone
             return
-        if message[0] != "run":
+        if header.get("kind") != "run":
             return
+        inputs: Any = dict(zip(header["names"], arrays)) if header.get("names") is not None else arrays
         try:
             import numpy as np
 
-            outputs = [np.asarray(o) for o in session.run(message[1])]
-            conn.send(("ok", (outputs, session.outputs)))
+            outputs = [np.asarray(o) for o in session.run(inputs)]
+            conn.send_bytes(_pack({"kind": "ok", "outputs": _specs(session.outputs)}, outputs))
         except BaseException as err:  # noqa: BLE001
-            conn.send(("error", _portable(err)))
+            conn.send_bytes(_error(err))
 
 
 class IsolatedSession:
@@ -87,7 +135,8 @@ class IsolatedSession:
                                  name=f"circleops-{runtime}")
         self._proc.start()
         child_conn.close()  # only the child's copy stays open: its death ends our recv
-        self._inputs, self._outputs = self._reply("load")
+        header, _ = self._reply("load")
+        self._inputs, self._outputs = _tensor_specs(header["inputs"]), _tensor_specs(header["outputs"])
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -104,24 +153,29 @@ class IsolatedSession:
         if self._proc is None:
             raise RuntimeRunError(f"the {self.runtime} session on {self.path} is closed")
         if isinstance(inputs, Mapping):
-            payload: Any = {k: np.asarray(v) for k, v in inputs.items()}
+            message = _pack({"kind": "run", "names": list(inputs)}, [np.asarray(v) for v in inputs.values()])
         else:
-            payload = [np.asarray(v) for v in inputs]
+            message = _pack({"kind": "run", "names": None}, [np.asarray(v) for v in inputs])
         try:
-            self._conn.send(("run", payload))
+            self._conn.send_bytes(message)
         except (BrokenPipeError, OSError):
             pass  # the child died: _reply says how
-        outputs, self._outputs = self._reply("run")
+        header, outputs = self._reply("run")
+        self._outputs = _tensor_specs(header["outputs"])
         return outputs
 
     def _reply(self, stage: str) -> Any:
         try:
-            kind, payload = self._conn.recv()
+            data = self._conn.recv_bytes()
         except (EOFError, OSError):
             raise self._crash(stage) from None
-        if kind == "error":
-            raise payload  # a CircleOpsError, or a bug: the same exception as in-process
-        return payload
+        try:
+            header, arrays = _unpack(data)
+        except Exception as err:  # noqa: BLE001 - a child that sends garbage is a broken child
+            raise RuntimeRunError(f"the {self.runtime} child process on {self.path} answered garbage ({err})") from None
+        if header.get("kind") == "error":
+            _raise(header)
+        return header, arrays
 
     def _crash(self, stage: str) -> RuntimeCrashError:
         proc = self._proc
@@ -149,7 +203,7 @@ class IsolatedSession:
         if proc is None:
             return
         try:
-            self._conn.send(("close", None))
+            self._conn.send_bytes(_pack({"kind": "close"}))
         except (BrokenPipeError, OSError):
             pass
         self._conn.close()
