@@ -110,13 +110,21 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
 def _check_caches(manifest: Any, decode: Session) -> None:
     """ModelLoadError unless the decode graph takes the caches the manifest describes (a
     manifest's num_layers or cache_shape is what the caches are allocated from)."""
+    import dataclasses
+    from collections import Counter
+
     shapes = [tuple(spec.shape) for spec in decode.inputs]
-    want = sorted(tuple(s) for s in manifest.cache_shapes)
-    got = sorted(s for s in shapes if s in set(want))
+    # one layer's (k, v) shapes times num_layers, counted: the manifest's own list of
+    # 2 x num_layers shapes is not built before num_layers is known to be the graph's
+    k, v = (tuple(s) for s in dataclasses.replace(manifest, num_layers=1).cache_shapes)
+    want = Counter({k: 0, v: 0})
+    want[k] += manifest.num_layers
+    want[v] += manifest.num_layers
+    got = Counter(s for s in shapes if s in want)
     if len(shapes) != len(manifest.inputs) or got != want:
         raise ModelLoadError(f"{manifest.directory}/{MANIFEST} does not describe its decode graph: it lists "
-                             f"{len(manifest.inputs)} inputs and {len(want)} caches of shapes "
-                             f"{sorted(set(want))}, the graph takes {len(shapes)} inputs of shapes {shapes}. "
+                             f"{len(manifest.inputs)} inputs and {2 * manifest.num_layers} caches of shapes "
+                             f"{sorted(want)}, the graph takes {len(shapes)} inputs of shapes {shapes}. "
                              f"Convert again with --graphs.")
 
 

@@ -368,12 +368,13 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
     for k, oc in enumerate(opcodes):
         builtin, deprecated = oc["BuiltinCode"], oc["DeprecatedBuiltinCode"]
         # the two fields must name one operator: readers differ in which they trust (onert
-        # takes max(builtin, deprecated), so a Circle extended op whose deprecated code is not
-        # its negative code becomes another op, with options of the wrong type: SIGSEGV)
+        # takes the deprecated one below 127, so SOFTMAX with deprecated code 0 or a Circle
+        # extended op whose deprecated code is not its negative code becomes ADD, with options
+        # of the wrong type: SIGSEGV)
         if builtin < 0 or deprecated < 0:
             consistent = builtin == deprecated
-        else:
-            consistent = not builtin or not deprecated or deprecated == min(builtin, 127)
+        else:  # TFLite's rule; files older than builtin_code fill only the deprecated field
+            consistent = not builtin or deprecated == min(builtin, 127)
         if not consistent:
             raise w.fail(f"operator code {k}", f"builtin code {builtin} and deprecated builtin code {deprecated} name "
                                                f"different operators")

@@ -151,6 +151,8 @@ DAMAGE = {
     "two writers": (lambda m: m.subgraphs[0].operators[1].outputs.__setitem__(0, m.subgraphs[0].operators[0].outputs[0]),
                     "already holds a value"),
     "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
+    "deprecated code 0": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode > 0),
+                                            "deprecatedBuiltinCode", 0), "name different operators"),
     "codes disagree": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode < 0),
                                          "deprecatedBuiltinCode", 0), "name different operators"),
     "opcode index": (lambda m: setattr(m.subgraphs[0].operators[0], "opcodeIndex", 1000), "opcode index 1000"),
