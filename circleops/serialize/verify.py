@@ -439,6 +439,8 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
             elif t["IsVariable"]:
                 ready.add(ti)
                 variables.add(ti)
+            elif shape and 0 in shape:  # a constant of no elements has no bytes to store
+                ready.add(ti)
             q = t["Quantization"]
             if q is not None:
                 _check_quant(w, f"subgraph {si} tensor {ti}", q, shape)
