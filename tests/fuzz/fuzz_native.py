@@ -2,7 +2,6 @@
 
     python tests/fuzz/fuzz_native.py --cases 2000                     # every path, 2,000 cases each
     python tests/fuzz/fuzz_native.py --paths onert --cases 300 --seed 3
-    python tests/fuzz/fuzz.py --native --cases 2000                   # the same, from the main harness
 
 Paths:
 * ``onert``: a mutated Circle file (a 1-layer Llama decode graph for target onert, and a small
