@@ -137,6 +137,25 @@ def empty_caches(manifest: Any) -> list[Any]:
     return [np.zeros(shape, dtype=np.float32) for shape in manifest.cache_shapes]
 
 
+def _check_cache_outputs(caches: list[Any], outputs: Sequence[Any], cache_layout: str) -> None:
+    """ModelLoadError unless a graph's new k/v rows fit the caches (a damaged or foreign graph
+    file, or a manifest that does not describe it)."""
+    ok = len(outputs) == len(caches)
+    half = len(caches) // 2
+    for i, (cache, out) in enumerate(zip(caches, outputs)):
+        if not ok:
+            break
+        shape = tuple(getattr(out, "shape", ()))
+        c = tuple(cache.shape)
+        heads_dim = c[2:] if cache_layout != HEAD_MAJOR else (c[1], c[3]) if i < half else (c[1], c[2])
+        ok = len(shape) == 4 and shape[0] == 1 and shape[2:] == heads_dim
+    if not ok:
+        raise ModelLoadError(f"the graph returned caches of shapes {[list(getattr(o, 'shape', ())) for o in outputs]}, "
+                             f"which do not fit the manifest's {len(caches)} caches of shapes "
+                             f"{sorted({tuple(c.shape) for c in caches})}; the graph file or its "
+                             f"manifest.json is damaged. Convert again with --graphs.")
+
+
 def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_update: str,
                  cache_layout: str = SLOT_MAJOR) -> list[Any]:
     """The caches after a step whose cache outputs are ``outputs`` (manifest ``cache_update``):
@@ -145,7 +164,8 @@ def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_upda
     caches' ``cache_layout`` (no cache is copied; slots past the end are dropped, as the
     "full" form drops them)."""
     if cache_update != "rows":
-        return list(outputs)
+        return list(outputs)  # the next run's input check (check_inputs) sees their shapes
+    _check_cache_outputs(caches, outputs, cache_layout)
     half = len(caches) // 2
     for i, (cache, rows) in enumerate(zip(caches, outputs)):
         if cache_layout == HEAD_MAJOR:
