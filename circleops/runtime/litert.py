@@ -90,6 +90,10 @@ class Session:
             except ValueError as err:
                 raise RuntimeRunError(f"LiteRT: {path} has no signature {signature!r}: {err}") from None
             by_name, out_by_name = self._runner.get_input_details(), self._runner.get_output_details()
+            missing = [n for n in self._names if n not in by_name] + [n for n in self._out_names if n not in out_by_name]
+            if missing:  # the file's SignatureDef and LiteRT's view of it disagree: a damaged file
+                raise RuntimeRunError(f"LiteRT: signature {signature!r} of {path} names tensors {missing!r} that "
+                                      f"LiteRT does not find in it; the file is damaged. Convert it again.")
             self._in_details = [by_name[n] for n in self._names]
             self._out_details = [out_by_name[n] for n in self._out_names]
 
