@@ -51,6 +51,9 @@ _FLAGS = {"Bool": "?", "Int8": "b", "Uint8": "B", "Int16": "h", "Uint16": "H", "
 # bytes per element of a constant, beyond buffers.ELEMENT_SIZE (types circleops does not write)
 _MORE_ELEMENT_SIZES = {"COMPLEX64": 8, "COMPLEX128": 16, "FLOAT8_E4M3FN": 1, "FLOAT8_E5M2": 1}
 
+# option fields that must be >= 1 (onert divides by them: a stride of -2 killed it)
+_POSITIVE_OPTIONS = ("Stride", "Dilation", "Filter")
+
 _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")
 _HH = struct.Struct("<HH")
@@ -492,6 +495,9 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                 options = op.get(attr)
                 if options:
                     for field, value in options.items():
+                        if field.startswith(_POSITIVE_OPTIONS) and isinstance(value, int) and value < 1:
+                            raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
+                                         f"{field} is {value}; strides, dilations and filter sizes are at least 1")
                         if field.endswith("SubgraphIndex") and isinstance(value, int) and not 0 <= value < nsub:
                             raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                          f"{field} {value} is out of range (the file has {nsub} subgraphs)")

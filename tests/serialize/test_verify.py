@@ -150,6 +150,9 @@ DAMAGE = {
     "op output -1": (lambda m: m.subgraphs[0].operators[0].outputs.__setitem__(0, -1), "output 0 is tensor -1"),
     "two writers": (lambda m: m.subgraphs[0].operators[1].outputs.__setitem__(0, m.subgraphs[0].operators[0].outputs[0]),
                     "already holds a value"),
+    "negative stride": (lambda m: setattr(next(op.builtinOptions for op in m.subgraphs[0].operators
+                                               if hasattr(op.builtinOptions, "strideH")), "strideH", -2),
+                        "StrideH is -2"),
     "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
     "deprecated code 0": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode > 0),
                                             "deprecatedBuiltinCode", 0), "name different operators"),
