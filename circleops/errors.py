@@ -13,6 +13,11 @@ class ModelLoadError(CircleOpsError):
     """The model could not be found, read or built."""
 
 
+class CorruptFileError(ModelLoadError):
+    """A Circle/TFLite file fails circleops' structural verification (offsets, vtables,
+    vectors, indices or buffer sizes out of place): a native runtime would read outside it."""
+
+
 class ExportError(CircleOpsError):
     """torch.export failed on the model."""
 
@@ -31,6 +36,11 @@ class OutputError(CircleOpsError):
 
 class RuntimeRunError(CircleOpsError):
     """A runtime (onert, LiteRT, the reference interpreter) failed to run a file."""
+
+
+class RuntimeCrashError(RuntimeRunError):
+    """A native runtime died of a signal (SIGSEGV, SIGBUS...) on a file that passed
+    circleops' verification; reported by the one-shot commands, which run it in a child."""
 
 
 class HostCPUError(RuntimeRunError):

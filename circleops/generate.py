@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
-from circleops.manifest import GRAPH_NAMES, Manifest, graph_runtimes, read_manifest
+from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
 
@@ -81,13 +81,15 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
-def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
+def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = False) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
-    numpy inputs in the manifest's input order and returns outputs in its output order."""
+    numpy inputs in the manifest's input order and returns outputs in its output order.
+    ``isolated``: a native runtime in a child process (open_session), for one-shot checks."""
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
+    confined(manifest.directory, manifest.files[graph], f"the file of graph {graph!r}", manifest.directory / MANIFEST)
     path = manifest.path(graph)
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
@@ -104,10 +106,31 @@ def open_graph(manifest: Any, graph: str, runtime: str) -> Session:
         # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
         os.environ[env] = str(threads)
         try:
-            return open_session(runtime, path, signature)
+            return open_session(runtime, path, signature, isolated=isolated)
         finally:
             del os.environ[env]
-    return open_session(runtime, path, signature)
+    return open_session(runtime, path, signature, isolated=isolated)
+
+
+def _check_caches(manifest: Any, decode: Session) -> None:
+    """ModelLoadError unless the decode graph takes the caches the manifest describes (a
+    manifest's num_layers or cache_shape is what the caches are allocated from)."""
+    import dataclasses
+    from collections import Counter
+
+    shapes = [tuple(spec.shape) for spec in decode.inputs]
+    # one layer's (k, v) shapes times num_layers, counted: the manifest's own list of
+    # 2 x num_layers shapes is not built before num_layers is known to be the graph's
+    k, v = (tuple(s) for s in dataclasses.replace(manifest, num_layers=1).cache_shapes)
+    want = Counter({k: 0, v: 0})
+    want[k] += manifest.num_layers
+    want[v] += manifest.num_layers
+    got = Counter(s for s in shapes if s in want)
+    if len(shapes) != len(manifest.inputs) or got != want:
+        raise ModelLoadError(f"{manifest.directory}/{MANIFEST} does not describe its decode graph: it lists "
+                             f"{len(manifest.inputs)} inputs and {2 * manifest.num_layers} caches of shapes "
+                             f"{sorted(want)}, the graph takes {len(shapes)} inputs of shapes {shapes}. "
+                             f"Convert again with --graphs.")
 
 
 # --------------------------------------------------------------------------- generation
@@ -119,6 +142,25 @@ def empty_caches(manifest: Any) -> list[Any]:
     return [np.zeros(shape, dtype=np.float32) for shape in manifest.cache_shapes]
 
 
+def _check_cache_outputs(caches: list[Any], outputs: Sequence[Any], cache_layout: str) -> None:
+    """ModelLoadError unless a graph's new k/v rows fit the caches (a damaged or foreign graph
+    file, or a manifest that does not describe it)."""
+    ok = len(outputs) == len(caches)
+    half = len(caches) // 2
+    for i, (cache, out) in enumerate(zip(caches, outputs)):
+        if not ok:
+            break
+        shape = tuple(getattr(out, "shape", ()))
+        c = tuple(cache.shape)
+        heads_dim = c[2:] if cache_layout != HEAD_MAJOR else (c[1], c[3]) if i < half else (c[1], c[2])
+        ok = len(shape) == 4 and shape[0] == 1 and shape[2:] == heads_dim
+    if not ok:
+        raise ModelLoadError(f"the graph returned caches of shapes {[list(getattr(o, 'shape', ())) for o in outputs]}, "
+                             f"which do not fit the manifest's {len(caches)} caches of shapes "
+                             f"{sorted({tuple(c.shape) for c in caches})}; the graph file or its "
+                             f"manifest.json is damaged. Convert again with --graphs.")
+
+
 def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_update: str,
                  cache_layout: str = SLOT_MAJOR) -> list[Any]:
     """The caches after a step whose cache outputs are ``outputs`` (manifest ``cache_update``):
@@ -127,7 +169,8 @@ def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_upda
     caches' ``cache_layout`` (no cache is copied; slots past the end are dropped, as the
     "full" form drops them)."""
     if cache_update != "rows":
-        return list(outputs)
+        return list(outputs)  # the next run's input check (check_inputs) sees their shapes
+    _check_cache_outputs(caches, outputs, cache_layout)
     half = len(caches) // 2
     for i, (cache, rows) in enumerate(zip(caches, outputs)):
         if cache_layout == HEAD_MAJOR:
@@ -250,6 +293,7 @@ class Generator:
         # prefill length -> its session, longest first
         self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}
         self.decode_session = open_graph(m, "decode", self.runtime)
+        _check_caches(m, self.decode_session)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
@@ -477,7 +521,8 @@ def load_tokenizer(manifest: Any) -> Any:
     if not manifest.tokenizer:
         raise ModelLoadError(f"{manifest.directory} has no tokenizer (the model was converted without one, e.g. "
                              f"from --config): pass the prompt as token ids with --token-ids 1,2,3.")
-    path = manifest.directory / manifest.tokenizer
+    # checked again here: a Manifest can be built by hand, not only read (read_manifest checks)
+    path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
     if not path.is_dir():
         raise ModelLoadError(f"the tokenizer directory {path} listed in manifest.json is missing. Convert again.")
     if (path / "tokenizer.json").is_file():

@@ -635,7 +635,8 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
     ids = [int(i) for i in refs.ids]
     errors: dict[str, float] = {}
     wants: dict[str, Any] = {}
-    decode = open_graph(manifest, "decode", runtime) if "decode" in graphs else None
+    # isolated: a runtime crash on a written graph is reported, not fatal (issue 24)
+    decode = open_graph(manifest, "decode", runtime, isolated=True) if "decode" in graphs else None
     zeros = empty_caches(manifest)
     for n, g in manifest.prefill_graphs.items():
         if g not in graphs:
@@ -644,7 +645,7 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
         buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
         buf[0, :p] = ids[:p]
         caches = [z.copy() for z in zeros]
-        outs = open_graph(manifest, g, runtime).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
+        outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
         errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
         if decode is not None and "decode" not in errors:  # after the longest prefill
             caches = store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout)

@@ -128,6 +128,69 @@ class Manifest:
         return path
 
 
+def confined(directory: Path, name: Any, what: str, manifest_path: Path) -> str:
+    """``name`` from a manifest, checked to stay inside ``directory``: a relative path without
+    ``..`` whose real location (symlinks followed) is inside the directory. A converted
+    directory may come from someone else; its manifest must not point circleops (and onert,
+    which reads without verifying) at /etc/passwd or at a file beside the directory."""
+    why = None
+    if not isinstance(name, str) or not name or "\0" in name or not Path(name).parts:
+        why = "is not a file name"
+    elif os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
+        why = "is an absolute path"
+    elif ".." in Path(name.replace("\\", "/")).parts:
+        why = "leaves the directory with '..'"
+    else:
+        real, root = (directory / name).resolve(), directory.resolve()
+        if real != root and root not in real.parents:
+            why = f"is a symbolic link to {real}, outside the directory"
+        elif real == root:
+            why = "names the directory itself"
+    if why:
+        raise ModelLoadError(f"{manifest_path}: {what} {name!r} {why}; a manifest names only files inside its own "
+                             f"directory. The directory is damaged or was not written by `circleops convert "
+                             f"--graphs`: convert again.")
+    return name
+
+
+def confined_tokenizer(directory: Path, name: str, manifest_path: Path) -> Path:
+    """The tokenizer directory ``name`` of a manifest, and every file in it, confined to
+    ``directory`` (see :func:`confined`); returns its path."""
+    confined(directory, name, "the tokenizer directory", manifest_path)
+    path = directory / name
+    if path.is_dir():
+        for entry in sorted(path.iterdir()):
+            confined(directory, str(Path(name) / entry.name), "the tokenizer file", manifest_path)
+    return path
+
+
+def _check_types(m: Manifest, path: Path) -> None:
+    """ModelLoadError unless every field has its type (a hand-edited or hostile manifest must
+    fail here, not as a TypeError deep in generation)."""
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+    wrong = [name for name, ok in (
+        ("target", isinstance(m.target, str)), ("dtype", isinstance(m.dtype, str)),
+        ("files", isinstance(m.files, dict) and all(isinstance(k, str) for k in m.files)),
+        ("signatures", isinstance(m.signatures, dict)
+         and all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in m.signatures.items())),
+        ("inputs", strings(m.inputs)), ("outputs", strings(m.outputs)),
+        ("prefill_inputs", m.prefill_inputs is None or strings(m.prefill_inputs)),
+        ("eos_token_ids", ints(m.eos_token_ids)), ("cache_shape", ints(m.cache_shape)),
+        ("tokenizer", m.tokenizer is None or isinstance(m.tokenizer, str)),
+        ("source", isinstance(m.source, str)), ("quantize", m.quantize is None or isinstance(m.quantize, str)),
+        ("num_threads", m.num_threads is None or (isinstance(m.num_threads, int) and 1 <= m.num_threads <= 1024)),
+        ("cache_update", isinstance(m.cache_update, str)), ("cache_layout", isinstance(m.cache_layout, str)),
+    ) if not ok]
+    if wrong:
+        raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
+                             f"Convert again with --graphs.")
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """The manifest of a directory written by ``circleops convert --graphs``."""
     d = Path(directory)
@@ -146,6 +209,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
+    if not isinstance(data, dict):
+        data = {}  # reported as the wrong format just below
     if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:
         raise ModelLoadError(f"{path} is not a circleops generate manifest of version "
                              f"{' or '.join(map(str, READABLE_VERSIONS))} "
@@ -166,6 +231,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR)
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
+    _check_types(m, path)
     if m.cache_update not in CACHE_UPDATES:
         raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
                              f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
@@ -174,4 +240,13 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                              f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
+    sizes = [m.prefill_len, m.max_cache_len, m.num_layers, m.vocab_size, *m.prefill_graphs]
+    if len(m.cache_shape) != 4 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                          for n in sizes + m.cache_shape):
+        raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
+                             f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
+    for graph, name in m.files.items():
+        confined(d, name, f"the file of graph {graph!r}", path)
+    if m.tokenizer is not None:
+        confined_tokenizer(d, m.tokenizer, path)
     return m

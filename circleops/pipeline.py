@@ -654,7 +654,8 @@ def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], ex
     from circleops.runtime import open_session
 
     np_inputs = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in inputs]
-    outs = open_session(runtime, path).run(np_inputs)
+    # isolated: a runtime crash on the written file is reported, not fatal (issue 24)
+    outs = open_session(runtime, path, isolated=True).run(np_inputs)
     if len(outs) != len(expected):
         raise VerifyError(f"{runtime} returned {len(outs)} outputs where torch returns {len(expected)}.")
     err, scale = 0.0, 0.0

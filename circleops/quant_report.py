@@ -232,11 +232,10 @@ def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example) -> li
 
 
 def _session(runtime: str, path: Path) -> Callable[[list[Any]], list[Any]]:
-    import importlib
+    from circleops.runtime import open_session
 
-    mod = importlib.import_module(f"circleops.runtime.{runtime}")
-    session = mod.Session(str(path))
-    return session.run
+    # isolated: a crash of onert on the file is reported, not fatal (issue 24)
+    return open_session(runtime, str(path), isolated=True).run
 
 
 def _run(runtime: str, path: Path, inputs: list[Any]) -> list[Any]:

@@ -29,7 +29,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # test_quantize_smollm2.py: 30 real layers amplify Q8_0 input-rounding flips (see GGML_CROSS_CHECK_ATOL)
 # past 1e-2 of the logits; its verify still compares onert with torch on the same weights.
 _CROSS_CHECK_OPT_OUT = ("test_onert_runtime.py", "test_quantize_smollm2.py",
-                        "test_coverage_opinfo.py")  # compares every runtime with torch itself
+                        "test_coverage_opinfo.py",  # compares every runtime with torch itself
+                        "test_fuzz_native.py")  # mutated files: onert and the interpreter may rightly differ
 CROSS_CHECK_ATOL = 1e-5
 # A file with GGML weights: onert's kernel rounds each linear's input to Q8_0, so a 1-ulp
 # difference upstream (an RMS_NORM's summation order) can move one value across a rounding

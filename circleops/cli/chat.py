@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from circleops.chat import Chat, CacheFullError
     from circleops.generate import Generator, TextStream, hf_tokenizer, choose_runtime
-    from circleops.manifest import read_manifest
+    from circleops.manifest import MANIFEST, confined_tokenizer, read_manifest
 
     manifest = read_manifest(args.directory)
     runtime, note = choose_runtime(manifest, args.runtime)
@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
 
         raise ModelLoadError(f"{manifest.directory} has no tokenizer (converted without one, e.g. from --config), "
                              f"so there is no chat template to talk through. Convert a model with a tokenizer.")
-    tokenizer = hf_tokenizer(manifest.directory / manifest.tokenizer)
+    tokenizer = hf_tokenizer(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
     sampler = sampler_from_args(args, manifest.directory)
     chat = Chat(Generator(manifest, runtime=runtime), tokenizer, system=args.system)
     interactive = sys.stdin.isatty()

@@ -78,14 +78,14 @@ def main(args: argparse.Namespace) -> int:
     inputs = prepared.inputs if prepared else _load_inputs([p for group in args.input for p in group])
     runtime_module(args.runtime)  # imported before the clock starts: the time is the run's
     t0 = time.perf_counter()
-    session = open_session(args.runtime, path, args.signature)
+    session = open_session(args.runtime, path, args.signature, isolated=True)
     outputs = [np.asarray(o) for o in session.run(inputs)]
     seconds = time.perf_counter() - t0
     names = [spec.name for spec in session.outputs]
     print(f"{path}: {len(outputs)} outputs from {args.runtime} in {seconds * 1e3:.1f} ms (file read included)")
     others = None
     if args.compare:
-        others = [np.asarray(o) for o in open_session(args.compare, path, args.signature).run(inputs)]
+        others = [np.asarray(o) for o in open_session(args.compare, path, args.signature, isolated=True).run(inputs)]
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

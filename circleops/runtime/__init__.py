@@ -37,6 +37,9 @@ class Runtime:
     label: str  # how messages name it
     selects_signatures: bool  # can run a signature other than subgraph 0 of a file
     threads_env: str | None  # the environment variable its thread count is read from
+    # its native code reads the file in this process: one-shot commands (run, --verify, check)
+    # open it in a child process (circleops.runtime.isolated), so a crash is an error, not fatal
+    native: bool = False
 
 
 _REGISTRY: dict[str, Runtime] = {}
@@ -85,9 +88,9 @@ def runtime_info(name: str) -> Runtime:
 
 
 register_runtime(Runtime("onert", ("circle",), "circleops.runtime.onert", "onert", selects_signatures=False,
-                         threads_env="NUM_THREADS"))
+                         threads_env="NUM_THREADS", native=True))
 register_runtime(Runtime("litert", ("tflite",), "circleops.runtime.litert", "LiteRT", selects_signatures=True,
-                         threads_env=None))
+                         threads_env="NUM_THREADS", native=True))
 register_runtime(Runtime("reference", ("circle", "tflite"), "circleops.runtime.reference",
                          "circleops' reference interpreter", selects_signatures=True, threads_env=None))
 
@@ -157,13 +160,22 @@ def runtime_module(runtime: str) -> ModuleType:
                               "or use --runtime reference") from None
 
 
-def open_session(runtime: str, path: str | os.PathLike, signature: str | None = None) -> Session:
+def open_session(runtime: str, path: str | os.PathLike, signature: str | None = None, *,
+                 isolated: bool = False) -> Session:
     """A prepared session of ``runtime`` on the file at ``path`` (``signature``: run that
-    signature instead of the main subgraph)."""
+    signature instead of the main subgraph). Every runtime verifies the file first
+    (circleops.serialize.verify). ``isolated``: run a native runtime (onert, LiteRT) in a
+    child process, so that a crash inside it becomes a RuntimeCrashError instead of killing
+    this process (one-shot commands; generation keeps in-process sessions for speed)."""
     from circleops.errors import RuntimeRunError
 
     module = runtime_module(runtime)
     try:
+        if isolated and runtime_info(runtime).native:
+            from circleops.runtime.isolated import IsolatedSession, can_isolate
+
+            if can_isolate():
+                return IsolatedSession(runtime, path, signature)
         return module.Session(path, signature)
     except ImportError as err:  # the runtime's native package, imported on first use
         raise RuntimeRunError(f"runtime {runtime!r} is not available ({err}); install circleops[{runtime}] "

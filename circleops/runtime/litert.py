@@ -19,6 +19,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
+from circleops.serialize.verify import verify_file
 
 NUM_THREADS = 2  # when the NUM_THREADS environment variable is not set
 
@@ -78,6 +79,7 @@ class Session:
         self.signature = signature
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
+        verify_file(self.path)  # before any native code reads the file (issue 24)
         self.num_threads = num_threads()
         try:
             # the tensors are allocated here, once: that is when LiteRT applies its delegate
@@ -106,6 +108,10 @@ class Session:
             except ValueError as err:
                 raise RuntimeRunError(f"LiteRT: {path} has no signature {signature!r}: {err}") from None
             by_name, out_by_name = self._runner.get_input_details(), self._runner.get_output_details()
+            missing = [n for n in self._names if n not in by_name] + [n for n in self._out_names if n not in out_by_name]
+            if missing:  # the file's SignatureDef and LiteRT's view of it disagree: a damaged file
+                raise RuntimeRunError(f"LiteRT: signature {signature!r} of {path} names tensors {missing!r} that "
+                                      f"LiteRT does not find in it; the file is damaged. Convert it again.")
             self._in_details = [by_name[n] for n in self._names]
             self._out_details = [out_by_name[n] for n in self._out_names]
 

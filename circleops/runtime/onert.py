@@ -26,6 +26,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs
+from circleops.serialize.verify import verify_file
 
 
 @contextlib.contextmanager
@@ -67,6 +68,15 @@ class Session:
                                   f"or run the signature with --runtime reference.")
         if not os.path.isfile(self.path):
             raise RuntimeRunError(f"cannot run {self.path}: no such file")
+        # onert reads the flatbuffer without verifying it: a damaged or hostile file would make
+        # it read out of bounds in this process (issue 24), so circleops checks it first
+        verified = verify_file(self.path)
+        _check_host(self.path, verified.tensor_types)
+        if verified.offset_buffers:
+            raise RuntimeRunError(
+                f"onert cannot load {self.path}: {verified.offset_buffers} of its buffers keep their weights after the "
+                f"flatbuffer (Buffer.offset/size), and onert 0.1.0 crashes (SIGSEGV) on such files. Run it with "
+                f"--runtime reference, or convert it again with circleops (--target onert writes weights inline).")
         self._link_dir: tempfile.TemporaryDirectory | None = None  # removed with the session
         load_path = self.path
         if Path(self.path).suffix not in (".circle", ".tflite"):
@@ -74,7 +84,6 @@ class Session:
             self._link_dir = tempfile.TemporaryDirectory()
             load_path = os.path.join(self._link_dir.name, Path(self.path).name + ".circle")
             os.symlink(os.path.abspath(self.path), load_path)
-        _check_host(self.path)
         from onert.native.libnnfw_api_pybind import infer, prepare_config  # heavy: loaded on first use
 
         failure: Exception | None = None
@@ -134,19 +143,14 @@ class Session:
         return outputs
 
 
-def _check_host(path: str) -> None:
+def _check_host(path: str, types: frozenset[str]) -> None:
     """HostCPUError before onert loads a file whose GGML weights this CPU cannot run: onert
     would kill the process with SIGILL at the first run (circleops.runtime.host)."""
     from circleops import ir
-    from circleops.errors import CircleOpsError, HostCPUError
+    from circleops.errors import HostCPUError
     from circleops.runtime.host import onert_ggml_refusal
-    from circleops.serialize.reader import tensor_types
 
-    try:
-        ggml = {t for t in tensor_types(path) if t in ir.GGML_BLOCKS}
-    except CircleOpsError:
-        return  # not a readable file: onert's own load error says so
-    refusal = onert_ggml_refusal(path, ggml)
+    refusal = onert_ggml_refusal(path, {t for t in types if t in ir.GGML_BLOCKS})
     if refusal:
         raise HostCPUError(refusal)
     refusal = integer_refusal(path)

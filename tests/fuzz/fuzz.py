@@ -3,6 +3,7 @@
     python tests/fuzz/fuzz.py --cases 20000            # the long run (a few minutes)
     python tests/fuzz/fuzz.py --cases 300 --seed 7     # reproduce a CI run
     python tests/fuzz/fuzz.py --replay CASE_FILE       # one saved failing case
+    python tests/fuzz/fuzz_native.py --cases 2000      # the files and directories onert / LiteRT get
 
 Seed files are small real models written by circleops (Circle with fused RMS_NORM, TFLite
 with a STABLEHLO_COMPOSITE and its decomposition, and a hand-built graph whose FILL / TILE /
