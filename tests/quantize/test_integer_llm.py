@@ -96,9 +96,11 @@ def test_int4_llm_fixed_point_matches_fake_quant(tiny_llama_int4):
     out = reference.run(str(path), [ids.numpy()])[0]
     want = converted(ids).detach().numpy()
     step = float(sg.tensors[sg.operators[-1].inputs[0]].quant.scale[0])  # the logits' int16 step
-    # each kernel rounds once where torch rounds in float: 2 layers of them, measured 3 steps
+    # each kernel rounds once where torch rounds in float: 2 layers of them. Measured 3 steps on
+    # the former tiny Llama; on the sharp one of tests/families.py (its attention amplifies a
+    # rounding flip) max 6 steps of the ~30000 of max|logit|, 75 % within 1 step, 92 % within 2
     diff = np.abs(out - want) / step
-    assert diff.max() <= 4 and (diff <= 1 + 1e-3).mean() > 0.9
+    assert diff.max() <= 8 and (diff <= 2 + 1e-3).mean() > 0.85, (diff.max(), (diff <= 2 + 1e-3).mean())
 
 
 # ------------------------------------------------------------------ convert: the recipe end to end
