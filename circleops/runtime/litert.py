@@ -19,6 +19,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
+from circleops.runtime.isolated import note_in_process
 from circleops.serialize.verify import verify_file
 
 NUM_THREADS = 2  # when the NUM_THREADS environment variable is not set
@@ -80,6 +81,7 @@ class Session:
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
         verify_file(self.path)  # before any native code reads the file (issue 24)
+        note_in_process("litert")  # later isolated sessions must not fork from here
         self.num_threads = num_threads()
         try:
             # the tensors are allocated here, once: that is when LiteRT applies its delegate

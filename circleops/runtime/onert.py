@@ -26,6 +26,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs
+from circleops.runtime.isolated import note_in_process
 from circleops.serialize.verify import verify_file
 
 
@@ -71,6 +72,7 @@ class Session:
         # onert reads the flatbuffer without verifying it: a damaged or hostile file would make
         # it read out of bounds in this process (issue 24), so circleops checks it first
         verified = verify_file(self.path)
+        note_in_process("onert")  # later isolated sessions must not fork from here
         _check_host(self.path, verified.tensor_types)
         if verified.offset_buffers:
             raise RuntimeRunError(
