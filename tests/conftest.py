@@ -130,19 +130,19 @@ _host_missing: list[list[str]] = []  # this machine's answer, taken before any t
 def _ggml_host_fallback_recorded(request, monkeypatch):
     from circleops.runtime import host
 
-    original = host.missing_for_onert_ggml
+    original = host.missing_flags  # every host check of a format's CPU flags goes through it
     if not _host_missing:
-        _host_missing.append(original())
+        _host_missing.append(host.missing_for_onert_ggml())
 
-    def recorded() -> list[str]:
-        missing = original()
+    def recorded(needed) -> list[str]:
+        missing = original(needed)
         # tests that stub the CPU flags (tests/runtime/test_host_cpu.py) on a machine that
         # runs GGML on onert still ran onert elsewhere: only this machine's lack counts
         if missing and _host_missing[0] and not any(k == _GGML_MARK for k, _ in request.node.user_properties):
             request.node.user_properties.append((_GGML_MARK, ", ".join(missing)))
         return missing
 
-    monkeypatch.setattr(host, "missing_for_onert_ggml", recorded)
+    monkeypatch.setattr(host, "missing_flags", recorded)
     yield
 
 

@@ -15,13 +15,11 @@ step must not pay a round trip through a pipe.
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
 import sys
-import types
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from circleops.errors import RuntimeCrashError, RuntimeRunError
 from circleops.runtime import TensorSpec, runtime_module
@@ -29,48 +27,24 @@ from circleops.runtime import TensorSpec, runtime_module
 
 # Runtimes whose native code has run in this process (an in-process Session: generate, a
 # test). Their libraries keep thread pools and locks a fork does not carry over: a child
-# forked after that can wait forever inside the runtime (measured: onert's run in a forked
-# pytest worker that had run onert before never returned). Then the child comes from a
-# fork server instead, a clean process started once that forks each child.
+# forked after that can wait forever inside the runtime (measured: onert's run in a child
+# forked from a pytest worker that had run onert never returned, and the suite hung). Such a
+# process runs later sessions in-process, as generate does; a one-shot command (run,
+# --verify, check) starts fresh and forks its child before any native code ran.
 _NATIVE_USED: set[str] = set()
 
 
 def note_in_process(runtime: str) -> None:
     """Record that ``runtime``'s native code runs in this process (its Session's constructor
-    calls this), so later isolated sessions fork from a clean server instead of from here."""
+    calls this): from then on this process cannot fork a sound child for it."""
     _NATIVE_USED.add(runtime)
 
 
-def _context() -> Any:
-    if not _NATIVE_USED:
-        return multiprocessing.get_context("fork")  # starts in milliseconds, modules already loaded
-    ctx = multiprocessing.get_context("forkserver")
-    # the server imports the runtimes once (an ImportError is skipped): each child starts warm
-    ctx.set_forkserver_preload(["circleops.runtime.isolated", "circleops.runtime.onert", "circleops.runtime.litert"])
-    return ctx
-
-
-@contextlib.contextmanager
-def _plain_main(ctx: Any) -> Iterator[None]:
-    """A fork-server child would import the user's ``__main__`` script again (multiprocessing's
-    spawn preparation), running a script without an ``if __name__ == "__main__"`` guard twice:
-    the child needs nothing from it, so it is not named while the child starts."""
-    if ctx.get_start_method() == "fork":
-        yield
-        return
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
 def can_isolate() -> bool:
-    """Whether children can be forked here (Linux, macOS): a forked child inherits the loaded
-    modules, so it starts in milliseconds where a spawned interpreter re-imports torch."""
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether a sound child can be forked here: fork exists (Linux, macOS; a forked child
+    inherits the loaded modules, so it starts in milliseconds where a spawned interpreter
+    re-imports torch), and no native runtime has run in this process yet."""
+    return "fork" in multiprocessing.get_all_start_methods() and not _NATIVE_USED
 
 
 # The pipe carries no pickles: the child reads a file from outside, and a runtime it
@@ -171,12 +145,11 @@ class IsolatedSession:
 
     def __init__(self, runtime: str, path: str | os.PathLike, signature: str | None = None):
         self.runtime, self.path, self.signature = runtime, str(path), signature
-        ctx = _context()
+        ctx = multiprocessing.get_context("fork")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn, self._conn), daemon=True,
                                  name=f"circleops-{runtime}")
-        with _plain_main(ctx):
-            self._proc.start()
+        self._proc.start()
         child_conn.close()  # only the child's copy stays open: its death ends our recv
         header, _ = self._reply("load")
         self._inputs, self._outputs = _tensor_specs(header["inputs"]), _tensor_specs(header["outputs"])

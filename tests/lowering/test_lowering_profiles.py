@@ -50,7 +50,7 @@ def test_profile_is_well_formed(name):
     assert all(dtypes and dtypes <= DTYPES for dtypes in p.builtin_dtypes.values())
     assert all(ranks and all(isinstance(r, int) and r >= 0 for r in ranks) for ranks in p.builtin_ranks.values())
     assert p.rope_modes and p.rope_modes <= set(ROPE_MODES)
-    assert p.quantized_dtypes <= {"UINT8", "INT8", "INT16"} and (bool(p.quantized_dtypes) == p.integer_graphs)
+    assert p.quantized_dtypes <= {"UINT8", "INT8", "INT16", "INT4"} and (bool(p.quantized_dtypes) == p.integer_graphs)
     assert p.rope_max_positions is None or p.rope_max_positions >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.name = "x"  # type: ignore[misc]

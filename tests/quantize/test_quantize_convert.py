@@ -260,9 +260,9 @@ def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
     monkeypatch.delenv("NUM_THREADS", raising=False)
     seen, real = {}, rt.open_session
 
-    def spy(runtime, path, signature=None):
+    def spy(runtime, path, signature=None, **kw):
         seen["threads"] = os.environ.get("NUM_THREADS")
-        return real(runtime, path, signature)
+        return real(runtime, path, signature, **kw)
 
     monkeypatch.setattr(rt, "open_session", spy)
     if ONERT_RUNS_GGML:

@@ -129,6 +129,8 @@ def test_a_runtime_crash_in_a_one_shot_command_is_contained(graphs, tmp_path, mo
     decode = graphs["onert"] / "decode.circle"
     npys = _inputs(decode, tmp_path)
     monkeypatch.setattr(onert, "Session", _Crashing)  # inherited by the forked child
+    # as in a one-shot command's fresh process: no native runtime ran here yet
+    monkeypatch.setattr("circleops.runtime.isolated._NATIVE_USED", set())
     with pytest.raises(RuntimeCrashError, match="SIGSEGV") as err:
         open_session("onert", decode, isolated=True)
     assert str(decode) in str(err.value) and "onert crashed while loading" in str(err.value)
@@ -136,18 +138,30 @@ def test_a_runtime_crash_in_a_one_shot_command_is_contained(graphs, tmp_path, mo
 
 
 def test_isolated_session_runs_like_the_in_process_one(graphs, tmp_path):
-    from circleops.runtime import open_session
+    """In a fresh process (as a one-shot command starts): the isolated session is a forked
+    child, and it computes what the in-process session computes. (A pytest worker that ran
+    onert before cannot fork a sound child: there sessions run in-process.)"""
+    import subprocess
+    import sys
 
     decode = graphs["onert"] / "decode.circle"
-    inside = open_session("onert", decode)
-    child = open_session("onert", decode, isolated=True)
-    assert child.inputs == inside.inputs and child.outputs == inside.outputs
-    rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 8, s.shape).astype(s.dtype) if "int" in s.dtype else
-              rng.standard_normal(s.shape).astype(s.dtype) for s in inside.inputs]
-    for a, b in zip(child.run(arrays), inside.run(arrays)):
-        np.testing.assert_array_equal(a, b)
-    child.close()
+    code = f"""
+import numpy as np
+from circleops.runtime import isolated, open_session
+child = open_session("onert", {str(decode)!r}, isolated=True)
+assert isinstance(child, isolated.IsolatedSession)
+inside = open_session("onert", {str(decode)!r})
+assert child.inputs == inside.inputs and child.outputs == inside.outputs
+rng = np.random.default_rng(0)
+arrays = [rng.integers(0, 8, s.shape).astype(s.dtype) if "int" in s.dtype else
+          rng.standard_normal(s.shape).astype(s.dtype) for s in inside.inputs]
+for a, b in zip(child.run(arrays), inside.run(arrays)):
+    np.testing.assert_array_equal(a, b)
+child.close()
+print("same")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- generate's directories
