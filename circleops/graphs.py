@@ -668,3 +668,10 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
                 f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
                 f"(tolerance {tol:.3g} x {scale:.3g}); nothing was written (an earlier output there is unchanged). Convert "
                 f"without --verify to inspect them (circleops inspect), and report the model.")
+
+
+# the output-directory steps other graph writers share (circleops.speech): a directory
+# that exists or can be made, a staging directory beside it, the publish of a complete output
+prepare_output_dir = _prepare_dir
+staging_dir = _staging_dir
+publish = _publish

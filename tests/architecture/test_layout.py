@@ -188,6 +188,8 @@ LAYERS: tuple[str, ...] = (
     "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
     # any Hugging Face model for its task (over conversion), and its inputs from a processor
     "tasks", "task_io",
+    # Whisper-style speech graphs and their generation (over graphs, generate and task_io)
+    "speech",
     "cli", "circleops",
     # users of the public API, as a plugin would be: other toolchains' ops, the op test kit
     "interop", "testing",
