@@ -211,6 +211,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
+    if data.get("format") == "circleops-speech":  # circleops.speech's graphs (Whisper)
+        raise ModelLoadError(f"{d} holds the speech graphs of a Whisper-style model, which take audio, not a "
+                             f"prompt: run `circleops generate {d} --audio clip.wav`.")
     if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:
         raise ModelLoadError(f"{path} is not a circleops generate manifest of version "
                              f"{' or '.join(map(str, READABLE_VERSIONS))} "

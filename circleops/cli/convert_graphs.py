@@ -16,6 +16,9 @@ def main(args: argparse.Namespace) -> int:
     from circleops.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
 
+    from circleops.cli import convert_speech
+    if convert_speech.wants_speech(args):  # Whisper: encoder, prefill, decode
+        return convert_speech.main(args)
     names = graphs.parse_graph_names(args.graphs)
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "

@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--prompt", help="prompt text (tokenized with the tokenizer saved in DIR)")
     what.add_argument("--token-ids", metavar="IDS", help="prompt as comma-separated token ids (models without a "
                                                          "tokenizer)")
+    from circleops.cli import generate_speech
+    generate_speech.add_arguments(parser, what)  # --audio, --language, --task
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                         help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS}); stops early at EOS")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -69,6 +71,9 @@ def main(args: argparse.Namespace) -> int:
     from circleops.generate import Generator, TextStream, choose_runtime, encode_prompt, load_tokenizer
     from circleops.manifest import read_manifest
 
+    if args.audio is not None:
+        from circleops.cli import generate_speech
+        return generate_speech.main(args)
     manifest = read_manifest(args.directory)
     runtime, note = choose_runtime(manifest, args.runtime)
     if note:

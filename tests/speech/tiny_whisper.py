@@ -14,7 +14,6 @@ import numpy as np
 
 LANGUAGES = ("en", "fr", "de", "es")
 SAMPLING_RATE = 16000
-SCALE = 1.0
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -37,8 +36,9 @@ def special_tokens() -> list[str]:
                "<|notimestamps|>"])
 
 
-def save_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 64, max_target_positions: int = 64) -> Path:
-    """Write the tiny Whisper into ``path`` and return it."""
+def save_tiny_whisper(path: str | Path, *, seed: int = 4, d_model: int = 64, max_target_positions: int = 64) -> Path:
+    """Write the tiny Whisper into ``path`` and return it (seed 4: greedy tokens on
+    write_wav's clip that do not repeat for 12 steps, and differ on silence)."""
     import torch
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration, WhisperProcessor, WhisperTokenizer)
@@ -65,11 +65,18 @@ def save_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 64, max
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config).eval()
     with torch.no_grad():
-        # HF's init (std 0.02) with the output head tied to the token embeddings makes a
-        # random Whisper repeat one token forever; token embeddings of std 1 and an untied
-        # random head make every step's choice depend on the audio and the previous token
+        # HF's init (std 0.02, the head tied to the token embeddings) makes a random Whisper
+        # repeat one token whatever it hears. Token embeddings and an untied head of std 1
+        # make each step depend on the previous token; larger encoder convolutions and
+        # cross-attention values make the tokens depend on the audio (and the language
+        # token): a wrong feature, cross K/V or start token then changes the tokens
         model.model.decoder.embed_tokens.weight.normal_(0.0, 1.0)
-        model.proj_out.weight.normal_(0.0, SCALE)
+        model.proj_out.weight.normal_(0.0, 1.0)
+        model.model.encoder.conv1.weight.normal_(0.0, 0.5)
+        model.model.encoder.conv2.weight.normal_(0.0, 0.3)
+        for layer in model.model.decoder.layers:
+            layer.encoder_attn.v_proj.weight.normal_(0.0, 0.1)
+            layer.encoder_attn.out_proj.weight.normal_(0.0, 0.1)
     lang_to_id = {f"<|{lang}|>": ids[f"<|{lang}|>"] for lang in LANGUAGES}
     model.generation_config = GenerationConfig(
         decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
@@ -86,7 +93,7 @@ def save_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 64, max
     return path
 
 
-def write_wav(path: str | Path, *, seconds: float = 0.8, rate: int = SAMPLING_RATE, freq: float = 440.0) -> Path:
+def write_wav(path: str | Path, *, seconds: float = 0.8, rate: int = SAMPLING_RATE, freq: float = 900.0) -> Path:
     """A 16-bit mono WAV of a chirp with a little noise."""
     t = np.arange(int(seconds * rate)) / rate
     rng = np.random.RandomState(0)
