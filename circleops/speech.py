@@ -323,11 +323,11 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     if isinstance(data, dict) and data.get("format") != SPEECH_FORMAT and data.get("format"):
         what = f"a directory of {data.get('format')} graphs (a text model: use --prompt), not speech graphs"
     if not isinstance(data, dict) or data.get("format") != SPEECH_FORMAT:
-        hint = (f"; convert it first: `circleops convert {d} --graphs encoder,prefill,decode --target onert -o OUT`"
+        hint = (f"; convert it with `circleops convert {d} --graphs encoder,prefill,decode --target onert -o OUT`"
                 if speech_model_type(d) else "")
-        raise SpeechInputError(f"--audio needs the graphs of a Whisper-style speech model, and {d} is {what}{hint}. "
-                               f"Convert a Whisper directory with `circleops convert WHISPER_DIR --graphs "
-                               f"encoder,prefill,decode -o OUT`, then `circleops generate OUT --audio clip.wav`.")
+        how = (" first." if hint else f". Convert a Whisper directory with `circleops convert WHISPER_DIR --graphs "
+               f"encoder,prefill,decode -o OUT`, then run `circleops generate OUT --audio clip.wav`.")
+        raise SpeechInputError(f"--audio needs the graphs of a Whisper-style speech model, and {d} is {what}{hint}{how}")
     if data.get("version") != SPEECH_VERSION:
         raise ModelLoadError(f"{path}: speech manifest version {data.get('version')!r}; this circleops reads "
                              f"{SPEECH_VERSION}. Convert again with --graphs encoder,prefill,decode.")
@@ -448,7 +448,7 @@ def convert_speech(model: Any, out_dir: str | os.PathLike, *, target: str = "one
                                lower_one=lambda g, ep: _name_io(pipeline.lower(ep, opts), g, shapes.num_layers))
         with tracker.stage("write"):
             infos = _write(built.models, files, staging, opts)
-            manifest = _manifest(model, target, files, infos, shapes, source, threads)
+            manifest = _manifest(model, target, files, infos, shapes, source=source, threads=threads)
             manifest.directory = staging
             if processor is not None:
                 with contextlib.suppress(AttributeError):
@@ -551,7 +551,7 @@ def _write(lowered: dict[str, Any], files: dict[str, str], out_dir: Path, opts: 
     return infos
 
 
-def _manifest(model: Any, target: str, files: dict[str, str], infos: dict[str, Any], s: _Shapes, source: str,
+def _manifest(model: Any, target: str, files: dict[str, str], infos: dict[str, Any], s: _Shapes, *, source: str,
               threads: int | None) -> SpeechManifest:
     cfg, gen = model.config, getattr(model, "generation_config", None)
 
@@ -833,6 +833,6 @@ class SpeechGenerator:
             for cache, row in zip(caches, step[1:]):
                 cache[:, :, pos:pos + 1] = row
             logits, pos = step[0].reshape(-1), pos + 1
-        lang = next((k for k, v in m.lang_to_id.items() if v in init[1:2]), None)
+        lang = next((k.strip("<|>") for k, v in m.lang_to_id.items() if v in init[1:2]), None)
         return Transcription(tokens, init, language=lang, encode_seconds=t1 - t0, prefill_seconds=t2 - t1,
                              decode_seconds=time.perf_counter() - t2)

@@ -71,9 +71,11 @@ def main(args: argparse.Namespace) -> int:
     from circleops.generate import Generator, TextStream, choose_runtime, encode_prompt, load_tokenizer
     from circleops.manifest import read_manifest
 
+    from circleops.cli import generate_speech
+
     if args.audio is not None:
-        from circleops.cli import generate_speech
         return generate_speech.main(args)
+    generate_speech.check_text_arguments(args)
     manifest = read_manifest(args.directory)
     runtime, note = choose_runtime(manifest, args.runtime)
     if note:

@@ -18,6 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser, what: argparse._MutuallyExclu
                         help="with --audio: transcribe, or translate into English (default: the model's)")
 
 
+def check_text_arguments(args: argparse.Namespace) -> None:
+    """--language and --task belong to --audio: refused with --prompt / --token-ids."""
+    from circleops.errors import TargetError
+
+    if args.language is not None or args.task is not None:
+        raise TargetError("--language and --task apply to speech (--audio clip.wav), not to a text prompt.")
+
+
 def main(args: argparse.Namespace) -> int:
     from circleops.errors import TargetError
     from circleops.generate import TextStream
