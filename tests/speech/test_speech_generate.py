@@ -163,3 +163,26 @@ def test_prompt_on_speech_graphs_points_to_audio(speech_graphs):
 def test_whisper_refuses_text_graph_lists(whisper_dir, tmp_path):
     code, _, err = _cli("convert", str(whisper_dir), "--graphs", "prefill,decode", "-o", str(tmp_path / "x"))
     assert code == 2 and "--graphs is encoder,prefill,decode" in err
+
+
+def test_suppressed_tokens_are_applied_as_transformers_does(speech_graphs, clip, hf, tmp_path):
+    """The manifest's suppress_tokens (every step) and begin_suppress_tokens (the first
+    generated token only) change the tokens exactly as transformers' logits processors do:
+    suppressing the model's own first and second choices here."""
+    import shutil
+
+    model, processor = hf
+    plain = SpeechGenerator(speech_graphs("onert"), runtime="onert").transcribe(
+        clip, language="en", max_new_tokens=NEW_TOKENS).tokens
+    first, second = plain[0], plain[1]
+    edited = tmp_path / "asr"
+    shutil.copytree(speech_graphs("onert"), edited)
+    data = json.loads((edited / "manifest.json").read_text())
+    data["begin_suppress_tokens"], data["suppress_tokens"] = [first], [second]
+    (edited / "manifest.json").write_text(json.dumps(data))
+    got = SpeechGenerator(edited, runtime="onert").transcribe(clip, language="en", max_new_tokens=NEW_TOKENS).tokens
+    with torch.no_grad():
+        want = model.generate(_hf_features(processor, clip), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              language="en", begin_suppress_tokens=[first], suppress_tokens=[second])[0].tolist()
+    assert got == want
+    assert got[0] != first and second not in got and got != plain
