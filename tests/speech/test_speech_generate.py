@@ -186,3 +186,16 @@ def test_suppressed_tokens_are_applied_as_transformers_does(speech_graphs, clip,
                               language="en", begin_suppress_tokens=[first], suppress_tokens=[second])[0].tolist()
     assert got == want
     assert got[0] != first and second not in got and got != plain
+
+
+def test_without_max_new_tokens_it_stops_where_transformers_stops(speech_graphs, clip, hf):
+    """No max_new_tokens: transformers generates up to max_target_positions tokens in all
+    (start tokens included), and so does the generator (the cache holds every fed token)."""
+    model, processor = hf
+    gen = SpeechGenerator(speech_graphs("onert"), runtime="onert")
+    result = gen.transcribe(clip, language="fr")
+    with torch.no_grad():
+        want = model.generate(_hf_features(processor, clip), do_sample=False, language="fr")[0].tolist()
+    assert result.tokens == want
+    eos = model.generation_config.eos_token_id
+    assert want[-1] == eos or len(result.start_tokens) + len(want) == model.config.max_target_positions
