@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graphs", metavar="LIST", default=None,
                         help="write generation graphs instead of one forward: prefill,decode (with a static KV "
                              "cache) into the directory -o, with manifest.json and the tokenizer, for "
-                             f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens})")
+                             f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens}). A "
+                             "Whisper directory: encoder,prefill,decode (generate --audio; docs/speech.md)")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")

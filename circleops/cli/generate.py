@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.description = ("generation (greedy by default, or --sample) with the prefill and decode graphs that `circleops convert MODEL "
                           "--graphs prefill,decode -o DIR` wrote: the text streams to stdout, the prefill time and "
-                          "decode tokens/s go to stderr")
+                          "decode tokens/s go to stderr. --audio clip.wav: speech-to-text with the graphs of "
+                          "`--graphs encoder,prefill,decode` (Whisper)")
     parser.add_argument("directory", metavar="DIR", help="directory written by `circleops convert MODEL --graphs "
                                                          "prefill,decode -o DIR`")
     what = parser.add_mutually_exclusive_group(required=True)

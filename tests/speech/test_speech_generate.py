@@ -199,3 +199,12 @@ def test_without_max_new_tokens_it_stops_where_transformers_stops(speech_graphs,
     assert result.tokens == want
     eos = model.generation_config.eos_token_id
     assert want[-1] == eos or len(result.start_tokens) + len(want) == model.config.max_target_positions
+
+
+def test_tflite_graphs_on_litert(speech_graphs, clip, hf):
+    """--target tflite: the same graphs as TFLite files, run by LiteRT, the same tokens."""
+    model, processor = hf
+    gen = SpeechGenerator(speech_graphs("tflite"), runtime="litert")
+    assert gen.manifest.files == {g: "model.tflite" for g in ("encoder", "prefill", "decode")}
+    result = gen.transcribe(clip, language="en", max_new_tokens=NEW_TOKENS)
+    assert result.tokens == _hf_tokens(model, _hf_features(processor, clip), language="en")
