@@ -208,3 +208,15 @@ def test_tflite_graphs_on_litert(speech_graphs, clip, hf):
     assert gen.manifest.files == {g: "model.tflite" for g in ("encoder", "prefill", "decode")}
     result = gen.transcribe(clip, language="en", max_new_tokens=NEW_TOKENS)
     assert result.tokens == _hf_tokens(model, _hf_features(processor, clip), language="en")
+
+
+def test_a_clip_longer_than_the_window_is_cut_with_a_note(speech_graphs, hf, tmp_path):
+    """Short-form only: 2.5 s into the tiny model's 1 s window is cut (as transformers' feature
+    extractor cuts it), and stderr says so."""
+    model, processor = hf
+    long = write_wav(tmp_path / "long.wav", seconds=2.5)
+    code, out, err = _cli("generate", str(speech_graphs("onert")), "--audio", str(long), "--language", "en",
+                          "--max-new-tokens", str(NEW_TOKENS))
+    assert code == 0 and "only the first window is transcribed" in err
+    want = _hf_tokens(model, _hf_features(processor, long), language="en")
+    assert out == processor.tokenizer.decode(want, skip_special_tokens=True) + "\n"
