@@ -402,8 +402,6 @@ def convert_speech(model: Any, out_dir: str | os.PathLike, *, target: str = "one
     start tokens; VerifyError above ``tolerance`` (default 1e-3) x max(1, max|output|).
     Nothing is changed in ``out_dir`` unless every graph was written (and verified).
     """
-    import contextlib
-
     import torch
 
     from circleops import graphs as graph_files
@@ -450,13 +448,15 @@ def convert_speech(model: Any, out_dir: str | os.PathLike, *, target: str = "one
             infos = _write(built.models, files, staging, opts)
             manifest = _manifest(model, target, files, infos, shapes, source=source, threads=threads)
             manifest.directory = staging
-            if processor is not None:
-                with contextlib.suppress(AttributeError):
+            try:
+                if processor is not None:
                     processor.save_pretrained(str(staging / PROCESSOR_DIR))
-            else:
-                manifest.processor = None
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.to_json_file(str(staging / "generation_config.json"))
+                else:
+                    manifest.processor = None
+                if getattr(model, "generation_config", None) is not None:
+                    model.generation_config.to_json_file(str(staging / "generation_config.json"))
+            except OSError as err:
+                raise OutputError(f"cannot write the processor into {staging}: {err.strerror or err}.") from None
         report = SpeechReport(str(out), target, source, infos, manifest, tracker.timings)
         if runtime is not None:
             tol = 1e-3 if tolerance is None else tolerance
