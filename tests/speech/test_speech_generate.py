@@ -220,3 +220,20 @@ def test_a_clip_longer_than_the_window_is_cut_with_a_note(speech_graphs, hf, tmp
     assert code == 0 and "only the first window is transcribed" in err
     want = _hf_tokens(model, _hf_features(processor, long), language="en")
     assert out == processor.tokenizer.decode(want, skip_special_tokens=True) + "\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--quantize", "q8_0"), "--quantize do(es) not apply to speech graphs"),
+    (("--dtype", "fp16"), "--dtype do(es) not apply to speech graphs"),
+    (("--seq-len", "8"), "--seq-len do(es) not apply to speech graphs"),
+])
+def test_options_speech_graphs_do_not_take_are_refused(whisper_dir, tmp_path, flags, message):
+    out = tmp_path / "asr"
+    code, _, err = _cli("convert", str(whisper_dir), "--graphs", "encoder,prefill,decode", "--target", "circle",
+                        *flags, "-o", str(out))
+    assert code == 2 and message in err and not out.exists()
+
+
+def test_output_must_be_a_directory(whisper_dir, tmp_path):
+    code, _, err = _cli("convert", str(whisper_dir), "--graphs", "encoder,prefill,decode", "-o", str(tmp_path / "a.circle"))
+    assert code == 2 and "-o names a directory" in err
