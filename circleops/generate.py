@@ -81,22 +81,23 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
-# The most threads a graph of this kind uses on a runtime, whatever the budget (Generator's
-# ``threads``): measured on SmolLM2-135M (bench/results/09-llm-speed.yaml, issue 26). onert's
-# decode step gains nothing from a second thread (fp32: 29.1 vs 29.2 ms/token idle; its
-# FULLY_CONNECTED runs on one thread whatever NUM_THREADS says) and GGML weights lose: onert
-# runs each GGML FULLY_CONNECTED as a ggml graph that starts NUM_THREADS-1 workers per call
-# (q4_0: 8.5 ms/token at 1 thread, 15.5 at 2, idle). Its prefill graphs (1x1 CONV_2D, GGML
-# at 8-64 rows) do use a second core (q4_0 300-token prompt 1404 -> 983 ms idle).
-GRAPH_THREAD_CAPS: dict[str, dict[str, int]] = {"onert": {"decode": 1}}
+# Graphs of fewer rows than this run at most this many threads on a runtime, whatever the
+# budget (Generator's ``threads``): measured on SmolLM2-135M (bench/results/09-llm-speed.yaml,
+# issue 26). onert's decode step gains nothing from a second thread (fp32: 29.1 vs 29.2
+# ms/token idle; its FULLY_CONNECTED runs on one thread whatever NUM_THREADS says) and GGML
+# weights lose: onert runs each GGML FULLY_CONNECTED as a ggml graph that starts
+# NUM_THREADS-1 workers per call (q4_0 decode 8.5 ms/token at 1 thread, 15.5 at 2, idle; a
+# 5-token prompt through the 8-row graph 45 ms at both, and 5x the CPU at 2 on a loaded
+# machine). Its 64-row prefill does use a second core (q4_0 300-token prompt 1404 -> 983 ms idle).
+GRAPH_THREAD_CAPS: dict[str, tuple[int, int]] = {"onert": (16, 1)}
 
 
 def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] | None = None) -> dict[str, int | None]:
     """The thread count each graph's session opens with (None: the runtime's own default).
 
     ``threads``: an int is the budget: every graph runs at it, except where
-    :data:`GRAPH_THREAD_CAPS` says fewer threads measured faster for that graph on that
-    runtime (onert's decode: 1). A mapping {graph: count} is honoured exactly for the graphs
+    :data:`GRAPH_THREAD_CAPS` says fewer threads measured faster for graphs of that few rows
+    on that runtime (onert's decode and 8-row prefill: 1). A mapping {graph: count} is honoured exactly for the graphs
     it names. Without ``threads``, a ``NUM_THREADS`` set in the environment (the runtime's own
     variable) is honoured exactly for every graph; otherwise the manifest's ``num_threads``
     (what ``convert --threads`` made the files for; 1 for GGML weights) is the budget.
@@ -114,7 +115,8 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
     env = runtime_info(runtime).threads_env
     if budget is None and not (env and os.environ.get(env, "").strip()):
         budget = getattr(manifest, "num_threads", None)
-    caps = GRAPH_THREAD_CAPS.get(runtime, {})
+    few_rows, cap = GRAPH_THREAD_CAPS.get(runtime, (0, 0))
+    rows = {**{g: n for n, g in manifest.prefill_graphs.items()}, "decode": 1}
     plan: dict[str, int | None] = {}
     for graph in graphs:
         if graph in exact:
@@ -122,7 +124,7 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
         elif budget is None:
             plan[graph] = None  # the environment's NUM_THREADS, or the runtime's default
         else:
-            plan[graph] = min(budget, caps.get("decode" if graph == "decode" else "prefill", budget))
+            plan[graph] = min(budget, cap) if rows[graph] < few_rows else budget
     return plan
 
 

@@ -1,19 +1,33 @@
 """Each graph's session opens at its own thread count (circleops.generate.graph_threads): a
-budget (``Generator(threads=N)``, ``generate --threads N``) runs the prefill graphs at N and
-onert's decode step at 1 (measured faster: bench/results/09-llm-speed.yaml); a mapping and a
-NUM_THREADS set in the environment are honoured exactly; the tokens do not change."""
+budget (``Generator(threads=N)``, ``generate --threads N``) runs the long prefill graph at N
+and onert's graphs of few rows (decode, the short prefill) at 1 (measured faster:
+bench/results/09-llm-speed.yaml); a mapping and a NUM_THREADS set in the environment are
+honoured exactly; the tokens do not change."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from generate_fixtures import TINY_NEW, TINY_PROMPTS
+from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PROMPTS, Converted
 
 import circleops.generate as generate_module
 from circleops.cli import main as cli
 from circleops.errors import TargetError
 from circleops.generate import Generator, graph_threads
+
+
+@pytest.fixture(scope="module")
+def two_lengths(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
+    """The tiny Llama on onert with a 16-row and a 4-row prefill graph."""
+    import copy
+
+    from circleops.graphs import convert_graphs
+
+    out = tmp_path_factory.mktemp("tiny_16_4")
+    convert_graphs(copy.deepcopy(tiny_model), out, target="onert", prefill_len="16,4", max_cache_len=TINY_CACHE,
+                   source="tiny llama")
+    return Converted(out, tiny_expected)
 
 
 @pytest.fixture
@@ -32,14 +46,16 @@ def opened(monkeypatch):
     return seen
 
 
-def test_a_budget_runs_prefill_at_it_and_onert_decode_at_one(tiny_onert, opened):
-    gen = Generator(tiny_onert.directory, threads=2)
-    prefills = list(gen.manifest.prefill_graphs.values())
-    assert gen.threads == {**{g: 2 for g in prefills}, "decode": 1}
-    assert opened == {**{g: "2" for g in prefills}, "decode": "1"}
+def test_a_budget_runs_long_prefill_at_it_and_few_rows_at_one(two_lengths, opened):
+    gen = Generator(two_lengths.directory, threads=2)
+    assert gen.manifest.prefill_graphs == {16: "prefill", 4: "prefill_4"}
+    assert gen.threads == {"prefill": 2, "prefill_4": 1, "decode": 1}
+    assert opened == {"prefill": "2", "prefill_4": "1", "decode": "1"}
     assert "NUM_THREADS" not in os.environ  # set only while each session is created
     for prompt in TINY_PROMPTS:  # the same greedy tokens as transformers
-        assert gen.generate(prompt, TINY_NEW).tokens == tiny_onert.expected[tuple(prompt)]
+        assert gen.generate(prompt, TINY_NEW).tokens == two_lengths.expected[tuple(prompt)]
+    gen.generate(list(range(3, 20)), 2)  # a 17-token prompt: both prefill graphs run
+    assert sorted(set(gen.chunks)) == [4, 16]
 
 
 def test_a_mapping_is_honoured_exactly(tiny_onert, opened):
@@ -63,7 +79,8 @@ def test_the_manifest_count_is_the_default_budget(tiny_onert, opened):
 
     m = read_manifest(tiny_onert.directory)
     m.num_threads = 2  # what convert --threads 2 writes
-    assert graph_threads(m, "onert") == {**{g: 2 for g in m.prefill_graphs.values()}, "decode": 1}
+    assert graph_threads(m, "onert") == {**{g: 1 for g in m.prefill_graphs.values()}, "decode": 1}  # 8 rows
+    assert graph_threads(m, "reference") == {**{g: 2 for g in m.prefill_graphs.values()}, "decode": 2}
     m.num_threads = 1  # GGML files' default
     assert set(graph_threads(m, "onert").values()) == {1}
 
@@ -83,9 +100,8 @@ def test_bad_threads_are_named(tiny_onert, threads, message):
         Generator(tiny_onert.directory, threads=threads)
 
 
-def test_cli_threads_reaches_the_sessions(tiny_onert, opened, capsys):
+def test_cli_threads_reaches_the_sessions(two_lengths, opened, capsys):
     ids = ",".join(str(i) for i in TINY_PROMPTS[0])
-    assert cli(["generate", str(tiny_onert.directory), "--token-ids", ids, "--max-new-tokens", "2",
+    assert cli(["generate", str(two_lengths.directory), "--token-ids", ids, "--max-new-tokens", "2",
                 "--threads", "2", "-q"]) == 0
-    assert opened["decode"] == "1"
-    assert {v for k, v in opened.items() if k != "decode"} == {"2"}
+    assert opened == {"prefill": "2", "prefill_4": "1", "decode": "1"}
