@@ -105,3 +105,21 @@ def test_cli_threads_reaches_the_sessions(two_lengths, opened, capsys):
     assert cli(["generate", str(two_lengths.directory), "--token-ids", ids, "--max-new-tokens", "2",
                 "--threads", "2", "-q"]) == 0
     assert opened == {"prefill": "2", "prefill_4": "1", "decode": "1"}
+
+
+def test_graphs_run_at_one_thread_are_lowered_for_one(two_lengths):
+    """onert's few-row graphs run one thread, so their multi-row linears are FULLY_CONNECTED
+    (circleops.graphs.graph_options); the 16-row prefill keeps the 1x1 CONV_2D (faster with
+    a second core) for its linears."""
+    from circleops.serialize import read_model
+
+    def linears(graph: str) -> dict[str, int]:
+        ops = [op.opcode for op in read_model(str(two_lengths.directory / f"{graph}.circle")).subgraphs[0].operators]
+        return {k: ops.count(k) for k in ("CONV_2D", "FULLY_CONNECTED")}
+
+    long, short, decode = linears("prefill"), linears("prefill_4"), linears("decode")
+    # the one-row lm_head is the same in every graph (CONV_2D only for an 8x wider output);
+    # every other linear is FULLY_CONNECTED in 4 rows, as in decode, and CONV_2D in 16
+    assert short == decode and short["CONV_2D"] <= 1 and short["FULLY_CONNECTED"] > 0
+    assert sum(long.values()) == sum(short.values())
+    assert long["CONV_2D"] == sum(short.values()) - 1 + short["CONV_2D"]
