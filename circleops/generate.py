@@ -37,6 +37,11 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # bench/README.md "bench/ttft.py"): a run of L = 8, 16, 64 positions took about
 # (L + 24) x 4.6 ms: every run reads all the weights, whatever its length.
 PREFILL_RUN_OVERHEAD = 24
+# The same for GGML weights on onert, whose GGML FULLY_CONNECTED costs the same per row at 8
+# rows as at 64 (bench/onert_matmul.py --ggml): SmolLM2 q4_0, 1 thread, CPU of a run of L
+# rows about (L + 1.5) x 8.9 ms; planned so, a 20-token prompt took 0.38x the CPU of one
+# 64-row run, 100 tokens 0.80x, 300 tokens 0.90x, the same first token (bench/results/09-llm-speed.yaml).
+GGML_RUN_OVERHEAD = 2
 
 
 class GenerationLimitError(CircleOpsError):
@@ -428,7 +433,14 @@ class Generator:
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
         """The prefill runs that write tokens ``start..end-1``: :func:`plan_chunks` over the
         lengths of this manifest's prefill graphs."""
-        return plan_chunks(start, end, list(self.prefill_sessions))
+        return plan_chunks(start, end, list(self.prefill_sessions), self.run_overhead)
+
+    @property
+    def run_overhead(self) -> int:
+        """What one prefill run costs beyond its rows, in rows, for these files' weights."""
+        from circleops.quantize import GGML_FORMATS
+
+        return GGML_RUN_OVERHEAD if self.manifest.quantize in GGML_FORMATS else PREFILL_RUN_OVERHEAD
 
     def feed(self, token_ids: Sequence[int]) -> Any:
         """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of

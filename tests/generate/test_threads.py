@@ -123,3 +123,14 @@ def test_graphs_run_at_one_thread_are_lowered_for_one(two_lengths):
     assert short == decode and short["CONV_2D"] <= 1 and short["FULLY_CONNECTED"] > 0
     assert sum(long.values()) == sum(short.values())
     assert long["CONV_2D"] == sum(short.values()) - 1 + short["CONV_2D"]
+
+
+def test_ggml_files_plan_short_runs(two_lengths, monkeypatch):
+    """The chunk plan counts a run's overhead by the files' weights: GGML products cost the
+    same per row in short runs, so an 8-token prompt is two 4-row runs there, one padded
+    16-row run in fp32 (circleops.generate.GGML_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD)."""
+    gen = Generator(two_lengths.directory)
+    assert gen.plan(0, 8) == [(16, 0)]
+    monkeypatch.setattr(gen.manifest, "quantize", "q4_0")
+    assert gen.plan(0, 8) == [(4, 0), (4, 4)]
+    assert gen.generate(TINY_PROMPTS[0], TINY_NEW).tokens == two_lengths.expected[tuple(TINY_PROMPTS[0])]
