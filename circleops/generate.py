@@ -42,6 +42,11 @@ PREFILL_RUN_OVERHEAD = 24
 # rows about (L + 1.5) x 8.9 ms; planned so, a 20-token prompt took 0.38x the CPU of one
 # 64-row run, 100 tokens 0.80x, 300 tokens 0.90x, the same first token (bench/results/09-llm-speed.yaml).
 GGML_RUN_OVERHEAD = 2
+# fp32 files whose prefill graphs all run one thread (the 8-row one with FULLY_CONNECTED
+# linears, the 64-row one a 1x1 CONV_2D): a 20-token prompt as three runs of 8 took 0.5-0.6x
+# the CPU of one run of 64; 100 and 300 tokens tied with any plan (SmolLM2, loaded). With 2
+# threads the 64-row graph gets a core more, so PREFILL_RUN_OVERHEAD stays there.
+ONE_THREAD_RUN_OVERHEAD = 8
 
 
 class GenerationLimitError(CircleOpsError):
@@ -440,7 +445,10 @@ class Generator:
         """What one prefill run costs beyond its rows, in rows, for these files' weights."""
         from circleops.quantize import GGML_FORMATS
 
-        return GGML_RUN_OVERHEAD if self.manifest.quantize in GGML_FORMATS else PREFILL_RUN_OVERHEAD
+        if self.manifest.quantize in GGML_FORMATS:
+            return GGML_RUN_OVERHEAD
+        one_thread = all(self.threads.get(g) == 1 for g in self.manifest.prefill_graphs.values())
+        return ONE_THREAD_RUN_OVERHEAD if one_thread else PREFILL_RUN_OVERHEAD
 
     def feed(self, token_ids: Sequence[int]) -> Any:
         """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of

@@ -126,11 +126,17 @@ def test_graphs_run_at_one_thread_are_lowered_for_one(two_lengths):
 
 
 def test_ggml_files_plan_short_runs(two_lengths, monkeypatch):
-    """The chunk plan counts a run's overhead by the files' weights: GGML products cost the
-    same per row in short runs, so an 8-token prompt is two 4-row runs there, one padded
-    16-row run in fp32 (circleops.generate.GGML_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD)."""
+    """The chunk plan counts a run's overhead by the files' weights and threads: GGML products
+    cost the same per row in short runs, so an 8-token prompt is two 4-row runs there, one
+    padded 16-row run in fp32 (circleops.generate.GGML_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
+    ONE_THREAD_RUN_OVERHEAD)."""
+    from circleops.generate import ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD
+
     gen = Generator(two_lengths.directory)
     assert gen.plan(0, 8) == [(16, 0)]
+    assert gen.run_overhead == Generator(two_lengths.directory, threads=2).run_overhead == PREFILL_RUN_OVERHEAD
+    # every prefill graph at one thread: a run counts less
+    assert Generator(two_lengths.directory, threads=1).run_overhead == ONE_THREAD_RUN_OVERHEAD < PREFILL_RUN_OVERHEAD
     monkeypatch.setattr(gen.manifest, "quantize", "q4_0")
     assert gen.plan(0, 8) == [(4, 0), (4, 4)]
     assert gen.generate(TINY_PROMPTS[0], TINY_NEW).tokens == two_lengths.expected[tuple(TINY_PROMPTS[0])]
