@@ -23,8 +23,10 @@ ms/token (the mean over --decode-steps steps after a 5-token prompt, each step a
 pass and a greedy pick). Wall times and CPU seconds of the child (time.process_time, every
 thread) are both kept: on a shared machine wall times follow the other jobs, CPU seconds
 much less. The load average before and after each round and the CPU's avx512 flags are
-recorded with the results. Threads: NUM_THREADS for onert, num_threads for LiteRT,
-torch.set_num_threads, n_threads for ik_llama.cpp; OMP_NUM_THREADS as well for all.
+recorded with the results. Threads: circleops' Generator(threads=N) (as `circleops generate
+--threads N`: the budget, each graph at its own count, onert's decode step at 1;
+--exact-threads: NUM_THREADS=N for every graph), torch.set_num_threads, n_threads for
+ik_llama.cpp; NUM_THREADS and OMP_NUM_THREADS in every child's environment as well.
 
 Artifacts (converted directories, GGUFs) are made once in --work and reused.
 """
@@ -78,10 +80,13 @@ def _timed(fn):
 class _Circleops:
     """circleops' Generator on a converted directory (onert or LiteRT)."""
 
-    def __init__(self, artifact: str, threads: int, runtime: str):
+    def __init__(self, artifact: str, threads: int, runtime: str, exact: bool = False):
         from circleops.generate import Generator
 
-        self.gen = Generator(artifact, runtime=runtime)
+        # as `circleops generate --threads N` runs: N is the budget, each graph at its own count
+        # (onert's decode at 1); exact: NUM_THREADS=N for every graph (the environment's)
+        self.gen = Generator(artifact, runtime=runtime, threads=None if exact else threads)
+        self.threads = self.gen.threads
 
     def ttft(self, ids: list[int]) -> int:
         return int(self.gen.prefill(ids).argmax())
@@ -236,9 +241,9 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
     kind = ENGINES[engine][3]
     t = time.perf_counter()
     if kind == "circleops":
-        runner = _Circleops(artifact, threads, "onert")
+        runner = _Circleops(artifact, threads, "onert", spec.get("exact_threads", False))
     elif kind == "circleops-litert":
-        runner = _Circleops(artifact, threads, "litert")
+        runner = _Circleops(artifact, threads, "litert", spec.get("exact_threads", False))
     elif kind == "torch":
         runner = _Torch(artifact, threads)
     elif kind == "litert-torch":
@@ -262,6 +267,8 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
     out["decode_ms"], out["decode_cpu_ms"] = 1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]
     if kind == "ik":
         out["flash_attn"] = runner.flash_attn
+    if kind.startswith("circleops"):
+        out["graph_threads"] = runner.threads
     return out
 
 
@@ -416,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[5, 300], help="prompt lengths (tokens) for TTFT")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=1, help="TTFT measurements per child (their median)")
+    ap.add_argument("--exact-threads", action="store_true",
+                    help="circleops: NUM_THREADS=N for every graph, not N as the budget (Generator threads=N)")
     ap.add_argument("--quick", action="store_true", help="1 round, 1 thread, prompts 5 and 64, 8 decode steps")
     ap.add_argument("--work", default="/tmp/circleops-llm-speed", help="where converted files and GGUFs are kept")
     ap.add_argument("--ik-python", default="/work/venvs/anchor-ik/bin/python",
@@ -447,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                and (ENGINES[e][3] != "litert-torch" or litert_python)]
     work = Path(args.work)
     artifacts = prepare(work, engines, ik_python, litert_python)
-    spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps}
+    spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps,
+            "exact_threads": args.exact_threads}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     flags = cpu_flags()

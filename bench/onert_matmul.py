@@ -5,6 +5,7 @@ target onert (CONV_2D from circleops.targets.ONERT.linear_as_conv.min_rows rows 
 
     python bench/onert_matmul.py                       # the default shapes, 2 threads
     python bench/onert_matmul.py --shapes 64x512x32000 1x576x49152 --threads 1
+    python bench/onert_matmul.py --ggml GGML_Q4_0 --shapes 1x576x1536 8x576x1536 64x576x1536 --threads 1
 
 A shape is rows x in x out: x [rows, in] times a constant weight [out, in]. FULLY_CONNECTED
 gets x as [1, rows, in]; CONV_2D gets [1, 1, rows, in] with the weight as its [out, 1, 1, in]
@@ -55,12 +56,74 @@ def _model(kind: str, rows: int, inner: int, out: int, weight):
     return ir.Model([sg], [ir.Signature("serving_default", 0, {"x": x}, {"y": y})]), sg.tensors[x].shape
 
 
+def _ggml_model(dtype: str, rows: int, inner: int, out: int, blocks):
+    """One FULLY_CONNECTED with a GGML block weight, as circleops writes a quantized linear
+    (x [rows, in], the weight's blocks [out, in]): onert runs it as a ggml graph of its own."""
+    from circleops import ir
+
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (rows, inner), "FLOAT32"))
+    w = sg.add_tensor(ir.Tensor("w", (out, inner), dtype, blocks))
+    y = sg.add_tensor(ir.Tensor("y", (rows, out), "FLOAT32"))
+    sg.operators.append(ir.Operator("FULLY_CONNECTED", [x, w, -1], [y], "FullyConnectedOptions", {}))
+    sg.inputs, sg.outputs = [x], [y]
+    return ir.Model([sg], [ir.Signature("serving_default", 0, {"x": x}, {"y": y})])
+
+
+def ggml(shapes: list[str], dtype: str, rounds: int = 40) -> int:
+    """GGML FULLY_CONNECTED per shape: ms per call and per row (interleaved over the shapes),
+    output checked against numpy on the dequantized weight (onert quantizes x to Q8_0)."""
+    import numpy as np
+    import onert
+    import torch
+
+    from circleops.quantize.ggml import dequantize, quantize
+    from circleops.serialize import write_model
+
+    rng = np.random.default_rng(0)
+    sessions = {}
+    with tempfile.TemporaryDirectory() as d:
+        for spec in shapes:
+            rows, inner, out = (int(v) for v in spec.lower().split("x"))
+            weight = (rng.standard_normal((out, inner)) * inner ** -0.5).astype(np.float32)
+            blocks = quantize(weight, dtype)
+            x = rng.standard_normal((rows, inner)).astype(np.float32)
+            path = Path(d) / f"{spec}.circle"
+            write_model(_ggml_model(dtype, rows, inner, out, blocks), path)
+            sess = onert.infer.session(str(path), "cpu")
+            want = x @ dequantize(blocks, dtype, (out, inner)).numpy().T
+            got = sess.infer([x])[0].reshape(rows, out)
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            if err > 0.05:  # Q8_0 activations: ~1 % of the largest output
+                print(f"{spec}: GGML FULLY_CONNECTED is wrong (relative error {err:.2e})", file=sys.stderr)
+                return 1
+            sessions[spec] = (sess, x, rows)
+        times = {k: [] for k in sessions}
+        cpu = {k: [] for k in sessions}
+        for _ in range(rounds):
+            for spec, (sess, x, _) in sessions.items():
+                t, c = time.perf_counter(), time.process_time()
+                sess.infer([x])
+                times[spec].append(time.perf_counter() - t)
+                cpu[spec].append(time.process_time() - c)
+    print(f"{'rows x in x out':>18s} {dtype + ' FC':>14s} {'CPU':>9s} {'per row':>9s}   (onert, NUM_THREADS="
+          f"{os.environ['NUM_THREADS']}, medians of {rounds} interleaved calls)")
+    for spec, (_, _, rows) in sessions.items():
+        wall, c = statistics.median(times[spec]) * 1e3, statistics.median(cpu[spec]) * 1e3
+        print(f"{spec:>18s} {wall:11.3f} ms {c:6.3f} ms {wall / rows:6.3f} ms", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="ROWSxINxOUT (default: a sweep)")
     ap.add_argument("--threads", type=int, default=2, help="onert's NUM_THREADS (default 2)")
+    ap.add_argument("--ggml", choices=["GGML_Q4_0", "GGML_Q8_0"], default=None,
+                    help="time onert's GGML FULLY_CONNECTED with this weight type instead (ms per call and per row)")
     args = ap.parse_args(argv)
     os.environ["NUM_THREADS"] = str(args.threads)  # read when a session is created
+    if args.ggml:
+        return ggml(args.shapes, args.ggml)
 
     import numpy as np
     import onert

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
@@ -37,6 +37,16 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # bench/README.md "bench/ttft.py"): a run of L = 8, 16, 64 positions took about
 # (L + 24) x 4.6 ms: every run reads all the weights, whatever its length.
 PREFILL_RUN_OVERHEAD = 24
+# The same for GGML weights on onert, whose GGML FULLY_CONNECTED costs the same per row at 8
+# rows as at 64 (bench/onert_matmul.py --ggml): SmolLM2 q4_0, 1 thread, CPU of a run of L
+# rows about (L + 1.5) x 8.9 ms; planned so, a 20-token prompt took 0.38x the CPU of one
+# 64-row run, 100 tokens 0.80x, 300 tokens 0.90x, the same first token (bench/results/09-llm-speed.yaml).
+GGML_RUN_OVERHEAD = 2
+# fp32 files whose prefill graphs all run one thread (the 8-row one with FULLY_CONNECTED
+# linears, the 64-row one a 1x1 CONV_2D): a 20-token prompt as three runs of 8 took 0.5-0.6x
+# the CPU of one run of 64; 100 and 300 tokens tied with any plan (SmolLM2, loaded). With 2
+# threads the 64-row graph gets a core more, so PREFILL_RUN_OVERHEAD stays there.
+ONE_THREAD_RUN_OVERHEAD = 8
 
 
 class GenerationLimitError(CircleOpsError):
@@ -81,10 +91,60 @@ def check_runtime(manifest: Any, runtime: str) -> None:
                       f"{', '.join(graph_runtimes(manifest.target))}.")
 
 
-def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = False) -> Session:
+# Graphs of fewer rows than this run at most this many threads on a runtime, whatever the
+# budget (Generator's ``threads``): measured on SmolLM2-135M (bench/results/09-llm-speed.yaml,
+# issue 26). onert's decode step gains nothing from a second thread (fp32: 29.1 vs 29.2
+# ms/token idle; its FULLY_CONNECTED runs on one thread whatever NUM_THREADS says) and GGML
+# weights lose: onert runs each GGML FULLY_CONNECTED as a ggml graph that starts
+# NUM_THREADS-1 workers per call (q4_0 decode 8.5 ms/token at 1 thread, 15.5 at 2, idle; a
+# 5-token prompt through the 8-row graph 45 ms at both, and 5x the CPU at 2 on a loaded
+# machine). Its 64-row prefill does use a second core (q4_0 300-token prompt 1404 -> 983 ms idle).
+GRAPH_THREAD_CAPS: dict[str, tuple[int, int]] = {"onert": (16, 1)}
+
+
+def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] | None = None) -> dict[str, int | None]:
+    """The thread count each graph's session opens with (None: the runtime's own default).
+
+    ``threads``: an int is the budget: every graph runs at it, except where
+    :data:`GRAPH_THREAD_CAPS` says fewer threads measured faster for graphs of that few rows
+    on that runtime (onert's decode and 8-row prefill: 1). A mapping {graph: count} is honoured exactly for the graphs
+    it names. Without ``threads``, a ``NUM_THREADS`` set in the environment (the runtime's own
+    variable) is honoured exactly for every graph; otherwise the manifest's ``num_threads``
+    (what ``convert --threads`` made the files for; 1 for GGML weights) is the budget.
+    """
+    graphs = [*manifest.prefill_graphs.values(), "decode"]
+    exact: Mapping[str, int] = threads if isinstance(threads, Mapping) else {}
+    for graph, count in exact.items():
+        if graph not in graphs:
+            raise TargetError(f"threads names graph {graph!r}, which {manifest.directory} does not have "
+                              f"(it has {', '.join(graphs)}).")
+    budget = None if isinstance(threads, Mapping) else threads
+    for count in ([budget] if budget is not None else []) + list(exact.values()):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise TargetError(f"threads must be a whole number of 1 or more, got {count!r}.")
+    env = runtime_info(runtime).threads_env
+    if budget is None and not (env and os.environ.get(env, "").strip()):
+        budget = getattr(manifest, "num_threads", None)
+    few_rows, cap = GRAPH_THREAD_CAPS.get(runtime, (0, 0))
+    rows = {**{g: n for n, g in manifest.prefill_graphs.items()}, "decode": 1}
+    plan: dict[str, int | None] = {}
+    for graph in graphs:
+        if graph in exact:
+            plan[graph] = exact[graph]
+        elif budget is None:
+            plan[graph] = None  # the environment's NUM_THREADS, or the runtime's default
+        else:
+            plan[graph] = min(budget, cap) if rows[graph] < few_rows else budget
+    return plan
+
+
+def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = False,
+               threads: int | None = None) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
     numpy inputs in the manifest's input order and returns outputs in its output order.
-    ``isolated``: a native runtime in a child process (open_session), for one-shot checks."""
+    ``isolated``: a native runtime in a child process (open_session), for one-shot checks.
+    ``threads``: the session's thread count (the runtime's NUM_THREADS while it is created);
+    None: the environment's NUM_THREADS if set, else the manifest's ``num_threads``."""
     check_runtime(manifest, runtime)
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
@@ -98,18 +158,23 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
     if not info.selects_signatures and signature is not None:
         raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select; convert "
                           f"with --target onert for one file per graph.")
-    threads = getattr(manifest, "num_threads", None)
     env = info.threads_env
-    if env and threads and env not in os.environ:
+    if threads is None and env and env not in os.environ:
         # the thread count the graphs were made for (convert --threads; 1 for GGML weights:
         # onert's GGML kernel starts NUM_THREADS-1 workers per call, and on 2 busy cores 2
         # threads decoded SmolLM2 16x slower than 1, bench/README.md). The user's NUM_THREADS wins.
-        os.environ[env] = str(threads)
-        try:
-            return open_session(runtime, path, signature, isolated=isolated)
-        finally:
+        threads = getattr(manifest, "num_threads", None)
+    if not (env and threads):
+        return open_session(runtime, path, signature, isolated=isolated)
+    saved = os.environ.get(env)
+    os.environ[env] = str(threads)  # onert and LiteRT read it when the session is created
+    try:
+        return open_session(runtime, path, signature, isolated=isolated)
+    finally:
+        if saved is None:
             del os.environ[env]
-    return open_session(runtime, path, signature, isolated=isolated)
+        else:
+            os.environ[env] = saved
 
 
 def _check_caches(manifest: Any, decode: Session) -> None:
@@ -272,7 +337,8 @@ class Generator:
     ``runtime``: "onert", "reference" or "litert"; None takes the manifest's default
     (onert for target onert, litert for tflite, reference for circle; the reference
     interpreter for GGML weights on a CPU whose onert cannot run them: ``runtime_note``
-    says so).
+    says so). ``threads``: the thread budget (each graph's count: :func:`graph_threads`;
+    ``self.threads`` holds the plan), or {graph: count} honoured exactly.
 
     The KV cache persists between calls: :meth:`feed` appends tokens after the ones already
     in it (``history``), so a chat turn costs only its new tokens. A prompt runs through the
@@ -280,7 +346,7 @@ class Generator:
     the cache length works.
     """
 
-    def __init__(self, source: Any, runtime: str | None = None):
+    def __init__(self, source: Any, runtime: str | None = None, *, threads: int | Mapping[str, int] | None = None):
         import numpy as np
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
@@ -291,8 +357,11 @@ class Generator:
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
         self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
-        self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}
-        self.decode_session = open_graph(m, "decode", self.runtime)
+        # each graph at its own thread count (graph_threads: the budget, less where measured faster)
+        self.threads = graph_threads(m, self.runtime, threads)
+        self.prefill_sessions = {n: open_graph(m, g, self.runtime, threads=self.threads[g])
+                                 for n, g in m.prefill_graphs.items()}
+        self.decode_session = open_graph(m, "decode", self.runtime, threads=self.threads["decode"])
         _check_caches(m, self.decode_session)
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
@@ -369,7 +438,17 @@ class Generator:
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
         """The prefill runs that write tokens ``start..end-1``: :func:`plan_chunks` over the
         lengths of this manifest's prefill graphs."""
-        return plan_chunks(start, end, list(self.prefill_sessions))
+        return plan_chunks(start, end, list(self.prefill_sessions), self.run_overhead)
+
+    @property
+    def run_overhead(self) -> int:
+        """What one prefill run costs beyond its rows, in rows, for these files' weights."""
+        from circleops.quantize import GGML_FORMATS
+
+        if self.manifest.quantize in GGML_FORMATS:
+            return GGML_RUN_OVERHEAD
+        one_thread = all(self.threads.get(g) == 1 for g in self.manifest.prefill_graphs.values())
+        return ONE_THREAD_RUN_OVERHEAD if one_thread else PREFILL_RUN_OVERHEAD
 
     def feed(self, token_ids: Sequence[int]) -> Any:
         """Write ``token_ids`` into the cache after :attr:`history`; returns the logits of
@@ -562,14 +641,15 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
 
 
 def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-             runtime: str | None = None, stream: Any = None, chat: bool = False, sampler: Any = None) -> Generation:
+             runtime: str | None = None, stream: Any = None, chat: bool = False, sampler: Any = None,
+             threads: int | Mapping[str, int] | None = None) -> Generation:
     """Greedy generation from the graphs in ``directory``.
 
     ``prompt``: text (tokenized with the saved tokenizer) or token ids. ``stream``: a file
     to write the text to as it is produced (needs the tokenizer). ``result.text`` holds the
-    decoded new text when a tokenizer is there.
+    decoded new text when a tokenizer is there. ``threads``: as for :class:`Generator`.
     """
-    gen = Generator(directory, runtime=runtime)
+    gen = Generator(directory, runtime=runtime, threads=threads)
     tokenizer = None
     if isinstance(prompt, str):
         tokenizer = load_tokenizer(gen.manifest)

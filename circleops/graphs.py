@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import empty_caches, open_graph, store_caches
+from circleops.generate import GRAPH_THREAD_CAPS, empty_caches, open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
@@ -489,6 +489,20 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     return report
 
 
+def graph_options(opts: Any, rows: int) -> Any:
+    """The lowering options of a graph of ``rows`` rows: lowered for the thread count it runs
+    at. A graph that generate runs at one thread on the target's runtime (fewer rows than
+    circleops.generate.GRAPH_THREAD_CAPS says: onert's 8-row prefill and decode) is lowered
+    for one thread, which writes its multi-row linears FULLY_CONNECTED (pipeline.target_profile):
+    SmolLM2's 8-row prefill took 0.66-0.85x the CPU so (bench/results/09-llm-speed.yaml)."""
+    import dataclasses
+
+    few_rows, cap = GRAPH_THREAD_CAPS.get(PROFILES[opts.target].runtime, (0, 0))
+    if rows < few_rows and cap == 1 and opts.threads != 1:
+        return dataclasses.replace(opts, threads=1)
+    return opts
+
+
 @dataclass
 class GraphsPlan:
     """What convert_graphs writes: the graphs, their lengths and files, and where."""
@@ -519,7 +533,8 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
         step = decoder_step(model, plan.max_cache_len, plan.cache_update)
         eps = {g: export_graph(step, kind, n) for g, (kind, n) in plan.graphs.items()}
     built = pipeline.build(eps, opts, weights, tracker, lower_one=lambda g, ep: lower_step(
-        ep, g, opts, step.num_layers, kind=plan.graphs[g][0], cache_update=plan.cache_update))
+        ep, g, graph_options(opts, plan.graphs[g][1] if plan.graphs[g][0] == "prefill" else 1), step.num_layers,
+        kind=plan.graphs[g][0], cache_update=plan.cache_update))
     lowered = built.models
     del eps, built
     if opts.runtime is not None and weights.report is not None:

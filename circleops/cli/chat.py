@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from circleops.cli.generate import add_sampling_arguments, sampler_from_args
+from circleops.cli.generate import add_sampling_arguments, add_threads_argument, sampler_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: the one the files were converted for)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no timing line per reply on stderr")
+    add_threads_argument(parser)
     add_sampling_arguments(parser)
 
 
@@ -47,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
                              f"so there is no chat template to talk through. Convert a model with a tokenizer.")
     tokenizer = hf_tokenizer(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
     sampler = sampler_from_args(args, manifest.directory)
-    chat = Chat(Generator(manifest, runtime=runtime), tokenizer, system=args.system)
+    chat = Chat(Generator(manifest, runtime=runtime, threads=args.threads), tokenizer, system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"circleops chat: {manifest.directory} on {runtime}, {manifest.max_cache_len} cache slots; "

@@ -32,7 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template "
                                                             "(for a conversation: circleops chat DIR)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no timing line on stderr")
+    add_threads_argument(parser)
     add_sampling_arguments(parser)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """--threads N: the thread budget of the runtime sessions (circleops.generate.graph_threads)."""
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="threads the runtime may use (default: NUM_THREADS if set, else what the files were "
+                             "converted for); each graph runs at N unless fewer measured faster for it "
+                             "(onert's decode step: 1)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
         ids = _parse_ids(args.token_ids)
         tokenizer = load_tokenizer(manifest) if manifest.tokenizer else None
     sampler = sampler_from_args(args, manifest.directory)
-    gen = Generator(manifest, runtime=runtime)
+    gen = Generator(manifest, runtime=runtime, threads=args.threads)
     gen.check_fits(len(ids), args.max_new_tokens)  # before any output
     if tokenizer is not None:
         if args.prompt is not None and not args.chat:
