@@ -459,8 +459,9 @@ class VisionGenerator(Generator):
             raise GenerationLimitError(f"the image tokens reach position {where[-1]}, past the "
                                        f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
                                        f"larger --max-cache-len.")
-        self._rows[where] = np.asarray(features, dtype=np.float32)
-        self._has_image[where] = True
+        if where:
+            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._has_image[where] = True
 
     def feed(self, token_ids: Sequence[int]) -> Any:
         start = self.position
@@ -521,14 +522,14 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
                                              add_generation_prompt=True, tokenize=False)
     else:
         text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
-    if image is None:
-        enc = processor(text=[text], return_tensors="np")
-        return [int(i) for i in enc["input_ids"][0]], None
+    if image is None and "<image>" in text:
+        raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
+                              "or drop <image> from the prompt.")
     try:
-        enc = processor(text=[text], images=[[image]], return_tensors="np")
+        enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
     except ValueError as err:
         raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
-    return [int(i) for i in enc["input_ids"][0]], enc["pixel_values"]
+    return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
 
 
 def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike | None = None,
