@@ -133,3 +133,16 @@ def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "llama"), "--graphs", "vision,prefill,decode",
                  "-o", str(tmp_path / "o")]) == 2
     assert "the vision graph is for vision-language models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["circle", "tflite"])
+def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target):
+    """Target circle (ATTENTION updating whole caches, the reference interpreter) and tflite
+    (LiteRT): one file, a signature per graph, the vision graph among them."""
+    t = tiny_vlm_onert
+    model, processor = vlm.load(t.model_dir)
+    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=(16, 8),
+                                    max_cache_len=64)
+    assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
+    ids, pixels = _inputs(t, "Describe it", t.photo, True)
+    assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 6, chat=True).tokens == t.hf_greedy(ids, pixels, 6)
