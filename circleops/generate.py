@@ -289,6 +289,10 @@ class Generator:
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
+        if m.vision is not None and type(self).prefill_extras is Generator.prefill_extras:
+            raise ModelLoadError(f"{m.directory} holds a vision-language model, whose prefill graphs also take image "
+                                 f"embeddings: run it with circleops.vlm.VisionGenerator (circleops generate DIR "
+                                 f"--image PATH --prompt TEXT).")
         self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
         self.prefill_sessions = {n: open_graph(m, g, self.runtime) for n, g in m.prefill_graphs.items()}

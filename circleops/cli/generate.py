@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     if args.image or manifest.vision is not None:
         from circleops.cli.vision import generate_main
 
-        return generate_main(args, manifest, runtime)
+        return generate_main(args, manifest, runtime, sampler_from_args(args, manifest.directory))
     if args.prompt is not None:
         tokenizer = load_tokenizer(manifest)
         ids = encode_prompt(tokenizer, args.prompt, args.chat)

@@ -59,14 +59,22 @@ def convert_main(args: argparse.Namespace) -> int:
     report = vlm.convert_vlm_graphs(model, out, processor=processor, target=args.target, prefill_len=lengths,
                                     max_cache_len=args.max_cache_len, verify=args.runtime or bool(args.verify),
                                     tolerance=args.tolerance, source=str(args.config or args.model), progress=progress)
+    if args.report:
+        import json
+
+        from circleops.errors import OutputError
+
+        try:
+            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        except OSError as err:
+            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
     if not args.quiet:
         print(report.summary().replace('--prompt "..."', '--image photo.png --prompt "..."'))
     return 0
 
 
-def generate_main(args: argparse.Namespace, manifest: Any, runtime: str) -> int:
+def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler: Any) -> int:
     """``circleops generate DIR --image PATH --prompt TEXT`` on a vision-language model."""
-    from circleops.cli.generate import sampler_from_args
     from circleops.errors import TargetError
     from circleops.generate import TextStream
     from circleops.vlm import VisionGenerator, prepare, read_image, saved_processor
@@ -79,7 +87,6 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str) -> int:
     processor = saved_processor(manifest)
     ids, pixels = prepare(processor, args.prompt, image, chat=args.chat)
     gen.check_fits(len(ids), args.max_new_tokens)
-    sampler = sampler_from_args(args, manifest.directory)
     if not args.chat:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()

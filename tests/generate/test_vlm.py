@@ -126,6 +126,14 @@ def test_errors_are_one_clear_paragraph(tiny_vlm_onert, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.circle").exists()
 
 
+def test_the_text_generator_refuses_a_vlm_directory(tiny_vlm_onert):
+    from circleops.errors import ModelLoadError
+    from circleops.generate import Generator
+
+    with pytest.raises(ModelLoadError, match="VisionGenerator"):
+        Generator(tiny_vlm_onert.out)
+
+
 def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
     from families import BY_NAME
 
