@@ -20,8 +20,9 @@ def _inputs(t, prompt, image, chat=False):
     return vlm.prepare(t.processor, prompt, vlm.read_image(image) if image else None, chat=chat)
 
 
-@pytest.mark.parametrize("runtime", ["onert", "reference"])
-@pytest.mark.parametrize("prompt, chat", [("Describe it", True), ("What is in this picture? Answer briefly.", False)])
+@pytest.mark.parametrize("runtime, prompt, chat", [
+    ("onert", "Describe it", True), ("onert", "What is in this picture? Answer briefly.", False),
+    ("reference", "Describe it", True)])
 def test_generate_with_image_equals_transformers(tiny_vlm_onert, runtime, prompt, chat):
     t = tiny_vlm_onert
     ids, pixels = _inputs(t, prompt, t.photo, chat)
@@ -153,4 +154,4 @@ def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path,
                                     max_cache_len=64)
     assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
     ids, pixels = _inputs(t, "Describe it", t.photo, True)
-    assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 6, chat=True).tokens == t.hf_greedy(ids, pixels, 6)
+    assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 5, chat=True).tokens == t.hf_greedy(ids, pixels, 5)
