@@ -155,3 +155,22 @@ def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path,
     assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
     ids, pixels = _inputs(t, "Describe it", t.photo, True)
     assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 5, chat=True).tokens == t.hf_greedy(ids, pixels, 5)
+
+
+@pytest.mark.parametrize("vision, message", [("oops", "vision has the wrong type"),
+                                             ({"graph": "vision"}, "the vision entry is incomplete"),
+                                             ({"graph": "../x", "image_token_id": 1, "image_seq_len": 4,
+                                               "tile_size": 32, "hidden_size": 32}, "has no ../x graph")])
+def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, message):
+    import json
+    import shutil
+
+    from circleops.errors import ModelLoadError
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_vlm_onert.out, out)
+    data = json.loads((out / "manifest.json").read_text())
+    data["vision"] = vision
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=message):
+        vlm.VisionGenerator(out, runtime="reference")
