@@ -355,6 +355,10 @@ class Generator:
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
+        if m.vision is not None and type(self).prefill_extras is Generator.prefill_extras:
+            raise ModelLoadError(f"{m.directory} holds a vision-language model, whose prefill graphs also take image "
+                                 f"embeddings: run it with circleops.vlm.VisionGenerator (circleops generate DIR "
+                                 f"--image PATH --prompt TEXT).")
         self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
         # each graph at its own thread count (graph_threads: the budget, less where measured faster)
@@ -428,12 +432,19 @@ class Generator:
         head = [buf, np.array([pos], dtype=np.int64)]
         if m.prefill_one_row:
             head.append(np.array([row], dtype=np.int64))
+        head.extend(self.prefill_extras(buf, pos))
         outs = self.prefill_sessions[length].run([*head, *self.caches])
         self.caches = store_caches(self.caches, outs[1:], pos, m.cache_update, m.cache_layout)
         self._written = max(self._written, min(pos + length, m.max_cache_len))
         self.prefill_runs += 1
         self.chunks.append(length)
         return outs[0][0, 0 if m.prefill_one_row else row]
+
+    def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
+        """Inputs a prefill graph takes after its ids, pos and logits row, for the chunk
+        ``ids`` [1, N] at ``pos``: none for a text model (a vision-language model's prefill
+        also takes the chunk's image embeddings: circleops.vlm.VisionGenerator)."""
+        return []
 
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
         """The prefill runs that write tokens ``start..end-1``: :func:`plan_chunks` over the

@@ -181,11 +181,12 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
 
 
 def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any = None, kind: str | None = None,
-               cache_update: str = "full") -> Any:
+               cache_update: str = "full", names: tuple[Sequence[str], Sequence[str]] | None = None) -> Any:
     """Lower one exported step; its subgraph is named ``graph`` and its signature key is
     ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
-    default: ``graph``'s own) and ``cache_update``. ``target``: a target's name, a
-    TargetProfile, or the pipeline's Options (circleops.pipeline)."""
+    default: ``graph``'s own) and ``cache_update``, or ``names`` (inputs, outputs) when
+    given. ``target``: a target's name, a TargetProfile, or the pipeline's Options
+    (circleops.pipeline)."""
     from circleops import pipeline
 
     opts = target if isinstance(target, pipeline.Options) else None
@@ -197,7 +198,8 @@ def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any 
         model = pipeline.lower(ep, opts)
     sub = model.subgraphs[0]
     sub.name = graph
-    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
+    ins, outs = names or io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
+    ins, outs = list(ins), list(outs)
     if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
         raise CircleOpsError(f"internal: the {graph} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
                              f"outputs, expected {len(ins)} and {len(outs)}.")
@@ -685,8 +687,8 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
                 f"without --verify to inspect them (circleops inspect), and report the model.")
 
 
-# the output-directory steps other graph writers share (circleops.speech): a directory
-# that exists or can be made, a staging directory beside it, the publish of a complete output
-prepare_output_dir = _prepare_dir
-staging_dir = _staging_dir
-publish = _publish
+# the output directory's life cycle and the model's token ids, shared by the other graph
+# writers (circleops.speech, circleops.vlm): a directory that exists or can be made, a staging
+# directory beside it, the publish of a complete output
+prepare_output_dir = prepare_dir = _prepare_dir
+staging_dir, publish, eos_ids, pad_id = _staging_dir, _publish, _eos_ids, _pad_id

@@ -79,6 +79,9 @@ class Manifest:
     prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
     cache_update: str = "full"  # what the cache outputs are: whole caches, or the new rows (CACHE_UPDATES)
     cache_layout: str = SLOT_MAJOR  # the cache arrays' layout (CACHE_LAYOUTS); cache_shape is [1, C, Hkv, D] in any
+    # a vision-language model's image side (circleops.vlm.VisionSpec.to_json): its vision graph
+    # (a key of ``files``), image token, tokens per image and the embeddings input of the prefill
+    vision: dict[str, Any] | None = None
 
     @property
     def cache_shapes(self) -> list[list[int]]:
@@ -118,6 +121,7 @@ class Manifest:
             "quantize": self.quantize, "num_threads": self.num_threads,
             "prefill_inputs": self.prefill_inputs or self.inputs,
             "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
+            **({"vision": self.vision} if self.vision is not None else {}),
         }
 
     def write(self) -> Path:
@@ -185,6 +189,7 @@ def _check_types(m: Manifest, path: Path) -> None:
         ("source", isinstance(m.source, str)), ("quantize", m.quantize is None or isinstance(m.quantize, str)),
         ("num_threads", m.num_threads is None or (isinstance(m.num_threads, int) and 1 <= m.num_threads <= 1024)),
         ("cache_update", isinstance(m.cache_update, str)), ("cache_layout", isinstance(m.cache_layout, str)),
+        ("vision", m.vision is None or (isinstance(m.vision, dict) and all(isinstance(k, str) for k in m.vision))),
     ) if not ok]
     if wrong:
         raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
@@ -231,7 +236,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
                      prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
                      cache_update=data.get("cache_update") or "full",
-                     cache_layout=data.get("cache_layout") or SLOT_MAJOR)
+                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"))
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)

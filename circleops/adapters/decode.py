@@ -114,16 +114,18 @@ class DecoderWithCache(torch.nn.Module):
         return self.run(input_ids, pos, caches)
 
     def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
-             row: Tensor | None = None) -> tuple[Tensor, ...]:
+             row: Tensor | None = None, inputs_embeds: Tensor | None = None) -> tuple[Tensor, ...]:
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
-        logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row."""
+        logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.
+        ``inputs_embeds`` [1, S, hidden]: the tokens' embeddings, given instead of looked up
+        (a vision-language model's prefill merges image embeddings in: circleops.vlm)."""
         n = self.num_layers
         if len(caches) != 2 * n:
             raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
         base, lm_head = _parts(self.model)
         s = input_ids.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
-        hidden = base.embed_tokens(input_ids)
+        hidden = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = base.rotary_emb(hidden, positions)
         slots = torch.arange(self.max_len, device=input_ids.device)
         if self.cache_update == "rows":

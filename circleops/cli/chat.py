@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "template)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                         help="tokens per reply at most (default 256); a reply ends at the end-of-turn token")
+    parser.add_argument("--image", metavar="PATH", help="an image in the first message (a vision-language model "
+                                                        "converted with --graphs vision,prefill,decode)")
     parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: the one the files were converted for)")
@@ -46,9 +48,16 @@ def main(args: argparse.Namespace) -> int:
 
         raise ModelLoadError(f"{manifest.directory} has no tokenizer (converted without one, e.g. from --config), "
                              f"so there is no chat template to talk through. Convert a model with a tokenizer.")
-    tokenizer = hf_tokenizer(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
     sampler = sampler_from_args(args, manifest.directory)
-    chat = Chat(Generator(manifest, runtime=runtime, threads=args.threads), tokenizer, system=args.system)
+    if args.image or manifest.vision is not None:
+        from circleops.cli.vision import vision_chat
+
+        chat = vision_chat(args, manifest, runtime)
+    else:
+        tokenizer = hf_tokenizer(confined_tokenizer(manifest.directory, manifest.tokenizer,
+                                                    manifest.directory / MANIFEST))
+        chat = Chat(Generator(manifest, runtime=runtime, threads=args.threads), tokenizer, system=args.system)
+    tokenizer = chat.tokenizer
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"circleops chat: {manifest.directory} on {runtime}, {manifest.max_cache_len} cache slots; "

@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # prefill + decode graphs for `circleops generate` (circleops.cli.convert_graphs)
     parser.add_argument("--graphs", metavar="LIST", default=None,
                         help="write generation graphs instead of one forward: prefill,decode (with a static KV "
-                             "cache) into the directory -o, with manifest.json and the tokenizer, for "
+                             "cache; vision,prefill,decode for a vision-language model, docs/vlm.md) into the directory "
+                             "-o, with manifest.json and the tokenizer, for "
                              f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens}). A "
                              "Whisper directory: encoder,prefill,decode (generate --audio; docs/speech.md)")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops import conversion as api
     from circleops import models
-    from circleops.cli import convert_graphs, convert_task
+    from circleops.cli import convert_graphs, convert_task, vision
     from circleops.cli.common import (ProgressBar, convert_stages, integer_options, one_length, scipy_hidden,
                                       write_report, writable)
     from circleops.dtypes import float_dtype
@@ -95,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model) if args.model else args.model  # a hub id: its cached/downloaded copy
     if getattr(args, "graphs", None):
         return convert_graphs.main(args)
+    vision.refuse_without_graphs(args)  # a vision-language model converts only into its --graphs
     if task := convert_task.task_of(args):
         return convert_task.main(args, task)
     if args.model is None and args.config is None:

@@ -19,6 +19,10 @@ def main(args: argparse.Namespace) -> int:
     from circleops.cli import convert_speech
     if convert_speech.wants_speech(args):  # Whisper: encoder, prefill, decode
         return convert_speech.main(args)
+    from circleops.cli import vision
+
+    if vision.is_vlm(args):
+        return vision.convert_main(args)
     names = graphs.parse_graph_names(args.graphs)
     if args.model is None and args.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "

@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: onert for --target onert files, litert for "
                              "tflite, reference for circle)")
+    parser.add_argument("--image", metavar="PATH", help="an image for a vision-language model (converted with "
+                                                        "--graphs vision,prefill,decode), placed before the prompt")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template "
                                                             "(for a conversation: circleops chat DIR)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no timing line on stderr")
@@ -90,6 +92,10 @@ def main(args: argparse.Namespace) -> int:
     runtime, note = choose_runtime(manifest, args.runtime)
     if note:
         print(f"circleops: {note}", file=sys.stderr)
+    if args.image or manifest.vision is not None:
+        from circleops.cli.vision import generate_main
+
+        return generate_main(args, manifest, runtime, sampler_from_args(args, manifest.directory))
     if args.prompt is not None:
         tokenizer = load_tokenizer(manifest)
         ids = encode_prompt(tokenizer, args.prompt, args.chat)

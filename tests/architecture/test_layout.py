@@ -186,6 +186,8 @@ LAYERS: tuple[str, ...] = (
     "validate", "pipeline",
     # the applications over the pipeline, then the CLI over them
     "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
+    # a vision-language model: its graphs and generation from an image (over graphs, generate, chat)
+    "vlm",
     # any Hugging Face model for its task (over conversion), and its inputs from a processor
     "tasks", "task_io",
     # Whisper-style speech graphs and their generation (over graphs, generate and task_io)

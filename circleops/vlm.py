@@ -1,0 +1,589 @@
+"""Vision-language models: a vision graph, prefill graphs that take image embeddings, and
+the decode graph with its KV cache; generation from an image and a prompt.
+
+    from circleops import vlm
+    model, processor = vlm.load("smolvlm-dir/")
+    vlm.convert_vlm_graphs(model, "out/", processor=processor, target="onert", verify=True)
+    result = vlm.generate("out/", "Describe it", image="photo.png")
+
+SmolVLM / Idefics3 (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``):
+a SigLIP vision tower, a connector (pixel shuffle + linear) and a Llama text model.
+
+* ``vision``: one image tile ``pixel_values [1, 3, S, S]`` -> ``image_embeds [1, T, H]``, the
+  projected embeddings that replace the tile's T ``<image>`` tokens (T = the model's
+  ``image_seq_len``; a processor that splits an image into tiles makes one run per tile).
+* ``prefill`` (one per ``--seq-len``): the text model's prefill with one input more,
+  ``image_embeds [1, N, H]``: the chunk's rows that are ``<image>`` tokens take that row
+  instead of their token embedding (``where(input_ids == image_token_id, ...)``: what the
+  model's ``inputs_merger`` does), every other row its embedding. The merge is in the graph,
+  so the host needs no embedding table; the rest of the graph is the causal LM's prefill
+  (RMS_NORM, ROPE and the attention as for SmolLM2). Text without an image feeds zeros.
+* ``decode``: the causal LM's decode graph, unchanged (a generated token is text).
+
+The host (:class:`VisionGenerator`) runs the vision graph on each tile, places the image
+embeddings at the positions of the ``<image>`` tokens of the prompt, and feeds them chunk by
+chunk with the prefill graphs; the manifest's ``vision`` entry (:class:`VisionSpec`) names
+the vision graph, the image token and the tile size. The processor (tokenizer, image
+processor, chat template) is saved in the directory's ``tokenizer/``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from circleops.chat import Chat
+from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
+from circleops.generate import Generation, Generator, GenerationLimitError, TextStream, open_graph
+from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
+                              decoder_step, default_cache_update, eos_ids, export_graph, io_names, lower_step,
+                              merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
+from circleops.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
+from circleops.targets import PROFILES
+
+# model_type of config.json -> what it is; the classes are transformers'
+VLM_MODEL_TYPES = {"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
+VISION_GRAPH = "vision"
+VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
+IMAGE_EMBEDS = "image_embeds"
+PIXEL_VALUES = "pixel_values"
+# SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct): "User:<image>text<end_of_utterance>\nAssistant:"
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+# the special tokens an Idefics3 processor expects in its tokenizer
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
+
+Progress = Callable[[str], None]
+
+
+class ImageInputError(CircleOpsError):
+    """An image that cannot be read, or a prompt whose image tokens have no image."""
+
+
+# --------------------------------------------------------------------------- the model
+
+def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.PathLike | None = None) -> str | None:
+    """The model_type of a vision-language model directory (or config.json) circleops
+    converts with ``--graphs vision,prefill,decode``; None for anything else."""
+    path = Path(config) if config else Path(model) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return kind if kind in VLM_MODEL_TYPES else None
+
+
+def _classes(model_type: str) -> Any:
+    import transformers
+
+    return getattr(transformers, VLM_MODEL_TYPES[model_type])
+
+
+def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None, seed: int = 0) -> tuple[Any, Any]:
+    """(the model, its processor or None) from a directory (config.json + safetensors, as
+    ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json."""
+    import torch
+
+    from circleops.models import quiet_transformers
+
+    kind = vlm_model_type(model, config)
+    if kind is None:
+        raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
+                             f"{', '.join(VLM_MODEL_TYPES)}).")
+    cls = _classes(kind)
+    with quiet_transformers():
+        try:
+            if config:
+                cfg = cls.config_class.from_json_file(str(config))
+                torch.manual_seed(seed)
+                module = cls(cfg)
+            else:
+                module = cls.from_pretrained(str(model), dtype=torch.float32)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ModelLoadError(f"cannot load {config or model} as {cls.__name__}: {str(err).strip()[:300]}") from None
+        processor = None
+        if model and not config:
+            processor = load_processor(Path(model), required=False)
+    return module.eval(), processor
+
+
+def load_processor(path: Path, *, required: bool = True) -> Any:
+    """The processor (tokenizer, image processor, chat template) saved in ``path``."""
+    from transformers import AutoProcessor
+
+    from circleops.models import quiet_transformers
+
+    try:
+        with quiet_transformers():
+            return AutoProcessor.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
+        if not required:
+            return None
+        raise ModelLoadError(f"cannot load the processor saved in {path}: {str(err).strip()[:300]}. Convert again "
+                             f"from a model directory that holds its processor.") from None
+
+
+def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = True, longest_edge: int | None = None,
+                    chat_template: str | None = SMOLVLM_CHAT_TEMPLATE) -> Any:
+    """An Idefics3 processor for ``model`` (an Idefics3 / SmolVLM) over ``tokenizer`` (a
+    text model's, e.g. SmolLM2's: the image tokens are added): tiles of the vision tower's
+    image size, images resized to ``longest_edge`` (default two tiles) first."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tile = int(model.config.vision_config.image_size)
+    missing = [t for t in IMAGE_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge or 2 * tile},
+                                       max_image_size={"longest_edge": tile}, do_image_splitting=do_image_splitting)
+    return Idefics3Processor(images, tokenizer, image_seq_len=int(model.model.image_seq_len),
+                             chat_template=chat_template)
+
+
+@dataclass
+class VisionSpec:
+    """The manifest's ``vision`` entry: how the host feeds images to the graphs."""
+
+    graph: str  # the vision graph (a key of the manifest's files)
+    image_token_id: int
+    image_seq_len: int  # embeddings (and <image> tokens) per tile
+    tile_size: int  # the vision graph's pixel_values is [1, 3, tile_size, tile_size]
+    hidden_size: int  # the text model's: image_embeds rows
+    family: str  # model_type
+
+    def to_json(self) -> dict[str, Any]:
+        return {"graph": self.graph, "image_token_id": self.image_token_id, "image_seq_len": self.image_seq_len,
+                "tile_size": self.tile_size, "hidden_size": self.hidden_size, "family": self.family,
+                "prefill_input": IMAGE_EMBEDS}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: Path) -> "VisionSpec":
+        try:
+            spec = cls(graph=str(data["graph"]), image_token_id=int(data["image_token_id"]),
+                       image_seq_len=int(data["image_seq_len"]), tile_size=int(data["tile_size"]),
+                       hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"{where}: the vision entry is incomplete ({type(err).__name__}: {err}). Convert "
+                                 f"again with --graphs vision,prefill,decode.") from None
+        if min(spec.image_seq_len, spec.tile_size, spec.hidden_size) < 1 or spec.image_token_id < 0:
+            raise ModelLoadError(f"{where}: the vision entry's sizes must be positive. Convert again.")
+        return spec
+
+
+def vision_spec(model: Any) -> VisionSpec:
+    cfg = model.config
+    return VisionSpec(graph=VISION_GRAPH, image_token_id=int(cfg.image_token_id),
+                      image_seq_len=int(model.model.image_seq_len), tile_size=int(cfg.vision_config.image_size),
+                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type))
+
+
+def parse_vlm_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"vision,prefill,decode"``: a vision-language model needs all three."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if sorted(names) != sorted(VLM_GRAPH_NAMES):
+        raise TargetError(f"a vision-language model converts with --graphs {','.join(VLM_GRAPH_NAMES)} (the vision "
+                          f"tower, the prefill that merges image embeddings, the decode step); got "
+                          f"--graphs {','.join(names) or 'nothing'}.")
+    return VLM_GRAPH_NAMES
+
+
+# --------------------------------------------------------------------------- convert
+
+@dataclass
+class _Example:
+    ids: Any  # [P + 1] int64: text, one tile's image tokens, text
+    pixel_values: Any  # [1, 3, S, S]
+    features: Any  # [T, H]: the vision tower's output on it
+    logits: Any  # [P + 1, V]: the model's logits of every prefix
+
+
+def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
+    """A prompt of text, one tile's <image> tokens and text, through the model's own forward
+    (with pixel_values: its vision tower and inputs_merger), before anything is fused."""
+    import torch
+
+    from circleops.adapters.vlm import VisionTower
+
+    vocab = int(model.config.text_config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, vocab, (max(2, min(lengths) // 2) + 2,), generator=g)
+    text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
+    ids = torch.cat([text[:2], torch.full((spec.image_seq_len,), spec.image_token_id), text[2:]])
+    pixels = torch.rand((1, 3, spec.tile_size, spec.tile_size), generator=g) * 2 - 1
+    p = len(ids) - 1
+    with torch.no_grad():
+        logits = model(input_ids=ids[None, :p], pixel_values=pixels[None], use_cache=False).logits[0]
+        # the last token after the prompt (the decode check): the same forward, one longer
+        last = model(input_ids=ids[None], pixel_values=pixels[None], use_cache=False).logits[0, -1:]
+        features = VisionTower(model)(pixels)[0]
+    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy())
+
+
+def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any = None,
+                       graphs: str | Sequence[str] = VLM_GRAPH_NAMES, target: str = "onert",
+                       prefill_len: int | Sequence[int] = DEFAULT_PREFILL_LENS,
+                       max_cache_len: int = DEFAULT_MAX_CACHE_LEN, verify: bool | str = False,
+                       tolerance: float | None = None, source: str = "", progress: Progress | None = None) -> GraphsReport:
+    """Write the vision, prefill and decode graphs of ``model`` (an Idefics3 / SmolVLM) for
+    ``target`` into ``out_dir`` with ``manifest.json`` (its ``vision`` entry) and the
+    processor in ``out_dir/tokenizer``.
+
+    ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
+    of text and one image tile, against the model's own forward with ``pixel_values``: the
+    vision graph's embeddings, the prefill's logits of the last prompt token and one decode
+    step; VerifyError above ``tolerance`` x max(1, max|value|). The text model's modules
+    are fused in place (circleops.fuse).
+    """
+    import torch
+
+    from circleops import pipeline
+    from circleops.runtime import choose_runtime
+
+    parse_vlm_graphs(graphs)
+    if target not in PROFILES:
+        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
+    if type(model).__name__ not in VLM_MODEL_TYPES.values():
+        raise TargetError(f"convert_vlm_graphs takes one of {', '.join(VLM_MODEL_TYPES.values())}; got "
+                          f"{type(model).__name__}.")
+    runtime, note = None, None
+    if verify:
+        if verify is not True and str(verify) not in graph_runtimes(target):
+            raise TargetError(f"runtime {verify} cannot run target {target}'s files; use one of "
+                              f"{', '.join(graph_runtimes(target))}.")
+        runtime, note = choose_runtime(verify, target, None)
+    lengths = prefill_lengths(prefill_len)
+    limit = getattr(model.config.text_config, "max_position_embeddings", None)
+    check_lengths(lengths[0], max_cache_len, limit, source or "the model")
+    check_lengths(lengths[-1], max_cache_len, None, source or "the model")
+    spec = vision_spec(model)
+    opts = pipeline.Options(target, torch.float32, runtime=runtime, tolerance=tolerance, functionalize=False)
+    out_dir = Path(out_dir)
+    prepare_dir(out_dir)
+    staging = staging_dir(out_dir)
+    tracker = pipeline.Tracker(progress)
+    try:
+        report = _convert_into(model.eval(), processor, spec, (lengths, max_cache_len, source), opts,
+                               tracker=tracker, staging=staging)
+        report.verify_note = note
+        publish(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report.directory = str(out_dir)
+    report.manifest.directory = out_dir
+    return report
+
+
+def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, opts: Any, *, tracker: Any,
+                  staging: Path) -> GraphsReport:
+    import torch
+
+    from circleops import pipeline
+    from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower
+
+    lengths, max_cache_len, source = sizes
+    example = None
+    if opts.runtime is not None:
+        with tracker.stage("torch reference logits", "verify", enter=False):
+            example = _example(model, spec, lengths)
+    cache_update = default_cache_update(opts.target)
+    with tracker.stage("export"), torch.no_grad():
+        tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size))
+        eps = {VISION_GRAPH: pipeline.export(VisionTower(model).eval(), (tile,), adapters=False, warn_list=[])}
+        step = decoder_step(TextLM(model), max_cache_len, cache_update)
+        prefill = ImagePrefill(step, spec.image_token_id)
+        for n in lengths:
+            args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
+                    torch.zeros((1, n, spec.hidden_size)), *step.empty_caches())
+            eps[prefill_graph_name(n, lengths)] = pipeline.export(prefill, args, adapters=False, warn_list=[])
+        eps["decode"] = export_graph(step, "decode", lengths[0])
+    names = _io(step.num_layers, cache_update)
+    built = pipeline.build(eps, opts, None, tracker, lower_one=lambda g, ep: lower_step(
+        ep, g, opts, step.num_layers, names=names[VISION_GRAPH if g == VISION_GRAPH else
+                                                  "decode" if g == "decode" else "prefill"]))
+    lowered = built.models
+    del eps, built
+    profile = opts.profile
+    files = {g: f"{g}.{profile.format}" if profile.one_file_per_graph else f"model.{profile.format}" for g in lowered}
+    with tracker.stage("write"):
+        infos = _write(lowered, files, names, opts, staging)
+        tokenizer_dir = None
+        if processor is not None:
+            processor.save_pretrained(str(staging / TOKENIZER_DIR))
+            tokenizer_dir = TOKENIZER_DIR
+        text = TextLM(model)
+        eos = eos_ids(text)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.to_json_file(str(staging / "generation_config.json"))
+        k_names, outs = io_names(step.num_layers, "decode", cache_update)
+        manifest = Manifest(
+            directory=staging, target=opts.target, dtype="fp32", files=files,
+            signatures={g: infos[g].signature for g in files}, prefill_len=lengths[0], prefill_lens=list(lengths),
+            prefill_inputs=names["prefill"][0], max_cache_len=max_cache_len, num_layers=step.num_layers,
+            cache_shape=list(step.cache_shape), cache_layout=step.cache_layout,
+            vocab_size=int(model.config.text_config.vocab_size), inputs=k_names, outputs=outs, eos_token_ids=eos,
+            pad_token_id=pad_id(text, eos), tokenizer=tokenizer_dir, source=source, cache_update=cache_update,
+            vision=spec.to_json())
+        manifest.write()
+    report = GraphsReport(directory=str(staging), target=opts.target, dtype="fp32", graphs=infos, manifest=manifest,
+                          timings=tracker.timings, source=source)
+    if example is not None:
+        tol = opts.verify_tolerance()
+        tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
+        with tracker.stage("verify"):
+            for g, err in _verify(manifest, opts.runtime, example, tol).items():
+                infos[g].max_abs_error = err
+        report.verify_runtime, report.tolerance = opts.runtime, tol
+    return report
+
+
+def _io(num_layers: int, cache_update: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Input and output names per graph kind: the prefill's image_embeds after logits_row."""
+    ins, outs = io_names(num_layers, "prefill", cache_update)
+    prefill_ins = [*ins[:3], IMAGE_EMBEDS, *ins[3:]]
+    return {VISION_GRAPH: ([PIXEL_VALUES], [IMAGE_EMBEDS]), "prefill": (prefill_ins, outs),
+            "decode": io_names(num_layers, "decode", cache_update)}
+
+
+def _write(lowered: dict[str, Any], files: dict[str, str], names: dict, opts: Any, out: Path) -> dict[str, GraphInfo]:
+    from circleops import pipeline
+
+    groups: dict[str, dict[str, Any]] = {}
+    for g, m in lowered.items():
+        groups.setdefault(files[g], {})[g] = m
+    infos: dict[str, GraphInfo] = {}
+    for file, members in groups.items():
+        one = next(iter(members.values())) if len(members) == 1 else merge_models(members)
+        info = pipeline.write(one, out / file, opts)
+        for g, m in members.items():
+            sub = m.subgraphs[0]
+            kind = VISION_GRAPH if g == VISION_GRAPH else "decode" if g == "decode" else "prefill"
+            infos[g] = GraphInfo(
+                name=g, file=file, signature=None if len(members) == 1 else g, ops=pipeline.op_histogram(m),
+                file_size=info.file_bytes,
+                inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
+                outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
+                         for n, i in zip(names[kind][1], sub.outputs)])
+    return infos
+
+
+def _verify(manifest: Manifest, runtime: str, example: _Example, tol: float) -> dict[str, float]:
+    """The written graphs against the model's forward (see convert_vlm_graphs)."""
+    import numpy as np
+
+    gen = VisionGenerator(manifest, runtime=runtime)
+    ids = [int(i) for i in example.ids]
+    features = gen.image_features(example.pixel_values.numpy()[None])
+    errors = {VISION_GRAPH: float(np.abs(features - example.features).max())}
+    wants = {VISION_GRAPH: example.features}
+    for n, g in manifest.prefill_graphs.items():  # the whole prompt through each prefill graph alone
+        gen.reset()
+        gen.attach_images(ids[:-1], 0, features)
+        gen.plan = lambda start, end, n=n: [(n, s) for s in range(start, end, n)]
+        logits = gen.feed(ids[:-1])
+        errors[g], wants[g] = float(np.abs(logits - example.logits[-2]).max()), example.logits[-2]
+    step = gen.decode(ids[-1])
+    errors["decode"], wants["decode"] = float(np.abs(step - example.logits[-1]).max()), example.logits[-1]
+    for g, err in errors.items():
+        scale = max(1.0, float(np.abs(wants[g]).max()))
+        if not err <= tol * scale:
+            raise VerifyError(f"the written {g} graph does not match the model: {runtime} gives max abs error "
+                              f"{err:.3g} (tolerance {tol:.3g} x {scale:.3g}); nothing was written. Convert without "
+                              f"--verify to inspect the files (circleops inspect), and report the model.")
+    return errors
+
+
+# --------------------------------------------------------------------------- generate
+
+class VisionGenerator(Generator):
+    """A :class:`~circleops.generate.Generator` over a vision-language model's directory:
+    :meth:`image_features` runs the vision graph, :meth:`attach_images` places image
+    embeddings at the cache positions of ``<image>`` tokens, and the prefill graphs get each
+    chunk's rows (:meth:`prefill_extras`)."""
+
+    def __init__(self, source: Any, runtime: str | None = None, *,
+                 threads: int | Mapping[str, int] | None = None):
+        import numpy as np
+
+        super().__init__(source, runtime, threads=threads)
+        m = self.manifest
+        if m.vision is None:
+            raise ModelLoadError(f"{m.directory} holds a text model (its manifest has no vision graph): generate "
+                                 f"without --image, or convert a vision-language model with --graphs "
+                                 f"{','.join(VLM_GRAPH_NAMES)}.")
+        self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
+        self.vision_session = open_graph(m, self.vision.graph, self.runtime)
+        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
+        self._has_image = np.zeros(m.max_cache_len, dtype=bool)
+
+    def reset(self) -> None:
+        super().reset()
+        self._has_image[:] = False
+
+    def image_features(self, pixel_values: Any) -> Any:
+        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
+        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does."""
+        import numpy as np
+
+        s = self.vision.tile_size
+        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
+        if tiles.shape[-2:] != (s, s):
+            raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
+                                  f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
+                                  f"again with the model's own processor.")
+        out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
+        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
+
+    def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
+        """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
+        of ``features`` in order; ImageInputError unless there are as many."""
+        import numpy as np
+
+        where = [start + i for i, t in enumerate(ids) if int(t) == self.vision.image_token_id]
+        if len(where) != len(features):
+            raise ImageInputError(f"the prompt has {len(where)} image tokens and the image gives {len(features)} "
+                                  f"embeddings ({self.vision.image_seq_len} per tile): the prompt was not made by "
+                                  f"the model's processor from this image.")
+        if where and where[-1] >= self.manifest.max_cache_len:
+            raise GenerationLimitError(f"the image tokens reach position {where[-1]}, past the "
+                                       f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
+                                       f"larger --max-cache-len.")
+        if where:
+            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._has_image[where] = True
+
+    def feed(self, token_ids: Sequence[int]) -> Any:
+        start = self.position
+        img = self.vision.image_token_id
+        orphans = [start + i for i, t in enumerate(token_ids)
+                   if int(t) == img and start + i < len(self._has_image) and not self._has_image[start + i]]
+        if orphans and (len(token_ids) > 1 or start == 0):
+            raise ImageInputError(f"the prompt has {len(orphans)} image token(s) (<image>) with no image: pass the "
+                                  f"image (--image PATH).")
+        return super().feed(token_ids)
+
+    def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
+        import numpy as np
+
+        n = ids.shape[1]
+        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
+        take = max(0, min(n, self.manifest.max_cache_len - pos))
+        rows[0, :take] = self._rows[pos:pos + take]
+        return [rows]
+
+    def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
+                            max_new_tokens: int, **kwargs: Any) -> Generation:
+        """:meth:`generate` (a new conversation) with the image ``pixel_values`` (the
+        processor's) behind the prompt's image tokens."""
+        features = self.image_features(pixel_values) if pixel_values is not None else []
+        self.reset()
+        self.attach_images(prompt_ids, 0, features)
+        return self.generate(prompt_ids, max_new_tokens, keep_cache=True, **kwargs)
+
+
+def read_image(path: str | os.PathLike) -> Any:
+    """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImageInputError("reading an image needs Pillow: pip install pillow.") from None
+    if not Path(path).is_file():
+        raise ImageInputError(f"the image {path} does not exist: pass the path of a PNG or JPEG file with --image.")
+    try:
+        with Image.open(path) as picture:
+            return picture.convert("RGB")
+    except (OSError, ValueError) as err:
+        raise ImageInputError(f"cannot read the image {path}: {err}. Pass a PNG or JPEG file.") from None
+
+
+def _user_content(text: str, image: bool) -> list[dict[str, str]]:
+    return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
+
+
+def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False) -> tuple[list[int], Any]:
+    """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
+    makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
+    prompt has one); with ``chat`` the prompt is one user turn of the processor's template."""
+    if chat:
+        if not getattr(processor, "chat_template", None):
+            raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
+        text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
+                                             add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
+    if image is None and "<image>" in text:
+        raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
+                              "or drop <image> from the prompt.")
+    try:
+        enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
+    except ValueError as err:
+        raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
+    return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
+
+
+def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike | None = None,
+             max_new_tokens: int = 64, *, runtime: str | None = None, chat: bool = False, stream: Any = None,
+             sampler: Any = None) -> Generation:
+    """Generation from ``prompt`` and the image at ``image`` with the graphs in
+    ``directory`` (``convert --graphs vision,prefill,decode``); ``result.text`` holds the
+    new text, which ``stream`` (a file) also receives as it is produced."""
+    gen = VisionGenerator(directory, runtime=runtime)
+    processor = saved_processor(gen.manifest)
+    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
+    gen.check_fits(len(ids), max_new_tokens)
+    streamer = TextStream(processor.tokenizer, stream) if stream is not None else None
+    result = gen.generate_with_image(ids, pixels, max_new_tokens, on_token=streamer, sampler=sampler)
+    result.text = streamer.close() if streamer is not None else processor.tokenizer.decode(
+        result.tokens, skip_special_tokens=True)
+    return result
+
+
+def saved_processor(manifest: Manifest) -> Any:
+    """The processor saved next to the graphs (``tokenizer/``)."""
+    from circleops.manifest import confined_tokenizer
+
+    if not manifest.tokenizer:
+        raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
+                             f"convert the model directory, with its processor, to generate from an image.")
+    return load_processor(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
+
+
+class VisionChat(Chat):
+    """:class:`~circleops.chat.Chat` with an image in the first user message: the
+    conversation is rendered with the processor's chat template, the image's embeddings are
+    computed once and placed at its ``<image>`` tokens."""
+
+    def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
+        if not getattr(processor, "chat_template", None):
+            raise ModelLoadError("the processor saved with this model has no chat template, so it cannot chat; use "
+                                 "`circleops generate DIR --image ... --prompt ...`.")
+        self.processor = processor
+        self.image = image
+        self._features = None
+        super().__init__(generator, processor.tokenizer, system=system)
+
+    def _render(self) -> list[int]:
+        first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
+        messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
+                    for i, m in enumerate(self.messages)]
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
+        if pixels is not None:
+            if self._features is None:
+                self._features = self.generator.image_features(pixels)
+            self.generator.attach_images(ids, 0, self._features)
+        return ids

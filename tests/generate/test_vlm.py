@@ -1,0 +1,176 @@
+"""A vision-language model end to end: `circleops convert DIR --graphs vision,prefill,decode`
+on a tiny random SmolVLM (Idefics3) saved with its processor, then `generate --image` and
+`chat --image` on onert (and the reference interpreter) give transformers' greedy tokens."""
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import pytest
+
+from circleops.cli import main
+from circleops.manifest import read_manifest
+from circleops.serialize import read_model
+from circleops import vlm
+from vlm_fixtures import VLM_NEW, save_image, tiny_vlm
+
+
+def _inputs(t, prompt, image, chat=False):
+    return vlm.prepare(t.processor, prompt, vlm.read_image(image) if image else None, chat=chat)
+
+
+@pytest.mark.parametrize("runtime, prompt, chat", [
+    ("onert", "Describe it", True), ("onert", "What is in this picture? Answer briefly.", False),
+    ("reference", "Describe it", True)])
+def test_generate_with_image_equals_transformers(tiny_vlm_onert, runtime, prompt, chat):
+    t = tiny_vlm_onert
+    ids, pixels = _inputs(t, prompt, t.photo, chat)
+    assert pixels.shape[1] == 5 and len(ids) > 16  # 4 tiles + the global image; the prompt spans several chunks
+    result = vlm.generate(t.out, prompt, t.photo, VLM_NEW, runtime=runtime, chat=chat)
+    assert result.prompt_ids == ids
+    assert result.tokens == t.hf_greedy(ids, pixels)
+    assert result.prefill_runs > 1
+
+
+def test_the_image_decides_the_tokens(tiny_vlm_onert):
+    """Another image gives transformers' tokens for that image, which differ: the graphs see it."""
+    t = tiny_vlm_onert
+    ids, pixels = _inputs(t, "Describe it", t.other, True)
+    got = vlm.generate(t.out, "Describe it", t.other, VLM_NEW, chat=True).tokens
+    assert got == t.hf_greedy(ids, pixels)
+    assert got != vlm.generate(t.out, "Describe it", t.photo, VLM_NEW, chat=True).tokens
+
+
+def test_text_only_prompt_equals_transformers(tiny_vlm_onert):
+    t = tiny_vlm_onert
+    ids, pixels = _inputs(t, "Hello there, how are you?", None)
+    assert pixels is None
+    assert vlm.generate(t.out, "Hello there, how are you?", None, VLM_NEW).tokens == t.hf_greedy(ids, None)
+
+
+def test_cli_generate_prints_transformers_text(tiny_vlm_onert, capsys):
+    t = tiny_vlm_onert
+    ids, pixels = _inputs(t, "Describe it", t.photo, True)
+    want = t.processor.tokenizer.decode(t.hf_greedy(ids, pixels), skip_special_tokens=True)
+    assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", "Describe it", "--chat",
+                 "--max-new-tokens", str(VLM_NEW)]) == 0
+    out, err = capsys.readouterr()
+    assert out == want + "\n"
+    assert "5 tile(s) through the vision graph" in err
+
+
+def _rendered(t, texts_and_replies, image):
+    """The ids and pixel_values of a conversation (user, assistant, ..., user) rendered by the
+    processor's template with the image in the first user message."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant",
+                 "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": text}]}
+                for i, text in enumerate(texts_and_replies)]
+    rendered = t.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return vlm.prepare(t.processor, rendered, image)
+
+
+def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys):
+    """Each reply is transformers' greedy continuation of the whole conversation rendered by
+    the processor's template with the image; the second turn feeds only its own tokens."""
+    t = tiny_vlm_onert
+    image = vlm.read_image(t.photo)
+    chat = vlm.VisionChat(vlm.VisionGenerator(t.out), t.processor, image)
+    said: list[str] = []
+    for text in ["Describe it", "And the colours?"]:
+        ids, pixels = _rendered(t, [*said, text], image)
+        reply = chat.turn(text, 8)
+        assert reply.tokens == t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids)
+        said += [text, reply.text]
+    assert reply.fed < len(ids) // 2  # the image and the first turn stay in the cache
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Describe it\n"))
+    assert main(["chat", str(t.out), "--image", str(t.photo), "--max-new-tokens", "8", "-q"]) == 0
+    ids, pixels = _rendered(t, ["Describe it"], image)
+    want = [x for x in t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids) if x not in chat.stop_ids]
+    assert capsys.readouterr().out == t.processor.tokenizer.decode(want, skip_special_tokens=True) + "\n"
+
+
+def test_manifest_lists_the_vision_graph_and_the_text_part_stays_fused(tiny_vlm_onert):
+    t = tiny_vlm_onert
+    m = read_manifest(t.out)
+    assert m.files["vision"] == "vision.circle" and m.vision["graph"] == "vision"
+    assert m.vision["image_token_id"] == t.model.config.image_token_id and m.vision["image_seq_len"] == 4
+    assert "image_embeds" in m.prefill_inputs
+    ops = {g: [op.opcode for op in read_model(t.out / f).subgraphs[0].operators] for g, f in m.files.items()}
+    sub = read_model(t.out / m.files["vision"]).subgraphs[0]
+    assert [list(sub.tensors[i].shape) for i in sub.inputs] == [[1, 3, 32, 32]]
+    assert [list(sub.tensors[i].shape) for i in sub.outputs] == [[1, 4, 32]]
+    for g in ("prefill", "prefill_8", "decode"):
+        assert ops[g].count("RMS_NORM") == 5, g  # 2 layers x 2 + the final norm
+    assert ops["decode"].count("ROPE") == 4
+
+
+def test_errors_are_one_clear_paragraph(tiny_vlm_onert, tmp_path, capsys):
+    t = tiny_vlm_onert
+    cases = [
+        (["convert", str(t.model_dir), "-o", str(tmp_path / "x.circle")], "--graphs vision,prefill,decode"),
+        (["convert", str(t.model_dir), "--graphs", "prefill,decode", "-o", str(tmp_path / "o")],
+         "converts with --graphs vision,prefill,decode"),
+        (["generate", str(t.out), "--image", str(tmp_path / "missing.png"), "--prompt", "Hi"],
+         "missing.png does not exist"),
+        (["generate", str(t.out), "--prompt", "<image>What is it?"], "image tokens (<image>) with no image: pass the image"),
+        (["generate", str(t.out), "--image", str(tmp_path / "x.txt"), "--prompt", "Hi"], "does not exist"),
+    ]
+    (tmp_path / "bad.png").write_text("not an image")
+    cases.append((["generate", str(t.out), "--image", str(tmp_path / "bad.png"), "--prompt", "Hi"],
+                  "cannot read the image"))
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x.circle").exists()
+
+
+def test_the_text_generator_refuses_a_vlm_directory(tiny_vlm_onert):
+    from circleops.errors import ModelLoadError
+    from circleops.generate import Generator
+
+    with pytest.raises(ModelLoadError, match="VisionGenerator"):
+        Generator(tiny_vlm_onert.out)
+
+
+def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
+    from families import BY_NAME
+
+    BY_NAME["llama"].build().save_pretrained(str(tmp_path / "llama"))
+    assert main(["convert", str(tmp_path / "llama"), "--graphs", "vision,prefill,decode",
+                 "-o", str(tmp_path / "o")]) == 2
+    assert "the vision graph is for vision-language models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["circle", "tflite"])
+def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target):
+    """Target circle (ATTENTION updating whole caches, the reference interpreter) and tflite
+    (LiteRT): one file, a signature per graph, the vision graph among them."""
+    t = tiny_vlm_onert
+    model, processor = vlm.load(t.model_dir)
+    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=(16, 8),
+                                    max_cache_len=64)
+    assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
+    ids, pixels = _inputs(t, "Describe it", t.photo, True)
+    assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 5, chat=True).tokens == t.hf_greedy(ids, pixels, 5)
+
+
+@pytest.mark.parametrize("vision, message", [("oops", "vision has the wrong type"),
+                                             ({"graph": "vision"}, "the vision entry is incomplete"),
+                                             ({"graph": "../x", "image_token_id": 1, "image_seq_len": 4,
+                                               "tile_size": 32, "hidden_size": 32}, "has no ../x graph")])
+def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, message):
+    import json
+    import shutil
+
+    from circleops.errors import ModelLoadError
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_vlm_onert.out, out)
+    data = json.loads((out / "manifest.json").read_text())
+    data["vision"] = vision
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=message):
+        vlm.VisionGenerator(out, runtime="reference")
