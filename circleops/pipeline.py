@@ -222,6 +222,10 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
     module, its ExportedProgram): the file is verified against the former."""
     from circleops.quantize import pt2e
 
+    if not opts.profile.integer_fused_ops:  # attention quantized op by op: its additive mask must be finite
+        from circleops.quantize.integer.masks import finite_masks
+
+        finite_masks(ep)
     samples = pt2e.calibration_samples(calibration.example_args, calibration.count, data=calibration.data,
                                        tokenizer=calibration.tokenizer, vocab_size=calibration.vocab_size)
     recipe = calibration.recipe
