@@ -74,6 +74,7 @@ class TargetProfile:
     quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
     quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters (else SUB(0, x))
+    quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
     integer_fused_ops: bool  # integer graphs keep the fused ops (else PT2E quantizes the unfused model)
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
@@ -142,6 +143,7 @@ CIRCLE = TargetProfile(
     quantized_fixed_outputs=False,  # the reference interpreter requantizes any output parameters
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
+    quantized_int16_bias="INT32",
     quantized_float_islands=True,
     integer_fused_ops=True,  # RMS_NORM, ROPE, ATTENTION take and give integer tensors
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
@@ -224,6 +226,7 @@ ONERT = TargetProfile(
     quantized_fixed_outputs=False,
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
+    quantized_int16_bias="INT32",
     quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
     integer_fused_ops=True,
     # onert runs each GGML FULLY_CONNECTED as its own ggml graph, starting NUM_THREADS-1
@@ -273,6 +276,8 @@ TFLITE = TargetProfile(
     # output->params.scale"), int16 silently concatenates them unscaled (thousands of steps off)
     quantized_same_params=frozenset({"CONCATENATION"}),
     quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
+    # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
+    quantized_int16_bias="INT64",
     quantized_float_islands=False,  # a full-integer file: an op without an integer kernel is an error
     # no integer composite: RMSNorm, RoPE and attention are quantized op by op (every
     # intermediate observed in calibration) and written as LiteRT's integer builtins

@@ -29,8 +29,9 @@ from circleops.targets import TargetProfile, profile
 FLOAT = "FLOAT32"
 INTEGER = ("UINT8", "INT8", "INT16", "INT32", "INT64")
 _RANGE = {"UINT8": (0, 255), "INT8": (-128, 127), "INT16": (-32768, 32767), "INT32": (-(2 ** 31), 2 ** 31 - 1),
+          "INT64": (-(2 ** 63), 2 ** 63 - 1),
           "INT4": (-8, 7)}
-_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT4": np.int8}
+_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "INT4": np.int8}
 
 # ops that only move (or select) values: in and out share parameters; input 0 is the data
 PASS_THROUGH = frozenset({
@@ -252,7 +253,7 @@ def _integer_ops(g: _Graph, plan: QuantPlan, target: str | TargetProfile = "circ
         live_float = [i for _, i in ins if g.tensor(i).dtype == FLOAT and g.tensor(i).data is None]
         outs_ok = all(g.quant(o) for _, o in outs)
         if not live_float and outs_ok and not _float_only(op, target):
-            _quantize_consts(g, op, ins, plan)
+            _quantize_consts(g, op, ins, plan, profile(target).quantized_int16_bias)
             new_ops.append(op)
             new_ops.extend(_requantize_moved(g, op))
             continue
@@ -440,8 +441,10 @@ def _fuse_activations(g: _Graph) -> None:
     g.refresh()
 
 
-def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], plan: QuantPlan) -> None:
-    """Constant float inputs of an integer op become integer constants."""
+def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], plan: QuantPlan,
+                     int16_bias: str = "INT32") -> None:
+    """Constant float inputs of an integer op become integer constants (the bias of an op
+    on int16 activations as ``int16_bias``: TargetProfile.quantized_int16_bias)."""
     sg = g.sg
     act = next((g.tensor(i) for _, i in ins if g.quant(i) and g.tensor(i).data is None), None)
     act = act or g.tensor(op.outputs[0])
@@ -451,7 +454,7 @@ def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], pla
             continue
         if op.opcode in WEIGHTED and pos == 2:
             qp = _bias_params(g, op, t)
-            dtype = "INT32"
+            dtype = int16_bias if g.tensor(op.inputs[0]).dtype == "INT16" else "INT32"
         else:
             hit = plan.lookup(t.data)
             if hit is not None:
