@@ -100,7 +100,9 @@ class Options:
         """The verify tolerance: the one asked for, else the format's (None: the dtype's)."""
         if self.tolerance is not None:
             return self.tolerance
-        if self.integer_format is not None or self.weight_format is not None:
+        if self.integer_format is not None:  # at least the target's integer kernels' own deviation
+            return max(format_tolerance(self.quantize), self.profile.quantized_verify_floor)
+        if self.weight_format is not None:
             return format_tolerance(self.quantize)
         return None
 

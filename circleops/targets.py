@@ -75,6 +75,7 @@ class TargetProfile:
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
     quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters (else SUB(0, x))
     quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
+    quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
     integer_fused_ops: bool  # integer graphs keep the fused ops (else PT2E quantizes the unfused model)
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
@@ -144,6 +145,7 @@ CIRCLE = TargetProfile(
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
     quantized_int16_bias="INT32",
+    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,
     integer_fused_ops=True,  # RMS_NORM, ROPE, ATTENTION take and give integer tensors
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
@@ -227,6 +229,7 @@ ONERT = TargetProfile(
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
     quantized_int16_bias="INT32",
+    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
     integer_fused_ops=True,
     # onert runs each GGML FULLY_CONNECTED as its own ggml graph, starting NUM_THREADS-1
@@ -278,6 +281,10 @@ TFLITE = TargetProfile(
     quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",
+    # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups 1-3 steps from fixed-point arithmetic per
+    # op: the tiny Llama's logits 17-18 int16 steps (5.4e-4) from the fake-quantized module, past
+    # int16's 16 steps; uint8's tolerance (0.125) is far above this floor
+    quantized_verify_floor=2e-3,
     quantized_float_islands=False,  # a full-integer file: an op without an integer kernel is an error
     # no integer composite: RMSNorm, RoPE and attention are quantized op by op (every
     # intermediate observed in calibration) and written as LiteRT's integer builtins
