@@ -281,10 +281,11 @@ TFLITE = TargetProfile(
     quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",
-    # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups 1-3 steps from fixed-point arithmetic per
-    # op: the tiny Llama's logits 17-18 int16 steps (5.4e-4) from the fake-quantized module, past
-    # int16's 16 steps; uint8's tolerance (0.125) is far above this floor
-    quantized_verify_floor=2e-3,
+    # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups, 1-3 steps from exact per op on
+    # random inputs, but RSQRT 24 steps on the sharp tiny Llama's norms (tests/families.py), whose
+    # logits then end 7.2e-3 (relative) from the fake-quantized module; a plain tiny Llama 5.4e-4.
+    # uint8's own tolerance (0.125) is far above this floor
+    quantized_verify_floor=1e-2,
     quantized_float_islands=False,  # a full-integer file: an op without an integer kernel is an error
     # no integer composite: RMSNorm, RoPE and attention are quantized op by op (every
     # intermediate observed in calibration) and written as LiteRT's integer builtins

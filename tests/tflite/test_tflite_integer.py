@@ -21,12 +21,8 @@ from circleops.quantize.integer.masks import finite_masks
 
 from tflite_util import RESOLVERS, litert, opname, read
 
-# LiteRT's int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups 1-3 steps from the
-# reference interpreter's fixed-point kernels (measured per op: the single-op files below);
-# through a tiny Llama's two layers that is ~25 int16 steps of its logits (4e-4 at max 0.6)
-# and ~5 uint8 steps (2.4e-2): the cross-check of conftest.py compares at this scale.
-CROSS_CHECK_ATOL = 5e-2
-
+# conftest.py's cross-check (LiteRT against the reference interpreter) compares these files
+# at INTEGER_TFLITE_CROSS_CHECK_ATOL: LiteRT's int16 table-lookup kernels.
 INTEGER_TYPES = {"INT8", "INT16", "INT32", "INT64"}
 STEPS = {"uint8": 6, "int16": 40}  # LiteRT vs the fake-quantized module, in output steps (measured 4.1 / 21)
 SMALL_STEPS = {"uint8": 2, "int16": 6}  # the MLP and the CNN (int16: SOFTMAX's fixed 1/32768 output requantized)
