@@ -10,6 +10,9 @@ integer kernels) reads that same sequence once (teacher forcing). Reported: logi
 (argmax equal at each of the 32 positions), file size and convert time (circleops.convert:
 export, calibration, lowering, write; the model already loaded). A recipe is int16, uint8,
 or uint8 with int16 parts: "uint8+norms+residual" or a preset name ("llm" = uint8 + its parts).
+--target tflite: the same recipes as full-integer .tflite files run in LiteRT (XNNPACK
+interpreter, 2 threads), beside the fp32 .tflite, with LiteRT's median time for one forward
+of the whole sequence (no KV cache: ms per token = that / sequence length).
 --tico: tico 0.3.0's PTQ (tico.quantization, default PTQConfig()) on the same model and
 calibration windows (bench/_tico_ptq.py in the tico venv), its file run the same way.
 
@@ -63,7 +66,7 @@ def recipe(name: str) -> tuple[str, list[str], str, dict]:
 
 
 def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
-            tico_result: str | None = None) -> None:
+            tico_result: str | None = None, target: str = "circle") -> None:
     import circleops
     from circleops import models
     from circleops.runtime import reference
@@ -100,6 +103,9 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
 
     print("| file | logits SQNR (dB) | greedy agreement (32 tokens) | file size | convert time | load avg | note |")
     print("|---|---|---|---|---|---|---|")
+    if target == "tflite":
+        litert_rows(model, seq, fp, start, tmp, calibrate, tok, recipes, row)
+        recipes = []
     for name in recipes:
         scheme, parts, label, options = recipe(name)
         path = os.path.join(tmp, f"smollm2_{name.replace('+', '_')}.circle")
@@ -116,6 +122,54 @@ def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
         tico_ptq(seq, fp, calibrate, tmp, start, row, tico_result)
     with open(os.path.join(tmp, "rows.md"), "a") as f:
         f.write("\n".join(rows) + "\n")
+
+
+def litert_ms(path: str, seq: np.ndarray, runs: int = 10, threads: int = 2) -> tuple[float, float]:
+    """(median wall ms, median CPU ms) of one LiteRT forward of ``seq`` (XNNPACK, ``threads``)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    it = Interpreter(model_path=path, num_threads=threads)
+    it.allocate_tensors()
+    inp, out = it.get_input_details()[0], it.get_output_details()[0]
+    it.set_tensor(inp["index"], seq.astype(inp["dtype"]))
+    it.invoke()  # warm-up
+    wall, cpu = [], []
+    for _ in range(runs):
+        t, c = time.perf_counter(), time.process_time()
+        it.invoke()
+        wall.append(1e3 * (time.perf_counter() - t))
+        cpu.append(1e3 * (time.process_time() - c))
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def litert_rows(model, seq, fp, start, tmp, calibrate, tok, recipes, row) -> None:
+    """--target tflite: the fp32 .tflite, then each integer recipe as a full-integer .tflite,
+    run in LiteRT (logits SQNR, greedy agreement, size, LiteRT time of the whole sequence)."""
+    import circleops
+    from circleops.runtime import litert
+
+    ids = seq.numpy()
+    n = ids.shape[1]
+    fp32_path = os.path.join(tmp, "smollm2_fp32.tflite")
+    t = time.perf_counter()
+    circleops.convert(model, (seq,), fp32_path, target="tflite")
+    seconds = time.perf_counter() - t
+    wall, cpu = litert_ms(fp32_path, ids)
+    row("fp32 (`--target tflite`)", litert.run(fp32_path, [ids])[0][0, start:-1], fp32_path, seconds,
+        f"LiteRT {wall:.0f} ms / {n} tokens = {wall / n:.1f} ms per token (CPU {cpu:.0f} ms)")
+    for name in recipes:
+        scheme, parts, label, options = recipe(name)
+        path = os.path.join(tmp, f"smollm2_{name.replace('+', '_')}.tflite")
+        t = time.perf_counter()
+        report = circleops.convert(model, (seq,), path, target="tflite", quantize=scheme, int16=parts,
+                                   calibrate=calibrate, tokenizer=tok, **options)
+        seconds = time.perf_counter() - t
+        for line in report.quantization.summary_lines():
+            print("   ", line, flush=True)
+        print("    stages:", ", ".join(f"{k} {v:.0f} s" for k, v in report.timings.items()), flush=True)
+        wall, cpu = litert_ms(path, ids)
+        row(label + " (`--target tflite`)", litert.run(path, [ids])[0][0, start:-1], path, seconds,
+            f"LiteRT {wall:.0f} ms / {n} tokens = {wall / n:.1f} ms per token (CPU {cpu:.0f} ms)")
 
 
 def tico_ptq(seq: torch.Tensor, fp: np.ndarray, calibrate: int, tmp: str, start: int, row,
@@ -246,9 +300,12 @@ def main() -> int:
     p.add_argument("--tico-result", default=None, help="the RESULT.json of a finished bench/_tico_ptq.py run: "
                    "evaluate its file instead of running tico again")
     p.add_argument("--out", default=None, help="directory for the files (default: a temporary one)")
+    p.add_argument("--target", choices=("circle", "tflite"), default="circle",
+                   help="tflite: full-integer .tflite files run in LiteRT, beside the fp32 .tflite")
     args = p.parse_args()
     if args.what == "smollm2":
-        smollm2(args.calibrate, [r for r in args.recipes.split(",") if r], args.tico, args.out, args.tico_result)
+        smollm2(args.calibrate, [r for r in args.recipes.split(",") if r], args.tico, args.out, args.tico_result,
+                args.target)
     else:
         convnet()
     return 0

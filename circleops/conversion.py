@@ -27,8 +27,8 @@ from circleops.pipeline import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, C
                                 pretrained_blocks, quantize_program, run, run_torch, target_profile, verify_file)
 from circleops.quantize import INTEGER_FORMATS
 from circleops.report import Report
-from circleops.validate import (model_dtype, resolve_dtype, resolve_runtime, validate_output_path, validate_quantize,
-                                validate_target, validate_target_dtype, validate_threads)
+from circleops.validate import (integer_fuse, model_dtype, resolve_dtype, resolve_runtime, validate_output_path,
+                                validate_quantize, validate_target, validate_target_dtype, validate_threads)
 
 Progress = Callable[[str], None]
 
@@ -92,6 +92,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     """
     target, fmt, fuse = validate_target(target, fuse)
     quantize = validate_quantize(quantize, target, int16)
+    fuse = integer_fuse(target, quantize, fuse)
     from circleops.quantize.recipe import IntegerRecipe, check_recipe
 
     check_recipe(quantize, target, weight_bits, gptq, rotate)

@@ -100,7 +100,9 @@ class Options:
         """The verify tolerance: the one asked for, else the format's (None: the dtype's)."""
         if self.tolerance is not None:
             return self.tolerance
-        if self.integer_format is not None or self.weight_format is not None:
+        if self.integer_format is not None:  # at least the target's integer kernels' own deviation
+            return max(format_tolerance(self.quantize), self.profile.quantized_verify_floor)
+        if self.weight_format is not None:
             return format_tolerance(self.quantize)
         return None
 
@@ -222,6 +224,10 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
     module, its ExportedProgram): the file is verified against the former."""
     from circleops.quantize import pt2e
 
+    if not opts.profile.integer_fused_ops:  # attention quantized op by op: its additive mask must be finite
+        from circleops.quantize.integer.masks import finite_masks
+
+        finite_masks(ep)
     samples = pt2e.calibration_samples(calibration.example_args, calibration.count, data=calibration.data,
                                        tokenizer=calibration.tokenizer, vocab_size=calibration.vocab_size)
     recipe = calibration.recipe

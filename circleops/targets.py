@@ -70,6 +70,14 @@ class TargetProfile:
     quantized_per_channel_int8: bool  # int8 per-channel quantized weights compute right
     quantized_float_only: frozenset[str]  # builtins with no integer kernel: they stay float (DEQUANTIZE/QUANTIZE around)
     quantized_mean_needs_keep_dims: bool  # an integer MEAN without keepDims fails: it stays float
+    quantized_uint8_as_int8: bool  # uint8 asymmetric activations are stored as INT8 (zero point - 128, same values)
+    quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
+    quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
+    quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters (else SUB(0, x))
+    quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
+    quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
+    quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
+    integer_fused_ops: bool  # integer graphs keep the fused ops (else PT2E quantizes the unfused model)
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
     one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
     quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
@@ -132,6 +140,14 @@ CIRCLE = TargetProfile(
     quantized_per_channel_int8=True,
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
+    quantized_uint8_as_int8=False,
+    quantized_fixed_outputs=False,  # the reference interpreter requantizes any output parameters
+    quantized_same_params=frozenset(),
+    quantized_neg_raw=False,
+    quantized_int16_bias="INT32",
+    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
+    quantized_float_islands=True,
+    integer_fused_ops=True,  # RMS_NORM, ROPE, ATTENTION take and give integer tensors
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
     one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
     quantized_threads=None,
@@ -208,6 +224,14 @@ ONERT = TargetProfile(
     quantized_per_channel_int8=False,
     quantized_float_only=frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
     quantized_mean_needs_keep_dims=True,
+    quantized_uint8_as_int8=False,  # onert's uint8 kernels are the ones that compute right
+    quantized_fixed_outputs=False,
+    quantized_same_params=frozenset(),
+    quantized_neg_raw=False,
+    quantized_int16_bias="INT32",
+    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
+    quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
+    integer_fused_ops=True,
     # onert runs each GGML FULLY_CONNECTED as its own ggml graph, starting NUM_THREADS-1
     # workers per call (~66 us at 2 threads): q/k/v and gate/up as one call each
     # (circleops.passes.fuse_linears; bench/README.md). fp32 linears measured no faster fused.
@@ -239,11 +263,33 @@ TFLITE = TargetProfile(
     copy_consumed_outputs=False,
     legalize_fp16=True,
     rank0_inputs=True,
-    integer_graphs=False,  # fused ops are composites with float decompositions
-    quantized_dtypes=frozenset(),
-    quantized_per_channel_int8=False,
+    # LiteRT's integer kernels (measured on ai-edge-litert 2.3.0 with one-op files, tests/tflite/
+    # test_tflite_integer.py): int8 activations (FULLY_CONNECTED refuses uint8 with int8 weights:
+    # "input->type == kTfLiteInt8 || input->type == kTfLiteInt16"), int16 with int8 weights (16x8)
+    integer_graphs=True,
+    quantized_dtypes=frozenset({"INT8", "INT16"}),
+    quantized_per_channel_int8=True,
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
+    quantized_uint8_as_int8=True,  # TFLite's convention: int8 asymmetric activations
+    # "output->params.scale == 1. / 32768 was not true" (LOGISTIC), the same for SOFTMAX, TANH
+    quantized_fixed_outputs=True,
+    # int8 CONCATENATION: "t->params.scale != output->params.scale" at prepare (int16 requantizes)
+    # CONCATENATION copies stored values: int8 refuses other parameters at prepare ("t->params.scale !=
+    # output->params.scale"), int16 silently concatenates them unscaled (thousands of steps off)
+    quantized_same_params=frozenset({"CONCATENATION"}),
+    quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
+    # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
+    quantized_int16_bias="INT64",
+    # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups, 1-3 steps from exact per op on
+    # random inputs, but RSQRT 24 steps on the sharp tiny Llama's norms (tests/families.py), whose
+    # logits then end 7.2e-3 (relative) from the fake-quantized module; a plain tiny Llama 5.4e-4.
+    # uint8's own tolerance (0.125) is far above this floor
+    quantized_verify_floor=1e-2,
+    quantized_float_islands=False,  # a full-integer file: an op without an integer kernel is an error
+    # no integer composite: RMSNorm, RoPE and attention are quantized op by op (every
+    # intermediate observed in calibration) and written as LiteRT's integer builtins
+    integer_fused_ops=False,
     fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
     one_file_per_graph=False,  # LiteRT runs any signature
     quantized_threads=None,

@@ -58,7 +58,8 @@ def validate_quantize(quantize: str | None, target: str, int16: Sequence[str] = 
         if not p.integer_graphs:
             raise TargetError(f"quantize={quantize!r} writes an integer Circle graph: use target 'circle' (NPU "
                               f"compilers) or 'onert' (uint8); target {target} writes float composites")
-        if fmt.activations.upper() not in p.quantized_dtypes:
+        stored = "INT8" if fmt.activations == "uint8" and p.quantized_uint8_as_int8 else fmt.activations.upper()
+        if stored not in p.quantized_dtypes:
             raise TargetError(f"target {target}: {p.runtime} 0.1.0 loads no {fmt.activations} graph (measured, "
                               f"bench/onert_quantized.py): use quantize='uint8' for {target}, or target 'circle' for "
                               f"an {fmt.activations} file")
@@ -66,6 +67,23 @@ def validate_quantize(quantize: str | None, target: str, int16: Sequence[str] = 
     if p.format not in fmt.file_formats:
         raise TargetError(f"quantize={quantize!r} {fmt.target_refusal}")
     return quantize
+
+
+def integer_fuse(target: str, quantize: str | None, fuse: str) -> str:
+    """The fuse mode an integer (PT2E) conversion for ``target`` runs with: a target whose
+    integer graphs hold no fused op (TargetProfile.integer_fused_ops, tflite: LiteRT has no
+    integer RMS_NORM / ROPE / ATTENTION and no quantized composite) quantizes the unfused
+    model, every op of the norms, RoPE and attention observed ("auto" becomes "none");
+    asking it for adapters or patterns is an error."""
+    p = profile(target)
+    if quantize not in formats.names(formats.INTEGER) or p.integer_fused_ops or fuse == "none":
+        return fuse
+    if fuse != "auto":
+        raise TargetError(f"fuse={fuse!r} with quantize={quantize!r}: target {target}'s integer graphs hold no fused "
+                          f"op ({p.runtime} has no integer RMS_NORM, ROPE or ATTENTION kernel, and no quantized "
+                          "composite), so the model is quantized op by op: use fuse='auto' or 'none' (--fuse none), "
+                          "or target 'circle' for integer RMS_NORM / ROPE / ATTENTION builtins")
+    return "none"
 
 
 def resolve_dtype(dtype: Any, model: Any) -> Any:
@@ -179,5 +197,5 @@ def validate_output_path(path: str | os.PathLike, fmt: str) -> Path:
     return p
 
 
-__all__ = ["model_dtype", "resolve_dtype", "resolve_runtime", "validate_output_path", "validate_quantize",
+__all__ = ["integer_fuse", "model_dtype", "resolve_dtype", "resolve_runtime", "validate_output_path", "validate_quantize",
            "validate_target", "validate_target_dtype", "validate_threads"]

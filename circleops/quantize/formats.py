@@ -158,11 +158,12 @@ register(WeightFormat(
                    "scales, the form onert computes right): use target 'onert' or 'circle'",
     runtimes=_GGML_RUNTIMES))
 register(WeightFormat(
-    "uint8", "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
-    "circle)", INTEGER, activations="uint8",
-    runtimes=frozenset({"onert", "reference"})))
+    "uint8", "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; targets "
+    "circle, onert, tflite: stored there as TFLite's int8 asymmetric activations, the same values)", INTEGER,
+    activations="uint8", runtimes=frozenset({"onert", "litert", "reference"})))
 register(WeightFormat(
-    "int16", "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; target "
-    "circle)", INTEGER, activations="int16", runtimes=frozenset({"reference"}), step=2.0 ** -15))
+    "int16", "integer graph: int16 symmetric activations, int8 per-channel weights, int32 bias (PT2E; targets "
+    "circle, tflite: LiteRT's 16x8 kernels)", INTEGER, activations="int16", runtimes=frozenset({"litert", "reference"}),
+    step=2.0 ** -15))
 
 __all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

@@ -71,6 +71,9 @@ NOT_RUN = {
     "circleops convert smollm2 -o smollm2.circle --target onert --verify --seq-len 32":
         "a third full conversion of the real SmolLM2 (~20 s); the same single-graph pipeline runs on the "
         "tiny model in this test (convert MODEL ... --verify) and on SmolLM2 in tests/tflite, tests/check",
+    "circleops convert smollm2 -o smollm2-int16.tflite --seq-len 37 --target tflite --quantize int16":
+        "the real SmolLM2 unfused, calibrated op by op, takes ~12 min on the loaded 2 cores (bench/pt2e.py "
+        "smollm2 --target tflite); tests/tflite/test_tflite_integer.py converts a tiny Llama the same way",
     "circleops convert smollm2 --graphs prefill,decode --target tflite --verify -o out-tflite/":
         "the onert command above for LiteRT on the real SmolLM2 (~40 s); tests/generate/test_graphs.py "
         "runs --target tflite graphs through LiteRT on the tiny model",

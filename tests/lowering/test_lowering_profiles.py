@@ -52,6 +52,10 @@ def test_profile_is_well_formed(name):
     assert p.rope_modes and p.rope_modes <= set(ROPE_MODES)
     assert p.quantized_dtypes <= {"UINT8", "INT8", "INT16", "INT4"} and (bool(p.quantized_dtypes) == p.integer_graphs)
     assert p.rope_max_positions is None or p.rope_max_positions >= 1
+    assert p.quantized_same_params <= BUILTINS
+    # a file holding no fused op must quantize the unfused model; uint8 stored as int8 needs INT8
+    assert p.integer_fused_ops or p.fused_ops == COMPOSITE or not p.integer_graphs
+    assert not p.quantized_uint8_as_int8 or "INT8" in p.quantized_dtypes
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.name = "x"  # type: ignore[misc]
 

@@ -258,11 +258,15 @@ def test_calibration_file_and_errors(tmp_path):
     assert torch.equal(pt2e.calibration_samples((x,), 3)[2][0], noisy[2][0])  # seeded
 
 
-def test_tflite_target_refuses_integer_graph(tmp_path, small_net_uint8):
+def test_tflite_target_writes_the_integer_graph_litert_runs(tmp_path, small_net_uint8):
+    """The same program for target tflite: int8 activations (uint8's values, zero point - 128),
+    depthwise and plain convolutions included, verified in LiteRT against the converted module
+    (tests/tflite/test_tflite_integer.py has the rest)."""
     _, _, _, ep = small_net_uint8
-    with pytest.raises(circleops.errors.TargetError, match="circle"):
-        circleops.save(ep, tmp_path / "m.tflite", target="tflite")
-    assert not (tmp_path / "m.tflite").exists()
+    report = circleops.save(ep, tmp_path / "m.tflite", target="tflite", verify="litert")
+    assert report.verify.runtime == "litert" and report.verify.passed
+    dtypes = {t.dtype for t in read_model(str(tmp_path / "m.tflite")).subgraphs[0].tensors}
+    assert "INT8" in dtypes and "UINT8" not in dtypes
 
 
 def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys, small_net_uint8):

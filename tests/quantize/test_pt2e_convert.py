@@ -61,7 +61,7 @@ def test_cli_quantize_uint8_with_int16_llm_preset(capsys, tmp_path, llama_config
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(target="tflite", quantize="uint8"), "target 'circle'"),
+    (dict(target="tflite", quantize="uint8", fuse="adapters"), "no integer RMS_NORM"),
     (dict(target="onert", quantize="int16"), "int16"),
     (dict(quantize="uint8", integer_io=True, verify=True), "integer_io"),
     (dict(target="onert", quantize="uint8", int16=["norms"]), "int16 parts"),

@@ -29,8 +29,9 @@ from circleops.targets import TargetProfile, profile
 FLOAT = "FLOAT32"
 INTEGER = ("UINT8", "INT8", "INT16", "INT32", "INT64")
 _RANGE = {"UINT8": (0, 255), "INT8": (-128, 127), "INT16": (-32768, 32767), "INT32": (-(2 ** 31), 2 ** 31 - 1),
+          "INT64": (-(2 ** 63), 2 ** 63 - 1),
           "INT4": (-8, 7)}
-_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT4": np.int8}
+_NP = {"UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "INT4": np.int8}
 
 # ops that only move (or select) values: in and out share parameters; input 0 is the data
 PASS_THROUGH = frozenset({
@@ -126,6 +127,15 @@ def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "
     _fuse_activations(g)
     _integer_ops(g, plan, target)
     _drop_identity_requantize(g)
+    p = profile(target)
+    if p.quantized_fixed_outputs:
+        _fixed_outputs(g)
+    if p.quantized_same_params:
+        _same_params(g, p.quantized_same_params)
+    if p.quantized_neg_raw:
+        _neg_as_sub(g)
+    if p.quantized_uint8_as_int8:
+        _uint8_as_int8(sg)
     _check_target(sg, target)
     _boundaries(model, sg, plan.integer_io)
     ir.prune(sg)  # the signature lists the subgraph's inputs and outputs, in order
@@ -243,11 +253,12 @@ def _integer_ops(g: _Graph, plan: QuantPlan, target: str | TargetProfile = "circ
         live_float = [i for _, i in ins if g.tensor(i).dtype == FLOAT and g.tensor(i).data is None]
         outs_ok = all(g.quant(o) for _, o in outs)
         if not live_float and outs_ok and not _float_only(op, target):
-            _quantize_consts(g, op, ins, plan)
+            _quantize_consts(g, op, ins, plan, profile(target).quantized_int16_bias)
             new_ops.append(op)
             new_ops.extend(_requantize_moved(g, op))
             continue
         # stays float: dequantize its integer inputs, quantize into its integer outputs
+        _float_island_allowed(g, op, target)
         for pos, i in ins:
             if g.quant(i):
                 f = sg.add_tensor(ir.Tensor(f"{g.tensor(i).name}_dequantized", g.tensor(i).shape, FLOAT))
@@ -263,6 +274,105 @@ def _integer_ops(g: _Graph, plan: QuantPlan, target: str | TargetProfile = "circ
         new_ops.extend(after)
     sg.operators = new_ops
     g.refresh()
+
+
+def _float_island_allowed(g: _Graph, op: ir.Operator, target: str | TargetProfile) -> None:
+    """A target whose files are full-integer (TargetProfile.quantized_float_islands False:
+    tflite) refuses an op that would stay float between a DEQUANTIZE and a QUANTIZE, naming
+    the op and the target whose runtime runs it integer."""
+    from circleops.errors import TargetError
+
+    p = profile(target)
+    if p.quantized_float_islands:
+        return
+    if op.opcode == "STABLEHLO_COMPOSITE":
+        what = f"the fused op {op.options.get('name', '?')} ({p.runtime} has no integer composite)"
+        hint = ("quantize the unfused model (fuse='none', what circleops.convert does for this target), or use "
+                "target 'circle' for integer RMS_NORM / ROPE / ATTENTION builtins (the reference interpreter runs them)")
+    else:
+        what = f"{op.opcode} (CircleQuantizer gives it no integer form, or {p.runtime} has no integer kernel for it)"
+        hint = ("use target 'circle', whose files may keep such an op float between a DEQUANTIZE and a QUANTIZE "
+                "(the reference interpreter runs them), or rewrite that part of the model with ops of integer form")
+    name = g.tensor(op.outputs[0]).name if op.outputs else "?"
+    raise TargetError(f"target {p.name}: {what} would compute in float (output {name!r}), and a {p.name} integer "
+                      f"file is integer throughout: {hint}")
+
+
+def _fixed_outputs(g: _Graph) -> None:
+    """LOGISTIC / SOFTMAX / TANH outputs carry the kernels' fixed parameters (TFLite checks
+    them at prepare); an output the calibration observed with other parameters is the
+    fixed-parameter result requantized by a QUANTIZE (one more rounding, under a step)."""
+    sg = g.sg
+    new_ops = []
+    for op in sg.operators:
+        new_ops.append(op)
+        if op.opcode not in FIXED_OUTPUT or not g.quant(op.outputs[0]):
+            continue
+        out = g.tensor(op.outputs[0])
+        fixed = FIXED_OUTPUT[op.opcode].get(out.dtype)
+        if fixed is None:
+            continue
+        qp = ir.QuantParams(np.array([fixed[0]], np.float32), np.array([fixed[1]], np.int64), 0)
+        if _same(out.quant, qp):
+            continue
+        t = sg.add_tensor(ir.Tensor(f"{out.name}_fixed", out.shape, out.dtype, None, qp))
+        new_ops.append(ir.Operator("QUANTIZE", [t], [op.outputs[0]]))
+        op.outputs[0] = t
+    sg.operators = new_ops
+    g.refresh()
+
+
+def _same_params(g: _Graph, opcodes: frozenset[str]) -> None:
+    """Integer ``opcodes`` whose kernel takes only inputs with the output's parameters
+    (TFLite's int8 CONCATENATION): an input with others is requantized by a QUANTIZE first,
+    what the kernel would otherwise do itself (the fake-quantized module's cat rounds once,
+    at its output: the same values)."""
+    sg = g.sg
+    new_ops = []
+    for op in sg.operators:
+        out = g.tensor(op.outputs[0]) if op.outputs else None
+        if op.opcode in opcodes and out is not None and out.quant is not None:
+            for pos, i in enumerate(op.inputs):
+                t = g.tensor(i)
+                if i < 0 or t.quant is None or (t.dtype == out.dtype and _same(t.quant, out.quant)):
+                    continue
+                r = sg.add_tensor(ir.Tensor(f"{t.name}_requantized", t.shape, out.dtype, None, out.quant))
+                new_ops.append(ir.Operator("QUANTIZE", [i], [r]))
+                op.inputs[pos] = r
+        new_ops.append(op)
+    sg.operators = new_ops
+    g.refresh()
+
+
+def _neg_as_sub(g: _Graph) -> None:
+    """An integer NEG whose kernel negates the stored values (TFLite: -q, parameters
+    ignored) is exact only when the output's parameters mirror the input's (same scale,
+    zero point negated); any other becomes SUB(0, x), the zero stored with x's parameters."""
+    sg = g.sg
+    for op in sg.operators:
+        if op.opcode != "NEG" or not g.quant(op.inputs[0]) or not g.quant(op.outputs[0]):
+            continue
+        x, out = g.tensor(op.inputs[0]), g.tensor(op.outputs[0])
+        if x.dtype == out.dtype and np.array_equal(x.quant.scale, out.quant.scale) \
+                and np.array_equal(x.quant.zero_point, -out.quant.zero_point) and not x.quant.zero_point.any():
+            continue
+        zero = quantize_array(np.zeros([1], np.float32), x.dtype, x.quant)
+        z = sg.add_tensor(ir.Tensor(f"{x.name}_zero", [1], x.dtype, zero, x.quant))
+        op.opcode, op.options_type, op.options = "SUB", "SubOptions", {"fusedActivationFunction": 0}
+        op.inputs = [z, op.inputs[0]]
+    g.refresh()
+
+
+def _uint8_as_int8(sg: ir.Subgraph) -> None:
+    """Every UINT8 tensor becomes INT8 with the zero point 128 lower: the same real values
+    (scale · (q - zp)), in the int8 asymmetric activations TFLite's kernels take."""
+    for t in sg.tensors:
+        if t.dtype != "UINT8" or t.quant is None:
+            continue
+        t.dtype = "INT8"
+        t.quant = ir.QuantParams(t.quant.scale, t.quant.zero_point - 128, t.quant.quantized_dimension)
+        if t.data is not None:
+            t.data = (np.asarray(t.data).astype(np.int16) - 128).astype(np.int8)
 
 
 def _requantize_moved(g: _Graph, op: ir.Operator) -> list[ir.Operator]:
@@ -331,8 +441,10 @@ def _fuse_activations(g: _Graph) -> None:
     g.refresh()
 
 
-def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], plan: QuantPlan) -> None:
-    """Constant float inputs of an integer op become integer constants."""
+def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], plan: QuantPlan,
+                     int16_bias: str = "INT32") -> None:
+    """Constant float inputs of an integer op become integer constants (the bias of an op
+    on int16 activations as ``int16_bias``: TargetProfile.quantized_int16_bias)."""
     sg = g.sg
     act = next((g.tensor(i) for _, i in ins if g.quant(i) and g.tensor(i).data is None), None)
     act = act or g.tensor(op.outputs[0])
@@ -342,7 +454,7 @@ def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], pla
             continue
         if op.opcode in WEIGHTED and pos == 2:
             qp = _bias_params(g, op, t)
-            dtype = "INT32"
+            dtype = int16_bias if g.tensor(op.inputs[0]).dtype == "INT16" else "INT32"
         else:
             hit = plan.lookup(t.data)
             if hit is not None:

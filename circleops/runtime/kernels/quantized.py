@@ -229,6 +229,10 @@ def _bmm(op, inputs, ctx):
     at, bt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
     from circleops.runtime.kernels.nn import check_matmul
 
+    if option(op, "adjX", "adjointLhs", default=False):  # the float kernel's adjoint flags
+        a = a.transpose(-1, -2)
+    if option(op, "adjY", "adjointRhs", default=False):
+        b = b.transpose(-1, -2)
     check_matmul(a.shape, b.shape, torch.int64, "BATCH_MATMUL")
     acc = torch.matmul(_offsets(a, at), _offsets(b, bt)).round().to(torch.int64)
     real = float(at.quant.scale[0]) * float(bt.quant.scale[0]) / float(ot.quant.scale[0])
