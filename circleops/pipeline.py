@@ -297,7 +297,8 @@ def quantize(models: Mapping[str, Any], programs: Mapping[str, Any], opts: Optio
             for name, model in models.items():
                 weights.report = quantize_weights(
                     model, fmt.name, parameters=parameter_names(programs[name]), pretrained=weights.pretrained,
-                    cache=weights.cache, report=weights.report, importance=weights.importance)
+                    cache=weights.cache, report=weights.report, importance=weights.importance,
+                    file_format=opts.profile.format)
             weights.report.smoothing = weights.smoothing
     for model in models.values():  # onert: GGML q/k/v, gate/up as one FULLY_CONNECTED each
         fuse_for_target(model, opts.profile, cache=weights.fused_cache)
