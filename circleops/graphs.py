@@ -190,7 +190,7 @@ def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any 
     from circleops.targets import profile
 
     opts = target if isinstance(target, pipeline.Options) else None
-    inline_fused_ops(ep, (opts.profile if opts is not None else profile(target)).graph_inline_ops)
+    pipeline.inline_fused_ops(ep, (opts.profile if opts is not None else profile(target)).graph_inline_ops)
     if opts is None:
         from circleops.lowering import lower_program
 
@@ -214,25 +214,6 @@ def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any 
     sig.inputs = dict(zip(ins, sub.inputs))
     sig.outputs = dict(zip(outs, sub.outputs))
     return model
-
-
-def inline_fused_ops(ep: Any, names: Any) -> int:
-    """Mark every call of the circle ops ``names`` (e.g. {"attention"}) in ``ep`` to be lowered
-    inline, as their reference kernel op by op, whatever the target's fused form (the
-    profile's ``graph_inline_ops``: a composite whose decomposition the runtime's CPU
-    delegate never takes). Returns how many calls were marked."""
-    import torch
-
-    from circleops.lowering.circle_ops import LOWERING_META
-    from circleops.targets import DECOMPOSED
-
-    targets = {getattr(torch.ops.circle, n).default for n in names}
-    marked = 0
-    for node in ep.graph.nodes:
-        if node.op == "call_function" and node.target in targets:
-            node.meta[LOWERING_META] = DECOMPOSED
-            marked += 1
-    return marked
 
 
 def merge_models(models: dict[str, Any]) -> Any:

@@ -393,6 +393,18 @@ def test_quant_check_w8_costs_little(llama):
     assert "INT8 per channel" in r.table()
 
 
+def test_quant_check_w8_litert(llama):
+    """check --quantize w8 --runtime litert: the tflite file (dynamic-range FULLY_CONNECTED,
+    attention inline as the generation graphs write it: every linear int8) run by LiteRT."""
+    from circleops.quant_report import quant_check
+
+    r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2,
+                    runtime="litert")
+    assert r.runtime == "litert" and r.perplexity_tokens == 2 * 63
+    assert any("15 weights as INT8 per channel (dynamic-range" in line for line in r.quantization), r.quantization
+    assert abs(r.perplexity_ratio - 1) < 0.05  # measured -2.2 % on the sharp tiny Llama (random weights)
+
+
 def test_cli_check_w8(tmp_path, capsys, llama_config):
     import json
 
