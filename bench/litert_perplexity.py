@@ -7,7 +7,7 @@ litert-torch's own export of SmolLM2, both run by LiteRT (issue 26).
 circleops: `circleops check smollm2 --quantize w8 --runtime litert` (circleops.quant_report:
 the tflite w8 file with attention inline, as the generation graphs write it, scoring every
 window in one forward; fp32 is torch). litert-torch: its `model.tflite` and
-`model_quantized.tflite` (bench/llm_speed.py makes them, --work), run in its own venv
+`model_quantized.tflite` (--with-fp32; bench/llm_speed.py makes them, --work), run in its own venv
 (--litert-python) token by token through its decode signature (its prefill returns no
 logits), the same windows of the same token ids (circleops.quant_report.text_ids: the
 shipped perplexity text, SmolLM2's tokenizer, windows of 256 from an empty cache).
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--check-json", default=None, help="an earlier `circleops check --json` of w8 on litert (no rerun)")
+    ap.add_argument("--with-fp32", action="store_true", help="litert-torch's fp32 file too")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)  # child: MODEL WINDOWS_JSON
     args = ap.parse_args(argv)
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["circleops --target tflite --quantize w8 (LiteRT)", f"{check['perplexity_quantized']:.3f}",
                  f"{check['perplexity_ratio'] - 1:+.2%}"])
     fp32 = check["perplexity_fp32"]
-    for label, name in (("litert-torch 0.10 export_hf fp32 (LiteRT)", "model.tflite"),
-                        ("litert-torch 0.10 export_hf dynamic int8 weights (LiteRT)", "model_quantized.tflite")):
+    peers = [("litert-torch 0.10 export_hf dynamic int8 weights (LiteRT)", "model_quantized.tflite")]
+    if args.with_fp32:  # the same model as torch fp32 (minutes more, token by token)
+        peers.insert(0, ("litert-torch 0.10 export_hf fp32 (LiteRT)", "model.tflite"))
+    for label, name in peers:
         t = time.perf_counter()
         proc = subprocess.run([args.litert_python, __file__, "--peer", str(Path(args.work) / "litert-torch" / name),
                                str(spec)], check=True, capture_output=True, text=True)
