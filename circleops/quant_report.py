@@ -101,7 +101,10 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     """The quantization report of ``model`` (a Hugging Face *ForCausalLM, fp32, unchanged).
 
     ``runtime``: "onert" or "reference"; None is onert, or the reference interpreter where
-    onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so)."""
+    onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so).
+    "litert": the --target tflite file (w8 only), with the fused ops the tflite generation
+    graphs write inline inlined here too (TargetProfile.graph_inline_ops: attention, whose
+    linears a composite would keep float), so it measures the files generate runs."""
     import numpy as np
     import torch
 
@@ -118,6 +121,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     # file for NPU compilers) runs in the reference interpreter's integer kernels
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
     target = "onert" if not integer or runtime in (None, "onert") else "circle"
+    if runtime == "litert" and not integer:
+        target = "tflite"  # LiteRT reads the tflite target's files (w8: its dynamic-range form)
     validate_quantize(quantize, target)
     if runtime is not None and runtime not in formats.get(quantize).runtimes:
         raise CircleOpsError(f"runtime {runtime!r}: {quantize} files run in "
@@ -162,7 +167,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         say(f"convert ({quantize}) and run the layer outputs")
         with hf_export_settings(reference), torch.no_grad():
             ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
-        path = Path(directory) / f"layers_{quantize}.circle"
+        path = Path(directory) / f"layers_{quantize}.{opts.profile.format}"
         summary = _write(ep, path, opts, weights, Example((seq,), tokenizer, cfg))
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
@@ -185,7 +190,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         say(f"perplexity: fp32 (torch) and {quantize} ({runtime}), windows of {window}")
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
-        lm_path = Path(directory) / f"logits_{quantize}.circle"
+        lm_path = Path(directory) / f"logits_{quantize}.{opts.profile.format}"
         _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg))
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
@@ -217,6 +222,7 @@ def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example) -> li
     the shipped calibration text for an integer format; the quantization summary lines."""
     from circleops import pipeline
 
+    pipeline.inline_fused_ops(ep, opts.profile.graph_inline_ops)  # as the target's generation graphs write them
     lines = None
     if opts.integer_format is not None:
         _, ep = pipeline.quantize_program(ep, None, opts, pipeline.Calibration(

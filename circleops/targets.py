@@ -81,6 +81,7 @@ class TargetProfile:
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
     one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
     quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
+    graph_inline_ops: frozenset[str]  # circle ops generation graphs (--graphs) write inline, decomposed, not fused
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -151,6 +152,7 @@ CIRCLE = TargetProfile(
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
     one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
     quantized_threads=None,
+    graph_inline_ops=frozenset(),  # ATTENTION builtin: NPU compilers take it whole
 )
 
 ONERT = TargetProfile(
@@ -243,6 +245,7 @@ ONERT = TargetProfile(
     # GGML kernels: 1 thread measured faster on 2 shared cores; w8's hybrid FULLY_CONNECTED
     # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
     quantized_threads=1,
+    graph_inline_ops=frozenset(),  # onert has no ATTENTION: decomposed there anyway
 )
 
 TFLITE = TargetProfile(
@@ -293,6 +296,14 @@ TFLITE = TargetProfile(
     fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
     one_file_per_graph=False,  # LiteRT runs any signature
     quantized_threads=None,
+    # LiteRT's XNNPACK delegate takes the ops of a signature's own subgraph but never a
+    # composite's decomposition subgraph (measured, tests/tflite/test_tflite_fp16.py): a
+    # circle.attention composite kept each layer's q/k/v/o products, rope and softmax on the
+    # builtin kernels, 1.5x litert-torch's prefill CPU time on SmolLM2 (bench/results/11-*).
+    # Generation graphs are run on LiteRT's CPU, where no delegate knows circle.attention:
+    # they write it inline. odml.rms_norm stays a composite (LiteRT's GPU delegate knows it;
+    # litert-torch's own export keeps it too), and plain `convert` keeps every composite.
+    graph_inline_ops=frozenset({"attention"}),
 )
 
 _PROFILES: dict[str, TargetProfile] = {p.name: p for p in (CIRCLE, ONERT, TFLITE)}

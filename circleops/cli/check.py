@@ -46,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or an integer graph (uint8, "
                              "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
                              "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
-    parser.add_argument("--runtime", choices=("onert", "reference"), default=None,
+    parser.add_argument("--runtime", choices=("onert", "reference", "litert"), default=None,
                         help="with --quantize: the runtime of the quantized file (default: onert; the reference "
-                             "interpreter where onert cannot run GGML weights on this CPU)")
+                             "interpreter where onert cannot run GGML weights on this CPU; litert: w8 as a "
+                             "--target tflite file, attention inline as its generation graphs write it)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
                         help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
     parser.add_argument("--max-windows", type=int, default=None, metavar="K",

@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ". Linears whose K is not a multiple of 32 stay fp32 (the summary says which)")
     add_integer_arguments(parser)  # --calibrate, --int16, --calibration-data, --weight-bits, --gptq, --rotate
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="target onert: the NUM_THREADS the file runs with (1: linears stay FULLY_CONNECTED; "
-                             "--graphs records it for generate; default 1 with --quantize, else onert's)")
+                        help="the NUM_THREADS the file runs with (target onert, 1: linears stay FULLY_CONNECTED); "
+                             "--graphs records it for generate, which opens each graph's onert or LiteRT session "
+                             "with it (default 1 with --quantize for onert, else the runtime's 2)")
     parser.add_argument("--verify", action="store_true",
                         help="run the written file and report the max error against torch")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,

@@ -23,6 +23,10 @@ INTEGER = "integer"  # a PT2E integer graph: quantized tensors between ops (quan
 # WeightFormat.form (weight-only formats)
 BLOCKS = "blocks"  # the linear's weight is one tensor of tensor_type (GGML blocks)
 HYBRID = "hybrid"  # INT8 weight with scale [1.0], then a MUL by the per-channel scales (onert's hybrid FC)
+# INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero points 0):
+# TFLite's dynamic-range FULLY_CONNECTED, float input and output, which LiteRT's XNNPACK runs
+PER_CHANNEL = "per_channel"
+FORMS = (BLOCKS, HYBRID, PER_CHANNEL)
 
 # CPU flags onert 0.1.0's GGML kernels need (the instructions found in its libbackend_cpu.so;
 # circleops.runtime.host says more)
@@ -51,6 +55,9 @@ class WeightFormat:
     tensor_type: str | None = None  # the schema TensorType of its linear weights (WEIGHTS)
     codec: str | None = None  # the module packing and unpacking tensor_type (and head_type)
     form: str = BLOCKS  # how a linear is written (WEIGHTS): BLOCKS or HYBRID
+    # file format -> how a linear is written there, where it differs from ``form`` (w8: the
+    # TFLite schema's per-channel INT8 weight, which LiteRT computes right and onert does not)
+    file_forms: Mapping[str, str] = field(default_factory=dict)
     head_type: str | None = None  # the output head (lm_head) at a higher type, or None
     embedding: bool = False  # the embedding table is stored at tensor_type too
     tied_table: bool = True  # a tied head may share the embedding table's blocks (else its own higher type)
@@ -80,6 +87,10 @@ class WeightFormat:
             raise ValueError(f"format {self.name} has no weight codec")
         return importlib.import_module(self.codec)  # type: ignore[return-value]
 
+    def form_for(self, file_format: str | None) -> str:
+        """How a linear is written in a ``file_format`` ("circle", "tflite") file (None: ``form``)."""
+        return self.file_forms.get(file_format, self.form) if file_format is not None else self.form
+
     def tensor_types(self) -> tuple[str, ...]:
         """The TensorTypes its weights may be stored as (the head's too)."""
         return tuple(t for t in (self.tensor_type, self.head_type) if t)
@@ -95,6 +106,8 @@ def register(fmt: WeightFormat) -> WeightFormat:
         raise ValueError(f"quantization format {fmt.name!r} is already registered")
     if fmt.kind not in (WEIGHTS, INTEGER) or (fmt.kind == WEIGHTS and not (fmt.tensor_type and fmt.codec)):
         raise ValueError(f"format {fmt.name!r}: a {WEIGHTS} format names its tensor_type and codec")
+    if any(f not in FORMS for f in (fmt.form, *fmt.file_forms.values())):
+        raise ValueError(f"format {fmt.name!r}: forms are {', '.join(FORMS)}")
     _FORMATS[fmt.name] = fmt
     return fmt
 
@@ -152,11 +165,12 @@ register(WeightFormat(
     runtimes=_GGML_RUNTIMES, host_flags=_ONERT_AVX512))
 register(WeightFormat(
     "w8", "int8 per-channel linear weights, fp32 activations (onert's hybrid FULLY_CONNECTED + MUL: runs on any "
-    "x86-64 onert, no AVX-512 needed; targets onert, circle)", WEIGHTS, "INT8", "circleops.quantize.int8",
-    form=HYBRID, smoothing=True, file_formats=_CIRCLE_FILES,
-    target_refusal="writes int8 weights for onert's hybrid FULLY_CONNECTED (scale [1.0] and a MUL by the per-channel "
-                   "scales, the form onert computes right): use target 'onert' or 'circle'",
-    runtimes=_GGML_RUNTIMES))
+    "x86-64 onert, no AVX-512 needed; targets onert, circle; target tflite: LiteRT's dynamic-range "
+    "FULLY_CONNECTED, the per-channel scales in the weight)", WEIGHTS, "INT8", "circleops.quantize.int8",
+    form=HYBRID, file_forms={"tflite": PER_CHANNEL}, smoothing=True, file_formats=frozenset({"circle", "tflite"}),
+    target_refusal="writes int8 weights for onert's hybrid FULLY_CONNECTED or LiteRT's dynamic-range one: use "
+                   "target 'onert', 'circle' or 'tflite'",
+    runtimes=frozenset({*_GGML_RUNTIMES, "litert"})))
 register(WeightFormat(
     "uint8", "integer graph: uint8 asymmetric activations, int8 per-channel weights, int32 bias (PT2E; targets "
     "circle, onert, tflite: stored there as TFLite's int8 asymmetric activations, the same values)", INTEGER,
@@ -166,4 +180,4 @@ register(WeightFormat(
     "circle, tflite: LiteRT's 16x8 kernels)", INTEGER, activations="int16", runtimes=frozenset({"litert", "reference"}),
     step=2.0 ** -15))
 
-__all__ = ["BLOCKS", "FORMATS", "HYBRID", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]
+__all__ = ["BLOCKS", "FORMATS", "FORMS", "HYBRID", "PER_CHANNEL", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

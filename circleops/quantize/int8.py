@@ -101,6 +101,36 @@ def hybrid_linear(x: Tensor, q: Tensor, weight_scale: float = 1.0, bias: Tensor 
     return y if bias is None else y + bias.to(torch.float32)
 
 
+def quantize_rows_asymmetric(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """XNNPACK's dynamic quantization of ``x`` [R, K] (float32) for its qd8 products, which
+    LiteRT's default delegate runs a dynamic-range FULLY_CONNECTED with: per row, the range
+    [min(x, 0), max(x, 0)] onto -128..127 with a nudged zero point
+    (xnn_f32_qd8_asymmetric_quantization_params). Returns (x_q - zero point as float64
+    [R, K], the row scales 1 / (255 / range) as float32 [R, 1], the zero points [R, 1])."""
+    x = x.to(torch.float32)
+    rmin = torch.clamp(x.amin(dim=1, keepdim=True), max=0.0)
+    rmax = torch.clamp(x.amax(dim=1, keepdim=True), min=0.0)
+    same = rmin == rmax
+    scale = torch.where(same, torch.ones_like(rmin), torch.tensor(255.0, dtype=torch.float32) /
+                        torch.where(same, torch.ones_like(rmin), rmax - rmin))
+    lo, hi = rmin * scale, rmax * scale
+    zp = torch.where((-128.0 + lo) + (127.0 + hi) > 0, -128.0 - lo, 127.0 - hi)
+    zp = torch.round(zp.clamp(-128.0, 127.0))  # rintf: half to even, as torch.round
+    xq = torch.clamp(torch.round(x * scale) + zp, -128.0, 127.0)
+    return (xq - zp).to(torch.float64), torch.tensor(1.0, dtype=torch.float32) / scale, zp
+
+
+def dynamic_range_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """LiteRT's dynamic-range FULLY_CONNECTED as its XNNPACK delegate computes it: float32 ``x``
+    [R, K] quantized per row, asymmetric (:func:`quantize_rows_asymmetric`), an integer dot
+    with int8 ``q`` [N, K], times the row's scale and each channel's ``scales`` [N]. (LiteRT's
+    builtin kernel, without XNNPACK, quantizes rows symmetrically as onert does: hybrid_linear.)"""
+    xq, sx, _ = quantize_rows_asymmetric(x)
+    acc = (xq @ q.to(torch.float64).T).to(torch.float32)
+    y = acc * (sx * scales.to(torch.float32).reshape(1, -1))
+    return y if bias is None else y + bias.to(torch.float32)
+
+
 # The codec interface of circleops.quantize.formats (the format registry asks these).
 BLOCK = 1  # any K
 

@@ -69,6 +69,7 @@ class QuantReport:
     requantized: dict[tuple[str, str], int] = field(default_factory=dict)  # (GGUF type, GGML type) -> tensors
     fp32_bytes: int = 0  # what the quantized weights took in fp32
     smoothing: str | None = None  # w8: what SmoothQuant folded (circleops.quantize.smooth.SmoothReport)
+    form: str | None = None  # how the linears were written (formats.FORMS; None: the format's own form)
 
     def __post_init__(self) -> None:
         # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
@@ -87,7 +88,7 @@ class QuantReport:
                 "kept_fp32": [{"name": n, "shape": list(s), "reason": r} for n, s, r in self.kept_fp32],
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
                 "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision],
-                "smoothing": self.smoothing}
+                "smoothing": self.smoothing, "form": self.form or formats.get(self.format).form}
 
     @property
     def higher_precision(self) -> list[QuantizedWeight]:
@@ -97,8 +98,11 @@ class QuantReport:
     def summary_lines(self) -> list[str]:
         fmt = formats.get(self.format)
         dtype = fmt.tensor_type
-        if fmt.form == formats.HYBRID:
+        form = self.form or fmt.form
+        if form == formats.HYBRID:
             dtype = "INT8 per channel (hybrid FULLY_CONNECTED + MUL by the scales)"
+        elif form == formats.PER_CHANNEL:
+            dtype = "INT8 per channel (dynamic-range FULLY_CONNECTED, the scales in the weight)"
         gguf = sum(w.origin == "gguf" for w in self.weights)
         higher = self.higher_precision
         count = f"{len(self.weights) - len(higher)} weights as {dtype}" + \
@@ -181,9 +185,10 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
 
 
 def _hybrid(report: QuantReport) -> bool:
-    """Whether the report's format writes hybrid linears (an embedding table then stays
-    float in the file while its tied head is quantized)."""
-    return formats.get(report.format).form == formats.HYBRID
+    """Whether the report's format writes int8 linears with float inputs (HYBRID or
+    PER_CHANNEL: an embedding table then stays float in the file while its tied head is
+    quantized)."""
+    return (report.form or formats.get(report.format).form) in (formats.HYBRID, formats.PER_CHANNEL)
 
 
 @contextlib.contextmanager
@@ -217,7 +222,9 @@ class _Quantizer:
         self.dtype = self.format.tensor_type
         self.head_dtype = self.format.head_type
         self.block = self.format.block
-        self.hybrid = self.format.form == formats.HYBRID
+        form = report.form or self.format.form
+        self.hybrid = form == formats.HYBRID
+        self.per_channel = form == formats.PER_CHANNEL
         self.codec = self.format.codec_module()  # packs the format's types (the head's too)
         self.pure = self.format.tied_table  # the embedding table's blocks serve a tied head too
         self.report = report
@@ -300,7 +307,8 @@ class _Quantizer:
 def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | None = None,
                      pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
                      report: QuantReport | None = None,
-                     importance: dict[tuple, torch.Tensor] | None = None) -> QuantReport:
+                     importance: dict[tuple, torch.Tensor] | None = None,
+                     file_format: str | None = None) -> QuantReport:
     """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
 
     parameters: the model's parameters (names, or a name -> tensor dict, which also names
@@ -313,11 +321,14 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     importance: input-channel importances by ``source_key`` of the weight
         (circleops.quantize.importance.input_importance): Q4_0 weights with one get block
         scales fitted to it (ggml.quantize_q4_0_weighted); others the reference rounding.
+    file_format: "circle" or "tflite", the file written (None: the format's own form):
+        ``WeightFormat.form_for`` says how a linear is written there (w8 in a .tflite file:
+        PER_CHANNEL, the weight carrying its scales, LiteRT's dynamic-range FULLY_CONNECTED).
     """
     if fmt not in formats.names(formats.WEIGHTS):
         raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format "
                           f"({', '.join(formats.names(formats.WEIGHTS))})")
-    report = report or QuantReport(fmt)
+    report = report or QuantReport(fmt, form=formats.get(fmt).form_for(file_format))
     names = set(parameters) if parameters is not None else None
     if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
         for name, value in parameters.items():
@@ -415,6 +426,18 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
                 ir.Tensor(f"{name}_scale", (shape2d[0],), "FLOAT32", packed.scale))
         return converted[key], converted[(index, "scale", shape2d)]
 
+    def int8_per_channel(index: int, shape2d: tuple[int, int]) -> int:
+        """The INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero
+        points 0): TFLite's dynamic-range FULLY_CONNECTED, as LiteRT's own quantizer writes it."""
+        key = (index, "per_channel", shape2d)
+        if key not in converted:
+            t = sg.tensors[index]
+            packed = q.blocks(t, shape2d, q.dtype)
+            name = q.name(t) + ("_int8" if source_key(t.data) in q.tables else "")  # a tied head beside its fp32 table
+            converted[key] = sg.add_tensor(ir.Tensor(name, shape2d, q.dtype, packed.q, ir.QuantParams(
+                np.asarray(packed.scale, np.float32), np.zeros(shape2d[0], np.int64), 0)))
+        return converted[key]
+
     def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
         return sg.add_tensor(ir.Tensor(f"{like.name}_{suffix}", tuple(shape), dtype or like.dtype))
 
@@ -435,6 +458,12 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
                 for i in op.inputs[1:5]:
                     if i >= 0 and _is_f32_const(sg.tensors[i]):
                         kept[sg.tensors[i].name] = (tuple(sg.tensors[i].shape), "a weight of the fused ATTENTION op")
+            elif op.opcode == "STABLEHLO_COMPOSITE":  # its decomposition reads these as float inputs
+                for i in op.inputs:
+                    t = sg.tensors[i] if i >= 0 else None
+                    if t is not None and _is_f32_const(t) and len(t.shape) == 2 and is_param(t.name):
+                        kept[t.name] = (tuple(t.shape), f"an input of the {op.options.get('name', 'composite')} "
+                                                        "composite (generation graphs write attention inline)")
             new_ops.append(op)
             continue
         n, k, wi = lin
@@ -444,6 +473,14 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             new_ops.append(op)
             continue
         dtype = q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype
+        if q.per_channel and n == 1:  # one scale would read as onert's form (the interpreter's hybrid kernel)
+            kept[w.name] = ((n, k), "one output channel")
+            new_ops.append(op)
+            continue
+        if q.per_channel:  # TFLite's dynamic-range FULLY_CONNECTED: the op as it was, its weight int8
+            new_ops.append(ir.Operator(op.opcode, [op.inputs[0], int8_per_channel(wi, (n, k)), *op.inputs[2:]],
+                                       list(op.outputs), op.options_type, dict(op.options), max(op.version, 5)))
+            continue
         if q.hybrid:
             qi, scale_i = int8_tensors(wi, (n, k))
         else:

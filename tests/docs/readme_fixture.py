@@ -79,6 +79,11 @@ NOT_RUN = {
         "runs --target tflite graphs through LiteRT on the tiny model",
     'circleops generate out-tflite/ --prompt "Once upon a time," --runtime litert':
         "needs out-tflite/ from the command above",
+    "circleops convert smollm2 --graphs prefill,decode --target tflite --quantize w8 -o out-tflite-w8/":
+        "w8 on the real SmolLM2 for LiteRT (~2 min); tests/quantize/test_w8.py converts, verifies and generates "
+        "with w8 tflite graphs on the tiny model, and the guide's MODEL commands run here",
+    'NUM_THREADS=1 circleops generate out-tflite-w8/ --prompt "Once upon a time,"':
+        "needs out-tflite-w8/ from the command above",
     "circleops run model.circle -i ids.npy k_cache.npy v_cache.npy --output-dir out/":
         "model.circle here has one input; inputs by order and --output-dir are tested in tests/runtime",
     "circleops run model.circle -i ids.npy --signature decode":

@@ -39,6 +39,25 @@ def test_onert_decode_graph_has_fused_rope_and_rms_norm(tiny_onert):
     assert prefill["RMS_NORM"] == 2 * LAYERS + 1
 
 
+def test_tflite_graphs_write_attention_inline(tiny_tflite):
+    """LiteRT's XNNPACK delegate never takes a composite's decomposition subgraph, so the
+    tflite generation graphs write attention inline (TargetProfile.graph_inline_ops): each
+    signature's own subgraph holds every layer's q/k/v/o products and the two attention
+    products per cache part; RMSNorm stays the odml.rms_norm composite."""
+    from circleops.targets import PROFILES
+
+    assert PROFILES["tflite"].graph_inline_ops == {"attention"}
+    model = read_model(str(tiny_tflite.directory / "model.tflite"))
+    for sig in model.signatures:
+        ops = Counter(op.opcode for op in model.subgraphs[sig.subgraph_index].operators)
+        names = Counter(op.options["name"] for op in model.subgraphs[sig.subgraph_index].operators
+                        if op.opcode == "STABLEHLO_COMPOSITE")
+        assert names == {"odml.rms_norm": 2 * LAYERS + 1}, (sig.key, names)
+        assert ops["FULLY_CONNECTED"] == 7 * LAYERS + 1, sig.key  # q, k, v, o, gate, up, down; lm_head
+        assert ops["BATCH_MATMUL"] == 4 * LAYERS, sig.key  # q·kᵀ and p·v, over the cache and the new rows
+    # a plain `convert` of the same family keeps circle.attention (test_lowering_attention_form)
+
+
 def test_onert_graph_io(tiny_onert):
     for graph, s in (("prefill", TINY_PREFILL), ("decode", 1)):
         m = read_model(str(tiny_onert.directory / f"{graph}.circle"))

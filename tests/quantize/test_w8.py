@@ -117,16 +117,65 @@ def test_interpreter_hybrid_fc_equals_onert(tmp_path, rows, n, k):
     assert (np.abs(got - deq) <= bound * (1 + 1e-4) + 1e-6 * scale).all()
 
 
-def test_interpreter_refuses_per_channel_hybrid_scales(tmp_path):
-    packed = int8.quantize_per_channel(torch.randn(8, 32))
+def _per_channel_fc_file(path, packed: int8.Int8Weight, rows: int, zero_points: np.ndarray | None = None) -> None:
+    """x [rows, K] -> FULLY_CONNECTED with an INT8 weight carrying its per-channel scales
+    (TFLite's dynamic-range form, what --quantize w8 --target tflite writes)."""
+    n, k = packed.q.shape
+    zp = np.zeros(n, np.int64) if zero_points is None else zero_points
     sg = ir.Subgraph("main")
-    x = sg.add_tensor(ir.Tensor("x", (1, 32), "FLOAT32"))
-    w = sg.add_tensor(ir.Tensor("w", (8, 32), "INT8", packed.q, ir.QuantParams(packed.scale, np.zeros(8, np.int64))))
-    y = sg.add_tensor(ir.Tensor("y", (1, 8), "FLOAT32"))
+    x = sg.add_tensor(ir.Tensor("x", (rows, k), "FLOAT32"))
+    w = sg.add_tensor(ir.Tensor("w", (n, k), "INT8", packed.q, ir.QuantParams(packed.scale, zp)))
+    y = sg.add_tensor(ir.Tensor("y", (rows, n), "FLOAT32"))
     sg.operators.append(ir.Operator("FULLY_CONNECTED", [x, w, -1], [y], "FullyConnectedOptions",
-                                    {"fusedActivationFunction": 0, "keepNumDims": False}))
+                                    {"fusedActivationFunction": 0, "keepNumDims": False}, 5))
     sg.inputs, sg.outputs = [x], [y]
-    write_model(ir.Model([sg]), str(tmp_path / "pc.circle"), "circle")
+    write_model(ir.Model([sg]), str(path), path.suffix[1:])
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n,k", [(96, 64), (1536, 576), (576, 1536)])
+def test_interpreter_per_channel_fc_equals_litert(tmp_path, rows, n, k):
+    """LiteRT's XNNPACK delegate quantizes each input row asymmetrically (its qd8 products);
+    the interpreter computes that (int8.dynamic_range_linear). LiteRT's builtin kernel, without
+    XNNPACK, rounds rows symmetrically as onert does (int8.hybrid_linear): pinned here too."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    rng = np.random.default_rng(rows * 7 + n)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.2, 3.0, (n, 1)) / np.sqrt(k)).astype(np.float32)
+    packed = int8.quantize_per_channel(w)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10.0, (rows, 1))).astype(np.float32)
+    x[:, :3] *= 8  # outlier features, as in an LLM's activations
+    x[-1] += 2.0  # a row far from symmetric: the two roundings differ there
+    path = tmp_path / "fc.tflite"
+    _per_channel_fc_file(path, packed, rows)
+
+    def litert(resolver):
+        it = Interpreter(model_path=str(path), num_threads=1, experimental_op_resolver_type=resolver)
+        it.allocate_tensors()
+        it.set_tensor(it.get_input_details()[0]["index"], x)
+        it.invoke()
+        return it.get_tensor(it.get_output_details()[0]["index"])
+
+    xnnpack, builtin = litert(OpResolverType.AUTO), litert(OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    ref = reference.run(path, [x])[0]
+    scale = float(np.abs(xnnpack).max())
+    np.testing.assert_allclose(ref, xnnpack, atol=1e-5 * scale, rtol=0)
+    symmetric = int8.hybrid_linear(torch.from_numpy(x), torch.from_numpy(packed.q)).numpy() * packed.scale
+    np.testing.assert_allclose(builtin, symmetric, atol=1e-5 * scale, rtol=0)
+    assert np.abs(xnnpack - builtin).max() > 1e-4 * scale  # the two really round differently
+    # both are the dequantized product up to the input's rounding: half a step per value
+    # (symmetric: max|x_row| / 127; asymmetric: the row's range / 255) times |w|'s row sum
+    wd = int8.dequantize(packed).double().numpy()
+    deq = x.astype(np.float64) @ wd.T
+    bound = 0.5 * np.abs(x).max(1, keepdims=True) / 127 * np.abs(wd).sum(1)[None, :]
+    assert (np.abs(xnnpack - deq) <= bound * (1 + 1e-4) + 1e-6 * scale).all()
+
+
+def test_interpreter_refuses_other_hybrid_scales(tmp_path):
+    """Neither onert's one scale nor LiteRT's scale per channel with zero points 0: refused,
+    not computed one way or another."""
+    packed = int8.quantize_per_channel(torch.randn(8, 32))
+    _per_channel_fc_file(tmp_path / "pc.circle", packed, 1, zero_points=np.arange(8, dtype=np.int64))
     with pytest.raises(Exception, match="only scale"):
         reference.run(tmp_path / "pc.circle", [np.ones((1, 32), np.float32)])
 
@@ -235,11 +284,103 @@ def test_cli_convert_w8(capsys, tmp_path, llama_config):
     _check_w8_layout(out)
 
 
-def test_refused_for_tflite(tmp_path, llama):
-    with pytest.raises(TargetError, match="hybrid FULLY_CONNECTED"):
-        circleops.convert(copy.deepcopy(llama), (example_ids(8),), tmp_path / "m.tflite", target="tflite",
-                          quantize="w8")
-    assert list(tmp_path.iterdir()) == []
+def _check_w8_tflite_layout(path, subgraphs=None):
+    """TFLite's dynamic-range form (litert-torch's own int8 recipe writes the same): every
+    FULLY_CONNECTED weight INT8 [N, K] carrying its N per-channel scales (quantized dimension 0,
+    zero points 0), float input and output, no MUL after it; the scales are those of
+    quantize_per_channel of the values they encode; the embedding table stays FLOAT32."""
+    from ai_edge_litert import schema_py_generated as S  # LiteRT's own reading of the file
+
+    model = S.ModelT.InitFromPackedBuf(path.read_bytes(), 0)
+    names = {v: k for k, v in vars(S.BuiltinOperator).items() if not k.startswith("_")}
+    checked = 0
+    for si in subgraphs if subgraphs is not None else [0]:
+        sg = model.subgraphs[si]
+        readers = {i: op for op in sg.operators for i in op.inputs}
+        for op in sg.operators:
+            code = model.operatorCodes[op.opcodeIndex]
+            if names[max(code.builtinCode, code.deprecatedBuiltinCode)] != "FULLY_CONNECTED":
+                continue
+            x, w, y = (sg.tensors[i] for i in (op.inputs[0], op.inputs[1], op.outputs[0]))
+            assert (x.type, w.type, y.type) == (S.TensorType.FLOAT32, S.TensorType.INT8, S.TensorType.FLOAT32)
+            assert code.version >= 5  # LiteRT's per-channel hybrid FULLY_CONNECTED
+            n, k = (int(d) for d in w.shape)
+            scale, zp = np.asarray(w.quantization.scale), np.asarray(w.quantization.zeroPoint)
+            assert scale.shape == (n,) and zp.shape == (n,) and not zp.any() and w.quantization.quantizedDimension == 0
+            q = np.frombuffer(bytes(model.buffers[w.buffer].data), np.int8).reshape(n, k)
+            again = int8.quantize_per_channel(torch.from_numpy(q.astype(np.float32) * scale[:, None]))
+            assert np.array_equal(again.q, q) and np.allclose(again.scale, scale, rtol=1e-6)
+            nxt = readers.get(op.outputs[0])  # no MUL by constant channel scales (onert's form) after it
+            if nxt is not None:
+                other = [sg.tensors[i] for i in nxt.inputs if i != op.outputs[0]]
+                assert not any(t.buffer and model.buffers[t.buffer].data is not None
+                               and [int(d) for d in t.shape] == [n] for t in other), "a MUL by the scales"
+            checked += 1
+        tables = [t for t in sg.tensors if t.buffer and model.buffers[t.buffer].data is not None
+                  and len(t.shape) == 2 and int(t.shape[0]) == 256 and int(t.shape[1]) == 64]
+        assert tables and any(t.type == S.TensorType.FLOAT32 for t in tables)  # the embedding table
+    assert checked
+    return checked
+
+
+def test_convert_w8_tflite_runs_in_litert(tmp_path, llama):
+    """w8 on target tflite: LiteRT's dynamic-range FULLY_CONNECTED (per-channel scales in the
+    weight), verified in LiteRT against torch on the dequantized (SmoothQuant-folded) weights."""
+    from circleops.quantize.smooth import smoothed
+    from circleops.runtime import litert
+
+    ids = example_ids(8)
+    path = tmp_path / "m.tflite"
+    report = circleops.convert(llama, (ids,), path, target="tflite", quantize="w8", verify=True)
+    assert report.verify.passed and report.verify.runtime == "litert"
+    # gate, up, down per layer and lm_head; the circle.attention composite takes wq/wk/wv/wo as
+    # float inputs (its interface): kept FLOAT32 and named (generation graphs write attention inline)
+    assert _check_w8_tflite_layout(path) == 2 * 3 + 1
+    q = report.quantization
+    assert q.form == "per_channel" and len(q.weights) == 2 * 3 + 1 and all(w.dtype == "INT8" for w in q.weights)
+    assert len(q.kept_fp32) == 2 * 4 and all("circle.attention composite" in why for _, _, why in q.kept_fp32)
+    assert "dynamic-range FULLY_CONNECTED" in report.summary()
+    got = litert.run(path, [ids.numpy()])[0]
+    with torch.no_grad(), smoothed(llama), dequantized_sources(q, llama):
+        deq = llama(ids).logits.numpy()
+    fp32 = llama(ids).logits.detach().numpy()
+    scale = max(1.0, float(np.abs(deq).max()))
+    # LiteRT rounds each input row to int8 (XNNPACK: asymmetric per row), as onert does: the
+    # format's tolerance (verify's) bounds it, and the file is nearer the weights it holds than fp32
+    assert np.abs(got - deq).max() <= report.verify.tolerance * scale
+    assert np.abs(got - deq).max() < np.abs(got - fp32).max()
+    fp32_path = tmp_path / "fp32.tflite"
+    circleops.convert(llama, (ids,), fp32_path, target="tflite")
+    assert path.stat().st_size / fp32_path.stat().st_size < 0.75  # the tiny model's fp32 table weighs a layer
+
+
+def test_graphs_w8_tflite_generate(tmp_path, llama):
+    """The generation graphs with w8 on tflite (one file, both signatures share the int8
+    weights), run by the Generator in LiteRT: each greedy token is torch's on the weights
+    the file holds, up to the file's measured error (as for onert above)."""
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+    from circleops.quantize.smooth import smoothed
+    from circleops.serialize.reader import read_signatures
+
+    out = tmp_path / "g"
+    model = copy.deepcopy(llama)
+    report = convert_graphs(model, out, target="tflite", prefill_len=8, max_cache_len=32, verify=True, quantize="w8")
+    assert report.verify_runtime == "litert" and report.quantization.form == "per_channel"
+    manifest = read_manifest(out)
+    assert manifest.quantize == "w8" and manifest.files == {"prefill": "model.tflite", "decode": "model.tflite"}
+    path = manifest.path("decode")
+    subgraphs = [s.subgraph_index for s in read_signatures(str(path))]
+    assert _check_w8_tflite_layout(path, subgraphs) == 2 * (2 * 7 + 1)
+    assert len(report.quantization.weights) == 2 * 7 + 1  # the signatures share one set of int8 weights
+    gen = Generator(manifest).generate([5, 17, 42], 6)
+    assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
+    err = max(info.max_abs_error for info in report.graphs.values())
+    with smoothed(model), dequantized_sources(report.quantization, model), torch.no_grad():
+        logits = model(torch.tensor([[5, 17, 42, *gen.tokens]])).logits[0, 2:2 + len(gen.tokens)]
+    gaps = [float(row.max() - row[t]) for row, t in zip(logits, gen.tokens)]
+    assert max(gaps) <= 2 * err, f"w8 tflite: tokens {gen.tokens} off torch's greedy by logit gaps {gaps} (error {err:.3g})"
 
 
 def test_quant_check_w8_costs_little(llama):
@@ -250,6 +391,18 @@ def test_quant_check_w8_costs_little(llama):
     assert len(r.layer_max_abs) == 2 and r.perplexity_tokens == 2 * 63
     assert abs(r.perplexity_ratio - 1) < 0.02  # measured 1.1% on the sharp tiny Llama
     assert "INT8 per channel" in r.table()
+
+
+def test_quant_check_w8_litert(llama):
+    """check --quantize w8 --runtime litert: the tflite file (dynamic-range FULLY_CONNECTED,
+    attention inline as the generation graphs write it: every linear int8) run by LiteRT."""
+    from circleops.quant_report import quant_check
+
+    r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2,
+                    runtime="litert")
+    assert r.runtime == "litert" and r.perplexity_tokens == 2 * 63
+    assert any("15 weights as INT8 per channel (dynamic-range" in line for line in r.quantization), r.quantization
+    assert abs(r.perplexity_ratio - 1) < 0.05  # measured -2.2 % on the sharp tiny Llama (random weights)
 
 
 def test_cli_check_w8(tmp_path, capsys, llama_config):

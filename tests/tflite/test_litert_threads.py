@@ -53,3 +53,29 @@ def test_bad_num_threads_is_named(tflite_file, monkeypatch, value):
     monkeypatch.setenv("NUM_THREADS", value)
     with pytest.raises(RuntimeRunError, match="NUM_THREADS"):
         litert.Session(tflite_file)
+
+
+def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_threads, monkeypatch):
+    """`convert --graphs --threads N --target tflite` records N; the Generator opens each
+    graph (one LiteRT Interpreter per signature: prefill and decode) with it, as for onert;
+    the user's NUM_THREADS wins over the manifest."""
+    import copy
+
+    from families import BY_NAME
+
+    from circleops.generate import Generator
+    from circleops.graphs import convert_graphs
+    from circleops.manifest import read_manifest
+
+    monkeypatch.delenv("NUM_THREADS", raising=False)
+    convert_graphs(copy.deepcopy(BY_NAME["llama"].build()), tmp_path / "g", target="tflite", prefill_len=8,
+                   max_cache_len=32, threads=1)
+    assert read_manifest(tmp_path / "g").num_threads == 1
+    interpreter_threads.clear()
+    gen = Generator(tmp_path / "g")
+    assert interpreter_threads == [1, 1]  # prefill, decode
+    assert gen.generate([5, 17, 42], 2).tokens
+    interpreter_threads.clear()
+    monkeypatch.setenv("NUM_THREADS", "3")
+    Generator(tmp_path / "g")
+    assert interpreter_threads == [3, 3]

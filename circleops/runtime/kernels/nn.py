@@ -64,10 +64,19 @@ def _hybrid(op, x: Tensor, w: Tensor, b: Tensor | None, wt: ir.Tensor) -> Tensor
     """onert's hybrid FULLY_CONNECTED (float x, INT8 w, float out): x quantized per row to
     int8, an integer dot, times the row's scale and the weight's scale[0]
     (circleops.quantize.int8.hybrid_linear). onert reads only scale[0] and ignores zero
-    points: other parameters are refused rather than computed one way or the other."""
-    from circleops.quantize.int8 import hybrid_linear
+    points: other parameters are refused rather than computed one way or the other, except a
+    scale per output channel with zero points 0, which only TFLite files hold (LiteRT's
+    dynamic-range form; circleops' Circle files never do): computed as LiteRT's XNNPACK does."""
+    from circleops.quantize.int8 import dynamic_range_linear, hybrid_linear
 
     scale, zp = np.asarray(wt.quant.scale).reshape(-1), np.asarray(wt.quant.zero_point).reshape(-1)
+    if len(scale) > 1 and len(scale) == w.shape[0] and wt.quant.quantized_dimension == 0 and not np.any(zp != 0):
+        # a scale per output channel: TFLite's dynamic-range FULLY_CONNECTED (--quantize w8
+        # --target tflite), computed as LiteRT's default XNNPACK delegate does (asymmetric rows)
+        y = dynamic_range_linear(x.reshape(-1, w.shape[1]), w, torch.from_numpy(scale.astype(np.float32)), b)
+        if option(op, "keepNumDims", default=False):
+            y = y.reshape(*x.shape[:-1], w.shape[0])
+        return y
     if len(scale) != 1 or np.any(zp != 0):
         raise KernelError(
             f"hybrid FULLY_CONNECTED weight {wt.name!r}: {len(scale)} scales, zero points {zp[:4].tolist()}: onert "
