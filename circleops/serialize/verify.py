@@ -432,6 +432,9 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
         ready: set[int] = set()  # tensors that hold a value before the first operator runs
         variables: set[int] = set()
         for ti, t in enumerate(tensors):
+            if schema.name == "circle" and t.get("Name") is None:  # (TFLite readers check)
+                raise w.fail(f"subgraph {si} tensor {ti}", "it has no name; onert reads tensor names without a "
+                                                           "check (SIGSEGV while loading)")
             tag = t["Type"]
             dtype = type_names.get(tag)
             if dtype is None:

@@ -154,6 +154,8 @@ DAMAGE = {
                                                if hasattr(op.builtinOptions, "strideH")), "strideH", -2),
                         "StrideH is -2"),
     "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
+    # long fuzz run of 2026-12-01: a shared vtable's name entry nulled, onert SIGSEGV while loading
+    "tensor without a name": (lambda m: setattr(m.subgraphs[0].tensors[0], "name", None), "tensor 0: it has no name"),
     "deprecated code 0": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode > 0),
                                             "deprecatedBuiltinCode", 0), "name different operators"),
     "codes disagree": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode < 0),
