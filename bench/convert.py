@@ -65,7 +65,8 @@ def make_models(work: Path, tinyllama: bool) -> list[dict]:
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Wall time and the child's own peak RSS (os.wait4), and whether it succeeded."""
+    """Wall time, the child's CPU time (user + system) and peak RSS (os.wait4), and whether it
+    succeeded. On a loaded machine the CPU time is the steadier figure."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -74,7 +75,8 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     proc.stdout.close()
     proc.stderr.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "ok": proc.returncode == 0,
+    return {"seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "ok": proc.returncode == 0,
             "tail": (err or out).strip().splitlines()[-3:]}
 
 
@@ -161,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 tout.unlink(missing_ok=True)
                 tico = [args.tico_python, str(HERE / "_tico_convert.py"), case["tico"], str(tout), str(args.seq_len)]
                 runs["tico"].append(run_measured(tico))
-            print(f"{case['name']} round {r + 1}: " + ", ".join(
-                f"{k} {v[-1]['seconds']:.1f}s {v[-1]['peak_rss_bytes'] / 1e9:.2f}GB{'' if v[-1]['ok'] else ' FAILED'}"
+            print(f"{case['name']} round {r + 1} (load average {os.getloadavg()[0]:.1f}): " + ", ".join(
+                f"{k} {v[-1]['seconds']:.1f}s (CPU {v[-1]['cpu_seconds']:.1f}s) {v[-1]['peak_rss_bytes'] / 1e9:.2f}GB"
+                f"{'' if v[-1]['ok'] else ' FAILED'}"
                 for k, v in runs.items() if v), flush=True)
         row = {"model": case["name"], "weight_bytes": case["weight_bytes"]}
         for tool, rs in runs.items():
@@ -172,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             if failed:
                 print(f"  {tool} failed: {failed[0]['tail']}", file=sys.stderr)
             row[tool] = {"seconds": statistics.median(x["seconds"] for x in rs),
+                         "cpu_seconds": statistics.median(x["cpu_seconds"] for x in rs),
                          "peak_rss_bytes": statistics.median(x["peak_rss_bytes"] for x in rs),
                          "all_seconds": [round(x["seconds"], 2) for x in rs], "ok": not failed}
         ours_r = row["circleops"]
         row["circleops_rss_over_weights"] = ours_r["peak_rss_bytes"] / case["weight_bytes"]
         if use_tico and "tico" in row:
             row["time_ratio"] = ours_r["seconds"] / row["tico"]["seconds"]
+            row["cpu_ratio"] = ours_r["cpu_seconds"] / row["tico"]["cpu_seconds"]
             row["rss_ratio"] = ours_r["peak_rss_bytes"] / row["tico"]["peak_rss_bytes"]
         files = {name: path for name, path in (("circleops", out), ("tico", tout)) if path.exists()}
         if args.latency_runs > 0 and "hf_dir" in case and args.target == "onert" and files:
@@ -190,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
 
     print()
-    print(f"{'model':42} {'circleops':>16} {'tico 0.3.0':>16} {'time ratio':>10} {'RSS ratio':>9} {'RSS/weights':>11}")
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) at the end")
+    print(f"{'model':42} {'circleops':>24} {'tico 0.3.0':>24} {'time ratio':>10} {'CPU ratio':>9} {'RSS ratio':>9} "
+          f"{'RSS/weights':>11}")
     for row in results:
         o, t = row["circleops"], row.get("tico")
-        fmt = lambda x: f"{x['seconds']:6.1f}s {x['peak_rss_bytes'] / 1e9:5.2f}GB" if x else "-"  # noqa: E731
-        print(f"{row['model']:42} {fmt(o):>16} {fmt(t):>16} {row.get('time_ratio', float('nan')):10.2f} "
-              f"{row.get('rss_ratio', float('nan')):9.2f} {row['circleops_rss_over_weights']:11.2f}")
+        fmt = lambda x: (f"{x['seconds']:6.1f}s CPU {x['cpu_seconds']:5.1f}s {x['peak_rss_bytes'] / 1e9:5.2f}GB"  # noqa: E731
+                         if x else "-")
+        print(f"{row['model']:42} {fmt(o):>24} {fmt(t):>24} {row.get('time_ratio', float('nan')):10.2f} "
+              f"{row.get('cpu_ratio', float('nan')):9.2f} {row.get('rss_ratio', float('nan')):9.2f} "
+              f"{row['circleops_rss_over_weights']:11.2f}")
     for row in results:
         lat = row.get("onert_latency")
         if not lat:

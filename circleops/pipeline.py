@@ -567,7 +567,7 @@ def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = Tru
     if adapters and _has_hf_modules(module):
         from circleops.adapters import patched_modules
 
-        patches = patched_modules()
+        patches = patched_modules(model=module)  # its own families' only: no other modeling module imported
     stderr = io.StringIO()
     with warnings.catch_warnings(record=True) as caught, _quiet_torch_logs():
         warnings.simplefilter("always")

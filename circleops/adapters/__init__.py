@@ -50,10 +50,19 @@ FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3,
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
 
-def patched_modules(*, attention: bool = True) -> PatchSession:
+def patched_modules(*, attention: bool = True, model=None) -> PatchSession:
     """Every supported family's adapters at once (RMSNorm, RoPE and, unless
-    ``attention=False``, attention). Export inside the ``with``."""
-    return PatchSession("patched_modules", [p for f in FAMILIES for p in f.patches(attention=attention)])
+    ``attention=False``, attention). Export inside the ``with``.
+
+    With ``model`` (a model built already), only the families whose modeling modules its
+    submodules' classes come from: entering the session then imports no other family's
+    modeling module (each costs import time; Gemma3's pulls in transformers' image and video
+    processors, ~0.5 s)."""
+    families = FAMILIES
+    if model is not None:
+        used = {c.__module__ for m in model.modules() for c in type(m).__mro__}
+        families = [f for f in FAMILIES if f.module in used]
+    return PatchSession("patched_modules", [p for f in families for p in f.patches(attention=attention)])
 
 
 def family_of(model) -> Family | None:

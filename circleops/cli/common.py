@@ -46,19 +46,31 @@ def convert_stages(model: str | None, fuse: str, quantize: bool, verify: bool) -
     return stages + ["lower"] + (["quantize"] if quantize else []) + ["write"] + (["verify"] if verify else [])
 
 
+def _names_torchao(source: str | None) -> bool:
+    """Whether SOURCE's config (an HF directory's config.json, or a config file) names torchao."""
+    config = Path(source) / "config.json" if source and Path(source).is_dir() else Path(source or "-")
+    try:
+        return config.suffix == ".json" and b"torchao" in config.read_bytes()
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def scipy_hidden() -> Iterator[None]:
-    """transformers imports scipy.optimize when it loads (for object-detection losses only),
-    ~0.4 s of a ~5 s conversion: while the model loads, scipy looks absent to it. Only when
-    transformers is first imported here: once imported, it has decided scipy is there."""
-    hide = "scipy" not in sys.modules and "transformers" not in sys.modules
-    if hide:
-        sys.modules["scipy"] = None  # type: ignore[assignment]  # find_spec("scipy") -> None
+def scipy_hidden(*sources: str | None) -> Iterator[None]:
+    """While transformers is first imported here, scipy (its object-detection losses, ~0.4 s) and
+    torchao (its quantizer, ~1.5 s of CPU), which a conversion never uses, look absent to it;
+    torchao not when a SOURCE's config names it (a torchao checkpoint). circleops' own torchao
+    use (PT2E) imports it afterwards as usual."""
+    hidden = [n for n in ("scipy", "torchao") if n not in sys.modules] if "transformers" not in sys.modules else []
+    hidden = [n for n in hidden if n != "torchao" or not any(map(_names_torchao, sources))]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # find_spec(name) -> None
     try:
         yield
     finally:
-        if hide and sys.modules.get("scipy", 0) is None:
-            del sys.modules["scipy"]
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 def write_report(report, path: str | None) -> None:

@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         progress("load")
         t = time.perf_counter()
-        with scipy_hidden():
+        with scipy_hidden(args.model, args.config):
             loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
                                  allow_random_init=args.allow_random_init)
         example_args = loaded.example_args(args.seq_len)

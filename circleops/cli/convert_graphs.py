@@ -12,6 +12,7 @@ from pathlib import Path
 def main(args: argparse.Namespace) -> int:
     from circleops import conversion as api
     from circleops import graphs, models
+    from circleops.cli.common import scipy_hidden
     from circleops.dtypes import float_dtype
     from circleops.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
@@ -51,8 +52,9 @@ def main(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     if not args.quiet:
         print("circleops: loading the model", file=sys.stderr)
-    loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
-                         allow_random_init=getattr(args, "allow_random_init", False))
+    with scipy_hidden(args.model, args.config):
+        loaded = models.load(args.model, config=args.config, dtype=dtype, seed=args.seed,
+                             allow_random_init=getattr(args, "allow_random_init", False))
     if loaded.kind != "hf":
         raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
     load_seconds = time.perf_counter() - t

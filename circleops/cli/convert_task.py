@@ -23,8 +23,13 @@ def task_of(args: argparse.Namespace) -> str | None:
                               f"or --config); {source} is not one.")
         return None  # circleops.models says what it is
     from circleops import tasks
+    from circleops.cli.common import scipy_hidden
 
-    task = tasks.check_task(args.task).name if args.task else tasks.task_of(args.model, args.config)
+    if args.task:
+        task = tasks.check_task(args.task).name
+    else:  # imports transformers and the model's class: the first import of transformers, so hide the unused
+        with scipy_hidden(args.model, args.config):
+            task = tasks.task_of(args.model, args.config)
     return None if task == "text-generation" else task
 
 
@@ -56,7 +61,7 @@ def main(args: argparse.Namespace, task: str) -> int:
     t = time.perf_counter()
     try:
         progress("load")
-        with scipy_hidden():
+        with scipy_hidden(args.model, args.config):
             report = tasks.convert_task(args.model, out, task=task, config=args.config,
                                         seq_len=one_length(args.seq_len, args.model or args.config),
                                         input_shape=shapes, dtype=dtype, seed=args.seed,

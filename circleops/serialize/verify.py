@@ -54,6 +54,15 @@ _MORE_ELEMENT_SIZES = {"COMPLEX64": 8, "COMPLEX128": 16, "FLOAT8_E4M3FN": 1, "FL
 # option fields that must be >= 1 (onert divides by them: a stride of -2 killed it)
 _POSITIVE_OPTIONS = ("Stride", "Dilation", "Filter")
 
+# operator -> input positions the runtimes read as integer vectors (indices, shapes, axes,
+# begin/end/strides...): a float tensor there is read as int32 bits (a STRIDED_SLICE whose
+# strides were a float32 activation killed onert: zeros read as stride 0)
+_INTEGER_OPERANDS = {"STRIDED_SLICE": (1, 2, 3), "SLICE": (1, 2), "RESHAPE": (1,), "TRANSPOSE": (1,), "GATHER": (1,),
+                     "GATHER_ND": (1,), "PAD": (1,), "PADV2": (1,), "MIRROR_PAD": (1,), "MEAN": (1,), "SUM": (1,),
+                     "REDUCE_MAX": (1,), "REDUCE_MIN": (1,), "REDUCE_PROD": (1,), "REDUCE_ANY": (1,),
+                     "EXPAND_DIMS": (1,), "TILE": (1,), "BROADCAST_TO": (1,)}
+_INDEX_TYPES = ("INT32", "INT64")
+
 _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")
 _HH = struct.Struct("<HH")
@@ -423,6 +432,9 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
         ready: set[int] = set()  # tensors that hold a value before the first operator runs
         variables: set[int] = set()
         for ti, t in enumerate(tensors):
+            if schema.name == "circle" and t.get("Name") is None:  # (TFLite readers check)
+                raise w.fail(f"subgraph {si} tensor {ti}", "it has no name; onert reads tensor names without a "
+                                                           "check (SIGSEGV while loading)")
             tag = t["Type"]
             dtype = type_names.get(tag)
             if dtype is None:
@@ -474,6 +486,8 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
                         raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
                                      f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "
                                      f"output of an earlier operator")
+            _check_integer_operands(w, f"subgraph {si} operator {k} ({names[oi]})", names[oi], _ints(buf, op["Inputs"]),
+                                    tensors=tensors, type_names=type_names, extents=extents)
             for p, i in enumerate(_ints(buf, op["Outputs"])):
                 # each tensor gets one value: an operator writing a subgraph input, a
                 # constant or another operator's output (or one output twice) makes onert
@@ -544,6 +558,35 @@ def _check_constant(w: _Walker, where: str, dtype: str, shape: tuple[int, ...], 
     if nbytes != want:
         raise w.fail(where, f"a {dtype} constant of shape {list(shape)} needs {want} bytes, but its buffer holds "
                             f"{nbytes}")
+
+
+def _check_integer_operands(w: _Walker, where: str, name: str, inputs: tuple[int, ...], *, tensors: list,
+                            type_names: dict, extents: list) -> None:
+    """An op's index/shape/axis inputs are INT32 or INT64; STRIDED_SLICE's and SLICE's begin,
+    end (size) and strides hold one value per dimension of the input (onert reads that many);
+    a constant stride is not 0."""
+    positions = _INTEGER_OPERANDS.get(name, ())
+    for p in positions:
+        if p >= len(inputs) or inputs[p] < 0:
+            continue
+        t = tensors[inputs[p]]
+        dtype = type_names.get(t["Type"])
+        allowed = _INDEX_TYPES + (("INT16",) if name.startswith("GATHER") else ())  # TFLite's int16 positions
+        if dtype not in allowed:
+            raise w.fail(where, f"input {p} is {dtype}; {name} reads it as integers ({' or '.join(allowed)})")
+        if name not in ("STRIDED_SLICE", "SLICE") or inputs[0] < 0:
+            continue
+        rank, shape = len(_ints(w.buf, tensors[inputs[0]]["Shape"])), _ints(w.buf, t["Shape"])
+        if rank and shape and (len(shape) != 1 or shape[0] != rank):
+            raise w.fail(where, f"input {p} has shape {list(shape)}; it needs one value per dimension of the "
+                                f"rank-{rank} input ([{rank}])")
+        bi = t["Buffer"]
+        extent = extents[bi] if bi < len(extents) else None
+        if name == "STRIDED_SLICE" and p == 3 and extent is not None:
+            width = 4 if dtype == "INT32" else 8
+            strides = struct.unpack_from(f"<{extent[0] // width}{'i' if width == 4 else 'q'}", w.buf, extent[1])
+            if 0 in strides:
+                raise w.fail(where, f"strides {list(strides)} hold a 0; a stride is at least 1 in magnitude")
 
 
 def _check_quant(w: _Walker, where: str, q: dict[str, Any], shape: tuple[int, ...]) -> None:

@@ -154,6 +154,8 @@ DAMAGE = {
                                                if hasattr(op.builtinOptions, "strideH")), "strideH", -2),
                         "StrideH is -2"),
     "weights omitted": (lambda m: _fc(m).inputs.__setitem__(1, -1), "input 1 is missing (-1)"),
+    # long fuzz run of 2026-12-01: a shared vtable's name entry nulled, onert SIGSEGV while loading
+    "tensor without a name": (lambda m: setattr(m.subgraphs[0].tensors[0], "name", None), "tensor 0: it has no name"),
     "deprecated code 0": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode > 0),
                                             "deprecatedBuiltinCode", 0), "name different operators"),
     "codes disagree": (lambda m: setattr(next(oc for oc in m.operatorCodes if oc.builtinCode < 0),
@@ -253,3 +255,53 @@ def test_mutated_files_give_only_circleops_errors(written):
         except CircleOpsError:
             refused += 1
     assert refused > 300 and passed > 0, (refused, passed)
+
+
+def _strided_slice_model(strides="const", begin_len: int = 2, stride_value: int = 1) -> ir.Model:
+    """x [4, 8] -> STRIDED_SLICE(begin, end, strides) -> y [2, 8]; ``strides``: "const" (an INT32
+    constant of ``stride_value``s) or "input" (a FLOAT32 subgraph input of the same shape, as in
+    the fuzz finding where the strides became a float activation)."""
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (4, 8), "FLOAT32"))
+    begin = sg.add_tensor(ir.Tensor("begin", (begin_len,), "INT32", np.zeros(begin_len, np.int32)))
+    end = sg.add_tensor(ir.Tensor("end", (2,), "INT32", np.array([2, 8], np.int32)))
+    if strides == "const":
+        st = sg.add_tensor(ir.Tensor("strides", (2,), "INT32", np.full(2, stride_value, np.int32)))
+    else:
+        st = sg.add_tensor(ir.Tensor("strides", (2,), "FLOAT32"))
+    y = sg.add_tensor(ir.Tensor("y", (2, 8), "FLOAT32"))
+    opts = {"beginMask": 0, "endMask": 0, "ellipsisMask": 0, "newAxisMask": 0, "shrinkAxisMask": 0, "offset": False}
+    sg.operators.append(ir.Operator("STRIDED_SLICE", [x, begin, end, st], [y], "StridedSliceOptions", opts))
+    sg.inputs, sg.outputs = [x] + ([st] if strides == "input" else []), [y]
+    return ir.Model([sg])
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    # the long fuzz run of 2026-12-01: a STRIDED_SLICE's strides index moved onto a float32
+    # input; onert read its zeros as stride 0 (SIGSEGV, contained by `circleops run`)
+    (dict(strides="input"), "input 3 is FLOAT32; STRIDED_SLICE reads it as integers"),
+    (dict(stride_value=0), "strides [0, 0] hold a 0"),
+    (dict(begin_len=3), "input 1 has shape [3]; it needs one value per dimension of the rank-2 input"),
+])
+def test_index_operands_are_integers_of_the_input_rank(tmp_path, kwargs, words):
+    good = tmp_path / "good.circle"
+    write_model(_strided_slice_model(), good, "circle")
+    verify_file(good)
+    bad = tmp_path / "bad.circle"
+    write_model(_strided_slice_model(**kwargs), bad, "circle")
+    with pytest.raises(CorruptFileError, match="not a valid circle file") as err:
+        verify_file(bad)
+    assert words in str(err.value) and "operator 0 (STRIDED_SLICE)" in str(err.value), str(err.value)
+
+
+def test_gather_indices_are_integers(tmp_path):
+    sg = ir.Subgraph("main")
+    table = sg.add_tensor(ir.Tensor("table", (16, 4), "FLOAT32", np.zeros((16, 4), np.float32)))
+    ids = sg.add_tensor(ir.Tensor("ids", (3,), "FLOAT32"))
+    y = sg.add_tensor(ir.Tensor("y", (3, 4), "FLOAT32"))
+    sg.operators.append(ir.Operator("GATHER", [table, ids], [y], "GatherOptions", {"axis": 0, "batchDims": 0}))
+    sg.inputs, sg.outputs = [ids], [y]
+    path = tmp_path / "gather.circle"
+    write_model(ir.Model([sg]), path, "circle")
+    with pytest.raises(CorruptFileError, match="input 1 is FLOAT32; GATHER reads it as integers"):
+        verify_file(path)
