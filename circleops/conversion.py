@@ -40,7 +40,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
             integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
             output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
-            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto") -> Report:
+            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
+            weight_group_size: int | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -77,8 +78,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
         INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj"); "auto": the ops
         around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
-        ``weight_bits`` 8 / 4: int8 or int4 (Circle INT4, target circle) per-channel weights; an
-        LLM's lm_head stays int8. ``gptq``: GPTQ rounding of the weights on the calibration
+        ``weight_bits`` 8 / 4: int8 per-channel or int4 (Circle INT4, target circle) weights; an
+        LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
+        scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
+        BlockwiseQuantization (circleops.quantize.grouped). ``gptq``: GPTQ rounding of the weights on the calibration
         samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
         stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
         file's metadata ("circleops.quantization"); see docs/integer-llm.md.
@@ -92,11 +95,12 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     """
     target, fmt, fuse = validate_target(target, fuse)
     quantize = validate_quantize(quantize, target, int16)
-    from circleops.quantize.recipe import IntegerRecipe, check_recipe
+    from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate)
+    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size)
     recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
-                           calibrate) if quantize in INTEGER_FORMATS else None
+                           calibrate, group_size_for(weight_bits, weight_group_size)) \
+        if quantize in INTEGER_FORMATS else None
     validate_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -162,15 +166,26 @@ def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: 
         if recipe.rotate == "on" and not report.layers:
             raise TargetError(f"rotate='on': {report.summary_line()}")
         recipe.lines.append(report.summary_line())
+    head = model.get_output_embeddings() if is_llm else None
+    bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
+    grouped = None
     if recipe.gptq:
         with tracker.stage("gptq", enter=False):
             samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
                                                vocab_size=getattr(config, "vocab_size", None))
-            head = model.get_output_embeddings() if is_llm else None
-            bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
-            report = restore.enter_context(gptq_applied(model, samples, bits,
+            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size,
                                                         progress=getattr(tracker.progress, "bar", None) is not None))
         recipe.lines.append(report.summary_line())
+        grouped = report.grouped
+    elif recipe.group_size:
+        from circleops.quantize.grouped import rtn_applied
+
+        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size))
+    if grouped is not None:
+        from circleops.quantize.grouped import written_as_blockwise
+
+        recipe.lines.append(grouped.summary_line())
+        restore.enter_context(written_as_blockwise(grouped.weights))
 
 
 def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:
