@@ -151,41 +151,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 
 def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
                          data_and_tokenizer: tuple, tracker: Tracker) -> None:
-    """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
-    recipe asks; each step's summary goes to ``recipe.lines``."""
-    from circleops.quantize import pt2e
-    from circleops.quantize.gptq import eligible_linears, gptq_applied
-    from circleops.quantize.rotate import rotated
+    """Rotation, then GPTQ / per-group rounding, of an LLM's weights (circleops.quantize.recipe.prepare_llm)."""
+    from circleops.quantize.recipe import prepare_llm
 
-    data, tokenizer = data_and_tokenizer
-    config = getattr(model, "config", None)
-    is_llm = getattr(config, "vocab_size", None) is not None and callable(getattr(model, "get_output_embeddings", None))
-    if recipe.rotate != "off" and is_llm:
-        with tracker.stage("rotate", enter=False):
-            report = restore.enter_context(rotated(model, tokenizer))
-        if recipe.rotate == "on" and not report.layers:
-            raise TargetError(f"rotate='on': {report.summary_line()}")
-        recipe.lines.append(report.summary_line())
-    head = model.get_output_embeddings() if is_llm else None
-    bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
-    grouped = None
-    if recipe.gptq:
-        with tracker.stage("gptq", enter=False):
-            samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
-                                               vocab_size=getattr(config, "vocab_size", None))
-            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size,
-                                                        progress=getattr(tracker.progress, "bar", None) is not None))
-        recipe.lines.append(report.summary_line())
-        grouped = report.grouped
-    elif recipe.group_size:
-        from circleops.quantize.grouped import rtn_applied
-
-        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size))
-    if grouped is not None:
-        from circleops.quantize.grouped import written_as_blockwise
-
-        recipe.lines.append(grouped.summary_line())
-        restore.enter_context(written_as_blockwise(grouped.weights))
+    prepare_llm(model, example_args, recipe, restore, data_and_tokenizer, tracker)
 
 
 def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:

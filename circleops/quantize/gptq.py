@@ -49,29 +49,37 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, dam
     return q, scale
 
 
-def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ on the per-group grid of circleops.quantize.grouped: each group of ``group``
-    columns gets its scale s_r · m[r, g] (m an integer in [1, 255]) from its weights as the
-    error compensation has left them when the algorithm reaches the group (GPTQ's own
-    group rule). (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
+def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP,
+                 act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ on the per-group grid of circleops.quantize.grouped. ``act_order`` (default): the
+    group scales s_r · m[r, g] (m an integer in [1, 255]) are fixed first from the weights
+    (static groups), and the columns are quantized in the order of decreasing Hessian
+    diagonal (GPTQ's "act order": the inputs with the most energy first, their error moved
+    onto the rest). Without it, each group's scale comes from its weights as the error
+    compensation has left them when the algorithm reaches it, in column order (GPTQ's group
+    rule). (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
-    q, row_scale, mult = _gptq(w, h, bits, group, block, damp)
+    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order)
     return q, row_scale, mult
 
 
-def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    from circleops.quantize.grouped import group_scale, row_scales
+def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float,
+          act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    from circleops.quantize.grouped import group_scale, row_scales, search_mult
 
     w = w.detach().to(torch.float32).clone()
     h = h.detach().to(torch.float32).clone()
     rows, cols = w.shape
     qmax = qmax_for(bits)
     mult = None
+    static = None  # act order: every column's scale [rows, cols], fixed before
     if group:
         row_scale = row_scales(w, bits)
-        mult = torch.zeros(rows, cols // group, dtype=torch.int64)
+        if act_order:
+            mult = search_mult(w.reshape(rows, cols // group, group), row_scale, bits)
+            static = (row_scale[:, None] * mult).repeat_interleave(group, dim=1)
+        else:
+            mult = torch.zeros(rows, cols // group, dtype=torch.int64)
         scale = row_scale
     else:
         scale = w.abs().amax(1).clamp_min(1e-12) / qmax
@@ -80,6 +88,10 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
     dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    perm = None
+    if static is not None:
+        perm = torch.argsort(torch.diagonal(h), descending=True)
+        w, h, static = w[:, perm], h[perm][:, perm], static[:, perm]
     h += damp * torch.diagonal(h).mean() * torch.eye(cols)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
@@ -90,7 +102,9 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i]
-            if group and (i1 + i) % group == 0:  # a new group: its scale from the weights as they are now
+            if static is not None:
+                scale = static[:, i1 + i]
+            elif group and (i1 + i) % group == 0:  # a new group: its scale from the weights as they are now
                 m = group_scale(w1[:, i:i + group], row_scale, bits)
                 mult[:, (i1 + i) // group] = m
                 scale = row_scale * m
@@ -103,6 +117,8 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
     return q, (row_scale if group else scale), mult
 
 

@@ -47,10 +47,31 @@ def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
     return (w.detach().to(torch.float32).abs().amax(1).clamp_min(1e-12) / (qmax * MULT_MAX))
 
 
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # group ranges tried, as fractions of max|W_r,g|
+
+
 def group_scale(cols: torch.Tensor, row_scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """m [rows] of one group of columns [rows, G]: round(max|W_r,g| / qmax / s_r) in [1, 255]."""
+    """m [rows] of one group of columns [rows, G]: the multiplier round(c · max|W_r,g| / qmax /
+    s_r) in [1, 255] whose rounding of the group has the least squared error, over the
+    clipping ratios c of CLIPS (clipping the largest weight a little buys the others a finer step)."""
+    return search_mult(cols[:, None, :], row_scale, bits)[:, 0]
+
+
+def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """m [rows, n] for weights [rows, n, G]: per group, the CLIPS ratio of least rounding error."""
     qmax = 2 ** (bits - 1) - 1
-    return torch.clamp(torch.round(cols.abs().amax(1) / qmax / row_scale), 1, MULT_MAX).to(torch.int64)
+    amax = groups.abs().amax(2)  # [rows, n]
+    best, best_err = None, None
+    for c in CLIPS:
+        m = torch.clamp(torch.round(c * amax / qmax / row_scale[:, None]), 1, MULT_MAX)
+        s = (row_scale[:, None] * m)[:, :, None]
+        err = (groups - torch.clamp(torch.round(groups / s), -qmax, qmax) * s).pow(2).sum(2)
+        if best is None:
+            best, best_err = m, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, m, best), torch.where(better, err, best_err)
+    return best.to(torch.int64)
 
 
 def rtn_grouped(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +81,7 @@ def rtn_grouped(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
     qmax = 2 ** (bits - 1) - 1
     s_r = row_scales(w, bits)
     g = w.reshape(rows, cols // group, group)
-    m = torch.clamp(torch.round(g.abs().amax(2) / qmax / s_r[:, None]), 1, MULT_MAX).to(torch.int64)
+    m = search_mult(g, s_r, bits)
     scale = s_r[:, None] * m
     q = torch.clamp(torch.round(g / scale[:, :, None]), -qmax, qmax).reshape(rows, cols)
     return q, s_r, m
