@@ -59,12 +59,15 @@ def recipe(name: str) -> tuple[str, list[str], str, dict]:
                "rotate": "off" if "norot" in tokens else "auto"}
     if groups:  # "g32": --weight-group-size 32; "g0": per channel (no token: the default)
         options["weight_group_size"] = groups[0]
-    parts = [t for t in tokens if t not in ("w4", "gptq", "norot") and not (t[:1] == "g" and t[1:].isdigit())]
+    if "w8auto" in tokens:  # --int8-weights auto
+        options["int8_weights"] = "auto"
+    parts = [t for t in tokens if t not in ("w4", "gptq", "norot", "w8auto") and not (t[:1] == "g" and t[1:].isdigit())]
     label = f"{scheme} activations" if not parts else f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
     from circleops.quantize.recipe import group_size_for
 
     group = group_size_for(options["weight_bits"], options.get("weight_group_size"))
     label += f", int{options['weight_bits']} weights" + (f" in groups of {group}" if group else "") + \
+        (", the most sensitive linears int8 (`--int8-weights auto`)" if "int8_weights" in options else "") + \
         (", GPTQ" if options["gptq"] else "") + (", no rotation" if options["rotate"] == "off" else ", rotated")
     return scheme, parts, label, options
 

@@ -41,7 +41,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
             output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
             weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
-            weight_group_size: int | None = None) -> Report:
+            weight_group_size: int | None = None, int8_weights: str = "") -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -81,7 +81,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         ``weight_bits`` 8 / 4: int8 per-channel or int4 (Circle INT4, target circle) weights; an
         LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
         scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
-        BlockwiseQuantization (circleops.quantize.grouped). ``gptq``: GPTQ rounding of the weights on the calibration
+        BlockwiseQuantization (circleops.quantize.grouped). ``int8_weights`` "auto": the 4-bit
+        linears whose rounding measures worst in the logits stay int8 per channel. ``gptq``: GPTQ rounding of the weights on the calibration
         samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
         stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
         file's metadata ("circleops.quantization"); see docs/integer-llm.md.
@@ -97,9 +98,9 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     quantize = validate_quantize(quantize, target, int16)
     from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size)
+    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights)
     recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
-                           calibrate, group_size_for(weight_bits, weight_group_size)) \
+                           calibrate, group_size_for(weight_bits, weight_group_size), int8_weights=int8_weights) \
         if quantize in INTEGER_FORMATS else None
     validate_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
     parser.add_argument("--max-windows", type=int, default=None, metavar="K",
                         help="with --quantize: score only the first K windows of the text (default: all)")
+    from circleops.cli.common import add_integer_arguments
+
+    add_integer_arguments(parser)  # the integer recipe, as convert takes it
+    parser.add_argument("--tico", action="store_true",
+                        help="with --quantize uint8/int16: also TICO's PTQ (tico.quantization, default PTQConfig) "
+                             "calibrated on the same windows, scored in torch (needs the tico package)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,6 +127,7 @@ def _quant_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
+    recipe = _recipe(args)  # checked before the model loads
     loaded = models.load(args.model, config=args.config, seed=args.seed)
     if loaded.kind != "hf":
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
@@ -129,13 +136,37 @@ def _quant_main(args: argparse.Namespace) -> int:
     report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
                          prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
                          new_tokens=args.new_tokens, window=args.window, max_windows=args.max_windows,
-                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress)
+                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress,
+                         recipe=recipe, calibration_data=args.calibration_data, tico=args.tico)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)
     if not args.quiet:
         print(report.table())
     return 0
+
+
+def _recipe(args: argparse.Namespace):
+    """The integer recipe of ``check --quantize uint8|int16`` (None for the other formats),
+    its options checked as convert checks them; errors for recipe options elsewhere."""
+    from circleops.errors import CircleOpsError
+    from circleops.quantize import INTEGER_FORMATS
+    from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
+
+    if args.quantize not in INTEGER_FORMATS:
+        if args.tico or args.int16 or args.calibration_data or args.calibrate != 8:
+            raise CircleOpsError(f"--tico / --int16 / --calibrate / --calibration-data apply to --quantize uint8 or "
+                                 f"int16, not {args.quantize}")
+        check_recipe(args.quantize, "circle", args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
+                     args.int8_weights)
+        return None
+    check_recipe(args.quantize, "circle", args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
+                 args.int8_weights)
+    if args.calibrate < 1:
+        raise CircleOpsError(f"--calibrate must be at least 1, got {args.calibrate}")
+    return IntegerRecipe(args.quantize, args.weight_bits, args.rotate, args.gptq,
+                         tuple(p.strip() for p in args.int16.split(",") if p.strip()), args.calibrate,
+                         group_size_for(args.weight_bits, args.weight_group_size), int8_weights=args.int8_weights)
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -122,6 +122,9 @@ def add_integer_arguments(parser: Any) -> None:
                         help="with --weight-bits 4: N input columns share a scale (per-group, written as Circle "
                              "BlockwiseQuantization); 0: one scale per output channel (default 32, measured best "
                              "on SmolLM2: docs/integer-llm.md)")
+    parser.add_argument("--int8-weights", choices=("auto",), default="",
+                        help="with --weight-bits 4: auto: the linears whose int4 rounding measures worst in the "
+                             "logits stay int8 per channel (at most a quarter of the weights)")
     parser.add_argument("--gptq", action="store_true",
                         help="with --quantize uint8/int16: GPTQ rounding of the weights on the calibration samples")
     parser.add_argument("--rotate", choices=ROTATE_MODES, default="auto",
@@ -135,9 +138,10 @@ def integer_options(args: Any, quantize: str | None) -> dict[str, Any]:
     from circleops.quantize.recipe import check_recipe
 
     check_recipe(quantize, getattr(args, "target", "circle"), args.weight_bits, args.gptq, args.rotate,
-                 args.weight_group_size)
+                 args.weight_group_size, args.int8_weights)
     if quantize not in INTEGER_FORMATS:
         return {}
     return dict(calibrate=args.calibrate, calibration_data=args.calibration_data,
                 int16=[p for p in args.int16.split(",") if p.strip()], weight_bits=args.weight_bits,
-                gptq=args.gptq, rotate=args.rotate, weight_group_size=args.weight_group_size)
+                gptq=args.gptq, rotate=args.rotate, weight_group_size=args.weight_group_size,
+                int8_weights=args.int8_weights)

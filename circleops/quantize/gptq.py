@@ -50,14 +50,15 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, dam
 
 
 def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP,
-                 act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ on the per-group grid of circleops.quantize.grouped. ``act_order`` (default): the
-    group scales s_r · m[r, g] (m an integer in [1, 255]) are fixed first from the weights
-    (static groups), and the columns are quantized in the order of decreasing Hessian
-    diagonal (GPTQ's "act order": the inputs with the most energy first, their error moved
-    onto the rest). Without it, each group's scale comes from its weights as the error
-    compensation has left them when the algorithm reaches it, in column order (GPTQ's group
-    rule). (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
+                 act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ on the per-group grid of circleops.quantize.grouped: each group's scale s_r · m[r, g]
+    (m an integer in [1, 255]) comes from its weights as the error compensation has left them
+    when the algorithm reaches it, in column order (GPTQ's group rule). ``act_order``: the
+    group scales are fixed first (static groups, the clipping search of
+    grouped.search_mult) and the columns go in the order of decreasing Hessian diagonal. On
+    SmolLM2 act order gave each linear's output +2..12 dB but the whole model's logits less
+    (8.5 dB against 10.9, bench/results/12-integer-llm.yaml): off by default.
+    (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
     q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order)
     return q, row_scale, mult
@@ -105,7 +106,7 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
             if static is not None:
                 scale = static[:, i1 + i]
             elif group and (i1 + i) % group == 0:  # a new group: its scale from the weights as they are now
-                m = group_scale(w1[:, i:i + group], row_scale, bits)
+                m = group_scale(w1[:, i:i + group], row_scale, bits, search=False)
                 mult[:, (i1 + i) // group] = m
                 scale = row_scale * m
             qc = torch.clamp(torch.round(col / scale), -qmax, qmax)
@@ -189,7 +190,8 @@ def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 @contextlib.contextmanager
 def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
-                 *, forward: Any = None, progress: bool = False, group: int = 0) -> Iterator[GPTQReport]:
+                 *, forward: Any = None, progress: bool = False, group: int = 0,
+                 int8: Sequence[str] = ()) -> Iterator[GPTQReport]:
     """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
     restored on exit). ``bits``: per module name (names missing are left alone) or one for
     all; ``forward``: the module to run ``samples`` through (default ``model``); ``group``:
@@ -223,7 +225,10 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
                     saved.append((lin.weight, lin.weight.detach().clone()))
-                    if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
+                    if group and name in int8:  # measured too sensitive for 4 bits: int8 per channel
+                        q, scale = gptq(lin.weight, hs.pop(name), 8)
+                        lin.weight.copy_(record(report.grouped, name, lin, q, scale, None))
+                    elif group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
                         q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group)
                         lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
                     else:

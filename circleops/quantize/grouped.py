@@ -30,7 +30,7 @@ import contextvars
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,19 +50,20 @@ def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # group ranges tried, as fractions of max|W_r,g|
 
 
-def group_scale(cols: torch.Tensor, row_scale: torch.Tensor, bits: int) -> torch.Tensor:
+def group_scale(cols: torch.Tensor, row_scale: torch.Tensor, bits: int, search: bool = True) -> torch.Tensor:
     """m [rows] of one group of columns [rows, G]: the multiplier round(c · max|W_r,g| / qmax /
     s_r) in [1, 255] whose rounding of the group has the least squared error, over the
-    clipping ratios c of CLIPS (clipping the largest weight a little buys the others a finer step)."""
-    return search_mult(cols[:, None, :], row_scale, bits)[:, 0]
+    clipping ratios c of CLIPS (clipping the largest weight a little buys the others a finer
+    step); ``search=False``: c = 1 (min-max)."""
+    return search_mult(cols[:, None, :], row_scale, bits, CLIPS if search else (1.0,))[:, 0]
 
 
-def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """m [rows, n] for weights [rows, n, G]: per group, the CLIPS ratio of least rounding error."""
+def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips: tuple = CLIPS) -> torch.Tensor:
+    """m [rows, n] for weights [rows, n, G]: per group, the ``clips`` ratio of least rounding error."""
     qmax = 2 ** (bits - 1) - 1
     amax = groups.abs().amax(2)  # [rows, n]
     best, best_err = None, None
-    for c in CLIPS:
+    for c in clips:
         m = torch.clamp(torch.round(c * amax / qmax / row_scale[:, None]), 1, MULT_MAX)
         s = (row_scale[:, None] * m)[:, :, None]
         err = (groups - torch.clamp(torch.round(groups / s), -qmax, qmax) * s).pow(2).sum(2)
@@ -103,11 +104,13 @@ def key(data: Any) -> tuple:
 
 @dataclass
 class GroupedWeight:
-    """One linear's grouped int4 weight: integers, row scales, group multipliers."""
+    """One linear's weight as rounded before PT2E: int4 in groups (integers, row scales,
+    group multipliers), or, for a linear measured too sensitive for 4 bits (``group`` 0),
+    int8 per output channel (integers, row scales)."""
 
     q: torch.Tensor  # int8 [rows, cols], in [-qmax, qmax]
     row_scale: torch.Tensor  # float32 [rows]
-    mult: torch.Tensor  # uint8 [rows, groups]
+    mult: torch.Tensor | None  # uint8 [rows, groups]; None per channel
     group: int
     bits: int = 4
 
@@ -120,27 +123,46 @@ class GroupedReport:
     names: list[str] = field(default_factory=list)
     weights: dict[tuple, GroupedWeight] = field(default_factory=dict)  # key(float weight) -> integers
     seconds: float = 0.0
+    int8: list[str] = field(default_factory=list)  # linears kept int8 per channel by measurement
+    int8_params: int = 0
+    int4_params: int = 0
+    sensitivity: str = ""  # how the int8 linears were chosen
 
     def summary_line(self) -> str:
-        return (f"{len(self.names)} linears int{self.bits} in groups of {self.group} columns ({self.rounding}; "
+        line = (f"{len(self.names)} linears int{self.bits} in groups of {self.group} columns ({self.rounding}; "
                 f"per-group scales s_r·m, m uint8, as Circle BlockwiseQuantization), {self.seconds:.1f} s")
+        if self.int8:
+            share = self.int8_params / max(self.int8_params + self.int4_params, 1)
+            line += (f"; {len(self.int8)} linears int8 per channel ({share:.0%} of the linear weights; "
+                     f"{self.sensitivity})")
+        return line
 
 
 def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tensor, row_scale: torch.Tensor,
-           mult: torch.Tensor) -> torch.Tensor:
-    """The float weight s_r·m·q written into ``lin`` (returned), its integers remembered."""
+           mult: torch.Tensor | None) -> torch.Tensor:
+    """The float weight s_r·m·q (or s_r·q per channel, ``mult`` None) written into ``lin``
+    (returned), its integers remembered."""
+    if mult is None:
+        w = (q.to(torch.float32) * row_scale.to(torch.float32)[:, None]).to(lin.weight.dtype)
+        report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(), None, 0, 8)
+        report.int8.append(name)
+        report.int8_params += q.numel()
+        return w
     w = dequantize(q, row_scale, mult, report.group).to(lin.weight.dtype)
     report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(),
                                            mult.to(torch.uint8), report.group, report.bits)
     report.names.append(name)
+    report.int4_params += q.numel()
     return w
 
 
 @contextlib.contextmanager
-def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Iterator[GroupedReport]:
-    """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid (in
-    place, restored on exit); the others are left to PT2E."""
-    from circleops.quantize.gptq import eligible_linears
+def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int,
+                int8: Sequence[str] = ()) -> Iterator[GroupedReport]:
+    """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid, and
+    those in ``int8`` to int8 per channel (in place, restored on exit); the others are left
+    to PT2E."""
+    from circleops.quantize.gptq import eligible_linears, rtn
 
     report = GroupedReport(4, group, "round to nearest")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -148,10 +170,14 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
     try:
         with torch.no_grad():
             for name, lin in eligible_linears(model).items():
-                if bits.get(name) != 4 or lin.weight.shape[1] % group:
+                if name in int8:
+                    q, s = rtn(lin.weight.detach().to(torch.float32), 8)
+                    w = record(report, name, lin, q, s, None)
+                elif bits.get(name) != 4 or lin.weight.shape[1] % group:
                     continue
-                q, s_r, m = rtn_grouped(lin.weight, 4, group)
-                w = record(report, name, lin, q, s_r, m)
+                else:
+                    q, s_r, m = rtn_grouped(lin.weight, 4, group)
+                    w = record(report, name, lin, q, s_r, m)
                 saved.append((lin.weight, lin.weight.detach().clone()))
                 lin.weight.copy_(w)
         report.seconds = time.perf_counter() - t
@@ -162,16 +188,67 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
                 param.copy_(original)
 
 
-def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, Any]:
-    """(the INT4 values [rows, cols], their ir.QuantParams with the Blockwise scales tensor)."""
+def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any]:
+    """(the integer values [rows, cols], their dtype, their ir.QuantParams): INT4 with the
+    Blockwise scales tensor, or INT8 per channel for a linear kept at 8 bits."""
     from circleops import ir
 
     rows = gw.q.shape[0]
     s_r = gw.row_scale.numpy().astype(np.float32)
     zeros = np.zeros(rows, np.int64)
+    if gw.mult is None:
+        return gw.q.numpy().astype(np.int8), "INT8", ir.QuantParams(s_r, zeros, 0)
     scales = ir.Tensor(f"{name}_block_scales", tuple(gw.mult.shape), "UINT8", gw.mult.numpy().astype(np.uint8),
                        ir.QuantParams(s_r, zeros, 0))
-    return gw.q.numpy().astype(np.int8), ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
+    return gw.q.numpy().astype(np.int8), "INT4", ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
+
+
+INT8_TARGET = 0.25  # keep int8 the linears carrying the most measured error until this share is left
+INT8_BUDGET = 0.25  # of the linear weights at most (SmolLM2: the file stays under 0.3x fp32)
+
+
+def linear_sensitivity(model: torch.nn.Module, samples: Sequence[Sequence[Any]], names: Sequence[str],
+                       group: int) -> dict[str, float]:
+    """For each linear named: the squared error its grouped int4 rounding (round to nearest)
+    alone causes in the model's logits over ``samples``, relative to Σ logits²: the measured
+    sensitivity that chooses the int8 linears."""
+    from circleops.quantize.ggml import one_thread
+    from circleops.quantize.gptq import eligible_linears
+
+    def logits(args):
+        out = model(*args)
+        return (out.logits if hasattr(out, "logits") else out[0]).detach().to(torch.float64)
+
+    linears = eligible_linears(model)
+    result = {}
+    with one_thread(), torch.no_grad():
+        base = [logits(a) for a in samples]
+        energy = sum(float(b.pow(2).sum()) for b in base)
+        for name in names:
+            lin = linears[name]
+            original = lin.weight.detach().clone()
+            q, s_r, m = rtn_grouped(original, 4, group)
+            lin.weight.copy_(dequantize(q, s_r, m, group).to(original.dtype))
+            try:
+                result[name] = sum(float((logits(a) - b).pow(2).sum()) for a, b in zip(samples, base)) / energy
+            finally:
+                lin.weight.copy_(original)
+    return result
+
+
+def choose_int8(noise: dict[str, float], sizes: dict[str, int], *, target: float = INT8_TARGET,
+                budget: float = INT8_BUDGET) -> list[str]:
+    """The linears to keep int8: the largest measured errors first, until the error left is
+    ``target`` of the total or the int8 weights would pass ``budget`` of all of them."""
+    total, total_size = sum(noise.values()), sum(sizes[n] for n in noise)
+    chosen, left, size = [], total, 0
+    for name in sorted(noise, key=noise.get, reverse=True):
+        if left <= target * total or size + sizes[name] > budget * total_size:
+            break
+        chosen.append(name)
+        left -= noise[name]
+        size += sizes[name]
+    return chosen
 
 
 _ACTIVE: contextvars.ContextVar[dict[tuple, GroupedWeight] | None] = contextvars.ContextVar(

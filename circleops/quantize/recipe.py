@@ -43,6 +43,8 @@ class IntegerRecipe:
     calibrate: int = 8
     group_size: int = 0
     lines: list[str] = field(default_factory=list)  # what each step reported
+    rotation: Any = None  # the residual stream's Q while the rotation is folded in (h_rotated = h · Q)
+    int8_weights: str = ""  # "auto": the 4-bit linears measured most sensitive stay int8 per channel
 
     @property
     def weight(self) -> str:
@@ -64,7 +66,7 @@ class IntegerRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return {"activations": self.scheme, "weights": self.weight, "weight_bits": self.weight_bits,
-                "group_size": self.group_size, "rotate": self.rotate, "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
+                "group_size": self.group_size, "int8_weights": self.int8_weights, "rotate": self.rotate, "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
                 "steps": list(self.lines)}
 
     def metadata(self) -> bytes:
@@ -82,9 +84,16 @@ def group_size_for(weight_bits: int, group_size: int | None) -> int:
 
 
 def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bool = False,
-                 rotate: str = "auto", group_size: int | None = None) -> None:
+                 rotate: str = "auto", group_size: int | None = None, int8_weights: str = "") -> None:
     """Errors for options that do not apply, before any work."""
     from circleops.quantize import INTEGER_FORMATS
+
+    if int8_weights not in ("", "auto"):
+        raise TargetError(f"int8 weights {int8_weights!r}: 'auto' (the linears measured most sensitive stay int8) "
+                          "is the one choice")
+    if int8_weights and (weight_bits != 4 or group_size == 0):
+        raise TargetError("int8 weights 'auto' keeps some linears of a per-group 4-bit recipe at 8 bits: add "
+                          "--weight-bits 4 (with a group size)")
 
     if weight_bits not in WEIGHT_BITS:
         raise TargetError(f"weight_bits={weight_bits!r}: integer weights are 8 or 4 bits")
@@ -128,21 +137,40 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
         if recipe.rotate == "on" and not report.layers:
             raise TargetError(f"rotate='on': {report.summary_line()}")
         recipe.lines.append(report.summary_line())
+        recipe.rotation = report.matrix if report.layers else None
     head = model.get_output_embeddings() if is_llm else None
     bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
     grouped = None
-    if recipe.gptq:
-        with tracker.stage("gptq", enter=False):
+    samples = None
+    int8: list[str] = []
+    how = ""
+    if recipe.int8_weights == "auto" and recipe.group_size:
+        from circleops.quantize.grouped import INT8_BUDGET, INT8_TARGET, choose_int8, linear_sensitivity
+
+        with tracker.stage("sensitivity", enter=False):
             samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
                                                vocab_size=getattr(config, "vocab_size", None))
-            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size,
+            linears = eligible_linears(model)
+            names = [n for n, b in bits.items() if b == 4 and linears[n].weight.shape[1] % recipe.group_size == 0]
+            noise = linear_sensitivity(model, samples[:2], names, recipe.group_size)
+            int8 = choose_int8(noise, {n: linears[n].weight.numel() for n in names})
+            how = (f"measured: each linear's int4 rounding alone in the logits over {min(2, len(samples))} windows, "
+                   f"the worst until {INT8_TARGET:.0%} of the error is left, within {INT8_BUDGET:.0%} of the weights")
+    if recipe.gptq:
+        with tracker.stage("gptq", enter=False):
+            samples = samples or pt2e.calibration_samples(example_args, recipe.calibrate, data=data,
+                                                          tokenizer=tokenizer,
+                                                          vocab_size=getattr(config, "vocab_size", None))
+            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size, int8=int8,
                                                         progress=getattr(tracker.progress, "bar", None) is not None))
         recipe.lines.append(report.summary_line())
         grouped = report.grouped
     elif recipe.group_size:
         from circleops.quantize.grouped import rtn_applied
 
-        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size))
+        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size, int8=int8))
+    if grouped is not None:
+        grouped.sensitivity = how
     if grouped is not None:
         from circleops.quantize.grouped import written_as_blockwise
 

@@ -349,8 +349,8 @@ def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], pla
             hit = plan.lookup(t.data)
             grouped = grouped_lookup(t.data) if hit is None else None  # FC weights, ATTENTION's wq..wo
             if grouped is not None:  # per-group int4 rounded before PT2E: the integers as they are
-                values, qp = blockwise_params(t.name, grouped)
-                op.inputs[pos] = sg.add_tensor(ir.Tensor(t.name, t.shape, "INT4", values, qp))
+                values, dtype, qp = blockwise_params(t.name, grouped)
+                op.inputs[pos] = sg.add_tensor(ir.Tensor(t.name, t.shape, dtype, values, qp))
                 continue
             if hit is not None:
                 spec, axis = hit
