@@ -98,7 +98,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     quantize = validate_quantize(quantize, target, int16)
     from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights)
+    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights=int8_weights)
     recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
                            calibrate, group_size_for(weight_bits, weight_group_size), int8_weights=int8_weights) \
         if quantize in INTEGER_FORMATS else None
@@ -153,7 +153,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
                          data_and_tokenizer: tuple, tracker: Tracker) -> None:
     """Rotation, then GPTQ / per-group rounding, of an LLM's weights (circleops.quantize.recipe.prepare_llm)."""
-    from circleops.quantize.recipe import prepare_llm
+    from circleops.quantize.llm import prepare_llm
 
     prepare_llm(model, example_args, recipe, restore, data_and_tokenizer, tracker)
 

@@ -190,7 +190,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         tracker = pipeline.Tracker(timings=timings)
         weights = pipeline.prepare_weights(reference, opts, restore, tokenizer=tokenizer, tracker=tracker)
         if integer:  # rotation, GPTQ / per-group rounding, in the weights until the files are written
-            from circleops.quantize.recipe import prepare_llm
+            from circleops.quantize.llm import prepare_llm
 
             say(f"integer recipe: {quantize}, {recipe.weight_label}" + (", GPTQ" if recipe.gptq else "")
                 + f", rotate {recipe.rotate}")
@@ -240,8 +240,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     if tico:  # after the recipe's weights are restored: TICO quantizes the model as given
         t = time.perf_counter()
         say("TICO PTQ (default PTQConfig) on the same calibration windows, scored in torch")
-        tico_result = tico_ptq(reference, tokenizer, seq, chunks, len(ids), tokens,
-                               recipe.calibrate if recipe is not None else 8, calibration_data)
+        tico_result = tico_ptq(reference, tokenizer, seq, chunks, start=len(ids), tokens=tokens,
+                               calibrate=recipe.calibrate, calibration_data=calibration_data)
         timings["tico"] = time.perf_counter() - t
 
     return QuantCheckReport(
@@ -271,7 +271,7 @@ def _head_names(wrapper: Any, model: Any) -> tuple[str, ...]:
     return tuple(name for name, m in wrapper.named_modules() if head is not None and m is head)[:1]
 
 
-def tico_ptq(model: Any, tokenizer: Any, seq: Any, chunks: Sequence[Sequence[int]], start: int,
+def tico_ptq(model: Any, tokenizer: Any, seq: Any, chunks: Sequence[Sequence[int]], *, start: int,
              tokens: Sequence[int], calibrate: int, calibration_data: Any = None) -> dict[str, Any]:
     """TICO's post-training quantization (tico.quantization.prepare / convert with its default
     PTQConfig, as its examples do) of a copy of ``model``, calibrated on the calibration

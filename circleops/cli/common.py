@@ -138,7 +138,7 @@ def integer_options(args: Any, quantize: str | None) -> dict[str, Any]:
     from circleops.quantize.recipe import check_recipe
 
     check_recipe(quantize, getattr(args, "target", "circle"), args.weight_bits, args.gptq, args.rotate,
-                 args.weight_group_size, args.int8_weights)
+                 args.weight_group_size, int8_weights=args.int8_weights)
     if quantize not in INTEGER_FORMATS:
         return {}
     return dict(calibrate=args.calibrate, calibration_data=args.calibration_data,

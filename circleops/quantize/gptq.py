@@ -28,17 +28,8 @@ import torch
 DAMP = 0.01
 BLOCK = 128
 
-
-def qmax_for(bits: int) -> int:
-    """The largest integer of the symmetric grid (int8: 127, int4: 7)."""
-    return 2 ** (bits - 1) - 1
-
-
-def rtn(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest on the same grid: (integers [rows, cols], scale [rows])."""
-    qmax = qmax_for(bits)
-    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
-    return torch.clamp(torch.round(w / scale[:, None]), -qmax, qmax), scale
+# the grid's helpers live in circleops.quantize.grouped (which GPTQ's group rule uses too)
+from circleops.quantize.grouped import eligible_linears, qmax_for, rtn  # noqa: E402,F401
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, damp: float = DAMP
@@ -60,13 +51,13 @@ def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, dam
     (8.5 dB against 10.9, bench/results/12-integer-llm.yaml): off by default.
     (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
-    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order)
+    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order)
     return q, row_scale, mult
 
 
-def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float,
+def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float, *,
           act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    from circleops.quantize.grouped import group_scale, row_scales, search_mult
+    from circleops.quantize.grouped import group_scale, row_scales, search_mult  # noqa: F811
 
     w = w.detach().to(torch.float32).clone()
     h = h.detach().to(torch.float32).clone()
@@ -175,17 +166,6 @@ def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], sample
         for h in hooks:
             h.remove()
     return result, tokens[0]
-
-
-def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """Every nn.Linear of ``model`` by module name (each weight once)."""
-    seen: set[int] = set()
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            out[name] = m
-    return out
 
 
 @contextlib.contextmanager

@@ -41,6 +41,29 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP = 32
 
 
+def qmax_for(bits: int) -> int:
+    """The largest integer of the symmetric grid (int8: 127, int4: 7)."""
+    return 2 ** (bits - 1) - 1
+
+
+def rtn(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest on the same grid: (integers [rows, cols], scale [rows])."""
+    qmax = qmax_for(bits)
+    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
+    return torch.clamp(torch.round(w / scale[:, None]), -qmax, qmax), scale
+
+
+def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every nn.Linear of ``model`` by module name (each weight once)."""
+    seen: set[int] = set()
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out[name] = m
+    return out
+
+
 def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
     """s_r = max|W_r| / (qmax · 255): the largest group of a row gets m = 255."""
     qmax = 2 ** (bits - 1) - 1
@@ -162,8 +185,6 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int,
     """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid, and
     those in ``int8`` to int8 per channel (in place, restored on exit); the others are left
     to PT2E."""
-    from circleops.quantize.gptq import eligible_linears, rtn
-
     report = GroupedReport(4, group, "round to nearest")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     t = time.perf_counter()
@@ -213,8 +234,6 @@ def linear_sensitivity(model: torch.nn.Module, samples: Sequence[Sequence[Any]],
     alone causes in the model's logits over ``samples``, relative to Σ logits²: the measured
     sensitivity that chooses the int8 linears."""
     from circleops.quantize.ggml import one_thread
-    from circleops.quantize.gptq import eligible_linears
-
     def logits(args):
         out = model(*args)
         return (out.logits if hasattr(out, "logits") else out[0]).detach().to(torch.float64)

@@ -17,7 +17,6 @@ step reported, so a reader of the file knows what was done.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +83,7 @@ def group_size_for(weight_bits: int, group_size: int | None) -> int:
 
 
 def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bool = False,
-                 rotate: str = "auto", group_size: int | None = None, int8_weights: str = "") -> None:
+                 rotate: str = "auto", group_size: int | None = None, *, int8_weights: str = "") -> None:
     """Errors for options that do not apply, before any work."""
     from circleops.quantize import INTEGER_FORMATS
 
@@ -118,61 +117,28 @@ def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bo
                           "the reference interpreter (--runtime reference)")
 
 
-def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore: contextlib.ExitStack,
-                data_and_tokenizer: tuple, tracker: Any) -> None:
-    """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
-    recipe asks; each step's summary goes to ``recipe.lines``. ``tracker``: circleops.pipeline's
-    Tracker (its ``stage`` times each step, its ``progress.bar`` shows GPTQ's progress). The
-    per-group rounding stays registered for the integer lowering until ``restore`` closes."""
-    from circleops.quantize import pt2e
-    from circleops.quantize.gptq import eligible_linears, gptq_applied
-    from circleops.quantize.rotate import rotated
+def recipe_for(scheme: str | None, *, weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
+               group_size: int | None = None, int16: Any = (), calibrate: int = 8, int8_weights: str = "",
+               tico: bool = False, calibration_data: Any = None) -> IntegerRecipe | None:
+    """The recipe of options as the CLI gives them (check --quantize), checked before any
+    work; None for a format that is not an integer graph (where only defaults are allowed)."""
+    from circleops.quantize import INTEGER_FORMATS
 
-    data, tokenizer = data_and_tokenizer
-    config = getattr(model, "config", None)
-    is_llm = getattr(config, "vocab_size", None) is not None and callable(getattr(model, "get_output_embeddings", None))
-    if recipe.rotate != "off" and is_llm:
-        with tracker.stage("rotate", enter=False):
-            report = restore.enter_context(rotated(model, tokenizer))
-        if recipe.rotate == "on" and not report.layers:
-            raise TargetError(f"rotate='on': {report.summary_line()}")
-        recipe.lines.append(report.summary_line())
-        recipe.rotation = report.matrix if report.layers else None
-    head = model.get_output_embeddings() if is_llm else None
-    bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
-    grouped = None
-    samples = None
-    int8: list[str] = []
-    how = ""
-    if recipe.int8_weights == "auto" and recipe.group_size:
-        from circleops.quantize.grouped import INT8_BUDGET, INT8_TARGET, choose_int8, linear_sensitivity
+    parts = tuple(p.strip() for p in int16 if p.strip())
+    check_recipe(scheme, "circle", weight_bits, gptq, rotate, group_size, int8_weights=int8_weights)
+    if scheme not in INTEGER_FORMATS:
+        if tico or parts or calibration_data or calibrate != 8:
+            raise TargetError(f"--tico / --int16 / --calibrate / --calibration-data apply to --quantize uint8 or "
+                              f"int16, not {scheme}")
+        return None
+    if calibrate < 1:
+        raise TargetError(f"--calibrate must be at least 1, got {calibrate}")
+    return IntegerRecipe(scheme, weight_bits, rotate, gptq, parts, calibrate, group_size_for(weight_bits, group_size),
+                         int8_weights=int8_weights)
 
-        with tracker.stage("sensitivity", enter=False):
-            samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
-                                               vocab_size=getattr(config, "vocab_size", None))
-            linears = eligible_linears(model)
-            names = [n for n, b in bits.items() if b == 4 and linears[n].weight.shape[1] % recipe.group_size == 0]
-            noise = linear_sensitivity(model, samples[:2], names, recipe.group_size)
-            int8 = choose_int8(noise, {n: linears[n].weight.numel() for n in names})
-            how = (f"measured: each linear's int4 rounding alone in the logits over {min(2, len(samples))} windows, "
-                   f"the worst until {INT8_TARGET:.0%} of the error is left, within {INT8_BUDGET:.0%} of the weights")
-    if recipe.gptq:
-        with tracker.stage("gptq", enter=False):
-            samples = samples or pt2e.calibration_samples(example_args, recipe.calibrate, data=data,
-                                                          tokenizer=tokenizer,
-                                                          vocab_size=getattr(config, "vocab_size", None))
-            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size, int8=int8,
-                                                        progress=getattr(tracker.progress, "bar", None) is not None))
-        recipe.lines.append(report.summary_line())
-        grouped = report.grouped
-    elif recipe.group_size:
-        from circleops.quantize.grouped import rtn_applied
 
-        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size, int8=int8))
-    if grouped is not None:
-        grouped.sensitivity = how
-    if grouped is not None:
-        from circleops.quantize.grouped import written_as_blockwise
-
-        recipe.lines.append(grouped.summary_line())
-        restore.enter_context(written_as_blockwise(grouped.weights))
+def recipe_from_args(args: Any) -> IntegerRecipe | None:
+    """:func:`recipe_for` of the CLI's parsed options (circleops.cli.common.add_integer_arguments)."""
+    return recipe_for(args.quantize, weight_bits=args.weight_bits, gptq=args.gptq, rotate=args.rotate,
+                      group_size=args.weight_group_size, int16=args.int16.split(","), calibrate=args.calibrate,
+                      int8_weights=args.int8_weights, tico=args.tico, calibration_data=args.calibration_data)

@@ -154,3 +154,33 @@ def test_group_size_is_checked_before_work(tmp_path, kwargs, match):
     with pytest.raises(CircleOpsError, match=match):
         circleops.convert(model, (torch.randn(1, 32),), tmp_path / "m.circle", **kwargs)
     assert not (tmp_path / "m.circle").exists()
+
+
+def test_choose_int8_takes_the_worst_linears_within_target_and_budget():
+    noise = {"a": 5.0, "b": 3.0, "c": 1.0, "d": 1.0}
+    sizes = {"a": 10, "b": 10, "c": 10, "d": 10}
+    assert grouped.choose_int8(noise, sizes, target=0.25, budget=0.5) == ["a", "b"]  # 2/10 left
+    assert grouped.choose_int8(noise, sizes, target=0.25, budget=0.25) == ["a"]  # the budget stops it
+    assert grouped.choose_int8(noise, sizes, target=0.6, budget=1.0) == ["a"]  # 5/10 left <= 60 %
+
+
+def test_int8_weights_auto_keeps_the_measured_worst_linears_int8(tmp_path):
+    from families import BY_NAME
+
+    model = BY_NAME["llama"].build()
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    samples = pt2e.calibration_samples((ids,), 2, vocab_size=256)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    noise = grouped.linear_sensitivity(model, samples, names, 32)
+    assert set(noise) == set(names) and all(v > 0 for v in noise.values())
+    worst = max(noise, key=noise.get)
+    path = tmp_path / "m.circle"
+    report = circleops.convert(model, (ids,), path, quantize="int16", weight_bits=4, int8_weights="auto",
+                               calibrate=2, rotate="off", verify="reference")
+    line = next(s for s in report.quantization.summary_lines() if "linears int8 per channel" in s)
+    sg = read_model(str(path)).subgraphs[0]
+    by_name = {t.name: t for t in sg.tensors}
+    assert by_name[f"model.{worst}.weight"].dtype == "INT8", line  # the measured worst, not the head only
+    assert by_name[f"model.{worst}.weight"].quant.blockwise is None
+    int4 = [t for t in sg.tensors if t.dtype == "INT4"]
+    assert int4 and all(t.quant.blockwise is not None for t in int4)
