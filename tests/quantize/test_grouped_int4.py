@@ -173,6 +173,15 @@ def test_int8_weights_auto_keeps_the_measured_worst_linears_int8(tmp_path):
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     noise = grouped.linear_sensitivity(model, samples, names, 32)
     assert set(noise) == set(names) and all(v > 0 for v in noise.values())
+    # rerunning from the linear's layer on gives the whole model's logits exactly
+    replay, lin = grouped._Replay(model, samples), dict(model.named_modules())[names[-1]]
+    with torch.no_grad():
+        lin.weight.mul_(1.5)
+        try:
+            assert torch.equal(replay.logits(names[-1])[1], replay._full(samples[1]))
+            assert not torch.equal(replay.logits(names[-1])[1], replay.base[1])
+        finally:
+            lin.weight.div_(1.5)
     worst = max(noise, key=noise.get)
     path = tmp_path / "m.circle"
     report = circleops.convert(model, (ids,), path, quantize="int16", weight_bits=4, int8_weights="auto",
