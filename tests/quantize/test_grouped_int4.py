@@ -114,34 +114,41 @@ def test_grouped_grid_is_finer_than_per_channel_and_gptq_beats_round_to_nearest(
 
 def test_int16_grouped_int4_llm_end_to_end(tmp_path):
     """The recipe on the tiny Llama: every decoder linear (the FCs and the fused ATTENTION's
-    wq..wo) blockwise INT4, the head int8, verified against the fake-quantized module; per-group
-    scales bring the logits closer to fp32 than per-channel ones."""
+    wq..wo) blockwise INT4, the head int8, verified against the fake-quantized module; the
+    weights the file carries are closer to the model's with per-group scales than per channel."""
     from families import BY_NAME
 
     from circleops.quantize.recipe import METADATA_KEY
+    from circleops.runtime.kernels.quantized import dequantize
 
     model = BY_NAME["llama"].build()
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        fp = model(ids).logits[0].numpy()
-    sqnr = {}
+    params = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    error = {}
     for group in (0, 32):
         path = tmp_path / f"g{group}.circle"
         circleops.convert(model, (ids,), path, quantize="int16", weight_bits=4, weight_group_size=group,
                           calibrate=2, rotate="off", verify="reference")
-        got = reference.run(str(path), [ids.numpy()])[0][0]
-        sqnr[group] = 10 * np.log10((fp.astype(np.float64) ** 2).sum() / ((fp - got) ** 2).sum())
         m = read_model(str(path))
         sg = m.subgraphs[0]
         recipe = json.loads(m.metadata[METADATA_KEY])
         assert recipe["group_size"] == group
+        # each INT4 weight against the model's weight it stands for (PT2E names its own constants
+        # _frozen_param*: the nearest weight of the same shape)
+        num = den = 0.0
+        for t in (t for t in sg.tensors if t.dtype == "INT4"):
+            d = dequantize(torch.as_tensor(np.asarray(t.data)), t)
+            err, ref = min((float((d - p).pow(2).sum()), float(p.pow(2).sum()))
+                           for p in params.values() if tuple(p.shape) == tuple(d.shape))
+            num, den = num + err, den + ref
+        error[group] = num / den
     blockwise = {t.name for t in sg.tensors if t.quant is not None and t.quant.blockwise is not None}
     linears = [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
     assert len(blockwise) == len(linears), (sorted(blockwise), linears)
     head = [sg.tensors[op.inputs[1]] for op in sg.operators if op.opcode == "FULLY_CONNECTED"][-1]
     assert head.dtype == "INT8" and head.quant.blockwise is None
     assert any(s.startswith(f"{len(linears)} linears int4 in groups of 32") for s in recipe["steps"])
-    assert sqnr[32] > sqnr[0] + 1.0, sqnr
+    assert error[32] < 0.8 * error[0], error  # Gaussian weights: 0.70 measured (real ones have outliers)
 
 
 @pytest.mark.parametrize("kwargs,match", [
