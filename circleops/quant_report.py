@@ -68,7 +68,8 @@ class QuantCheckReport:
         return text
 
     def table(self) -> str:
-        lines = [f"{self.source}: {self.format} weights, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
+        kind = "activations" if self.recipe is not None else "weights"
+        lines = [f"{self.source}: {self.format} {kind}, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
         lines += [f"  {line}" for line in self.quantization]
         if self.note:
             lines.append(f"  note: {self.note}")
