@@ -98,14 +98,17 @@ def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips:
     return best.to(torch.int64)
 
 
-def rtn_grouped(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round to nearest on the grid: (q [rows, cols] as float, s_r [rows], m [rows, groups])."""
+def rtn_grouped(w: torch.Tensor, bits: int, group: int, clips: tuple = (1.0,)
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round to nearest on the grid: (q [rows, cols] as float, s_r [rows], m [rows, groups]).
+    ``clips``: the group ranges tried (search_mult); min-max by default: on SmolLM2 the
+    clipping search (CLIPS) gave the file 3.5 dB / 15 of 32 tokens against 3.7 dB / 18."""
     w = w.detach().to(torch.float32)
     rows, cols = w.shape
     qmax = 2 ** (bits - 1) - 1
     s_r = row_scales(w, bits)
     g = w.reshape(rows, cols // group, group)
-    m = search_mult(g, s_r, bits)
+    m = search_mult(g, s_r, bits, clips)
     scale = s_r[:, None] * m
     q = torch.clamp(torch.round(g / scale[:, :, None]), -qmax, qmax).reshape(rows, cols)
     return q, s_r, m
@@ -245,7 +248,7 @@ def linear_sensitivity(model: torch.nn.Module, samples: Sequence[Sequence[Any]],
         for name in names:
             lin = linears[name]
             original = lin.weight.detach().clone()
-            q, s_r, m = rtn_grouped(original, 4, group)
+            q, s_r, m = rtn_grouped(original, 4, group, CLIPS)  # the probe as measured (bench results)
             lin.weight.copy_(dequantize(q, s_r, m, group).to(original.dtype))
             try:
                 result[name] = sum(float((got - b).pow(2).sum())
