@@ -9,7 +9,8 @@ integer kernels) reads that same sequence once (teacher forcing). Reported: logi
 (10·log10(Σ fp32² / Σ (fp32 - int)²) over the 32 predicted positions), greedy agreement
 (argmax equal at each of the 32 positions), file size and convert time (circleops.convert:
 export, calibration, lowering, write; the model already loaded). A recipe is int16, uint8,
-or uint8 with int16 parts: "uint8+norms+residual" or a preset name ("llm" = uint8 + its parts).
+or uint8 with int16 parts: "uint8+norms+residual" or a preset name ("llm" = uint8 + its parts);
+options "+w4" (4-bit weights), "+gN" (groups of N columns, g0 per channel), "+gptq", "+norot".
 --target tflite: the same recipes as full-integer .tflite files run in LiteRT (XNNPACK
 interpreter, 2 threads), beside the fp32 .tflite, with LiteRT's median time for one forward
 of the whole sequence (no KV cache: ms per token = that / sequence length).
@@ -56,12 +57,21 @@ def recipe(name: str) -> tuple[str, list[str], str, dict]:
     if name in INT16_PRESETS:
         name = "uint8+" + "+".join(INT16_PRESETS[name])
     scheme, *tokens = name.split("+")
+    groups = [int(t[1:]) for t in tokens if t[:1] == "g" and t[1:].isdigit()]
     options = {"weight_bits": 4 if "w4" in tokens else 8, "gptq": "gptq" in tokens,
                "rotate": "off" if "norot" in tokens else "auto"}
-    parts = [t for t in tokens if t not in ("w4", "gptq", "norot")]
+    if groups:  # "g32": --weight-group-size 32; "g0": per channel (no token: the default)
+        options["weight_group_size"] = groups[0]
+    if "w8auto" in tokens:  # --int8-weights auto
+        options["int8_weights"] = "auto"
+    parts = [t for t in tokens if t not in ("w4", "gptq", "norot", "w8auto") and not (t[:1] == "g" and t[1:].isdigit())]
     label = f"{scheme} activations" if not parts else f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
-    label += f", int{options['weight_bits']} weights" + (", GPTQ" if options["gptq"] else "") + \
-        (", no rotation" if options["rotate"] == "off" else ", rotated")
+    from circleops.quantize.recipe import group_size_for
+
+    group = group_size_for(options["weight_bits"], options.get("weight_group_size"))
+    label += f", int{options['weight_bits']} weights" + (f" in groups of {group}" if group else "") + \
+        (", the most sensitive linears int8 (`--int8-weights auto`)" if "int8_weights" in options else "") + \
+        (", GPTQ" if options["gptq"] else "") + (", no rotation" if options["rotate"] == "off" else ", rotated")
     return scheme, parts, label, options
 
 

@@ -40,7 +40,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
             integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
             output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
-            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto") -> Report:
+            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
+            weight_group_size: int | None = None, int8_weights: str = "") -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -77,8 +78,11 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
         INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj"); "auto": the ops
         around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
-        ``weight_bits`` 8 / 4: int8 or int4 (Circle INT4, target circle) per-channel weights; an
-        LLM's lm_head stays int8. ``gptq``: GPTQ rounding of the weights on the calibration
+        ``weight_bits`` 8 / 4: int8 per-channel or int4 (Circle INT4, target circle) weights; an
+        LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
+        scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
+        BlockwiseQuantization (circleops.quantize.grouped). ``int8_weights`` "auto": the 4-bit
+        linears whose rounding measures worst in the logits stay int8 per channel. ``gptq``: GPTQ rounding of the weights on the calibration
         samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
         stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
         file's metadata ("circleops.quantization"); see docs/integer-llm.md.
@@ -93,11 +97,12 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     target, fmt, fuse = validate_target(target, fuse)
     quantize = validate_quantize(quantize, target, int16)
     fuse = integer_fuse(target, quantize, fuse)
-    from circleops.quantize.recipe import IntegerRecipe, check_recipe
+    from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate)
+    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights=int8_weights)
     recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
-                           calibrate) if quantize in INTEGER_FORMATS else None
+                           calibrate, group_size_for(weight_bits, weight_group_size), int8_weights=int8_weights) \
+        if quantize in INTEGER_FORMATS else None
     validate_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -148,30 +153,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
 
 def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
                          data_and_tokenizer: tuple, tracker: Tracker) -> None:
-    """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
-    recipe asks; each step's summary goes to ``recipe.lines``."""
-    from circleops.quantize import pt2e
-    from circleops.quantize.gptq import eligible_linears, gptq_applied
-    from circleops.quantize.rotate import rotated
+    """Rotation, then GPTQ / per-group rounding, of an LLM's weights (circleops.quantize.recipe.prepare_llm)."""
+    from circleops.quantize.llm import prepare_llm
 
-    data, tokenizer = data_and_tokenizer
-    config = getattr(model, "config", None)
-    is_llm = getattr(config, "vocab_size", None) is not None and callable(getattr(model, "get_output_embeddings", None))
-    if recipe.rotate != "off" and is_llm:
-        with tracker.stage("rotate", enter=False):
-            report = restore.enter_context(rotated(model, tokenizer))
-        if recipe.rotate == "on" and not report.layers:
-            raise TargetError(f"rotate='on': {report.summary_line()}")
-        recipe.lines.append(report.summary_line())
-    if recipe.gptq:
-        with tracker.stage("gptq", enter=False):
-            samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
-                                               vocab_size=getattr(config, "vocab_size", None))
-            head = model.get_output_embeddings() if is_llm else None
-            bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
-            report = restore.enter_context(gptq_applied(model, samples, bits,
-                                                        progress=getattr(tracker.progress, "bar", None) is not None))
-        recipe.lines.append(report.summary_line())
+    prepare_llm(model, example_args, recipe, restore, data_and_tokenizer, tracker)
 
 
 def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:

@@ -56,10 +56,28 @@ class QuantParams:
     scale: np.ndarray  # float32 [1] or [C]
     zero_point: np.ndarray  # int64 [1] or [C]
     quantized_dimension: int = 0
+    blockwise: "Blockwise | None" = None  # per-group scales (the schema's BlockwiseQuantization)
 
     @property
     def per_channel(self) -> bool:
         return len(self.scale) > 1
+
+
+@dataclass(eq=False)
+class Blockwise:
+    """Per-group scales of a weight [rows, cols] (Circle's QuantizationDetails
+    BlockwiseQuantization: ``scales`` names a tensor, ``block_size`` columns share a scale):
+    real[r, c] = scales[r, c // block_size] · q[r, c], zero point 0.
+
+    ``scales`` is a constant tensor [rows, cols / block_size]; circleops writes it UINT8 with
+    per-row QuantizationParameters (scale s_r, zero point 0), so each group's scale is
+    s_r · m[r, g] with an integer m in [1, 255]: an NPU accumulates every group in integers,
+    weights the group sums by m and requantizes once per row (circleops.quantize.grouped).
+    The weight's own QuantParams.scale holds s_r (the writer leaves the table's scale empty:
+    the schema ignores it when details are set)."""
+
+    block_size: int
+    scales: "Tensor"
 
 
 @dataclass

@@ -234,11 +234,13 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
     weight = integer_weight_dtype(opts.target)
     if recipe is not None and weight == "int8":
         weight = recipe.weight  # int4 where the recipe asks (target circle)
+        if weight == "int4" and recipe.group_size:
+            weight = "int4-grouped"  # rounded before PT2E (circleops.quantize.grouped)
     parts = [p for p in calibration.int16 if p.strip() and p.strip() != "auto"]
 
     def make(node_names: Sequence[str] = ()) -> Any:
         q = pt2e.make_quantizer(opts.quantize, weight=weight, int16=parts)
-        if weight == "int4":
+        if weight in ("int4", "int4-grouped"):
             for name in calibration.head[:1]:  # 4-bit weights: the output head stays int8
                 q.set_module_name(name, opts.quantize, "int8")
         for name in node_names:

@@ -53,6 +53,9 @@ class QuantCheckReport:
     timings: dict[str, float] = field(default_factory=dict)
     layer_sqnr_db: list[float] = field(default_factory=list)  # 10·log10(Σ fp32² / Σ error²) per layer
     note: str | None = None  # why the file ran on another runtime than asked by default
+    logits_sqnr_db: float | None = None  # over the N positions predicting fp32's greedy tokens
+    recipe: dict[str, Any] | None = None  # an integer format's recipe (circleops.quantize.recipe)
+    tico: dict[str, Any] | None = None  # TICO's PTQ on the same windows (or why it did not run)
 
     @property
     def perplexity_ratio(self) -> float:
@@ -65,7 +68,8 @@ class QuantCheckReport:
         return text
 
     def table(self) -> str:
-        lines = [f"{self.source}: {self.format} weights, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
+        kind = "activations" if self.recipe is not None else "weights"
+        lines = [f"{self.source}: {self.format} {kind}, run by {self.runtime} (file {self.file_bytes / 1e6:.1f} MB)"]
         lines += [f"  {line}" for line in self.quantization]
         if self.note:
             lines.append(f"  note: {self.note}")
@@ -74,12 +78,23 @@ class QuantCheckReport:
         for k, (a, r) in enumerate(zip(self.layer_max_abs, self.layer_rel)):
             db = self.layer_sqnr_db[k] if k < len(self.layer_sqnr_db) else float("nan")
             lines.append(f"{k:>5}  {a:>13.4g}  {r:>9.3%}  {db:>34.1f}")
-        lines.append(f"logits max abs error {self.logits_max_abs:.4g}")
+        lines.append(f"logits max abs error {self.logits_max_abs:.4g}"
+                     + (f", SQNR {self.logits_sqnr_db:.1f} dB over the {self.new_tokens} predicting positions"
+                        if self.logits_sqnr_db is not None else ""))
         lines.append(f"greedy tokens equal to fp32's: {self.agreement} of {self.new_tokens}"
                      + (f"  ({self.generated_text!r})" if self.generated_text is not None else ""))
         lines.append(f"perplexity on {self.perplexity_tokens} tokens (windows of {self.window}): fp32 "
                      f"{self.perplexity_fp32:.3f}, {self.format} {self.perplexity_quantized:.3f} "
                      f"({self.perplexity_ratio - 1:+.2%})")
+        if self.tico is not None:
+            t = self.tico
+            if "error" in t:
+                lines.append(f"TICO {t.get('version', '')} PTQ: {t['error']}")
+            else:
+                lines.append(f"TICO {t['version']} PTQ ({t['config']}; its fake-quantized torch model, the same "
+                             f"{t['calibrate']} calibration windows): logits SQNR {t['logits_sqnr_db']:.1f} dB, greedy "
+                             f"tokens equal to fp32's {t['agreement']} of {self.new_tokens}, perplexity "
+                             f"{t['perplexity']:.3f} ({t['perplexity'] / self.perplexity_fp32 - 1:+.2%})")
         lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()))
         return "\n".join(lines)
 
@@ -97,11 +112,17 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
                 prompt_ids: Sequence[int] | None = None, new_tokens: int = 32, text: str | None = None,
                 window: int = DEFAULT_WINDOW, max_windows: int | None = None, runtime: str | None = None,
                 work_dir: str | os.PathLike | None = None, source: str | None = None,
-                progress: Callable[[str], None] | None = None) -> QuantCheckReport:
+                progress: Callable[[str], None] | None = None, recipe: Any = None,
+                calibration_data: str | os.PathLike | None = None, tico: bool = False) -> QuantCheckReport:
     """The quantization report of ``model`` (a Hugging Face *ForCausalLM, fp32, unchanged).
 
     ``runtime``: "onert" or "reference"; None is onert, or the reference interpreter where
-    onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so).
+    onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so),
+    or where onert cannot run the integer recipe (int16, 4-bit weights, int16 parts).
+    ``recipe``: for "uint8" / "int16", a circleops.quantize.recipe.IntegerRecipe (weight
+    bits, group size, GPTQ, rotation, int16 parts, calibration windows), applied as convert
+    applies it; default: the recipe convert's defaults give. ``tico``: also TICO's PTQ
+    (tico.quantization, default PTQConfig) calibrated on the same windows, scored in torch.
     "litert": the --target tflite file (w8 only), with the fused ops the tflite generation
     graphs write inline inlined here too (TargetProfile.graph_inline_ops: attention, whose
     linears a composite would keep float), so it measures the files generate runs."""
@@ -120,10 +141,21 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
+    if integer:
+        from circleops.quantize.recipe import IntegerRecipe, check_recipe
+
+        recipe = recipe if recipe is not None else IntegerRecipe(quantize)
+        recipe.scheme = quantize
+        if runtime is None and (quantize == "int16" or recipe.weight_bits == 4 or recipe.int16):
+            runtime = "reference"  # onert loads no int16 / int4 graph (circleops.validate)
+        check_recipe(quantize, "onert" if runtime in (None, "onert") else "circle", recipe.weight_bits, recipe.gptq,
+                     recipe.rotate, recipe.group_size)
+    elif recipe is not None or tico:
+        raise CircleOpsError(f"the integer recipe options and --tico apply to --quantize uint8 / int16, not {quantize}")
     target = "onert" if not integer or runtime in (None, "onert") else "circle"
     if runtime == "litert" and not integer:
         target = "tflite"  # LiteRT reads the tflite target's files (w8: its dynamic-range form)
-    validate_quantize(quantize, target)
+    validate_quantize(quantize, target, recipe.int16 if integer else ())
     if runtime is not None and runtime not in formats.get(quantize).runtimes:
         raise CircleOpsError(f"runtime {runtime!r}: {quantize} files run in "
                              f"{' or '.join(sorted(formats.get(quantize).runtimes))}")
@@ -163,16 +195,28 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         # as convert does: w8's SmoothQuant folded into the weights, q4_0's input importances
         tracker = pipeline.Tracker(timings=timings)
         weights = pipeline.prepare_weights(reference, opts, restore, tokenizer=tokenizer, tracker=tracker)
+        if integer:  # rotation, GPTQ / per-group rounding, in the weights until the files are written
+            from circleops.quantize.llm import prepare_llm
+
+            say(f"integer recipe: {quantize}, {recipe.weight_label}" + (", GPTQ" if recipe.gptq else "")
+                + f", rotate {recipe.rotate}")
+            with hf_export_settings(reference):
+                prepare_llm(reference, (seq,), recipe, restore, (calibration_data, tokenizer), tracker)
         t = time.perf_counter()
         say(f"convert ({quantize}) and run the layer outputs")
+        layers_module = LayerOutputs(reference).eval()
         with hf_export_settings(reference), torch.no_grad():
-            ep = export(LayerOutputs(reference).eval(), (seq,), adapters=True, warn_list=[])
+            ep = export(layers_module, (seq,), adapters=True, warn_list=[])
         path = Path(directory) / f"layers_{quantize}.{opts.profile.format}"
-        summary = _write(ep, path, opts, weights, Example((seq,), tokenizer, cfg))
+        calibration = (recipe, calibration_data, _head_names(layers_module, reference))
+        summary = _write(ep, path, opts, weights, Example((seq,), tokenizer, cfg), calibration)
         got = _run(runtime, path, [seq.numpy()])
         timings["layers"] = time.perf_counter() - t
         errors, rel, sqnr = [], [], []
+        rotation = recipe.rotation.double().numpy() if integer and recipe.rotation is not None else None
         for g, w in zip(got[1:], want[1:]):
+            if rotation is not None:  # the rotated model's residual stream is h · Q: compare h
+                g = g.astype(np.float64) @ rotation.T
             diff = g.astype(np.float64) - w.double().numpy()
             e = float(np.abs(diff).max())
             errors.append(e)
@@ -184,6 +228,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         logits_error = float(np.abs(logits - want[0][0].numpy()).max())
         n = len(tokens)
         predicted = logits[len(ids) - 1: len(ids) - 1 + n].argmax(-1).tolist()
+        logits_sqnr = sqnr_db(want[0][0].numpy()[len(ids) - 1: len(ids) - 1 + n], logits[len(ids) - 1: len(ids) - 1 + n])
         agreement = next((k for k in range(n) if predicted[k] != tokens[k]), n)
 
         t = time.perf_counter()
@@ -191,11 +236,19 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
         lm_path = Path(directory) / f"logits_{quantize}.{opts.profile.format}"
-        _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg))
+        _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg),
+               (recipe, calibration_data, _head_names(module, reference)))
         run = _session(runtime, lm_path)
         q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
         timings["perplexity"] = time.perf_counter() - t + fp32_seconds
         file_bytes = path.stat().st_size
+    tico_result = None
+    if tico:  # after the recipe's weights are restored: TICO quantizes the model as given
+        t = time.perf_counter()
+        say("TICO PTQ (default PTQConfig) on the same calibration windows, scored in torch")
+        tico_result = tico_ptq(reference, tokenizer, seq, chunks, start=len(ids), tokens=tokens,
+                               calibrate=recipe.calibrate, calibration_data=calibration_data)
+        timings["tico"] = time.perf_counter() - t
 
     return QuantCheckReport(
         source=source or type(model).__name__, format=quantize, runtime=runtime, note=note, prompt=prompt,
@@ -205,7 +258,76 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
-        quantization=summary, timings=timings, layer_sqnr_db=sqnr)
+        quantization=summary, timings=timings, layer_sqnr_db=sqnr, logits_sqnr_db=logits_sqnr,
+        recipe=recipe.to_dict() if integer else None, tico=tico_result)
+
+
+def sqnr_db(ref: Any, got: Any) -> float:
+    """10·log10(Σ ref² / Σ (ref - got)²) in dB (inf when equal)."""
+    import numpy as np
+
+    ref = np.asarray(ref, np.float64)
+    noise = float(np.sum((ref - np.asarray(got, np.float64)) ** 2))
+    return float("inf") if noise == 0 else float(10 * np.log10(float(np.sum(ref ** 2)) / noise))
+
+
+def _head_names(wrapper: Any, model: Any) -> tuple[str, ...]:
+    """The output head's module name inside ``wrapper`` (4-bit recipes keep it int8)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    return tuple(name for name, m in wrapper.named_modules() if head is not None and m is head)[:1]
+
+
+def tico_ptq(model: Any, tokenizer: Any, seq: Any, chunks: Sequence[Sequence[int]], *, start: int,
+             tokens: Sequence[int], calibrate: int, calibration_data: Any = None) -> dict[str, Any]:
+    """TICO's post-training quantization (tico.quantization.prepare / convert with its default
+    PTQConfig, as its examples do) of a copy of ``model``, calibrated on the calibration
+    windows circleops uses, scored in torch (its fake-quantized model: TICO's own numbers,
+    before its export): logits SQNR and greedy agreement on ``seq``, perplexity on
+    ``chunks``. A failure is recorded (the stage and the error), not raised."""
+    import copy
+    import importlib.metadata
+
+    import numpy as np
+    import torch
+
+    from circleops.quantize.pt2e import calibration_samples
+
+    result: dict[str, Any] = {"config": "default PTQConfig(): uint8 activations, uint8 per-channel weights"}
+    stage = "import"
+    try:
+        result["version"] = importlib.metadata.version("tico")
+        from tico.quantization import convert, prepare
+        from tico.quantization.config.ptq import PTQConfig
+
+        stage = "prepare"
+        m = copy.deepcopy(model).eval()
+        m.config.use_cache = False
+        m.config._attn_implementation = "eager"
+        # TICO's Llama wrappers build their mask and RoPE tables for max_position_embeddings
+        m.config.max_position_embeddings = max(seq.shape[1], max(len(c) for c in chunks))
+        q = prepare(m, PTQConfig())
+        stage = "calibrate"
+        samples = calibration_samples((seq,), calibrate, data=calibration_data, tokenizer=tokenizer,
+                                      vocab_size=int(model.config.vocab_size))
+        with torch.no_grad():
+            for args in samples:
+                q(input_ids=args[0], use_cache=False)
+            stage = "convert"
+            q = convert(q)
+            stage = "score"
+            n = len(tokens)
+            logits = q(input_ids=seq, use_cache=False).logits[0].float().numpy()
+            want = model(seq).logits[0].float().numpy()
+            got = logits[start - 1: start - 1 + n]
+            predicted = got.argmax(-1).tolist()
+            result["logits_sqnr_db"] = sqnr_db(want[start - 1: start - 1 + n], got)
+            result["agreement"] = next((k for k in range(n) if predicted[k] != tokens[k]), n)
+            nll = [_nll(q(input_ids=torch.tensor([c]), use_cache=False).logits[0].float().numpy(), c) for c in chunks]
+        result["perplexity"] = float(np.exp(np.mean(nll)))
+        result["calibrate"] = len(samples)
+    except Exception as err:  # noqa: BLE001 - TICO failing on a model is a finding of the report
+        result["error"] = f"fails at {stage}: {type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
+    return result
 
 
 @dataclass
@@ -217,18 +339,26 @@ class Example:
     config: Any = None
 
 
-def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example) -> list[str]:
+def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example,
+           calibration: tuple = (None, None, ())) -> list[str]:
     """The file convert writes for ``ep`` (circleops.pipeline): PT2E calibrated on windows of
-    the shipped calibration text for an integer format; the quantization summary lines."""
+    the shipped calibration text (or ``calibration``'s data) for an integer format, with its
+    recipe; the quantization summary lines."""
     from circleops import pipeline
 
     pipeline.inline_fused_ops(ep, opts.profile.graph_inline_ops)  # as the target's generation graphs write them
     lines = None
     if opts.integer_format is not None:
+        recipe, data, head = calibration
+        count = recipe.calibrate if recipe is not None else 8
         _, ep = pipeline.quantize_program(ep, None, opts, pipeline.Calibration(
-            example.args, 8, tokenizer=example.tokenizer, vocab_size=example.config.vocab_size))
-        lines = [f"{opts.quantize} activations, {pipeline.integer_weight_dtype(opts.target)} weights, int32 bias "
-                 "(PT2E, 8 calibration windows)"]
+            example.args, count, data=data, tokenizer=example.tokenizer, vocab_size=example.config.vocab_size,
+            int16=tuple(recipe.int16) if recipe is not None else (), recipe=recipe, head=tuple(head)))
+        lines = recipe.summary_lines() if recipe is not None else [
+            f"{opts.quantize} activations, {pipeline.integer_weight_dtype(opts.target)} weights, int32 bias "
+            f"(PT2E, {count} calibration windows)"]
+        if recipe is not None and opts.target == "onert":
+            lines[0] = lines[0].replace(recipe.weight_label, "uint8 per-tensor weights (target onert)")
         weights = pipeline.WeightInputs()
     else:  # a fresh report per file, the blocks shared
         weights = dataclasses.replace(weights, report=None, cache={}, fused_cache={})

@@ -33,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", metavar="DIR", help="write the .circle files to DIR and keep them")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights for --config (default 0)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch intra-op threads for the fp32 model and the interpreter (default: torch's); "
-                             "1 is fastest on a busy machine")
+                        help="torch threads for fp32 and the interpreter (default: torch's; 1: fastest when busy)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
     # GGML weight quantization instead of the fp16/bf16 policies (circleops.quant_report)
     from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
@@ -42,18 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--quantize", choices=list(WEIGHT_ONLY_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
-                        help="instead of --dtype: what GGML weights (q4_0, q4_0-pure, q8_0), int8 hybrid weights (w8) "
-                             "or an integer graph (uint8, "
-                             "int16; run int16 with --runtime reference) cost: per-layer error and SQNR, "
-                             "greedy-token agreement with fp32, perplexity fp32 vs quantized on a fixed text")
+                        help="instead of --dtype: what GGML (q4_0, q4_0-pure, q8_0), w8 or integer (uint8, int16) "
+                             "weights cost: layer and logits SQNR, greedy agreement, perplexity vs fp32")
     parser.add_argument("--runtime", choices=("onert", "reference", "litert"), default=None,
-                        help="with --quantize: the runtime of the quantized file (default: onert; the reference "
-                             "interpreter where onert cannot run GGML weights on this CPU; litert: w8 as a "
-                             "--target tflite file, attention inline as its generation graphs write it)")
+                        help="with --quantize: the runtime of the quantized file (default: onert, else the reference "
+                             "interpreter; litert: w8 as a --target tflite file, attention inline as generate runs it)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
                         help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
     parser.add_argument("--max-windows", type=int, default=None, metavar="K",
                         help="with --quantize: score only the first K windows of the text (default: all)")
+    from circleops.cli.common import add_integer_arguments
+    add_integer_arguments(parser)  # the integer recipe, as convert takes it
+    parser.add_argument("--tico", action="store_true", help="with --quantize uint8/int16: also TICO's PTQ, same windows")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -115,13 +114,14 @@ def _quant_main(args: argparse.Namespace) -> int:
     from circleops.errors import CircleOpsError
     from circleops.precision import directory_tokenizer
     from circleops.quant_report import quant_check
+    from circleops.quantize.recipe import recipe_from_args
 
     if args.threads is not None:
         import torch
-
         torch.set_num_threads(max(1, args.threads))
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
+    recipe = recipe_from_args(args)  # the integer recipe, checked before the model loads
     loaded = models.load(args.model, config=args.config, seed=args.seed)
     if loaded.kind != "hf":
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
@@ -130,7 +130,8 @@ def _quant_main(args: argparse.Namespace) -> int:
     report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
                          prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
                          new_tokens=args.new_tokens, window=args.window, max_windows=args.max_windows,
-                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress)
+                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress,
+                         recipe=recipe, calibration_data=args.calibration_data, tico=args.tico)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)

@@ -128,8 +128,15 @@ def add_integer_arguments(parser: Any) -> None:
                         help="with --quantize uint8/int16: a .pt file of input tensors to calibrate on "
                              "(loaded with weights_only=True)")
     parser.add_argument("--weight-bits", type=int, choices=WEIGHT_BITS, default=8,
-                        help="with --quantize uint8/int16: int8 or int4 (Circle INT4, target circle) per-channel "
+                        help="with --quantize uint8/int16: int8 per-channel or int4 (Circle INT4, target circle) "
                              "weights; an LLM's lm_head stays int8 (default 8)")
+    parser.add_argument("--weight-group-size", type=int, default=None, metavar="N",
+                        help="with --weight-bits 4: N input columns share a scale (per-group, written as Circle "
+                             "BlockwiseQuantization); 0: one scale per output channel (default 32, measured best "
+                             "on SmolLM2: docs/integer-llm.md)")
+    parser.add_argument("--int8-weights", choices=("auto",), default="",
+                        help="with --weight-bits 4: auto: the linears whose int4 rounding measures worst in the "
+                             "logits stay int8 per channel (at most a quarter of the weights)")
     parser.add_argument("--gptq", action="store_true",
                         help="with --quantize uint8/int16: GPTQ rounding of the weights on the calibration samples")
     parser.add_argument("--rotate", choices=ROTATE_MODES, default="auto",
@@ -142,9 +149,11 @@ def integer_options(args: Any, quantize: str | None) -> dict[str, Any]:
     from circleops.quantize import INTEGER_FORMATS
     from circleops.quantize.recipe import check_recipe
 
-    check_recipe(quantize, args.target, args.weight_bits, args.gptq, args.rotate)
+    check_recipe(quantize, getattr(args, "target", "circle"), args.weight_bits, args.gptq, args.rotate,
+                 args.weight_group_size, int8_weights=args.int8_weights)
     if quantize not in INTEGER_FORMATS:
         return {}
     return dict(calibrate=args.calibrate, calibration_data=args.calibration_data,
                 int16=[p for p in args.int16.split(",") if p.strip()], weight_bits=args.weight_bits,
-                gptq=args.gptq, rotate=args.rotate)
+                gptq=args.gptq, rotate=args.rotate, weight_group_size=args.weight_group_size,
+                int8_weights=args.int8_weights)

@@ -28,33 +28,62 @@ import torch
 DAMP = 0.01
 BLOCK = 128
 
-
-def qmax_for(bits: int) -> int:
-    """The largest integer of the symmetric grid (int8: 127, int4: 7)."""
-    return 2 ** (bits - 1) - 1
-
-
-def rtn(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest on the same grid: (integers [rows, cols], scale [rows])."""
-    qmax = qmax_for(bits)
-    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
-    return torch.clamp(torch.round(w / scale[:, None]), -qmax, qmax), scale
+# the grid's helpers live in circleops.quantize.grouped (which GPTQ's group rule uses too)
+from circleops.quantize.grouped import eligible_linears, qmax_for, rtn  # noqa: E402,F401
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, damp: float = DAMP
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of ``w`` [rows, cols] with the Hessian ``h`` [cols, cols] (XᵀX, any positive
     multiple): (integers [rows, cols] as float, scale [rows]); scale · q approximates w."""
+    q, scale, _ = _gptq(w, h, bits, 0, block, damp)
+    return q, scale
+
+
+def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP,
+                 act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ on the per-group grid of circleops.quantize.grouped: each group's scale s_r · m[r, g]
+    (m an integer in [1, 255]) comes from its weights as the error compensation has left them
+    when the algorithm reaches it, in column order (GPTQ's group rule). ``act_order``: the
+    group scales are fixed first (static groups, the clipping search of
+    grouped.search_mult) and the columns go in the order of decreasing Hessian diagonal. On
+    SmolLM2 act order gave each linear's output +2..12 dB but the whole model's logits less
+    (8.5 dB against 10.9, bench/results/12-integer-llm.yaml): off by default.
+    (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
+    block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
+    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order)
+    return q, row_scale, mult
+
+
+def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float, *,
+          act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    from circleops.quantize.grouped import group_scale, row_scales, search_mult  # noqa: F811
+
     w = w.detach().to(torch.float32).clone()
     h = h.detach().to(torch.float32).clone()
     rows, cols = w.shape
     qmax = qmax_for(bits)
-    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
+    mult = None
+    static = None  # act order: every column's scale [rows, cols], fixed before
+    if group:
+        row_scale = row_scales(w, bits)
+        if act_order:
+            mult = search_mult(w.reshape(rows, cols // group, group), row_scale, bits)
+            static = (row_scale[:, None] * mult).repeat_interleave(group, dim=1)
+        else:
+            mult = torch.zeros(rows, cols // group, dtype=torch.int64)
+        scale = row_scale
+    else:
+        scale = w.abs().amax(1).clamp_min(1e-12) / qmax
     pinned = w.abs().argmax(1)  # each row's largest weight keeps ±qmax (see the module docstring)
     sign = torch.sign(w[torch.arange(rows), pinned])
     dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    perm = None
+    if static is not None:
+        perm = torch.argsort(torch.diagonal(h), descending=True)
+        w, h, static = w[:, perm], h[perm][:, perm], static[:, perm]
     h += damp * torch.diagonal(h).mean() * torch.eye(cols)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
@@ -65,15 +94,24 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, dam
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i]
+            if static is not None:
+                scale = static[:, i1 + i]
+            elif group and (i1 + i) % group == 0:  # a new group: its scale from the weights as they are now
+                m = group_scale(w1[:, i:i + group], row_scale, bits, search=False)
+                mult[:, (i1 + i) // group] = m
+                scale = row_scale * m
             qc = torch.clamp(torch.round(col / scale), -qmax, qmax)
-            pin = pinned == i1 + i
-            qc = torch.where(pin, sign * qmax, qc)
+            if not group:  # per channel: the PT2E observer must find the same scale (module docstring)
+                pin = pinned == i1 + i
+                qc = torch.where(pin, sign * qmax, qc)
             q[:, i1 + i] = qc
             e = (col - qc * scale) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return q, scale
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    return q, (row_scale if group else scale), mult
 
 
 @dataclass
@@ -85,10 +123,12 @@ class GPTQReport:
     names: list[str] = field(default_factory=list)
     skipped: str | None = None
     wider: list[str] = field(default_factory=list)  # linears rounded to more bits (an LLM's lm_head)
+    grouped: Any = None  # circleops.quantize.grouped.GroupedReport: the linears on the per-group grid
 
     def summary_line(self) -> str:
         if self.linears:
-            return (f"GPTQ ({self.bits}-bit weights, damp {DAMP:g}, blocks of {BLOCK}, Hessians over {self.tokens} "
+            groups = f", groups of {self.grouped.group} columns" if self.grouped is not None else ""
+            return (f"GPTQ ({self.bits}-bit weights{groups}, damp {DAMP:g}, blocks of {BLOCK}, Hessians over {self.tokens} "
                     f"calibration tokens): {self.linears} linears, {self.seconds:.1f} s"
                     + (f"; {', '.join(self.wider)} at 8 bits" if self.wider else ""))
         return f"no GPTQ: {self.skipped}"
@@ -128,29 +168,24 @@ def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], sample
     return result, tokens[0]
 
 
-def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """Every nn.Linear of ``model`` by module name (each weight once)."""
-    seen: set[int] = set()
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            out[name] = m
-    return out
-
-
 @contextlib.contextmanager
 def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
-                 *, forward: Any = None, progress: bool = False) -> Iterator[GPTQReport]:
+                 *, forward: Any = None, progress: bool = False, group: int = 0,
+                 int8: Sequence[str] = ()) -> Iterator[GPTQReport]:
     """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
     restored on exit). ``bits``: per module name (names missing are left alone) or one for
-    all; ``forward``: the module to run ``samples`` through (default ``model``)."""
+    all; ``forward``: the module to run ``samples`` through (default ``model``); ``group``:
+    4-bit linears get per-group scales (circleops.quantize.grouped), recorded in the
+    report's ``grouped`` for the lowering."""
+    from circleops.quantize.grouped import GroupedReport, record
     linears = eligible_linears(model)
     if isinstance(bits, int):
         bits = {name: bits for name in linears}
     linears = {n: m for n, m in linears.items() if n in bits}
     report = GPTQReport(bits=min(bits.values()) if bits else 0)
     report.wider = sorted(n for n, b in bits.items() if b > report.bits)
+    if group:
+        report.grouped = GroupedReport(4, group, "GPTQ")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         if not linears:
@@ -169,9 +204,16 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
 
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
-                    q, scale = gptq(lin.weight, hs.pop(name), bits[name])
                     saved.append((lin.weight, lin.weight.detach().clone()))
-                    lin.weight.copy_((q * scale[:, None]).to(lin.weight.dtype))
+                    if group and name in int8:  # measured too sensitive for 4 bits: int8 per channel
+                        q, scale = gptq(lin.weight, hs.pop(name), 8)
+                        lin.weight.copy_(record(report.grouped, name, lin, q, scale, None))
+                    elif group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
+                        q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group)
+                        lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
+                    else:
+                        q, scale = gptq(lin.weight, hs.pop(name), bits[name])
+                        lin.weight.copy_((q * scale[:, None]).to(lin.weight.dtype))
                     report.names.append(name)
             report.linears = len(report.names)
             report.seconds = time.perf_counter() - t

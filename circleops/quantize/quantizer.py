@@ -48,7 +48,7 @@ def torchao_pt2e():
 
 
 ACTIVATIONS = ("uint8", "int16")
-WEIGHTS = ("int8", "uint8", "int4")
+WEIGHTS = ("int8", "uint8", "int4", "int4-grouped")
 
 aten = torch.ops.aten
 
@@ -88,7 +88,9 @@ class Scheme:
                                       qscheme=torch.per_channel_symmetric, ch_axis=axis,
                                       observer_or_fake_quant_ctr=pt2e.PerChannelMinMaxObserver.with_args(
                                           ch_axis=axis, eps=2 ** -30))
-        if self.weight == "int4":  # int8 storage in torch, [-7, 7]: written as Circle INT4 (passes/qdq.py)
+        # int8 storage in torch, [-7, 7]: written as Circle INT4 (passes/qdq.py); "int4-grouped"
+        # linears are rounded before PT2E (circleops.quantize.grouped), other weights per channel
+        if self.weight in ("int4", "int4-grouped"):
             return q.QuantizationSpec(dtype=torch.int8, quant_min=-7, quant_max=7,
                                       qscheme=torch.per_channel_symmetric, ch_axis=axis,
                                       observer_or_fake_quant_ctr=pt2e.PerChannelMinMaxObserver.with_args(
@@ -98,7 +100,7 @@ class Scheme:
 
     def bias_spec(self, act_node: Node, weight_node: Node, node: Node) -> Any:
         _, q = torchao_pt2e()
-        per_channel = self.weight in ("int8", "int4")
+        per_channel = self.weight in ("int8", "int4", "int4-grouped")
         return q.DerivedQuantizationSpec(
             derived_from=[(act_node, node), (weight_node, node)], derive_qparams_fn=_bias_qparams,
             dtype=torch.int32, quant_min=-(2 ** 31) + 1, quant_max=2 ** 31 - 1,
@@ -272,11 +274,16 @@ def _annotate(node: Node, scheme: Scheme) -> None:
         if not (_is_float_node(x) and _is_float_node(weight)):
             return
         inputs[x] = act
-        inputs[weight] = scheme.weight_spec(0)
-        bias = node.args[b] if len(node.args) > b else node.kwargs.get("bias")
-        if _is_float_node(bias):
-            inputs[bias] = scheme.bias_spec(x, weight, node)
-        output = act
+        if scheme.weight == "int4-grouped" and target is aten.linear.default:
+            # per-group int4, rounded before PT2E (circleops.quantize.grouped): the weight (and a
+            # bias, int32 at s_in · s_row) are written by the lowering from the rounding's record
+            output = act
+        else:
+            inputs[weight] = scheme.weight_spec(0)
+            bias = node.args[b] if len(node.args) > b else node.kwargs.get("bias")
+            if _is_float_node(bias):
+                inputs[bias] = scheme.bias_spec(x, weight, node)
+            output = act
     elif target in COMPUTE:
         params = NORM_WEIGHTS.get(target, ())
         for i, a in enumerate(node.args):
@@ -310,6 +317,8 @@ def _annotate(node: Node, scheme: Scheme) -> None:
         for name, kind in contract["inputs"].items():
             arg = bound.get(name)
             if _is_float_node(arg):
+                if kind == "weight" and scheme.weight == "int4-grouped" and arg.meta["val"].dim() == 2:
+                    continue  # rounded per group before PT2E, written by the lowering (as for linears)
                 inputs[arg] = _param_spec(scheme, arg) if kind == "weight" else act
         if isinstance(node.meta.get("val"), (tuple, list)):
             # multi-output (attention): the quantized outputs are its getitem users

@@ -43,6 +43,7 @@ class RotateReport:
     skipped: str | None = None
     fold_error: float = 0.0  # measured max |Δlogit| / max |logit| on the calibration text
     construction: str = ""
+    matrix: torch.Tensor | None = None  # Q [hidden, hidden]: the rotated residual stream is h · Q
 
     def summary_line(self) -> str:
         if self.layers:
@@ -211,6 +212,7 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
         keep(parts["norm"].weight)
         parts["norm"].weight.fill_(1.0)
     report.hidden, report.head_dim, report.construction = hidden, head_dim, how
+    report.matrix = q
     if before is not None:
         after = _logits(model, ids)
         report.fold_error = float((after - before).abs().max()) / max(float(before.abs().max()), 1.0)

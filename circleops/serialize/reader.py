@@ -155,6 +155,26 @@ def _quant(qp: Any) -> ir.QuantParams | None:
     return ir.QuantParams(scale, zp, int(qp.quantizedDimension))
 
 
+def _blockwise(qp: Any, tensors: list[ir.Tensor], ti: int, si: int, path: str) -> None:
+    """A BlockwiseQuantization detail (per-group scales in another tensor of the subgraph):
+    tensor ``ti`` gets QuantParams whose ``blockwise`` holds that scales tensor, and whose
+    scale is the scales tensor's per-row scale (circleops writes the group scales as UINT8
+    multipliers of it; ir.Blockwise)."""
+    if qp is None or qp.details is None or type(qp.details).__name__ != "BlockwiseQuantizationT":
+        return
+    d = qp.details
+    where = f"tensor {ti} of subgraph {si}"
+    k = _index(d.scales, len(tensors), f"the blockwise scales index of {where}", path)
+    w, scales = tensors[ti], tensors[k]
+    if len(w.shape) != 2 or int(d.blockSize) < 1 or w.shape[1] % int(d.blockSize) \
+            or tuple(scales.shape) != (w.shape[0], w.shape[1] // int(d.blockSize)):
+        raise ModelLoadError(f"{path}: {where} has blockwise scales of shape {list(scales.shape)}, block size "
+                             f"{int(d.blockSize)}, for a weight of shape {list(w.shape)}; the file is corrupt")
+    row = scales.quant.scale if scales.quant is not None else np.ones(w.shape[0], np.float32)
+    w.quant = ir.QuantParams(np.asarray(row, np.float32), np.zeros(len(row), np.int64), int(qp.quantizedDimension),
+                             ir.Blockwise(int(d.blockSize), scales))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:  # Python ints: no int64 overflow on absurd dims
@@ -240,6 +260,8 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
         for ti, t in enumerate(sg.tensors or []):
             out.tensors.append(_tensor(t, si, ti, schema, const, nbuffers=len(datas), path=path))
         n = len(out.tensors)
+        for ti, t in enumerate(sg.tensors or []):
+            _blockwise(t.quantization, out.tensors, ti, si, path)
         for k, op in enumerate(sg.operators or []):
             where = f"operator {k} of subgraph {si}"
             name, custom_code, version = opcodes[_index(op.opcodeIndex, len(opcodes), f"the opcode index of {where}",

@@ -141,9 +141,12 @@ def _options(schema: Schema, options_type: str, options: dict[str, Any], where: 
     return obj
 
 
-def _quantization(schema: Schema, t: ir.Tensor, where: str) -> Any:
-    """ir.QuantParams -> a QuantizationParameters table (scale, zero_point, quantized_dimension)."""
+def _quantization(schema: Schema, t: ir.Tensor, where: str, index: dict[int, int] | None = None) -> Any:
+    """ir.QuantParams -> a QuantizationParameters table (scale, zero_point, quantized_dimension;
+    per-group scales as the details BlockwiseQuantization, ``index``: tensor id -> index)."""
     q = t.quant
+    if q.blockwise is not None:
+        return _blockwise(schema, t, where, (index or {}).get(id(q.blockwise.scales)))
     scale = np.ascontiguousarray(q.scale, dtype="<f4").reshape(-1)
     zero_point = np.ascontiguousarray(q.zero_point, dtype="<i8").reshape(-1)
     if t.dtype in ir.GGML_BLOCKS:
@@ -163,6 +166,45 @@ def _quantization(schema: Schema, t: ir.Tensor, where: str) -> Any:
     qp.zeroPoint = zero_point if len(zero_point) else np.zeros(len(scale), dtype="<i8")
     qp.quantizedDimension = int(q.quantized_dimension)
     return qp
+
+
+def _blockwise(schema: Schema, t: ir.Tensor, where: str, scales_index: int | None) -> Any:
+    """QuantizationParameters whose details are a BlockwiseQuantization naming the scales
+    tensor (zero_points -1: symmetric); scale / zero_point stay empty (the schema ignores them)."""
+    b = t.quant.blockwise
+    if "BlockwiseQuantization" not in schema.enum_members("QuantizationDetails"):
+        raise TargetError(f"{where}: per-group (blockwise) scales do not exist in the {schema.name} schema; "
+                          "write target circle")
+    rows_cols = tuple(t.shape)
+    s_shape = tuple(b.scales.shape)
+    if len(rows_cols) != 2 or b.block_size < 1 or rows_cols[1] % b.block_size \
+            or s_shape != (rows_cols[0], rows_cols[1] // b.block_size):
+        raise TargetError(f"{where}: blockwise scales of shape {list(s_shape)} with block size {b.block_size} "
+                          f"do not fit weight shape {list(rows_cols)} (expected [rows, cols / block size])")
+    if scales_index is None:
+        raise TargetError(f"{where}: its blockwise scales tensor {b.scales.name!r} is not in the subgraph")
+    bq = schema.cls("BlockwiseQuantization")()
+    bq.scales = scales_index
+    bq.zeroPoints = -1
+    bq.blockSize = int(b.block_size)
+    qp = schema.cls("QuantizationParameters")()
+    qp.detailsType = schema.enum_members("QuantizationDetails")["BlockwiseQuantization"]
+    qp.details = bq
+    qp.quantizedDimension = int(t.quant.quantized_dimension)
+    return qp
+
+
+def _with_block_scales(sg: ir.Subgraph) -> tuple[list[ir.Tensor], dict[int, int]]:
+    """The subgraph's tensors, then the blockwise scales tensors no operator reads (they are
+    referenced by index from a weight's quantization); tensor id -> index."""
+    tensors = list(sg.tensors)
+    index = {id(t): k for k, t in enumerate(tensors)}
+    for t in sg.tensors:
+        b = t.quant.blockwise if t.quant is not None else None
+        if b is not None and id(b.scales) not in index:
+            index[id(b.scales)] = len(tensors)
+            tensors.append(b.scales)
+    return tensors, index
 
 
 def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, BufferTable, list[_Placed]]:
@@ -191,7 +233,8 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
     subgraphs = []
     for si, sg in enumerate(model.subgraphs):
         tensors = []
-        for ti, t in enumerate(sg.tensors):
+        all_tensors, tensor_index = _with_block_scales(sg)
+        for ti, t in enumerate(all_tensors):
             tt = schema.cls("Tensor")()
             shape = [int(d) for d in t.shape]
             tt.shape = [d if d >= 0 else 1 for d in shape]
@@ -210,7 +253,7 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
             tt.name = t.name
             tt.hasRank = True
             if t.quant is not None:
-                tt.quantization = _quantization(schema, t, f"tensor {t.name!r} (subgraph {si})")
+                tt.quantization = _quantization(schema, t, f"tensor {t.name!r} (subgraph {si})", tensor_index)
             if t.data is not None:
                 tt.buffer = table.add(t.data, t.dtype, tuple(shape), t.name)
             tensors.append(tt)

@@ -65,6 +65,9 @@ NOT_RUN = {
         "the real SmolLM2 with rotation and GPTQ takes 2-8 min on 2 cores (docs/benchmarks.md); "
         "tests/quantize/test_integer_llm.py runs the same CLI recipe on a tiny Llama",
     "circleops inspect smollm2-16a4w.circle": "needs smollm2-16a4w.circle from the command above",
+    "circleops check smollm2 --quantize int16 --weight-bits 4 --gptq --tico --max-windows 2":
+        "the real SmolLM2 with GPTQ, two files and TICO's PTQ takes ~10 min on 2 cores (docs/benchmarks.md); "
+        "tests/quantize/test_quantize_check.py runs the same CLI recipe with --tico on a tiny Llama",
     "circleops convert smollm2 -o smollm2-uint8.circle --seq-len 37 --quantize uint8 --int16 auto":
         "the real SmolLM2 with measured mixed precision takes ~3 min on 2 cores (docs/benchmarks.md); "
         "tests/quantize/test_integer_llm.py runs --int16 auto on a tiny Llama",

@@ -67,3 +67,47 @@ def test_inspect_lists_storage_type_and_bytes(tmp_path, llama):
     text = format_text(s, tensors=True)
     assert "model.model.layers.0.mlp.{gate,up}_proj.weight" in text and "4.5 bits/weight" in text
     assert "model.model.layers.0.mlp.down_proj.weight" in text
+
+
+# ------------------------------------------------------------------ integer formats and their recipe
+def test_quant_check_int16_rotated_compares_layers_in_fp32s_basis(llama):
+    """The rotated model's residual stream is h · Q: the report compares h (else every layer
+    would score about -3 dB) and scores the logits over the predicting positions."""
+    from circleops.quantize.recipe import IntegerRecipe
+
+    r = quant_check(llama, None, quantize="int16", prompt_ids=[5, 17, 42], new_tokens=6, window=32, max_windows=1,
+                    recipe=IntegerRecipe("int16", calibrate=2))
+    assert r.runtime == "reference" and r.recipe["rotate"] == "auto" and r.recipe["weights"] == "int8"
+    assert any(line.startswith("Hadamard rotation folded") for line in r.quantization)
+    assert min(r.layer_sqnr_db) > 15 and r.logits_sqnr_db > 15, (r.layer_sqnr_db, r.logits_sqnr_db)
+
+
+def test_cli_check_int16_int4_grouped_gptq_against_fp32_and_tico(tmp_path, capsys):
+    from circleops.cli import main
+
+    cfg = tmp_path / "config.json"
+    c = BY_NAME["llama"].config().to_dict()
+    c["architectures"] = ["LlamaForCausalLM"]
+    cfg.write_text(json.dumps(c))
+    out = tmp_path / "r.json"
+    code = main(["check", "--config", str(cfg), "--quantize", "int16", "--weight-bits", "4", "--gptq",
+                 "--weight-group-size", "32", "--calibrate", "2", "--tico", "--prompt-ids", "5,17,42", "-n", "4",
+                 "--window", "32", "--max-windows", "1", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(out.read_text())
+    assert data["runtime"] == "reference"  # onert loads no int16 / int4 graph
+    assert data["recipe"]["group_size"] == 32 and data["recipe"]["gptq"] and data["recipe"]["weight_bits"] == 4
+    assert any("in groups of 32" in line for line in data["quantization"])
+    assert isinstance(data["logits_sqnr_db"], float) and len(data["layer_sqnr_db"]) == 2
+    tico = data["tico"]
+    assert "error" not in tico, tico
+    assert tico["calibrate"] == 2 and 0 <= tico["agreement"] <= 4 and tico["perplexity"] > 1
+    assert "TICO 0.3.0 PTQ" in captured.out and "SQNR" in captured.out
+
+
+def test_cli_check_refuses_recipe_options_outside_integer_formats(tmp_path, capsys):
+    from circleops.cli import main
+
+    code = main(["check", "--config", str(tmp_path / "none.json"), "--quantize", "q4_0", "--tico"])
+    assert code != 0 and "apply to --quantize uint8 or int16" in capsys.readouterr().err

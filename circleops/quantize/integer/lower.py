@@ -23,6 +23,8 @@ import torch
 
 from circleops import ir
 from circleops.quantize.integer import markers as _markers  # noqa: F401  (registers the marker lowerings)
+from circleops.quantize.grouped import blockwise_params
+from circleops.quantize.grouped import lookup as grouped_lookup
 from circleops.quantize.integer.qdq import QuantPlan
 from circleops.targets import TargetProfile, profile
 
@@ -457,6 +459,11 @@ def _quantize_consts(g: _Graph, op: ir.Operator, ins: list[tuple[int, int]], pla
             dtype = int16_bias if g.tensor(op.inputs[0]).dtype == "INT16" else "INT32"
         else:
             hit = plan.lookup(t.data)
+            grouped = grouped_lookup(t.data) if hit is None else None  # FC weights, ATTENTION's wq..wo
+            if grouped is not None:  # per-group int4 rounded before PT2E: the integers as they are
+                values, dtype, qp = blockwise_params(t.name, grouped)
+                op.inputs[pos] = sg.add_tensor(ir.Tensor(t.name, t.shape, dtype, values, qp))
+                continue
             if hit is not None:
                 spec, axis = hit
                 qp, dtype = spec.params(axis), spec.dtype

@@ -100,6 +100,12 @@ def params(t: ir.Tensor, rank: int) -> tuple[Tensor, Tensor]:
 
 
 def dequantize(q: Tensor, t: ir.Tensor) -> Tensor:
+    if t.quant.blockwise is not None:  # s_row · m[row, group] · q (ir.Blockwise)
+        b = t.quant.blockwise
+        rows, cols = q.shape
+        m = torch.as_tensor(np.asarray(b.scales.data)).to(torch.float32).reshape(rows, cols // b.block_size)
+        s = torch.from_numpy(np.asarray(t.quant.scale, np.float32).copy())[:, None] * m
+        return q.to(torch.float32) * s.repeat_interleave(b.block_size, dim=1)
     scale, zp = params(t, q.dim())
     return ((q.to(torch.int64) - zp).to(torch.float32) * scale.to(torch.float32))
 
@@ -183,7 +189,7 @@ def _fc(op, inputs, ctx):
     xt, wt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
     check_alloc([x.numel() // max(w.shape[1], 1), w.shape[0]], torch.int64, "FULLY_CONNECTED")
     xs = _offsets(x, xt).reshape(-1, w.shape[1])
-    acc = xs @ _offsets(w, wt).T
+    acc = _blockwise_acc(xs, w, wt) if wt.quant.blockwise is not None else xs @ _offsets(w, wt).T
     if b is not None:
         acc = acc + _bias(b)
     acc = acc.round().to(torch.int64)
@@ -191,6 +197,29 @@ def _fc(op, inputs, ctx):
     if option(op, "keepNumDims", default=False):
         y = y.reshape(*x.shape[:-1], w.shape[0])
     return [y]
+
+
+def _blockwise_acc(xs: Tensor, w: Tensor, wt: ir.Tensor) -> Tensor:
+    """Σ_g m[o, g] · Σ_{k in g} x[n, k] · q[o, k]: each group's integer sum weighted by its
+    integer multiplier (the UINT8 scales tensor; ir.Blockwise), in the accumulator's units
+    s_in · s_row, so that one per-row requantization follows (an NPU's fixed-point form)."""
+    b = wt.quant.blockwise
+    scales = b.scales
+    if scales.dtype != "UINT8" or scales.data is None or scales.quant is None \
+            or np.any(np.asarray(scales.quant.zero_point) != 0):
+        raise KernelError(f"FULLY_CONNECTED weight {wt.name!r}: blockwise scales tensor {scales.name!r} is "
+                          f"{scales.dtype}; the interpreter computes UINT8 group multipliers of per-row scales "
+                          "(zero point 0), as circleops writes them")
+    if not np.allclose(np.asarray(scales.quant.scale, np.float64), np.asarray(wt.quant.scale, np.float64)):
+        raise KernelError(f"FULLY_CONNECTED weight {wt.name!r}: its row scales differ from its blockwise scales "
+                          f"tensor's ({scales.name!r})")
+    rows, cols = w.shape
+    group = b.block_size
+    m = torch.as_tensor(np.asarray(scales.data)).to(torch.float64).reshape(rows, cols // group)
+    xg = xs.reshape(xs.shape[0], cols // group, group)
+    wg = w.to(torch.float64).reshape(rows, cols // group, group)
+    per_group = torch.einsum("ngk,ogk->nog", xg, wg)  # exact integers (below 2^53)
+    return (per_group * m[None]).sum(-1)
 
 
 def _conv_common(op, inputs, ctx, depthwise: bool):

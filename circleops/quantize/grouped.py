@@ -1,0 +1,352 @@
+"""Per-group (blockwise) int4 weights for the integer (PT2E) graphs.
+
+One int4 scale per output channel is too coarse for an LLM's linears (SmolLM2-135M: 7 dB
+with GPTQ, bench/results/12-integer-llm.yaml); ExecuTorch's 16a4w preset and LiteRT's
+blockwise int4 give every ``group`` consecutive input columns of a row their own scale.
+PT2E's QuantizationSpec has no per-group scheme, so the weights are rounded here, before
+PT2E (by round to nearest or GPTQ, circleops.quantize.gptq), CircleQuantizer leaves those
+linears' weights unobserved (weight scheme ``int4-grouped``), the converted module computes
+with the rounded float weights, and the integer lowering writes them back as the integers
+they are (:func:`blockwise_params`), found by their content (:func:`key`).
+
+The grid, for a weight [rows, cols] and groups of G columns:
+
+* row scale s_r = max|W_r| / (qmax · 255);
+* group multiplier m[r, g] = clamp(round(max|W_r,g| / qmax / s_r), 1, 255), an integer;
+* weight W[r, c] ≈ s_r · m[r, c // G] · q[r, c], q in [-qmax, qmax] (int4: [-7, 7]).
+
+In the file (Circle, schema 0.10): the weight is an INT4 tensor whose QuantizationParameters
+have details BlockwiseQuantization {scales: the index of a UINT8 tensor [rows, cols / G]
+holding m, with per-row QuantizationParameters scale s_r, zero point 0; zero_points: -1;
+block_size: G}. Dequantizing the scales tensor gives the group scales (what LiteRT carries
+in FLOAT16); as integers they let an NPU compute the layer in fixed point: the int32/int64
+sum of each group, weighted by m, summed over the groups, then one requantization per row
+with s_in · s_r / s_out (the reference interpreter's FULLY_CONNECTED does exactly that).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+GROUPED = "int4-grouped"  # CircleQuantizer's weight scheme: rounded here, not observed by PT2E
+MULT_MAX = 255  # the group multipliers are UINT8
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP = 32
+
+
+def qmax_for(bits: int) -> int:
+    """The largest integer of the symmetric grid (int8: 127, int4: 7)."""
+    return 2 ** (bits - 1) - 1
+
+
+def rtn(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest on the same grid: (integers [rows, cols], scale [rows])."""
+    qmax = qmax_for(bits)
+    scale = w.abs().amax(1).clamp_min(1e-12) / qmax
+    return torch.clamp(torch.round(w / scale[:, None]), -qmax, qmax), scale
+
+
+def eligible_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every nn.Linear of ``model`` by module name (each weight once)."""
+    seen: set[int] = set()
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out[name] = m
+    return out
+
+
+def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """s_r = max|W_r| / (qmax · 255): the largest group of a row gets m = 255."""
+    qmax = 2 ** (bits - 1) - 1
+    return (w.detach().to(torch.float32).abs().amax(1).clamp_min(1e-12) / (qmax * MULT_MAX))
+
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # group ranges tried, as fractions of max|W_r,g|
+
+
+def group_scale(cols: torch.Tensor, row_scale: torch.Tensor, bits: int, search: bool = True) -> torch.Tensor:
+    """m [rows] of one group of columns [rows, G]: the multiplier round(c · max|W_r,g| / qmax /
+    s_r) in [1, 255] whose rounding of the group has the least squared error, over the
+    clipping ratios c of CLIPS (clipping the largest weight a little buys the others a finer
+    step); ``search=False``: c = 1 (min-max)."""
+    return search_mult(cols[:, None, :], row_scale, bits, CLIPS if search else (1.0,))[:, 0]
+
+
+def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips: tuple = CLIPS) -> torch.Tensor:
+    """m [rows, n] for weights [rows, n, G]: per group, the ``clips`` ratio of least rounding error."""
+    qmax = 2 ** (bits - 1) - 1
+    amax = groups.abs().amax(2)  # [rows, n]
+    best, best_err = None, None
+    for c in clips:
+        m = torch.clamp(torch.round(c * amax / qmax / row_scale[:, None]), 1, MULT_MAX)
+        s = (row_scale[:, None] * m)[:, :, None]
+        err = (groups - torch.clamp(torch.round(groups / s), -qmax, qmax) * s).pow(2).sum(2)
+        if best is None:
+            best, best_err = m, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, m, best), torch.where(better, err, best_err)
+    return best.to(torch.int64)
+
+
+def rtn_grouped(w: torch.Tensor, bits: int, group: int, clips: tuple = (1.0,)
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round to nearest on the grid: (q [rows, cols] as float, s_r [rows], m [rows, groups]).
+    ``clips``: the group ranges tried (search_mult); min-max by default: on SmolLM2 the
+    clipping search (CLIPS) gave the file 3.5 dB / 15 of 32 tokens against 3.7 dB / 18."""
+    w = w.detach().to(torch.float32)
+    rows, cols = w.shape
+    qmax = 2 ** (bits - 1) - 1
+    s_r = row_scales(w, bits)
+    g = w.reshape(rows, cols // group, group)
+    m = search_mult(g, s_r, bits, clips)
+    scale = s_r[:, None] * m
+    q = torch.clamp(torch.round(g / scale[:, :, None]), -qmax, qmax).reshape(rows, cols)
+    return q, s_r, m
+
+
+def dequantize(q: torch.Tensor, row_scale: torch.Tensor, mult: torch.Tensor, group: int) -> torch.Tensor:
+    """s_r · m[r, c // G] · q[r, c] in float32 (the weight the converted module computes with)."""
+    scale = (row_scale[:, None].to(torch.float32) * mult.to(torch.float32))  # [rows, groups]
+    return (q.to(torch.float32) * scale.repeat_interleave(group, dim=1))
+
+
+def key(data: Any) -> tuple:
+    """A float weight's identity by content (shape and bytes): the lowering meets copies and
+    views of the parameter the rounding wrote, never the parameter object itself."""
+    t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(np.asarray(data))
+    a = np.ascontiguousarray(t.to(torch.float32).numpy())
+    return tuple(a.shape), hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass
+class GroupedWeight:
+    """One linear's weight as rounded before PT2E: int4 in groups (integers, row scales,
+    group multipliers), or, for a linear measured too sensitive for 4 bits (``group`` 0),
+    int8 per output channel (integers, row scales)."""
+
+    q: torch.Tensor  # int8 [rows, cols], in [-qmax, qmax]
+    row_scale: torch.Tensor  # float32 [rows]
+    mult: torch.Tensor | None  # uint8 [rows, groups]; None per channel
+    group: int
+    bits: int = 4
+
+
+@dataclass
+class GroupedReport:
+    bits: int
+    group: int
+    rounding: str  # "round to nearest" / "GPTQ"
+    names: list[str] = field(default_factory=list)
+    weights: dict[tuple, GroupedWeight] = field(default_factory=dict)  # key(float weight) -> integers
+    seconds: float = 0.0
+    int8: list[str] = field(default_factory=list)  # linears kept int8 per channel by measurement
+    int8_params: int = 0
+    int4_params: int = 0
+    sensitivity: str = ""  # how the int8 linears were chosen
+
+    def summary_line(self) -> str:
+        line = (f"{len(self.names)} linears int{self.bits} in groups of {self.group} columns ({self.rounding}; "
+                f"per-group scales s_r·m, m uint8, as Circle BlockwiseQuantization), {self.seconds:.1f} s")
+        if self.int8:
+            share = self.int8_params / max(self.int8_params + self.int4_params, 1)
+            line += (f"; {len(self.int8)} linears int8 per channel ({share:.0%} of the linear weights; "
+                     f"{self.sensitivity})")
+        return line
+
+
+def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tensor, row_scale: torch.Tensor,
+           mult: torch.Tensor | None) -> torch.Tensor:
+    """The float weight s_r·m·q (or s_r·q per channel, ``mult`` None) written into ``lin``
+    (returned), its integers remembered."""
+    if mult is None:
+        w = (q.to(torch.float32) * row_scale.to(torch.float32)[:, None]).to(lin.weight.dtype)
+        report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(), None, 0, 8)
+        report.int8.append(name)
+        report.int8_params += q.numel()
+        return w
+    w = dequantize(q, row_scale, mult, report.group).to(lin.weight.dtype)
+    report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(),
+                                           mult.to(torch.uint8), report.group, report.bits)
+    report.names.append(name)
+    report.int4_params += q.numel()
+    return w
+
+
+@contextlib.contextmanager
+def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int,
+                int8: Sequence[str] = ()) -> Iterator[GroupedReport]:
+    """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid, and
+    those in ``int8`` to int8 per channel (in place, restored on exit); the others are left
+    to PT2E."""
+    report = GroupedReport(4, group, "round to nearest")
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    t = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for name, lin in eligible_linears(model).items():
+                if name in int8:
+                    q, s = rtn(lin.weight.detach().to(torch.float32), 8)
+                    w = record(report, name, lin, q, s, None)
+                elif bits.get(name) != 4 or lin.weight.shape[1] % group:
+                    continue
+                else:
+                    q, s_r, m = rtn_grouped(lin.weight, 4, group)
+                    w = record(report, name, lin, q, s_r, m)
+                saved.append((lin.weight, lin.weight.detach().clone()))
+                lin.weight.copy_(w)
+        report.seconds = time.perf_counter() - t
+        yield report
+    finally:
+        with torch.no_grad():
+            for param, original in saved:
+                param.copy_(original)
+
+
+def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any]:
+    """(the integer values [rows, cols], their dtype, their ir.QuantParams): INT4 with the
+    Blockwise scales tensor, or INT8 per channel for a linear kept at 8 bits."""
+    from circleops import ir
+
+    rows = gw.q.shape[0]
+    s_r = gw.row_scale.numpy().astype(np.float32)
+    zeros = np.zeros(rows, np.int64)
+    if gw.mult is None:
+        return gw.q.numpy().astype(np.int8), "INT8", ir.QuantParams(s_r, zeros, 0)
+    scales = ir.Tensor(f"{name}_block_scales", tuple(gw.mult.shape), "UINT8", gw.mult.numpy().astype(np.uint8),
+                       ir.QuantParams(s_r, zeros, 0))
+    return gw.q.numpy().astype(np.int8), "INT4", ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
+
+
+INT8_TARGET = 0.15  # keep int8 the linears carrying the most measured error until this share is left
+INT8_BUDGET = 0.25  # of the linear weights at most (SmolLM2: the file stays under 0.3x fp32)
+
+
+def linear_sensitivity(model: torch.nn.Module, samples: Sequence[Sequence[Any]], names: Sequence[str],
+                       group: int) -> dict[str, float]:
+    """For each linear named: the squared error its grouped int4 rounding (round to nearest)
+    alone causes in the model's logits over ``samples``, relative to Σ logits²: the measured
+    sensitivity that chooses the int8 linears. For a decoder (model.model.layers, .norm,
+    lm_head) each measurement reruns only the layers from the linear's own on, from their
+    inputs recorded once (the same logits at a fraction of the cost)."""
+    from circleops.quantize.ggml import one_thread
+
+    linears = eligible_linears(model)
+    result = {}
+    with one_thread(), torch.no_grad():
+        replay = _Replay(model, samples)
+        energy = sum(float(b.pow(2).sum()) for b in replay.base)
+        for name in names:
+            lin = linears[name]
+            original = lin.weight.detach().clone()
+            q, s_r, m = rtn_grouped(original, 4, group, CLIPS)  # the probe as measured (bench results)
+            lin.weight.copy_(dequantize(q, s_r, m, group).to(original.dtype))
+            try:
+                result[name] = sum(float((got - b).pow(2).sum())
+                                   for got, b in zip(replay.logits(name), replay.base)) / energy
+            finally:
+                lin.weight.copy_(original)
+    return result
+
+
+class _Replay:
+    """The fp32 logits of ``samples``, and the logits again from the decoder layer holding a
+    given module on (each layer's inputs recorded once); the whole model where the layout
+    is not a decoder's."""
+
+    def __init__(self, model: torch.nn.Module, samples: Sequence[Sequence[Any]]):
+        self.model, self.samples = model, list(samples)
+        inner = getattr(model, "model", None)
+        self.layers = getattr(inner, "layers", None)
+        self.norm, self.head = getattr(inner, "norm", None), getattr(model, "lm_head", None)
+        self.inputs: list[list[tuple]] = []  # per sample, per layer: (args, kwargs)
+        decoder = isinstance(self.layers, torch.nn.ModuleList) and self.norm is not None and self.head is not None
+        hooks = []
+        if decoder:
+            def record(k):
+                def hook(module, args, kwargs):
+                    self.inputs[-1].append((args, dict(kwargs)))
+                return hook
+            hooks = [layer.register_forward_pre_hook(record(k), with_kwargs=True) for k, layer in enumerate(self.layers)]
+        try:
+            self.base = []
+            for args in self.samples:
+                self.inputs.append([])
+                self.base.append(self._full(args))
+        finally:
+            for h in hooks:
+                h.remove()
+        self.where = {}
+        if decoder and all(len(x) == len(self.layers) for x in self.inputs):
+            for k, layer in enumerate(self.layers):
+                for n, _ in layer.named_modules():
+                    self.where[id(_)] = k
+        self.names = dict(model.named_modules())
+
+    def _full(self, args) -> torch.Tensor:
+        out = self.model(*args)
+        return (out.logits if hasattr(out, "logits") else out[0]).detach().to(torch.float64)
+
+    def logits(self, name: str) -> list[torch.Tensor]:
+        k = self.where.get(id(self.names[name]))
+        if k is None:
+            return [self._full(args) for args in self.samples]
+        outs = []
+        for per_layer in self.inputs:
+            args, kwargs = per_layer[k]
+            h = args[0]
+            for j in range(k, len(self.layers)):
+                a, kw = per_layer[j]
+                out = self.layers[j](h, *a[1:], **kw)
+                h = out[0] if isinstance(out, tuple) else out
+            outs.append(self.head(self.norm(h)).detach().to(torch.float64))
+        return outs
+
+
+def choose_int8(noise: dict[str, float], sizes: dict[str, int], *, target: float = INT8_TARGET,
+                budget: float = INT8_BUDGET) -> list[str]:
+    """The linears to keep int8: the largest measured errors first, until the error left is
+    ``target`` of the total or the int8 weights would pass ``budget`` of all of them."""
+    total, total_size = sum(noise.values()), sum(sizes[n] for n in noise)
+    chosen, left, size = [], total, 0
+    for name in sorted(noise, key=noise.get, reverse=True):
+        if left <= target * total or size + sizes[name] > budget * total_size:
+            break
+        chosen.append(name)
+        left -= noise[name]
+        size += sizes[name]
+    return chosen
+
+
+_ACTIVE: contextvars.ContextVar[dict[tuple, GroupedWeight] | None] = contextvars.ContextVar(
+    "circleops_grouped_weights", default=None)
+
+
+@contextlib.contextmanager
+def written_as_blockwise(weights: dict[tuple, GroupedWeight]) -> Iterator[None]:
+    """While open, the integer lowering writes float weights found in ``weights`` (by
+    :func:`key`) as blockwise INT4: the conversion that rounded them holds it open until its
+    file is written (the rounding lives in the model's parameters until then too)."""
+    merged = {**(_ACTIVE.get() or {}), **weights}
+    token = _ACTIVE.set(merged)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def lookup(data: Any) -> GroupedWeight | None:
+    """The grouped integers of a float weight the lowering meets, if a rounding made it."""
+    active = _ACTIVE.get()
+    if not active or data is None or len(getattr(data, "shape", ())) != 2:
+        return None
+    return active.get(key(data))
