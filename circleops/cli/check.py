@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --quantize: perplexity window in tokens (default: {DEFAULT_WINDOW})")
     parser.add_argument("--max-windows", type=int, default=None, metavar="K",
                         help="with --quantize: score only the first K windows of the text (default: all)")
-    from circleops.cli.common import add_integer_arguments
+    from circleops.cli.integer import add_integer_arguments
     add_integer_arguments(parser)  # the integer recipe, as convert takes it
     parser.add_argument("--tico", action="store_true", help="with --quantize uint8/int16: also TICO's PTQ, same windows")
 

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
     prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
-    from circleops.cli.common import add_integer_arguments
+    from circleops.cli.integer import add_integer_arguments
     from circleops.quantize import WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
@@ -87,7 +87,8 @@ def main(args: argparse.Namespace) -> int:
     from circleops import conversion as api
     from circleops import models
     from circleops.cli import convert_graphs, convert_task, vision
-    from circleops.cli.common import (ProgressBar, convert_stages, integer_options, one_length, scipy_hidden,
+    from circleops.cli.integer import integer_options
+    from circleops.cli.common import (ProgressBar, convert_stages, one_length, scipy_hidden,
                                       write_report, writable)
     from circleops.dtypes import float_dtype
     from circleops.errors import OutputError, TargetError

@@ -138,7 +138,7 @@ def recipe_for(scheme: str | None, *, weight_bits: int = 8, gptq: bool = False, 
 
 
 def recipe_from_args(args: Any) -> IntegerRecipe | None:
-    """:func:`recipe_for` of the CLI's parsed options (circleops.cli.common.add_integer_arguments)."""
+    """:func:`recipe_for` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
     return recipe_for(args.quantize, weight_bits=args.weight_bits, gptq=args.gptq, rotate=args.rotate,
                       group_size=args.weight_group_size, int16=args.int16.split(","), calibrate=args.calibrate,
                       int8_weights=args.int8_weights, tico=args.tico, calibration_data=args.calibration_data)

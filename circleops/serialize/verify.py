@@ -563,8 +563,9 @@ def _check_constant(w: _Walker, where: str, dtype: str, shape: tuple[int, ...], 
 def _check_integer_operands(w: _Walker, where: str, name: str, inputs: tuple[int, ...], *, tensors: list,
                             type_names: dict, extents: list) -> None:
     """An op's index/shape/axis inputs are INT32 or INT64; STRIDED_SLICE's and SLICE's begin,
-    end (size) and strides hold one value per dimension of the input (onert reads that many);
-    a constant stride is not 0."""
+    end (size) and strides are vectors, in a Circle file with one value per dimension of the
+    input (onert reads that many; LiteRT reads the vector's own length, and TFLite's ellipsis
+    and new-axis masks make it differ from the rank); a constant stride is not 0."""
     positions = _INTEGER_OPERANDS.get(name, ())
     for p in positions:
         if p >= len(inputs) or inputs[p] < 0:
@@ -577,7 +578,7 @@ def _check_integer_operands(w: _Walker, where: str, name: str, inputs: tuple[int
         if name not in ("STRIDED_SLICE", "SLICE") or inputs[0] < 0:
             continue
         rank, shape = len(_ints(w.buf, tensors[inputs[0]]["Shape"])), _ints(w.buf, t["Shape"])
-        if rank and shape and (len(shape) != 1 or shape[0] != rank):
+        if rank and shape and (len(shape) != 1 or (shape[0] != rank and w.fmt == "circle")):
             raise w.fail(where, f"input {p} has shape {list(shape)}; it needs one value per dimension of the "
                                 f"rank-{rank} input ([{rank}])")
         bi = t["Buffer"]
