@@ -85,6 +85,23 @@ def write_report(report, path: str | None) -> None:
         raise OutputError(f"cannot write the report {path}: {err.strerror}.") from None
 
 
+def finish_graphs(report, args, summary: str | None = None) -> int:
+    """The end of a ``convert --graphs`` command: ``--report JSON`` written (an OutputError if it
+    cannot be), the summary (``summary`` or the report's own) printed unless ``--quiet``; 0."""
+    if args.report:
+        import json
+
+        try:
+            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        except OSError as err:
+            from circleops.errors import OutputError
+
+            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
+    if not args.quiet:
+        print(summary if summary is not None else report.summary())
+    return 0
+
+
 def writable(path: Path) -> bool:
     """Whether a file can be created at ``path``: its directory exists and is writable, and the
     path is not a directory (checked before the slow work, so a bad path fails at once)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -68,11 +67,6 @@ def main(args: argparse.Namespace) -> int:
                                    tolerance=args.tolerance, source=loaded.source, progress=progress,
                                    quantize=quantize, threads=getattr(args, "threads", None))
     report.timings = {"load": load_seconds, **report.timings}
-    if args.report:
-        try:
-            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        except OSError as err:
-            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
-    if not args.quiet:
-        print(report.summary())
-    return 0
+    from circleops.cli.common import finish_graphs
+
+    return finish_graphs(report, args)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,11 +44,6 @@ def main(args: argparse.Namespace) -> int:
     report = speech.convert_speech(args.model, out, target=args.target, max_cache_len=args.max_cache_len,
                                    verify=args.runtime or bool(args.verify), tolerance=args.tolerance,
                                    progress=progress, threads=args.threads)
-    if args.report:
-        try:
-            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        except OSError as err:
-            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
-    if not args.quiet:
-        print(report.summary())
-    return 0
+    from circleops.cli.common import finish_graphs
+
+    return finish_graphs(report, args)

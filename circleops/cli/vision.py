@@ -59,18 +59,9 @@ def convert_main(args: argparse.Namespace) -> int:
     report = vlm.convert_vlm_graphs(model, out, processor=processor, target=args.target, prefill_len=lengths,
                                     max_cache_len=args.max_cache_len, verify=args.runtime or bool(args.verify),
                                     tolerance=args.tolerance, source=str(args.config or args.model), progress=progress)
-    if args.report:
-        import json
+    from circleops.cli.common import finish_graphs
 
-        from circleops.errors import OutputError
-
-        try:
-            Path(args.report).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        except OSError as err:
-            raise OutputError(f"cannot write the report {args.report}: {err.strerror}.") from None
-    if not args.quiet:
-        print(report.summary().replace('--prompt "..."', '--image photo.png --prompt "..."'))
-    return 0
+    return finish_graphs(report, args, report.summary().replace('--prompt "..."', '--image photo.png --prompt "..."'))
 
 
 def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler: Any) -> int:

@@ -3,14 +3,12 @@ the CLI in the same directory (a `printf ... |` feeds the command's stdin), its 
 transcripts (errors: exit code 2 and that message)."""
 from __future__ import annotations
 
-import contextlib
 import io
-import re
 import shlex
 import sys
 from pathlib import Path
 
-from circleops.cli import main
+from doc_blocks import blocks, run_cli
 from generate_fixtures import one_torch_thread
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vlm.md"
@@ -18,7 +16,7 @@ NOT_RUN: dict[str, str] = {}
 
 
 def _blocks() -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w+)\n(.*?)^```$", DOC.read_text(), re.M | re.S)]
+    return blocks(DOC)
 
 
 def _cli(command: str, monkeypatch) -> tuple[int, str, str]:
@@ -27,15 +25,7 @@ def _cli(command: str, monkeypatch) -> tuple[int, str, str]:
         printf, command = (part.strip() for part in command.split("|", 1))
         stdin = shlex.split(printf)[1].replace("\\n", "\n")
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    argv = shlex.split(command)
-    assert argv[0] == "circleops", command
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv[1:])
-        except SystemExit as exit_:  # argparse
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(command)
 
 
 def test_every_block_runs(tmp_path, monkeypatch):

@@ -3,31 +3,19 @@ commands through the CLI there, its console transcripts (exit code 2 and that me
 transcript of the convert summary lists what the command prints."""
 from __future__ import annotations
 
-import contextlib
-import io
-import re
-import shlex
 from pathlib import Path
 
-from circleops.cli import main
+from doc_blocks import blocks, run_cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "speech.md"
 
 
 def _blocks() -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w+)\n(.*?)^```$", DOC.read_text(), re.M | re.S)]
+    return blocks(DOC)
 
 
 def _cli(command: str) -> tuple[int, str, str]:
-    argv = shlex.split(command)
-    assert argv[0] == "circleops", command
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv[1:])
-        except SystemExit as exit_:
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(command)
 
 
 def test_every_block_runs(tmp_path, monkeypatch):
