@@ -112,9 +112,12 @@ def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bo
                               f"quantize='int16' (got quantize={scheme!r})")
         return
     if weight_bits == 4 and target != "circle":
-        raise TargetError(f"target {target}: onert 0.1.0 loads no INT4 tensor ('Unsupported tensor type', "
-                          "measured); write 4-bit weights with --target circle (NPU compilers) and run the file in "
-                          "the reference interpreter (--runtime reference)")
+        why = ("onert 0.1.0 loads no INT4 tensor ('Unsupported tensor type', measured)" if target == "onert" else
+               "circleops' integer TFLite files carry 8-bit weights (LiteRT's int8 and 16x8 kernels; 4-bit "
+               "weights are not written for LiteRT)" if target == "tflite" else
+               "4-bit weights are written for target circle only")
+        raise TargetError(f"target {target}: {why}; write 4-bit weights with --target circle (NPU compilers) and "
+                          "run the file in the reference interpreter (--runtime reference)")
 
 
 def recipe_for(scheme: str | None, *, weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",

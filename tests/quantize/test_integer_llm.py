@@ -130,7 +130,8 @@ def test_cli_int16_int4_gptq_rotated_llm_records_its_recipe(capsys, tmp_path, ll
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(target="onert", quantize="uint8", weight_bits=4), "no INT4 tensor"),
+    (dict(target="onert", quantize="uint8", weight_bits=4), "onert 0.1.0 loads no INT4 tensor"),
+    (dict(target="tflite", quantize="int16", weight_bits=4), "integer TFLite files carry 8-bit weights"),
     (dict(quantize="int16", verify="onert"), "reference interpreter"),
     (dict(quantize="uint8", verify="onert"), "no uint8 RMS_NORM"),
     (dict(quantize="int16", weight_bits=3), "8 or 4 bits"),
