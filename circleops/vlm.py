@@ -6,14 +6,22 @@ the decode graph with its KV cache; generation from an image and a prompt.
     vlm.convert_vlm_graphs(model, "out/", processor=processor, target="onert", verify=True)
     result = vlm.generate("out/", "Describe it", image="photo.png")
 
-SmolVLM / Idefics3 (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``):
-a SigLIP vision tower, a connector (pixel shuffle + linear) and a Llama text model.
+The families (one row each in circleops.adapters.vlm: where the vision tower, projector and
+text model are, what the prefill mask is):
+
+* SmolVLM / Idefics3 (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``):
+  a SigLIP vision tower, a connector (pixel shuffle + linear) and a Llama text model; the
+  processor splits an image into tiles.
+* PaliGemma (``PaliGemmaForConditionalGeneration``): a SigLIP vision tower, a linear projector
+  and a Gemma text model whose prefill attends both ways over the prefix (the image tokens,
+  BOS, the prompt and "\n", as PaliGemmaProcessor lays them out) and causally after it.
 
 * ``vision``: one image tile ``pixel_values [1, 3, S, S]`` -> ``image_embeds [1, T, H]``, the
   projected embeddings that replace the tile's T ``<image>`` tokens (T = the model's
   ``image_seq_len``; a processor that splits an image into tiles makes one run per tile).
 * ``prefill`` (one per ``--seq-len``): the text model's prefill with one input more,
-  ``image_embeds [1, N, H]``: the chunk's rows that are ``<image>`` tokens take that row
+  ``image_embeds [1, N, H]`` (a prefix-LM, PaliGemma: two, ``prefix_len [1]`` after it, the
+  mask built in the graph from it and ``pos``; the whole prefix goes through one run): the chunk's rows that are ``<image>`` tokens take that row
   instead of their token embedding (``where(input_ids == image_token_id, ...)``: what the
   model's ``inputs_merger`` does), every other row its embedding. The merge is in the graph,
   so the host needs no embedding table; the rest of the graph is the causal LM's prefill
@@ -45,13 +53,15 @@ from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, Graph
                               merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
 from circleops.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
 from circleops.targets import PROFILES
+from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
 
 # model_type of config.json -> what it is; the classes are transformers'
-VLM_MODEL_TYPES = {"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
+VLM_MODEL_TYPES = {t: cls for fam in FAMILIES for t, cls in fam.classes.items()}
 VISION_GRAPH = "vision"
 VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
 IMAGE_EMBEDS = "image_embeds"
 PIXEL_VALUES = "pixel_values"
+PREFIX_LEN = "prefix_len"  # a prefix-LM's prefill input: the prompt positions that attend both ways
 # SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct): "User:<image>text<end_of_utterance>\nAssistant:"
 SMOLVLM_CHAT_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -138,9 +148,13 @@ def load_processor(path: Path, *, required: bool = True) -> Any:
 
 def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = True, longest_edge: int | None = None,
                     chat_template: str | None = SMOLVLM_CHAT_TEMPLATE) -> Any:
-    """An Idefics3 processor for ``model`` (an Idefics3 / SmolVLM) over ``tokenizer`` (a
-    text model's, e.g. SmolLM2's: the image tokens are added): tiles of the vision tower's
-    image size, images resized to ``longest_edge`` (default two tiles) first."""
+    """The processor of ``model`` over ``tokenizer`` (a text model's, e.g. SmolLM2's: the
+    image tokens are added). An Idefics3 / SmolVLM: tiles of the vision tower's image size,
+    images resized to ``longest_edge`` (default two tiles) first, ``chat_template``. A
+    PaliGemma: :func:`paligemma_processor` (the other arguments do not apply)."""
+    if family_of(model).name == "paligemma":
+        return paligemma_processor(tokenizer, image_size=int(model.config.vision_config.image_size),
+                                   image_seq_len=family_of(model).tokens_per_image(model))
     from transformers import Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -154,6 +168,18 @@ def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = Tr
                              chat_template=chat_template)
 
 
+def paligemma_processor(tokenizer: Any, *, image_size: int, image_seq_len: int) -> Any:
+    """A PaliGemmaProcessor over ``tokenizer`` (any text tokenizer: it adds ``<image>`` and
+    PaliGemma's 1152 ``<locNNNN>`` / ``<segNNN>`` tokens to it, so make the model's vocabulary
+    ``len(processor.tokenizer)`` and its ``image_token_index`` ``processor.image_token_id``),
+    with SigLIP's image processor at ``image_size`` pixels and ``image_seq_len`` image tokens."""
+    from transformers import PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    images = SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, image_seq_length=image_seq_len)
+    return PaliGemmaProcessor(images, tokenizer)
+
+
 @dataclass
 class VisionSpec:
     """The manifest's ``vision`` entry: how the host feeds images to the graphs."""
@@ -164,18 +190,20 @@ class VisionSpec:
     tile_size: int  # the vision graph's pixel_values is [1, 3, tile_size, tile_size]
     hidden_size: int  # the text model's: image_embeds rows
     family: str  # model_type
+    prefix_lm: bool = False  # the prefill takes prefix_len: the prompt prefix attends both ways
 
     def to_json(self) -> dict[str, Any]:
         return {"graph": self.graph, "image_token_id": self.image_token_id, "image_seq_len": self.image_seq_len,
                 "tile_size": self.tile_size, "hidden_size": self.hidden_size, "family": self.family,
-                "prefill_input": IMAGE_EMBEDS}
+                "prefill_input": IMAGE_EMBEDS, "prefix_lm": self.prefix_lm}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: Path) -> "VisionSpec":
         try:
             spec = cls(graph=str(data["graph"]), image_token_id=int(data["image_token_id"]),
                        image_seq_len=int(data["image_seq_len"]), tile_size=int(data["tile_size"]),
-                       hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")))
+                       hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")),
+                       prefix_lm=bool(data.get("prefix_lm", False)))
         except (KeyError, TypeError, ValueError) as err:
             raise ModelLoadError(f"{where}: the vision entry is incomplete ({type(err).__name__}: {err}). Convert "
                                  f"again with --graphs vision,prefill,decode.") from None
@@ -186,9 +214,10 @@ class VisionSpec:
 
 def vision_spec(model: Any) -> VisionSpec:
     cfg = model.config
+    fam = family_of(model)
     return VisionSpec(graph=VISION_GRAPH, image_token_id=int(cfg.image_token_id),
-                      image_seq_len=int(model.model.image_seq_len), tile_size=int(cfg.vision_config.image_size),
-                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type))
+                      image_seq_len=fam.tokens_per_image(model), tile_size=int(cfg.vision_config.image_size),
+                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type), prefix_lm=fam.prefix_lm)
 
 
 def parse_vlm_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -205,32 +234,51 @@ def parse_vlm_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
 
 @dataclass
 class _Example:
-    ids: Any  # [P + 1] int64: text, one tile's image tokens, text
+    ids: Any  # [P + 1] int64: text, one tile's image tokens, text (a prefix-LM: the image first)
     pixel_values: Any  # [1, 3, S, S]
     features: Any  # [T, H]: the vision tower's output on it
     logits: Any  # [P + 1, V]: the model's logits of every prefix
+    prefix_len: int = 0  # a prefix-LM: the positions that attend both ways (token_type_ids 0)
+
+
+# a prefix-LM's verify prompt: the image, then this many text tokens in the prefix (BOS, a
+# word, "\n" in PaliGemma's layout), then a causal suffix of 2 (+ the decode step's token)
+PREFIX_TEXT, SUFFIX_TEXT = 3, 2
 
 
 def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
     """A prompt of text, one tile's <image> tokens and text, through the model's own forward
-    (with pixel_values: its vision tower and inputs_merger), before anything is fused."""
+    (with pixel_values: its vision tower and merge), before anything is fused. A prefix-LM's
+    prompt is the image and 3 tokens as the prefix (token_type_ids 0), then a causal suffix."""
     import torch
 
     from circleops.adapters.vlm import VisionTower
 
     vocab = int(model.config.text_config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    text = torch.randint(0, vocab, (max(2, min(lengths) // 2) + 2,), generator=g)
-    text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
-    ids = torch.cat([text[:2], torch.full((spec.image_seq_len,), spec.image_token_id), text[2:]])
+    image = torch.full((spec.image_seq_len,), spec.image_token_id)
+    if spec.prefix_lm:
+        text = torch.randint(0, vocab, (PREFIX_TEXT + SUFFIX_TEXT + 1,), generator=g)
+        text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
+        ids, prefix = torch.cat([image, text]), spec.image_seq_len + PREFIX_TEXT
+    else:
+        text = torch.randint(0, vocab, (max(2, min(lengths) // 2) + 2,), generator=g)
+        text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
+        ids, prefix = torch.cat([text[:2], image, text[2:]]), 0
     pixels = torch.rand((1, 3, spec.tile_size, spec.tile_size), generator=g) * 2 - 1
+    # PaliGemma's pixel_values are [B, 3, S, S]; Idefics3's [B, tiles, 3, S, S]
+    pv = pixels if spec.prefix_lm else pixels[None]
+    kinds = {}
+    if spec.prefix_lm:
+        kinds = {"token_type_ids": (torch.arange(len(ids)) >= prefix).long()[None]}
     p = len(ids) - 1
     with torch.no_grad():
-        logits = model(input_ids=ids[None, :p], pixel_values=pixels[None], use_cache=False).logits[0]
+        logits = model(input_ids=ids[None, :p], pixel_values=pv, use_cache=False,
+                       **{k: v[:, :p] for k, v in kinds.items()}).logits[0]
         # the last token after the prompt (the decode check): the same forward, one longer
-        last = model(input_ids=ids[None], pixel_values=pixels[None], use_cache=False).logits[0, -1:]
+        last = model(input_ids=ids[None], pixel_values=pv, use_cache=False, **kinds).logits[0, -1:]
         features = VisionTower(model)(pixels)[0]
-    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy())
+    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy(), prefix)
 
 
 def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any = None,
@@ -270,6 +318,12 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
     check_lengths(lengths[0], max_cache_len, limit, source or "the model")
     check_lengths(lengths[-1], max_cache_len, None, source or "the model")
     spec = vision_spec(model)
+    if spec.prefix_lm and lengths[0] < spec.image_seq_len + PREFIX_TEXT:
+        raise TargetError(f"--seq-len {','.join(map(str, lengths))}: {source or 'the model'} ({spec.family}) attends "
+                          f"both ways over its prompt prefix (the image's {spec.image_seq_len} tokens, BOS, the prompt "
+                          f"and \"\\n\"), so the whole prefix goes through one prefill run: the longest --seq-len "
+                          f"must hold the image and the longest prompt, at least {spec.image_seq_len + PREFIX_TEXT} "
+                          f"(e.g. --seq-len {spec.image_seq_len + 32},8).")
     opts = pipeline.Options(target, torch.float32, runtime=runtime, tolerance=tolerance, functionalize=False)
     out_dir = Path(out_dir)
     prepare_dir(out_dir)
@@ -301,17 +355,19 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
         with tracker.stage("torch reference logits", "verify", enter=False):
             example = _example(model, spec, lengths)
     cache_update = default_cache_update(opts.target)
-    with tracker.stage("export"), torch.no_grad():
+    family = family_of(model)
+    with tracker.stage("export"), torch.no_grad(), family.explicit_mask(model):
         tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size))
         eps = {VISION_GRAPH: pipeline.export(VisionTower(model).eval(), (tile,), adapters=False, warn_list=[])}
         step = decoder_step(TextLM(model), max_cache_len, cache_update)
-        prefill = ImagePrefill(step, spec.image_token_id)
+        prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm)
         for n in lengths:
+            extra = (torch.tensor([n]),) if spec.prefix_lm else ()
             args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
-                    torch.zeros((1, n, spec.hidden_size)), *step.empty_caches())
+                    torch.zeros((1, n, spec.hidden_size)), *extra, *step.empty_caches())
             eps[prefill_graph_name(n, lengths)] = pipeline.export(prefill, args, adapters=False, warn_list=[])
         eps["decode"] = export_graph(step, "decode", lengths[0])
-    names = _io(step.num_layers, cache_update)
+    names = _io(step.num_layers, cache_update, spec.prefix_lm)
     built = pipeline.build(eps, opts, None, tracker, lower_one=lambda g, ep: lower_step(
         ep, g, opts, step.num_layers, names=names[VISION_GRAPH if g == VISION_GRAPH else
                                                   "decode" if g == "decode" else "prefill"]))
@@ -351,10 +407,11 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
     return report
 
 
-def _io(num_layers: int, cache_update: str) -> dict[str, tuple[list[str], list[str]]]:
-    """Input and output names per graph kind: the prefill's image_embeds after logits_row."""
+def _io(num_layers: int, cache_update: str, prefix_lm: bool = False) -> dict[str, tuple[list[str], list[str]]]:
+    """Input and output names per graph kind: the prefill's image_embeds (and a prefix-LM's
+    prefix_len) after logits_row."""
     ins, outs = io_names(num_layers, "prefill", cache_update)
-    prefill_ins = [*ins[:3], IMAGE_EMBEDS, *ins[3:]]
+    prefill_ins = [*ins[:3], IMAGE_EMBEDS, *([PREFIX_LEN] if prefix_lm else []), *ins[3:]]
     return {VISION_GRAPH: ([PIXEL_VALUES], [IMAGE_EMBEDS]), "prefill": (prefill_ins, outs),
             "decode": io_names(num_layers, "decode", cache_update)}
 
@@ -390,10 +447,14 @@ def _verify(manifest: Manifest, runtime: str, example: _Example, tol: float) -> 
     features = gen.image_features(example.pixel_values.numpy()[None])
     errors = {VISION_GRAPH: float(np.abs(features - example.features).max())}
     wants = {VISION_GRAPH: example.features}
+    p, longest = example.prefix_len, max(manifest.prefill_graphs)
     for n, g in manifest.prefill_graphs.items():  # the whole prompt through each prefill graph alone
         gen.reset()
         gen.attach_images(ids[:-1], 0, features)
-        gen.plan = lambda start, end, n=n: [(n, s) for s in range(start, end, n)]
+        gen.prefix_len = p
+        # a prefix-LM's prefix in one run (of this graph if it holds it), the causal rest in runs of n
+        first = [(n if n >= p else longest, 0)] if p else []
+        gen.plan = lambda start, end, n=n, first=first: first + [(n, s) for s in range(max(start, p), end, n)]
         logits = gen.feed(ids[:-1])
         errors[g], wants[g] = float(np.abs(logits - example.logits[-2]).max()), example.logits[-2]
     step = gen.decode(ids[-1])
@@ -429,10 +490,38 @@ class VisionGenerator(Generator):
         self.vision_session = open_graph(m, self.vision.graph, self.runtime)
         self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
         self._has_image = np.zeros(m.max_cache_len, dtype=bool)
+        # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
+        # graphs take it, and the prefix must go through one run (see plan)
+        self.prefix_len = 0
 
     def reset(self) -> None:
         super().reset()
         self._has_image[:] = False
+        self.prefix_len = 0
+
+    def check_prefix(self, prefix_len: int) -> int:
+        """The length of the prefill graph that takes a prefix of ``prefix_len`` tokens in one
+        run (the shortest that holds it); GenerationLimitError naming --seq-len if none does."""
+        fits = [n for n in self.prefill_sessions if n >= prefix_len]
+        if not fits:
+            raise GenerationLimitError(
+                f"the prompt is {prefix_len} tokens (the image's {self.vision.image_seq_len} and the text), and "
+                f"{self.vision.family or 'this model'} attends both ways over all of them, so they go through one "
+                f"prefill run; the longest prefill graph in {self.manifest.directory} takes "
+                f"{max(self.prefill_sessions)}. Shorten the prompt, or convert again with --seq-len {prefix_len} or "
+                f"more as the longest length (e.g. --seq-len {prefix_len},8).")
+        return min(fits)
+
+    def plan(self, start: int, end: int) -> list[tuple[int, int]]:
+        """A prefix-LM's prefix in one run (chunking it would hide later prefix tokens from
+        earlier ones), the rest as :meth:`Generator.plan` chunks it."""
+        if not self.vision.prefix_lm or self.prefix_len <= start:
+            return super().plan(start, end)
+        if start > 0:
+            raise GenerationLimitError(f"the prefix ends at position {self.prefix_len}, and {start} tokens are in "
+                                       f"the cache already: a prefix is fed from position 0 (start a new prompt).")
+        first = self.check_prefix(self.prefix_len)
+        return [(first, 0)] + (super().plan(first, end) if end > first else [])
 
     def image_features(self, pixel_values: Any) -> Any:
         """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
@@ -483,15 +572,20 @@ class VisionGenerator(Generator):
         rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
         take = max(0, min(n, self.manifest.max_cache_len - pos))
         rows[0, :take] = self._rows[pos:pos + take]
+        if self.vision.prefix_lm:
+            return [rows, np.array([self.prefix_len], dtype=np.int64)]
         return [rows]
 
     def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
                             max_new_tokens: int, **kwargs: Any) -> Generation:
         """:meth:`generate` (a new conversation) with the image ``pixel_values`` (the
         processor's) behind the prompt's image tokens."""
+        if self.vision.prefix_lm:  # the whole prompt is the prefix (what PaliGemmaProcessor makes)
+            self.check_prefix(len(prompt_ids))
         features = self.image_features(pixel_values) if pixel_values is not None else []
         self.reset()
         self.attach_images(prompt_ids, 0, features)
+        self.prefix_len = len(prompt_ids) if self.vision.prefix_lm else 0
         return self.generate(prompt_ids, max_new_tokens, keep_cache=True, **kwargs)
 
 
@@ -525,6 +619,9 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
                                              add_generation_prompt=True, tokenize=False)
     else:
         text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
+    if image is None and type(processor).__name__ == "PaliGemmaProcessor":
+        raise ImageInputError("PaliGemma generates from an image and a prompt (its processor takes no text alone): "
+                              "pass the image (--image PATH).")
     if image is None and "<image>" in text:
         raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
                               "or drop <image> from the prompt.")

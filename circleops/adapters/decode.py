@@ -114,11 +114,14 @@ class DecoderWithCache(torch.nn.Module):
         return self.run(input_ids, pos, caches)
 
     def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
-             row: Tensor | None = None, inputs_embeds: Tensor | None = None) -> tuple[Tensor, ...]:
+             row: Tensor | None = None, inputs_embeds: Tensor | None = None,
+             prefix_len: Tensor | None = None) -> tuple[Tensor, ...]:
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
         logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.
         ``inputs_embeds`` [1, S, hidden]: the tokens' embeddings, given instead of looked up
-        (a vision-language model's prefill merges image embeddings in: circleops.vlm)."""
+        (a vision-language model's prefill merges image embeddings in: circleops.vlm).
+        ``prefix_len`` (int64 [1]): a prefix-LM's mask (PaliGemma): the first ``prefix_len``
+        positions (image and prompt) see each other both ways, the rest causally; 0 is causal."""
         n = self.num_layers
         if len(caches) != 2 * n:
             raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
@@ -135,6 +138,8 @@ class DecoderWithCache(torch.nn.Module):
         else:
             # slot c is visible to new token i iff c <= pos + i: written already, or now
             visible = slots[None, :] <= positions[0, :, None]  # [S, C]
+        if prefix_len is not None:
+            visible = _prefix_visible(visible, slots, positions[0], prefix_len, self.cache_update)
         mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
         mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S or 1, C]
         k_caches, v_caches = list(caches[:n]), list(caches[n:])
@@ -151,6 +156,27 @@ class DecoderWithCache(torch.nn.Module):
             hidden = hidden.index_select(1, row.reshape(1).to(torch.int64))
         logits = lm_head(base.norm(hidden))
         return (logits, *kv.k, *kv.v)
+
+
+def _prefix_visible(visible: Tensor, slots: Tensor, positions: Tensor, prefix_len: Tensor,
+                    cache_update: str) -> Tensor:
+    """``visible`` with a prefix-LM's prefix: key position j is visible to query position i
+    iff it was (causal) or j < prefix_len (HF's ``token_type_ids == 0`` block: the image and
+    prompt attend to each other both ways). "full" [S, C]: the prefix slots this run writes
+    (the last position bounds them: a slot not written yet stays hidden). "rows" [S, C + S]:
+    the input slots before pos, then the S new tokens among themselves (circle.attention's
+    C + S mask), built over one index k (no bool CONCATENATION or BROADCAST_TO: onert has
+    neither)."""
+    p = prefix_len.reshape(1, 1).to(torch.int64)
+    if cache_update != "rows":
+        return visible | ((slots[None, :] < p) & (slots[None, :] <= positions[-1]))
+    c, s = slots.shape[0], positions.shape[0]
+    j = torch.arange(c + s, device=slots.device)[None, :] - c  # [1, C + S]: < 0 a cache slot, else a new token
+    i = torch.arange(s, device=slots.device)[:, None]  # [S, 1]
+    pos = positions[:1].reshape(1, 1)
+    cached = (j + c) < pos  # slot < pos (pos < C, so a cache column)
+    own = (j >= 0) & ((j <= i) | ((j + pos) < p))
+    return cached | own
 
 
 class OneRowPrefill(torch.nn.Module):

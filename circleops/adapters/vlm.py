@@ -1,38 +1,137 @@
-"""The torch modules a vision-language model's graphs are exported from (circleops.vlm):
-its text model as a causal LM for :class:`~circleops.adapters.decode.DecoderWithCache`, its
-vision tower + connector on one image tile, and a prefill that merges image embeddings in
-at the image tokens (Idefics3 / SmolVLM: ``model.model.vision_model``, ``.connector``,
-``.text_model``, ``model.lm_head``)."""
+"""The torch modules a vision-language model's graphs are exported from (circleops.vlm),
+built from one declarative row per family (:class:`VLMFamily`): where its vision tower,
+projector and text model are, how many embeddings an image gives, and what its prefill
+mask is. Adding a family (Qwen2-VL next) is one row here, plus its processor in
+circleops.vlm.
+
+* the vision graph: ``projector(vision(pixel_values).last_hidden_state)`` on one image
+  (:class:`VisionTower`): SmolVLM's connector (pixel shuffle + linear), PaliGemma's linear
+  ``multi_modal_projector``;
+* the merge (:class:`ImagePrefill`): each image token takes its image embedding instead of its
+  token embedding, as both families' ``masked_scatter`` / ``inputs_merger`` do; the text tokens'
+  embedding is the text model's own, with its scale (Gemma's ``sqrt(hidden)`` is inside its
+  ``embed_tokens``: transformers 5 no longer divides PaliGemma's image features by it);
+* the prefill mask: causal (SmolVLM), or a prefix-LM (PaliGemma: the image and prompt tokens,
+  ``token_type_ids == 0``, attend to each other both ways): the prefill graph then takes
+  ``prefix_len`` and builds the mask from it and ``pos`` (DecoderWithCache's ``prefix_len``).
+"""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class VLMFamily:
+    """One vision-language family: dotted attribute paths from the transformers model."""
+
+    name: str  # "paligemma"
+    classes: dict[str, str]  # config model_type -> the transformers class
+    vision: str  # the vision tower: (pixel_values=...) -> .last_hidden_state
+    projector: str  # vision features -> text embeddings
+    text: str  # the text body (embed_tokens, layers, norm, rotary_emb)
+    image_seq_len: str  # embeddings (image tokens) per image or tile
+    prefix_lm: bool = False  # bidirectional over the prompt prefix: the prompt in one prefill run
+    position_offset: int = 0  # the RoPE position of cache slot 0 (PaliGemma counts from 1)
+
+    def text_body(self, vlm: Any) -> torch.nn.Module:
+        body = _path(vlm, self.text)
+        return _ShiftedBody(body, self.position_offset) if self.position_offset else body
+
+    def tokens_per_image(self, vlm: Any) -> int:
+        return int(_path(vlm, self.image_seq_len))
+
+    @contextlib.contextmanager
+    def explicit_mask(self, vlm: Any) -> Iterator[None]:
+        """While exporting: a prefix-LM's text layers count as causal layers. PaliGemma's
+        Gemma layers say ``is_causal = False`` (``use_bidirectional_attention``), which only
+        tells SDPA what to do when no mask is given; the graphs always pass the prefix-LM
+        mask, which decides. Restored afterwards: the model's own forward is unchanged."""
+        layers = [m for m in _path(vlm, self.text).modules() if getattr(m, "is_causal", True) is False]
+        if not self.prefix_lm:
+            layers = []
+        for m in layers:
+            m.is_causal = True
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.is_causal = False
+
+
+SMOLVLM = VLMFamily(
+    name="smolvlm", classes={"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"},
+    vision="model.vision_model", projector="model.connector", text="model.text_model",
+    image_seq_len="model.image_seq_len")
+PALIGEMMA = VLMFamily(
+    name="paligemma", classes={"paligemma": "PaliGemmaForConditionalGeneration"},
+    vision="model.vision_tower", projector="model.multi_modal_projector", text="model.language_model",
+    image_seq_len="config.text_config.num_image_tokens", prefix_lm=True, position_offset=1)
+FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA)
+BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
+
+
+def family_of(vlm: Any) -> VLMFamily:
+    """The family of a transformers vision-language model (KeyError if none)."""
+    return BY_MODEL_TYPE[str(vlm.config.model_type)]
+
+
+def _path(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _ShiftedRotary(torch.nn.Module):
+    """The model's rotary embedding at ``position + offset`` (PaliGemma's positions are
+    1-indexed: ``position_ids = cache_position + 1``)."""
+
+    def __init__(self, rotary: torch.nn.Module, offset: int):
+        super().__init__()
+        self.rotary = rotary
+        self.offset = int(offset)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rotary(x, position_ids + self.offset)
+
+
+class _ShiftedBody(torch.nn.Module):
+    """The text body's own modules, its rotary embedding shifted (see _ShiftedRotary)."""
+
+    def __init__(self, body: torch.nn.Module, offset: int):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm = body.embed_tokens, body.layers, body.norm
+        self.rotary_emb = _ShiftedRotary(body.rotary_emb, offset)
+        self.config = body.config
+
+
 class TextLM(torch.nn.Module):
-    """The text model of a vision-language model as a causal LM (``model`` = the Llama
-    body, ``lm_head``, ``config`` = its text config): what DecoderWithCache takes. It holds
-    the model's own modules: fusing it fuses them."""
+    """The text model of a vision-language model as a causal LM (``model`` = the text body,
+    ``lm_head``, ``config`` = its text config): what DecoderWithCache takes. It holds the
+    model's own modules: fusing it fuses them."""
 
     def __init__(self, vlm: Any):
         super().__init__()
-        self.model = vlm.model.text_model
+        self.model = family_of(vlm).text_body(vlm)
         self.lm_head = vlm.lm_head
         self.config = vlm.config.text_config
         self.generation_config = getattr(vlm, "generation_config", None)
 
 
 class VisionTower(torch.nn.Module):
-    """``pixel_values [1, 3, S, S]`` (one tile) -> ``image_embeds [1, T, H]``: the vision
-    model and the connector (pixel shuffle, projection), as ``get_image_features`` runs them
-    on a tile without padding (every patch attended)."""
+    """``pixel_values [1, 3, S, S]`` (one image or tile) -> ``image_embeds [1, T, H]``: the
+    vision model and the projector, as ``get_image_features`` runs them on an image without
+    padding (every patch attended)."""
 
     def __init__(self, vlm: Any):
         super().__init__()
-        self.vision_model = vlm.model.vision_model
-        self.connector = vlm.model.connector
+        fam = family_of(vlm)
+        self.vision_model = _path(vlm, fam.vision)
+        self.connector = _path(vlm, fam.projector)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         return self.connector(self.vision_model(pixel_values=pixel_values).last_hidden_state)
@@ -40,19 +139,26 @@ class VisionTower(torch.nn.Module):
 
 class ImagePrefill(torch.nn.Module):
     """A prefill of ``step`` (DecoderWithCache) that merges image embeddings in:
-    ``forward(input_ids [1, N], pos [1], logits_row [1], image_embeds [1, N, H], *caches)``;
-    a row whose id is the image token takes its ``image_embeds`` row (what the model's
-    ``inputs_merger`` does with the image features), every other row its token embedding.
-    Returns what the step's one-row prefill returns."""
+    ``forward(input_ids [1, N], pos [1], logits_row [1], image_embeds [1, N, H], *caches)``
+    (a prefix-LM: ``prefix_len [1]`` after ``image_embeds``); a row whose id is the image
+    token takes its ``image_embeds`` row (what the model's merge does with the image
+    features), every other row its token embedding. Returns what the step's one-row prefill
+    returns."""
 
-    def __init__(self, step: Any, image_token_id: int):
+    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False):
         super().__init__()
         self.model = step.model  # registered under the decode step's name: the same parameter names
         self._run = step.run
         self.image_token_id = int(image_token_id)
+        self.prefix_lm = bool(prefix_lm)
+        # an image token past the vocabulary (PaliGemma's may be) is looked up as token 0, as
+        # the model does, before its row is replaced
+        self._oov = self.image_token_id >= int(self.model.model.embed_tokens.num_embeddings)
 
-    def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, image_embeds: Tensor, *caches: Tensor):
-        embeds = self.model.model.embed_tokens(input_ids)
-        is_image = (input_ids == self.image_token_id).unsqueeze(-1)
-        embeds = torch.where(is_image, image_embeds.to(embeds.dtype), embeds)
-        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds)
+    def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, image_embeds: Tensor, *rest: Tensor):
+        prefix_len, caches = (rest[0], rest[1:]) if self.prefix_lm else (None, rest)
+        is_image = input_ids == self.image_token_id
+        ids = torch.where(is_image, torch.zeros_like(input_ids), input_ids) if self._oov else input_ids
+        embeds = self.model.model.embed_tokens(ids)
+        embeds = torch.where(is_image.unsqueeze(-1), image_embeds.to(embeds.dtype), embeds)
+        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len)

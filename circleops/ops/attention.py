@@ -38,6 +38,9 @@ them (the "full" form reads and writes every slot of every cache per step). Atte
 over the C input slots the mask leaves visible, plus the S new tokens causally (new token i
 sees new tokens j <= i), one softmax over both. The mask must hide the slots >= pos (they
 are stale: not written yet in the input); a decode step's is mask[0, j] = 0 for j < pos.
+A mask of C + S columns masks the new tokens too: its last S columns replace the causal
+order among them (a prefix-LM such as PaliGemma's: the image and prompt tokens see each
+other both ways, circleops.adapters.decode.DecoderWithCache's ``prefix_len``).
 Without stale slots visible, both forms give the same result (up to the summation order).
 
 Autocast: like linear and scaled_dot_product_attention, the op follows the active autocast
@@ -76,8 +79,10 @@ def _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, cache_updat
           lambda: f"circle::attention: wo must be [E, {wq.shape[0]}], got {list(wo.shape)}")
     check(pos.numel() == 1 and not pos.is_floating_point(),
           lambda: f"circle::attention: pos must be an integer tensor [1], got {pos.dtype} {list(pos.shape)}")
-    check(mask.shape[-1] == k_cache.shape[1],
-          lambda: f"circle::attention: mask's last dim must be the cache size {k_cache.shape[1]}, got {list(mask.shape)}")
+    c, s = k_cache.shape[1], x.shape[1]
+    check(mask.shape[-1] == c or (cache_update == "rows" and mask.shape[-1] == c + s),
+          lambda: f"circle::attention: mask's last dim must be the cache size {c} (or, with cache_update='rows', "
+                  f"{c} + {s}: the new tokens masked too), got {list(mask.shape)}")
 
 
 def update_cache(cache: Tensor, new: Tensor, pos: Tensor) -> Tensor:
@@ -150,15 +155,19 @@ def _attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_n
                  scaling: float, dtype: torch.dtype) -> Tensor:
     """The "rows" form's attention [B, Hq, S, D]: q [B, Hq, S, D] over the C input cache
     slots (``mask`` [.., S, C] hides the stale ones) and the S new keys/values [B, S, Hkv, D]
-    (causal among themselves); one softmax over the C + S scores, concatenated."""
+    (causal among themselves, or as the last S columns of a [.., S, C + S] ``mask`` say);
+    one softmax over the C + S scores, concatenated."""
     b, hq, s, d = q.shape
     c, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     qg = q.reshape(b, hkv, g * s, d)
-    cached = torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling + mask
+    cached = torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling
+    cached = cached + (mask if mask.shape[-1] == c else mask[..., :c])
     # the new keys through the cache dtype and back: the values the "full" form reads from its cache
     own = torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s) * scaling
-    if s > 1:
+    if mask.shape[-1] == c + s:  # the mask orders the new tokens (a prefix-LM's bidirectional prefix)
+        own = own + mask[..., c:]
+    elif s > 1:
         own = own + torch.full((s, s), torch.finfo(own.dtype).min, dtype=own.dtype, device=own.device).triu(1)
     probs = torch.softmax(torch.cat((cached, own), -1), dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
     p_cached, p_own = probs[..., :c].reshape(b, hkv, g * s, c), probs[..., c:].reshape(b, hkv, g * s, s)
