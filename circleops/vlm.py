@@ -499,6 +499,16 @@ class VisionGenerator(Generator):
         self._has_image[:] = False
         self.prefix_len = 0
 
+    def check_chat(self, chat: bool) -> None:
+        """A prefix-LM (PaliGemma) has no chat: its prompt is one prefix with its image, which a
+        conversation's later turns could not extend (they would be causal, unlike transformers'
+        re-encoded prompt). ModelLoadError for ``chat``."""
+        if chat and self.vision.prefix_lm:
+            raise ModelLoadError(f"{self.vision.family or 'this model'} has no chat template: its prompt is one prefix "
+                                 f"(the image and the text attend to each other both ways), so it does not chat. Use "
+                                 f"`circleops generate {self.manifest.directory} --image PATH --prompt TEXT` without "
+                                 f"--chat.")
+
     def check_prefix(self, prefix_len: int) -> int:
         """The length of the prefill graph that takes a prefix of ``prefix_len`` tokens in one
         run (the shortest that holds it); GenerationLimitError naming --seq-len if none does."""
@@ -639,6 +649,7 @@ def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike
     ``directory`` (``convert --graphs vision,prefill,decode``); ``result.text`` holds the
     new text, which ``stream`` (a file) also receives as it is produced."""
     gen = VisionGenerator(directory, runtime=runtime)
+    gen.check_chat(chat)
     processor = saved_processor(gen.manifest)
     ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
     gen.check_fits(len(ids), max_new_tokens)
@@ -665,6 +676,7 @@ class VisionChat(Chat):
     computed once and placed at its ``<image>`` tokens."""
 
     def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
+        generator.check_chat(True)
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("the processor saved with this model has no chat template, so it cannot chat; use "
                                  "`circleops generate DIR --image ... --prompt ...`.")

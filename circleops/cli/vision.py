@@ -75,6 +75,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
                           "cannot place an image.")
     image = read_image(args.image) if args.image else None  # before any graph is opened
     gen = VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None))
+    gen.check_chat(args.chat)
     processor = saved_processor(manifest)
     ids, pixels = prepare(processor, args.prompt, image, chat=args.chat)
     gen.check_fits(len(ids), args.max_new_tokens)

@@ -1,6 +1,8 @@
 """A vision-language model end to end: `circleops convert DIR --graphs vision,prefill,decode`
-on a tiny random SmolVLM (Idefics3) saved with its processor, then `generate --image` and
-`chat --image` on onert (and the reference interpreter) give transformers' greedy tokens."""
+on a tiny random model of each family (SmolVLM / Idefics3, PaliGemma) saved with its
+processor, then `generate --image` and `chat --image` on onert (and the reference
+interpreter, and the one-file targets circle and tflite) give transformers' greedy tokens.
+``tiny_vlm_onert`` is parametrized over the families (vlm_fixtures.py)."""
 from __future__ import annotations
 
 import io
@@ -13,7 +15,7 @@ from circleops.cli import main
 from circleops.manifest import read_manifest
 from circleops.serialize import read_model
 from circleops import vlm
-from vlm_fixtures import VLM_NEW, save_image, tiny_vlm
+from vlm_fixtures import VLM_NEW
 
 
 def _inputs(t, prompt, image, chat=False):
@@ -25,25 +27,33 @@ def _inputs(t, prompt, image, chat=False):
     ("reference", "Describe it", True)])
 def test_generate_with_image_equals_transformers(tiny_vlm_onert, runtime, prompt, chat):
     t = tiny_vlm_onert
+    chat = chat and t.chat  # PaliGemma has no chat template: its processor's own layout
     ids, pixels = _inputs(t, prompt, t.photo, chat)
-    assert pixels.shape[1] == 5 and len(ids) > 16  # 4 tiles + the global image; the prompt spans several chunks
+    assert ids.count(t.model.config.image_token_id) == t.tiles * t.image_tokens and len(ids) > 16
     result = vlm.generate(t.out, prompt, t.photo, VLM_NEW, runtime=runtime, chat=chat)
     assert result.prompt_ids == ids
     assert result.tokens == t.hf_greedy(ids, pixels)
-    assert result.prefill_runs > 1
+    # SmolVLM's prompt spans several chunks; PaliGemma's prefix attends both ways: one run
+    assert result.prefill_runs == 1 if t.family == "paligemma" else result.prefill_runs > 1
 
 
 def test_the_image_decides_the_tokens(tiny_vlm_onert):
     """Another image gives transformers' tokens for that image, which differ: the graphs see it."""
     t = tiny_vlm_onert
-    ids, pixels = _inputs(t, "Describe it", t.other, True)
-    got = vlm.generate(t.out, "Describe it", t.other, VLM_NEW, chat=True).tokens
+    ids, pixels = _inputs(t, "Describe it", t.other, t.chat)
+    got = vlm.generate(t.out, "Describe it", t.other, VLM_NEW, chat=t.chat).tokens
     assert got == t.hf_greedy(ids, pixels)
-    assert got != vlm.generate(t.out, "Describe it", t.photo, VLM_NEW, chat=True).tokens
+    assert got != vlm.generate(t.out, "Describe it", t.photo, VLM_NEW, chat=t.chat).tokens
 
 
 def test_text_only_prompt_equals_transformers(tiny_vlm_onert):
+    """SmolVLM answers text alone as transformers does; PaliGemma's processor takes no text
+    without an image, which is one clear error."""
     t = tiny_vlm_onert
+    if t.family == "paligemma":
+        with pytest.raises(vlm.ImageInputError, match="PaliGemma generates from an image and a prompt"):
+            vlm.generate(t.out, "Hello there, how are you?", None, VLM_NEW)
+        return
     ids, pixels = _inputs(t, "Hello there, how are you?", None)
     assert pixels is None
     assert vlm.generate(t.out, "Hello there, how are you?", None, VLM_NEW).tokens == t.hf_greedy(ids, None)
@@ -51,13 +61,13 @@ def test_text_only_prompt_equals_transformers(tiny_vlm_onert):
 
 def test_cli_generate_prints_transformers_text(tiny_vlm_onert, capsys):
     t = tiny_vlm_onert
-    ids, pixels = _inputs(t, "Describe it", t.photo, True)
+    ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
     want = t.processor.tokenizer.decode(t.hf_greedy(ids, pixels), skip_special_tokens=True)
-    assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", "Describe it", "--chat",
-                 "--max-new-tokens", str(VLM_NEW)]) == 0
+    assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", "Describe it",
+                 *(["--chat"] if t.chat else []), "--max-new-tokens", str(VLM_NEW)]) == 0
     out, err = capsys.readouterr()
-    assert out == want + "\n"
-    assert "5 tile(s) through the vision graph" in err
+    assert out == ("" if t.chat else "Describe it") + want + "\n"
+    assert f"{t.tiles} tile(s) through the vision graph" in err
 
 
 def _rendered(t, texts_and_replies, image):
@@ -72,9 +82,17 @@ def _rendered(t, texts_and_replies, image):
 
 def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys):
     """Each reply is transformers' greedy continuation of the whole conversation rendered by
-    the processor's template with the image; the second turn feeds only its own tokens."""
+    the processor's template with the image; the second turn feeds only its own tokens.
+    PaliGemma (no chat template) refuses to chat in one paragraph."""
     t = tiny_vlm_onert
     image = vlm.read_image(t.photo)
+    if not t.chat:
+        assert main(["chat", str(t.out), "--image", str(t.photo)]) == 2
+        err = capsys.readouterr().err
+        assert "has no chat template: its prompt is one prefix" in err and "Traceback" not in err
+        assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", "Hi", "--chat"]) == 2
+        assert "so it does not chat" in capsys.readouterr().err
+        return
     chat = vlm.VisionChat(vlm.VisionGenerator(t.out), t.processor, image)
     said: list[str] = []
     for text in ["Describe it", "And the colours?"]:
@@ -95,12 +113,14 @@ def test_manifest_lists_the_vision_graph_and_the_text_part_stays_fused(tiny_vlm_
     t = tiny_vlm_onert
     m = read_manifest(t.out)
     assert m.files["vision"] == "vision.circle" and m.vision["graph"] == "vision"
-    assert m.vision["image_token_id"] == t.model.config.image_token_id and m.vision["image_seq_len"] == 4
+    assert m.vision["image_token_id"] == t.model.config.image_token_id
+    assert m.vision["image_seq_len"] == t.image_tokens
     assert "image_embeds" in m.prefill_inputs
+    assert ("prefix_len" in m.prefill_inputs) == m.vision["prefix_lm"] == (t.family == "paligemma")
     ops = {g: [op.opcode for op in read_model(t.out / f).subgraphs[0].operators] for g, f in m.files.items()}
     sub = read_model(t.out / m.files["vision"]).subgraphs[0]
     assert [list(sub.tensors[i].shape) for i in sub.inputs] == [[1, 3, 32, 32]]
-    assert [list(sub.tensors[i].shape) for i in sub.outputs] == [[1, 4, 32]]
+    assert [list(sub.tensors[i].shape) for i in sub.outputs] == [[1, t.image_tokens, 32]]
     for g in ("prefill", "prefill_8", "decode"):
         assert ops[g].count("RMS_NORM") == 5, g  # 2 layers x 2 + the final norm
     assert ops["decode"].count("ROPE") == 4
@@ -114,7 +134,9 @@ def test_errors_are_one_clear_paragraph(tiny_vlm_onert, tmp_path, capsys):
          "converts with --graphs vision,prefill,decode"),
         (["generate", str(t.out), "--image", str(tmp_path / "missing.png"), "--prompt", "Hi"],
          "missing.png does not exist"),
-        (["generate", str(t.out), "--prompt", "<image>What is it?"], "image tokens (<image>) with no image: pass the image"),
+        (["generate", str(t.out), "--prompt", "<image>What is it?"],
+         "PaliGemma generates from an image and a prompt" if t.family == "paligemma"
+         else "image tokens (<image>) with no image: pass the image"),
         (["generate", str(t.out), "--image", str(tmp_path / "x.txt"), "--prompt", "Hi"], "does not exist"),
     ]
     (tmp_path / "bad.png").write_text("not an image")
@@ -150,11 +172,14 @@ def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path,
     (LiteRT): one file, a signature per graph, the vision graph among them."""
     t = tiny_vlm_onert
     model, processor = vlm.load(t.model_dir)
-    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=(16, 8),
+    lengths = tuple(int(n) for n in t.prefill.split(","))
+    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=lengths,
                                     max_cache_len=64)
     assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
-    ids, pixels = _inputs(t, "Describe it", t.photo, True)
-    assert vlm.generate(tmp_path / "out", "Describe it", t.photo, 5, chat=True).tokens == t.hf_greedy(ids, pixels, 5)
+    ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
+    # 8 tokens: PaliGemma's causal-prefill tokens part from the prefix-LM's at the 5th
+    got = vlm.generate(tmp_path / "out", "Describe it", t.photo, 8, chat=t.chat).tokens
+    assert got == t.hf_greedy(ids, pixels, 8)
 
 
 @pytest.mark.parametrize("vision, message", [("oops", "vision has the wrong type"),
