@@ -123,7 +123,7 @@ def test_shape_errors_name_the_input():
     layer["wk"] = torch.randn(12, 16)
     with pytest.raises(OpArgumentError, match=r"wk must be \[8, 16\], got \[12, 16\]"):
         _call(layer, torch.zeros(2, 8), torch.tensor([0]))
-    with pytest.raises(OpArgumentError, match="mask's last dim must be the cache size 8"):
+    with pytest.raises(OpArgumentError, match="mask.s last dim must be the cache size 8"):
         _call(_layer(s=2), torch.zeros(2, 5), torch.tensor([0]))
 
 
@@ -157,3 +157,27 @@ def test_rows_form_never_reads_the_stale_slots():
 def _call_rows(t, mask, pos):
     return attention(t["x"], t["wq"], t["wk"], t["wv"], t["wo"], t["cos"], t["sin"], mask, t["k_cache"], t["v_cache"],
                      torch.tensor([pos]), cache_update="rows")[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("s,pos,prefix", [(4, 0, 3), (3, 2, 4), (4, 2, 0)])
+def test_rows_form_with_a_mask_over_the_new_tokens_equals_the_full_form(s, pos, prefix):
+    """cache_update="rows" with a [S, C + S] mask: its last S columns order the new tokens
+    (a prefix-LM: positions < prefix see each other both ways), the same output as "full"
+    whose [S, C] mask shows the same slots; a causal last S columns is the [S, C] form."""
+    c = 8
+    layer = _layer(s=s, c=c, seed=s + pos + prefix)
+    q, k = pos + torch.arange(s)[:, None], torch.arange(c)[None, :]
+    low = torch.finfo(torch.float32).min
+    full_visible = (k <= q) | ((k < prefix) & (k < pos + s))
+    full = _call(layer, torch.zeros(s, c).masked_fill(~full_visible, low), torch.tensor([pos]))[0]
+    own = pos + torch.arange(s)[None, :]
+    rows_visible = torch.cat([k.expand(s, c) < pos, (own <= q) | (own < prefix)], dim=-1)
+    rows = _call_rows(layer, torch.zeros(s, c + s).masked_fill(~rows_visible, low), pos)
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-5)
+    causal = torch.cat([causal_mask(s, c, pos, cache_update="rows"),
+                        torch.zeros(s, s).masked_fill(~(own <= q), low)], dim=-1)
+    torch.testing.assert_close(_call_rows(layer, causal, pos),
+                               _call_rows(layer, causal_mask(s, c, pos, cache_update="rows"), pos), rtol=0, atol=1e-6)
+    if prefix > pos:  # the prefix reaches into the new tokens: bidirectional differs from causal
+        assert not torch.allclose(rows, _call_rows(layer, causal, pos), atol=1e-3)
