@@ -53,5 +53,7 @@ def test_every_block_runs(tmp_path, monkeypatch):
                     assert line in err.splitlines(), (command, line, err)
             if lang in ran:
                 ran[lang] += 1
-    assert ran == {"python": 2, "shell": 3, "console": 2}
+    assert ran == {"python": 3, "shell": 4, "console": 3}
     assert (tmp_path / "smolvlm-out" / "vision.circle").is_file()
+    assert (tmp_path / "paligemma-out" / "prefill.circle").is_file()
+    assert not (tmp_path / "paligemma-short").exists()
