@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import contextlib
 import json
 import os
 import shutil
@@ -285,21 +286,29 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
                        graphs: str | Sequence[str] = VLM_GRAPH_NAMES, target: str = "onert",
                        prefill_len: int | Sequence[int] = DEFAULT_PREFILL_LENS,
                        max_cache_len: int = DEFAULT_MAX_CACHE_LEN, verify: bool | str = False,
-                       tolerance: float | None = None, source: str = "", progress: Progress | None = None) -> GraphsReport:
-    """Write the vision, prefill and decode graphs of ``model`` (an Idefics3 / SmolVLM) for
-    ``target`` into ``out_dir`` with ``manifest.json`` (its ``vision`` entry) and the
-    processor in ``out_dir/tokenizer``.
+                       tolerance: float | None = None, source: str = "", progress: Progress | None = None,
+                       quantize: str | None = None, threads: int | None = None) -> GraphsReport:
+    """Write the vision, prefill and decode graphs of ``model`` (a model of a family of
+    circleops.adapters.vlm: SmolVLM / Idefics3, PaliGemma) for ``target`` into ``out_dir``
+    with ``manifest.json`` (its ``vision`` entry) and the processor in ``out_dir/tokenizer``.
+
+    ``quantize``: a weight-only format (q4_0, q8_0, w8, as for
+    :func:`circleops.graphs.convert_graphs`) for the text graphs (prefill and decode share one
+    set of blocks); the vision graph stays fp32. ``threads``: as for convert_graphs.
 
     ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
     of text and one image tile, against the model's own forward with ``pixel_values``: the
     vision graph's embeddings, the prefill's logits of the last prompt token and one decode
-    step; VerifyError above ``tolerance`` x max(1, max|value|). The text model's modules
+    step; VerifyError above ``tolerance`` x max(1, max|value|); with ``quantize``, against
+    the model running the weights the files hold (dequantized). The text model's modules
     are fused in place (circleops.fuse).
     """
     import torch
 
     from circleops import pipeline
+    from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
     from circleops.runtime import choose_runtime
+    from circleops.validate import validate_quantize, validate_threads
 
     parse_vlm_graphs(graphs)
     if target not in PROFILES:
@@ -307,12 +316,19 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
     if type(model).__name__ not in VLM_MODEL_TYPES.values():
         raise TargetError(f"convert_vlm_graphs takes one of {', '.join(VLM_MODEL_TYPES.values())}; got "
                           f"{type(model).__name__}.")
+    quantize = validate_quantize(quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write: use one of "
+                          f"{', '.join(WEIGHT_ONLY_FORMATS)} (weight-only; the vision graph stays fp32).")
+    validate_threads(threads)
+    if threads is None and quantize:
+        threads = PROFILES[target].quantized_threads  # what quantized files are made for (the profile says)
     runtime, note = None, None
     if verify:
         if verify is not True and str(verify) not in graph_runtimes(target):
             raise TargetError(f"runtime {verify} cannot run target {target}'s files; use one of "
                               f"{', '.join(graph_runtimes(target))}.")
-        runtime, note = choose_runtime(verify, target, None)
+        runtime, note = choose_runtime(verify, target, quantize)
     lengths = prefill_lengths(prefill_len)
     limit = getattr(model.config.text_config, "max_position_embeddings", None)
     check_lengths(lengths[0], max_cache_len, limit, source or "the model")
@@ -324,14 +340,20 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
                           f"and \"\\n\"), so the whole prefix goes through one prefill run: the longest --seq-len "
                           f"must hold the image and the longest prompt, at least {spec.image_seq_len + PREFIX_TEXT} "
                           f"(e.g. --seq-len {spec.image_seq_len + 32},8).")
-    opts = pipeline.Options(target, torch.float32, runtime=runtime, tolerance=tolerance, functionalize=False)
+    opts = pipeline.Options(target, torch.float32, quantize=quantize, threads=threads, runtime=runtime,
+                            tolerance=tolerance, functionalize=False)
     out_dir = Path(out_dir)
     prepare_dir(out_dir)
     staging = staging_dir(out_dir)
     tracker = pipeline.Tracker(progress)
     try:
-        report = _convert_into(model.eval(), processor, spec, (lengths, max_cache_len, source), opts,
-                               tracker=tracker, staging=staging)
+        with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
+            from circleops.adapters.vlm import TextLM
+
+            tokenizer = getattr(processor, "tokenizer", None)
+            weights = pipeline.prepare_weights(TextLM(model.eval()), opts, restore, tokenizer=tokenizer, tracker=tracker)
+            report = _convert_into(model, processor, spec, (lengths, max_cache_len, source), opts,
+                                   tracker=tracker, staging=staging, weights=weights)
         report.verify_note = note
         publish(staging, out_dir)
     except BaseException:
@@ -343,15 +365,18 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
 
 
 def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, opts: Any, *, tracker: Any,
-                  staging: Path) -> GraphsReport:
+                  staging: Path, weights: Any = None) -> GraphsReport:
+    import dataclasses
+
     import torch
 
     from circleops import pipeline
     from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower
+    from circleops.quantize.weights import dequantized_sources
 
     lengths, max_cache_len, source = sizes
     example = None
-    if opts.runtime is not None:
+    if opts.runtime is not None and not opts.quantize:  # the model's own forward, before it is fused
         with tracker.stage("torch reference logits", "verify", enter=False):
             example = _example(model, spec, lengths)
     cache_update = default_cache_update(opts.target)
@@ -368,11 +393,23 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
             eps[prefill_graph_name(n, lengths)] = pipeline.export(prefill, args, adapters=False, warn_list=[])
         eps["decode"] = export_graph(step, "decode", lengths[0])
     names = _io(step.num_layers, cache_update, spec.prefix_lm)
-    built = pipeline.build(eps, opts, None, tracker, lower_one=lambda g, ep: lower_step(
-        ep, g, opts, step.num_layers, names=names[VISION_GRAPH if g == VISION_GRAPH else
-                                                  "decode" if g == "decode" else "prefill"]))
-    lowered = built.models
-    del eps, built
+    vision_opts = dataclasses.replace(opts, quantize=None)  # the vision graph stays fp32
+
+    def lower_one(g: str, ep: Any, graph_opts: Any = opts) -> Any:
+        return lower_step(ep, g, graph_opts, step.num_layers,
+                          names=names[VISION_GRAPH if g == VISION_GRAPH else "decode" if g == "decode" else "prefill"])
+
+    vision = pipeline.build({VISION_GRAPH: eps.pop(VISION_GRAPH)}, vision_opts, None, tracker,
+                            lower_one=lambda g, ep: lower_one(g, ep, vision_opts))
+    built = pipeline.build(eps, opts, weights, tracker, lower_one=lower_one)
+    lowered = {**vision.models, **built.models}
+    quantization = built.quantization
+    del eps, built, vision
+    if opts.runtime is not None and opts.quantize:
+        # the model's forward (fused by now: same numerics) on the weights the files hold
+        with tracker.stage("torch reference logits", "verify", enter=False), \
+                dequantized_sources(quantization, TextLM(model)):
+            example = _example(model, spec, lengths)
     profile = opts.profile
     files = {g: f"{g}.{profile.format}" if profile.one_file_per_graph else f"model.{profile.format}" for g in lowered}
     with tracker.stage("write"):
@@ -387,7 +424,8 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
             model.generation_config.to_json_file(str(staging / "generation_config.json"))
         k_names, outs = io_names(step.num_layers, "decode", cache_update)
         manifest = Manifest(
-            directory=staging, target=opts.target, dtype="fp32", files=files,
+            directory=staging, target=opts.target, dtype="fp32", files=files, quantize=opts.quantize,
+            num_threads=opts.threads,
             signatures={g: infos[g].signature for g in files}, prefill_len=lengths[0], prefill_lens=list(lengths),
             prefill_inputs=names["prefill"][0], max_cache_len=max_cache_len, num_layers=step.num_layers,
             cache_shape=list(step.cache_shape), cache_layout=step.cache_layout,
@@ -396,7 +434,7 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
             vision=spec.to_json())
         manifest.write()
     report = GraphsReport(directory=str(staging), target=opts.target, dtype="fp32", graphs=infos, manifest=manifest,
-                          timings=tracker.timings, source=source)
+                          timings=tracker.timings, source=source, quantization=quantization)
     if example is not None:
         tol = opts.verify_tolerance()
         tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol

@@ -116,10 +116,21 @@ class TextLM(torch.nn.Module):
 
     def __init__(self, vlm: Any):
         super().__init__()
-        self.model = family_of(vlm).text_body(vlm)
+        fam = family_of(vlm)
+        self.model = fam.text_body(vlm)
         self.lm_head = vlm.lm_head
         self.config = vlm.config.text_config
         self.generation_config = getattr(vlm, "generation_config", None)
+        self._body = [_path(vlm, fam.text)]  # the text model's own forward (a list: not a second submodule)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The lm_head: what makes it a causal LM to the calibration (circleops.quantize)."""
+        return self.lm_head
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
+        """The text model's own forward on text alone, then the lm_head: what a weight
+        format's calibration (circleops.quantize: input importance, SmoothQuant) runs."""
+        return self.lm_head(self._body[0](input_ids=input_ids, **kwargs).last_hidden_state)
 
 
 class VisionTower(torch.nn.Module):

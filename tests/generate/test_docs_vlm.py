@@ -4,6 +4,7 @@ transcripts (errors: exit code 2 and that message)."""
 from __future__ import annotations
 
 import io
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -53,7 +54,8 @@ def test_every_block_runs(tmp_path, monkeypatch):
                     assert line in err.splitlines(), (command, line, err)
             if lang in ran:
                 ran[lang] += 1
-    assert ran == {"python": 3, "shell": 4, "console": 3}
+    assert ran == {"python": 3, "shell": 5, "console": 3}
     assert (tmp_path / "smolvlm-out" / "vision.circle").is_file()
     assert (tmp_path / "paligemma-out" / "prefill.circle").is_file()
+    assert json.loads((tmp_path / "paligemma-q4" / "manifest.json").read_text())["quantize"] == "q4_0"
     assert not (tmp_path / "paligemma-short").exists()

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from circleops.cli import main
 from circleops.manifest import read_manifest
@@ -199,3 +200,51 @@ def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, mes
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ModelLoadError, match=message):
         vlm.VisionGenerator(out, runtime="reference")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "w8"])
+def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert, tmp_path, fmt):
+    """--quantize makes the prefill and decode graphs' weights q4_0 (GGML) or w8 (int8) and
+    leaves the vision graph fp32; --verify compares them with the model running the weights
+    the files hold. q4_0: each token generated is torch's greedy choice on those weights
+    (dequantized), up to the files' verify error (a near-tie may go either way, as for a text
+    model: tests/quantize/test_quantize_convert.py). w8's SmoothQuant (SmolVLM's Llama) is
+    undone after the conversion, so its files are checked by --verify alone."""
+    from circleops.adapters.vlm import TextLM
+    from circleops.quantize.weights import dequantized_sources
+
+    t = tiny_vlm_onert
+    model, processor = vlm.load(t.model_dir)
+    lengths = tuple(int(n) for n in t.prefill.split(","))
+    out = tmp_path / "q"
+    report = vlm.convert_vlm_graphs(model, out, processor=processor, target="onert", prefill_len=lengths,
+                                    max_cache_len=64, verify=True, quantize=fmt)
+    m = read_manifest(out)
+    assert m.quantize == fmt and report.quantization.format == fmt and report.verify_runtime == "onert"
+    types = {g: {tensor.dtype for tensor in read_model(out / f).subgraphs[0].tensors} for g, f in m.files.items()}
+    weight_type = "GGML_Q4_0" if fmt == "q4_0" else "INT8"
+    assert weight_type not in types["vision"] and weight_type in types["prefill"] and weight_type in types["decode"]
+    ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
+    tokens = vlm.generate(out, "Describe it", t.photo, 8, chat=t.chat).tokens
+    assert len(tokens) == 8 or tokens[-1] in m.eos_token_ids
+    if fmt == "w8":
+        return
+    err = max(info.max_abs_error for info in report.graphs.values())
+    kw = {} if t.family != "paligemma" else {
+        "token_type_ids": torch.tensor([[0] * len(ids) + [1] * len(tokens)])}  # generated tokens: the suffix
+    with dequantized_sources(report.quantization, TextLM(model)), torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens]), pixel_values=torch.as_tensor(pixels),
+                       **kw).logits[0, len(ids) - 1:len(ids) - 1 + len(tokens)]
+    gaps = [float(row.max() - row[x]) for row, x in zip(logits, tokens)]
+    assert max(gaps) <= 2 * err, f"{fmt}: tokens {tokens} off torch's greedy by logit gaps {gaps} (error {err:.3g})"
+    # the CLI writes the same files
+    assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", "--target", "onert", "--quantize",
+                 fmt, "-q", "--seq-len", t.prefill, "--max-cache-len", "64", "-o", str(tmp_path / "cli")]) == 0
+    assert vlm.generate(tmp_path / "cli", "Describe it", t.photo, 8, chat=t.chat).tokens == tokens
+
+
+def test_dtype_is_refused_for_a_vlm(tiny_vlm_onert, tmp_path, capsys):
+    assert main(["convert", str(tiny_vlm_onert.model_dir), "--graphs", "vision,prefill,decode", "--target", "circle",
+                 "--dtype", "fp16", "-o", str(tmp_path / "o")]) == 2
+    assert "--dtype fp16: a vision-language model's graphs compute in fp32" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
