@@ -57,7 +57,7 @@ def test_bad_num_threads_is_named(tflite_file, monkeypatch, value):
 
 def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_threads, monkeypatch):
     """`convert --graphs --threads N --target tflite` records N; the Generator opens each
-    graph (one LiteRT Interpreter per signature: prefill and decode) with it, as for onert;
+    graph (one LiteRT Interpreter per signature: prefill, its cache window, decode) with it, as for onert;
     the user's NUM_THREADS wins over the manifest."""
     import copy
 
@@ -73,9 +73,9 @@ def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_
     assert read_manifest(tmp_path / "g").num_threads == 1
     interpreter_threads.clear()
     gen = Generator(tmp_path / "g")
-    assert interpreter_threads == [1, 1]  # prefill, decode
+    assert interpreter_threads == [1, 1, 1]  # prefill, prefill_c16 (the first 16 cache slots), decode
     assert gen.generate([5, 17, 42], 2).tokens
     interpreter_threads.clear()
     monkeypatch.setenv("NUM_THREADS", "3")
     Generator(tmp_path / "g")
-    assert interpreter_threads == [3, 3]
+    assert interpreter_threads == [3, 3, 3]
