@@ -12,13 +12,6 @@ Q8_0 per input row, so the fused weight is the byte concatenation of the parts' 
 the result equals the separate products bit for bit. A float weight is fused by copying
 it (memory during convert), so which dtypes to fuse is the caller's choice.
 
-TFLite's dynamic-range FULLY_CONNECTED (``--quantize w8 --target tflite``: an INT8 [N, K]
-weight carrying N per-channel scales along dimension 0, float input and output) fuses the
-same way: rows and their scales are concatenated, each output channel keeps its own scale,
-and LiteRT's XNNPACK delegate quantizes the input to int8 once per FULLY_CONNECTED call
-(per row), so one call for q/k/v instead of three shares that work (bench/README.md,
-"bench/w8_fused.py").
-
 A group is fused only when every member is the same kind of linear (FULLY_CONNECTED with an
 [N, K] weight, or target onert's 1x1 CONV_2D with an [N, 1, 1, K] filter) with the same
 options and no fused activation; reads the same input tensor (or a RESHAPE of the same tensor
@@ -113,9 +106,7 @@ def _candidate(sg: ir.Subgraph, op: ir.Operator, dtypes: frozenset[str], readers
         return None
     x, wi = op.inputs[0], op.inputs[1]
     w, out = sg.tensors[wi], sg.tensors[op.outputs[0]]
-    if w.data is None or w.dtype not in dtypes or readers.get(wi, 0) != 1:
-        return None
-    if w.quant is not None and not _dynamic_range(sg, op):
+    if w.data is None or w.quant is not None or w.dtype not in dtypes or readers.get(wi, 0) != 1:
         return None
     if op.opcode == "CONV_2D":
         ones = all(int(op.options.get(k, 1) or 1) == 1
@@ -130,23 +121,7 @@ def _candidate(sg: ir.Subgraph, op: ir.Operator, dtypes: frozenset[str], readers
     if not out.shape or out.shape[-1] != w.shape[0]:
         return None
     return (x, op.opcode, repr(sorted(op.options.items())), w.dtype, w.shape[-1], tuple(out.shape[:-1]), out.dtype,
-            sg.tensors[bias].dtype if bias >= 0 else None, w.quant is not None)
-
-
-_FLOATS = frozenset({"FLOAT32", "FLOAT16"})
-
-
-def _dynamic_range(sg: ir.Subgraph, op: ir.Operator) -> bool:
-    """A FULLY_CONNECTED in TFLite's dynamic-range form: float input and output, its weight
-    INT8 [N, K] with N per-channel scales along dimension 0 and zero points 0 (an integer
-    graph's FULLY_CONNECTED, whose output has one scale of its own, is not fused)."""
-    w, x, out = sg.tensors[op.inputs[1]], sg.tensors[op.inputs[0]], sg.tensors[op.outputs[0]]
-    q = w.quant
-    if op.opcode != "FULLY_CONNECTED" or w.dtype != "INT8" or x.dtype not in _FLOATS or out.dtype not in _FLOATS:
-        return False
-    if q.blockwise is not None or q.quantized_dimension != 0 or len(w.shape) != 2:
-        return False
-    return len(q.scale) == w.shape[0] and len(q.zero_point) == w.shape[0] and not np.any(q.zero_point)
+            sg.tensors[bias].dtype if bias >= 0 else None)
 
 
 def _fuse_subgraph(sg: ir.Subgraph, dtypes: frozenset[str], split_v: bool, cache: dict, report: FusedLinears) -> bool:
@@ -190,10 +165,7 @@ def _fuse(sg: ir.Subgraph, x: int, ops: list[ir.Operator], split_v: bool, cache:
     name = fused_name(names)
     report.groups.append((name, names))
     w0, out0 = weights[0], sg.tensors[outs[0]]
-    quant = None
-    if w0.quant is not None:  # dynamic-range: each output channel keeps its scale
-        quant = ir.QuantParams(_concat_quant(weights, "scale", cache), _concat_quant(weights, "zero_point", cache), 0)
-    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), *w0.shape[1:]), w0.dtype, _concat(weights, cache), quant))
+    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), *w0.shape[1:]), w0.dtype, _concat(weights, cache)))
     y = sg.add_tensor(ir.Tensor(f"{out0.name}_fused", (*out0.shape[:-1], sum(sizes)), out0.dtype))
     bias = -1
     if len(ops[0].inputs) > 2 and ops[0].inputs[2] >= 0:
@@ -239,15 +211,6 @@ def _key(data: Any) -> tuple:
         return "torch", data.data_ptr(), data.numel(), str(data.dtype)
     data = np.asarray(data)
     return "numpy", data.__array_interface__["data"][0], data.size, data.dtype.str
-
-
-def _concat_quant(weights: list[ir.Tensor], field_name: str, cache: dict) -> np.ndarray:
-    """The parts' per-channel scales (or zero points), one after the other."""
-    arrays = [np.asarray(getattr(w.quant, field_name)) for w in weights]
-    key = (field_name, *(_key(a) for a in arrays))
-    if key not in cache:
-        cache[key] = np.concatenate(arrays)
-    return cache[key]
 
 
 def _concat(weights: list[ir.Tensor], cache: dict) -> np.ndarray:
