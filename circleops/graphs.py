@@ -155,6 +155,19 @@ def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, 
     return windows
 
 
+def parse_windows(text: str | None) -> tuple[int, ...] | None:
+    """``--cache-windows``: None (the target's default), "none" -> (), "256,128" -> (256, 128)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise TargetError(f"--cache-windows takes cache slot counts separated by commas (e.g. 256,128) or 'none'; "
+                          f"got {text!r}.") from None
+
+
 def windowed_step(step: Any, window: int) -> Any:
     """``step`` reading only the first ``window`` cache slots: the same modules and parameters
     (so the graphs share every weight), caches of ``window`` slots."""
