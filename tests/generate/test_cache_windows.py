@@ -119,3 +119,28 @@ def test_bad_windows_are_refused(tmp_path, out):
     (bad / "model.tflite").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="prefill_windows"):
         read_manifest(bad)
+
+
+def test_cli_cache_windows(tmp_path, capsys):
+    """`convert --graphs --cache-windows`: the windows asked for, 'none' for none, nonsense refused
+    before the model loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from circleops.cli import main
+
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(llama))
+    base = ["convert", str(llama), "--graphs", "prefill,decode", "--seq-len", "4", "--max-cache-len", "32",
+            "--target", "tflite", "-q"]
+    assert main([*base, "-o", str(tmp_path / "default")]) == 0
+    assert read_manifest(tmp_path / "default").windowed_prefills == {"prefill_c16": (4, 16), "prefill_c8": (4, 8)}
+    assert main([*base, "--cache-windows", "none", "-o", str(tmp_path / "none")]) == 0
+    m = read_manifest(tmp_path / "none")
+    assert m.prefill_windows is None and set(m.files) == {"prefill", "decode"}
+    assert main([*base, "--cache-windows", "12", "-o", str(tmp_path / "twelve")]) == 0
+    assert read_manifest(tmp_path / "twelve").windowed_prefills == {"prefill_c12": (4, 12)}
+    assert Generator(tmp_path / "twelve").generate([5, 17, 42, 7, 9, 11, 3], 3).tokens
+    capsys.readouterr()
+    assert main([*base, "--cache-windows", "half", "-o", str(tmp_path / "bad")]) == 2
+    assert "--cache-windows takes cache slot counts" in capsys.readouterr().err
