@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -93,6 +94,9 @@ def _interpreter(path: str, threads: int, shared: bool) -> Any:
     with delegate_banner_hidden():
         it = Interpreter(model_path=path, num_threads=threads)
         it.allocate_tensors()
+    # the sessions sharing it run one at a time: a run writes its inputs, invokes and copies
+    # its outputs out of buffers another thread's run would overwrite
+    it.circleops_lock = threading.Lock()
     if key is not None:
         _SHARED[key] = it
     return it
@@ -170,11 +174,12 @@ class Session:
         arrays = [x.reshape(1) if x.ndim == 0 and shape == (1,) else x for x, shape in zip(arrays, self._shapes)]
         try:
             if self._runner is not None:
-                if all(x.shape == shape for x, shape in zip(arrays, self._shapes)):
-                    return self._run_in_place(arrays)
-                arrays = [x if x.flags.c_contiguous else np.array(x, order="C") for x in arrays]
-                outs = self._runner(**dict(zip(self._names, arrays)))
-                return [np.asarray(outs[n]) for n in self._out_names]  # get_tensor copies
+                with self._it.circleops_lock:
+                    if all(x.shape == shape for x, shape in zip(arrays, self._shapes)):
+                        return self._run_in_place(arrays)
+                    arrays = [x if x.flags.c_contiguous else np.array(x, order="C") for x in arrays]
+                    outs = self._runner(**dict(zip(self._names, arrays)))
+                    return [np.asarray(outs[n]) for n in self._out_names]  # get_tensor copies
             arrays = [x if x.flags.c_contiguous else np.array(x, order="C") for x in arrays]
             return self._run_main(arrays)
         except RuntimeRunError:

@@ -144,3 +144,26 @@ def test_cli_cache_windows(tmp_path, capsys):
     capsys.readouterr()
     assert main([*base, "--cache-windows", "half", "-o", str(tmp_path / "bad")]) == 2
     assert "--cache-windows takes cache slot counts" in capsys.readouterr().err
+
+
+def test_generators_on_one_file_in_threads(out):
+    """Two Generators on one directory share its LiteRT Interpreter (one per file and thread
+    count): run from two threads at once they give the tokens each gives alone."""
+    import threading
+
+    prompts = [_prompt(40), _prompt(70)]
+    alone = [Generator(out).generate(p, NEW, stop_at_eos=False).tokens for p in prompts]
+    gens = [Generator(out), Generator(out)]
+    assert gens[0].prefill_session._it is gens[1].prefill_session._it
+    got: dict[int, list[list[int]]] = {0: [], 1: []}
+
+    def work(i):
+        for _ in range(4):
+            got[i].append(gens[i].generate(prompts[i], NEW, stop_at_eos=False).tokens)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {i: [alone[i]] * 4 for i in (0, 1)}
