@@ -5,6 +5,8 @@
     python bench/llm_speed.py --engines circleops-q4_0 ik-Q4_0 --threads 1 --rounds 5
     python bench/llm_speed.py --engines circleops-tflite-fp32 litert-torch-fp32 circleops-tflite-w8 litert-torch-int8 \
         --results bench/results/11-llm-speed-litert.yaml --write     # the LiteRT table alone
+    python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-w8-nowindow litert-torch-int8 \
+        --threads 1 2 --rounds 3 --fresh --results bench/results/18-w8-tflite.yaml --write   # the w8 rows alone
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
@@ -61,11 +63,17 @@ ENGINES = {
     "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
     "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
     "circleops-tflite-w8": ("litert", "circleops --target tflite --quantize w8 on LiteRT", "w8", "circleops-litert"),
+    # the w8 file as before issue 26's cache windows: every prefill chunk attends over all C slots
+    "circleops-tflite-w8-nowindow": ("litert", "circleops --target tflite --quantize w8 --cache-windows none on LiteRT",
+                                     "w8", "circleops-litert"),
     "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
     "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
 }
 ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
-          "circleops-tflite-fp32": "litert-torch-fp32", "circleops-tflite-w8": "litert-torch-int8"}
+          "circleops-tflite-fp32": "litert-torch-fp32", "circleops-tflite-w8": "litert-torch-int8",
+          "circleops-tflite-w8-nowindow": "litert-torch-int8"}
+# convert options of an engine beyond its target and weights (its directory: the engine's name)
+CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"]}
 # litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it
 _LITERT_EXPORT = ("from litert_torch.generative.export_hf.export import export; import sys; "
                   "export(model=sys.argv[1], output_dir=sys.argv[2], prefill_lengths=[64], cache_length=512, "
@@ -303,8 +311,10 @@ def _circleops_cli() -> str:
     return str(cli) if cli.exists() else shutil.which("circleops") or "circleops"
 
 
-def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python: str | None = None) -> dict[str, str]:
-    """The artifact of each engine in ``work``, made when missing."""
+def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python: str | None = None, *,
+            fresh: bool = False, litert_torch_dir: str | None = None) -> dict[str, str]:
+    """The artifact of each engine in ``work``, made when missing (``fresh``: circleops' files
+    converted again whatever is there; ``litert_torch_dir``: litert-torch's export made earlier)."""
     work.mkdir(parents=True, exist_ok=True)
     artifacts: dict[str, str] = {}
     for engine in engines:
@@ -313,15 +323,15 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
             artifacts[engine] = ""
         elif kind in ("circleops", "circleops-litert"):
             target = "tflite" if kind == "circleops-litert" else "onert"
-            d = work / f"{target}-{weights}"
-            if not (d / "manifest.json").exists():
+            d = work / (engine.replace("circleops-", "", 1) if engine in CONVERT_EXTRA else f"{target}-{weights}")
+            if fresh or not (d / "manifest.json").exists():
                 cmd = [_circleops_cli(), "convert", "smollm2", "--graphs", "prefill,decode", "--target", target,
-                       "-o", str(d)] + (["--quantize", weights] if weights != "fp32" else [])
+                       "-o", str(d)] + (["--quantize", weights] if weights != "fp32" else []) + CONVERT_EXTRA.get(engine, [])
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
             artifacts[engine] = str(d)
         elif kind == "litert-torch":
-            d = work / "litert-torch"
+            d = Path(litert_torch_dir) if litert_torch_dir else work / "litert-torch"
             if not (d / "model.tflite").exists():
                 from circleops.models import smollm2_dir
 
@@ -435,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Python of a venv with ik-llama-cpp-python==0.1.5")
     ap.add_argument("--litert-python", default="/work/venvs/anchor-litert/bin/python",
                     help="the Python of a venv with litert-torch==0.10.0 and tensorflow-cpu (the LiteRT peer)")
+    ap.add_argument("--fresh", action="store_true", help="convert circleops' files again even when --work has them")
+    ap.add_argument("--litert-torch-dir", default=None,
+                    help="litert-torch's export_hf output made earlier (model.tflite, model_quantized.tflite)")
     ap.add_argument("--json", default=None, help="also write every child's raw result here")
     ap.add_argument("--write", action="store_true", help="write the results file (--results) and docs/benchmarks.md")
     ap.add_argument("--results", default=str(RESULTS_FILE), help=f"results file for --write (default {RESULTS_FILE.relative_to(ROOT)})")
@@ -459,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in args.engines if (ENGINES[e][3] != "ik" or ik_python)
                and (ENGINES[e][3] != "litert-torch" or litert_python)]
     work = Path(args.work)
-    artifacts = prepare(work, engines, ik_python, litert_python)
+    artifacts = prepare(work, engines, ik_python, litert_python, fresh=args.fresh, litert_torch_dir=args.litert_torch_dir)
     spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps,
             "exact_threads": args.exact_threads}
     spec_path = work / "spec.json"

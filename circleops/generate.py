@@ -112,7 +112,8 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
     variable) is honoured exactly for every graph; otherwise the manifest's ``num_threads``
     (what ``convert --threads`` made the files for; 1 for GGML weights) is the budget.
     """
-    graphs = [*manifest.prefill_graphs.values(), "decode"]
+    windowed = getattr(manifest, "windowed_prefills", {})
+    graphs = [*manifest.prefill_graphs.values(), *windowed, "decode"]
     exact: Mapping[str, int] = threads if isinstance(threads, Mapping) else {}
     for graph, count in exact.items():
         if graph not in graphs:
@@ -126,7 +127,8 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
     if budget is None and not (env and os.environ.get(env, "").strip()):
         budget = getattr(manifest, "num_threads", None)
     few_rows, cap = GRAPH_THREAD_CAPS.get(runtime, (0, 0))
-    rows = {**{g: n for n, g in manifest.prefill_graphs.items()}, "decode": 1}
+    rows = {**{g: n for n, g in manifest.prefill_graphs.items()}, **{g: n for g, (n, _) in windowed.items()},
+            "decode": 1}
     plan: dict[str, int | None] = {}
     for graph in graphs:
         if graph in exact:
@@ -265,6 +267,15 @@ def clear_slots(caches: list[Any], n: int, cache_layout: str = SLOT_MAJOR) -> No
             cache[:, :n] = 0
 
 
+def cache_window(caches: list[Any], window: int, cache_layout: str = SLOT_MAJOR) -> list[Any]:
+    """Views of the first ``window`` slots of ``caches`` (k caches then v caches, in their
+    ``cache_layout``): the cache inputs of a prefill graph that reads only those slots."""
+    half = len(caches) // 2
+    if cache_layout == HEAD_MAJOR:  # k [1, Hkv, C, D], v [1, Hkv, D, C]
+        return [c[:, :, :window, :] if i < half else c[:, :, :, :window] for i, c in enumerate(caches)]
+    return [c[:, :window] for c in caches]  # [1, C, Hkv, D]
+
+
 def plan_chunks(start: int, end: int, lengths: Sequence[int],
                 overhead: int = PREFILL_RUN_OVERHEAD) -> list[tuple[int, int]]:
     """The prefill runs that write tokens ``start..end-1`` into the cache: (graph length,
@@ -351,7 +362,7 @@ class Generator:
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
         m = self.manifest
-        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values()) if g not in m.files]
+        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values(), *m.windowed_prefills) if g not in m.files]
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
@@ -365,6 +376,11 @@ class Generator:
         self.threads = graph_threads(m, self.runtime, threads)
         self.prefill_sessions = {n: open_graph(m, g, self.runtime, threads=self.threads[g])
                                  for n, g in m.prefill_graphs.items()}
+        # length -> [(window W, session)], narrowest first: a chunk at pos <= W reads only slots < W
+        self.window_sessions: dict[int, list[tuple[int, Session]]] = {}
+        for g, (n, w) in sorted(m.windowed_prefills.items(), key=lambda item: item[1][1]):
+            self.window_sessions.setdefault(n, []).append(
+                (w, open_graph(m, g, self.runtime, threads=self.threads[g])))
         self.decode_session = open_graph(m, "decode", self.runtime, threads=self.threads["decode"])
         _check_caches(m, self.decode_session)
         self._np = np
@@ -433,7 +449,11 @@ class Generator:
         if m.prefill_one_row:
             head.append(np.array([row], dtype=np.int64))
         head.extend(self.prefill_extras(buf, pos))
-        outs = self.prefill_sessions[length].run([*head, *self.caches])
+        session, caches = self.prefill_sessions[length], self.caches
+        window = next(((w, s) for w, s in self.window_sessions.get(length, ()) if pos <= w), None)
+        if window is not None:  # the slots before pos are all this graph attends to
+            session, caches = window[1], cache_window(self.caches, window[0], m.cache_layout)
+        outs = session.run([*head, *caches])
         self.caches = store_caches(self.caches, outs[1:], pos, m.cache_update, m.cache_layout)
         self._written = max(self._written, min(pos + length, m.max_cache_len))
         self.prefill_runs += 1

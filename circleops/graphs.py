@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import GRAPH_THREAD_CAPS, empty_caches, open_graph, store_caches
+from circleops.generate import GRAPH_THREAD_CAPS, cache_window, empty_caches, open_graph, store_caches
 from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
@@ -121,6 +121,61 @@ def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full", cac
     if cache_layout is None:
         cache_layout = HEAD_MAJOR if cache_update == "rows" else SLOT_MAJOR
     return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update, cache_layout=cache_layout)
+
+
+def default_cache_windows(target: str, prefill_len: int, max_cache_len: int, cache_update: str) -> tuple[int, ...]:
+    """The cache windows the longest prefill is also written for: C/2, C/4, ... down to
+    twice its length, where the graphs share one file's weights (not onert's file per graph)
+    and return new rows (the caches are inputs only). Target tflite only: on LiteRT a 64-row
+    SmolLM2 w8 chunk took 76 ms of CPU over 512 slots, 57 over 256, 51 over 128
+    (bench/results/18-*.yaml); each window is one more session (its own packed weights)."""
+    if cache_update != "rows" or PROFILES[target].one_file_per_graph or PROFILES[target].runtime != "litert":
+        return ()
+    windows, w = [], max_cache_len // 2
+    while w >= 2 * prefill_len:
+        windows.append(w)
+        w //= 2
+    return tuple(windows)
+
+
+def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, max_cache_len: int,
+                  cache_update: str) -> tuple[int, ...]:
+    """``windows`` (None: :func:`default_cache_windows`) checked: each a whole number from the
+    longest prefill length up to less than the cache length, with cache_update "rows"."""
+    if windows is None:
+        return default_cache_windows(target, prefill_len, max_cache_len, cache_update)
+    windows = tuple(sorted(set(windows), reverse=True))
+    if windows and cache_update != "rows":
+        raise TargetError(f"cache_windows need cache_update='rows' (the caches are then inputs only); got "
+                          f"{cache_update!r}.")
+    bad = [w for w in windows if not isinstance(w, int) or isinstance(w, bool) or not prefill_len <= w < max_cache_len]
+    if bad:
+        raise TargetError(f"cache_windows {bad} out of range: each window is a whole number of cache slots from the "
+                          f"longest prefill length ({prefill_len}) to less than the cache length ({max_cache_len}).")
+    return windows
+
+
+def parse_windows(text: str | None) -> tuple[int, ...] | None:
+    """``--cache-windows``: None (the target's default), "none" -> (), "256,128" -> (256, 128)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise TargetError(f"--cache-windows takes cache slot counts separated by commas (e.g. 256,128) or 'none'; "
+                          f"got {text!r}.") from None
+
+
+def windowed_step(step: Any, window: int) -> Any:
+    """``step`` reading only the first ``window`` cache slots: the same modules and parameters
+    (so the graphs share every weight), caches of ``window`` slots."""
+    import copy
+
+    narrow = copy.copy(step)
+    narrow.max_len = int(window)
+    return narrow
 
 
 def default_cache_update(target: str) -> str:
@@ -412,7 +467,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
                    progress: Progress | None = None, quantize: str | None = None,
-                   threads: int | None = None, cache_update: str | None = None) -> GraphsReport:
+                   threads: int | None = None, cache_update: str | None = None,
+                   cache_windows: Sequence[int] | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -433,6 +489,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``cache_update``: "rows" (the graphs return only the new k/v rows; the Generator writes
     them into its caches) or "full" (the whole updated caches); default
     :func:`default_cache_update` of the target.
+    ``cache_windows``: cache windows W < ``max_cache_len`` for which the longest prefill is
+    also written reading only the first W cache slots (graph ``prefill_cW``; a chunk at
+    pos <= W runs it); default :func:`default_cache_windows`, ``()`` for none.
     """
     import torch
 
@@ -469,6 +528,11 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     check_lengths(lengths[-1], max_cache_len, None, source or "the model")
     # graph name -> (kind, length): every prefill length, then decode
     named = {prefill_graph_name(n, lengths): ("prefill", n) for n in lengths} if "prefill" in graphs else {}
+    windows: dict[str, int] = {}
+    if "prefill" in graphs:
+        for w in check_windows(cache_windows, target, lengths[0], max_cache_len, cache_update):
+            windows[f"{prefill_graph_name(lengths[0], lengths)}_c{w}"] = w
+            named[f"{prefill_graph_name(lengths[0], lengths)}_c{w}"] = ("prefill", lengths[0])
     if "decode" in graphs:
         named["decode"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
@@ -478,7 +542,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                             tolerance=tolerance, functionalize=False)
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
-    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir)
+    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir, windows)
     tracker = pipeline.Tracker(progress)
     try:
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
@@ -520,6 +584,7 @@ class GraphsPlan:
     source: str
     out_dir: Path  # where the files are written (the staging directory)
     final_dir: Path  # where they are published
+    windows: dict[str, int] = field(default_factory=dict)  # windowed prefill graph -> its cache window W
 
 
 def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, tracker: Any) -> GraphsReport:
@@ -535,7 +600,8 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
             references = _verify_references(model, plan.lengths)
     with tracker.stage("export"):
         step = decoder_step(model, plan.max_cache_len, plan.cache_update)
-        eps = {g: export_graph(step, kind, n) for g, (kind, n) in plan.graphs.items()}
+        eps = {g: export_graph(windowed_step(step, plan.windows[g]) if g in plan.windows else step, kind, n)
+               for g, (kind, n) in plan.graphs.items()}
     built = pipeline.build(eps, opts, weights, tracker, lower_one=lambda g, ep: lower_step(
         ep, g, graph_options(opts, plan.graphs[g][1] if plan.graphs[g][0] == "prefill" else 1), step.num_layers,
         kind=plan.graphs[g][0], cache_update=plan.cache_update))
@@ -615,7 +681,8 @@ def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: d
         cache_shape=list(step.cache_shape), cache_layout=step.cache_layout, vocab_size=int(config.vocab_size),
         inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=plan.source,
-        quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update)
+        quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update,
+        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None)
 
 
 # --------------------------------------------------------------------------- verify
@@ -670,6 +737,15 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
             caches = store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout)
             step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
+    for g, (n, w) in manifest.windowed_prefills.items():  # the same chunk at pos 0, reading W slots
+        if g not in graphs:
+            continue
+        p = max(1, n // 2)
+        buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
+        buf[0, :p] = ids[:p]
+        caches = [np.ascontiguousarray(c) for c in cache_window(zeros, w, manifest.cache_layout)]
+        outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
+        errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
     if decode is not None and "decode" not in errors:
         out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
         errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]

@@ -82,6 +82,16 @@ class Manifest:
     # a vision-language model's image side (circleops.vlm.VisionSpec.to_json): its vision graph
     # (a key of ``files``), image token, tokens per image and the embeddings input of the prefill
     vision: dict[str, Any] | None = None
+    # prefill graphs that read only the first W cache slots (graph name -> [length, W]): a
+    # chunk at pos <= W attends to nothing past slot W, and attention over all C slots was a
+    # third of a 64-row chunk's time on LiteRT (SmolLM2 w8, bench/results/18-*.yaml)
+    prefill_windows: dict[str, list[int]] | None = None
+
+    @property
+    def windowed_prefills(self) -> dict[str, tuple[int, int]]:
+        """Graph name -> (prefill length, cache window W) of the prefill graphs whose caches
+        are the first W slots ([1, Hkv, W, D] and [1, Hkv, D, W] head-major), if any."""
+        return {g: (int(n), int(w)) for g, (n, w) in (self.prefill_windows or {}).items()}
 
     @property
     def cache_shapes(self) -> list[list[int]]:
@@ -122,6 +132,7 @@ class Manifest:
             "prefill_inputs": self.prefill_inputs or self.inputs,
             "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
             **({"vision": self.vision} if self.vision is not None else {}),
+            **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
         }
 
     def write(self) -> Path:
@@ -190,6 +201,10 @@ def _check_types(m: Manifest, path: Path) -> None:
         ("num_threads", m.num_threads is None or (isinstance(m.num_threads, int) and 1 <= m.num_threads <= 1024)),
         ("cache_update", isinstance(m.cache_update, str)), ("cache_layout", isinstance(m.cache_layout, str)),
         ("vision", m.vision is None or (isinstance(m.vision, dict) and all(isinstance(k, str) for k in m.vision))),
+        ("prefill_windows", m.prefill_windows is None or (
+            isinstance(m.prefill_windows, dict) and all(isinstance(k, str) and k in m.files and ints(v) and len(v) == 2
+                                                        and 1 <= v[0] <= v[1] < m.max_cache_len
+                                                        for k, v in m.prefill_windows.items()))),
     ) if not ok]
     if wrong:
         raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
@@ -236,7 +251,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
                      prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
                      cache_update=data.get("cache_update") or "full",
-                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"))
+                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
+                     prefill_windows=data.get("prefill_windows"))
     except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)

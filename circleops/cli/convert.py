@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
+    parser.add_argument("--cache-windows", metavar="W,...", default=None, help="with --graphs: the longest prefill also "
+                        "reading only the first W cache slots, per W ('none': no such graphs; default: target tflite "
+                        "C/2, C/4, ... down to twice the prefill length; docs/llm.md)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ def main(args: argparse.Namespace) -> int:
     api.validate_target_dtype(args.target, dtype, quantize)
     prefill_len = graphs.prefill_lengths(graphs.DEFAULT_PREFILL_LENS if args.seq_len is None else args.seq_len)
     graphs.check_lengths(prefill_len[0], args.max_cache_len, None, args.model or args.config)
+    graphs.parse_windows(getattr(args, "cache_windows", None))  # refused before the model loads
     verify: bool | str = args.runtime or bool(args.verify)
     if verify and verify is not True and verify not in graph_runtimes(args.target):
         raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "
@@ -65,7 +66,8 @@ def main(args: argparse.Namespace) -> int:
     report = graphs.convert_graphs(loaded.module, out, graphs=names, target=args.target, prefill_len=prefill_len,
                                    max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
                                    tolerance=args.tolerance, source=loaded.source, progress=progress,
-                                   quantize=quantize, threads=getattr(args, "threads", None))
+                                   quantize=quantize, threads=getattr(args, "threads", None),
+                                   cache_windows=graphs.parse_windows(getattr(args, "cache_windows", None)))
     report.timings = {"load": load_seconds, **report.timings}
     from circleops.cli.common import finish_graphs
 

@@ -87,6 +87,9 @@ NOT_RUN = {
         "with w8 tflite graphs on the tiny model, and the guide's MODEL commands run here",
     'NUM_THREADS=1 circleops generate out-tflite-w8/ --prompt "Once upon a time,"':
         "needs out-tflite-w8/ from the command above",
+    "circleops convert smollm2 --graphs prefill,decode --target tflite --quantize w8 --cache-windows none -o out-tflite-w8-full/":
+        "w8 on the real SmolLM2 for LiteRT (~30 s); tests/generate/test_cache_windows.py runs --cache-windows "
+        "(none, a list, the default) through the CLI on a tiny Llama",
     "circleops run model.circle -i ids.npy k_cache.npy v_cache.npy --output-dir out/":
         "model.circle here has one input; inputs by order and --output-dir are tested in tests/runtime",
     "circleops run model.circle -i ids.npy --signature decode":

@@ -97,15 +97,19 @@ def test_one_file_two_signatures_shared_weights(request, target, ext):
     """Circle/TFLite keep both graphs in one file, one signature each, every weight once."""
     conv = request.getfixturevalue(f"tiny_{target}")
     m = read_manifest(conv.directory)
-    assert m.files == {"prefill": f"model.{ext}", "decode": f"model.{ext}"}
-    assert m.signatures == {"prefill": "prefill", "decode": "decode"}
+    # target tflite also writes the prefill reading only the first C/2 cache slots (graphs.default_cache_windows)
+    windowed = {f"prefill_c{TINY_CACHE // 2}": [TINY_PREFILL, TINY_CACHE // 2]} if target == "tflite" else {}
+    assert m.prefill_windows == (windowed or None)
+    graphs = {"prefill", "decode", *windowed}
+    assert m.files == {g: f"model.{ext}" for g in graphs}
+    assert m.signatures == {g: g for g in graphs}
     model = read_model(str(conv.directory / f"model.{ext}"))
     sigs = {s.key: s.subgraph_index for s in model.signatures}
-    assert set(sigs) == {"prefill", "decode"} and sigs["prefill"] != sigs["decode"]
-    # the weights (embedding, projections, lm_head) of the two subgraphs are the same buffers
+    assert set(sigs) == graphs and len(set(sigs.values())) == len(graphs)
+    # the weights (embedding, projections, lm_head) of the subgraphs are the same buffers
     def weights(i):
         return {id(t.data) for t in model.subgraphs[i].tensors if t.data is not None and t.data.size >= 32 * 64}
-    assert weights(sigs["prefill"]) == weights(sigs["decode"])
+    assert all(weights(sigs[g]) == weights(sigs["decode"]) for g in graphs)
     assert len(weights(sigs["prefill"])) == 2 + 7 * LAYERS  # embedding, lm_head, q,k,v,o,gate,up,down per layer
 
 

@@ -426,10 +426,11 @@ def test_graphs_w8_tflite_generate(tmp_path, llama):
     report = convert_graphs(model, out, target="tflite", prefill_len=8, max_cache_len=32, verify=True, quantize="w8")
     assert report.verify_runtime == "litert" and report.quantization.form == "per_channel"
     manifest = read_manifest(out)
-    assert manifest.quantize == "w8" and manifest.files == {"prefill": "model.tflite", "decode": "model.tflite"}
+    # with the prefill reading only the first 16 cache slots (graphs.default_cache_windows)
+    assert manifest.quantize == "w8" and manifest.files == {g: "model.tflite" for g in ("prefill", "prefill_c16", "decode")}
     path = manifest.path("decode")
     subgraphs = [s.subgraph_index for s in read_signatures(str(path))]
-    assert _check_w8_tflite_layout(path, subgraphs) == 2 * (2 * 7 + 1)
+    assert _check_w8_tflite_layout(path, subgraphs) == 3 * (2 * 7 + 1)
     assert len(report.quantization.weights) == 2 * 7 + 1  # the signatures share one set of int8 weights
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)

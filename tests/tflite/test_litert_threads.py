@@ -57,7 +57,7 @@ def test_bad_num_threads_is_named(tflite_file, monkeypatch, value):
 
 def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_threads, monkeypatch):
     """`convert --graphs --threads N --target tflite` records N; the Generator opens each
-    graph (one LiteRT Interpreter per signature: prefill and decode) with it, as for onert;
+    graph (its signatures share one LiteRT Interpreter per thread count) with it, as for onert;
     the user's NUM_THREADS wins over the manifest."""
     import copy
 
@@ -73,9 +73,15 @@ def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_
     assert read_manifest(tmp_path / "g").num_threads == 1
     interpreter_threads.clear()
     gen = Generator(tmp_path / "g")
-    assert interpreter_threads == [1, 1]  # prefill, decode
+    # prefill, prefill_c16 (the first 16 cache slots) and decode: one Interpreter of the file shared
+    sessions = [*gen.prefill_sessions.values(), *(s for _, s in gen.window_sessions[8]), gen.decode_session]
+    assert interpreter_threads == [1] and len({id(s._it) for s in sessions}) == 1 and len(sessions) == 3
     assert gen.generate([5, 17, 42], 2).tokens
     interpreter_threads.clear()
     monkeypatch.setenv("NUM_THREADS", "3")
-    Generator(tmp_path / "g")
-    assert interpreter_threads == [3, 3]
+    three = Generator(tmp_path / "g")
+    assert interpreter_threads == [3]  # another thread count: an Interpreter of its own
+    interpreter_threads.clear()
+    mixed = Generator(tmp_path / "g", threads={"decode": 2})  # the prefills at NUM_THREADS: three's Interpreter
+    assert interpreter_threads == [2] and mixed.prefill_session._it is three.prefill_session._it
+    assert mixed.decode_session._it is not three.decode_session._it

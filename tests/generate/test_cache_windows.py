@@ -1,0 +1,169 @@
+"""Prefill graphs that read only the first W cache slots (target tflite's default, manifest
+``prefill_windows``): a chunk at pos <= W runs the narrowest such graph, with the same logits
+and caches as the full-cache graph; a chunk past every window runs the full one."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from circleops.errors import ModelLoadError, TargetError
+from circleops.generate import Generator, cache_window
+from circleops.graphs import convert_graphs, default_cache_windows
+from circleops.manifest import read_manifest
+from families import BY_NAME
+from generate_fixtures import one_torch_thread
+
+PREFILL, SHORT, CACHE, NEW = 16, 4, 128, 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return BY_NAME["llama"].build(max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    d = tmp_path_factory.mktemp("windows")
+    convert_graphs(BY_NAME["llama"].build(max_position_embeddings=512), d, target="tflite",
+                   prefill_len=(PREFILL, SHORT), max_cache_len=CACHE, verify=True)
+    return d
+
+
+def _prompt(n: int) -> list[int]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+class _Counting:
+    """A session wrapper counting its runs."""
+
+    def __init__(self, session):
+        self.session, self.runs = session, 0
+
+    def run(self, inputs):
+        self.runs += 1
+        return self.session.run(inputs)
+
+
+def test_tflite_writes_windows_down_to_twice_the_prefill(out):
+    assert default_cache_windows("tflite", 64, 512, "rows") == (256, 128)
+    assert default_cache_windows("onert", 64, 512, "rows") == ()  # a file per graph: every window a copy of the weights
+    assert default_cache_windows("tflite", 64, 512, "full") == ()
+    m = read_manifest(out)
+    assert m.windowed_prefills == {"prefill_c64": (PREFILL, 64), "prefill_c32": (PREFILL, 32)}
+    assert json.loads((out / "manifest.json").read_text())["prefill_windows"] == {
+        "prefill_c64": [PREFILL, 64], "prefill_c32": [PREFILL, 32]}
+    gen = Generator(out)
+    shapes = {w: [tuple(s.shape) for s in session.inputs[3:]] for w, session in gen.window_sessions[PREFILL]}
+    assert set(shapes) == {32, 64} and all(len(s) == 2 * 2 for s in shapes.values())
+    for w, s in shapes.items():  # head-major k [1, Hkv, W, D], v [1, Hkv, D, W]
+        assert s[0][2] == w and s[-1][3] == w and s[0][:2] == s[-1][:2]
+
+
+def test_windows_give_the_full_cache_graphs_logits(out, model):
+    """A 100-token prompt: chunks at 0, 16, 32 run the 32-slot graph, 48 and 64 the 64-slot
+    one, the rest the full cache; the logits, the caches and the decode steps after them
+    equal those of the full-cache graphs alone, and the model's."""
+    prompt = _prompt(100)
+    windowed, full = Generator(out), Generator(out)
+    full.window_sessions = {}  # every chunk through the full-cache graph
+    counted = {w: _Counting(s) for w, s in windowed.window_sessions[PREFILL]}
+    windowed.window_sessions[PREFILL] = [(w, counted[w]) for w, _ in windowed.window_sessions[PREFILL]]
+    starts = [s for n, s in windowed.plan(0, 96)]
+    got, want = windowed.prefill(prompt[:96]), full.prefill(prompt[:96])
+    assert {w: c.runs for w, c in counted.items()} == {32: sum(s <= 32 for s in starts),
+                                                       64: sum(32 < s <= 64 for s in starts)}
+    assert counted[32].runs == 3 and counted[64].runs == 2 and len(starts) > 5
+    assert np.abs(got - want).max() < 1e-5
+    assert all(np.array_equal(a, b) or np.abs(a - b).max() < 1e-5 for a, b in zip(windowed.caches, full.caches))
+    steps = [got] + [windowed.decode(t) for t in prompt[96:]]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, 95:].numpy()
+    assert np.abs(np.stack(steps) - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("n", [5, 40, 100])
+def test_windows_keep_transformers_tokens(out, model, n):
+    prompt = _prompt(n)
+    result = Generator(out).generate(prompt, NEW, stop_at_eos=False)
+    with torch.no_grad(), one_torch_thread():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                            attention_mask=torch.ones(1, n, dtype=torch.long))
+    assert result.tokens == hf[0, n:].tolist()
+
+
+def test_cache_window_views_are_the_first_slots():
+    k = np.arange(1 * 2 * 8 * 3, dtype=np.float32).reshape(1, 2, 8, 3)
+    v = np.arange(1 * 2 * 3 * 8, dtype=np.float32).reshape(1, 2, 3, 8)
+    wk, wv = cache_window([k, v], 4, "k [1, Hkv, C, D], v [1, Hkv, D, C]")
+    assert np.array_equal(wk, k[:, :, :4]) and np.array_equal(wv, v[..., :4]) and np.shares_memory(wk, k)
+    (slot,) = cache_window([np.zeros((1, 8, 2, 3))], 5)
+    assert slot.shape == (1, 5, 2, 3)
+
+
+def test_bad_windows_are_refused(tmp_path, out):
+    with pytest.raises(TargetError, match="out of range"):
+        convert_graphs(BY_NAME["llama"].build(), tmp_path / "a", target="tflite", prefill_len=8, max_cache_len=32,
+                       cache_windows=[32])
+    with pytest.raises(TargetError, match="cache_update='rows'"):
+        convert_graphs(BY_NAME["llama"].build(), tmp_path / "b", target="tflite", prefill_len=8, max_cache_len=32,
+                       cache_windows=[16], cache_update="full")
+    data = json.loads((out / "manifest.json").read_text())
+    data["prefill_windows"] = {"prefill_c64": [PREFILL, CACHE]}  # a window as large as the cache
+    bad = tmp_path / "m"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps(data))
+    (bad / "model.tflite").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="prefill_windows"):
+        read_manifest(bad)
+
+
+def test_cli_cache_windows(tmp_path, capsys):
+    """`convert --graphs --cache-windows`: the windows asked for, 'none' for none, nonsense refused
+    before the model loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from circleops.cli import main
+
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(llama))
+    base = ["convert", str(llama), "--graphs", "prefill,decode", "--seq-len", "4", "--max-cache-len", "32",
+            "--target", "tflite", "-q"]
+    assert main([*base, "-o", str(tmp_path / "default")]) == 0
+    assert read_manifest(tmp_path / "default").windowed_prefills == {"prefill_c16": (4, 16), "prefill_c8": (4, 8)}
+    assert main([*base, "--cache-windows", "none", "-o", str(tmp_path / "none")]) == 0
+    m = read_manifest(tmp_path / "none")
+    assert m.prefill_windows is None and set(m.files) == {"prefill", "decode"}
+    assert main([*base, "--cache-windows", "12", "-o", str(tmp_path / "twelve")]) == 0
+    assert read_manifest(tmp_path / "twelve").windowed_prefills == {"prefill_c12": (4, 12)}
+    assert Generator(tmp_path / "twelve").generate([5, 17, 42, 7, 9, 11, 3], 3).tokens
+    capsys.readouterr()
+    assert main([*base, "--cache-windows", "half", "-o", str(tmp_path / "bad")]) == 2
+    assert "--cache-windows takes cache slot counts" in capsys.readouterr().err
+
+
+def test_generators_on_one_file_in_threads(out):
+    """Two Generators on one directory share its LiteRT Interpreter (one per file and thread
+    count): run from two threads at once they give the tokens each gives alone."""
+    import threading
+
+    prompts = [_prompt(40), _prompt(70)]
+    alone = [Generator(out).generate(p, NEW, stop_at_eos=False).tokens for p in prompts]
+    gens = [Generator(out), Generator(out)]
+    assert gens[0].prefill_session._it is gens[1].prefill_session._it
+    got: dict[int, list[list[int]]] = {0: [], 1: []}
+
+    def work(i):
+        for _ in range(4):
+            got[i].append(gens[i].generate(prompts[i], NEW, stop_at_eos=False).tokens)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {i: [alone[i]] * 4 for i in (0, 1)}
