@@ -56,7 +56,7 @@ def attention_blockers(module: torch.nn.Module, rotary_dims: Optional[int] = Non
     head_dim = getattr(module, "head_dim", None)
     scaling = getattr(module, "scaling", None)
     if head_dim is not None and scaling is not None and scaling != head_dim ** -0.5:
-        reasons.append(f"score scale {scaling} is not 1/sqrt(head_dim) = {head_dim ** -0.5} (ATTENTION's scale is fixed)")
+        reasons.append(f"score scale {scaling:.6g} is not 1/sqrt(head_dim) = {head_dim ** -0.5:.6g} (ATTENTION's scale is fixed)")
     factor = _rotary_factor(module)
     if factor < 1.0 or (rotary_dims is not None and head_dim is not None and rotary_dims != head_dim):
         reasons.append("partial rotary embedding (ATTENTION rotates every head dim)")

@@ -47,13 +47,18 @@ class StaticKV:
 
 
 def layer_window(module: torch.nn.Module) -> Optional[int]:
-    """The layer's sliding window in tokens, or None (full attention).
-
-    Qwen2 and Gemma2/3 decide per layer (module.sliding_window, None on full layers);
-    Mistral and Phi3 pass config.sliding_window to every layer."""
+    """The layer's sliding window in tokens, or None (full attention), as transformers' model
+    forward decides which mask a layer gets: by ``config.layer_types[layer_idx]`` where the
+    config has layer types (Qwen2, Gemma 2/3; a Qwen2-MoE full layer has no window whatever
+    config.sliding_window holds), else config.sliding_window for every layer (Mistral, Phi3)."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if types is not None and layer is not None and layer < len(types):
+        return getattr(config, "sliding_window", None) if types[layer] == "sliding_attention" else None
     if hasattr(module, "sliding_window"):
         return module.sliding_window
-    return getattr(getattr(module, "config", None), "sliding_window", None)
+    return getattr(config, "sliding_window", None)
 
 
 def cache_blockers(module: torch.nn.Module) -> list[str]:
@@ -61,6 +66,11 @@ def cache_blockers(module: torch.nn.Module) -> list[str]:
     reasons = []
     if not getattr(module, "is_causal", True):
         reasons.append("bidirectional attention (not a causal decoder layer)")
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if types is not None and layer is not None and layer < len(types) and \
+            types[layer] not in ("full_attention", "sliding_attention"):
+        reasons.append(f"a {types[layer]} layer (only full and sliding-window attention have cached graphs)")
     if module.training and getattr(module, "attention_dropout", 0.0):
         reasons.append("attention dropout in training mode (call model.eval())")
     return reasons
@@ -107,7 +117,9 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     updated caches ("full") or new rows ("rows") in the StaticKV.
 
     ``attention_mask`` is the layer's mask from DecoderWithCache: [.., S, C] ("full", and
-    "rows" when S = 1), or [.., S, C + S] ("rows": the cache slots, then the new tokens)."""
+    "rows" when S = 1), or [.., S, C + S] ("rows": the cache slots, then the new tokens); its
+    sliding window is in it (``sliding_window``, a hint for flash kernels, is not needed).
+    """
     kv: StaticKV = kwargs.pop(KV_KWARG)
     layer = getattr(module, "layer_idx", None)
     name = f"{type(module).__name__} layer {layer}"
@@ -117,9 +129,6 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                              "decomposed cached attention does not implement; it has no explicit-cache graph.")
     if dropout:
         raise CircleOpsError(f"{name}: attention dropout {dropout} (call model.eval() before converting).")
-    if sliding_window != layer_window(module):
-        raise CircleOpsError(f"{name} attends over a sliding window of {sliding_window} tokens, but its module says "
-                             f"{layer_window(module)}: the mask would be wrong. Report the model.")
     if layer is None:
         raise CircleOpsError(f"{type(module).__name__} has no layer_idx; cannot pick its cache.")
     scaling = module.head_dim ** -0.5 if scaling is None else scaling
