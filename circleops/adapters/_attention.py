@@ -106,8 +106,9 @@ def attention_forward(label: str, rope_label: str, original: Callable[..., Any])
             reasons.append("an HF Cache object was passed (circle.attention takes explicit caches; "
                            "see circleops.adapters.decode.DecoderWithCache)")
         if reasons and kv is not None:
-            return _decomposed_with_cache(self, original, reasons, kv, hidden_states, position_embeddings,
-                                          attention_mask, **kwargs)
+            return _decomposed_with_cache(self, original, reasons, kv, hidden_states=hidden_states,
+                                          position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                          **kwargs)
         if reasons:
             record_attention(type(self).__name__, -1 if layer is None else layer, False, "; ".join(reasons))
             return original(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
@@ -147,7 +148,7 @@ def takes_explicit_caches(module: torch.nn.Module) -> bool:
     return bool(getattr(module.forward, "takes_circle_kv", False))
 
 
-def _decomposed_with_cache(module: torch.nn.Module, original: Callable[..., Any], reasons: list[str], kv: StaticKV,
+def _decomposed_with_cache(module: torch.nn.Module, original: Callable[..., Any], reasons: list[str], kv: StaticKV, *,
                            hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
                            **kwargs: Any) -> Any:
     """A layer circle.attention cannot express, over the explicit caches: its own (fused)

@@ -108,7 +108,7 @@ def own_mask(s: int, dtype: torch.dtype, window: Optional[int] = None,
 
 
 def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor, dropout: float = 0.0, scaling: Optional[float] = None,
+                     attention_mask: torch.Tensor, *, dropout: float = 0.0, scaling: Optional[float] = None,
                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``eager_attention_forward``'s) over the
@@ -161,8 +161,8 @@ class CacheAttentionFunctions:
         chosen = self._functions.get_interface(implementation, default)
 
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
-            if KV_KWARG in kwargs:
-                return cached_attention(module, query, key, value, attention_mask, *args, **kwargs)
+            if KV_KWARG in kwargs:  # transformers passes dropout, scaling, ... by keyword
+                return cached_attention(module, query, key, value, attention_mask, **kwargs)
             return chosen(module, query, key, value, attention_mask, *args, **kwargs)
 
         return attention
