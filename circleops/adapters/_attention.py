@@ -9,7 +9,10 @@ layer stays decomposed: the adapter never computes something different from HF.
 
 The forward takes its caches from the ``circle_kv`` keyword (a :class:`StaticKV`, passed
 down by the decoder layers' ``**kwargs``); without it the layer runs as a plain forward
-over its own S positions (caches of S zero slots, pos 0, HF's causal mask).
+over its own S positions (caches of S zero slots, pos 0, HF's causal mask). A layer with
+blockers that gets the caches runs its decomposed forward over them instead
+(adapters/_cached_attention.py), unless :func:`~circleops.adapters._cached_attention.cache_blockers`
+says even that cannot be done.
 """
 from __future__ import annotations
 

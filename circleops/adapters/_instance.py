@@ -4,7 +4,9 @@ Instead of patching classes for the length of a ``with``, each matching submodul
 its own ``forward`` (an instance attribute, so other instances of the class are
 untouched). RoPE is a module-level function called from the attention forward, so an
 attention layer that stays decomposed gets a copy of its class's forward whose globals
-map ``apply_rotary_pos_emb`` to the circle.rope version.
+map ``apply_rotary_pos_emb`` to the circle.rope version, and ``ALL_ATTENTION_FUNCTIONS`` to
+one that attends over DecoderWithCache's explicit caches when the call carries them
+(adapters/_cached_attention.py; any other call gets transformers' own function).
 """
 from __future__ import annotations
 
