@@ -24,7 +24,7 @@ import torch
 from circleops.adapters import attention_blockers
 from circleops.generate import Generator
 from circleops.graphs import GraphsReport, convert_graphs
-from families import BY_NAME, FAMILIES, Family
+from families import BY_NAME, FAMILIES, MOE_FAMILIES, Family
 from generate_fixtures import hf_greedy, one_torch_thread
 
 DECOMPOSED = [f for f in FAMILIES if not f.attention_fusable and f.decode_graphs]
@@ -138,6 +138,21 @@ def test_a_wrong_window_changes_the_tokens(expected, family, change):
     kw = {"no window": {"layer_types": ["full_attention"] * len(types)},
           "window - 1": {"sliding_window": window - 1}, "window + 1": {"sliding_window": window + 1}}[change]
     assert hf_greedy(family.build(**kw), PROMPT, NEW) != expected(family).tokens
+
+
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if not f.attention_fusable and f.decode_graphs],
+                         ids=lambda f: f.name)
+def test_moe_families_generate_on_onert(tmp_path, family):
+    """The mixture-of-experts forms (experts as dense dispatch) generate the same way."""
+    model = family.build()
+    with torch.no_grad():  # a sharper router: picks far from ties (as tests/onert/test_onert_moe.py)
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")):
+                p.mul_(10)
+    want = hf_greedy(model, PROMPT, NEW)
+    with one_torch_thread():
+        report = convert_graphs(model, tmp_path, target="onert", prefill_len=LENS, max_cache_len=CACHE)
+    assert report.attention and Generator(tmp_path).generate(PROMPT, NEW).tokens == want
 
 
 def test_cli_convert_and_generate_gemma2(tmp_path, capsys):
