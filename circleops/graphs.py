@@ -327,6 +327,7 @@ class GraphsReport:
     tolerance: float | None = None
     source: str = ""
     quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
+    attention: str | None = None  # which layers' attention is decomposed, and why (DecoderWithCache.attention_note)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (``circleops convert --graphs --report``)."""
@@ -336,7 +337,7 @@ class GraphsReport:
                 "quantization": self.quantization.to_dict() if self.quantization is not None else None,
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
-                "verify_runtime": self.verify_runtime, "verify_note": self.verify_note, "tolerance": self.tolerance,
+                "attention": self.attention, "verify_runtime": self.verify_runtime, "verify_note": self.verify_note, "tolerance": self.tolerance,
                 "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
@@ -358,6 +359,8 @@ class GraphsReport:
                             if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
             lines.append(f"  {g.name:{width}s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
             lines.append(f"  {'':{width}s} {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
         if self.quantization is not None:
             lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
                       for k, line in enumerate(self.quantization.summary_lines())]
@@ -476,8 +479,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     longest is ``prefill``, the others ``prefill_N``): generation picks per chunk. Each
     prefill returns the logits of one row (its ``logits_row`` input), the last prompt
     token's, so a chunk pays for one row of the lm_head.
-    ``model`` is a Hugging Face causal LM whose attention layers circle.attention can
-    express (Llama, Mistral, Phi3, Gemma; see DecoderWithCache); it is fused in place.
+    ``model`` is a Hugging Face causal LM (Llama, Mistral, Phi3, Gemma, Qwen2/2.5, Qwen3, OLMo2,
+    Gemma 2/3; see DecoderWithCache); it is fused in place. Layers whose attention
+    circle.attention cannot express attend decomposed over the same caches (the report's
+    ``attention`` line says which and why).
     ``verify``: run the written graphs (True: the target's default runtime, or name one)
     against the model's own forward: a prefill of a half-length prompt, then one decode
     step; raises VerifyError above ``tolerance`` x max(1, max|logit|).
@@ -617,7 +622,8 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
         del lowered
         manifest = _write_manifest(model, plan, opts, step, infos)
     report = GraphsReport(directory=str(plan.final_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
-                          manifest=manifest, timings=timings, source=plan.source, quantization=weights.report)
+                          manifest=manifest, timings=timings, source=plan.source, quantization=weights.report,
+                          attention=step.attention_note())
     if opts.runtime is not None:
         tol = opts.verify_tolerance()
         tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol

@@ -43,6 +43,9 @@ class Family:
     # attention layers the Circle ATTENTION contract cannot express (biases, q/k norms,
     # soft-capping, sliding windows) stay decomposed: the attention adapter must say so.
     attention_fusable: bool = True
+    # prefill/decode graphs (DecoderWithCache): attention circle.attention cannot express is
+    # computed decomposed over the same caches; only attention no adapter knows is refused
+    decode_graphs: bool = True
 
     def config(self, **kw: Any):
         import transformers
@@ -68,6 +71,14 @@ class Family:
         return model.to(dtype).eval()
 
 
+# Gemma 2/3 as their real configs are, shrunk so that each quirk moves the greedy tokens (checked
+# by tests/generate/test_cached_families.py): one sliding layer (a window of 4 tokens: an 11-token
+# prompt crosses it, and a window of 3 or 5 gives other tokens), one full layer; a score scale
+# 1/sqrt(8) that is not 1/sqrt(head_dim); soft-capping that bites on scores and logits of a few
+# units (the real 50 and 30 would not).
+_GEMMA_WINDOWS = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+                  "query_pre_attn_scalar": 8}
+
 FAMILIES: list[Family] = [
     Family("llama", "LlamaConfig", "LlamaForCausalLM", {}),
     Family("mistral", "MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
@@ -76,8 +87,11 @@ FAMILIES: list[Family] = [
     Family("phi3", "Phi3Config", "Phi3ForCausalLM", {}),
     Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}, attention_fusable=False),  # q/k norms
     Family("gemma", "GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # soft-capping
-    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, attention_fusable=False),  # q/k norms
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, **_GEMMA_WINDOWS, "attn_logit_softcapping": 2.0,
+                                                           "final_logit_softcapping": 5.0},
+           attention_fusable=False),  # soft-capping, sliding windows, score scale
+    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, **_GEMMA_WINDOWS},
+           attention_fusable=False),  # q/k norms, sliding windows, score scale
 ]
 
 # Mixture-of-experts families (transformers 5's experts classes, routed to dense dispatch by
@@ -96,10 +110,11 @@ MOE_FAMILIES: list[Family] = [
            {**_MOE, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
             "n_shared_experts": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4, "rope_scaling": None},
-           attention_fusable=False),
+           attention_fusable=False, decode_graphs=False),  # multi-head latent attention
     Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
            {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"]}, attention_fusable=False),
+            "layer_types": ["sliding_attention", "full_attention"]}, attention_fusable=False,
+           decode_graphs=False),  # attention sinks
 ]
 
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES + MOE_FAMILIES}

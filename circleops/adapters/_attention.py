@@ -9,43 +9,24 @@ layer stays decomposed: the adapter never computes something different from HF.
 
 The forward takes its caches from the ``circle_kv`` keyword (a :class:`StaticKV`, passed
 down by the decoder layers' ``**kwargs``); without it the layer runs as a plain forward
-over its own S positions (caches of S zero slots, pos 0, HF's causal mask).
+over its own S positions (caches of S zero slots, pos 0, HF's causal mask). A layer with
+blockers that gets the caches runs its decomposed forward over them instead
+(adapters/_cached_attention.py), unless :func:`~circleops.adapters._cached_attention.cache_blockers`
+says even that cannot be done.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 import circleops.ops  # noqa: F401  (registers torch.ops.circle.*)
 
+from circleops.adapters._cached_attention import KV_KWARG, StaticKV, cache_blockers, layer_window
 from circleops.adapters._patching import mark_ran, record_attention
 from circleops.errors import CircleOpsError
 
-KV_KWARG = "circle_kv"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
-
-
-@dataclass
-class StaticKV:
-    """Explicit caches for one step: per layer k/v [B, C, Hkv, D], the slot of the first new
-    token, and (after the step) the updated caches, written in place of the inputs; with
-    ``cache_update="rows"`` (circle.attention's in-place form) the new rows [B, S, Hkv, D]
-    instead, for the caller to write at ``pos``."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    pos: torch.Tensor
-    cache_update: str = "full"
-
-
-def _sliding_window(module: torch.nn.Module) -> Optional[int]:
-    # Qwen2 and Gemma2/3 decide per layer (module.sliding_window, None on full layers);
-    # Mistral and Phi3 pass config.sliding_window to every layer.
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(getattr(module, "config", None), "sliding_window", None)
 
 
 def _rotary_factor(module: torch.nn.Module) -> float:
@@ -72,13 +53,13 @@ def attention_blockers(module: torch.nn.Module, rotary_dims: Optional[int] = Non
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         reasons.append(f"attention logit soft-capping at {softcap} (ATTENTION has none)")
-    window = _sliding_window(module)
+    window = layer_window(module)
     if window is not None:
         reasons.append(f"sliding-window attention over {window} tokens (ATTENTION attends to the whole cache)")
     head_dim = getattr(module, "head_dim", None)
     scaling = getattr(module, "scaling", None)
     if head_dim is not None and scaling is not None and scaling != head_dim ** -0.5:
-        reasons.append(f"score scale {scaling} is not 1/sqrt(head_dim) = {head_dim ** -0.5} (ATTENTION's scale is fixed)")
+        reasons.append(f"score scale {scaling:.6g} is not 1/sqrt(head_dim) = {head_dim ** -0.5:.6g} (ATTENTION's scale is fixed)")
     factor = _rotary_factor(module)
     if factor < 1.0 or (rotary_dims is not None and head_dim is not None and rotary_dims != head_dim):
         reasons.append("partial rotary embedding (ATTENTION rotates every head dim)")
@@ -127,10 +108,11 @@ def attention_forward(label: str, rope_label: str, original: Callable[..., Any])
         if cache is not None and kv is None:
             reasons.append("an HF Cache object was passed (circle.attention takes explicit caches; "
                            "see circleops.adapters.decode.DecoderWithCache)")
+        if reasons and kv is not None:
+            return _decomposed_with_cache(self, original, reasons, kv, hidden_states=hidden_states,
+                                          position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                          **kwargs)
         if reasons:
-            if kv is not None:
-                raise CircleOpsError(f"{type(self).__name__} layer {layer} cannot run as circle.attention with an "
-                                     f"explicit cache: {'; '.join(reasons)}.")
             record_attention(type(self).__name__, -1 if layer is None else layer, False, "; ".join(reasons))
             return original(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
                             attention_mask=attention_mask, cache=cache, **kwargs)
@@ -159,4 +141,32 @@ def attention_forward(label: str, rope_label: str, original: Callable[..., Any])
 
     forward.__name__ = "forward"
     forward.__qualname__ = f"{label}.forward[circle.attention]"
+    forward.takes_circle_kv = True  # type: ignore[attr-defined]  (DecoderWithCache asks takes_explicit_caches)
     return forward
+
+
+def takes_explicit_caches(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is :func:`attention_forward`'s (it reads DecoderWithCache's
+    caches from the ``circle_kv`` keyword); another forward would ignore them."""
+    return bool(getattr(module.forward, "takes_circle_kv", False))
+
+
+def _decomposed_with_cache(module: torch.nn.Module, original: Callable[..., Any], reasons: list[str], kv: StaticKV, *,
+                           hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
+                           **kwargs: Any) -> Any:
+    """A layer circle.attention cannot express, over the explicit caches: its own (fused)
+    forward, whose attention function is adapters._cached_attention.cached_attention."""
+    layer = getattr(module, "layer_idx", None)
+    name = f"{type(module).__name__} layer {layer}"
+    hard = cache_blockers(module)
+    if hard:
+        raise CircleOpsError(f"{name} has no explicit-cache attention: {'; '.join(hard)}.")
+    record_attention(type(module).__name__, -1 if layer is None else layer, False, "; ".join(reasons))
+    out = original(module, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                   attention_mask=attention_mask, cache=None, **{KV_KWARG: kv}, **kwargs)
+    if layer not in kv.decomposed:
+        raise CircleOpsError(f"{name}: its forward did not hand the explicit caches to its attention function "
+                             "(it does not call transformers' ALL_ATTENTION_FUNCTIONS with its **kwargs), so it has "
+                             "no explicit-cache graph. Fuse the model with circleops.fuse(model) first, or report "
+                             "the model.")
+    return out

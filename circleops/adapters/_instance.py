@@ -4,7 +4,9 @@ Instead of patching classes for the length of a ``with``, each matching submodul
 its own ``forward`` (an instance attribute, so other instances of the class are
 untouched). RoPE is a module-level function called from the attention forward, so an
 attention layer that stays decomposed gets a copy of its class's forward whose globals
-map ``apply_rotary_pos_emb`` to the circle.rope version.
+map ``apply_rotary_pos_emb`` to the circle.rope version, and ``ALL_ATTENTION_FUNCTIONS`` to
+one that attends over DecoderWithCache's explicit caches when the call carries them
+(adapters/_cached_attention.py; any other call gets transformers' own function).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from circleops.adapters._attention import attention_forward
+from circleops.adapters._cached_attention import CacheAttentionFunctions
 from circleops.adapters._experts import dense_experts_forward
 from circleops.dynamic_cache import no_cache_by_default
 from circleops.adapters._family import ROPE_FUNCTION, Family
@@ -25,6 +28,7 @@ from circleops.adapters._rmsnorm import norm_forward
 from circleops.adapters._rope import rope_function
 
 _SAVED = "_circleops_saved_forward"
+ATTENTION_FUNCTIONS = "ALL_ATTENTION_FUNCTIONS"  # transformers' registry, a global of each modeling module
 _MISSING = object()
 
 
@@ -48,12 +52,17 @@ def _loaded_classes(families: list[Family]) -> dict[type, tuple[Family, str]]:
     return out
 
 
-def _with_circle_rope(fam: Family, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of the class's attention forward whose ``apply_rotary_pos_emb`` is circle.rope."""
+def _decomposed_forward(fam: Family, forward: Callable[..., Any], *, rope: bool, cached: bool) -> Callable[..., Any]:
+    """A copy of the class's attention forward whose ``apply_rotary_pos_emb`` is circle.rope
+    (``rope``) and whose attention function runs over DecoderWithCache's explicit caches when
+    called with them (``cached``: adapters._cached_attention)."""
     inner = inspect.unwrap(forward)  # under transformers' deprecate_kwarg wrapper
     module = sys.modules[fam.module]
     globals_ = dict(inner.__globals__)
-    globals_[ROPE_FUNCTION] = rope_function(fam.rope_label, pristine(module, ROPE_FUNCTION), fam.rope_cast_back)
+    if rope:
+        globals_[ROPE_FUNCTION] = rope_function(fam.rope_label, pristine(module, ROPE_FUNCTION), fam.rope_cast_back)
+    if cached and ATTENTION_FUNCTIONS in globals_:
+        globals_[ATTENTION_FUNCTIONS] = CacheAttentionFunctions(globals_[ATTENTION_FUNCTIONS])
     copy = types.FunctionType(inner.__code__, globals_, inner.__name__, inner.__defaults__, inner.__closure__)
     copy.__kwdefaults__ = inner.__kwdefaults__
     copy.__qualname__ = inner.__qualname__
@@ -101,11 +110,11 @@ def fuse(model: torch.nn.Module, *, attention: bool = True) -> torch.nn.Module:
         if kind == "experts":
             _swap(sub, dense_experts_forward(cls.__name__))
             continue
-        decomposed = _with_circle_rope(fam, pristine(cls, "forward")) if fam.rope_adapter else pristine(cls, "forward")
         if attention and fam.attention_adapter:
+            decomposed = _decomposed_forward(fam, pristine(cls, "forward"), rope=fam.rope_adapter, cached=True)
             _swap(sub, attention_forward(cls.__name__, fam.rope_label, decomposed))
         elif fam.rope_adapter:
-            _swap(sub, decomposed)
+            _swap(sub, _decomposed_forward(fam, pristine(cls, "forward"), rope=True, cached=False))
     return model
 
 

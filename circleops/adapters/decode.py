@@ -7,23 +7,30 @@
 
     ep = torch.export.export(step, (input_ids, pos, *caches))              # one graph per S
 
-Every attention layer becomes one circle.attention taking its caches in ONE's layout
-[1, C, Hkv, D] (C = max_len) and returning them updated; the additive mask and the RoPE
-cos/sin are computed inside from ``pos``, so the exported graph's inputs are just the
-token ids, the position and the caches. Families whose attention the Circle ATTENTION
-contract cannot express (biases, q/k norms, soft-capping, sliding windows, other score
-scales, partial rotary) are refused with a :class:`~circleops.errors.CircleOpsError`
-naming the layers and reasons; they are not run decomposed here.
+Every attention layer circle.attention can express becomes one circle.attention taking its
+caches in ONE's layout [1, C, Hkv, D] (C = max_len) and returning them updated; the additive
+mask and the RoPE cos/sin are computed inside from ``pos``, so the exported graph's inputs are
+just the token ids, the position and the caches. A layer the Circle ATTENTION contract cannot
+express (q/k/v biases, q/k norms, soft-capping, sliding windows, another score scale, partial
+rotary: Qwen2/2.5, Qwen3, OLMo2, Gemma 2/3) computes its attention decomposed over the same
+cache inputs and outputs (adapters/_cached_attention.py), with its q/k norms and RoPE still
+circle.rms_norm and circle.rope; :meth:`DecoderWithCache.attention_note` says which layers and
+why. What no cache graph can compute (bidirectional attention, an attention class without an
+adapter, model-level scales such as Granite's) is refused with a
+:class:`~circleops.errors.CircleOpsError` naming the layers and reasons.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from circleops.adapters._attention import KV_KWARG, StaticKV, attention_blockers, projection_weights
-from circleops.adapters._instance import fuse
+from circleops.adapters._attention import attention_blockers, projection_weights, takes_explicit_caches
+from circleops.adapters._cached_attention import (KV_KWARG, StaticKV, cache_blockers, layer_window, own_mask,
+                                                  slot_mask)
+from circleops.adapters._instance import fuse, is_fused, unfuse
 from circleops.errors import CircleOpsError
 from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 
@@ -36,6 +43,16 @@ def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
             f"DecoderWithCache needs a Hugging Face *ForCausalLM (model.model with {', '.join(needed)}, and "
             f"model.lm_head); got {type(model).__name__}. Pass the causal-LM model, not its base model.")
     return base, lm_head
+
+
+# config attributes by which a model's own forward (not its decoder layers) scales the
+# embeddings or the logits; DecoderWithCache reproduces neither (Granite's)
+_MODEL_LEVEL_SCALES = ("embedding_multiplier", "logits_scaling")
+
+
+def _model_level_blockers(config) -> list[str]:
+    return [f"{name} {getattr(config, name)}" for name in _MODEL_LEVEL_SCALES
+            if getattr(config, name, None) not in (None, 1, 1.0)]
 
 
 class DecoderWithCache(torch.nn.Module):
@@ -69,29 +86,68 @@ class DecoderWithCache(torch.nn.Module):
             raise CircleOpsError(f"DecoderWithCache: cache_layout must be {SLOT_MAJOR!r}, or {HEAD_MAJOR!r} with "
                                  f"cache_update='rows' (whole updated caches come out slot-major); got "
                                  f"{cache_layout!r}.")
-        blocked = []
+        unsupported = _model_level_blockers(config)
+        if unsupported:
+            raise CircleOpsError(
+                f"DecoderWithCache: {type(model).__name__} computes {'; '.join(unsupported)} outside its decoder "
+                "layers, which the explicit-cache step does not reproduce, so it has no prefill/decode graphs. "
+                "Convert its plain forward (circleops.convert) instead.")
+        was_fused = is_fused(model)
+        self.model = fuse(model)
+        blocked, self.decomposed = [], {}
         for i, layer in enumerate(base.layers):
             attn = getattr(layer, "self_attn", None)
-            reasons = ["no self_attn module"] if attn is None else attention_blockers(attn)
-            if reasons:
-                blocked.append(f"layer {i} ({type(attn).__name__}): {'; '.join(reasons)}")
-        if getattr(config, "final_logit_softcapping", None) is not None:
-            blocked.append(f"final logit soft-capping at {config.final_logit_softcapping}")
+            if attn is None or not takes_explicit_caches(attn):
+                what = "no self_attn module" if attn is None else "no circleops attention adapter for this class"
+                blocked.append(f"layer {i} ({type(attn).__name__}): {what}")
+                continue
+            hard = cache_blockers(attn)
+            if hard:
+                blocked.append(f"layer {i} ({type(attn).__name__}): {'; '.join(hard)}")
+            reasons = attention_blockers(attn)
+            if reasons:  # computed decomposed over the same caches (adapters/_cached_attention.py)
+                self.decomposed[i] = reasons
         if blocked:
+            if not was_fused:
+                unfuse(model)  # refused: the caller's model as it came
             raise CircleOpsError(
-                f"DecoderWithCache: {type(model).__name__}'s attention cannot be expressed as circle.attention "
-                f"(the Circle ATTENTION contract), so it has no explicit-cache decode graph: {' | '.join(blocked)}. "
-                "Export its plain forward with circleops.adapters.patched_modules() instead (attention stays "
-                "decomposed there).")
-        self.model = fuse(model)
+                f"DecoderWithCache: {type(model).__name__} has no explicit-cache decode graph: {' | '.join(blocked)}. "
+                "Export its plain forward with circleops.adapters.patched_modules() instead.")
         self.max_len = int(max_len)
         self.cache_update = cache_update
         self.cache_layout = cache_layout
         self.num_layers = len(base.layers)
+        self.windows = [layer_window(layer.self_attn) if i in self.decomposed else None
+                        for i, layer in enumerate(base.layers)]
+        # Gemma3 computes cos/sin per layer type (a local rope base for its sliding layers)
+        types = getattr(config, "layer_types", None)
+        per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+        self.rope_types = list(types[:self.num_layers]) if per_type and types else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
         attn = base.layers[0].self_attn
         _, wk, _ = projection_weights(attn)
         self.head_dim = int(attn.head_dim)
         self.kv_heads = int(wk.shape[0]) // self.head_dim
+
+    def attention_note(self) -> str | None:
+        """One line saying which layers' attention is decomposed, and why; None when every
+        layer is one circle.attention."""
+        if not self.decomposed:
+            return None
+        cls = type(_parts(self.model)[0].layers[next(iter(self.decomposed))].self_attn).__name__
+        layers: dict[str, list[int]] = {}
+        for i, reasons in self.decomposed.items():
+            for r in reasons:
+                layers.setdefault(r.split(" (")[0], []).append(i)
+        every = len(self.decomposed) == self.num_layers
+
+        def where(ids: list[int]) -> str:
+            return "" if every and len(ids) == self.num_layers else f" [layer{'s' if len(ids) > 1 else ''} " \
+                f"{', '.join(map(str, ids))}]"
+
+        count = f"all {self.num_layers}" if every else f"{len(self.decomposed)} of {self.num_layers}"
+        return (f"{cls} decomposed in {count} layers (RMS_NORM, ROPE stay fused): "
+                + "; ".join(f"{r}{where(ids)}" for r, ids in layers.items()))
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int]:
@@ -129,19 +185,12 @@ class DecoderWithCache(torch.nn.Module):
         s = input_ids.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
         hidden = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = base.rotary_emb(hidden, positions)
-        slots = torch.arange(self.max_len, device=input_ids.device)
-        if self.cache_update == "rows":
-            # slot c of the input caches is visible iff c < pos: the new tokens' own keys come
-            # as rows (attended causally by the op), and slots from pos on are stale
-            visible = slots[None, :] < pos.reshape(1, 1).to(torch.int64)  # [1, C], the same for every row
+        if self.rope_types is None:
+            rope = [base.rotary_emb(hidden, positions)] * n
         else:
-            # slot c is visible to new token i iff c <= pos + i: written already, or now
-            visible = slots[None, :] <= positions[0, :, None]  # [S, C]
-        if prefix_len is not None:
-            visible = _prefix_visible(visible, slots, positions[0], prefix_len, self.cache_update)
-        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # [1, 1, S or 1, C]
+            tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.rope_types)}
+            rope = [tables[t] for t in self.rope_types]
+        masks = self._masks(pos, positions, hidden.dtype, prefix_len)
         k_caches, v_caches = list(caches[:n]), list(caches[n:])
         if self.cache_layout == HEAD_MAJOR:
             # views in circle.attention's [1, C, Hkv, D]: the attention's own transposes to
@@ -149,13 +198,48 @@ class DecoderWithCache(torch.nn.Module):
             k_caches = [k.transpose(1, 2) for k in k_caches]
             v_caches = [v.permute(0, 3, 1, 2) for v in v_caches]
         kv = StaticKV(k_caches, v_caches, pos, self.cache_update)
-        for layer in base.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions,
+        for i, layer in enumerate(base.layers):
+            hidden = layer(hidden, attention_mask=masks[i], position_embeddings=rope[i], position_ids=positions,
                            **{KV_KWARG: kv})
         if row is not None:
             hidden = hidden.index_select(1, row.reshape(1).to(torch.int64))
         logits = lm_head(base.norm(hidden))
+        if self.final_softcap is not None:  # Gemma 2/3, in transformers' order
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, *kv.k, *kv.v)
+
+    def _masks(self, pos: Tensor, positions: Tensor, dtype: torch.dtype,
+               prefix_len: Tensor | None = None) -> list[Tensor]:
+        """Each layer's additive mask, computed once per distinct window: [1, 1, S or 1, C]
+        over the cache slots (circle.attention's, and the decomposed "full" form's); a
+        decomposed layer in the "rows" form of S > 1 rows also gets the [.., S, S] part among
+        the new tokens after it (its sliding window applies there too). With ``prefix_len``
+        (a prefix-LM) one mask serves every layer: [.., S, C + S] in the "rows" form."""
+        s = positions.shape[1]
+        slots = torch.arange(self.max_len, device=positions.device)
+        if prefix_len is not None:
+            if any(w is not None for w in self.windows):
+                raise CircleOpsError(
+                    "DecoderWithCache: a prefix-LM mask (prefix_len) with sliding-window layers is not supported; "
+                    "convert a model whose text layers attend to the whole cache.")
+            if self.cache_update == "rows":  # slots before pos; the new tokens come as rows
+                visible = slots[None, :] < pos.reshape(1, 1).to(torch.int64)  # [1, C]
+            else:  # slot c is visible to new token i iff c <= pos + i: written already, or now
+                visible = slots[None, :] <= positions[0, :, None]  # [S, C]
+            visible = _prefix_visible(visible, slots, positions[0], prefix_len, self.cache_update)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=slots.device)
+            return [mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]] * len(self.windows)
+        made: dict[tuple[bool, int | None], Tensor] = {}
+        out = []
+        for i, window in enumerate(self.windows):
+            key = (i in self.decomposed and self.cache_update == "rows" and s > 1, window)
+            if key not in made:
+                mask = slot_mask(pos, positions, slots, self.cache_update, dtype, window)
+                if key[0]:
+                    mask = torch.cat((mask.expand(1, 1, s, self.max_len), own_mask(s, dtype, window, slots.device)), -1)
+                made[key] = mask
+            out.append(made[key])
+        return out
 
 
 def _prefix_visible(visible: Tensor, slots: Tensor, positions: Tensor, prefix_len: Tensor,

@@ -134,10 +134,27 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     scaling = scale if scale != 0.0 else d ** -0.5
     if cache_update == "rows":
         k_new, v_new = k.transpose(1, 2).to(k_cache.dtype), v.to(v_cache.dtype)
-        out = _attend_rows(q, k_cache, v_cache, k_new, v_new, m, scaling, dtype)
+        out = attend_rows(q, k_cache, v_cache, k_new, v_new, m, scaling, dtype)
         return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_new, v_new
     k_cache = update_cache(k_cache, k.transpose(1, 2), pos)
     v_cache = update_cache(v_cache, v, pos)
+    out = attend_cache(q, k_cache, v_cache, m, scaling, dtype)
+    return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_cache, v_cache
+
+
+def _capped(scores: Tensor, softcap: float | None) -> Tensor:
+    # HF's attention logit soft-capping (Gemma 2): softcap · tanh(scores / softcap), before the mask
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def attend_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scaling: float, dtype: torch.dtype,
+                 softcap: float | None = None) -> Tensor:
+    """The "full" form's attention [B, Hq, S, D]: q [B, Hq, S, D] (RoPE'd) over the C slots of
+    the updated caches [B, C, Hkv, D], ``mask`` [.., S, C] additive; scores · scaling, then
+    (``softcap``) soft-capped, then the mask; softmax in fp32 (fp64 for fp64), cast to ``dtype``.
+    Also what adapters/_cached_attention.py runs for the layers circle.attention cannot express."""
+    b, hq, s, d = q.shape
+    hkv = k_cache.shape[2]
     # GQA without repeating the cache: the G = Hq/Hkv query heads that share kv head h
     # (heads h·G .. h·G+G-1) are G·S rows of one product with that head's C keys, so each
     # key and value is read once, in one BATCH_MATMUL per layer, not copied G times.
@@ -145,28 +162,31 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     keys = k_cache.transpose(1, 2).to(dtype)  # [B, Hkv, C, D]
     values = v_cache.transpose(1, 2).to(dtype)
     scores = torch.matmul(q.reshape(b, hkv, g * s, d), keys.transpose(2, 3)).view(b, hq, s, c) * scaling
-    scores = scores + m
+    scores = _capped(scores, softcap) + mask
     probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
-    out = torch.matmul(probs.reshape(b, hkv, g * s, c), values).view(b, hq, s, d)
-    return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_cache, v_cache
+    return torch.matmul(probs.reshape(b, hkv, g * s, c), values).view(b, hq, s, d)
 
 
-def _attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor,
-                 scaling: float, dtype: torch.dtype) -> Tensor:
+def attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor,
+                scaling: float, dtype: torch.dtype, softcap: float | None = None,
+                own_mask: Tensor | None = None) -> Tensor:
     """The "rows" form's attention [B, Hq, S, D]: q [B, Hq, S, D] over the C input cache
     slots (``mask`` [.., S, C] hides the stale ones) and the S new keys/values [B, S, Hkv, D]
-    (causal among themselves, or as the last S columns of a [.., S, C + S] ``mask`` say);
-    one softmax over the C + S scores, concatenated."""
+    (causal among themselves, as ``own_mask`` [.., S, S] says: a sliding window, or as the last
+    S columns of a [.., S, C + S] ``mask`` say: a prefix-LM's prefix); one softmax over the C + S
+    scores, concatenated. ``softcap`` as in :func:`attend_cache`."""
     b, hq, s, d = q.shape
     c, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     qg = q.reshape(b, hkv, g * s, d)
-    cached = torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling
-    cached = cached + (mask if mask.shape[-1] == c else mask[..., :c])
+    cached = _capped(torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling,
+                     softcap) + (mask if mask.shape[-1] == c else mask[..., :c])
     # the new keys through the cache dtype and back: the values the "full" form reads from its cache
-    own = torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s) * scaling
+    own = _capped(torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s) * scaling, softcap)
     if mask.shape[-1] == c + s:  # the mask orders the new tokens (a prefix-LM's bidirectional prefix)
         own = own + mask[..., c:]
+    elif own_mask is not None:
+        own = own + own_mask
     elif s > 1:
         own = own + torch.full((s, s), torch.finfo(own.dtype).min, dtype=own.dtype, device=own.device).triu(1)
     probs = torch.softmax(torch.cat((cached, own), -1), dim=-1, dtype=at_least_fp32(dtype)).to(dtype)

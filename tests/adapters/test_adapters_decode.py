@@ -1,13 +1,16 @@
 """DecoderWithCache: prefill + decode steps through exported graphs equal HF generate."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from adapter_fixtures import circle_counts
 from circleops.adapters.decode import DecoderWithCache
 from circleops.errors import CircleOpsError
-from families import BY_NAME, example_ids
+from circleops.options import HEAD_MAJOR, SLOT_MAJOR
+from families import BY_NAME, FAMILIES, example_ids
 
 STEPS = 10
 MAX_LEN = 24
@@ -68,9 +71,77 @@ def test_eager_step_matches_exported_step(llama_run):
         assert torch.equal(a, b)
 
 
-def test_unfusable_family_is_refused_with_the_reason():
-    with pytest.raises(CircleOpsError, match=r"Qwen2Attention.*biases"):
-        DecoderWithCache(BY_NAME["qwen2"].build(), max_len=16)
+DECOMPOSED = [f for f in FAMILIES if not f.attention_fusable and f.decode_graphs]
+FORMS = [("full", SLOT_MAJOR), ("rows", SLOT_MAJOR), ("rows", HEAD_MAJOR)]
+PROMPT, NEW = [5, 17, 42, 99, 3, 7, 8, 9, 10, 11], 8
+
+
+def _store(step, caches, outs, pos, s):
+    """What the Generator does with a step's cache outputs (circleops.generate.store_caches)."""
+    if step.cache_update == "full":
+        return list(outs)
+    n = step.num_layers
+    for i, rows in enumerate(outs):
+        if step.cache_layout == HEAD_MAJOR:
+            if i < n:
+                caches[i][0, :, pos:pos + s] = rows[0].transpose(0, 1)
+            else:
+                caches[i][0, :, :, pos:pos + s] = rows[0].permute(1, 2, 0)
+        else:
+            caches[i][0, pos:pos + s] = rows[0]
+    return caches
+
+
+@pytest.fixture(scope="module")
+def hf_runs():
+    """family name -> (model, transformers' greedy tokens, their logits)."""
+    runs = {}
+    for family in DECOMPOSED:
+        model = family.build()
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, use_cache=True,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
+        runs[family.name] = model, gen.sequences[0, len(PROMPT):].tolist(), torch.cat(gen.logits)
+    return runs
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}-{'head' if f[1] == HEAD_MAJOR else 'slot'}")
+@pytest.mark.parametrize("family", DECOMPOSED, ids=lambda f: f.name)
+def test_decomposed_attention_over_the_caches_equals_hf_generate(hf_runs, family, form):
+    """Layers circle.attention cannot express attend decomposed over the same caches, in
+    every cache form: a prefill in two chunks (6 + 4 tokens, past Gemma's window of 4), then
+    greedy decode steps, give transformers' tokens and logits."""
+    model, tokens, logits = hf_runs[family.name]
+    step = DecoderWithCache(copy.deepcopy(model), 24, cache_update=form[0], cache_layout=form[1])
+    assert set(step.decomposed) == set(range(step.num_layers))
+    caches, got, pos = step.empty_caches(), [], 0
+    with torch.no_grad():
+        for chunk in (PROMPT[:6], PROMPT[6:]):
+            out, *new = step(torch.tensor([chunk]), torch.tensor([pos]), *caches)
+            caches, pos = _store(step, caches, new, pos, len(chunk)), pos + len(chunk)
+        got.append(out[0, -1])
+        for t in tokens[:-1]:
+            out, *new = step(torch.tensor([[t]]), torch.tensor([pos]), *caches)
+            caches, pos = _store(step, caches, new, pos, 1), pos + 1
+            got.append(out[0, -1])
+    assert [int(x.argmax()) for x in got] == tokens
+    torch.testing.assert_close(torch.stack(got), logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,kw,match", [
+    ("gemma3", {"use_bidirectional_attention": True}, r"layer 0 \(Gemma3Attention\): bidirectional attention"),
+    ("deepseek_v3", {}, r"DeepseekV3Attention\): no circleops attention adapter"),
+    ("granitemoe", {"embedding_multiplier": 12.0, "logits_scaling": 8.0},
+     r"computes embedding_multiplier 12.0; logits_scaling 8.0 outside its decoder layers"),
+])
+def test_what_no_cache_graph_computes_is_refused(name, kw, match):
+    from circleops.adapters import is_fused
+
+    model = BY_NAME[name].build(**kw)
+    with pytest.raises(CircleOpsError, match=match):
+        DecoderWithCache(model, max_len=16)
+    assert not is_fused(model)  # the caller's model as it came
 
 
 def test_wrong_number_of_caches(llama_run):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from generate_fixtures import TINY_CACHE, TINY_PREFILL
-from families import BY_NAME, FAMILIES
+from families import BY_NAME, FAMILIES, MOE_FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError
 from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
@@ -148,11 +148,11 @@ def test_onert_runs_only_subgraph_0(tmp_path, tiny_onert):
     assert outs[0].shape == (1, 1, 256) and outs[1].shape == (1, TINY_PREFILL, 2, 16)  # it ran the prefill
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if not f.attention_fusable], ids=lambda f: f.name)
+@pytest.mark.parametrize("family", [f for f in FAMILIES + MOE_FAMILIES if not f.decode_graphs], ids=lambda f: f.name)
 def test_families_without_cache_attention_are_refused(tmp_path, family):
-    """A family whose attention circle.attention cannot express has no decode graph: a
-    clear error before anything is written."""
-    with pytest.raises(CircleOpsError, match="circle.attention"):
+    """A family whose attention no adapter knows (multi-head latent attention, attention
+    sinks) has no decode graph: a clear error before anything is written."""
+    with pytest.raises(CircleOpsError, match="no circleops attention adapter for this class"):
         convert_graphs(family.build(), tmp_path / "out", target="onert", prefill_len=4, max_cache_len=8)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
