@@ -73,7 +73,7 @@ class TargetProfile:
     quantized_uint8_as_int8: bool  # uint8 asymmetric activations are stored as INT8 (zero point - 128, same values)
     quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
-    quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters (else SUB(0, x))
+    quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters and wrapping: SUB(0, x) instead
     quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
     quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
@@ -281,7 +281,8 @@ TFLITE = TargetProfile(
     # CONCATENATION copies stored values: int8 refuses other parameters at prepare ("t->params.scale !=
     # output->params.scale"), int16 silently concatenates them unscaled (thousands of steps off)
     quantized_same_params=frozenset({"CONCATENATION"}),
-    quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
+    # NEG is -q: 255 steps off with an int8 zero point, and -(-32768) wraps to -32768 in int16
+    quantized_neg_raw=True,
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",
     # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups, 1-3 steps from exact per op on

@@ -253,6 +253,19 @@ def test_int8_neg_is_written_as_sub(tmp_path):
     assert float(np.abs(got - want).max()) <= 4 * _output_step(path)
 
 
+def test_int16_neg_of_a_saturated_input_keeps_its_sign(tmp_path):
+    """LiteRT's int16 kernels saturate at -32768, where a raw NEG wraps (-(-32768) is -32768:
+    SmolLM2's saturated keys flipped sign in RoPE's rotate_half): a NEG whose parameters
+    mirror its input's is SUB(0, x) too."""
+    path, (x,) = _one_op_file(tmp_path, lambda x: -x, "int16", (4, 8))
+    assert "NEG" not in [n for n, _, _ in _types(path)]
+    big = 4 * x  # beyond the calibrated range: the input's QUANTIZE saturates (to -32768 below)
+    got = litert(path, [big.numpy()], "builtin")[0]
+    limit = float(np.abs(got).max())  # the output's saturation
+    want = np.clip(-big.numpy(), -limit, limit)
+    assert float(np.abs(got - want).max()) <= 4 * _output_step(path)
+
+
 @pytest.mark.parametrize("scheme", ["uint8", "int16"])
 @pytest.mark.parametrize("fn", [torch.sigmoid, lambda x: torch.softmax(x, -1), torch.tanh], ids=["sigmoid", "softmax",
                                                                                                "tanh"])

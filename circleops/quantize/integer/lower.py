@@ -348,16 +348,16 @@ def _same_params(g: _Graph, opcodes: frozenset[str]) -> None:
 
 def _neg_as_sub(g: _Graph) -> None:
     """An integer NEG whose kernel negates the stored values (TFLite: -q, parameters
-    ignored) is exact only when the output's parameters mirror the input's (same scale,
-    zero point negated); any other becomes SUB(0, x), the zero stored with x's parameters."""
+    ignored) becomes SUB(0, x), the zero stored with x's parameters: -q is wrong with a
+    zero point, and even with mirrored parameters it wraps at the type's lowest value
+    (-(-32768) is -32768 in int16), which LiteRT's kernels write whenever they saturate low
+    (their range is [-32768, 32767], PT2E's symmetric [-32767, 32767]): on SmolLM2 the
+    saturated keys of RoPE's rotate_half flipped sign (measured, 8.8 dB logits)."""
     sg = g.sg
     for op in sg.operators:
         if op.opcode != "NEG" or not g.quant(op.inputs[0]) or not g.quant(op.outputs[0]):
             continue
-        x, out = g.tensor(op.inputs[0]), g.tensor(op.outputs[0])
-        if x.dtype == out.dtype and np.array_equal(x.quant.scale, out.quant.scale) \
-                and np.array_equal(x.quant.zero_point, -out.quant.zero_point) and not x.quant.zero_point.any():
-            continue
+        x = g.tensor(op.inputs[0])
         zero = quantize_array(np.zeros([1], np.float32), x.dtype, x.quant)
         z = sg.add_tensor(ir.Tensor(f"{x.name}_zero", [1], x.dtype, zero, x.quant))
         op.opcode, op.options_type, op.options = "SUB", "SubOptions", {"fusedActivationFunction": 0}
