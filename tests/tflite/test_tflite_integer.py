@@ -266,6 +266,26 @@ def test_int16_neg_of_a_saturated_input_keeps_its_sign(tmp_path):
     assert float(np.abs(got - want).max()) <= 4 * _output_step(path)
 
 
+def test_int16_rsqrt_over_a_wide_range(tmp_path):
+    """LiteRT's int16 RSQRT interpolates a table over the whole input range: with mean
+    squares up to 8e5 (SmolLM2's massive token) rsqrt(100) read ~1.0. The file computes it
+    over three ranges 16x apart and takes their MINIMUM: within 2 % from 100 up."""
+
+    class One(torch.nn.Module):
+        def forward(self, x):
+            return torch.rsqrt(x + 1e-5)
+
+    x = torch.tensor([[5.0, 100, 300, 1e3, 3e3, 1e4, 1e5, 8e5]])  # (5: the calibrated output range)
+    path = tmp_path / "rsqrt.tflite"
+    circleops.convert(One(), (x,), path, target="tflite", quantize="int16", calibrate=1)
+    names = [n for n, _, _ in _types(path)]
+    assert names.count("RSQRT") == 3 and names.count("MINIMUM") == 2
+    want = torch.rsqrt(x).numpy()
+    for resolver in RESOLVERS:
+        got = litert(path, [x.numpy()], resolver)[0]
+        assert float(np.abs(got / want - 1)[0, 1:].max()) <= 0.02, (resolver, got)
+
+
 @pytest.mark.parametrize("scheme", ["uint8", "int16"])
 @pytest.mark.parametrize("fn", [torch.sigmoid, lambda x: torch.softmax(x, -1), torch.tanh], ids=["sigmoid", "softmax",
                                                                                                "tanh"])
