@@ -74,6 +74,7 @@ class TargetProfile:
     quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
     quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters and wrapping: SUB(0, x) instead
+    quantized_mean_square_narrow: int  # int16 RMSNorm op by op: its mean square also at this many times finer scales (<= 1: no)
     quantized_rsqrt_ranges: int  # an int16 RSQRT becomes this many over narrower input ranges and their MINIMUM (<= 1: as is)
     quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
     quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
@@ -147,6 +148,7 @@ CIRCLE = TargetProfile(
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
     quantized_rsqrt_ranges=1,  # computed, not a table
+    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
     quantized_int16_bias="INT32",
     quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,
@@ -233,6 +235,7 @@ ONERT = TargetProfile(
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
     quantized_rsqrt_ranges=1,  # computed, not a table
+    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
     quantized_int16_bias="INT32",
     quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
@@ -289,6 +292,9 @@ TFLITE = TargetProfile(
     # int16 RSQRT interpolates a 512-segment table over the whole input range: rsqrt(100) read ~1.0 with the
     # range at 8e5 (SmolLM2's norms); 3 ranges 16x apart, their MINIMUM (lower._rsqrt_ranges)
     quantized_rsqrt_ranges=3,
+    # one massive token sets the norms' mean-square range (SmolLM2: 8e5, a step of 25 for the others' 16-100):
+    # computed also 256x finer, the fine one's rsqrt taken where it did not saturate (lower._narrow_mean_squares)
+    quantized_mean_square_narrow=256,
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",
     # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups, 1-3 steps from exact per op on

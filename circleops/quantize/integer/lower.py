@@ -136,6 +136,8 @@ def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "
         _same_params(g, p.quantized_same_params)
     if p.quantized_neg_raw:
         _neg_as_sub(g)
+    if p.quantized_mean_square_narrow > 1:
+        _narrow_mean_squares(g, p.quantized_mean_square_narrow)
     if p.quantized_rsqrt_ranges > 1:
         _rsqrt_ranges(g, p.quantized_rsqrt_ranges)
     if p.quantized_uint8_as_int8:
@@ -364,6 +366,67 @@ def _neg_as_sub(g: _Graph) -> None:
         z = sg.add_tensor(ir.Tensor(f"{x.name}_zero", [1], x.dtype, zero, x.quant))
         op.opcode, op.options_type, op.options = "SUB", "SubOptions", {"fusedActivationFunction": 0}
         op.inputs = [z, op.inputs[0]]
+    g.refresh()
+
+
+def _producer(g: _Graph, i: int, opcode: str) -> ir.Operator | None:
+    k = g.producer.get(i)
+    return g.sg.operators[k] if k is not None and g.sg.operators[k].opcode == opcode else None
+
+
+def _symmetric16(t: ir.Tensor) -> bool:
+    return t.dtype == "INT16" and t.quant is not None and t.quant.scale.size == 1 and not t.quant.zero_point.any()
+
+
+def _narrow_mean_squares(g: _Graph, factor: int) -> None:
+    """RMSNorm op by op, int16: RSQRT(ADD(MEAN(MUL(x, x)), eps)). One massive token sets
+    the mean square's range (SmolLM2: 8e5, a step of 25) and the other tokens' mean squares
+    (10-100) get a few levels or none, so their normalizer is off by up to ~40 %. The mean
+    square is also computed at ``factor`` times finer scales (x², its mean: saturating
+    above 1/factor of the range), r_f = RSQRT of that; the normalizer is
+    r_f - RELU(c - r_c), c = rsqrt(the fine range's top): where the fine one did not
+    saturate, r_c (the coarse one) is above c and r_f stands; where it did, r_f is c and
+    the result r_c."""
+    sg = g.sg
+    new_ops = []
+    for op in sg.operators:
+        new_ops.append(op)
+        if op.opcode != "RSQRT":
+            continue
+        add = _producer(g, op.inputs[0], "ADD")
+        if add is None:
+            continue
+        live = [i for i in add.inputs if g.tensor(i).data is None]
+        mean = _producer(g, live[0], "MEAN") if len(live) == 1 else None
+        mul = _producer(g, mean.inputs[0], "MUL") if mean is not None else None
+        if mul is None or mul.inputs[0] != mul.inputs[1] or mul.options.get("fusedActivationFunction", 0) not in (0, "NONE"):
+            continue
+        sq, ms, r = (g.tensor(t) for t in (mul.outputs[0], mean.outputs[0], op.outputs[0]))
+        if not all(_symmetric16(t) for t in (g.tensor(mul.inputs[0]), sq, ms, g.tensor(add.outputs[0]), r)):
+            continue
+
+        def finer(t: ir.Tensor, name: str) -> int:
+            q = ir.QuantParams((t.quant.scale / factor).astype(np.float32), t.quant.zero_point.copy(), 0)
+            return sg.add_tensor(ir.Tensor(f"{t.name}_{name}", t.shape, t.dtype, None, q))
+
+        def like_r(name: str, data: Any = None) -> int:
+            return sg.add_tensor(ir.Tensor(f"{r.name}_{name}", [1] if data is not None else r.shape, r.dtype, data,
+                                           r.quant))
+
+        sq_f, ms_f = finer(sq, "fine"), finer(ms, "fine")
+        r_f, r_c, over = like_r("fine"), like_r("coarse"), like_r("over")
+        top = 32767.0 * float(ms.quant.scale[0]) / factor  # where the fine mean square saturates
+        c = like_r("fine_top", quantize_array(np.array([top ** -0.5]), "INT16", r.quant))
+        out = op.outputs[0]
+        op.outputs = [r_c]
+        sub = {"fusedActivationFunction": 0}
+        new_ops += [ir.Operator("MUL", [mul.inputs[0], mul.inputs[0]], [sq_f], mul.options_type, dict(mul.options)),
+                    ir.Operator("MEAN", [sq_f] + mean.inputs[1:], [ms_f], mean.options_type,
+                                dict(mean.options)),
+                    ir.Operator("RSQRT", [ms_f], [r_f]),
+                    ir.Operator("SUB", [c, r_c], [over], "SubOptions", {"fusedActivationFunction": 1}),  # RELU
+                    ir.Operator("SUB", [r_f, over], [out], "SubOptions", sub)]
+    sg.operators = new_ops
     g.refresh()
 
 
