@@ -73,9 +73,9 @@ class TargetProfile:
     quantized_uint8_as_int8: bool  # uint8 asymmetric activations are stored as INT8 (zero point - 128, same values)
     quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
-    quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters and wrapping: SUB(0, x) instead
-    quantized_mean_square_narrow: int  # int16 RMSNorm op by op: its mean square also at this many times finer scales (<= 1: no)
-    quantized_rsqrt_ranges: int  # an int16 RSQRT becomes this many over narrower input ranges and their MINIMUM (<= 1: as is)
+    quantized_neg_raw: bool  # integer NEG negates stored values (no parameters, wraps): SUB(0, x) instead
+    quantized_mean_square_narrow: int  # int16 RMSNorm op by op: its mean square also this many times finer (1: no)
+    quantized_rsqrt_ranges: int  # int16 RSQRT: this many over narrower input ranges, their MINIMUM (1: as is)
     quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
     quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
