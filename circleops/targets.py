@@ -73,7 +73,9 @@ class TargetProfile:
     quantized_uint8_as_int8: bool  # uint8 asymmetric activations are stored as INT8 (zero point - 128, same values)
     quantized_fixed_outputs: bool  # LOGISTIC / SOFTMAX / TANH outputs must carry the kernels' fixed parameters
     quantized_same_params: frozenset[str]  # integer builtins whose inputs must carry their output's parameters
-    quantized_neg_raw: bool  # the integer NEG negates stored values, ignoring parameters (else SUB(0, x))
+    quantized_neg_raw: bool  # integer NEG negates stored values (no parameters, wraps): SUB(0, x) instead
+    quantized_mean_square_narrow: int  # int16 RMSNorm op by op: its mean square also this many times finer (1: no)
+    quantized_rsqrt_ranges: int  # int16 RSQRT: this many over narrower input ranges, their MINIMUM (1: as is)
     quantized_int16_bias: str  # TensorType of the bias of a FULLY_CONNECTED / CONV_2D on int16 activations
     quantized_verify_floor: float  # verify tolerance of an integer file at least this (relative): kernels' own deviation
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
@@ -145,6 +147,8 @@ CIRCLE = TargetProfile(
     quantized_fixed_outputs=False,  # the reference interpreter requantizes any output parameters
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
+    quantized_rsqrt_ranges=1,  # computed, not a table
+    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
     quantized_int16_bias="INT32",
     quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,
@@ -230,6 +234,8 @@ ONERT = TargetProfile(
     quantized_fixed_outputs=False,
     quantized_same_params=frozenset(),
     quantized_neg_raw=False,
+    quantized_rsqrt_ranges=1,  # computed, not a table
+    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
     quantized_int16_bias="INT32",
     quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
     quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
@@ -281,7 +287,14 @@ TFLITE = TargetProfile(
     # CONCATENATION copies stored values: int8 refuses other parameters at prepare ("t->params.scale !=
     # output->params.scale"), int16 silently concatenates them unscaled (thousands of steps off)
     quantized_same_params=frozenset({"CONCATENATION"}),
-    quantized_neg_raw=True,  # int8 NEG is -q: 255 steps off with an asymmetric zero point
+    # NEG is -q: 255 steps off with an int8 zero point, and -(-32768) wraps to -32768 in int16
+    quantized_neg_raw=True,
+    # int16 RSQRT interpolates a 512-segment table over the whole input range: rsqrt(100) read ~1.0 with the
+    # range at 8e5 (SmolLM2's norms); 3 ranges 16x apart, their MINIMUM (lower._rsqrt_ranges)
+    quantized_rsqrt_ranges=3,
+    # one massive token sets the norms' mean-square range (SmolLM2: 8e5, a step of 25 for the others' 16-100):
+    # computed also 256x finer, the fine one's rsqrt taken where it did not saturate (lower._narrow_mean_squares)
+    quantized_mean_square_narrow=256,
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",
     # int16 LOGISTIC / SOFTMAX / TANH / RSQRT are table lookups, 1-3 steps from exact per op on

@@ -253,6 +253,67 @@ def test_int8_neg_is_written_as_sub(tmp_path):
     assert float(np.abs(got - want).max()) <= 4 * _output_step(path)
 
 
+def test_int16_neg_of_a_saturated_input_keeps_its_sign(tmp_path):
+    """LiteRT's int16 kernels saturate at -32768, where a raw NEG wraps (-(-32768) is -32768:
+    SmolLM2's saturated keys flipped sign in RoPE's rotate_half): a NEG whose parameters
+    mirror its input's is SUB(0, x) too."""
+    path, (x,) = _one_op_file(tmp_path, lambda x: -x, "int16", (4, 8))
+    assert "NEG" not in [n for n, _, _ in _types(path)]
+    big = 4 * x  # beyond the calibrated range: the input's QUANTIZE saturates (to -32768 below)
+    got = litert(path, [big.numpy()], "builtin")[0]
+    limit = float(np.abs(got).max())  # the output's saturation
+    want = np.clip(-big.numpy(), -limit, limit)
+    assert float(np.abs(got - want).max()) <= 4 * _output_step(path)
+
+
+def test_int16_rsqrt_over_a_wide_range(tmp_path):
+    """LiteRT's int16 RSQRT interpolates a table over the whole input range: with mean
+    squares up to 8e5 (SmolLM2's massive token) rsqrt(100) read ~1.0. The file computes it
+    over three ranges 16x apart and takes their MINIMUM: within 2 % from 100 up."""
+
+    class One(torch.nn.Module):
+        def forward(self, x):
+            return torch.rsqrt(x + 1e-5)
+
+    x = torch.tensor([[5.0, 100, 300, 1e3, 3e3, 1e4, 1e5, 8e5]])  # (5: the calibrated output range)
+    path = tmp_path / "rsqrt.tflite"
+    circleops.convert(One(), (x,), path, target="tflite", quantize="int16", calibrate=1)
+    names = [n for n, _, _ in _types(path)]
+    assert names.count("RSQRT") == 3 and names.count("MINIMUM") == 2
+    want = torch.rsqrt(x).numpy()
+    for resolver in RESOLVERS:
+        got = litert(path, [x.numpy()], resolver)[0]
+        assert float(np.abs(got / want - 1)[0, 1:].max()) <= 0.02, (resolver, got)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(64))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_int16_rms_norm_beside_a_massive_token(tmp_path):
+    """One token with an RMS ~200x the others' (SmolLM2's massive activation) sets the
+    mean square's range: the others' mean squares got 0-1 levels and their normalizer was
+    off by up to 22 %. The file also computes the mean square 256x finer and takes its
+    rsqrt where it did not saturate: every other token within 5 %, most within 1 %."""
+    torch.manual_seed(0)
+    norm = RMSNorm().eval()
+    x = torch.randn(1, 16, 64) * 4
+    x[0, 0] *= 200
+    path = tmp_path / "norm.tflite"
+    circleops.convert(norm, (x,), path, target="tflite", quantize="int16", calibrate=2)
+    with torch.no_grad():
+        want = norm(x).numpy()
+    for resolver in RESOLVERS:
+        got = litert(path, [x.numpy()], resolver)[0]
+        rel = np.linalg.norm(got - want, axis=-1)[0] / np.linalg.norm(want, axis=-1)[0]
+        assert rel.max() <= 0.05 and float(np.median(rel)) <= 0.01, (resolver, rel)
+
+
 @pytest.mark.parametrize("scheme", ["uint8", "int16"])
 @pytest.mark.parametrize("fn", [torch.sigmoid, lambda x: torch.softmax(x, -1), torch.tanh], ids=["sigmoid", "softmax",
                                                                                                "tanh"])

@@ -136,6 +136,10 @@ def integerize(model: ir.Model, plan: QuantPlan, target: str | TargetProfile = "
         _same_params(g, p.quantized_same_params)
     if p.quantized_neg_raw:
         _neg_as_sub(g)
+    if p.quantized_mean_square_narrow > 1:
+        _narrow_mean_squares(g, p.quantized_mean_square_narrow)
+    if p.quantized_rsqrt_ranges > 1:
+        _rsqrt_ranges(g, p.quantized_rsqrt_ranges)
     if p.quantized_uint8_as_int8:
         _uint8_as_int8(sg)
     _check_target(sg, target)
@@ -348,20 +352,123 @@ def _same_params(g: _Graph, opcodes: frozenset[str]) -> None:
 
 def _neg_as_sub(g: _Graph) -> None:
     """An integer NEG whose kernel negates the stored values (TFLite: -q, parameters
-    ignored) is exact only when the output's parameters mirror the input's (same scale,
-    zero point negated); any other becomes SUB(0, x), the zero stored with x's parameters."""
+    ignored) becomes SUB(0, x), the zero stored with x's parameters: -q is wrong with a
+    zero point, and even with mirrored parameters it wraps at the type's lowest value
+    (-(-32768) is -32768 in int16), which LiteRT's kernels write whenever they saturate low
+    (their range is [-32768, 32767], PT2E's symmetric [-32767, 32767]): on SmolLM2 the
+    saturated keys of RoPE's rotate_half flipped sign (measured, 8.8 dB logits)."""
     sg = g.sg
     for op in sg.operators:
         if op.opcode != "NEG" or not g.quant(op.inputs[0]) or not g.quant(op.outputs[0]):
             continue
-        x, out = g.tensor(op.inputs[0]), g.tensor(op.outputs[0])
-        if x.dtype == out.dtype and np.array_equal(x.quant.scale, out.quant.scale) \
-                and np.array_equal(x.quant.zero_point, -out.quant.zero_point) and not x.quant.zero_point.any():
-            continue
+        x = g.tensor(op.inputs[0])
         zero = quantize_array(np.zeros([1], np.float32), x.dtype, x.quant)
         z = sg.add_tensor(ir.Tensor(f"{x.name}_zero", [1], x.dtype, zero, x.quant))
         op.opcode, op.options_type, op.options = "SUB", "SubOptions", {"fusedActivationFunction": 0}
         op.inputs = [z, op.inputs[0]]
+    g.refresh()
+
+
+def _producer(g: _Graph, i: int, opcode: str) -> ir.Operator | None:
+    k = g.producer.get(i)
+    return g.sg.operators[k] if k is not None and g.sg.operators[k].opcode == opcode else None
+
+
+def _symmetric16(t: ir.Tensor) -> bool:
+    return t.dtype == "INT16" and t.quant is not None and t.quant.scale.size == 1 and not t.quant.zero_point.any()
+
+
+def _narrow_mean_squares(g: _Graph, factor: int) -> None:
+    """RMSNorm op by op, int16: RSQRT(ADD(MEAN(MUL(x, x)), eps)). One massive token sets
+    the mean square's range (SmolLM2: 8e5, a step of 25) and the other tokens' mean squares
+    (10-100) get a few levels or none: their normalizer was off by up to 22 % in a one-norm
+    file with such a token (tests/tflite/test_tflite_integer.py). The mean
+    square is also computed at ``factor`` times finer scales (x², its mean: saturating
+    above 1/factor of the range), r_f = RSQRT of that; the normalizer is
+    r_f - RELU(c - r_c), c = rsqrt(the fine range's top): where the fine one did not
+    saturate, r_c (the coarse one) is above c and r_f stands; where it did, r_f is c and
+    the result r_c."""
+    sg = g.sg
+    new_ops = []
+    for op in sg.operators:
+        new_ops.append(op)
+        if op.opcode != "RSQRT":
+            continue
+        add = _producer(g, op.inputs[0], "ADD")
+        if add is None:
+            continue
+        live = [i for i in add.inputs if g.tensor(i).data is None]
+        mean = _producer(g, live[0], "MEAN") if len(live) == 1 else None
+        mul = _producer(g, mean.inputs[0], "MUL") if mean is not None else None
+        if mul is None or mul.inputs[0] != mul.inputs[1] \
+                or mul.options.get("fusedActivationFunction", 0) not in (0, "NONE"):
+            continue
+        sq, ms, r = (g.tensor(t) for t in (mul.outputs[0], mean.outputs[0], op.outputs[0]))
+        if not all(_symmetric16(t) for t in (g.tensor(mul.inputs[0]), sq, ms, g.tensor(add.outputs[0]), r)):
+            continue
+
+        def finer(t: ir.Tensor, name: str) -> int:
+            q = ir.QuantParams((t.quant.scale / factor).astype(np.float32), t.quant.zero_point.copy(), 0)
+            return sg.add_tensor(ir.Tensor(f"{t.name}_{name}", t.shape, t.dtype, None, q))
+
+        def like_r(name: str, data: Any = None) -> int:
+            return sg.add_tensor(ir.Tensor(f"{r.name}_{name}", [1] if data is not None else r.shape, r.dtype, data,
+                                           r.quant))
+
+        sq_f, ms_f = finer(sq, "fine"), finer(ms, "fine")
+        r_f, r_c, over = like_r("fine"), like_r("coarse"), like_r("over")
+        top = 32767.0 * float(ms.quant.scale[0]) / factor  # where the fine mean square saturates
+        c = like_r("fine_top", quantize_array(np.array([top ** -0.5]), "INT16", r.quant))
+        out = op.outputs[0]
+        op.outputs = [r_c]
+        new_ops += [ir.Operator("MUL", [mul.inputs[0], mul.inputs[0]], [sq_f], mul.options_type, dict(mul.options)),
+                    ir.Operator("MEAN", [sq_f] + mean.inputs[1:], [ms_f], mean.options_type, dict(mean.options)),
+                    ir.Operator("RSQRT", [ms_f], [r_f]),
+                    ir.Operator("SUB", [c, r_c], [over], "SubOptions", {"fusedActivationFunction": 1}),  # RELU
+                    ir.Operator("SUB", [r_f, over], [out], "SubOptions", {"fusedActivationFunction": 0})]
+    sg.operators = new_ops
+    g.refresh()
+
+
+RSQRT_RANGE_FACTOR = 16  # each further RSQRT reads a 16x narrower input range
+
+
+def _rsqrt_ranges(g: _Graph, count: int) -> None:
+    """An int16 RSQRT whose kernel interpolates a table over the input's whole quantized
+    range (LiteRT: 512 segments) is far off in the lowest segments, where rsqrt is steep:
+    with SmolLM2's norms (mean squares up to 8e5 for one massive token, 20-100 for the
+    others) it returned ~1.0 for rsqrt(100) = 0.1 (measured). It becomes ``count`` RSQRTs,
+    the k-th reading the input requantized (QUANTIZE, saturating) to a 16^k times narrower
+    range, and their MINIMUM: rsqrt is convex and decreasing, so each table's interpolation
+    and each saturated input err upwards, and the smallest is the one whose range fits the
+    value (its segment at least 1/16 of the range from zero: within ~0.04 %)."""
+    sg = g.sg
+    new_ops = []
+    for op in sg.operators:
+        x = g.tensor(op.inputs[0]) if op.opcode == "RSQRT" and op.inputs else None
+        out = g.tensor(op.outputs[0]) if op.outputs else None
+        if x is None or x.dtype != "INT16" or x.quant is None or out is None or out.quant is None \
+                or out.dtype != "INT16":
+            new_ops.append(op)
+            continue
+        o = op.outputs[0]
+        op.outputs = [sg.add_tensor(ir.Tensor(f"{out.name}_range0", out.shape, out.dtype, None, out.quant))]
+        results = [op.outputs[0]]
+        new_ops.append(op)
+        for k in range(1, count):
+            narrow = ir.QuantParams((x.quant.scale / RSQRT_RANGE_FACTOR ** k).astype(np.float32),
+                                    x.quant.zero_point.copy(), x.quant.quantized_dimension)
+            xk = sg.add_tensor(ir.Tensor(f"{x.name}_range{k}", x.shape, x.dtype, None, narrow))
+            rk = sg.add_tensor(ir.Tensor(f"{out.name}_range{k}", out.shape, out.dtype, None, out.quant))
+            new_ops += [ir.Operator("QUANTIZE", [op.inputs[0]], [xk]), ir.Operator("RSQRT", [xk], [rk])]
+            results.append(rk)
+        acc = results[0]
+        for k, r in enumerate(results[1:], 1):
+            dst = o if k == len(results) - 1 else \
+                sg.add_tensor(ir.Tensor(f"{out.name}_min{k}", out.shape, out.dtype, None, out.quant))
+            new_ops.append(ir.Operator("MINIMUM", [acc, r], [dst]))
+            acc = dst
+    sg.operators = new_ops
     g.refresh()
 
 
