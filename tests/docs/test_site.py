@@ -5,6 +5,7 @@ mkdocstrings cannot render fails it — and every guide of docs/ is in the nav."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,14 @@ def test_mkdocs_build_strict(tmp_path):
     assert "Adding a lowering" in (site / "architecture" / "index.html").read_text()
     built = {p.parent.relative_to(site).as_posix() for p in site.rglob("index.html")}
     assert {"ops", "converting", "llm", "quantization", "targets", "tools", "benchmarks"} <= built
+
+
+def _linked_guides(text: str, prefix: str = "") -> set[str]:
+    return {m.group(1) for m in re.finditer(r"\]\(" + re.escape(prefix) + r"([a-z0-9-]+\.md)\)", text)}
+
+
+def test_index_and_readme_list_every_guide():
+    # a guide nobody links from the front pages is a guide nobody finds
+    guides = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert guides - _linked_guides((ROOT / "docs" / "index.md").read_text()) == set(), "docs/index.md"
+    assert guides - _linked_guides((ROOT / "README.md").read_text(), "docs/") == set(), "README.md"
