@@ -30,6 +30,7 @@ from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
+from circleops.remote_code import refuse_remote_code
 
 DEFAULT_MAX_NEW_TOKENS = 64
 # What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
@@ -635,6 +636,7 @@ def load_tokenizer(manifest: Any) -> Any:
     path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
     if not path.is_dir():
         raise ModelLoadError(f"the tokenizer directory {path} listed in manifest.json is missing. Convert again.")
+    refuse_remote_code(path)  # its tokenizer.json alone would tokenize differently from the custom class
     if (path / "tokenizer.json").is_file():
         try:
             return FastTokenizer(path)
@@ -649,8 +651,9 @@ def hf_tokenizer(path: Path) -> Any:
 
     from circleops.models import quiet_transformers
 
+    refuse_remote_code(path)
     with quiet_transformers():
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
 from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
+from circleops.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
 
 GRAPH_NAMES = ("prefill", "decode")
@@ -272,5 +273,6 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.tokenizer is not None:
-        confined_tokenizer(d, m.tokenizer, path)
+        # refused on reading, before any graph opens: generate, chat and a VLM's processor read it
+        refuse_remote_code(confined_tokenizer(d, m.tokenizer, path))
     return m

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
 from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
 from circleops.targets import PROFILES
+from circleops.remote_code import refuse_remote_code
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -342,7 +343,7 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.processor is not None:
-        confined_tokenizer(d, m.processor, path)
+        refuse_remote_code(confined_tokenizer(d, m.processor, path))  # before any graph opens
     return m
 
 
@@ -490,7 +491,7 @@ def _load(path: Any, processor: Any, source: str) -> tuple[Any, Any, str]:
     if (Path(path) / "generation_config.json").is_file():  # the start, language and task tokens live there
         from transformers import GenerationConfig
 
-        loaded.module.generation_config = GenerationConfig.from_pretrained(str(path))
+        loaded.module.generation_config = GenerationConfig.from_pretrained(str(path), trust_remote_code=False)
     if processor is None:
         processor = load_processor(Path(path))
     return loaded.module, processor, source or loaded.source
@@ -503,9 +504,10 @@ def load_processor(path: Path) -> Any:
 
     from transformers import WhisperProcessor
 
+    refuse_remote_code(path)  # before the except below, which takes any failure for "no processor"
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return WhisperProcessor.from_pretrained(str(path))
+            return WhisperProcessor.from_pretrained(str(path), trust_remote_code=False)
     except Exception:  # a directory with no processor: the graphs still convert
         return None
 

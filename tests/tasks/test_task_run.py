@@ -190,3 +190,26 @@ def test_segmentation_and_detection_are_read_from_their_outputs(converted, tmp_p
     top = scores.argsort(descending=True)[:2]
     assert [float(s) for s, _ in rows] == pytest.approx([float(scores[q]) for q in top], abs=1e-4)
     assert len(rows) == 2 and all(len(box.split(", ")) == 4 for _, box in rows)
+
+
+@pytest.mark.parametrize("name, flag, file", [("vit", "--image", "preprocessor_config.json"),
+                                              ("distilbert-sst2", "--text", "tokenizer_config.json")])
+def test_run_refuses_a_model_dir_naming_code(converted, tmp_path, name, flag, file):
+    """``run FILE --image/--text --model DIR`` with an ``auto_map`` in DIR (issue 31): refused
+    before transformers reads it, stdin answering "y", no code run (tests/security/evil_dirs)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
+    from evil_dirs import cli_with_yes, make_evil, refused
+
+    model_dir, path = converted(name)
+    marker = tmp_path / "pwned"
+    evil = make_evil(Path(shutil.copytree(model_dir, tmp_path / "evil")), file, marker)
+    image = tmp_path / "p.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    value = str(image) if flag == "--image" else "good movie"
+    refused(cli_with_yes("run", str(path), flag, value, "--model", str(evil), cwd=tmp_path), evil / file, marker)
