@@ -44,6 +44,7 @@ from circleops.errors import CircleOpsError, ModelLoadError, OutputError, Target
 from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
 from circleops.targets import PROFILES
 from circleops.remote_code import refuse_remote_code
+from circleops.token_ids import check_token_ids
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -340,11 +341,39 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     except (TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete or damaged ({err}). Convert again with --graphs "
                              f"encoder,prefill,decode.") from None
+    _check_speech_ids(m, path)
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.processor is not None:
         refuse_remote_code(confined_tokenizer(d, m.processor, path))  # before any graph opens
     return m
+
+
+def _check_speech_ids(m: SpeechManifest, path: Path) -> None:
+    """ModelLoadError unless every token id the manifest holds (start, end, pad, language,
+    task, no-timestamps, forced, suppressed) is in the vocabulary: they are fed to the
+    prefill graph or index the logits."""
+    again = "Convert again with --graphs encoder,prefill,decode."
+    if not isinstance(m.vocab_size, int) or isinstance(m.vocab_size, bool) or m.vocab_size < 1:
+        raise ModelLoadError(f"{path}: vocab_size {m.vocab_size!r} is not a positive integer. {again}")
+    pairs = m.forced_decoder_ids if isinstance(m.forced_decoder_ids, list) else [None]
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
+        raise ModelLoadError(f"{path}: forced_decoder_ids must be a list of [index, token id] pairs. {again}")
+    maps = {"lang_to_id": m.lang_to_id, "task_to_id": m.task_to_id}
+    for name, table in maps.items():
+        if not isinstance(table, dict):
+            raise ModelLoadError(f"{path}: {name} must map names to token ids. {again}")
+    lists = {"eos_token_ids": m.eos_token_ids, "suppress_tokens": m.suppress_tokens,
+             "begin_suppress_tokens": m.begin_suppress_tokens}
+    for name, ids in lists.items():
+        if not isinstance(ids, list):
+            raise ModelLoadError(f"{path}: {name} must be a list of token ids. {again}")
+    fields = {"decoder_start_token_id": [m.decoder_start_token_id], "pad_token_id": [m.pad_token_id],
+              "no_timestamps_token_id": [] if m.no_timestamps_token_id is None else [m.no_timestamps_token_id],
+              "forced_decoder_ids": [t for _, t in pairs if t is not None],
+              **lists, **{k: list(v.values()) for k, v in maps.items()}}
+    for name, ids in fields.items():
+        check_token_ids(ids, m.vocab_size, f"{path}: {name}", fix=again)
 
 
 # --------------------------------------------------------------------------- convert
@@ -679,6 +708,11 @@ class SpeechGenerator:
                 raise ModelLoadError(f"{m.directory}/{MANIFEST} does not describe its {g} graph: it takes inputs of "
                                      f"shapes {got}, the manifest says {shapes}. Convert again with --graphs "
                                      f"encoder,prefill,decode.")
+        for g in ("prefill", "decode"):  # the ids are checked against vocab_size: it must be the graphs'
+            logits = list(self.sessions[g].outputs[0].shape)
+            if logits[-1:] != [m.vocab_size]:
+                raise ModelLoadError(f"{m.directory}/{MANIFEST} says vocab_size {m.vocab_size}, and the {g} graph's "
+                                     f"logits have shape {logits}. Convert again with --graphs encoder,prefill,decode.")
 
     @property
     def processor(self) -> Any:
