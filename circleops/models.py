@@ -559,8 +559,19 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
 def load_exported(path: str | os.PathLike) -> Any:
     """A saved ExportedProgram (torch.export.save), checked first so that loading it runs no
     code from the file (circleops.safe_load: pickled entries are refused)."""
-    from circleops.safe_load import load_pt2
+    from circleops.ops.registry import PLUGINS, load_plugins
+    from circleops.safe_load import check_pt2_archive, load_pt2, pt2_unknown_ops
 
+    check_pt2_archive(path)  # before any plugin is imported: a refused file needs none
+    load_plugins()  # a program calling a plugin's op (torch.ops.npu.*) loads only once it defined them
+    unknown = pt2_unknown_ops(path)
+    if unknown:
+        namespaces = sorted({op.split("::")[0] for op in unknown})
+        failed = [f"{package} ({error})" for package, error in PLUGINS.values() if error]
+        raise ModelLoadError(
+            f"{path} calls {', '.join(unknown)}, which no installed package defines: install the package that "
+            f"provides the {', '.join(repr(n) for n in namespaces)} op namespace{'s' if len(namespaces) > 1 else ''} "
+            f"(torch.ops.{namespaces[0]}.*; a circleops plugin, which `circleops ops` then lists){'' if not failed else '. Plugins that failed to load: ' + '; '.join(failed)}.")
     try:
         return load_pt2(path)
     except ModelLoadError:

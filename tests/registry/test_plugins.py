@@ -89,3 +89,42 @@ def test_an_unknown_custom_code_names_the_plugin_that_failed(site):
     assert run.returncode == 0, run.stderr
     assert "custom_code 'broken::fused_moe': no registered op provides it" in run.stdout
     assert "The package broken-ops provides it, but its plugin failed to load: ImportError" in run.stdout
+
+
+def test_a_pt2_calling_a_plugins_op_converts_in_a_fresh_process(site, tmp_path):
+    """``circleops convert MODEL.pt2`` loads the plugins before torch.export.load (issue 31):
+    the program below calls torch.ops.acme.twice, defined only once the plugin is imported.
+    An op no package defines is named, with its namespace, not "check the warnings above"."""
+    save = f"""
+        import torch, acme_ops
+
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return torch.ops.acme.twice(x, 3) + 1
+
+        torch.export.save(torch.export.export(M(), (torch.randn(2, 4),)), {str(tmp_path / 'acme.pt2')!r})
+    """
+    assert _python(site, textwrap.dedent(save)).returncode == 0
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "acme.pt2") as zin, zipfile.ZipFile(tmp_path / "vendor.pt2", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("models/model.json"):
+                data = data.replace(b"torch.ops.acme.twice", b"torch.ops.nosuchvendor.twice")
+            zout.writestr(info, data)
+    # one fresh process: the first conversion is what a user's `circleops convert acme.pt2` does
+    both = """
+        import sys
+        from circleops.cli import main
+        assert "acme_ops" not in sys.modules
+        print("rc", main(["convert", sys.argv[1], "-o", sys.argv[2]]), main(["convert", sys.argv[3], "-o", sys.argv[4]]))
+    """
+    run = _python(site, textwrap.dedent(both), str(tmp_path / "acme.pt2"), str(tmp_path / "a.circle"),
+                  str(tmp_path / "vendor.pt2"), str(tmp_path / "v.circle"))
+    assert "rc 0 2" in run.stdout, run.stderr
+    assert "CUSTOM 1" in run.stdout
+    assert "calls nosuchvendor::twice, which no installed package defines" in run.stderr
+    assert "'nosuchvendor' op namespace" in run.stderr and "warnings above" not in run.stderr
+    assert "Plugins that failed to load: broken-ops (ImportError" in run.stderr
+    assert not (tmp_path / "v.circle").exists()
