@@ -128,3 +128,61 @@ def test_a_pt2_calling_a_plugins_op_converts_in_a_fresh_process(site, tmp_path):
     assert "'nosuchvendor' op namespace" in run.stderr and "warnings above" not in run.stderr
     assert "Plugins that failed to load: broken-ops (ImportError" in run.stderr
     assert not (tmp_path / "v.circle").exists()
+
+
+def test_two_plugins_claiming_one_custom_code(tmp_path):
+    """The rule (issue 31): the clashing op of the plugin loaded second is disabled with a
+    warning naming both packages, every other op of both plugins stays, and reading or
+    running a file whose CUSTOM op has the contested code is an error naming both packages
+    (never one vendor's kernel for the other's file, exit 0)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for ns in ("va", "vb"):
+        _dist(site, f"vendor-{ns}", ns, f"vendor_{ns}", f"""
+            import torch, circleops
+
+            @circleops.op("{ns}::swish(Tensor x) -> Tensor", custom_code="SWISH")
+            def swish(x):
+                return x * torch.sigmoid(x) * (2.0 if "{ns}" == "vb" else 1.0)
+
+            @circleops.op("{ns}::double(Tensor x) -> Tensor")
+            def double(x):
+                return x * 2
+        """)
+    code = """
+        import json, sys, warnings
+        import torch, circleops
+        import circleops.ops as ops
+        from circleops.cli import main
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ops.load_plugins()
+        mine = sorted(k for k in ops.REGISTRY if k.startswith(("va::", "vb::")))
+        winner = "va" if "va::swish" in ops.REGISTRY else "vb"
+
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return getattr(torch.ops, winner).swish(x)
+
+        circleops.convert(M(), (torch.randn(2, 4),), sys.argv[1], target="circle")
+        import numpy as np
+        np.save(sys.argv[2], np.ones((2, 4), np.float32))
+        try:
+            ops.by_custom_code("SWISH")
+            lookup = "no error"
+        except ops.UnknownCustomOpError as err:
+            lookup = str(err)
+        print(json.dumps({"ops": mine, "warnings": [str(w.message) for w in seen], "contested": ops.CONTESTED,
+                          "lookup": lookup, "rc": main(["run", sys.argv[1], "--input", sys.argv[2], "--runtime", "reference"])}))
+    """
+    run = _python(site, textwrap.dedent(code), str(tmp_path / "swish.circle"), str(tmp_path / "x.npy"))
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(got["ops"]) == 3 and {"va::double", "vb::double"} <= set(got["ops"]), got["ops"]
+    assert sorted(got["contested"]["SWISH"]) == ["vendor-va", "vendor-vb"]
+    clash = [w for w in got["warnings"] if "both claim custom_code 'SWISH'" in w]
+    assert len(clash) == 1 and "vendor-va" in clash[0] and "vendor-vb" in clash[0] and "is disabled" in clash[0]
+    for text in (got["lookup"], run.stderr):
+        assert "custom_code 'SWISH'" in text and "vendor-va" in text and "vendor-vb" in text
+    assert got["rc"] == 2
