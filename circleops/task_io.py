@@ -104,11 +104,11 @@ def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text
 
 
 def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, image: str) -> Prepared:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
     from transformers import AutoImageProcessor
 
     try:
-        picture = Image.open(image).convert("RGB")
+        picture = ImageOps.exif_transpose(Image.open(image)).convert("RGB")  # as transformers' load_image
     except (OSError, UnidentifiedImageError) as err:
         raise RuntimeRunError(f"cannot read the image {image}: {err}.") from None
     refuse_remote_code(path)

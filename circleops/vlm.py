@@ -643,14 +643,15 @@ class VisionGenerator(Generator):
 def read_image(path: str | os.PathLike) -> Any:
     """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
     try:
-        from PIL import Image
+        from PIL import Image, ImageOps
     except ImportError:
         raise ImageInputError("reading an image needs Pillow: pip install pillow.") from None
     if not Path(path).is_file():
         raise ImageInputError(f"the image {path} does not exist: pass the path of a PNG or JPEG file with --image.")
     try:
         with Image.open(path) as picture:
-            return picture.convert("RGB")
+            # upright as the camera's EXIF Orientation says, as transformers' load_image does
+            return ImageOps.exif_transpose(picture).convert("RGB")
     except (OSError, ValueError) as err:
         raise ImageInputError(f"cannot read the image {path}: {err}. Pass a PNG or JPEG file.") from None
 

@@ -213,3 +213,29 @@ def test_run_refuses_a_model_dir_naming_code(converted, tmp_path, name, flag, fi
     Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
     value = str(image) if flag == "--image" else "good movie"
     refused(cli_with_yes("run", str(path), flag, value, "--model", str(evil), cwd=tmp_path), evil / file, marker)
+
+
+def test_image_is_read_upright_as_transformers_load_image(converted, tmp_path, capsys):
+    """A phone photo (EXIF Orientation=6) through ``run --image``: the labels transformers gives
+    on ``load_image`` of the same file (upright), not on the sideways pixels (issue 31)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
+
+    model_dir, path = converted("vit")
+    image = tmp_path / "phone.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray((np.random.RandomState(2).rand(48, 64, 3) * 255).astype("uint8")).save(image, exif=exif.tobytes())
+    assert main(["run", str(path), "--image", str(image), "--top", "3", "--runtime", "onert"]) == 0
+    printed = _printed_probs(capsys.readouterr().out)
+    processor, model = AutoImageProcessor.from_pretrained(str(model_dir)), _torch_model(model_dir, "ViTForImageClassification")
+
+    def probs(picture):
+        with torch.no_grad():
+            return model(**processor(images=picture, return_tensors="pt")).logits.softmax(-1)[0]
+
+    upright, sideways = probs(load_image(str(image))), probs(Image.open(image).convert("RGB"))
+    assert (upright - sideways).abs().max() > 1e-3  # the orientation matters to this model
+    top = upright.argsort(descending=True)[:3]
+    assert [p for p, _ in printed] == pytest.approx([float(upright[i]) for i in top], abs=1e-4)
