@@ -662,9 +662,10 @@ def read_audio(path: str | os.PathLike, sampling_rate: int) -> Any:
 
 @dataclass
 class Transcription:
-    """What :meth:`SpeechGenerator.generate` produced: the generated tokens (as transformers'
-    ``generate`` returns them: without the start tokens, with the end token when reached),
-    the start tokens it was given, the text, and where the time went."""
+    """What :meth:`SpeechGenerator.generate` produced: the generated tokens as transformers'
+    ``WhisperForConditionalGeneration.generate(...)[0]`` returns them (transformers 5: without
+    the start tokens and without the end token; ``stopped_at_eos`` says whether the end token
+    was reached), the start tokens it was given, the text, and where the time went."""
 
     tokens: list[int]
     start_tokens: list[int]
@@ -673,6 +674,7 @@ class Transcription:
     encode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    stopped_at_eos: bool = False
 
     def timing_line(self) -> str:
         steps = max(0, len(self.tokens) - 1)
@@ -852,17 +854,20 @@ class SpeechGenerator:
         budget = limit if max_new_tokens is None else min(int(max_new_tokens), limit)
         suppress = [t for t in m.suppress_tokens if 0 <= t < m.vocab_size]
         begin = [t for t in m.begin_suppress_tokens if 0 <= t < m.vocab_size]
-        logits, tokens, pos = outs[0].reshape(-1), [], n
+        logits, tokens, pos, stopped = outs[0].reshape(-1), [], n, False
         while len(tokens) < budget:
             scores = logits.astype(np.float32).copy()
             scores[suppress] = -np.inf
             if not tokens:
                 scores[begin] = -np.inf
             token = int(np.argmax(scores))
+            if token in m.eos_token_ids:  # the end: transformers' Whisper generate leaves it out of its output
+                stopped = True
+                break
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
-            if token in m.eos_token_ids or len(tokens) == budget:
+            if len(tokens) == budget:
                 break
             step = self.sessions["decode"].run([np.array([[token]], np.int64), np.array([pos], np.int64),
                                                 *caches, *cross])
@@ -871,4 +876,4 @@ class SpeechGenerator:
             logits, pos = step[0].reshape(-1), pos + 1
         lang = next((k.strip("<|>") for k, v in m.lang_to_id.items() if v in init[1:2]), None)
         return Transcription(tokens, init, language=lang, encode_seconds=t1 - t0, prefill_seconds=t2 - t1,
-                             decode_seconds=time.perf_counter() - t2)
+                             decode_seconds=time.perf_counter() - t2, stopped_at_eos=stopped)
