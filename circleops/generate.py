@@ -30,6 +30,8 @@ from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
+from circleops.token_ids import check_token_ids
+from circleops.remote_code import refuse_remote_code
 
 DEFAULT_MAX_NEW_TOKENS = 64
 # What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
@@ -198,6 +200,16 @@ def _check_caches(manifest: Any, decode: Session) -> None:
                              f"{len(manifest.inputs)} inputs and {2 * manifest.num_layers} caches of shapes "
                              f"{sorted(want)}, the graph takes {len(shapes)} inputs of shapes {shapes}. "
                              f"Convert again with --graphs.")
+
+
+def _check_vocab(manifest: Any, sessions: Mapping[str, Session]) -> None:
+    """ModelLoadError unless each graph's logits are ``manifest.vocab_size`` wide: the token
+    ids are checked against that size before they reach a graph's embedding table."""
+    for graph, session in sessions.items():
+        shape = list(session.outputs[0].shape) if session.outputs else []
+        if not shape or shape[-1] != manifest.vocab_size:
+            raise ModelLoadError(f"{manifest.directory}/{MANIFEST} says vocab_size {manifest.vocab_size}, and the "
+                                 f"{graph} graph's logits have shape {shape}. Convert again with --graphs.")
 
 
 # --------------------------------------------------------------------------- generation
@@ -383,6 +395,8 @@ class Generator:
                 (w, open_graph(m, g, self.runtime, threads=self.threads[g])))
         self.decode_session = open_graph(m, "decode", self.runtime, threads=self.threads["decode"])
         _check_caches(m, self.decode_session)
+        _check_vocab(m, {**{g: self.prefill_sessions[n] for n, g in m.prefill_graphs.items()},
+                         "decode": self.decode_session})
         self._np = np
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
@@ -491,7 +505,7 @@ class Generator:
         last token's, in the last run).
         """
         m = self.manifest
-        new = [int(t) for t in token_ids]
+        new = check_token_ids(token_ids, m.vocab_size, "the tokens to feed", error=GenerationLimitError)
         if not new:
             raise GenerationLimitError("nothing to feed: give at least one token.")
         start, end = self.position, self.position + len(new)
@@ -519,6 +533,8 @@ class Generator:
         """Feed one token at the next position; returns its logits [V]."""
         if self.position >= self.manifest.max_cache_len:
             raise GenerationLimitError(f"the KV cache of {self.manifest.max_cache_len} slots is full.")
+        if not 0 <= token < self.manifest.vocab_size:  # the common case without building a list
+            check_token_ids([token], self.manifest.vocab_size, "the token to decode", error=GenerationLimitError)
         self._ids[0, 0] = token
         self._pos[0] = self.position
         self._ensure_caches()
@@ -541,7 +557,7 @@ class Generator:
         each new token as it is produced. ``keep_cache``: continue after the tokens already
         in the cache (a chat turn) instead of starting over.
         """
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = check_token_ids(prompt_ids, self.manifest.vocab_size, "the prompt", error=GenerationLimitError)
         if not keep_cache:
             self.reset()
         self.check_fits(len(prompt_ids), max_new_tokens)
@@ -635,6 +651,7 @@ def load_tokenizer(manifest: Any) -> Any:
     path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
     if not path.is_dir():
         raise ModelLoadError(f"the tokenizer directory {path} listed in manifest.json is missing. Convert again.")
+    refuse_remote_code(path)  # its tokenizer.json alone would tokenize differently from the custom class
     if (path / "tokenizer.json").is_file():
         try:
             return FastTokenizer(path)
@@ -649,8 +666,9 @@ def hf_tokenizer(path: Path) -> Any:
 
     from circleops.models import quiet_transformers
 
+    refuse_remote_code(path)
     with quiet_transformers():
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:

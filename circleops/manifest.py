@@ -13,7 +13,9 @@ from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
 from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
+from circleops.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
+from circleops.token_ids import check_token_ids
 
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
@@ -269,8 +271,15 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                                           for n in sizes + m.cache_shape):
         raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
                              f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
+    again = "Convert again with --graphs."
+    check_token_ids([m.pad_token_id], m.vocab_size, f"{path}: pad_token_id", fix=again)
+    check_token_ids(m.eos_token_ids, m.vocab_size, f"{path}: eos_token_ids", fix=again)
+    if isinstance(m.vision, dict) and "image_token_id" in m.vision:
+        check_token_ids([m.vision["image_token_id"]], m.vocab_size, f"{path}: the vision entry's image_token_id",
+                        fix=again)
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.tokenizer is not None:
-        confined_tokenizer(d, m.tokenizer, path)
+        # refused on reading, before any graph opens: generate, chat and a VLM's processor read it
+        refuse_remote_code(confined_tokenizer(d, m.tokenizer, path))
     return m

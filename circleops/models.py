@@ -23,6 +23,7 @@ import torch
 
 from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
+from circleops.remote_code import refuse_remote_code
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -266,6 +267,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(
             f"{path} is a directory without config.json, so it is not a Hugging Face model directory. "
             f"Pass the directory that holds config.json and the *.safetensors weights.")
+    refuse_remote_code(path)
     cfg = _read_config(cfg_path)
     config = _build_config(cfg, str(path))
     cls = (model_class or _model_class)(config, cfg, str(path))
@@ -315,7 +317,7 @@ def _from_pretrained(cls: type, path: Path, dtype: torch.dtype, allow_random_ini
     try:
         with quiet_transformers():
             model, info = cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager",
-                                              output_loading_info=True)
+                                              output_loading_info=True, trust_remote_code=False)
     except Exception as err:
         raise ModelLoadError(f"cannot load {path}: {_first_line(err)}") from None
     check_loading_info(info, cls.__name__, path, allow_random_init)
@@ -387,6 +389,7 @@ def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         path = path / "config.json"
     if not path.exists():
         raise ModelLoadError(f"config not found: {config_path}. --config takes a Hugging Face config.json.")
+    refuse_remote_code(path)  # its stock class in place of the custom one would be another model
     cfg = _read_config(path)
     config = _build_config(cfg, str(path))
     cls = (model_class or _model_class)(config, cfg, str(path))
@@ -438,12 +441,14 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="eager")
+                str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="eager",
+                trust_remote_code=False)
             tokenizer = None
             if with_tokenizer:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          trust_remote_code=False)
     except ImportError as err:
         raise ModelLoadError(f"loading {path} needs the hf extras (pip install 'circleops[hf]'): {err}") from None
     except Exception as err:
@@ -543,7 +548,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
     model = load_hf_dir(path, dtype=dtype)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # our own cache: no auto_map
     # its Q4_1 weights (the report says requantized) and Q8_0 embedding, kept beside the cache
     _attach_gguf_blocks(model, _smollm2_gguf(), cache=path / "gguf_blocks")
     return model, tokenizer
@@ -554,8 +559,19 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
 def load_exported(path: str | os.PathLike) -> Any:
     """A saved ExportedProgram (torch.export.save), checked first so that loading it runs no
     code from the file (circleops.safe_load: pickled entries are refused)."""
-    from circleops.safe_load import load_pt2
+    from circleops.ops.registry import PLUGINS, load_plugins
+    from circleops.safe_load import check_pt2_archive, load_pt2, pt2_unknown_ops
 
+    check_pt2_archive(path)  # before any plugin is imported: a refused file needs none
+    load_plugins()  # a program calling a plugin's op (torch.ops.npu.*) loads only once it defined them
+    unknown = pt2_unknown_ops(path)
+    if unknown:
+        namespaces = sorted({op.split("::")[0] for op in unknown})
+        failed = [f"{package} ({error})" for package, error in PLUGINS.values() if error]
+        raise ModelLoadError(
+            f"{path} calls {', '.join(unknown)}, which no installed package defines: install the package that "
+            f"provides the {', '.join(repr(n) for n in namespaces)} op namespace{'s' if len(namespaces) > 1 else ''} "
+            f"(torch.ops.{namespaces[0]}.*; a circleops plugin, which `circleops ops` then lists){'' if not failed else '. Plugins that failed to load: ' + '; '.join(failed)}.")
     try:
         return load_pt2(path)
     except ModelLoadError:

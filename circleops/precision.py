@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.dtypes import float_dtype, short_name
+from circleops.remote_code import refuse_remote_code
 
 DEFAULT_PROMPT = "Once upon a time,"
 DEFAULT_NEW_TOKENS = 32
@@ -158,8 +159,9 @@ def directory_tokenizer(model: str | None) -> Any:
 
     from circleops.models import quiet_transformers
 
+    refuse_remote_code(model)
     with quiet_transformers():
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=False)
 
 
 # --------------------------------------------------------------------------- steps

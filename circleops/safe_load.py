@@ -121,6 +121,46 @@ def weights_only_torch_load() -> Iterator[None]:
         torch.load = original
 
 
+def _targets(node: Any) -> Iterator[str]:
+    """Every node ``target`` string in a serialized graph (nested graphs of higher-order ops
+    included), walked without recursion."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            target = item.get("target")
+            if isinstance(target, str) and "inputs" in item:
+                yield target
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def pt2_unknown_ops(path: str | os.PathLike) -> list[str]:
+    """The ops (``ns::name``) a .pt2's graphs call that this process has not defined:
+    torch.export.load would fail on them with "check the warnings above" (warnings it logs,
+    not raises). Unreadable archives give []: :func:`check_pt2_archive` reports those."""
+    unknown: set[str] = set()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            entries = _strip_root(zf.namelist())
+            for name, member in entries.items():
+                if not (name.startswith("models/") and name.endswith(".json")):
+                    continue
+                for target in _targets(json.loads(zf.read(member))):
+                    parts = target.split(".")
+                    if len(parts) < 4 or parts[:2] != ["torch", "ops"]:
+                        continue  # python callables, higher-order ops: torch.export.load resolves those
+                    namespace, op = parts[2], parts[3]
+                    try:
+                        getattr(getattr(torch.ops, namespace), op)
+                    except (AttributeError, RuntimeError):
+                        unknown.add(f"{namespace}::{op}")
+    except (OSError, zipfile.BadZipFile, ValueError, RecursionError, KeyError):
+        return []
+    return sorted(unknown)
+
+
 def load_pt2(path: str | os.PathLike) -> Any:
     """``torch.export.load`` of a checked archive with pickles restricted to tensors."""
     check_pt2_archive(path)

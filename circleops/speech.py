@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
 from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
 from circleops.targets import PROFILES
+from circleops.remote_code import refuse_remote_code
+from circleops.token_ids import check_token_ids
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -339,11 +341,39 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     except (TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete or damaged ({err}). Convert again with --graphs "
                              f"encoder,prefill,decode.") from None
+    _check_speech_ids(m, path)
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.processor is not None:
-        confined_tokenizer(d, m.processor, path)
+        refuse_remote_code(confined_tokenizer(d, m.processor, path))  # before any graph opens
     return m
+
+
+def _check_speech_ids(m: SpeechManifest, path: Path) -> None:
+    """ModelLoadError unless every token id the manifest holds (start, end, pad, language,
+    task, no-timestamps, forced, suppressed) is in the vocabulary: they are fed to the
+    prefill graph or index the logits."""
+    again = "Convert again with --graphs encoder,prefill,decode."
+    if not isinstance(m.vocab_size, int) or isinstance(m.vocab_size, bool) or m.vocab_size < 1:
+        raise ModelLoadError(f"{path}: vocab_size {m.vocab_size!r} is not a positive integer. {again}")
+    pairs = m.forced_decoder_ids if isinstance(m.forced_decoder_ids, list) else [None]
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
+        raise ModelLoadError(f"{path}: forced_decoder_ids must be a list of [index, token id] pairs. {again}")
+    maps = {"lang_to_id": m.lang_to_id, "task_to_id": m.task_to_id}
+    for name, table in maps.items():
+        if not isinstance(table, dict):
+            raise ModelLoadError(f"{path}: {name} must map names to token ids. {again}")
+    lists = {"eos_token_ids": m.eos_token_ids, "suppress_tokens": m.suppress_tokens,
+             "begin_suppress_tokens": m.begin_suppress_tokens}
+    for name, ids in lists.items():
+        if not isinstance(ids, list):
+            raise ModelLoadError(f"{path}: {name} must be a list of token ids. {again}")
+    fields = {"decoder_start_token_id": [m.decoder_start_token_id], "pad_token_id": [m.pad_token_id],
+              "no_timestamps_token_id": [] if m.no_timestamps_token_id is None else [m.no_timestamps_token_id],
+              "forced_decoder_ids": [t for _, t in pairs if t is not None],
+              **lists, **{k: list(v.values()) for k, v in maps.items()}}
+    for name, ids in fields.items():
+        check_token_ids(ids, m.vocab_size, f"{path}: {name}", fix=again)
 
 
 # --------------------------------------------------------------------------- convert
@@ -490,7 +520,7 @@ def _load(path: Any, processor: Any, source: str) -> tuple[Any, Any, str]:
     if (Path(path) / "generation_config.json").is_file():  # the start, language and task tokens live there
         from transformers import GenerationConfig
 
-        loaded.module.generation_config = GenerationConfig.from_pretrained(str(path))
+        loaded.module.generation_config = GenerationConfig.from_pretrained(str(path), trust_remote_code=False)
     if processor is None:
         processor = load_processor(Path(path))
     return loaded.module, processor, source or loaded.source
@@ -503,9 +533,10 @@ def load_processor(path: Path) -> Any:
 
     from transformers import WhisperProcessor
 
+    refuse_remote_code(path)  # before the except below, which takes any failure for "no processor"
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return WhisperProcessor.from_pretrained(str(path))
+            return WhisperProcessor.from_pretrained(str(path), trust_remote_code=False)
     except Exception:  # a directory with no processor: the graphs still convert
         return None
 
@@ -631,9 +662,10 @@ def read_audio(path: str | os.PathLike, sampling_rate: int) -> Any:
 
 @dataclass
 class Transcription:
-    """What :meth:`SpeechGenerator.generate` produced: the generated tokens (as transformers'
-    ``generate`` returns them: without the start tokens, with the end token when reached),
-    the start tokens it was given, the text, and where the time went."""
+    """What :meth:`SpeechGenerator.generate` produced: the generated tokens as transformers'
+    ``WhisperForConditionalGeneration.generate(...)[0]`` returns them (transformers 5: without
+    the start tokens and without the end token; ``stopped_at_eos`` says whether the end token
+    was reached), the start tokens it was given, the text, and where the time went."""
 
     tokens: list[int]
     start_tokens: list[int]
@@ -642,6 +674,7 @@ class Transcription:
     encode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    stopped_at_eos: bool = False
 
     def timing_line(self) -> str:
         steps = max(0, len(self.tokens) - 1)
@@ -677,6 +710,11 @@ class SpeechGenerator:
                 raise ModelLoadError(f"{m.directory}/{MANIFEST} does not describe its {g} graph: it takes inputs of "
                                      f"shapes {got}, the manifest says {shapes}. Convert again with --graphs "
                                      f"encoder,prefill,decode.")
+        for g in ("prefill", "decode"):  # the ids are checked against vocab_size: it must be the graphs'
+            logits = list(self.sessions[g].outputs[0].shape)
+            if logits[-1:] != [m.vocab_size]:
+                raise ModelLoadError(f"{m.directory}/{MANIFEST} says vocab_size {m.vocab_size}, and the {g} graph's "
+                                     f"logits have shape {logits}. Convert again with --graphs encoder,prefill,decode.")
 
     @property
     def processor(self) -> Any:
@@ -816,17 +854,20 @@ class SpeechGenerator:
         budget = limit if max_new_tokens is None else min(int(max_new_tokens), limit)
         suppress = [t for t in m.suppress_tokens if 0 <= t < m.vocab_size]
         begin = [t for t in m.begin_suppress_tokens if 0 <= t < m.vocab_size]
-        logits, tokens, pos = outs[0].reshape(-1), [], n
+        logits, tokens, pos, stopped = outs[0].reshape(-1), [], n, False
         while len(tokens) < budget:
             scores = logits.astype(np.float32).copy()
             scores[suppress] = -np.inf
             if not tokens:
                 scores[begin] = -np.inf
             token = int(np.argmax(scores))
+            if token in m.eos_token_ids:  # the end: transformers' Whisper generate leaves it out of its output
+                stopped = True
+                break
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
-            if token in m.eos_token_ids or len(tokens) == budget:
+            if len(tokens) == budget:
                 break
             step = self.sessions["decode"].run([np.array([[token]], np.int64), np.array([pos], np.int64),
                                                 *caches, *cross])
@@ -835,4 +876,4 @@ class SpeechGenerator:
             logits, pos = step[0].reshape(-1), pos + 1
         lang = next((k.strip("<|>") for k, v in m.lang_to_id.items() if v in init[1:2]), None)
         return Transcription(tokens, init, language=lang, encode_seconds=t1 - t0, prefill_seconds=t2 - t1,
-                             decode_seconds=time.perf_counter() - t2)
+                             decode_seconds=time.perf_counter() - t2, stopped_at_eos=stopped)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.remote_code import refuse_remote_code
 
 
 @dataclass
@@ -90,8 +91,9 @@ def prepare(record: dict[str, Any], *, image: str | None = None, text: str | Non
 def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text: str) -> Prepared:
     from transformers import AutoTokenizer
 
+    refuse_remote_code(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:
         raise RuntimeRunError(f"cannot load the tokenizer of {path}: {str(err).strip()[:200]}. Pass --model DIR "
                               "with the tokenizer files.") from None
@@ -102,15 +104,16 @@ def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text
 
 
 def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, image: str) -> Prepared:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
     from transformers import AutoImageProcessor
 
     try:
-        picture = Image.open(image).convert("RGB")
+        picture = ImageOps.exif_transpose(Image.open(image)).convert("RGB")  # as transformers' load_image
     except (OSError, UnidentifiedImageError) as err:
         raise RuntimeRunError(f"cannot read the image {image}: {err}.") from None
+    refuse_remote_code(path)
     try:
-        processor = AutoImageProcessor.from_pretrained(str(path))
+        processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:
         raise RuntimeRunError(f"cannot load the image processor of {path} (preprocessor_config.json): "
                               f"{str(err).strip()[:200]}. Pass --model DIR with the processor files.") from None
@@ -144,8 +147,9 @@ def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, aud
     from transformers import AutoFeatureExtractor
 
     samples, rate = read_wav(audio)
+    refuse_remote_code(path)
     try:
-        extractor = AutoFeatureExtractor.from_pretrained(str(path))
+        extractor = AutoFeatureExtractor.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:
         raise RuntimeRunError(f"cannot load the feature extractor of {path}: {str(err).strip()[:200]}.") from None
     wanted = getattr(extractor, "sampling_rate", rate)
@@ -159,7 +163,7 @@ def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, aud
         from transformers import AutoTokenizer
 
         with contextlib.suppress(Exception):
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     return Prepared([_fit(name, np.asarray(features, dtype=np.float32), shapes[name])], record, tokenizer)
 
 

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError, TargetError
 from circleops.options import TASK_METADATA_KEY
+from circleops.remote_code import refuse_remote_code
 
 METADATA_KEY = TASK_METADATA_KEY  # circleops.options: inspect reads it without importing this module
 DEFAULT_SEQ_LEN = 64
@@ -366,8 +367,9 @@ def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any
     if model_dir is not None:
         from transformers import AutoTokenizer
 
+        refuse_remote_code(model_dir)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         except Exception:  # no tokenizer saved: seeded ids below vocab_size
             tokenizer = None
     ids = calibration_samples((inputs["input_ids"],), int(kwargs.get("calibrate", 8)), tokenizer=tokenizer,

@@ -55,6 +55,7 @@ from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, Graph
 from circleops.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
 from circleops.targets import PROFILES
 from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
+from circleops.remote_code import refuse_remote_code
 
 # model_type of config.json -> what it is; the classes are transformers'
 VLM_MODEL_TYPES = {t: cls for fam in FAMILIES for t, cls in fam.classes.items()}
@@ -122,7 +123,8 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
                 torch.manual_seed(seed)
                 module = cls(cfg)
             else:
-                module = cls.from_pretrained(str(model), dtype=torch.float32)
+                refuse_remote_code(model)
+                module = cls.from_pretrained(str(model), dtype=torch.float32, trust_remote_code=False)
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise ModelLoadError(f"cannot load {config or model} as {cls.__name__}: {str(err).strip()[:300]}") from None
         processor = None
@@ -137,9 +139,10 @@ def load_processor(path: Path, *, required: bool = True) -> Any:
 
     from circleops.models import quiet_transformers
 
+    refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
     try:
         with quiet_transformers():
-            return AutoProcessor.from_pretrained(str(path))
+            return AutoProcessor.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
         if not required:
             return None
@@ -640,14 +643,15 @@ class VisionGenerator(Generator):
 def read_image(path: str | os.PathLike) -> Any:
     """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
     try:
-        from PIL import Image
+        from PIL import Image, ImageOps
     except ImportError:
         raise ImageInputError("reading an image needs Pillow: pip install pillow.") from None
     if not Path(path).is_file():
         raise ImageInputError(f"the image {path} does not exist: pass the path of a PNG or JPEG file with --image.")
     try:
         with Image.open(path) as picture:
-            return picture.convert("RGB")
+            # upright as the camera's EXIF Orientation says, as transformers' load_image does
+            return ImageOps.exif_transpose(picture).convert("RGB")
     except (OSError, ValueError) as err:
         raise ImageInputError(f"cannot read the image {path}: {err}. Pass a PNG or JPEG file.") from None
 

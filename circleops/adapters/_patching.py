@@ -214,8 +214,9 @@ class PatchSession:
     def _warn_unused(self) -> None:
         idle = self.unused()
         if idle:
+            call = self.name if self.name.endswith(")") else f"{self.name}()"  # patch_module(X) is a call already
             warnings.warn(
-                f"{self.name}(): these patched classes/functions never ran while the patch was "
+                f"{call}: these patched classes/functions never ran while the patch was "
                 f"active: {', '.join(idle)}. Export (or run) the model inside the `with` block; "
                 "a model built inside it and exported after it closed is not patched "
                 "(use circleops.fuse(model) to patch one model for good).",

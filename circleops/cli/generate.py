@@ -80,7 +80,9 @@ def sampler_from_args(args: argparse.Namespace, directory):
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops.generate import Generator, TextStream, choose_runtime, encode_prompt, load_tokenizer
+    from circleops.generate import (GenerationLimitError, Generator, TextStream, choose_runtime, encode_prompt,
+                                    load_tokenizer)
+    from circleops.token_ids import check_token_ids
     from circleops.manifest import read_manifest
 
     from circleops.cli import generate_speech
@@ -99,9 +101,12 @@ def main(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         tokenizer = load_tokenizer(manifest)
         ids = encode_prompt(tokenizer, args.prompt, args.chat)
+        source = f"the prompt, as the tokenizer in {manifest.directory / str(manifest.tokenizer)} encodes it"
     else:
         ids = _parse_ids(args.token_ids)
         tokenizer = load_tokenizer(manifest) if manifest.tokenizer else None
+        source = "--token-ids"
+    ids = check_token_ids(ids, manifest.vocab_size, source, error=GenerationLimitError)  # before any graph opens
     sampler = sampler_from_args(args, manifest.directory)
     gen = Generator(manifest, runtime=runtime, threads=args.threads)
     gen.check_fits(len(ids), args.max_new_tokens)  # before any output

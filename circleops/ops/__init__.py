@@ -25,9 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from circleops.ops.registry import (PLUGIN_GROUP, PLUGINS, REGISTRY, OpDefinitionError, OpSpec, PluginWarning,
-                                    UnknownCustomOpError, by_custom_code, by_overload, load_plugins, lookup, op,
-                                    register_op, unknown_custom_code)
+from circleops.ops.registry import (CONTESTED, PLUGIN_GROUP, PLUGINS, REGISTRY, OpDefinitionError, OpSpec,
+                                    PluginWarning, UnknownCustomOpError, by_custom_code, by_overload, load_plugins,
+                                    lookup, op, register_op, unknown_custom_code)
 from circleops.ops._common import at_least_fp32
 
 def _schema_path() -> Path:
@@ -67,5 +67,5 @@ BUILTINS: tuple[str, ...] = tuple(_load_builtins())
 
 
 __all__ = ["BUILTINS", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP", "PluginWarning", "REGISTRY",
-           "SCHEMA_PATH", "UnknownCustomOpError", "at_least_fp32", "by_custom_code", "by_overload", "load_plugins",
+           "CONTESTED", "SCHEMA_PATH", "UnknownCustomOpError", "at_least_fp32", "by_custom_code", "by_overload", "load_plugins",
            "lookup", "op", "register_op", "unknown_custom_code"]

@@ -221,6 +221,8 @@ class OpSpec:
 REGISTRY: dict[str, OpSpec] = {}
 _BY_TARGET: dict[Any, OpSpec] = {}
 _BY_CUSTOM_CODE: dict[str, OpSpec] = {}
+# custom_code -> the packages whose plugins both claim it (see _contested_by_another_plugin)
+CONTESTED: dict[str, list[str]] = {}
 # entry point name -> (distribution, error message or None); filled by load_plugins()
 PLUGINS: dict[str, tuple[str, str | None]] = {}
 _plugins_loaded = False
@@ -318,12 +320,14 @@ def op(schema: str, *, custom_code: str | None = None, circle: str | Mapping[str
         if key in REGISTRY:
             raise OpDefinitionError(f"{qualname} is already defined (by {REGISTRY[key].provider}); an op is "
                                     "defined once: pick another name or namespace")
-        _check_custom_codes(qualname, circle_form, tflite_form)
         provider = _loading_plugin[-1] if _loading_plugin else (contract or {}).get("provider") or \
             getattr(fn, "__module__", None) or "?"
         spec = OpSpec(schema, with_defaults(fn, parsed), circle=circle_form, tflite=tflite_form, autocast=autocast,
                       contract=dict(contract or {}), provider=provider,
                       module=(contract or {}).get("module"), samples=samples)
+        if _contested_by_another_plugin(spec):
+            return spec  # disabled: neither defined in torch nor registered; the plugin's other ops load
+        _check_custom_codes(qualname, circle_form, tflite_form)
         _define(spec, fn, parsed, mutates)
         return _add(key, spec)
 
@@ -352,10 +356,12 @@ def register_op(op: Any, reference: Callable[..., Any], *, custom_code: str | No
     attributes = [a.name for a in parsed.arguments if not _is_tensor_type(a.type) and not _is_tensor_list(a.type)]
     circle_form = _normalize_circle(circle, parsed.name, custom_code, attributes)
     tflite_form = _normalize_tflite(tflite, parsed.name, custom_code, attributes)
-    _check_custom_codes(parsed.name, circle_form, tflite_form)
     spec = OpSpec(schema, with_defaults(reference, parsed), circle=circle_form, tflite=tflite_form, autocast="none",
-                  contract={}, provider=provider or getattr(reference, "__module__", None) or "?", module=None,
-                  samples=samples)
+                  contract={}, provider=(_loading_plugin[-1] if _loading_plugin else None) or provider
+                  or getattr(reference, "__module__", None) or "?", module=None, samples=samples)
+    if _contested_by_another_plugin(spec):
+        return spec  # disabled, as for circleops.op
+    _check_custom_codes(parsed.name, circle_form, tflite_form)
     return _add(key, spec)
 
 
@@ -367,6 +373,36 @@ def _check_custom_codes(qualname: str, *forms: Mapping[str, Any]) -> None:
         code, other = next(iter(taken.items()))
         raise OpDefinitionError(f"{qualname}: custom_code {code!r} already names {other.qualname} "
                                 f"(from {other.provider}); give this op another custom_code=")
+
+
+def _contested_by_another_plugin(spec: OpSpec) -> bool:
+    """The rule for two plugins claiming one custom_code: the op of the plugin loading now is
+    disabled (a PluginWarning names both packages), the plugins' other ops stay, and the code
+    is contested: reading or running a file with a CUSTOM op of that code is an error naming
+    both packages (:func:`by_custom_code`), since which vendor's kernel it means is unknown.
+    Outside plugin loading (an op defined in your own code) a clash stays an OpDefinitionError."""
+    if not _loading_plugin:
+        return False
+    clashes = {code: _BY_CUSTOM_CODE[code] for code in spec.custom_codes if code in _BY_CUSTOM_CODE}
+    clashes = {code: other for code, other in clashes.items() if other.provider != spec.provider}
+    for code, other in clashes.items():
+        CONTESTED.setdefault(code, [other.provider])
+        if spec.provider not in CONTESTED[code]:
+            CONTESTED[code].append(spec.provider)
+        warnings.warn(f"circleops plugins {other.provider} ({other.qualname}) and {spec.provider} ({spec.qualname}) "
+                      f"both claim custom_code {code!r}: {spec.qualname} is disabled (the packages' other ops stay), "
+                      f"and a file with a CUSTOM op {code!r} is refused until one of them is uninstalled",
+                      PluginWarning, stacklevel=4)
+    return bool(clashes)
+
+
+def contested_custom_code(code: str) -> UnknownCustomOpError:
+    """The error for a CUSTOM op whose custom_code two plugins claim: it names both packages."""
+    packages = CONTESTED[code]
+    return UnknownCustomOpError(
+        f"CUSTOM op with custom_code {code!r}: the packages {' and '.join(packages)} both provide an op of that code, "
+        f"with their own kernels, so which one this file means is unknown. Uninstall one of them (pip uninstall "
+        f"{packages[-1]}) to read or run this file.")
 
 
 def _add(key: str, spec: OpSpec) -> OpSpec:
@@ -478,9 +514,13 @@ def lookup(name: str) -> OpSpec | None:
 
 
 def by_custom_code(code: str) -> OpSpec | None:
-    """The op written as a CUSTOM op with ``code``, loading plugins on a miss; else None."""
-    if code not in _BY_CUSTOM_CODE:
+    """The op written as a CUSTOM op with ``code``, loading plugins on a miss; else None.
+    UnknownCustomOpError naming both packages when two plugins claim ``code``."""
+    known = _BY_CUSTOM_CODE.get(code)
+    if known is None or not known.builtin:  # a plugin's code: another plugin may contest it
         load_plugins()
+    if code in CONTESTED:
+        raise contested_custom_code(code)
     return _BY_CUSTOM_CODE.get(code)
 
 
@@ -502,5 +542,5 @@ def unknown_custom_code(code: str) -> UnknownCustomOpError:
 
 
 __all__ = ["BUILTIN", "COMPOSITE", "CUSTOM", "DECOMPOSED", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP",
-           "PluginWarning", "REGISTRY", "UnknownCustomOpError", "by_custom_code", "by_overload", "load_plugins",
+           "CONTESTED", "PluginWarning", "REGISTRY", "UnknownCustomOpError", "by_custom_code", "contested_custom_code", "by_overload", "load_plugins",
            "lookup", "op", "register_op", "unknown_custom_code"]

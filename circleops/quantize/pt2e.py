@@ -21,6 +21,7 @@ import torch
 
 from circleops.errors import CircleOpsError
 from circleops.quantize.quantizer import ACTIVATIONS, QuantizeConfigError, torchao_pt2e
+from circleops.token_ids import check_token_ids
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 
@@ -154,7 +155,7 @@ def calibration_samples(example_args: Sequence[Any], n: int, *, data: str | os.P
         raise CalibrationError(f"calibrate needs at least 1 sample, got {n}")
     example_args = tuple(example_args)
     if data is not None:
-        return _from_file(data, example_args, n)
+        return _checked_ids(_from_file(data, example_args, n), example_args, vocab_size, data)
     gen = torch.Generator().manual_seed(seed)
     samples: list[tuple] = []
     token_windows = None
@@ -188,6 +189,24 @@ def _token_windows(length: int, count: int, tokenizer: Any, vocab_size: int | No
     if not vocab_size:
         raise CalibrationError("calibrating an LLM needs its tokenizer (for the calibration text) or its vocab size")
     return [torch.randint(0, vocab_size, (length,), generator=gen) for _ in range(count)]
+
+
+def _checked_ids(samples: list[tuple], example_args: tuple, vocab_size: int | None, path: Any) -> list[tuple]:
+    """CalibrationError unless a file's token ids (the integer [B, S] inputs of an LLM) are in
+    the vocabulary: the model's embedding would fail on them deep inside calibration."""
+    if not vocab_size:
+        return samples
+    for k, sample in enumerate(samples):
+        for t, ex in zip(sample, example_args):
+            if not (isinstance(t, torch.Tensor) and isinstance(ex, torch.Tensor) and ex.dim() == 2
+                    and ex.dtype in (torch.int64, torch.int32) and t.numel() and not t.is_floating_point()):
+                continue
+            lo, hi = int(t.min()), int(t.max())  # the extremes named, not a million ids walked
+            if lo < 0 or hi >= vocab_size:
+                check_token_ids([v for v in (lo, hi) if not 0 <= v < vocab_size], vocab_size,
+                                f"calibration sample {k} in {path}", error=CalibrationError,
+                                fix="Give ids the model's tokenizer makes.")
+    return samples
 
 
 def _from_file(path: str | os.PathLike, example_args: tuple, n: int) -> list[tuple]:

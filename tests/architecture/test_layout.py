@@ -174,6 +174,7 @@ def test_every_subcommand_has_its_module():
 LAYERS: tuple[str, ...] = (
     # the base: no circleops import but errors
     "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
+    "remote_code", "token_ids",
     # the model of a file, the targets' facts, the fused ops, the file formats
     "ir", "targets", "ops", "serialize",
     # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR

@@ -256,6 +256,16 @@ def test_calibration_file_and_errors(tmp_path):
     noisy = pt2e.calibration_samples((x,), 3)
     assert torch.equal(noisy[0][0], x) and not torch.equal(noisy[1][0], x)
     assert torch.equal(pt2e.calibration_samples((x,), 3)[2][0], noisy[2][0])  # seeded
+    # an LLM's token ids from a file: checked against the vocabulary (issue 31), not an
+    # IndexError from the embedding deep inside calibration
+    ids = torch.zeros(1, 6, dtype=torch.int64)
+    torch.save(torch.tensor([[1, 2, 3, 4, 5, 31]] * 2), tmp_path / "ok.pt")
+    assert len(pt2e.calibration_samples((ids,), 2, data=tmp_path / "ok.pt", vocab_size=32)) == 2
+    for bad in (32, -1):
+        torch.save(torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, bad, 5, 6]]), tmp_path / "bad.pt")
+        with pytest.raises(pt2e.CalibrationError, match=rf"calibration sample 1 in .*bad.pt: token id {bad} outside "
+                                                        "the model's vocabulary of 32 tokens"):
+            pt2e.calibration_samples((ids,), 2, data=tmp_path / "bad.pt", vocab_size=32)
 
 
 def test_tflite_target_writes_the_integer_graph_litert_runs(tmp_path, small_net_uint8):

@@ -52,10 +52,16 @@ def test_strict_export_counts_the_patch_as_used():
 
 def test_a_patch_never_exercised_is_reported():
     model = Doubler()
-    with pytest.warns(UnusedPatchWarning, match=r"test_routing\.Doubler\.forward"):
+    with pytest.warns(UnusedPatchWarning, match=r"test_routing\.Doubler\.forward") as seen:
         with circleops.patch_module(Doubler, routed):
             pass
     torch.export.export(model, (torch.randn(3),))
+    # the session's name is a call already: once "()", not "patch_module(Doubler)(): ..."
+    assert str(seen[0].message).startswith("patch_module(Doubler): these patched classes/functions never ran")
+    with pytest.warns(UnusedPatchWarning) as seen:
+        with circleops.patch_modules({Doubler: routed}):
+            pass
+    assert str(seen[0].message).startswith("patch_modules(): these patched")
 
 
 def test_restored_on_an_exception_and_nests():

@@ -190,3 +190,52 @@ def test_segmentation_and_detection_are_read_from_their_outputs(converted, tmp_p
     top = scores.argsort(descending=True)[:2]
     assert [float(s) for s, _ in rows] == pytest.approx([float(scores[q]) for q in top], abs=1e-4)
     assert len(rows) == 2 and all(len(box.split(", ")) == 4 for _, box in rows)
+
+
+@pytest.mark.parametrize("name, flag, file", [("vit", "--image", "preprocessor_config.json"),
+                                              ("distilbert-sst2", "--text", "tokenizer_config.json")])
+def test_run_refuses_a_model_dir_naming_code(converted, tmp_path, name, flag, file):
+    """``run FILE --image/--text --model DIR`` with an ``auto_map`` in DIR (issue 31): refused
+    before transformers reads it, stdin answering "y", no code run (tests/security/evil_dirs)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
+    from evil_dirs import cli_with_yes, make_evil, refused
+
+    model_dir, path = converted(name)
+    marker = tmp_path / "pwned"
+    evil = make_evil(Path(shutil.copytree(model_dir, tmp_path / "evil")), file, marker)
+    image = tmp_path / "p.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    value = str(image) if flag == "--image" else "good movie"
+    refused(cli_with_yes("run", str(path), flag, value, "--model", str(evil), cwd=tmp_path), evil / file, marker)
+
+
+def test_image_is_read_upright_as_transformers_load_image(converted, tmp_path, capsys):
+    """A phone photo (EXIF Orientation=6) through ``run --image``: the labels transformers gives
+    on ``load_image`` of the same file (upright), not on the sideways pixels (issue 31)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
+
+    model_dir, path = converted("vit")
+    image = tmp_path / "phone.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray((np.random.RandomState(2).rand(48, 64, 3) * 255).astype("uint8")).save(image, exif=exif.tobytes())
+    assert main(["run", str(path), "--image", str(image), "--top", "3", "--runtime", "onert"]) == 0
+    printed = _printed_probs(capsys.readouterr().out)
+    processor, model = AutoImageProcessor.from_pretrained(str(model_dir)), _torch_model(model_dir, "ViTForImageClassification")
+
+    def probs(picture):
+        with torch.no_grad():
+            return model(**processor(images=picture, return_tensors="pt")).logits.softmax(-1)[0]
+
+    upright, sideways = probs(load_image(str(image))), probs(Image.open(image).convert("RGB"))
+    assert (upright - sideways).abs().max() > 1e-3  # the orientation matters to this model
+    top = upright.argsort(descending=True)[:3]
+    assert [p for p, _ in printed] == pytest.approx([float(upright[i]) for i in top], abs=1e-4)

@@ -1,0 +1,114 @@
+"""Token ids are checked against the vocabulary before a runtime sees them (issue 31): an id
+past the embedding table (or negative) made onert read outside it (SIGSEGV, or tokens out of
+garbage). Every path is checked by circleops.token_ids.check_token_ids: --token-ids, the
+tokenizer's output, the manifest's pad / eos ids, the tokens fed and decoded, on onert and
+the reference interpreter (the tiny 2-layer Llama's graphs)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from circleops.cli import main as cli
+from circleops.errors import ModelLoadError
+from circleops.generate import GenerationLimitError, Generator
+from circleops.manifest import read_manifest
+
+
+@pytest.fixture(params=["onert", "reference"])
+def tiny(request, tiny_onert, tiny_circle):
+    """(the directory, its runtime): onert's file on onert, circle's on the reference interpreter."""
+    return (tiny_onert if request.param == "onert" else tiny_circle).directory, request.param
+
+
+def _vocab(directory) -> int:
+    return read_manifest(directory).vocab_size
+
+
+def _error(capsys, *argv) -> str:
+    rc = cli(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, err)
+    assert err.count("\n") == 1 and "Traceback" not in err and "internal error" not in err
+    return err
+
+
+@pytest.mark.parametrize("bad", ["past", "-5", str(2 ** 63), str(-2 ** 63 - 1)])
+def test_cli_token_ids_outside_the_vocabulary(capsys, tiny, bad):
+    directory, runtime = tiny
+    v = _vocab(directory)
+    bad = str(v + 8) if bad == "past" else bad
+    err = _error(capsys, "generate", str(directory), "--token-ids", f"1,2,{bad}", "--runtime", runtime)
+    assert f"--token-ids: token id {bad} outside the model's vocabulary of {v} tokens" in err
+    if bad == str(v + 8):  # the last id of the vocabulary is fine
+        assert cli(["generate", str(directory), "--token-ids", f"1,{v - 1}", "--max-new-tokens", "2", "-q",
+                    "--runtime", runtime]) == 0
+
+
+def _counting(gen: Generator) -> list[int]:
+    """Count the runs of every session of ``gen`` (a runtime seeing an id at all)."""
+    runs = [0]
+    for session in [*gen.prefill_sessions.values(), gen.decode_session]:
+        run = session.run
+
+        def counted(inputs, *a, _run=run, **k):
+            runs[0] += 1
+            return _run(inputs, *a, **k)
+        session.run = counted
+    return runs
+
+
+def test_generator_checks_fed_and_decoded_ids_before_running(tiny):
+    directory, runtime = tiny
+    gen = Generator(directory, runtime=runtime)
+    v, runs = gen.manifest.vocab_size, _counting(gen)
+    for ids in ([1, v], [-5], [1, 2 ** 63], [1.5]):
+        with pytest.raises(GenerationLimitError, match="outside the model's vocabulary"):
+            gen.generate(ids, 2)
+    assert runs[0] == 0
+    gen.feed([1, 2])
+    with pytest.raises(GenerationLimitError, match=f"token id {v} outside"):
+        gen.decode(v)  # what a sampler returning a bad index would feed
+    assert runs[0] == 1 and gen.history == [1, 2]
+
+
+def _copy(directory, tmp_path, change):
+    out = shutil.copytree(directory, tmp_path / "copy")
+    path = out / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize("field, value", [("pad_token_id", 1e9), ("pad_token_id", -1), ("eos_token_ids", [2, 10 ** 6]),
+                                          ("eos_token_ids", [-3])])
+def test_manifest_ids_outside_the_vocabulary(capsys, tiny_onert, tmp_path, field, value):
+    out = _copy(tiny_onert.directory, tmp_path, lambda d: d.update({field: value}))
+    with pytest.raises(ModelLoadError, match=f"manifest.json: {field}: token id .* outside"):
+        read_manifest(out)
+    assert f"{field}: token id" in _error(capsys, "generate", str(out), "--token-ids", "1,2")
+
+
+def test_manifest_vocab_size_must_be_the_graphs(tiny_onert, tmp_path):
+    """A manifest claiming a bigger vocabulary would let bigger ids through the check."""
+    out = _copy(tiny_onert.directory, tmp_path, lambda d: d.update({"vocab_size": d["vocab_size"] * 1000}))
+    with pytest.raises(ModelLoadError, match="logits have shape"):
+        Generator(out)
+
+
+def test_a_tokenizer_mapping_a_piece_past_the_vocabulary(capsys, tiny_onert, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    v = _vocab(tiny_onert.directory)
+    out = _copy(tiny_onert.directory, tmp_path, lambda d: d.update({"tokenizer": "tokenizer"}))
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5, "evil": 1_000_000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (out / "tokenizer").mkdir()
+    tok.save(str(out / "tokenizer" / "tokenizer.json"))
+    assert cli(["generate", str(out), "--prompt", "hello", "--max-new-tokens", "1", "-q"]) == 0
+    capsys.readouterr()
+    err = _error(capsys, "generate", str(out), "--prompt", "hello evil")
+    assert f"the prompt, as the tokenizer in {out / 'tokenizer'} encodes it: token id 1000000 outside" in err
+    assert f"vocabulary of {v} tokens" in err
