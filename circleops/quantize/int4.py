@@ -27,10 +27,10 @@ TFLite schema of ai_edge_litert.schema_py_generated):
   quantized table returns the raw integers, so an embedding is written as EMBEDDING_LOOKUP.
 
 Each block's scale minimises sum_k importance[k] (w_k - s q_k)^2 over candidate roundings
-(as ggml.quantize_q4_0_weighted: the largest magnitude onto -8, ±0.3/0.6/0.9 of a level),
-where importance is the mean square of each input channel over the calibration text (without
-one: all 1); the least-squares scale is then rounded to the bf16 grid and the levels rounded
-again at it.
+(as ggml.quantize_q4_0_weighted: the largest magnitude onto -8, ±0.3/0.6/0.9 of a level, or
+onto +7), where importance is the mean square of each input channel over the calibration text
+(without one: all 1): each candidate's least-squares scale is rounded to the bf16 grid, the
+levels rounded again at it, and the smallest resulting error wins.
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ LEVELS = (-8, 7)
 # fp16's normal range, within which every bf16 value is an fp16 value (10 mantissa bits >= 7)
 _SCALE_MIN = 2.0 ** -14
 _SCALE_MAX = 65280.0  # the largest bf16 value below fp16's 65504
-_SCALE_STEPS = (-0.9, -0.6, -0.3, 0.0, 0.3, 0.6, 0.9)
+# t = x / (the block's signed largest magnitude) times these: it lands on -8 -+ a fraction of a
+# level (ggml's make_qx_quants' candidates), or on +7 (the grid's other, shorter side)
+_MULTIPLIERS = tuple(-(8.0 + s) for s in (-0.9, -0.6, -0.3, 0.0, 0.3, 0.6, 0.9)) + (6.5, 7.0, 7.4)
 _CHUNK_VALUES = 1 << 19
 
 
@@ -94,31 +96,32 @@ def _signed_absmax(x: Tensor) -> Tensor:
     return x.gather(1, idx)
 
 
-def _best_scale(x: Tensor, imp: Tensor) -> Tensor:
-    """[B, 1] least-squares scales of the best of the candidate roundings of blocks ``x``
-    [B, G] under weights ``imp`` [B, G] (> 0)."""
+def _levels(x: Tensor, s: Tensor) -> Tensor:
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+    return torch.mul(x, inv).round_().clamp_(*LEVELS)
+
+
+def _quantize_blocks(x: Tensor, imp: Tensor) -> tuple[Tensor, Tensor]:
+    """(levels int8 [B, G], bf16-grid scales float32 [B]) of blocks ``x`` [B, G]: of the
+    candidate roundings (the block's largest magnitude onto -8 - s or 7 + s levels), the one
+    whose least-squares scale, on the bf16 grid, leaves the smallest weighted error once the
+    levels are rounded again at that scale (what the file holds)."""
     mx = _signed_absmax(x)
     mx = torch.where(mx == 0, torch.ones_like(mx), mx)
     t = x / mx
     qx = imp * x
-    best = torch.full_like(mx, -1.0)
-    scale = torch.zeros_like(mx)
-    for step in _SCALE_STEPS:
-        levels = torch.mul(t, -(8.0 + step)).round_().clamp_(*LEVELS)
-        sumlx = (qx * levels).sum(1, keepdim=True)
-        suml2 = (imp * levels * levels).sum(1, keepdim=True).clamp_min(1e-30)
-        score = sumlx * sumlx / suml2
-        better = score > best
-        best = torch.where(better, score, best)
-        scale = torch.where(better, sumlx / suml2, scale)
-    return scale.abs()
-
-
-def _quantize_blocks(x: Tensor, imp: Tensor) -> tuple[Tensor, Tensor]:
-    """(levels int8 [B, G], bf16-grid scales float32 [B]) of blocks ``x`` [B, G]."""
-    s = to_bf16_grid(_best_scale(x, imp))
-    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-    return torch.mul(x, inv).round_().clamp_(*LEVELS).to(torch.int8), s.reshape(-1)
+    best_err = torch.full_like(mx, float("inf"))
+    best_s = torch.zeros_like(mx)
+    for mult in _MULTIPLIERS:
+        lv = torch.mul(t, mult).round_().clamp_(*LEVELS)
+        sumlx = (qx * lv).sum(1, keepdim=True)
+        suml2 = (imp * lv * lv).sum(1, keepdim=True).clamp_min(1e-30)
+        s = to_bf16_grid((sumlx / suml2).abs())
+        err = (imp * (x - _levels(x, s) * s) ** 2).sum(1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+    return _levels(x, best_s).to(torch.int8), best_s.reshape(-1)
 
 
 def quantize(weight: Tensor | np.ndarray, block: int = DEFAULT_BLOCK, importance: Tensor | None = None) -> Int4Weight:
