@@ -69,6 +69,8 @@ class WeightFormat:
     tied_table: bool = True  # a tied head may share the embedding table's blocks (else its own higher type)
     importance: bool = False  # block scales fitted to the linears' inputs (quantize.importance)
     smoothing: bool = False  # SmoothQuant folded into the weights first (quantize.smooth)
+    rotation: bool = False  # an LLM's Hadamard rotation folded into the weights first (quantize.rotate)
+    gptq: bool = False  # GPTQ rounding of the linears on the calibration text (quantize.int4_gptq)
     gguf_type: str | None = None  # the GGUF tensor type carried over as it is (a GGUF model's blocks)
     activations: str | None = None  # INTEGER: the activation scheme ("uint8", "int16")
     file_formats: frozenset[str] = frozenset()  # file formats whose schema holds its weights (WEIGHTS)

@@ -280,7 +280,7 @@ class _Quantizer:
         key = source_key(t.data)
         pre = self.pretrained.get(key) if key is not None else None
         if pre is not None and pre[0] == dtype and pre[1] is not None:
-            return pre[1], "gguf", None
+            return pre[1], pre[2] if len(pre) > 2 else "gguf", None  # a GGUF file's blocks, or GPTQ's (int4_gptq)
         data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
         # a table's rows are read as they are: weighted by a linear's inputs only when a
         # tied head shares its blocks (q4_0-pure)
