@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from circleops import ir
-from circleops.quantize import int4, int8
+from circleops.quantize import int4, int8, linears
 from circleops.quantize.formats import WeightFormat
 
 INT4_FC_VERSION = 13  # FULLY_CONNECTED with an INT4 filter (LiteRT 2.3.0 registers it)
@@ -53,8 +53,6 @@ def weight_tensor(name: str, shape2d: tuple[int, int], packed: Any) -> ir.Tensor
 def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], kept: dict[str, tuple]) -> None:
     """Rewrite ``sg``'s linears and embedding lookups in place (``q``: the weight pass's
     quantizer, circleops.quantize.weights; ``kept``: name -> (shape, why) of weights left float)."""
-    from circleops.quantize import weights
-
     converted: dict[tuple, int] = {}
 
     def tensor(index: int, shape2d: tuple[int, int], dtype: str, role: str) -> int:
@@ -66,12 +64,12 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
 
     new_ops: list[ir.Operator] = []
     for op in sg.operators:
-        if op.opcode == "GATHER" and weights.is_table(sg, op, is_param):
+        if op.opcode == "GATHER" and linears.is_table(sg, op, is_param):
             new_ops.extend(_lookup(sg, op, q, tensor))
             continue
-        lin = weights.linear_weight(sg, op)
+        lin = linears.linear_weight(sg, op)
         if lin is None or op.opcode != "FULLY_CONNECTED":
-            weights.note_float_inputs(sg, op, is_param, kept)
+            linears.note_float_inputs(sg, op, is_param, kept)
             new_ops.append(op)
             continue
         n, k, wi = lin

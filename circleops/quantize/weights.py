@@ -39,6 +39,10 @@ import torch
 from circleops import ir
 from circleops.errors import TargetError
 from circleops.quantize import formats, ggml
+from circleops.quantize.linears import is_f32_const as _is_f32_const
+from circleops.quantize.linears import is_table as _is_table
+from circleops.quantize.linears import linear_weight as _linear_weight
+from circleops.quantize.linears import note_float_inputs
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -397,28 +401,6 @@ def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> It
             yield w, (lin[0], lin[1]), q.linear_dtype(w, lin[1]), "linear"
 
 
-def _is_f32_const(t: ir.Tensor) -> bool:
-    return t.data is not None and t.dtype == "FLOAT32" and t.quant is None
-
-
-def _linear_weight(sg: ir.Subgraph, op: ir.Operator) -> tuple[int, int, int] | None:
-    """(N, K, weight index) of a linear this pass can rewrite: an FC with a constant [N, K]
-    weight, or a 1x1 stride-1 CONV_2D over a [1, 1, rows, K] input (onert's linear)."""
-    if op.opcode == "FULLY_CONNECTED" and len(op.inputs) >= 2 and op.inputs[1] >= 0:
-        w = sg.tensors[op.inputs[1]]
-        x = sg.tensors[op.inputs[0]]
-        if _is_f32_const(w) and len(w.shape) == 2 and x.dtype == "FLOAT32":
-            return w.shape[0], w.shape[1], op.inputs[1]
-    if op.opcode == "CONV_2D" and len(op.inputs) >= 2:
-        w, x = sg.tensors[op.inputs[1]], sg.tensors[op.inputs[0]]
-        o = op.options
-        ones = all(int(o.get(k, 1) or 1) == 1 for k in ("strideW", "strideH", "dilationWFactor", "dilationHFactor"))
-        if (_is_f32_const(w) and len(w.shape) == 4 and w.shape[1:3] == (1, 1) and len(x.shape) == 4
-                and tuple(x.shape[:2]) == (1, 1) and ones and x.dtype == "FLOAT32"):
-            return w.shape[0], w.shape[3], op.inputs[1]
-    return None
-
-
 def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool],
                        kept: dict[str, tuple]) -> None:
     """Rewrite the subgraph's linears and (q4_0) embedding; the replaced weights stay as
@@ -543,38 +525,6 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
                          {"fusedActivationFunction": 0, "keepNumDims": False})
         new_ops.extend([*pre, fc, *post])
     sg.operators = new_ops
-
-
-def note_float_inputs(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool], kept: dict[str, tuple]) -> None:
-    """Record in ``kept`` the weights an op that is no linear reads as float (a fused
-    ATTENTION's, a composite's)."""
-    if op.opcode == "ATTENTION":  # wq, wk, wv, wo: ONE's ATTENTION kernel reads float weights
-        for i in op.inputs[1:5]:
-            if i >= 0 and _is_f32_const(sg.tensors[i]):
-                kept[sg.tensors[i].name] = (tuple(sg.tensors[i].shape), "a weight of the fused ATTENTION op")
-    elif op.opcode == "STABLEHLO_COMPOSITE":  # its decomposition reads these as float inputs
-        for i in op.inputs:
-            t = sg.tensors[i] if i >= 0 else None
-            if t is not None and _is_f32_const(t) and len(t.shape) == 2 and is_param(t.name):
-                kept[t.name] = (tuple(t.shape), f"an input of the {op.options.get('name', 'composite')} "
-                                                "composite (generation graphs write attention inline)")
-
-
-def linear_weight(sg: ir.Subgraph, op: ir.Operator) -> tuple[int, int, int] | None:
-    """(N, K, weight index) of a linear the weight pass rewrites (FULLY_CONNECTED or onert's 1x1 CONV_2D)."""
-    return _linear_weight(sg, op)
-
-
-def is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool]) -> bool:
-    """A GATHER of rows of a constant [V, H] model parameter: an embedding."""
-    return _is_table(sg, op, is_param)
-
-
-def _is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool]) -> bool:
-    """A GATHER of rows of a constant [V, H] model parameter: an embedding."""
-    t = sg.tensors[op.inputs[0]]
-    return (_is_f32_const(t) and len(t.shape) == 2 and is_param(t.name)
-            and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0)
 
 
 def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:
