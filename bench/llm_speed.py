@@ -8,7 +8,7 @@
     python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-w8-nowindow litert-torch-int8 \
         --threads 1 2 --rounds 3 --fresh --results bench/results/18-w8-tflite.yaml --write   # the w8 rows alone
     python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-int4 circleops-tflite-int4-b128 \
-        circleops-tflite-int4-pc --threads 1 2 --rounds 2 --results bench/results/20-int4-tflite.yaml --write  # issue 34
+        circleops-tflite-int4-pc --threads 1 2 --rounds 3 --results bench/results/22-int4-tflite.yaml --write  # issue 34
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
