@@ -297,3 +297,12 @@ def test_gptq_at_static_block_scales_lowers_the_output_error():
     rtn = torch.from_numpy(packed.q).float() * scale
     err_gptq, err_rtn = ((x @ (q * scale - w).T) ** 2).sum(), ((x @ (rtn - w).T) ** 2).sum()
     assert err_gptq < 0.8 * err_rtn
+
+
+def test_quant_check_int4_runs_the_tflite_file_in_litert(llama):
+    """check --quantize int4 (no --runtime): only LiteRT runs its files, so the report is LiteRT's."""
+    from circleops.quant_report import quant_check
+
+    r = quant_check(llama, None, quantize="int4", prompt_ids=[5, 17, 42], new_tokens=4, window=64, max_windows=1)
+    assert r.runtime == "litert" and r.perplexity_tokens == 63
+    assert any("weights as INT4, blocks of 32" in line for line in r.quantization), r.quantization
