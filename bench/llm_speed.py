@@ -7,6 +7,8 @@
         --results bench/results/11-llm-speed-litert.yaml --write     # the LiteRT table alone
     python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-w8-nowindow litert-torch-int8 \
         --threads 1 2 --rounds 3 --fresh --results bench/results/18-w8-tflite.yaml --write   # the w8 rows alone
+    python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-int4 circleops-tflite-int4-b128 \
+        circleops-tflite-int4-pc --threads 1 2 --rounds 3 --results bench/results/22-int4-tflite.yaml --write  # issue 34
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
@@ -66,12 +68,20 @@ ENGINES = {
     # the w8 file as before issue 26's cache windows: every prefill chunk attends over all C slots
     "circleops-tflite-w8-nowindow": ("litert", "circleops --target tflite --quantize w8 --cache-windows none on LiteRT",
                                      "w8", "circleops-litert"),
+    # issue 34: int4 weights (XNNPACK's qd8-f32-qb4w / qc4w), int8 embedding + head; anchor: circleops w8
+    "circleops-tflite-int4": ("litert", "circleops --target tflite --quantize int4 (blocks of 32) on LiteRT", "int4",
+                              "circleops-litert"),
+    "circleops-tflite-int4-b128": ("litert", "circleops --target tflite --quantize int4-b128 on LiteRT", "int4-b128",
+                                   "circleops-litert"),
+    "circleops-tflite-int4-pc": ("litert", "circleops --target tflite --quantize int4-pc (per channel) on LiteRT",
+                                 "int4-pc", "circleops-litert"),
     "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
     "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
 }
 ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
           "circleops-tflite-fp32": "litert-torch-fp32", "circleops-tflite-w8": "litert-torch-int8",
-          "circleops-tflite-w8-nowindow": "litert-torch-int8"}
+          "circleops-tflite-w8-nowindow": "litert-torch-int8", "circleops-tflite-int4": "circleops-tflite-w8",
+          "circleops-tflite-int4-b128": "circleops-tflite-w8", "circleops-tflite-int4-pc": "circleops-tflite-w8"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
 CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"]}
 # litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it

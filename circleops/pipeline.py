@@ -157,7 +157,7 @@ class WeightInputs:
 
     pretrained: Any = None  # GGUF blocks to carry over (circleops.quantize.weights.Pretrained)
     importance: Any = None  # input importances for fitted block scales (circleops.quantize.importance)
-    smoothing: str | None = None  # the SmoothQuant summary line (circleops.quantize.smooth)
+    smoothing: str | None = None  # the SmoothQuant (and rotation) summary line (circleops.quantize.smooth, .rotate)
     cache: dict = field(default_factory=dict)  # blocks by source memory, shared by several graphs
     fused_cache: dict = field(default_factory=dict)  # fused linears' weights, shared by several graphs
     report: Any = None  # the QuantReport, accumulated over the graphs
@@ -180,12 +180,25 @@ def prepare_weights(model: Any, opts: Options, restore: contextlib.ExitStack, *,
 
         with tracker.stage("smooth", enter=False), hf_export_settings(model), dense_experts(model):
             weights.smoothing = restore.enter_context(smoothed(model, args, tokenizer)).summary_line()
+    if fmt.rotation:  # before the importances: they are the rotated model's inputs
+        from circleops.quantize.rotate import rotated
+
+        with tracker.stage("rotate", enter=False), hf_export_settings(model):
+            line = restore.enter_context(rotated(model, tokenizer)).summary_line()
+        weights.smoothing = "; ".join(filter(None, (weights.smoothing, line)))
     if fmt.importance:
         from circleops.quantize.importance import input_importance
 
         with tracker.stage("calibrate", enter=False), hf_export_settings(model), dense_experts(model):
             weights.importance = input_importance(model, args, tokenizer)
     weights.pretrained = pretrained_blocks(model)
+    if fmt.gptq:  # the file's blocks, error-compensated over the calibration text
+        from circleops.quantize.int4_gptq import gptq_blocks
+
+        with tracker.stage("gptq", enter=False), hf_export_settings(model), dense_experts(model):
+            blocks, line = gptq_blocks(model, fmt, tokenizer, weights.importance)
+        weights.pretrained = {**(weights.pretrained or {}), **blocks}
+        weights.smoothing = "; ".join(filter(None, (weights.smoothing, line)))
     return weights
 
 

@@ -152,6 +152,9 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
                      recipe.rotate, recipe.group_size)
     elif recipe is not None or tico:
         raise CircleOpsError(f"the integer recipe options and --tico apply to --quantize uint8 / int16, not {quantize}")
+    if runtime is None and not integer and formats.get(quantize) is not None \
+            and formats.get(quantize).file_formats == frozenset({"tflite"}):
+        runtime = "litert"  # int4: only LiteRT runs its files (a tflite format)
     target = "onert" if not integer or runtime in (None, "onert") else "circle"
     if runtime == "litert" and not integer:
         target = "tflite"  # LiteRT reads the tflite target's files (w8: its dynamic-range form)

@@ -26,7 +26,11 @@ HYBRID = "hybrid"  # INT8 weight with scale [1.0], then a MUL by the per-channel
 # INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero points 0):
 # TFLite's dynamic-range FULLY_CONNECTED, float input and output, which LiteRT's XNNPACK runs
 PER_CHANNEL = "per_channel"
-FORMS = (BLOCKS, HYBRID, PER_CHANNEL)
+# INT4 weight with its block scales in the weight's quantization (the TFLite schema's
+# BlockwiseQuantization, FLOAT16 scales) or per channel; the embedding an EMBEDDING_LOOKUP of a
+# quantized table: LiteRT's XNNPACK qd8-f32-qb4w / qc4w FULLY_CONNECTED (circleops.quantize.int4)
+BLOCKWISE = "blockwise"
+FORMS = (BLOCKS, HYBRID, PER_CHANNEL, BLOCKWISE)
 
 # CPU flags onert 0.1.0's GGML kernels need (the instructions found in its libbackend_cpu.so;
 # circleops.runtime.host says more)
@@ -59,10 +63,14 @@ class WeightFormat:
     # TFLite schema's per-channel INT8 weight, which LiteRT computes right and onert does not)
     file_forms: Mapping[str, str] = field(default_factory=dict)
     head_type: str | None = None  # the output head (lm_head) at a higher type, or None
+    table_type: str | None = None  # the embedding table's type where it differs from tensor_type (BLOCKWISE)
+    block_size: int | None = None  # the codec's block (BLOCKWISE: columns per scale, 0 per channel; None: codec's)
     embedding: bool = False  # the embedding table is stored at tensor_type too
     tied_table: bool = True  # a tied head may share the embedding table's blocks (else its own higher type)
     importance: bool = False  # block scales fitted to the linears' inputs (quantize.importance)
     smoothing: bool = False  # SmoothQuant folded into the weights first (quantize.smooth)
+    rotation: bool = False  # an LLM's Hadamard rotation folded into the weights first (quantize.rotate)
+    gptq: bool = False  # GPTQ rounding of the linears on the calibration text (quantize.int4_gptq)
     gguf_type: str | None = None  # the GGUF tensor type carried over as it is (a GGUF model's blocks)
     activations: str | None = None  # INTEGER: the activation scheme ("uint8", "int16")
     file_formats: frozenset[str] = frozenset()  # file formats whose schema holds its weights (WEIGHTS)
@@ -92,8 +100,12 @@ class WeightFormat:
         return self.file_forms.get(file_format, self.form) if file_format is not None else self.form
 
     def tensor_types(self) -> tuple[str, ...]:
-        """The TensorTypes its weights may be stored as (the head's too)."""
-        return tuple(t for t in (self.tensor_type, self.head_type) if t)
+        """The TensorTypes its weights may be stored as (the head's and the table's too)."""
+        return tuple(dict.fromkeys(t for t in (self.tensor_type, self.head_type, self.table_type) if t))
+
+    def codec_options(self) -> dict[str, Any]:
+        """Keyword arguments of the codec's ``encode`` besides the weight (the block size)."""
+        return {"block": self.block_size} if self.block_size is not None else {}
 
 
 _FORMATS: dict[str, WeightFormat] = {}
@@ -180,4 +192,20 @@ register(WeightFormat(
     "circle, tflite: LiteRT's 16x8 kernels)", INTEGER, activations="int16", runtimes=frozenset({"litert", "reference"}),
     step=2.0 ** -15))
 
-__all__ = ["BLOCKS", "FORMATS", "FORMS", "HYBRID", "PER_CHANNEL", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]
+_INT4_REFUSAL = ("writes INT4 block weights for LiteRT's XNNPACK FULLY_CONNECTED (TFLite BlockwiseQuantization): "
+                 "use target 'tflite' (for onert or circle: q4_0)")
+_INT4_STEP = 2.0 ** -7  # XNNPACK rounds each linear's input to int8 per row (as w8): torch on the
+# dequantized weights does not; the weights' own rounding is in the reference's weights
+for _name, _block, _what in (("int4", 32, "blocks of 32 (an fp16 scale each: 4.5 bits/weight)"),
+                             ("int4-b64", 64, "blocks of 64 (4.25 bits/weight)"),
+                             ("int4-b128", 128, "blocks of 128 (4.125 bits/weight; a width without one: "
+                                                "the largest multiple of 32 dividing it)"),
+                             ("int4-pc", 0, "one scale per output channel (fastest, least accurate)")):
+    register(WeightFormat(
+        _name, f"int4 linear weights in {_what}, dynamically quantized int8 activations (LiteRT's XNNPACK "
+        "qd8 FULLY_CONNECTED); embedding and lm_head int8 per row, sharing one table; target tflite", WEIGHTS,
+        "INT4", "circleops.quantize.int4", form=BLOCKWISE, head_type="INT8", table_type="INT8", embedding=True,
+        importance=True, block_size=_block, file_formats=frozenset({"tflite"}), target_refusal=_INT4_REFUSAL,
+        runtimes=frozenset({"litert", "reference"}), step=_INT4_STEP))
+
+__all__ = ["BLOCKS", "BLOCKWISE", "FORMATS", "FORMS", "HYBRID", "PER_CHANNEL", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

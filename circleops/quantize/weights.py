@@ -39,6 +39,10 @@ import torch
 from circleops import ir
 from circleops.errors import TargetError
 from circleops.quantize import formats, ggml
+from circleops.quantize.linears import is_f32_const as _is_f32_const
+from circleops.quantize.linears import is_table as _is_table
+from circleops.quantize.linears import linear_weight as _linear_weight
+from circleops.quantize.linears import note_float_inputs
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -70,6 +74,8 @@ class QuantReport:
     fp32_bytes: int = 0  # what the quantized weights took in fp32
     smoothing: str | None = None  # w8: what SmoothQuant folded (circleops.quantize.smooth.SmoothReport)
     form: str | None = None  # how the linears were written (formats.FORMS; None: the format's own form)
+    # name -> (shape, why): linears stored at a higher type than the format's (int4: int8 per channel)
+    fallbacks: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
@@ -88,7 +94,12 @@ class QuantReport:
                 "kept_fp32": [{"name": n, "shape": list(s), "reason": r} for n, s, r in self.kept_fp32],
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
                 "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision],
-                "smoothing": self.smoothing, "form": self.form or formats.get(self.format).form}
+                "smoothing": self.smoothing, "form": self.form or formats.get(self.format).form,
+                "fallbacks": [{"name": n, "shape": list(s), "reason": r} for n, (s, r) in self.fallbacks.items()]}
+
+    @property
+    def format_entry(self) -> formats.WeightFormat:
+        return formats.get(self.format)
 
     @property
     def higher_precision(self) -> list[QuantizedWeight]:
@@ -99,6 +110,10 @@ class QuantReport:
         fmt = formats.get(self.format)
         dtype = fmt.tensor_type
         form = self.form or fmt.form
+        if form == formats.BLOCKWISE:
+            from circleops.quantize import int4_tflite
+
+            return int4_tflite.summary_lines(self) + ([self.smoothing] if self.smoothing else []) + self._kept_lines()
         if form == formats.HYBRID:
             dtype = "INT8 per channel (hybrid FULLY_CONNECTED + MUL by the scales)"
         elif form == formats.PER_CHANNEL:
@@ -123,11 +138,14 @@ class QuantReport:
             lines.append(f"{n} GGUF {src} tensors requantized to {to} from their dequantized values")
         if self.smoothing:
             lines.append(self.smoothing)
-        if self.kept_fp32:
-            names = ", ".join(f"{n} {list(s)} ({r})" for n, s, r in self.kept_fp32[:6])
-            more = f" and {len(self.kept_fp32) - 6} more" if len(self.kept_fp32) > 6 else ""
-            lines.append(f"kept FLOAT32: {names}{more}")
-        return lines
+        return lines + self._kept_lines()
+
+    def _kept_lines(self) -> list[str]:
+        if not self.kept_fp32:
+            return []
+        names = ", ".join(f"{n} {list(s)} ({r})" for n, s, r in self.kept_fp32[:6])
+        more = f" and {len(self.kept_fp32) - 6} more" if len(self.kept_fp32) > 6 else ""
+        return [f"kept FLOAT32: {names}{more}"]
 
 
 @contextlib.contextmanager
@@ -225,6 +243,8 @@ class _Quantizer:
         form = report.form or self.format.form
         self.hybrid = form == formats.HYBRID
         self.per_channel = form == formats.PER_CHANNEL
+        self.blockwise = form == formats.BLOCKWISE  # INT4 blocks for LiteRT (circleops.quantize.int4_tflite)
+        self.codec_options = self.format.codec_options()
         self.codec = self.format.codec_module()  # packs the format's types (the head's too)
         self.pure = self.format.tied_table  # the embedding table's blocks serve a tied head too
         self.report = report
@@ -237,6 +257,16 @@ class _Quantizer:
     def fits(self, k: int) -> bool:
         """Whether a linear with inputs of length ``k`` can be stored in this format."""
         return k % self.block == 0
+
+    def linear_dtype(self, w: ir.Tensor, k: int) -> str:
+        """The type a linear's weight ``w`` with inputs of length ``k`` is stored as."""
+        if self.head_dtype and self.is_head(w):
+            return self.head_dtype
+        if self.blockwise:
+            from circleops.quantize import int4_tflite
+
+            return int4_tflite.linear_dtype(k, self.format)
+        return self.dtype
 
     def is_head(self, t: ir.Tensor) -> bool:
         """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
@@ -254,14 +284,14 @@ class _Quantizer:
         key = source_key(t.data)
         pre = self.pretrained.get(key) if key is not None else None
         if pre is not None and pre[0] == dtype and pre[1] is not None:
-            return pre[1], "gguf", None
+            return pre[1], pre[2] if len(pre) > 2 else "gguf", None  # a GGUF file's blocks, or GPTQ's (int4_gptq)
         data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
         # a table's rows are read as they are: weighted by a linear's inputs only when a
         # tied head shares its blocks (q4_0-pure)
         imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
         if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
-        blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp)
+        blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp, **self.codec_options)
         return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
 
     def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:
@@ -363,34 +393,12 @@ def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> It
         if op.opcode == "GATHER" and q.format.embedding:
             t = sg.tensors[op.inputs[0]]
             if _is_table(sg, op, is_param) and t.shape[1] % q.block == 0:
-                yield t, tuple(t.shape), q.dtype, "table"
+                yield t, tuple(t.shape), q.format.table_type or q.dtype, "table"
             continue
         lin = _linear_weight(sg, op)
         if lin is not None and q.fits(lin[1]):
             w = sg.tensors[lin[2]]
-            yield w, (lin[0], lin[1]), q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype, "linear"
-
-
-def _is_f32_const(t: ir.Tensor) -> bool:
-    return t.data is not None and t.dtype == "FLOAT32" and t.quant is None
-
-
-def _linear_weight(sg: ir.Subgraph, op: ir.Operator) -> tuple[int, int, int] | None:
-    """(N, K, weight index) of a linear this pass can rewrite: an FC with a constant [N, K]
-    weight, or a 1x1 stride-1 CONV_2D over a [1, 1, rows, K] input (onert's linear)."""
-    if op.opcode == "FULLY_CONNECTED" and len(op.inputs) >= 2 and op.inputs[1] >= 0:
-        w = sg.tensors[op.inputs[1]]
-        x = sg.tensors[op.inputs[0]]
-        if _is_f32_const(w) and len(w.shape) == 2 and x.dtype == "FLOAT32":
-            return w.shape[0], w.shape[1], op.inputs[1]
-    if op.opcode == "CONV_2D" and len(op.inputs) >= 2:
-        w, x = sg.tensors[op.inputs[1]], sg.tensors[op.inputs[0]]
-        o = op.options
-        ones = all(int(o.get(k, 1) or 1) == 1 for k in ("strideW", "strideH", "dilationWFactor", "dilationHFactor"))
-        if (_is_f32_const(w) and len(w.shape) == 4 and w.shape[1:3] == (1, 1) and len(x.shape) == 4
-                and tuple(x.shape[:2]) == (1, 1) and ones and x.dtype == "FLOAT32"):
-            return w.shape[0], w.shape[3], op.inputs[1]
-    return None
+            yield w, (lin[0], lin[1]), q.linear_dtype(w, lin[1]), "linear"
 
 
 def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool],
@@ -448,22 +456,18 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
             out = new_tensor(sg.tensors[src], shape, "2d")
         return ir.Operator("RESHAPE", [src, shape_t], [out], "ReshapeOptions", {"newShape": list(shape)}), out
 
+    if q.blockwise:
+        from circleops.quantize import int4_tflite
+
+        int4_tflite.rewrite_subgraph(sg, q, is_param, kept)
+        return
     for op in sg.operators:
         if op.opcode == "GATHER" and q.format.embedding:
             new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=ggml_tensor, new_tensor=new_tensor))
             continue
         lin = _linear_weight(sg, op)
         if lin is None:
-            if op.opcode == "ATTENTION":  # wq, wk, wv, wo: ONE's ATTENTION kernel reads float weights
-                for i in op.inputs[1:5]:
-                    if i >= 0 and _is_f32_const(sg.tensors[i]):
-                        kept[sg.tensors[i].name] = (tuple(sg.tensors[i].shape), "a weight of the fused ATTENTION op")
-            elif op.opcode == "STABLEHLO_COMPOSITE":  # its decomposition reads these as float inputs
-                for i in op.inputs:
-                    t = sg.tensors[i] if i >= 0 else None
-                    if t is not None and _is_f32_const(t) and len(t.shape) == 2 and is_param(t.name):
-                        kept[t.name] = (tuple(t.shape), f"an input of the {op.options.get('name', 'composite')} "
-                                                        "composite (generation graphs write attention inline)")
+            note_float_inputs(sg, op, is_param, kept)
             new_ops.append(op)
             continue
         n, k, wi = lin
@@ -521,13 +525,6 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
                          {"fusedActivationFunction": 0, "keepNumDims": False})
         new_ops.extend([*pre, fc, *post])
     sg.operators = new_ops
-
-
-def _is_table(sg: ir.Subgraph, op: ir.Operator, is_param: Callable[[str], bool]) -> bool:
-    """A GATHER of rows of a constant [V, H] model parameter: an embedding."""
-    t = sg.tensors[op.inputs[0]]
-    return (_is_f32_const(t) and len(t.shape) == 2 and is_param(t.name)
-            and int(op.options.get("axis", 0) or 0) == 0 and int(op.options.get("batchDims", 0) or 0) == 0)
 
 
 def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:

@@ -87,6 +87,9 @@ NOT_RUN = {
         "with w8 tflite graphs on the tiny model, and the guide's MODEL commands run here",
     'NUM_THREADS=1 circleops generate out-tflite-w8/ --prompt "Once upon a time,"':
         "needs out-tflite-w8/ from the command above",
+    "circleops convert smollm2 --graphs prefill,decode --target tflite --quantize int4 -o out-tflite-int4/":
+        "int4 on the real SmolLM2 for LiteRT (~2 min with its calibration); tests/quantize/test_int4.py converts, "
+        "verifies and generates with int4 tflite graphs on the tiny model, and the guide's MODEL commands run here",
     "circleops convert smollm2 --graphs prefill,decode --target tflite --quantize w8 --cache-windows none -o out-tflite-w8-full/":
         "w8 on the real SmolLM2 for LiteRT (~30 s); tests/generate/test_cache_windows.py runs --cache-windows "
         "(none, a list, the default) through the CLI on a tiny Llama",

@@ -69,6 +69,8 @@ def _hybrid(op, x: Tensor, w: Tensor, b: Tensor | None, wt: ir.Tensor) -> Tensor
     dynamic-range form; circleops' Circle files never do): computed as LiteRT's XNNPACK does."""
     from circleops.quantize.int8 import dynamic_range_linear, hybrid_linear
 
+    if wt.dtype == "INT4":
+        return _int4(op, x, w, b, wt)
     scale, zp = np.asarray(wt.quant.scale).reshape(-1), np.asarray(wt.quant.zero_point).reshape(-1)
     if len(scale) > 1 and len(scale) == w.shape[0] and wt.quant.quantized_dimension == 0 and not np.any(zp != 0):
         # a scale per output channel: TFLite's dynamic-range FULLY_CONNECTED (--quantize w8
@@ -83,6 +85,31 @@ def _hybrid(op, x: Tensor, w: Tensor, b: Tensor | None, wt: ir.Tensor) -> Tensor
             "uses only scale[0] and ignores zero points, so only one scale and zero point 0 compute the same "
             "everywhere (circleops --quantize w8 writes scale [1.0] and a MUL by the channel scales)")
     y = hybrid_linear(x.reshape(-1, w.shape[1]), w, float(scale[0]), b)
+    if option(op, "keepNumDims", default=False):
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y
+
+
+def _int4(op, x: Tensor, w: Tensor, b: Tensor | None, wt: ir.Tensor) -> Tensor:
+    """LiteRT's XNNPACK FULLY_CONNECTED with an INT4 weight (float x and out): blockwise
+    (BlockwiseQuantization, FLOAT16 scales, which XNNPACK rounds to bf16) or one scale per
+    output channel with zero points 0 (circleops.quantize.int4.blockwise_linear)."""
+    from circleops.quantize.int4 import PER_CHANNEL, blockwise_linear
+
+    blocks = wt.quant.blockwise
+    if blocks is not None:
+        scales, block = torch.as_tensor(np.asarray(blocks.scales.data, np.float32)), blocks.block_size
+        if blocks.scales.quant is not None or blocks.scales.dtype not in ("FLOAT16", "FLOAT32"):
+            raise KernelError(f"INT4 FULLY_CONNECTED weight {wt.name!r}: blockwise scales {blocks.scales.dtype} with "
+                              "quantization; LiteRT runs float16 block scales (circleops --quantize int4 writes them)")
+    else:
+        scale, zp = np.asarray(wt.quant.scale).reshape(-1), np.asarray(wt.quant.zero_point).reshape(-1)
+        if len(scale) != w.shape[0] or wt.quant.quantized_dimension != 0 or np.any(zp != 0):
+            raise KernelError(f"INT4 FULLY_CONNECTED weight {wt.name!r}: {len(scale)} scales along dimension "
+                              f"{wt.quant.quantized_dimension} for {w.shape[0]} outputs; LiteRT's XNNPACK runs one scale "
+                              "per output channel (zero points 0) or block scales")
+        scales, block = torch.from_numpy(scale.astype(np.float32)), PER_CHANNEL
+    y = blockwise_linear(x.reshape(-1, w.shape[1]), w, scales, block, b)
     if option(op, "keepNumDims", default=False):
         y = y.reshape(*x.shape[:-1], w.shape[0])
     return y

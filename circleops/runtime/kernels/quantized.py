@@ -333,7 +333,7 @@ def is_hybrid_fc(op: ir.Operator, ctx: KernelContext) -> bool:
     if op.opcode != "FULLY_CONNECTED" or len(ctx.inputs) < 2 or ctx.inputs[1] is None:
         return False
     x, w, out = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
-    return (w.dtype == "INT8" and w.quant is not None and x is not None and x.quant is None
+    return (w.dtype in ("INT8", "INT4") and w.quant is not None and x is not None and x.quant is None
             and x.dtype == "FLOAT32" and out.quant is None and out.dtype == "FLOAT32")
 
 
