@@ -16,6 +16,7 @@ from circleops.quantize import pt2e
 from circleops.runtime import reference
 from circleops.serialize import read_model
 from circleops.serialize.buffers import pack_4bit, unpack_4bit
+from rounding import pt2e_rounding_depth
 
 
 # ------------------------------------------------------------------ INT4 packing
@@ -90,15 +91,6 @@ def test_int4_fully_connected_fixed_point_matches_fake_quant_within_a_step(tmp_p
     assert np.abs(out - converted(x).detach().numpy()).max() <= 1 * step + 1e-7
 
 
-def _rounding_depth(graph) -> int:
-    """The most activation roundings (quantize nodes) on one path of a PT2E graph."""
-    depth: dict = {}
-    for n in graph.nodes:
-        d = max((depth[a] for a in n.all_input_nodes), default=0)
-        depth[n] = d + (n.op == "call_function" and n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default)
-    return max(depth.values())
-
-
 def test_int4_llm_fixed_point_matches_fake_quant(tiny_llama_int4):
     converted, ids, path = tiny_llama_int4
     sg = read_model(str(path)).subgraphs[0]
@@ -111,7 +103,7 @@ def test_int4_llm_fixed_point_matches_fake_quant(tiny_llama_int4):
     # matmul's summation order, i.e. on the CPU's MKL/oneDNN kernel). Passed on at unit gain,
     # the logits are off by at most the rounding depth (26 quantize nodes on the tiny Llama's
     # longest path); + 1e-3 for the float division. Most logits see none of those flips.
-    depth = _rounding_depth(converted.graph)
+    depth = pt2e_rounding_depth(converted.graph)
     diff = np.abs(out - want) / step
     assert depth >= 10 and diff.max() <= depth + 1e-3, (diff.max(), depth)
     assert (diff <= 2 + 1e-3).mean() > 0.85, (diff <= 2 + 1e-3).mean()
