@@ -194,3 +194,15 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"GGML on the reference interpreter, not onert: {len(_ggml_on_interpreter)} tests ran their GGML files "
         f"there (this CPU lacks {'; '.join(flags)}): {', '.join(files)}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under --dist loadgroup (pyproject) a test without an xdist_group is a work unit of its
+    own, so both workers ran most modules and each built the module's and session's fixtures
+    (the real SmolLM2 converted twice, the tiny VLMs, check()'s four policies): each test
+    module is one group, unless a test names its own group (mutation, the doc commands).
+    Runs before xdist's hook, which turns the marks into the groups."""
+    for item in items:
+        if next(item.iter_markers("xdist_group"), None) is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
