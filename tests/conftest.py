@@ -196,13 +196,37 @@ def pytest_terminal_summary(terminalreporter):
         f"there (this CPU lacks {'; '.join(flags)}): {', '.join(files)}")
 
 
+# session fixtures that several modules share and that cost seconds per worker: the modules
+# using one form one group, so one worker builds it (the tflite families' conversions, the
+# tiny VLMs converted with the CLI)
+_SHARED_FIXTURES = {"converted": "tests/tflite/conftest.py", "tiny_vlm_onert": "tests/generate/vlm_fixtures.py"}
+
+
+def _shared_fixture_group(item) -> str | None:
+    import inspect
+
+    info = getattr(item, "_fixtureinfo", None)
+    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+        where = _SHARED_FIXTURES.get(name)
+        if where and defs and inspect.getsourcefile(defs[-1].func).replace(os.sep, "/").endswith(where):
+            return f"{where}::{name}"
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under --dist loadgroup (pyproject) a test without an xdist_group is a work unit of its
     own, so both workers ran most modules and each built the module's and session's fixtures
     (the real SmolLM2 converted twice, the tiny VLMs, check()'s four policies): each test
-    module is one group, unless a test names its own group (mutation, the doc commands).
-    Runs before xdist's hook, which turns the marks into the groups."""
+    module is one group (the modules sharing a costly session fixture one group together),
+    unless a test names its own group (mutation, the doc commands). Runs before xdist's
+    hook, which turns the marks into the groups."""
+    modules: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        shared = _shared_fixture_group(item)
+        if shared or module not in modules:
+            modules[module] = shared or modules.get(module) or module
     for item in items:
         if next(item.iter_markers("xdist_group"), None) is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            item.add_marker(pytest.mark.xdist_group(modules[item.nodeid.split("::", 1)[0]]))

@@ -261,6 +261,7 @@ def test_command_runs(c, shell_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme_smollm2")  # no fixture shared with the module: a unit of its own (minutes)
 def test_real_smollm2_commands_run(tmp_path_factory):
     """The LLM guide's commands on the real SmolLM2 (docs/llm.md), in page order (a command
     shown twice runs once): convert, generate the guide's text, the cache error."""
