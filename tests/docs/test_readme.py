@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,11 +185,44 @@ def test_python_blocks_run(section, python_dir, monkeypatch, kernels_restored, c
 
 # ---------------------------------------------------------------- commands
 
+def _page(c: Command) -> str:
+    return c.section.split(":")[0]
+
+
+# each page's commands in page order: a command may read what an earlier one of its page wrote
+PAGE_COMMANDS: dict[str, list[Command]] = {}
+for _c in FAST:
+    PAGE_COMMANDS.setdefault(_page(_c), []).append(_c)
+
+
 @pytest.fixture(scope="module")
-def shell_dir(tmp_path_factory) -> tuple[Path, dict]:
-    d = tmp_path_factory.mktemp("readme_sh")
-    fx.prepare_shell_dir(d)
-    return d, fx.shell_env(tmp_path_factory.mktemp("bin"))
+def shell_run(tmp_path_factory):
+    """run(c): c's result, run in its page's directory after every earlier command of that page.
+
+    The order does not come from the scheduler: under xdist (any --dist) a worker may be handed
+    `inspect model-q4.circle` without the `convert ... -o model-q4.circle` before it. So each
+    page gets its own copy of the prepared directory, and a command first runs the commands
+    above it on its page that this process has not run yet (once each: their own tests then
+    check the result recorded here). In page order nothing runs twice."""
+    template = tmp_path_factory.mktemp("readme_sh")
+    fx.prepare_shell_dir(template)
+    env = fx.shell_env(tmp_path_factory.mktemp("bin"))
+    dirs: dict[str, Path] = {}
+    done: dict[int, subprocess.CompletedProcess] = {}  # id() of a FAST command -> its result
+
+    def run(c: Command) -> subprocess.CompletedProcess:
+        page = _page(c)
+        if page not in dirs:
+            dirs[page] = tmp_path_factory.mktemp("readme_sh_" + re.sub(r"\W", "_", page))
+            shutil.copytree(template, dirs[page], dirs_exist_ok=True)
+        for earlier in PAGE_COMMANDS[page]:
+            if id(earlier) not in done:
+                done[id(earlier)] = _run(earlier, dirs[page], env)
+            if earlier is c:
+                return done[id(c)]
+        raise AssertionError(f"{c.cmd} is not one of {page}'s commands")
+
+    return run
 
 
 def _run(c: Command, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -218,16 +252,16 @@ def _check(c: Command, p: subprocess.CompletedProcess) -> None:
         assert p.stdout.rstrip("\n") == shown, f"{where}: printed\n{p.stdout}"
 
 
-# one worker, in page order: a command reads what an earlier one wrote (inspect reads the
-# file convert made) in the worker's shell_dir (pyproject: --dist loadgroup)
+# correct in any order (shell_run runs a page's earlier commands first); one worker
+# (pyproject: --dist loadgroup) only saves running a page's prefix on both workers
 @pytest.mark.xdist_group("readme_commands")
 @pytest.mark.parametrize("c", FAST, ids=[f"{c.section.split(':')[0]}:L{c.line}:{c.cmd[:60]}" for c in FAST])
-def test_command_runs(c, shell_dir):
-    cwd, env = shell_dir
-    _check(c, _run(c, cwd, env))
+def test_command_runs(c, shell_run):
+    _check(c, shell_run(c))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme_smollm2")  # no fixture shared with the module: a unit of its own (minutes)
 def test_real_smollm2_commands_run(tmp_path_factory):
     """The LLM guide's commands on the real SmolLM2 (docs/llm.md), in page order (a command
     shown twice runs once): convert, generate the guide's text, the cache error."""

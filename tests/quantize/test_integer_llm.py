@@ -16,6 +16,7 @@ from circleops.quantize import pt2e
 from circleops.runtime import reference
 from circleops.serialize import read_model
 from circleops.serialize.buffers import pack_4bit, unpack_4bit
+from rounding import pt2e_rounding_depth
 
 
 # ------------------------------------------------------------------ INT4 packing
@@ -96,11 +97,16 @@ def test_int4_llm_fixed_point_matches_fake_quant(tiny_llama_int4):
     out = reference.run(str(path), [ids.numpy()])[0]
     want = converted(ids).detach().numpy()
     step = float(sg.tensors[sg.operators[-1].inputs[0]].quant.scale[0])  # the logits' int16 step
-    # each kernel rounds once where torch rounds in float: 2 layers of them. Measured 3 steps on
-    # the former tiny Llama; on the sharp one of tests/families.py (its attention amplifies a
-    # rounding flip) max 6 steps of the ~30000 of max|logit|, 75 % within 1 step, 92 % within 2
+    # Each kernel rounds in fixed point where torch rounds in float (a single op: within 1
+    # step, test above), so at each activation rounding of the graph the two may land one
+    # step apart (a value on a rounding boundary; which values are depends on the float
+    # matmul's summation order, i.e. on the CPU's MKL/oneDNN kernel). Passed on at unit gain,
+    # the logits are off by at most the rounding depth (26 quantize nodes on the tiny Llama's
+    # longest path); + 1e-3 for the float division. Most logits see none of those flips.
+    depth = pt2e_rounding_depth(converted.graph)
     diff = np.abs(out - want) / step
-    assert diff.max() <= 8 and (diff <= 2 + 1e-3).mean() > 0.85, (diff.max(), (diff <= 2 + 1e-3).mean())
+    assert depth >= 10 and diff.max() <= depth + 1e-3, (diff.max(), depth)
+    assert (diff <= 2 + 1e-3).mean() > 0.85, (diff <= 2 + 1e-3).mean()
 
 
 # ------------------------------------------------------------------ convert: the recipe end to end

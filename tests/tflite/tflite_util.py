@@ -39,6 +39,72 @@ def scale(want: np.ndarray) -> float:
     return max(1.0, float(np.abs(np.asarray(want, np.float64)).max()))
 
 
+# ----------------------------------------------------------------------------- fp16 error bounds
+
+def _cpu_flags() -> frozenset[str]:
+    # read here, not through circleops.runtime.host: tests stub that one's answer
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+# XNNPACK picks its fp16 kernels by CPU feature: with AVX512-FP16 (Intel Sapphire Rapids and
+# later) it computes fp16 ops in native fp16 arithmetic; without it (this AMD EPYC, any AVX2
+# CPU) it widens to fp32 with F16C, computes and rounds each op's result once, as torch does.
+NATIVE_FP16 = "avx512fp16" in _cpu_flags()
+# fp16 ops that only move or select values: exact, no rounding
+_EXACT_FP16 = {"RESHAPE", "TRANSPOSE", "STRIDED_SLICE", "SLICE", "GATHER", "GATHER_ND", "CONCATENATION", "SELECT_V2",
+               "SELECT", "NEG", "ABS", "SQUEEZE", "EXPAND_DIMS", "BROADCAST_TO", "TILE", "PAD", "PADV2", "MIRROR_PAD",
+               "REVERSE_V2", "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "SPLIT", "SPLIT_V", "PACK", "UNPACK",
+               "MAX_POOL_2D", "DEPTH_TO_SPACE", "SPACE_TO_DEPTH", "RELU", "FLOOR", "ROUND"}
+# with native fp16 arithmetic a transcendental is a polynomial evaluated in fp16: XNNPACK's
+# f16 kernels (e.g. vsigmoid rr2_p2_nr1: two range-reduction steps, a degree-2 polynomial,
+# one Newton step for the reciprocal) round about 8 times
+_TRANSCENDENTAL = {"LOGISTIC", "TANH", "GELU", "EXP", "LOG", "SIN", "COS", "RSQRT", "SQRT", "POW", "HARD_SWISH"}
+NATIVE_TRANSCENDENTAL_ROUNDINGS = 8
+# with native fp16 arithmetic a reduction accumulates in fp16: one rounding per term
+_REDUCTIONS = {"FULLY_CONNECTED", "BATCH_MATMUL", "CONV_2D", "DEPTHWISE_CONV_2D", "MEAN", "SUM", "SOFTMAX",
+               "AVERAGE_POOL_2D"}
+
+
+def fp16_rounding_depth(model, subgraph: int = 0, native: bool = NATIVE_FP16) -> int:
+    """The most fp16 roundings on one path from the subgraph's inputs to an output: each op
+    with an fp16 result rounds once (a composite: its decomposition's depth); ops that move
+    values are exact. ``native``: XNNPACK's fp16 arithmetic, whose transcendentals round
+    NATIVE_TRANSCENDENTAL_ROUNDINGS times and whose reductions once per accumulated term."""
+    sg = model.subgraphs[subgraph]
+    depth: dict[int, int] = {}
+    for op in sg.operators:
+        name = opname(model, op)
+        d = max((depth.get(i, 0) for i in op.inputs if i >= 0), default=0)
+        if name == "STABLEHLO_COMPOSITE":
+            d += fp16_rounding_depth(model, op.builtinOptions2.decompositionSubgraphIndex, native)
+        elif any(sg.tensors[o].type == TYPE_NAMES["FLOAT16"] for o in op.outputs) and name not in _EXACT_FP16:
+            if name == "CAST" and sg.tensors[op.inputs[0]].type == TYPE_NAMES["FLOAT16"]:
+                pass  # fp16 -> fp16 / int: no fp16 rounding
+            elif native and name in _TRANSCENDENTAL:
+                d += NATIVE_TRANSCENDENTAL_ROUNDINGS
+            elif native and name in _REDUCTIONS and sg.tensors[op.inputs[0]].type == TYPE_NAMES["FLOAT16"]:
+                d += int(sg.tensors[op.inputs[0]].shape[-1])
+            else:
+                d += 1
+        for o in op.outputs:
+            depth[o] = d
+    return max((depth.get(o, 0) for o in sg.outputs), default=0)
+
+
+def fp16_bound(path: str | Path, resolver: str, want: np.ndarray) -> float:
+    """How far an fp16 file's output may be from torch fp16's: both round each op's result to
+    nearest (at most half an fp16 step, 2^-11 relative, each), so per rounding on the path
+    they may differ by one step (2^-10) of the value, which the tiny models' norms keep at or
+    below the output's scale (passed on at unit gain): depth x 2^-10 x max(1, max|output|).
+    XNNPACK with AVX512-FP16 rounds more often (fp16_rounding_depth's ``native``)."""
+    depth = fp16_rounding_depth(read(path), native=NATIVE_FP16 and resolver == "xnnpack")
+    return depth * 2.0 ** -10 * scale(want)
+
+
 # ----------------------------------------------------------------------------- file structure
 
 def schema():
