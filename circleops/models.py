@@ -241,6 +241,10 @@ def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
             f"circleops converts decoder LLMs ({AutoModelForCausalLM.__name__}).") from None
 
 
+# public: circleops.sizes builds a config's model on the meta device to count its parameters
+build_config, model_class = _build_config, _model_class
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
