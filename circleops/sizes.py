@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.memory import machine_memory
 
 
 # Bytes per weight of each stored form: GGML blocks (32 weights: 2 bytes of scale + 16 of
@@ -215,16 +216,6 @@ def exceeds_file_limit(est: SizeEstimate, target: str) -> bool:
     from circleops.targets import profile
 
     return not profile(target).weights_after_flatbuffer and est.file_bytes > FLATBUFFER_LIMIT
-
-
-def machine_memory() -> tuple[int | None, int | None]:
-    """(MemTotal, MemAvailable) in bytes from /proc/meminfo; (None, None) where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
-    except (OSError, ValueError, IndexError):
-        return None, None
-    return info.get("MemTotal"), info.get("MemAvailable")
 
 
 def check(est: SizeEstimate | None, target: str, *, max_cache_len: int | None = None,
