@@ -110,25 +110,30 @@ def main(argv: list[str] | None = None) -> int:
                    "passed" if r["ok"] else f"failed: {r['error']}"]
             print(" | ".join(row), flush=True)
             rows.append(row)
-    end_load = os.getloadavg()
-    if args.yaml is not None:
-        import yaml
-
-        cpu = platform.processor() or "x86_64"
-        text = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on the 2-core AVX-512 machine "
-                f"({cpu}; {os.cpu_count()} CPUs, NUM_THREADS unset: LiteRT 2 threads, onert q4_0 1), shared with "
-                f"other runs: load average {start_load[0]:.1f} at the start, {end_load[0]:.1f} at the end (the "
-                f"load column is at each run's start). Peak RSS: the largest resident set of the command or its "
-                f"verify child (os.wait4); x fp32: over the fp32 weight bytes (4 x parameters).\n")
-        data = {"heading": "bench/convert_scale.py — convert --graphs prefill,decode --verify over model sizes (issue 32)",
-                "blocks": [{"text": text},
-                           {"table": {"columns": ["model", "parameters", "target", "format", "wall", "CPU",
-                                                  "peak RSS", "x fp32", "written", "load", "verify"],
-                                      "align": ["none", "right", "none", "none", "right", "right", "right", "right",
-                                                "right", "right", "none"],
-                                      "rows": rows}}]}
-        args.yaml.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100))
+            if args.yaml is not None:  # after every run: a partial table survives an interrupted one
+                write_yaml(args.yaml, rows, start_load)
     return 0
+
+
+def write_yaml(path: Path, rows: list, start_load: tuple) -> None:
+    import yaml
+
+    end_load = os.getloadavg()
+
+    cpu = platform.processor() or "x86_64"
+    text = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on the 2-core AVX-512 machine "
+            f"({cpu}; {os.cpu_count()} CPUs, NUM_THREADS unset: LiteRT 2 threads, onert q4_0 1), shared with "
+            f"other runs: load average {start_load[0]:.1f} at the start, {end_load[0]:.1f} at the last run's end (the "
+            f"load column is at each run's start). Peak RSS: the largest resident set of the command or its "
+            f"verify child (os.wait4); x fp32: over the fp32 weight bytes (4 x parameters).\n")
+    data = {"heading": "bench/convert_scale.py — convert --graphs prefill,decode --verify over model sizes (issue 32)",
+            "blocks": [{"text": text},
+                       {"table": {"columns": ["model", "parameters", "target", "format", "wall", "CPU",
+                                              "peak RSS", "x fp32", "written", "load", "verify"],
+                                  "align": ["none", "right", "none", "none", "right", "right", "right", "right",
+                                            "right", "right", "none"],
+                                  "rows": rows}}]}
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100))
 
 
 if __name__ == "__main__":
