@@ -145,6 +145,17 @@ def _compiled_model(path: str, threads: int, cache: Path) -> Any:
         return CompiledModel.from_file(path, options=options)
 
 
+def _quietly_drop(obj: Any, *names: str) -> None:
+    """Release ``obj``'s LiteRT objects with their teardown log hidden (LiteRT logs each
+    accelerator it destroys at INFO, and the Python API cannot lower its log level)."""
+    try:
+        with delegate_banner_hidden(_SETUP_LOG):
+            for name in names:
+                setattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - interpreter teardown: nothing left to hide it with
+        pass
+
+
 class _Compiled:
     """A CompiledModel shared by a file's signature sessions (and their lock)."""
 
@@ -158,6 +169,9 @@ class _Compiled:
 
         real = os.path.realpath(path)
         page_out(lambda mapped: mapped == real)
+
+    def __del__(self) -> None:
+        _quietly_drop(self, "model")
 
 
 def _interpreter(path: str, threads: int, shared: bool) -> Any:
@@ -213,6 +227,9 @@ class _SignatureRunner:
         self.out_details = [outs[n] for n in out_names]
         self._in_order, self._ins, self._outs = list(order["inputs"]), list(names), list(out_names)
         self._first = True
+
+    def __del__(self) -> None:
+        _quietly_drop(self, "_in_buffers", "_out_buffers", "_cm")
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self._first:  # a TensorBuffer's first write sets up a LiteRT environment, and logs it
