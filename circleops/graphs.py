@@ -614,7 +614,7 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
     del eps, built
     if opts.runtime is not None and weights.report is not None:
         # the model's forward (fused by now: same numerics) on the weights the files hold
-        with tracker.stage("torch reference logits", "verify", enter=False), dequantized_sources(weights.report, model):
+        with tracker.stage("torch reference logits", "verify", enter=False), dequantized_sources(weights.report, model, opts.runtime):
             references = _verify_references(model, plan.lengths)
 
     with tracker.stage("write"):
@@ -627,6 +627,7 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
     if opts.runtime is not None:
         tol = opts.verify_tolerance()
         tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
+        pipeline.release_weights()  # written and referenced: the runtime's child needs the memory now
         with tracker.stage("verify"):
             errors = _verify(manifest, plan.graphs, opts.runtime, references, tol)
         for g, err in errors.items():
@@ -727,8 +728,10 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
     ids = [int(i) for i in refs.ids]
     errors: dict[str, float] = {}
     wants: dict[str, Any] = {}
-    # isolated: a runtime crash on a written graph is reported, not fatal (issue 24)
-    decode = open_graph(manifest, "decode", runtime, isolated=True) if "decode" in graphs else None
+    # isolated: a runtime crash on a written graph is reported, not fatal (issue 24). One
+    # runtime child at a time (each holds the file's weights): the decode step runs last, on
+    # the caches the longest prefill wrote
+    after: tuple[list, int] | None = None
     zeros = empty_caches(manifest)
     for n, g in manifest.prefill_graphs.items():
         if g not in graphs:
@@ -739,10 +742,9 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
         caches = [z.copy() for z in zeros]
         outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
         errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
-        if decode is not None and "decode" not in errors:  # after the longest prefill
-            caches = store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout)
-            step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
-            errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
+        if "decode" in graphs and after is None:  # after the longest prefill
+            after = (store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout), p)
+        del outs
     for g, (n, w) in manifest.windowed_prefills.items():  # the same chunk at pos 0, reading W slots
         if g not in graphs:
             continue
@@ -752,9 +754,16 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
         caches = [np.ascontiguousarray(c) for c in cache_window(zeros, w, manifest.cache_layout)]
         outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
         errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
-    if decode is not None and "decode" not in errors:
-        out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
-        errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
+    if "decode" in graphs:
+        decode = open_graph(manifest, "decode", runtime, isolated=True)
+        if after is not None:
+            caches, p = after
+            step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
+            errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
+        else:
+            out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
+            errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
+        del decode  # its child ends (IsolatedSession.__del__)
     _check_errors(errors, wants, runtime, tol, manifest)
     return errors
 

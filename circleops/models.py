@@ -242,6 +242,10 @@ def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
             f"circleops converts decoder LLMs ({AutoModelForCausalLM.__name__}).") from None
 
 
+# public: circleops.sizes builds a config's model on the meta device to count its parameters
+build_config, model_class = _build_config, _model_class
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -606,3 +610,14 @@ def exported_example_args(ep: Any, seq_len: int | None, source: str) -> tuple:
                 f"--seq-len {seq_len} is out of range for {source}: a saved ExportedProgram has fixed input "
                 f"shapes {shapes}. Export it again with the sequence length you want, or drop --seq-len.")
     return args
+
+
+
+def page_out_mapped_weights() -> int:
+    """Give back the resident pages of this process's memory-mapped safetensors files (the
+    weights :func:`load_hf_dir` maps) once the conversion no longer reads them (after the
+    write, before verify's runtime loads the file: issue 32); circleops.memory.page_out says
+    why that loses nothing. Returns the bytes of the mappings advised."""
+    from circleops.memory import page_out
+
+    return page_out(lambda path: path.endswith(".safetensors"))

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from circleops import conversion as api
-    from circleops import models
+    from circleops import models, sizes
     from circleops.cli import convert_graphs, convert_task, vision
     from circleops.cli.integer import integer_options
     from circleops.cli.common import (ProgressBar, convert_stages, one_length, scipy_hidden,
@@ -117,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist, is not writable, "
                           f"or the path is a directory. Choose another --report path.")
     args.seq_len = one_length(args.seq_len, args.model or args.config)
+    sizes.check(sizes.estimate(args.model, config=args.config, quantize=quantize, dtype=dtype), args.target)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify:
         api.resolve_runtime(verify, args.target, dtype)

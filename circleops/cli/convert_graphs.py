@@ -40,6 +40,10 @@ def main(args: argparse.Namespace) -> int:
     prefill_len = graphs.prefill_lengths(graphs.DEFAULT_PREFILL_LENS if args.seq_len is None else args.seq_len)
     graphs.check_lengths(prefill_len[0], args.max_cache_len, None, args.model or args.config)
     graphs.parse_windows(getattr(args, "cache_windows", None))  # refused before the model loads
+    from circleops import sizes  # every refusal sizes decide, from the headers / config, before any work
+
+    sizes.check(sizes.estimate(args.model, config=args.config, quantize=quantize, dtype=dtype), args.target,
+                max_cache_len=args.max_cache_len)
     verify: bool | str = args.runtime or bool(args.verify)
     if verify and verify is not True and verify not in graph_runtimes(args.target):
         raise TargetError(f"--runtime {verify} cannot run target {args.target}'s files; use one of "

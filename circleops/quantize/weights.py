@@ -148,21 +148,182 @@ class QuantReport:
         return [f"kept FLOAT32: {names}{more}"]
 
 
+def input_rounding(report: QuantReport | None, runtime: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What ``runtime`` does to a quantized linear's float input before its integer product,
+    as a float function (issue 32: torch on the file's own weights *and* the runtime's
+    activation rounding is the reference a quantized file is verified against, so the
+    tolerance no longer grows with the model's size and depth):
+
+    * GGML blocks (q4_0, q8_0) on onert and the reference interpreter: the input in Q8_0
+      blocks of 32 (circleops.quantize.ggml.quantize_q8_0_input; FACTS.md);
+    * w8 written for onert's hybrid FULLY_CONNECTED (onert, reference): per row, symmetric
+      int8 (circleops.quantize.int8.quantize_rows);
+    * w8 in a TFLite file on LiteRT: XNNPACK's per-row asymmetric int8
+      (circleops.quantize.int8.quantize_rows_asymmetric); the reference interpreter runs
+      that file's kernel the same way.
+
+    None where the runtime computes in float (or ``runtime`` is None)."""
+    if report is None or runtime is None:
+        return None
+    form = report.form or formats.get(report.format).form
+    if form == formats.BLOCKS:
+        return ggml.quantize_q8_0_input
+    from circleops.quantize import int8
+
+    if form == formats.HYBRID:
+        def symmetric(x: torch.Tensor) -> torch.Tensor:
+            xq, sx = int8.quantize_rows(x)
+            return (xq.to(torch.float32) * sx)
+        return symmetric
+    if form == formats.PER_CHANNEL:
+        def asymmetric(x: torch.Tensor) -> torch.Tensor:
+            xq, sx, _ = int8.quantize_rows_asymmetric(x)
+            return (xq.to(torch.float32) * sx)
+        return asymmetric
+    return None
+
+
+def _rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over the rows [.., K] of ``x``, in x's shape and dtype."""
+    return fn(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype)
+
+
+class _RoundedInputs(torch.overrides.TorchFunctionMode):
+    """Every ``F.linear`` whose weight is one of ``weights`` (by identity, or a view of one)
+    gets its input through the runtime's rounding first: nn.Linear's forward and the fused
+    ops' reference kernels (circle.attention's projections) alike."""
+
+    def __init__(self, weights: dict[int, Callable[[torch.Tensor], torch.Tensor]]):
+        super().__init__()
+        self.weights = weights
+
+    def _rounding(self, w: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.weights.get(id(w)) or self.weights.get(id(getattr(w, "_base", None)))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[0], torch.Tensor):
+            fn = self._rounding(args[1])
+            if fn is not None:
+                args = (_rows(fn, args[0]), *args[1:])
+            return func(*args, **kwargs)
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+                any(isinstance(a, torch.Tensor) and self._rounding(a) for a in args):
+            from circleops.ops.registry import by_overload
+
+            spec = by_overload(func)
+            if spec is not None:  # a circleops op reading quantized weights: its reference kernel, seen through
+                with self:
+                    return spec.reference(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | None = None) -> Iterator[None]:
+def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybrid: bool,
+                  rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[list]:
+    """The entries whose weight is a whole ``nn.Linear`` / ``nn.Embedding`` weight of
+    ``model``: their stored weights are decoded while the module's parent runs (forward
+    hooks: a fused op reads its children's weights in the parent's forward) and dropped
+    after, so the reference holds no second copy of the model's weights (the in-place swap
+    kept a clone of every weight and wrote the mapped ones: 2x the weights, issue 32); a
+    quantized linear's input goes through ``rounding`` (:class:`_RoundedInputs`). Yields the
+    entries left for the in-place swap."""
+    if model is None:
+        yield entries
+        return
+    parents: dict[int, torch.nn.Module] = {}
+    by_weight: dict[tuple, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+        w = getattr(module, "weight", None)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and isinstance(w, torch.Tensor) \
+                and w.is_contiguous():
+            by_weight.setdefault((w.data_ptr(), w.numel()), []).append(module)
+    groups: dict[int, tuple[torch.nn.Module, list]] = {}
+    rest = []
+    for entry in entries:
+        src, _, _, _, role = entry
+        modules = by_weight.get((src.data_ptr(), src.numel()), []) if src.is_contiguous() else []
+        # a linear entry serves the Linears (and, with shared blocks, the tied Embedding); a
+        # table entry the Embeddings; a hybrid format's tied table stays float in the file
+        chosen = [m for m in modules if (isinstance(m, torch.nn.Linear) if role == "linear" else
+                                         isinstance(m, torch.nn.Embedding))]
+        if role == "linear" and not hybrid and not any(e[4] == "table" and e[0].data_ptr() == src.data_ptr()
+                                                       for e in entries):
+            chosen += [m for m in modules if isinstance(m, torch.nn.Embedding)]
+        if not chosen:
+            rest.append(entry)
+            continue
+        for m in chosen:
+            parent = parents.get(id(m), m)
+            groups.setdefault(id(parent), (parent, []))[1].append((m, entry, m.weight))
+    rounded: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+    handles: list[Any] = []
+
+    def hooks(parent: torch.nn.Module, members: list) -> None:
+        def before(mod: torch.nn.Module, args: tuple) -> None:
+            with torch.no_grad():
+                for m, (_, blocks, dtype, shape2d, _), original in members:
+                    values = codec.decode(blocks, dtype, shape2d).reshape(original.shape).to(original.dtype)
+                    m.weight = torch.nn.Parameter(values, requires_grad=False)
+                    if rounding is not None and isinstance(m, torch.nn.Linear):
+                        rounded[id(m.weight)] = rounding
+
+        def after(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            for m, _, original in members:
+                rounded.pop(id(m.weight), None)
+                m.weight = original
+
+        handles.append(parent.register_forward_pre_hook(before))
+        handles.append(parent.register_forward_hook(after))
+
+    try:
+        for parent, members in groups.values():
+            hooks(parent, members)
+        with _RoundedInputs(rounded) if rounding is not None else contextlib.nullcontext():
+            yield rest
+    finally:
+        for h in handles:
+            h.remove()
+        for _, members in groups.values():  # a forward that raised skipped its after-hook
+            for m, _, original in members:
+                m.weight = original
+        rounded.clear()
+
+
+@contextlib.contextmanager
+def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | None = None,
+                        runtime: str | None = None) -> Iterator[None]:
     """Inside: the torch weights the report quantized hold their dequantized values (what
     the file computes with), so torch is the reference for a quantized file; restored after.
+    With ``runtime``, each quantized linear's input also goes through that runtime's
+    activation rounding (:func:`input_rounding`).
+
+    The weights of ``model``'s own Linear / Embedding modules are decoded as each module
+    runs (no copy of the model's weights kept); any other source (a view a lowering made)
+    is swapped in place, its old values kept until the end.
 
     A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight;
     w8: the fp32 table, the lm_head's int8 weight) cannot hold both in one tensor: the shared
     tensor takes the lm_head's values and every ``nn.Embedding`` of ``model`` reading it gets
     its own tensor of the table's values.
     """
+    entries = report.sources if report is not None else []
+    codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
+    rounding = input_rounding(report, runtime) if entries else None
+    with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding) as rest:
+        with _swapped_in_place(rest, report, model, codec):
+            yield
+
+
+@contextlib.contextmanager
+def _swapped_in_place(entries: list, report: QuantReport | None, model: torch.nn.Module | None,
+                      codec: Any) -> Iterator[None]:
+    """The former swap, for the sources :func:`_lazy_modules` cannot decode as a module runs."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
-    entries = report.sources if report is not None else []
     linear = {src.data_ptr(): dtype for src, _, dtype, _, role in entries if role == "linear"}
-    codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
     workers = torch.get_num_threads()
     try:
         # whole weights on parallel workers, each on one intra-op thread: SmolLM2's 212

@@ -105,11 +105,43 @@ def _raise(header: dict[str, Any]) -> None:
     raise RuntimeRunError(f"{name}: {message}")
 
 
-def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end: Any) -> None:
+# One scratch directory per process for the XNNPACK weight caches of its LiteRT children
+# (circleops.runtime.litert): the children of one verify share it (the decode graph's child
+# packs the file's weights once, the prefill graphs' children map them), and it goes when
+# the process ends: a one-shot command leaves no cache behind.
+_SCRATCH: list[str] = []
+WEIGHT_CACHE_ENV = "CIRCLEOPS_XNNPACK_CACHE"  # the directory circleops.runtime.litert keeps them in
+
+
+def _scratch_dir() -> str:
+    if not _SCRATCH:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SCRATCH.append(tempfile.mkdtemp(prefix="circleops-xnnpack-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return _SCRATCH[0]
+
+
+def _quiet_exit() -> None:
+    """fd 2 to /dev/null: the child is done and its answers went through the pipe; what the
+    runtime logs while its objects are torn down (LiteRT's accelerators, at INFO) would land
+    in the middle of the parent's output."""
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+    except OSError:
+        pass
+
+
+def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end: Any,
+           env: dict[str, str] | None = None) -> None:
     """The child: load the file in ``runtime``, then run what the parent sends until it closes."""
     # the fork copied the parent's end too: closed, so the parent's death is an EOF here
     # (else an orphaned child would wait for itself forever)
     parent_end.close()
+    os.environ.update(env or {})
     torch = sys.modules.get("torch")
     if torch is not None:
         # the parent's OpenMP thread pool did not survive the fork: torch code in the child
@@ -126,9 +158,9 @@ def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end
         try:
             header, arrays = _unpack(conn.recv_bytes())
         except (EOFError, OSError):  # the parent is gone
-            return
+            return _quiet_exit()
         if header.get("kind") != "run":
-            return
+            return _quiet_exit()
         inputs: Any = dict(zip(header["names"], arrays)) if header.get("names") is not None else arrays
         try:
             import numpy as np
@@ -139,6 +171,23 @@ def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end
             conn.send_bytes(_error(err))
 
 
+def _killed_message(runtime: str, path: str, doing: str) -> str:
+    """A child killed by SIGKILL: the out-of-memory killer's doing, with the peak resident
+    memory of this process's children (getrusage: the largest of those that ended) and the
+    machine's memory."""
+    import resource
+
+    from circleops.memory import machine_memory
+
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
+    total, available = machine_memory()
+    machine = f" of this machine's {total / 1e9:.1f} GB ({available / 1e9:.1f} GB available now)" if total else ""
+    return (f"{runtime} was killed by SIGKILL while {doing} {path}: out of memory (the kernel's OOM killer ends a "
+            f"process so), not a fault in the file. The runtime's process peaked at {peak / 1e9:.1f} GB "
+            f"resident{machine}. Free memory (other programs, a smaller --max-cache-len), convert without "
+            f"--verify, or run on a machine with more memory.")
+
+
 class IsolatedSession:
     """``runtime``'s Session on ``path``, living in a forked child process (same interface:
     ``inputs``, ``outputs``, ``run``). A signal that kills the child raises RuntimeCrashError."""
@@ -147,8 +196,11 @@ class IsolatedSession:
         self.runtime, self.path, self.signature = runtime, str(path), signature
         ctx = multiprocessing.get_context("fork")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn, self._conn), daemon=True,
-                                 name=f"circleops-{runtime}")
+        env = {}
+        if runtime == "litert":
+            env[WEIGHT_CACHE_ENV] = _scratch_dir()
+        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn, self._conn, env),
+                                 daemon=True, name=f"circleops-{runtime}")
         self._proc.start()
         child_conn.close()  # only the child's copy stays open: its death ends our recv
         header, _ = self._reply("load")
@@ -206,6 +258,8 @@ class IsolatedSession:
         else:
             how = f"exited with status {code}"
         doing = "loading" if stage == "load" else "running"
+        if code == -signal.SIGKILL:  # nothing in the runtime sends itself SIGKILL: the kernel's OOM killer does
+            return RuntimeCrashError(_killed_message(self.runtime, self.path, doing))
         return RuntimeCrashError(
             f"{self.runtime} crashed while {doing} {self.path}: its process {how}. The file passed circleops' "
             f"structural verification, so this is a fault inside {self.runtime} on this file (an operator or "

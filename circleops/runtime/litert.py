@@ -21,7 +21,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
-from circleops.runtime.isolated import note_in_process
+from circleops.runtime.isolated import WEIGHT_CACHE_ENV, note_in_process
 from circleops.serialize.verify import verify_file
 
 NUM_THREADS = 2  # when the NUM_THREADS environment variable is not set
@@ -45,8 +45,13 @@ def num_threads() -> int:
 DELEGATE_BANNER = "Created TensorFlow Lite XNNPACK delegate"
 
 
+# What LiteRT's CompiledModel logs on fd 2 while it sets up its environment (the accelerators
+# and vendor compiler plugins it looks for and does not find on a CPU): hidden like the banner
+_SETUP_LOG = ("INFO: [", "WARNING: [npu_registry", "WARNING: [compiler_plugin", "\u2514", "Could not load shared library")
+
+
 @contextlib.contextmanager
-def delegate_banner_hidden():
+def delegate_banner_hidden(noise: tuple[str, ...] = ()):
     """Hide the line LiteRT's C++ prints on fd 2 when it applies its XNNPACK delegate
     ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU."): it landed in the middle of
     the text `circleops generate` streams. Anything else written to fd 2 meanwhile is passed on."""
@@ -65,21 +70,114 @@ def delegate_banner_hidden():
             os.close(saved)
             tmp.seek(0)
             rest = "".join(line for line in tmp.read().decode(errors="replace").splitlines(True)
-                           if DELEGATE_BANNER not in line)
+                           if DELEGATE_BANNER not in line and not line.lstrip().startswith(noise or ("\0",)))
             if rest:
                 sys.stderr.write(rest)
                 sys.stderr.flush()
 
 
-# (file identity, threads) -> the Interpreter its signature sessions share: one Interpreter
-# per signature held the file's XNNPACK-packed weights once each (SmolLM2 w8's five generation
-# graphs: 4.2 GB resident and 5.6 s of CPU to load; one shared: 0.9 GB and 1.1 s)
+# (file identity, threads) -> the Interpreter / CompiledModel its signature sessions share:
+# one Interpreter per signature held the file's XNNPACK-packed weights once each (SmolLM2
+# w8's five generation graphs: 4.2 GB resident and 5.6 s of CPU to load; one shared: 0.9 GB
+# and 1.1 s)
 _SHARED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+
+# Even one shared Interpreter packs the weights once per subgraph (its XNNPACK delegate has no
+# weight cache and the Python Interpreter cannot give it one): a 1 GB fp32 file of five
+# generation graphs took 6.0 GB resident (issue 32). LiteRT's CompiledModel takes an XNNPACK
+# weight cache file (CpuOptions.xnnpack_weight_cache_path): every subgraph's packed weights
+# are stored once there, memory-mapped, and a later load maps them without packing again
+# (the same file: 0.37 GB resident running its decode graph, outputs bit-identical to the
+# Interpreter's). Signature sessions use it; WEIGHT_CACHE_ENV names the cache's directory
+# (default cache_dir()/xnnpack; a one-shot child gets a scratch one, circleops.runtime.isolated).
+
+
+def weight_cache_dir() -> Path:
+    """Where XNNPACK weight caches go: $CIRCLEOPS_XNNPACK_CACHE, else circleops' cache/xnnpack."""
+    from circleops.cache_dir import cache_dir
+
+    env = os.environ.get(WEIGHT_CACHE_ENV)
+    return Path(env) if env else cache_dir() / "xnnpack"
+
+
+def weight_cache_path(path: str, st: os.stat_result) -> Path:
+    """The weight cache file of the model file ``path`` as it is now (``st``): named by its
+    path and its identity, so a rewritten file never meets the packing of its predecessor;
+    the caches of earlier versions of the same path are removed."""
+    import hashlib
+
+    where = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+    ident = hashlib.sha256(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = weight_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(f"{where}.*.xnnpack"):
+        if old.name != f"{where}.{ident}.xnnpack":
+            with contextlib.suppress(OSError):
+                old.unlink()
+    return root / f"{where}.{ident}.xnnpack"
+
+
+def _silent_teardown() -> None:
+    """fd 2 to /dev/null once the program is done (atexit, registered before any later
+    handler, so it runs after them): LiteRT logs its environment's teardown as INFO lines
+    when the last CompiledModel goes, and the Python API cannot set its log level."""
+    try:
+        sys.stderr.flush()
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+    except (OSError, ValueError):
+        pass
+
+
+def _compiled_model(path: str, threads: int, cache: Path) -> Any:
+    """LiteRT's CompiledModel on ``path`` (CPU, XNNPACK with the weight cache ``cache``)."""
+    import atexit
+
+    from ai_edge_litert.compiled_model import CompiledModel
+    from ai_edge_litert.options import CpuOptions, Options
+
+    if not _SHARED:
+        atexit.unregister(_silent_teardown)
+        atexit.register(_silent_teardown)
+
+    options = Options(cpu_options=CpuOptions(num_threads=threads, xnnpack_weight_cache_path=str(cache)))
+    with delegate_banner_hidden(_SETUP_LOG):
+        return CompiledModel.from_file(path, options=options)
+
+
+def _quietly_drop(obj: Any, *names: str) -> None:
+    """Release ``obj``'s LiteRT objects with their teardown log hidden (LiteRT logs each
+    accelerator it destroys at INFO, and the Python API cannot lower its log level)."""
+    try:
+        with delegate_banner_hidden(_SETUP_LOG):
+            for name in names:
+                setattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - interpreter teardown: nothing left to hide it with
+        pass
+
+
+class _Compiled:
+    """A CompiledModel shared by a file's signature sessions (and their lock)."""
+
+    def __init__(self, path: str, threads: int, cache: Path):
+        self.model = _compiled_model(path, threads, cache)
+        self.cache = cache
+        self.circleops_lock = threading.Lock()
+        # its weights now live packed in the cache: the file's pages that packing read go back
+        # (a GATHER's table rows are read again from the file as needed)
+        from circleops.memory import page_out
+
+        real = os.path.realpath(path)
+        page_out(lambda mapped: mapped == real)
+
+    def __del__(self) -> None:
+        _quietly_drop(self, "model")
 
 
 def _interpreter(path: str, threads: int, shared: bool) -> Any:
     """A new Interpreter on ``path``, or (``shared``) the one the signature sessions of the
-    same unchanged file at the same thread count already use."""
+    same unchanged file at the same thread count already use: a :class:`_Compiled` with its
+    weight cache where LiteRT's CompiledModel loads the file, else an Interpreter."""
     from ai_edge_litert.interpreter import Interpreter
 
     key = None
@@ -88,6 +186,13 @@ def _interpreter(path: str, threads: int, shared: bool) -> Any:
         key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, threads)
         it = _SHARED.get(key)
         if it is not None:
+            return it
+        try:
+            it = _Compiled(path, threads, weight_cache_path(path, st))
+        except (ImportError, OSError, ValueError, RuntimeError):
+            it = None  # no CompiledModel (or cache) here: the Interpreter, one packing per subgraph
+        if it is not None:
+            _SHARED[key] = it
             return it
     # the tensors are allocated here, once: that is when LiteRT applies its delegate
     # and prints about it (delegate_banner_hidden)
@@ -100,6 +205,51 @@ def _interpreter(path: str, threads: int, shared: bool) -> Any:
     if key is not None:
         _SHARED[key] = it
     return it
+
+
+class _SignatureRunner:
+    """One signature of a :class:`_Compiled` model: its input and output TensorBuffers,
+    written and read by name. TensorBuffers take no int64: those go in as int32 pairs."""
+
+    def __init__(self, compiled: _Compiled, signature: str, names: Sequence[str], out_names: Sequence[str]):
+        cm = compiled.model
+        self._cm, self._index = cm, cm.get_signature_index(signature)
+        if self._index < 0:
+            raise RuntimeRunError(f"LiteRT finds no signature {signature!r}")
+        order = cm.get_signature_list()[signature]
+        ins, outs = cm.get_input_tensor_details(signature), cm.get_output_tensor_details(signature)
+        self._in_buffers = dict(zip(order["inputs"], cm.create_input_buffers(self._index)))
+        self._out_buffers = dict(zip(order["outputs"], cm.create_output_buffers(self._index)))
+        missing = [n for n in names if n not in ins] + [n for n in out_names if n not in outs]
+        if missing:
+            raise RuntimeRunError(f"signature {signature!r} names tensors {missing!r} that LiteRT does not find")
+        self.in_details = [dict(ins[n], shape_signature=ins[n]["shape"]) for n in names]
+        self.out_details = [outs[n] for n in out_names]
+        self._in_order, self._ins, self._outs = list(order["inputs"]), list(names), list(out_names)
+        self._first = True
+
+    def __del__(self) -> None:
+        _quietly_drop(self, "_in_buffers", "_out_buffers", "_cm")
+
+    def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if self._first:  # a TensorBuffer's first write sets up a LiteRT environment, and logs it
+            self._first = False
+            with delegate_banner_hidden(_SETUP_LOG):
+                return self.run(arrays)
+        for name, x, d in zip(self._ins, arrays, self.in_details):
+            x = np.asarray(x, dtype=d["dtype"])
+            self._in_buffers[name].write(x.view(np.int32) if x.dtype == np.int64 else x)
+        self._cm.run_by_index(self._index, [self._in_buffers[n] for n in self._in_order],
+                              list(self._out_buffers.values()))
+        return [_read(self._out_buffers[n], d) for n, d in zip(self._outs, self.out_details)]
+
+
+def _read(buffer: Any, detail: dict) -> np.ndarray:
+    dtype, shape = np.dtype(detail["dtype"]), tuple(int(d) for d in detail["shape"])
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype == np.int64:
+        return buffer.read(2 * n, np.int32).view(np.int64).reshape(shape)
+    return buffer.read(n, dtype).reshape(shape)
 
 
 class Session:
@@ -119,7 +269,7 @@ class Session:
             self._it = _interpreter(self.path, self.num_threads, shared=signature is not None)
         except (ValueError, RuntimeError) as err:
             raise RuntimeRunError(f"LiteRT cannot load {path}: {err}") from None
-        self._runner = None
+        self._runner = self._compiled = None
         if signature is None:
             self._it.allocate_tensors()
             self._in_details = self._it.get_input_details()
@@ -133,6 +283,14 @@ class Session:
             if signature not in sigs:
                 raise RuntimeRunError(f"{path} has no signature {signature!r}; it has {sorted(sigs)}")
             self._names, self._out_names = list(sigs[signature].inputs), list(sigs[signature].outputs)
+            if isinstance(self._it, _Compiled):
+                try:
+                    with delegate_banner_hidden(_SETUP_LOG):
+                        self._compiled = _SignatureRunner(self._it, signature, self._names, self._out_names)
+                except (ValueError, RuntimeError) as err:
+                    raise RuntimeRunError(f"LiteRT: {path}: {err}") from None
+                self._in_details, self._out_details = self._compiled.in_details, self._compiled.out_details
+                return
             try:
                 self._runner = self._it.get_signature_runner(signature)
             except ValueError as err:
@@ -173,6 +331,12 @@ class Session:
         # a 0-d input into shape (1,) silently
         arrays = [x.reshape(1) if x.ndim == 0 and shape == (1,) else x for x, shape in zip(arrays, self._shapes)]
         try:
+            if self._compiled is not None:
+                if any(x.shape != shape for x, shape in zip(arrays, self._shapes)):
+                    raise RuntimeRunError(f"{where}: inputs of shapes {[list(x.shape) for x in arrays]} where the "
+                                          f"file takes {[list(s) for s in self._shapes]}")
+                with self._it.circleops_lock:
+                    return self._compiled.run(arrays)
             if self._runner is not None:
                 with self._it.circleops_lock:
                     if all(x.shape == shape for x, shape in zip(arrays, self._shapes)):

@@ -175,6 +175,7 @@ LAYERS: tuple[str, ...] = (
     # the base: no circleops import but errors
     "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
     "remote_code", "token_ids",
+    "memory",  # resident memory given back (madvise), the machine's memory: standard library only
     # the model of a file, the targets' facts, the fused ops, the file formats
     "ir", "targets", "ops", "serialize",
     # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR
@@ -183,6 +184,8 @@ LAYERS: tuple[str, ...] = (
     "quantize",
     # running files (the reference interpreter's kernels use the weight codecs)
     "runtime", "numerics", "models", "manifest",
+    # what a conversion will weigh, from the config / safetensors headers (the refusals sizes decide)
+    "sizes",
     # one conversion: its option checks, then the pipeline
     "validate", "pipeline",
     # the applications over the pipeline, then the CLI over them

@@ -236,9 +236,15 @@ def test_tied_lm_head_gets_its_own_int8_weight(tmp_path):
     assert report.verify.passed
     embed, lm = model.model.embed_tokens, model.lm_head
     fp32 = embed.weight.detach().clone()
-    with dequantized_sources(report.quantization, model):
-        assert embed.weight is not lm.weight and torch.equal(embed.weight, fp32)
-        assert torch.equal(lm.weight.detach(), int8.dequantize(int8.quantize_per_channel(fp32)))
+    seen: dict = {}  # the weights each module runs with (decoded as its parent runs)
+    hooks = [embed.register_forward_hook(lambda m, a, o: seen.update({"embed": m.weight.detach().clone()}) if "embed" not in seen else None),
+             lm.register_forward_hook(lambda m, a, o: seen.update({"lm": m.weight.detach().clone()}) if "lm" not in seen else None)]
+    with dequantized_sources(report.quantization, model), torch.no_grad():
+        model(example_ids(8))
+    for h in hooks:
+        h.remove()
+    assert torch.equal(seen["embed"], fp32)
+    assert torch.equal(seen["lm"], int8.dequantize(int8.quantize_per_channel(fp32)))
     assert embed.weight is lm.weight and torch.equal(embed.weight, fp32)
 
 

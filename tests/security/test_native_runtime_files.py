@@ -226,3 +226,31 @@ def test_generate_verifies_each_graph(graphs, tmp_path):
     _set_manifest(d2, num_layers=10 ** 12)  # caches would be allocated from it (MemoryError)
     r = _cli("generate", str(d2), "--token-ids", "1,2,3", "--max-new-tokens", "2")
     assert r.returncode == 2 and "does not describe its decode graph" in r.stderr, r.stderr
+
+
+class _KilledOutOfMemory:
+    """A runtime Session that grows to ~200 MB and is then killed by SIGKILL, as the
+    kernel's out-of-memory killer ends a process (issue 32: a 1B verify child)."""
+
+    def __init__(self, path, signature=None):
+        import numpy as np
+
+        self.held = np.ones(50 * 2**20, np.float32)  # 200 MB, touched
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_runtime_killed_for_memory_is_reported_as_such(graphs, monkeypatch):
+    """SIGKILL is never "a fault inside the runtime on this file": the error says out of
+    memory, with the child's peak resident memory and the machine's."""
+    from circleops.runtime import onert, open_session
+
+    decode = graphs["onert"] / "decode.circle"
+    monkeypatch.setattr(onert, "Session", _KilledOutOfMemory)
+    monkeypatch.setattr("circleops.runtime.isolated._NATIVE_USED", set())
+    with pytest.raises(RuntimeCrashError) as err:
+        open_session("onert", decode, isolated=True)
+    text = str(err.value)
+    assert "killed by SIGKILL while loading" in text and "out of memory" in text and "not a fault in the file" in text
+    assert "fault inside" not in text and "GB resident of this machine's" in text
+    peak = float(text.split("peaked at ")[1].split(" GB")[0])
+    assert peak >= 0.2  # the child's own 200 MB at least

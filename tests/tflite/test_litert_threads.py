@@ -32,6 +32,13 @@ def interpreter_threads(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(ai_edge_litert.interpreter, "Interpreter", Spy)
+    compiled = litert._compiled_model  # signature sessions: LiteRT's CompiledModel with a weight cache
+
+    def spy_compiled(path, threads, cache):
+        seen.append(threads)
+        return compiled(path, threads, cache)
+
+    monkeypatch.setattr(litert, "_compiled_model", spy_compiled)
     return seen
 
 
