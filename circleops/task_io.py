@@ -102,13 +102,12 @@ def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text
 
 
 def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, image: str) -> Prepared:
-    from PIL import Image, UnidentifiedImageError
     from transformers import AutoImageProcessor
 
-    try:
-        picture = Image.open(image).convert("RGB")
-    except (OSError, UnidentifiedImageError) as err:
-        raise RuntimeRunError(f"cannot read the image {image}: {err}.") from None
+    from circleops.user_files import opened_image
+
+    with opened_image(image, error=RuntimeRunError) as opened:
+        picture = opened.convert("RGB")
     try:
         processor = AutoImageProcessor.from_pretrained(str(path))
     except Exception as err:
@@ -123,21 +122,10 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
 
 
 def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """A WAV file (8/16/32-bit PCM) as mono float32 in [-1, 1], and its sample rate."""
-    import wave
+    """A WAV file as mono float32 in [-1, 1], and its sample rate (circleops.user_files.read_wav)."""
+    from circleops.user_files import read_wav as read
 
-    try:
-        with wave.open(path, "rb") as f:
-            rate, width, channels = f.getframerate(), f.getsampwidth(), f.getnchannels()
-            raw = f.readframes(f.getnframes())
-    except (OSError, EOFError, wave.Error) as err:
-        raise RuntimeRunError(f"cannot read {path} as a WAV file: {err}.") from None
-    kinds = {1: (np.uint8, 128.0, 128.0), 2: (np.int16, 0.0, 32768.0), 4: (np.int32, 0.0, 2147483648.0)}
-    if width not in kinds:
-        raise RuntimeRunError(f"{path}: {8 * width}-bit samples; circleops reads 8, 16 or 32-bit PCM WAV.")
-    dtype, zero, scale = kinds[width]
-    samples = (np.frombuffer(raw, dtype=dtype).astype(np.float32) - zero) / scale
-    return samples.reshape(-1, channels).mean(axis=1), rate
+    return read(path, error=RuntimeRunError)
 
 
 def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, audio: str) -> Prepared:

@@ -639,17 +639,12 @@ class VisionGenerator(Generator):
 
 def read_image(path: str | os.PathLike) -> Any:
     """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ImageInputError("reading an image needs Pillow: pip install pillow.") from None
-    if not Path(path).is_file():
-        raise ImageInputError(f"the image {path} does not exist: pass the path of a PNG or JPEG file with --image.")
-    try:
-        with Image.open(path) as picture:
-            return picture.convert("RGB")
-    except (OSError, ValueError) as err:
-        raise ImageInputError(f"cannot read the image {path}: {err}. Pass a PNG or JPEG file.") from None
+    from circleops.user_files import opened_image
+
+    # opened_image checks the pixel count (CIRCLEOPS_MAX_IMAGE_PIXELS) before decoding and
+    # turns any decoder error into an ImageInputError naming the file
+    with opened_image(path, error=ImageInputError) as picture:
+        return picture.convert("RGB")
 
 
 def _user_content(text: str, image: bool) -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.user_files import load_npy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +48,7 @@ def _load_inputs(paths: Sequence[str]) -> list[np.ndarray]:
     for p in paths:
         if not os.path.isfile(p):
             raise RuntimeRunError(f"input file {p!r} does not exist; give one .npy file per model input")
-        try:
-            arrays.append(np.load(p, allow_pickle=False))
-        except (ValueError, OSError) as err:
-            raise RuntimeRunError(f"input file {p!r} is not a .npy array ({err}); save inputs with np.save") from None
+        arrays.append(load_npy(p, error=RuntimeRunError))  # size checked against the file; no pickles
     return arrays
 
 
