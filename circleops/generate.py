@@ -608,15 +608,38 @@ class TextStream:
         return text
 
 
+def check_tokenizer_dir(directory: Path) -> Any:
+    """ModelLoadError naming the file unless every JSON file of the tokenizer directory reads
+    (circleops.user_files.read_json: not empty, UTF-8, JSON, not nested past the limit) and
+    tokenizer.json loads in the ``tokenizers`` library (which refuses e.g. a negative id);
+    returns that ``tokenizers.Tokenizer`` (None without tokenizer.json or the library)."""
+    from circleops.user_files import check_json_files
+
+    fix = "The tokenizer is damaged: convert the model again."
+    check_json_files(directory, error=ModelLoadError, fix=fix)
+    path = directory / "tokenizer.json"
+    if path.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the Rust library's one exception type for a bad file
+            raise ModelLoadError(f"{path} is not a tokenizer the tokenizers library can load: "
+                                 f"{' '.join(str(err).split())[:200]}. {fix}") from None
+    return None
+
+
 class FastTokenizer:
     """The saved tokenizer.json through the ``tokenizers`` library: what generation needs
     (encode, decode) without importing torch and transformers (seconds of start-up)."""
 
     def __init__(self, directory: Path):
-        from tokenizers import Tokenizer
+        import tokenizers  # noqa: F401 - ImportError: the caller falls back to transformers
 
         self.directory = directory
-        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.tokenizer = check_tokenizer_dir(directory)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)
@@ -645,6 +668,7 @@ def load_tokenizer(manifest: Any) -> Any:
 
 def hf_tokenizer(path: Path) -> Any:
     """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
+    check_tokenizer_dir(path)  # a damaged file is named here, not a traceback inside transformers
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from circleops.errors import ModelLoadError
 from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 from circleops.targets import PROFILES
+from circleops.user_files import outside_reason, read_json
 
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
@@ -148,19 +149,7 @@ def confined(directory: Path, name: Any, what: str, manifest_path: Path) -> str:
     ``..`` whose real location (symlinks followed) is inside the directory. A converted
     directory may come from someone else; its manifest must not point circleops (and onert,
     which reads without verifying) at /etc/passwd or at a file beside the directory."""
-    why = None
-    if not isinstance(name, str) or not name or "\0" in name or not Path(name).parts:
-        why = "is not a file name"
-    elif os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
-        why = "is an absolute path"
-    elif ".." in Path(name.replace("\\", "/")).parts:
-        why = "leaves the directory with '..'"
-    else:
-        real, root = (directory / name).resolve(), directory.resolve()
-        if real != root and root not in real.parents:
-            why = f"is a symbolic link to {real}, outside the directory"
-        elif real == root:
-            why = "names the directory itself"
+    why = outside_reason(directory, name)
     if why:
         raise ModelLoadError(f"{manifest_path}: {what} {name!r} {why}; a manifest names only files inside its own "
                              f"directory. The directory is damaged or was not written by `circleops convert "
@@ -225,10 +214,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise ModelLoadError(
             f"{d} has no {MANIFEST}, so it was not written by `circleops convert --graphs`. Run "
             f"`circleops convert MODEL --graphs prefill,decode --target onert -o {d}` first.")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
+    data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs.")
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
     if data.get("format") == "circleops-speech":  # circleops.speech's graphs (Whisper)

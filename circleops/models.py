@@ -23,6 +23,7 @@ import torch
 
 from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
+from circleops.user_files import check_json_files, json_object, outside_reason, read_json
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -173,13 +174,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except OSError as err:
-        raise ModelLoadError(f"cannot read {path}: {err.strerror}.") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path} is not valid JSON: {err}.") from None
+    cfg = read_json(path, error=ModelLoadError)
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise ModelLoadError(f"{path} is not a Hugging Face model config: it has no model_type.")
     return cfg
@@ -244,8 +239,19 @@ def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        fix = "The directory is damaged: download or save the model again."
+        weight_map = json_object(read_json(index, error=ModelLoadError, fix=fix), str(index),
+                                 error=ModelLoadError, fix=fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            held = "none" if weight_map is None else f"a {type(weight_map).__name__}"
+            raise ModelLoadError(f"{index} has no weight_map object of tensor name -> file name (it has {held}). "
+                                 f"{fix}")
+        names = sorted(set(weight_map.values()))
+        for name in names:  # a checkpoint names its own shards: never a file elsewhere on the machine
+            why = outside_reason(path, name)
+            if why:
+                raise ModelLoadError(f"{index}: the weight file {name!r} {why}; an index names only files inside "
+                                     f"its own directory. {fix}")
         return [path / n for n in names]
     return sorted(path.glob("*.safetensors"))
 
@@ -267,6 +273,9 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"{path} is a directory without config.json, so it is not a Hugging Face model directory. "
             f"Pass the directory that holds config.json and the *.safetensors weights.")
     cfg = _read_config(cfg_path)
+    # every JSON file transformers may read here (generation_config.json, tokenizer_config.json,
+    # the index...) is read once by circleops' reader first: a damaged one is named, not a traceback
+    check_json_files(path, error=ModelLoadError, fix="The directory is damaged: download or save the model again.")
     config = _build_config(cfg, str(path))
     cls = (model_class or _model_class)(config, cfg, str(path))
     files = _safetensors_files(path)

@@ -15,7 +15,6 @@ generator).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from circleops.errors import CircleOpsError
+from circleops.user_files import read_json
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -66,10 +66,7 @@ class SamplingConfig:
             path = Path(source)
             path = path / GENERATION_CONFIG if path.is_dir() else path
             if path.is_file():
-                try:
-                    data = json.loads(path.read_text())
-                except (OSError, ValueError) as err:
-                    raise SamplingError(f"cannot read {path}: {err}") from None
+                data = read_json(path, error=SamplingError)
         names = {f.name for f in fields(cls)} - {"do_sample", "seed"}
         base = cls(**{k: data[k] for k in names if data.get(k) is not None})
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
 from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
 from circleops.targets import PROFILES
+from circleops.user_files import read_json
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -65,8 +66,8 @@ def speech_model_type(directory: str | os.PathLike) -> str | None:
     seq2seq model circleops writes speech graphs for, else None."""
     path = Path(directory) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: reported by the reader that needs it
         return None
     if not isinstance(cfg, dict):
         return None
@@ -304,8 +305,8 @@ class SpeechManifest:
 def is_speech_dir(directory: str | os.PathLike) -> bool:
     """``directory`` holds a manifest.json of speech graphs."""
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("format") == SPEECH_FORMAT
-    except (OSError, ValueError, AttributeError):
+        return read_json(Path(directory) / MANIFEST).get("format") == SPEECH_FORMAT
+    except (CircleOpsError, AttributeError):
         return False
 
 
@@ -316,9 +317,9 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     path = d / MANIFEST
     what = ("a Hugging Face model directory, not converted graphs" if (d / "config.json").is_file()
             else "not a directory written by `circleops convert --graphs`")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if path.is_file():  # damaged (not JSON, nested too deep...): said as such, not as "not speech graphs"
+        data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs encoder,prefill,decode.")
+    else:
         data = None
     if isinstance(data, dict) and data.get("format") != SPEECH_FORMAT and data.get("format"):
         what = f"a directory of {data.get('format')} graphs (a text model: use --prompt), not speech graphs"

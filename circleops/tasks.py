@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from circleops.errors import ModelLoadError, TargetError
+from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.options import TASK_METADATA_KEY
+from circleops.user_files import parse_json, read_json
 
 METADATA_KEY = TASK_METADATA_KEY  # circleops.options: inspect reads it without importing this module
 DEFAULT_SEQ_LEN = 64
@@ -182,8 +183,8 @@ def _processor_config(model_dir: str | None) -> dict[str, Any]:
         path = Path(model_dir) / name if model_dir else None
         if path is not None and path.is_file():
             try:
-                cfg = json.loads(path.read_text())
-            except (OSError, ValueError):
+                cfg = read_json(path)
+            except CircleOpsError:  # damaged: transformers' processor reports it when it loads
                 continue
             return cfg.get("image_processor", cfg.get("feature_extractor", cfg)) if isinstance(cfg, dict) else {}
     return {}
@@ -397,6 +398,6 @@ def read_task_record(path: str | os.PathLike) -> dict[str, Any] | None:
     if not blob:
         return None
     try:
-        return json.loads(bytes(blob).decode())
-    except ValueError:
+        return parse_json(bytes(blob), f"the metadata of {path}")
+    except CircleOpsError:
         return None

@@ -123,6 +123,23 @@ def json_object(value: Any, source: str, *, error: type[CircleOpsError] = InputF
     return value
 
 
+def outside_reason(directory: Path, name: Any) -> str | None:
+    """Why the file ``name`` a file in ``directory`` refers to is not inside ``directory`` (not a
+    relative file name, ``..``, absolute, a symbolic link out, the directory itself), or None."""
+    if not isinstance(name, str) or not name or "\0" in name or not Path(name).parts:
+        return "is not a file name"
+    if os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
+        return "is an absolute path"
+    if ".." in Path(name.replace("\\", "/")).parts:
+        return "leaves the directory with '..'"
+    real, root = (Path(directory) / name).resolve(), Path(directory).resolve()
+    if real != root and root not in real.parents:
+        return f"is a symbolic link to {real}, outside the directory"
+    if real == root:
+        return "names the directory itself"
+    return None
+
+
 # --------------------------------------------------------------------------- sizes
 
 def machine_memory() -> int:

@@ -89,9 +89,11 @@ def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.Path
     path = Path(config) if config else Path(model) / "config.json" if model else None
     if path is None or not path.is_file():
         return None
+    from circleops.user_files import read_json
+
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: not a VLM directory (read again, with the error, later)
         return None
     kind = cfg.get("model_type") if isinstance(cfg, dict) else None
     return kind if kind in VLM_MODEL_TYPES else None
