@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
@@ -685,8 +686,9 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
             tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        with template_budget(tokenizer):  # a model's template is someone else's program
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.chat import Chat
+from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
 from circleops.generate import Generation, Generator, GenerationLimitError, TextStream, open_graph
 from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
@@ -660,8 +661,9 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     if chat:
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
-        text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
-                                             add_generation_prompt=True, tokenize=False)
+        with template_budget(processor):  # a model's template is someone else's program
+            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
+                                                 add_generation_prompt=True, tokenize=False)
     else:
         text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
     if image is None and type(processor).__name__ == "PaliGemmaProcessor":
@@ -724,7 +726,8 @@ class VisionChat(Chat):
         first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
         messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
                     for i, m in enumerate(self.messages)]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with template_budget(self.processor):
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
         if pixels is not None:
             if self._features is None:

@@ -173,7 +173,7 @@ def test_every_subcommand_has_its_module():
 # down). Below the line of each group, what it is:
 LAYERS: tuple[str, ...] = (
     # the base: no circleops import but errors (user_files: the readers of a user's files)
-    "_version", "errors", "user_files", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
+    "_version", "errors", "user_files", "chat_template", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
     # the model of a file, the targets' facts, the fused ops, the file formats
     "ir", "targets", "ops", "serialize",
     # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR
