@@ -255,6 +255,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                                           for n in sizes + m.cache_shape):
         raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
                              f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
+    if m.cache_shape[1] != m.max_cache_len:  # the caches (checked against the graph) hold C slots, no more
+        raise ModelLoadError(f"{path}: max_cache_len is {m.max_cache_len} but the caches (cache_shape "
+                             f"{m.cache_shape}) hold {m.cache_shape[1]} slots; generating past them would write "
+                             f"outside the cache. Convert again with --graphs.")
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.tokenizer is not None:
