@@ -23,7 +23,7 @@ import torch
 
 from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
-from circleops.user_files import check_json_files, json_object, outside_reason, read_json
+from circleops.user_files import check_bytes, check_json_files, json_object, outside_reason, read_json
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -194,6 +194,40 @@ _POSITIVE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers"
                          "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
 
 
+# No released model has more than ~130 layers; building 10^6 layers (even on meta) never ends.
+MAX_LAYERS = 4096
+_LAYER_KEYS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "n_layer", "num_layers")
+_WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "dim")
+_FFN_KEYS = ("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner")
+
+
+def _largest(d: dict[str, Any], keys: tuple[str, ...]) -> int:
+    values = []
+    for k in keys:
+        v = d.get(k)
+        values += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int) and not isinstance(x, bool)]
+    return max(values, default=0)
+
+
+def check_model_size(cfg: dict[str, Any], source: str) -> None:
+    """ModelLoadError, before anything is built, when a config's layer counts or sizes describe
+    a model this machine cannot hold: more than MAX_LAYERS layers, or an estimate of its fp32
+    weights (layers x (4 h^2 + 3 h ffn) + vocab x h, for the config and each sub-config)
+    over the machine's memory. The estimate is a lower bound of the real size."""
+    total = 0
+    for part in [cfg] + [v for v in cfg.values() if isinstance(v, dict)]:
+        layers = sum(_largest(part, (k,)) for k in _LAYER_KEYS)
+        if layers > MAX_LAYERS:
+            raise ModelLoadError(f"{source}: config.json asks for {layers} layers; circleops builds at most "
+                                 f"{MAX_LAYERS} (no released model has more than a few hundred). Fix config.json.")
+        h = _largest(part, _WIDTH_KEYS)
+        ffn = _largest(part, _FFN_KEYS) or 4 * h
+        total += layers * (4 * h * h + 3 * h * ffn) + _largest(part, ("vocab_size",)) * h
+    check_bytes(4 * total, f"{source}: config.json describes a model of about {total:.3g} parameters, which in fp32",
+                error=ModelLoadError, fix="Fix config.json (its layer counts and sizes), or convert on a larger "
+                                          "machine.")
+
+
 def _build_config(cfg: dict[str, Any], source: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -209,6 +243,7 @@ def _build_config(cfg: dict[str, Any], source: str) -> Any:
                                                           and all(map(positive, value)))):
             raise ModelLoadError(f"{source}: config.json has {key}={value!r}; it must be a positive integer. "
                                  "Fix config.json.")
+    check_model_size(cfg, source)
     try:
         config = CONFIG_MAPPING[model_type].from_dict(dict(cfg))
     except Exception as err:  # transformers 5 validates configs (strict dataclasses) as it builds them

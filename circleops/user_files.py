@@ -161,14 +161,15 @@ def check_count(value: Any, what: str, *, low: int = 1, high: int | None = None,
     raise _fail(error, f"{what} is {value!r}; it must be an integer {span}.{' ' + fix if fix else ''}")
 
 
-def check_bytes(nbytes: int, what: str, *, limit: int | None = None,
+def check_bytes(nbytes: int, what: str, *, limit: int | None = None, limit_name: str = "the limit",
                 error: type[CircleOpsError] = InputFileError, fix: str = "") -> None:
     """Refuse ``what`` when it needs more than ``limit`` bytes (default: the machine's
     physical memory) before anything of that size is allocated."""
-    limit = machine_memory() if limit is None else limit
+    if limit is None:
+        limit, limit_name = machine_memory(), "this machine's memory"
     if nbytes > limit:
-        raise _fail(error, f"{what} would need {_size(nbytes)}, more than {_size(limit)} "
-                           f"({'this machine' if limit == machine_memory() else 'the limit'}).{' ' + fix if fix else ''}")
+        raise _fail(error, f"{what} would need {_size(nbytes)}, more than {_size(limit)} ({limit_name})."
+                           f"{' ' + fix if fix else ''}")
 
 
 def _size(n: float) -> str:

@@ -111,12 +111,17 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
     ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json."""
     import torch
 
-    from circleops.models import quiet_transformers
+    from circleops.models import check_model_size, quiet_transformers, read_config_dict
+    from circleops.user_files import check_json_files
 
     kind = vlm_model_type(model, config)
     if kind is None:
         raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
                              f"{', '.join(VLM_MODEL_TYPES)}).")
+    # sizes bounded before anything is built; the directory's JSON files read by circleops first
+    check_model_size(read_config_dict(Path(config) if config else Path(model) / "config.json"), str(config or model))
+    if not config:
+        check_json_files(model, error=ModelLoadError, fix="The directory is damaged: download or save it again.")
     cls = _classes(kind)
     with quiet_transformers():
         try:
