@@ -154,7 +154,7 @@ def calibration_samples(example_args: Sequence[Any], n: int, *, data: str | os.P
         raise CalibrationError(f"calibrate needs at least 1 sample, got {n}")
     example_args = tuple(example_args)
     if data is not None:
-        return _from_file(data, example_args, n)
+        return _checked_ids(_from_file(data, example_args, n), example_args, vocab_size, data)
     gen = torch.Generator().manual_seed(seed)
     samples: list[tuple] = []
     token_windows = None
@@ -188,6 +188,24 @@ def _token_windows(length: int, count: int, tokenizer: Any, vocab_size: int | No
     if not vocab_size:
         raise CalibrationError("calibrating an LLM needs its tokenizer (for the calibration text) or its vocab size")
     return [torch.randint(0, vocab_size, (length,), generator=gen) for _ in range(count)]
+
+
+def _checked_ids(items: list[tuple], example_args: tuple, vocab_size: int | None, path: Any) -> list[tuple]:
+    """A calibration file's samples, their integer inputs (token ids) checked to be integers in
+    [0, vocab_size): an id past the embedding table would index outside it."""
+    for k, item in enumerate(items):
+        for j, (t, ref) in enumerate(zip(item, example_args)):
+            if not (isinstance(t, torch.Tensor) and isinstance(ref, torch.Tensor)) or ref.is_floating_point():
+                continue
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise CalibrationError(f"calibration sample {k} in {path}: input {j} is {t.dtype}, the model takes "
+                                       f"{ref.dtype} token ids; save integer tensors")
+            if vocab_size and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+                raise CalibrationError(f"calibration sample {k} in {path}: input {j} holds token ids from "
+                                       f"{int(t.min())} to {int(t.max())}, and the vocabulary has {vocab_size} "
+                                       f"(ids 0 to {vocab_size - 1}); tokenize the calibration text with the "
+                                       f"model's tokenizer")
+    return items
 
 
 def _from_file(path: str | os.PathLike, example_args: tuple, n: int) -> list[tuple]:
