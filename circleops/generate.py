@@ -670,6 +670,17 @@ def load_tokenizer(manifest: Any) -> Any:
 def hf_tokenizer(path: Path) -> Any:
     """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
     check_tokenizer_dir(path)  # a damaged file is named here, not a traceback inside transformers
+    try:
+        return _auto_tokenizer(path)
+    except CircleOpsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers on a value of the wrong type in a user's file
+        raise ModelLoadError(f"transformers cannot load the tokenizer in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}. The tokenizer files (tokenizer_config.json) are "
+                             f"damaged: convert the model again.") from None
+
+
+def _auto_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers

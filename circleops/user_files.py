@@ -368,7 +368,7 @@ def load_npy(path: str | os.PathLike, *, error: type[CircleOpsError] = InputFile
                 if version not in reader:
                     raise ValueError(f"unknown .npy format version {version}")
                 shape, fortran, dtype = reader[version](f, max_header_size=1 << 16)
-            except (ValueError, OSError, SyntaxError, TypeError, struct.error, EOFError) as err:
+            except Exception as err:  # noqa: BLE001 - numpy's header parser: ValueError, SyntaxError, TokenError...
                 raise _fail(error, f"{path} is not a readable .npy file: {_first_line(err)}. {fix}") from None
             if dtype.hasobject:
                 raise _fail(error, f"{path} holds Python objects (dtype {dtype}), which load only by unpickling, and "
