@@ -170,8 +170,11 @@ class Sampler:
         scores = repetition_penalty(scores, context, c.repetition_penalty)
         if not c.do_sample:
             return scores
-        with np.errstate(over="ignore"):  # a tiny temperature: +inf for the top token, softmax copes
-            scores = scores / np.float32(c.temperature)
+        with np.errstate(over="ignore"):
+            divided = scores / np.float32(c.temperature)
+            if np.isinf(divided).any() and np.isfinite(scores).all():  # a tiny temperature overflows float32:
+                divided = scores.astype(np.float64) / c.temperature  # float64 keeps the order (the top token wins)
+        scores = divided
         scores = top_k(scores, c.top_k)
         return top_p(scores, c.top_p)
 
