@@ -257,8 +257,9 @@ def _build_config(cfg: dict[str, Any], source: str) -> Any:
 def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
     import transformers
 
-    for arch in cfg.get("architectures") or []:
-        if arch.endswith("ForCausalLM") and hasattr(transformers, arch):
+    archs = cfg.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:  # a user's file: anything but names is ignored
+        if isinstance(arch, str) and arch.endswith("ForCausalLM") and hasattr(transformers, arch):
             return getattr(transformers, arch)
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -348,6 +348,20 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     return m
 
 
+def _check_extractor(extractor: Any, m: SpeechManifest) -> None:
+    """ModelLoadError unless the saved feature extractor makes the encoder graph's input: its
+    mel bins and its window (n_samples / hop_length frames) come from preprocessor_config.json,
+    and a hostile window (chunk_length 10^9) would size a buffer of terabytes."""
+    _, mel, frames = m.input_features
+    got = {k: getattr(extractor, k, None) for k in ("feature_size", "n_samples", "hop_length", "sampling_rate")}
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in got.values())
+    if not ok or got["feature_size"] != mel or got["n_samples"] // got["hop_length"] != frames:
+        raise ModelLoadError(f"{m.directory / (m.processor or PROCESSOR_DIR)}: the feature extractor (feature_size "
+                             f"{got['feature_size']!r}, n_samples {got['n_samples']!r}, hop_length "
+                             f"{got['hop_length']!r}) does not make the encoder's input of {mel} mel bins x {frames} "
+                             f"frames. The processor files are damaged: convert again.")
+
+
 def _check_speech_types(m: SpeechManifest, path: Path) -> None:
     """ModelLoadError naming every field of the wrong type or size (a hand-edited or hostile
     manifest fails here, not as a TypeError or a MemoryError in generation)."""
@@ -741,6 +755,7 @@ class SpeechGenerator:
         import numpy as np
 
         extractor = self.processor.feature_extractor
+        _check_extractor(extractor, self.manifest)  # its window sizes the buffers: checked before any is made
         samples = read_audio(audio, extractor.sampling_rate) if isinstance(audio, (str, os.PathLike)) else audio
         samples = np.asarray(samples, dtype=np.float32)
         if warn is not None and samples.size > extractor.n_samples:

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.user_files import check_count
 
 
 @dataclass
@@ -113,6 +114,11 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
     except Exception as err:
         raise RuntimeRunError(f"cannot load the image processor of {path} (preprocessor_config.json): "
                               f"{str(err).strip()[:200]}. Pass --model DIR with the processor files.") from None
+    for key in ("size", "crop_size"):  # a hostile size (10^5) would make a 120 GB image before any resize
+        value = getattr(processor, key, None)
+        for side in (value.values() if isinstance(value, dict) else [value] if value is not None else []):
+            check_count(side, f"the image processor's {key} in {path}", high=16384, error=RuntimeRunError,
+                        fix="Fix preprocessor_config.json.")
     _, _, h, w = shapes["pixel_values"]
     pixels = processor(images=picture, return_tensors="np")["pixel_values"]
     if list(pixels.shape[2:]) != [h, w]:  # converted with --input-shape: the file's size wins
