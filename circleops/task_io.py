@@ -116,9 +116,13 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
                               f"{str(err).strip()[:200]}. Pass --model DIR with the processor files.") from None
     for key in ("size", "crop_size"):  # a hostile size (10^5) would make a 120 GB image before any resize
         value = getattr(processor, key, None)
-        for side in (value.values() if isinstance(value, dict) else [value] if value is not None else []):
-            check_count(side, f"the image processor's {key} in {path}", high=16384, error=RuntimeRunError,
-                        fix="Fix preprocessor_config.json.")
+        sides = [value] if isinstance(value, int) else [
+            value.get(n) if isinstance(value, dict) else getattr(value, n, None)  # a dict or transformers' SizeDict
+            for n in ("height", "width", "shortest_edge", "longest_edge")]
+        for side in sides:
+            if side is not None:
+                check_count(side, f"the image processor's {key} in {path}", high=16384, error=RuntimeRunError,
+                            fix="Fix preprocessor_config.json.")
     _, _, h, w = shapes["pixel_values"]
     pixels = processor(images=picture, return_tensors="np")["pixel_values"]
     if list(pixels.shape[2:]) != [h, w]:  # converted with --input-shape: the file's size wins

@@ -14,11 +14,12 @@ import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterator
 
 from circleops.errors import CircleOpsError, ModelLoadError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # JSON written by Hugging Face and circleops nests 5-6 levels (tokenizer.json: model > vocab >
 # entry); 64 leaves room for any real file and stops a "[[[[..." bomb long before Python's
@@ -48,6 +49,8 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 def json_depth(data: bytes) -> int:
     """The deepest nesting of ``[``/``{`` in the JSON text ``data`` (brackets inside strings
     not counted), without parsing it."""
+    import numpy as np
+
     def deepest(raw: bytes) -> int:
         arr = np.frombuffer(raw, np.uint8)
         step = np.isin(arr, (ord("["), ord("{"))).astype(np.int32) - np.isin(arr, (ord("]"), ord("}")))
@@ -154,6 +157,8 @@ def check_count(value: Any, what: str, *, low: int = 1, high: int | None = None,
                 error: type[CircleOpsError] = InputFileError, fix: str = "") -> int:
     """``value`` as an int if it is an integer (not a bool) in [low, high], else an ``error``
     naming ``what``: one check for every count, size and id a file or a flag gives."""
+    import numpy as np  # only once a value is checked: `circleops --help` stays light
+
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
     if ok and value >= low and (high is None or value <= high):
         return int(value)
@@ -183,7 +188,7 @@ def _size(n: float) -> str:
 # --------------------------------------------------------------------------- WAV
 
 _WAV_FORMATS = {1: "PCM", 3: "IEEE float", 0xFFFE: "extensible"}
-_PCM_KINDS = {1: (np.uint8, 128.0, 128.0), 2: (np.int16, 0.0, 32768.0), 4: (np.int32, 0.0, 2147483648.0)}
+_PCM_KINDS = {1: ("u1", 128.0, 128.0), 2: ("<i2", 0.0, 32768.0), 4: ("<i4", 0.0, 2147483648.0)}  # dtype, zero, scale
 # A data chunk size a writer that could not seek back (a pipe) leaves: "to the end of the file".
 _STREAMED_SIZES = (0, 0xFFFFFFFF)
 
@@ -248,6 +253,8 @@ def read_wav(path: str | os.PathLike, *, error: type[CircleOpsError] = InputFile
 
 
 def _wav_samples(f: Any, fmt: tuple[int, ...], declared: int, held: int, bad: Any) -> tuple[np.ndarray, int]:
+    import numpy as np
+
     tag, channels, rate, _, block, bits = fmt
     width = (bits + 7) // 8
     if tag not in (1, 3):
@@ -278,7 +285,7 @@ def _wav_samples(f: Any, fmt: tuple[int, ...], declared: int, held: int, bad: An
         samples = ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / 8388608.0
     else:
         dtype, zero, scale = _PCM_KINDS[width]
-        samples = (np.frombuffer(raw, np.dtype(dtype).newbyteorder("<")).astype(np.float32) - zero) / scale
+        samples = (np.frombuffer(raw, dtype).astype(np.float32) - zero) / scale
     return samples.reshape(-1, channels).mean(axis=1), rate
 
 
@@ -355,6 +362,8 @@ def _first_line(err: BaseException) -> str:
 def load_npy(path: str | os.PathLike, *, error: type[CircleOpsError] = InputFileError) -> np.ndarray:
     """A .npy file as an array: its header read and its size (shape x dtype) checked against
     the bytes the file holds before any allocation; object arrays (pickles) refused."""
+    import numpy as np
+
     path = Path(path)
     fix = "Save it with numpy.save(path, array) of a numeric array."
     try:
