@@ -348,7 +348,7 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     return m
 
 
-def _check_extractor(extractor: Any, m: SpeechManifest) -> None:
+def check_extractor(extractor: Any, m: SpeechManifest) -> None:
     """ModelLoadError unless the saved feature extractor makes the encoder graph's input: its
     mel bins and its window (n_samples / hop_length frames) come from preprocessor_config.json,
     and a hostile window (chunk_length 10^9) would size a buffer of terabytes."""
@@ -755,7 +755,7 @@ class SpeechGenerator:
         import numpy as np
 
         extractor = self.processor.feature_extractor
-        _check_extractor(extractor, self.manifest)  # its window sizes the buffers: checked before any is made
+        check_extractor(extractor, self.manifest)  # its window sizes the buffers: checked before any is made
         samples = read_audio(audio, extractor.sampling_rate) if isinstance(audio, (str, os.PathLike)) else audio
         samples = np.asarray(samples, dtype=np.float32)
         if warn is not None and samples.size > extractor.n_samples:

@@ -323,3 +323,17 @@ def test_cli_subprocess_exit_2_on_a_damaged_npy(seeds, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "is not a readable .npy file" in proc.stderr
+
+
+def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
+    # a processor whose chunk_length is 10^9 would pad the audio to 1.6e13 samples
+    from types import SimpleNamespace
+
+    from circleops.speech import check_extractor, read_speech_manifest
+
+    m = read_speech_manifest(seeds.speech_dir)
+    good = SimpleNamespace(feature_size=20, n_samples=16000, hop_length=160, sampling_rate=16000)
+    check_extractor(good, m)
+    for change in ({"n_samples": 16000 * 10 ** 9}, {"feature_size": 80}, {"hop_length": 0}, {"n_samples": "x"}):
+        with pytest.raises(ModelLoadError, match="does not make the encoder's input of 20 mel bins x 100 frames"):
+            check_extractor(SimpleNamespace(**{**vars(good), **change}), m)
