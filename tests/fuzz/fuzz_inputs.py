@@ -309,6 +309,7 @@ class Case:
     stdin: bytes | None = None
 
 
+
 def _copy_dir(src: Path, dest: Path) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
@@ -321,7 +322,27 @@ def _cli(argv: list[str]) -> Callable[[], int]:
         from circleops.cli import main
 
         return main(argv)
+    run.argv = argv  # type: ignore[attr-defined]
     return run
+
+
+def run_process(case: Case, timeout: float, log: Path) -> tuple[str, int]:
+    """A CLI case as a user runs it: ``python -m circleops.cli ...`` in a new process."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "circleops.cli", *case.run.argv], input=case.stdin,
+                              capture_output=True, timeout=timeout, env=env, cwd=log.parent)
+    except subprocess.TimeoutExpired:
+        return "hang", 0
+    text = (proc.stdout + proc.stderr).decode(errors="replace")
+    log.write_text(text)
+    if proc.returncode < 0:
+        return "signal", -proc.returncode
+    if proc.returncode not in (0, 2) or "Traceback" in text or "internal error" in text:
+        return "bad_exit", proc.returncode
+    return ("ok" if proc.returncode == 0 else "refused"), proc.returncode
 
 
 def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
@@ -545,6 +566,7 @@ class Stats:
     outcomes: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    processes: int = 0  # CLI cases run as a new process
 
     @property
     def bad(self) -> int:
@@ -553,12 +575,15 @@ class Stats:
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.cases.items()))
         outcomes = ", ".join(f"{k} {n}" for k, n in sorted(self.outcomes.items()))
-        return f"{sum(self.cases.values())} cases in {self.seconds:.1f} s ({kinds}): {outcomes}"
+        return (f"{sum(self.cases.values())} cases in {self.seconds:.1f} s ({kinds}; {self.processes} as a new "
+                f"process): {outcomes}")
 
 
 def fuzz_inputs(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, timeout: float = 60,
-                save_dir: Path | None = None, work: Path | None = None) -> Stats:
-    """``cases`` mutated inputs, spread over ``kinds`` in turn, each in a forked child."""
+                save_dir: Path | None = None, work: Path | None = None, process_every: int = 8) -> Stats:
+    """``cases`` mutated inputs, spread over ``kinds`` in turn, each in a forked child; every
+    ``process_every``-th CLI case runs as a new ``python -m circleops.cli`` process instead."""
+    cli_cases = 0
     stats = Stats()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="circleops-fuzz-inputs-") as tmp:
@@ -570,7 +595,13 @@ def fuzz_inputs(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, timeo
             case_dir = work / "cases" / f"{n:05d}"
             case = make_case(rng, kind, seeds, case_dir)
             log = case_dir / "log.txt"
-            how, code = run_child(case, timeout, log)
+            if case.cli:
+                cli_cases += 1
+            if case.cli and process_every and cli_cases % process_every == 1:
+                how, code = run_process(case, timeout, log)
+                stats.processes += 1
+            else:
+                how, code = run_child(case, timeout, log)
             if how in ("ok", "refused") and any(p.name == MARKER for p in case_dir.rglob(MARKER)):
                 how = "code_ran"
             stats.cases[kind] = stats.cases.get(kind, 0) + 1
@@ -592,8 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--save-dir", type=Path, default=None)
+    p.add_argument("--process-every", type=int, default=8, help="every N-th CLI case as a new process (0: none)")
     args = p.parse_args(argv)
-    stats = fuzz_inputs(args.cases, args.seed, tuple(args.kinds.split(",")), args.timeout, args.save_dir)
+    stats = fuzz_inputs(args.cases, args.seed, tuple(args.kinds.split(",")), args.timeout, args.save_dir,
+                        process_every=args.process_every)
     print(stats.summary())
     for line in stats.failures:
         print(line)

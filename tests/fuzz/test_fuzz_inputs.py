@@ -19,6 +19,7 @@ def test_input_readers_short_run(tmp_path):
     stats = fuzz_inputs.fuzz_inputs(cases=PER_KIND * len(fuzz_inputs.KINDS), seed=31, timeout=120,
                                     save_dir=tmp_path / "failed", work=tmp_path / "work")
     assert all(stats.cases[k] == PER_KIND for k in fuzz_inputs.KINDS), stats.summary()
+    assert stats.processes >= 2, stats.summary()  # some CLI cases as a user runs them: a new process
     # the mutations are mostly refused, some still read (a flip inside samples or a string)
     assert stats.outcomes.get("refused", 0) >= 3 * len(fuzz_inputs.KINDS) and stats.outcomes.get("ok", 0) >= 5, \
         stats.summary()
