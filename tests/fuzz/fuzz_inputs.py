@@ -309,7 +309,6 @@ class Case:
     stdin: bytes | None = None
 
 
-
 def _copy_dir(src: Path, dest: Path) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
