@@ -239,7 +239,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      cache_update=data.get("cache_update") or "full",
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
                      prefill_windows=data.get("prefill_windows"))
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)
     if m.cache_update not in CACHE_UPDATES:
