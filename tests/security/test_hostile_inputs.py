@@ -272,6 +272,10 @@ def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ModelLoadError, match="max_cache_len is 100000 but the caches.*hold 32 slots"):
         read_manifest(d)
+    m["max_cache_len"], m["vocab_size"] = 32, float("inf")  # written as Infinity; int() overflows
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ModelLoadError, match="is incomplete"):
+        read_manifest(d)
 
 
 @pytest.mark.parametrize("change, message", [
