@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from circleops.chat_template import template_budget
 from circleops.generate import GenerationLimitError, Generator
 
 # end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3, plain text)
@@ -69,7 +70,8 @@ class Chat:
         self.generator.reset()
 
     def _render(self) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+        with template_budget(self.tokenizer):  # a model's template is someone else's program
+            ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]

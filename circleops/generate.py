@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
@@ -624,15 +625,38 @@ class TextStream:
         return text
 
 
+def check_tokenizer_dir(directory: Path) -> Any:
+    """ModelLoadError naming the file unless every JSON file of the tokenizer directory reads
+    (circleops.user_files.read_json: not empty, UTF-8, JSON, not nested past the limit) and
+    tokenizer.json loads in the ``tokenizers`` library (which refuses e.g. a negative id);
+    returns that ``tokenizers.Tokenizer`` (None without tokenizer.json or the library)."""
+    from circleops.user_files import check_json_files
+
+    fix = "The tokenizer is damaged: convert the model again."
+    check_json_files(directory, error=ModelLoadError, fix=fix)
+    path = directory / "tokenizer.json"
+    if path.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the Rust library's one exception type for a bad file
+            raise ModelLoadError(f"{path} is not a tokenizer the tokenizers library can load: "
+                                 f"{' '.join(str(err).split())[:200]}. {fix}") from None
+    return None
+
+
 class FastTokenizer:
     """The saved tokenizer.json through the ``tokenizers`` library: what generation needs
     (encode, decode) without importing torch and transformers (seconds of start-up)."""
 
     def __init__(self, directory: Path):
-        from tokenizers import Tokenizer
+        import tokenizers  # noqa: F401 - ImportError: the caller falls back to transformers
 
         self.directory = directory
-        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.tokenizer = check_tokenizer_dir(directory)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)
@@ -662,6 +686,18 @@ def load_tokenizer(manifest: Any) -> Any:
 
 def hf_tokenizer(path: Path) -> Any:
     """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
+    check_tokenizer_dir(path)  # a damaged file is named here, not a traceback inside transformers
+    try:
+        return _auto_tokenizer(path)
+    except CircleOpsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers on a value of the wrong type in a user's file
+        raise ModelLoadError(f"transformers cannot load the tokenizer in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}. The tokenizer files (tokenizer_config.json) are "
+                             f"damaged: convert the model again.") from None
+
+
+def _auto_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     from circleops.models import quiet_transformers
@@ -679,8 +715,9 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
             tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        with template_budget(tokenizer):  # a model's template is someone else's program
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]

@@ -187,9 +187,12 @@ def _task_record(metadata: dict[str, bytes]) -> dict[str, Any] | None:
 
     from circleops.options import TASK_METADATA_KEY as METADATA_KEY
 
+    from circleops.errors import CircleOpsError
+    from circleops.user_files import parse_json
+
     try:
-        return json.loads(bytes(metadata[METADATA_KEY]).decode()) if METADATA_KEY in metadata else None
-    except ValueError:
+        return parse_json(bytes(metadata[METADATA_KEY]), "the task metadata") if METADATA_KEY in metadata else None
+    except CircleOpsError:
         return None
 
 

@@ -16,6 +16,7 @@ from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJ
 from circleops.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
 from circleops.token_ids import check_token_ids
+from circleops.user_files import outside_reason, read_json
 
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
@@ -150,19 +151,7 @@ def confined(directory: Path, name: Any, what: str, manifest_path: Path) -> str:
     ``..`` whose real location (symlinks followed) is inside the directory. A converted
     directory may come from someone else; its manifest must not point circleops (and onert,
     which reads without verifying) at /etc/passwd or at a file beside the directory."""
-    why = None
-    if not isinstance(name, str) or not name or "\0" in name or not Path(name).parts:
-        why = "is not a file name"
-    elif os.path.isabs(name) or Path(name).is_absolute() or name.startswith(("/", "\\")) or ":" in Path(name).parts[0]:
-        why = "is an absolute path"
-    elif ".." in Path(name.replace("\\", "/")).parts:
-        why = "leaves the directory with '..'"
-    else:
-        real, root = (directory / name).resolve(), directory.resolve()
-        if real != root and root not in real.parents:
-            why = f"is a symbolic link to {real}, outside the directory"
-        elif real == root:
-            why = "names the directory itself"
+    why = outside_reason(directory, name)
     if why:
         raise ModelLoadError(f"{manifest_path}: {what} {name!r} {why}; a manifest names only files inside its own "
                              f"directory. The directory is damaged or was not written by `circleops convert "
@@ -227,10 +216,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise ModelLoadError(
             f"{d} has no {MANIFEST}, so it was not written by `circleops convert --graphs`. Run "
             f"`circleops convert MODEL --graphs prefill,decode --target onert -o {d}` first.")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}. Convert again with --graphs.") from None
+    data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs.")
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
     if data.get("format") == "circleops-speech":  # circleops.speech's graphs (Whisper)
@@ -255,7 +241,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      cache_update=data.get("cache_update") or "full",
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
                      prefill_windows=data.get("prefill_windows"))
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)
     if m.cache_update not in CACHE_UPDATES:
@@ -277,6 +263,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if isinstance(m.vision, dict) and "image_token_id" in m.vision:
         check_token_ids([m.vision["image_token_id"]], m.vocab_size, f"{path}: the vision entry's image_token_id",
                         fix=again)
+    if m.cache_shape[1] != m.max_cache_len:  # the caches (checked against the graph) hold C slots, no more
+        raise ModelLoadError(f"{path}: max_cache_len is {m.max_cache_len} but the caches (cache_shape "
+                             f"{m.cache_shape}) hold {m.cache_shape[1]} slots; generating past them would write "
+                             f"outside the cache. Convert again with --graphs.")
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.tokenizer is not None:

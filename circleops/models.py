@@ -24,6 +24,7 @@ import torch
 from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
 from circleops.remote_code import refuse_remote_code
+from circleops.user_files import check_bytes, check_json_files, json_object, outside_reason, read_json
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -174,13 +175,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except OSError as err:
-        raise ModelLoadError(f"cannot read {path}: {err.strerror}.") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path} is not valid JSON: {err}.") from None
+    cfg = read_json(path, error=ModelLoadError)
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise ModelLoadError(f"{path} is not a Hugging Face model config: it has no model_type.")
     return cfg
@@ -200,6 +195,40 @@ _POSITIVE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers"
                          "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
 
 
+# No released model has more than ~130 layers; building 10^6 layers (even on meta) never ends.
+MAX_LAYERS = 4096
+_LAYER_KEYS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "n_layer", "num_layers")
+_WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "dim")
+_FFN_KEYS = ("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner")
+
+
+def _largest(d: dict[str, Any], keys: tuple[str, ...]) -> int:
+    values = []
+    for k in keys:
+        v = d.get(k)
+        values += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int) and not isinstance(x, bool)]
+    return max(values, default=0)
+
+
+def check_model_size(cfg: dict[str, Any], source: str) -> None:
+    """ModelLoadError, before anything is built, when a config's layer counts or sizes describe
+    a model this machine cannot hold: more than MAX_LAYERS layers, or an estimate of its fp32
+    weights (layers x (4 h^2 + 3 h ffn) + vocab x h, for the config and each sub-config)
+    over the machine's memory. The estimate is a lower bound of the real size."""
+    total = 0
+    for part in [cfg] + [v for v in cfg.values() if isinstance(v, dict)]:
+        layers = sum(_largest(part, (k,)) for k in _LAYER_KEYS)
+        if layers > MAX_LAYERS:
+            raise ModelLoadError(f"{source}: config.json asks for {layers} layers; circleops builds at most "
+                                 f"{MAX_LAYERS} (no released model has more than a few hundred). Fix config.json.")
+        h = _largest(part, _WIDTH_KEYS)
+        ffn = _largest(part, _FFN_KEYS) or 4 * h
+        total += layers * (4 * h * h + 3 * h * ffn) + _largest(part, ("vocab_size",)) * h
+    check_bytes(4 * total, f"{source}: config.json describes a model of about {total:.3g} parameters, which in fp32",
+                error=ModelLoadError, fix="Fix config.json (its layer counts and sizes), or convert on a larger "
+                                          "machine.")
+
+
 def _build_config(cfg: dict[str, Any], source: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -215,6 +244,7 @@ def _build_config(cfg: dict[str, Any], source: str) -> Any:
                                                           and all(map(positive, value)))):
             raise ModelLoadError(f"{source}: config.json has {key}={value!r}; it must be a positive integer. "
                                  "Fix config.json.")
+    check_model_size(cfg, source)
     try:
         config = CONFIG_MAPPING[model_type].from_dict(dict(cfg))
     except Exception as err:  # transformers 5 validates configs (strict dataclasses) as it builds them
@@ -228,8 +258,9 @@ def _build_config(cfg: dict[str, Any], source: str) -> Any:
 def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
     import transformers
 
-    for arch in cfg.get("architectures") or []:
-        if arch.endswith("ForCausalLM") and hasattr(transformers, arch):
+    archs = cfg.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:  # a user's file: anything but names is ignored
+        if isinstance(arch, str) and arch.endswith("ForCausalLM") and hasattr(transformers, arch):
             return getattr(transformers, arch)
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -249,8 +280,19 @@ build_config, model_class = _build_config, _model_class
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        fix = "The directory is damaged: download or save the model again."
+        weight_map = json_object(read_json(index, error=ModelLoadError, fix=fix), str(index),
+                                 error=ModelLoadError, fix=fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            held = "none" if weight_map is None else f"a {type(weight_map).__name__}"
+            raise ModelLoadError(f"{index} has no weight_map object of tensor name -> file name (it has {held}). "
+                                 f"{fix}")
+        names = sorted(set(weight_map.values()))
+        for name in names:  # a checkpoint names its own shards: never a file elsewhere on the machine
+            why = outside_reason(path, name)
+            if why:
+                raise ModelLoadError(f"{index}: the weight file {name!r} {why}; an index names only files inside "
+                                     f"its own directory. {fix}")
         return [path / n for n in names]
     return sorted(path.glob("*.safetensors"))
 
@@ -273,6 +315,9 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"Pass the directory that holds config.json and the *.safetensors weights.")
     refuse_remote_code(path)
     cfg = _read_config(cfg_path)
+    # every JSON file transformers may read here (generation_config.json, tokenizer_config.json,
+    # the index...) is read once by circleops' reader first: a damaged one is named, not a traceback
+    check_json_files(path, error=ModelLoadError, fix="The directory is damaged: download or save the model again.")
     config = _build_config(cfg, str(path))
     cls = (model_class or _model_class)(config, cfg, str(path))
     files = _safetensors_files(path)

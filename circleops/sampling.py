@@ -15,7 +15,6 @@ generator).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from circleops.errors import CircleOpsError
+from circleops.user_files import read_json
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -43,6 +43,19 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        wrong = [f"{name}={value!r}" for name, value, ok in (
+            ("temperature", self.temperature, number(self.temperature)), ("top_p", self.top_p, number(self.top_p)),
+            ("repetition_penalty", self.repetition_penalty, number(self.repetition_penalty)),
+            ("top_k", self.top_k, self.top_k is None or (isinstance(self.top_k, int) and not isinstance(self.top_k, bool))),
+            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool))),
+        ) if not ok]
+        if wrong:
+            raise SamplingError(f"{', '.join(wrong)}: sampling parameters are numbers (top_k and seed integers).")
+        if self.seed is not None and self.seed < 0:
+            raise SamplingError(f"the seed must be 0 or more, got {self.seed}.")
         if not self.temperature > 0:
             raise SamplingError(f"temperature must be > 0 (got {self.temperature}); for greedy decoding leave "
                                 "sampling off.")
@@ -60,18 +73,23 @@ class SamplingConfig:
         None. ``do_sample`` is NOT taken from the file: greedy stays the default, so the
         same command gives the same text; pass ``do_sample=True`` to sample."""
         data: dict[str, Any] = {}
+        where = "the generation config"
         if isinstance(source, dict):
             data = source
         elif source is not None:
             path = Path(source)
             path = path / GENERATION_CONFIG if path.is_dir() else path
             if path.is_file():
-                try:
-                    data = json.loads(path.read_text())
-                except (OSError, ValueError) as err:
-                    raise SamplingError(f"cannot read {path}: {err}") from None
+                where = str(path)
+                data = read_json(path, error=SamplingError)
+                if not isinstance(data, dict):
+                    raise SamplingError(f"{path} holds a JSON {type(data).__name__}, not an object. Fix or remove it.")
         names = {f.name for f in fields(cls)} - {"do_sample", "seed"}
-        base = cls(**{k: data[k] for k in names if data.get(k) is not None})
+        try:
+            base = cls(**{k: data[k] for k in names if data.get(k) is not None})
+        except SamplingError as err:  # the model's file, not the user's flags: say which
+            raise SamplingError(f"{where}: {err} "
+                                f"Fix generation_config.json, or pass the values as flags.") from None
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
     def describe(self) -> str:
@@ -123,8 +141,17 @@ def top_p(scores: np.ndarray, p: float) -> np.ndarray:
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
-    z = scores.astype(np.float64) - np.max(scores)
-    e = np.exp(z)
+    """Probabilities of ``scores``; a tiny temperature's +inf scores share the mass, NaN
+    scores (a broken graph) get none."""
+    s = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64))
+    top = np.max(s)
+    if np.isposinf(top):
+        e = np.isposinf(s).astype(np.float64)
+    elif np.isneginf(top):
+        raise SamplingError("every logit is NaN or -inf: the graph's output is broken; run `circleops check` or "
+                            "convert again.")
+    else:
+        e = np.exp(s - top)
     return e / e.sum()
 
 
@@ -143,7 +170,11 @@ class Sampler:
         scores = repetition_penalty(scores, context, c.repetition_penalty)
         if not c.do_sample:
             return scores
-        scores = scores / np.float32(c.temperature)
+        with np.errstate(over="ignore"):
+            divided = scores / np.float32(c.temperature)
+            if np.isinf(divided).any() and np.isfinite(scores).all():  # a tiny temperature overflows float32:
+                divided = scores.astype(np.float64) / c.temperature  # float64 keeps the order (the top token wins)
+        scores = divided
         scores = top_k(scores, c.top_k)
         return top_p(scores, c.top_p)
 

@@ -45,6 +45,7 @@ from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_run
 from circleops.targets import PROFILES
 from circleops.remote_code import refuse_remote_code
 from circleops.token_ids import check_token_ids
+from circleops.user_files import read_json
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -67,8 +68,8 @@ def speech_model_type(directory: str | os.PathLike) -> str | None:
     seq2seq model circleops writes speech graphs for, else None."""
     path = Path(directory) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: reported by the reader that needs it
         return None
     if not isinstance(cfg, dict):
         return None
@@ -306,8 +307,8 @@ class SpeechManifest:
 def is_speech_dir(directory: str | os.PathLike) -> bool:
     """``directory`` holds a manifest.json of speech graphs."""
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("format") == SPEECH_FORMAT
-    except (OSError, ValueError, AttributeError):
+        return read_json(Path(directory) / MANIFEST).get("format") == SPEECH_FORMAT
+    except (CircleOpsError, AttributeError):
         return False
 
 
@@ -318,9 +319,9 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     path = d / MANIFEST
     what = ("a Hugging Face model directory, not converted graphs" if (d / "config.json").is_file()
             else "not a directory written by `circleops convert --graphs`")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if path.is_file():  # damaged (not JSON, nested too deep...): said as such, not as "not speech graphs"
+        data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs encoder,prefill,decode.")
+    else:
         data = None
     if isinstance(data, dict) and data.get("format") != SPEECH_FORMAT and data.get("format"):
         what = f"a directory of {data.get('format')} graphs (a text model: use --prompt), not speech graphs"
@@ -341,12 +342,63 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
     except (TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete or damaged ({err}). Convert again with --graphs "
                              f"encoder,prefill,decode.") from None
+    _check_speech_types(m, path)
     _check_speech_ids(m, path)
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     if m.processor is not None:
         refuse_remote_code(confined_tokenizer(d, m.processor, path))  # before any graph opens
     return m
+
+
+def check_extractor(extractor: Any, m: SpeechManifest) -> None:
+    """ModelLoadError unless the saved feature extractor makes the encoder graph's input: its
+    mel bins and its window (n_samples / hop_length frames) come from preprocessor_config.json,
+    and a hostile window (chunk_length 10^9) would size a buffer of terabytes."""
+    _, mel, frames = m.input_features
+    got = {k: getattr(extractor, k, None) for k in ("feature_size", "n_samples", "hop_length", "sampling_rate")}
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in got.values())
+    if not ok or got["feature_size"] != mel or got["n_samples"] // got["hop_length"] != frames:
+        raise ModelLoadError(f"{m.directory / (m.processor or PROCESSOR_DIR)}: the feature extractor (feature_size "
+                             f"{got['feature_size']!r}, n_samples {got['n_samples']!r}, hop_length "
+                             f"{got['hop_length']!r}) does not make the encoder's input of {mel} mel bins x {frames} "
+                             f"frames. The processor files are damaged: convert again.")
+
+
+def _check_speech_types(m: SpeechManifest, path: Path) -> None:
+    """ModelLoadError naming every field of the wrong type or size (a hand-edited or hostile
+    manifest fails here, not as a TypeError or a MemoryError in generation)."""
+    def integer(v: Any, low: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    def ints(v: Any, n: int | None = None, low: int = 0) -> bool:
+        return isinstance(v, list) and (n is None or len(v) == n) and all(integer(x, low) for x in v)
+
+    def ids(v: Any) -> bool:
+        return isinstance(v, dict) and all(isinstance(k, str) and integer(x) for k, x in v.items())
+
+    checks = {"num_layers": integer(m.num_layers, 1), "prefill_len": integer(m.prefill_len, 1),
+              "vocab_size": integer(m.vocab_size, 1), "max_target_positions": integer(m.max_target_positions, 1),
+              "decoder_start_token_id": integer(m.decoder_start_token_id), "pad_token_id": integer(m.pad_token_id),
+              "cache_shape": ints(m.cache_shape, 4, 1), "cross_shape": ints(m.cross_shape, 4, 1),
+              "input_features": ints(m.input_features, 3, 1), "eos_token_ids": ints(m.eos_token_ids),
+              "suppress_tokens": ints(m.suppress_tokens), "begin_suppress_tokens": ints(m.begin_suppress_tokens),
+              "lang_to_id": ids(m.lang_to_id), "task_to_id": ids(m.task_to_id),
+              "no_timestamps_token_id": m.no_timestamps_token_id is None or integer(m.no_timestamps_token_id),
+              "is_multilingual": isinstance(m.is_multilingual, bool),
+              "forced_decoder_ids": isinstance(m.forced_decoder_ids, list) and all(
+                  isinstance(p, list) and len(p) == 2 and integer(p[0]) and (p[1] is None or integer(p[1]))
+                  for p in m.forced_decoder_ids),
+              "files": isinstance(m.files, dict) and all(isinstance(v, str) for v in m.files.values()),
+              "signatures": isinstance(m.signatures, dict) and all(v is None or isinstance(v, str)
+                                                                   for v in m.signatures.values()),
+              "dtype": isinstance(m.dtype, str), "source": isinstance(m.source, str),
+              "processor": m.processor is None or isinstance(m.processor, str),
+              "num_threads": m.num_threads is None or (integer(m.num_threads, 1) and m.num_threads <= 1024)}
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:
+        raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type or "
+                             f"size. Convert again with --graphs encoder,prefill,decode.")
 
 
 def _check_speech_ids(m: SpeechManifest, path: Path) -> None:
@@ -702,6 +754,11 @@ class SpeechGenerator:
 
     def _check_sessions(self) -> None:
         m = self.manifest
+        counts = {g: len(self.sessions[g].inputs) for g in SPEECH_GRAPHS}
+        if counts["decode"] != 2 + 4 * m.num_layers:  # before any list is sized by num_layers
+            raise ModelLoadError(f"{m.directory}/{MANIFEST} does not describe its decode graph: num_layers "
+                                 f"{m.num_layers} means {2 + 4 * m.num_layers} inputs, the graph takes "
+                                 f"{counts['decode']}. Convert again with --graphs encoder,prefill,decode.")
         want = {"encoder": [m.input_features], "prefill": [[1, m.prefill_len], [1], [1, m.cross_shape[2], m.cross_shape[1] * m.cross_shape[3]]],
                 "decode": [[1, 1], [1]] + [m.cache_shape] * (2 * m.num_layers) + [m.cross_shape] * (2 * m.num_layers)}
         for g, shapes in want.items():
@@ -736,6 +793,7 @@ class SpeechGenerator:
         import numpy as np
 
         extractor = self.processor.feature_extractor
+        check_extractor(extractor, self.manifest)  # its window sizes the buffers: checked before any is made
         samples = read_audio(audio, extractor.sampling_rate) if isinstance(audio, (str, os.PathLike)) else audio
         samples = np.asarray(samples, dtype=np.float32)
         if warn is not None and samples.size > extractor.n_samples:

@@ -19,6 +19,7 @@ import numpy as np
 
 from circleops.errors import RuntimeRunError
 from circleops.remote_code import refuse_remote_code
+from circleops.user_files import check_count
 
 
 @dataclass
@@ -104,19 +105,28 @@ def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text
 
 
 def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, image: str) -> Prepared:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import ImageOps
     from transformers import AutoImageProcessor
 
-    try:
-        picture = ImageOps.exif_transpose(Image.open(image)).convert("RGB")  # as transformers' load_image
-    except (OSError, UnidentifiedImageError) as err:
-        raise RuntimeRunError(f"cannot read the image {image}: {err}.") from None
+    from circleops.user_files import opened_image
+
+    with opened_image(image, error=RuntimeRunError) as opened:
+        picture = ImageOps.exif_transpose(opened).convert("RGB")  # upright, as transformers' load_image
     refuse_remote_code(path)
     try:
         processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:
         raise RuntimeRunError(f"cannot load the image processor of {path} (preprocessor_config.json): "
                               f"{str(err).strip()[:200]}. Pass --model DIR with the processor files.") from None
+    for key in ("size", "crop_size"):  # a hostile size (10^5) would make a 120 GB image before any resize
+        value = getattr(processor, key, None)
+        sides = [value] if isinstance(value, int) else [
+            value.get(n) if isinstance(value, dict) else getattr(value, n, None)  # a dict or transformers' SizeDict
+            for n in ("height", "width", "shortest_edge", "longest_edge")]
+        for side in sides:
+            if side is not None:
+                check_count(side, f"the image processor's {key} in {path}", high=16384, error=RuntimeRunError,
+                            fix="Fix preprocessor_config.json.")
     _, _, h, w = shapes["pixel_values"]
     pixels = processor(images=picture, return_tensors="np")["pixel_values"]
     if list(pixels.shape[2:]) != [h, w]:  # converted with --input-shape: the file's size wins
@@ -126,21 +136,10 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
 
 
 def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """A WAV file (8/16/32-bit PCM) as mono float32 in [-1, 1], and its sample rate."""
-    import wave
+    """A WAV file as mono float32 in [-1, 1], and its sample rate (circleops.user_files.read_wav)."""
+    from circleops.user_files import read_wav as read
 
-    try:
-        with wave.open(path, "rb") as f:
-            rate, width, channels = f.getframerate(), f.getsampwidth(), f.getnchannels()
-            raw = f.readframes(f.getnframes())
-    except (OSError, EOFError, wave.Error) as err:
-        raise RuntimeRunError(f"cannot read {path} as a WAV file: {err}.") from None
-    kinds = {1: (np.uint8, 128.0, 128.0), 2: (np.int16, 0.0, 32768.0), 4: (np.int32, 0.0, 2147483648.0)}
-    if width not in kinds:
-        raise RuntimeRunError(f"{path}: {8 * width}-bit samples; circleops reads 8, 16 or 32-bit PCM WAV.")
-    dtype, zero, scale = kinds[width]
-    samples = (np.frombuffer(raw, dtype=dtype).astype(np.float32) - zero) / scale
-    return samples.reshape(-1, channels).mean(axis=1), rate
+    return read(path, error=RuntimeRunError)
 
 
 def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, audio: str) -> Prepared:

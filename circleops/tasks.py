@@ -23,13 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from circleops.errors import ModelLoadError, TargetError
+from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.options import TASK_METADATA_KEY
 from circleops.remote_code import refuse_remote_code
+from circleops.user_files import check_bytes, check_count, machine_memory, parse_json, read_json
 
 METADATA_KEY = TASK_METADATA_KEY  # circleops.options: inspect reads it without importing this module
 DEFAULT_SEQ_LEN = 64
 DEFAULT_IMAGE_SIZE = 224
+MAX_IMAGE_SIDE = 16384  # a processor's height/width; the input's bytes are checked as well
 DEFAULT_SAMPLING_RATE = 16000
 
 
@@ -183,8 +185,8 @@ def _processor_config(model_dir: str | None) -> dict[str, Any]:
         path = Path(model_dir) / name if model_dir else None
         if path is not None and path.is_file():
             try:
-                cfg = json.loads(path.read_text())
-            except (OSError, ValueError):
+                cfg = read_json(path)
+            except CircleOpsError:  # damaged: transformers' processor reports it when it loads
                 continue
             return cfg.get("image_processor", cfg.get("feature_extractor", cfg)) if isinstance(cfg, dict) else {}
     return {}
@@ -192,15 +194,19 @@ def _processor_config(model_dir: str | None) -> dict[str, Any]:
 
 def _image_hw(config: Any, proc: dict[str, Any]) -> tuple[int, int]:
     """(height, width) the processor makes (its crop, else its size), else the config's image_size."""
+    def side(value: Any) -> int:  # a processor's size is a user's file: a count, checked
+        return check_count(value, f"the processor's image {key} {size!r}", high=MAX_IMAGE_SIDE, error=TargetError,
+                           fix="Fix preprocessor_config.json, or give the shape with --input-shape.")
+
     for key in (("crop_size",) if proc.get("do_center_crop") else ()) + ("size",):
         size = proc.get(key)
         if isinstance(size, int):
-            return size, size
+            return side(size), side(size)
         if isinstance(size, dict):
             if "height" in size and "width" in size:
-                return int(size["height"]), int(size["width"])
+                return side(size["height"]), side(size["width"])
             if "shortest_edge" in size:
-                return int(size["shortest_edge"]), int(size["shortest_edge"])
+                return side(size["shortest_edge"]), side(size["shortest_edge"])
     size = getattr(config, "image_size", None)
     if isinstance(size, int):
         return size, size
@@ -235,6 +241,20 @@ def input_shapes(model: Any, config: Any, model_dir: str | None, seq_len: int | 
         return {"input_values": ((1, int(proc.get("sampling_rate", DEFAULT_SAMPLING_RATE))), "float32")}
     raise TargetError(f"cannot make example inputs for a model whose main input is {main!r}; circleops knows "
                       f"{', '.join(_MODALITY)}.")
+
+
+def check_input_sizes(shapes: dict[str, tuple]) -> None:
+    """TargetError when an example input (from --input-shape, the processor or the config)
+    would take more than a quarter of the machine's memory: the export's activations are
+    several times larger, so such a shape cannot convert here (and 1e18 would not allocate)."""
+    for name, (shape, dtype) in shapes.items():
+        count = 1
+        for n in shape:
+            count *= int(n)
+        check_bytes(count * (8 if dtype == "int64" else 4), f"the example input {name} of shape "
+                    f"{'x'.join(map(str, shape))}", limit=machine_memory() // 4, limit_name="a quarter of this machine's memory", error=TargetError,
+                    fix="Give a smaller shape with --input-shape NAME=DxDx..., or fix the processor's size in "
+                        "preprocessor_config.json.")
 
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -326,6 +346,7 @@ def convert_task(model: str | None, path: str | os.PathLike, *, task: str | None
         if key not in shapes:
             raise TargetError(f"--input-shape {key}: the model has no input {key!r}; its inputs: {', '.join(shapes)}.")
         shapes[key] = (shape, shapes[key][1])
+    check_input_sizes(shapes)
     inputs = example_inputs(shapes, getattr(hf.config, "vocab_size", None), seed)
     try:
         names = output_names(graph_model, inputs)
@@ -399,6 +420,6 @@ def read_task_record(path: str | os.PathLike) -> dict[str, Any] | None:
     if not blob:
         return None
     try:
-        return json.loads(bytes(blob).decode())
-    except ValueError:
+        return parse_json(bytes(blob), f"the metadata of {path}")
+    except CircleOpsError:
         return None

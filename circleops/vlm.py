@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.chat import Chat
+from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
 from circleops.generate import Generation, Generator, GenerationLimitError, TextStream, open_graph
 from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
@@ -90,9 +91,11 @@ def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.Path
     path = Path(config) if config else Path(model) / "config.json" if model else None
     if path is None or not path.is_file():
         return None
+    from circleops.user_files import read_json
+
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: not a VLM directory (read again, with the error, later)
         return None
     kind = cfg.get("model_type") if isinstance(cfg, dict) else None
     return kind if kind in VLM_MODEL_TYPES else None
@@ -109,12 +112,17 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
     ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json."""
     import torch
 
-    from circleops.models import quiet_transformers
+    from circleops.models import check_model_size, quiet_transformers, read_config_dict
+    from circleops.user_files import check_json_files
 
     kind = vlm_model_type(model, config)
     if kind is None:
         raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
                              f"{', '.join(VLM_MODEL_TYPES)}).")
+    # sizes bounded before anything is built; the directory's JSON files read by circleops first
+    check_model_size(read_config_dict(Path(config) if config else Path(model) / "config.json"), str(config or model))
+    if not config:
+        check_json_files(model, error=ModelLoadError, fix="The directory is damaged: download or save it again.")
     cls = _classes(kind)
     with quiet_transformers():
         try:
@@ -642,18 +650,15 @@ class VisionGenerator(Generator):
 
 def read_image(path: str | os.PathLike) -> Any:
     """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
-    try:
-        from PIL import Image, ImageOps
-    except ImportError:
-        raise ImageInputError("reading an image needs Pillow: pip install pillow.") from None
-    if not Path(path).is_file():
-        raise ImageInputError(f"the image {path} does not exist: pass the path of a PNG or JPEG file with --image.")
-    try:
-        with Image.open(path) as picture:
-            # upright as the camera's EXIF Orientation says, as transformers' load_image does
-            return ImageOps.exif_transpose(picture).convert("RGB")
-    except (OSError, ValueError) as err:
-        raise ImageInputError(f"cannot read the image {path}: {err}. Pass a PNG or JPEG file.") from None
+    from PIL import ImageOps
+
+    from circleops.user_files import opened_image
+
+    # opened_image checks the pixel count (CIRCLEOPS_MAX_IMAGE_PIXELS) before decoding and
+    # turns any decoder error into an ImageInputError naming the file
+    with opened_image(path, error=ImageInputError) as picture:
+        # upright as the camera's EXIF Orientation says, as transformers' load_image does
+        return ImageOps.exif_transpose(picture).convert("RGB")
 
 
 def _user_content(text: str, image: bool) -> list[dict[str, str]]:
@@ -667,8 +672,9 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     if chat:
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
-        text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
-                                             add_generation_prompt=True, tokenize=False)
+        with template_budget(processor):  # a model's template is someone else's program
+            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
+                                                 add_generation_prompt=True, tokenize=False)
     else:
         text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
     if image is None and type(processor).__name__ == "PaliGemmaProcessor":
@@ -731,7 +737,8 @@ class VisionChat(Chat):
         first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
         messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
                     for i, m in enumerate(self.messages)]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with template_budget(self.processor):
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
         if pixels is not None:
             if self._features is None:

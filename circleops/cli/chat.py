@@ -34,6 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
 
 
+def _read_line() -> str | UnicodeError | None:
+    """The next line of stdin (None at its end), decoded as UTF-8 strictly: a line that is
+    not is returned as its UnicodeError (the tokenizer cannot encode what it decodes to)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    try:
+        if stream is None:  # a text stream (tests, an embedding application)
+            line = sys.stdin.readline()
+            line.encode("utf-8")  # surrogate escapes of undecodable bytes fail here
+            return line or None
+        raw = stream.readline()
+        return raw.decode("utf-8") if raw else None
+    except UnicodeError as err:
+        return err
+
+
 def main(args: argparse.Namespace) -> int:
     from circleops.chat import Chat, CacheFullError
     from circleops.generate import Generator, TextStream, hf_tokenizer, choose_runtime
@@ -65,9 +80,13 @@ def main(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        line = _read_line()
+        if line is None:
             break
+        if isinstance(line, UnicodeError):
+            print(f"circleops chat: this line is not UTF-8 text ({line}); it was skipped, the conversation is "
+                  f"kept.", file=sys.stderr)
+            continue
         text = line.rstrip("\n")
         if not text.strip():
             continue

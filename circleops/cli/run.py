@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from circleops.errors import RuntimeRunError
+from circleops.errors import OutputError, RuntimeRunError
+from circleops.user_files import load_npy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +48,7 @@ def _load_inputs(paths: Sequence[str]) -> list[np.ndarray]:
     for p in paths:
         if not os.path.isfile(p):
             raise RuntimeRunError(f"input file {p!r} does not exist; give one .npy file per model input")
-        try:
-            arrays.append(np.load(p, allow_pickle=False))
-        except (ValueError, OSError) as err:
-            raise RuntimeRunError(f"input file {p!r} is not a .npy array ({err}); save inputs with np.save") from None
+        arrays.append(load_npy(p, error=RuntimeRunError))  # size checked against the file; no pickles
     return arrays
 
 
@@ -74,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
     path = args.file
     if not os.path.isfile(path):
         raise RuntimeRunError(f"model file {path!r} does not exist; give the path of a .circle or .tflite file")
+    out_dir = _output_dir(args.output_dir)  # before the run: a wrong -o fails in a second, not after it
     prepared = _task_inputs(args, path)
     inputs = prepared.inputs if prepared else _load_inputs([p for group in args.input for p in group])
     runtime_module(args.runtime)  # imported before the clock starts: the time is the run's
@@ -86,9 +85,6 @@ def main(args: argparse.Namespace) -> int:
     others = None
     if args.compare:
         others = [np.asarray(o) for o in open_session(args.compare, path, args.signature, isolated=True).run(inputs)]
-    out_dir = Path(args.output_dir) if args.output_dir else None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
     for i, a in enumerate(outputs):
         name = names[i] if i < len(names) and names[i] else f"output_{i}"
         line = f"  [{i}] {name}: {a.dtype} {list(a.shape)} {_summary(a)}"
@@ -109,6 +105,21 @@ def main(args: argparse.Namespace) -> int:
 
         print("\n".join(describe(prepared, outputs, args.top)))
     return 0
+
+
+def _output_dir(name: str | None) -> Path | None:
+    """-o DIR, made if missing; OutputError when it is a file or cannot be made."""
+    if not name:
+        return None
+    out = Path(name)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"-o {name}: it is a file, and -o names a directory to write output_<i>.npy into. Pass "
+                          f"a directory (it is made if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"-o {name}: cannot make the directory ({err.strerror or err}).") from None
+    return out
 
 
 def _task_inputs(args: argparse.Namespace, path: str):

@@ -191,22 +191,22 @@ def _token_windows(length: int, count: int, tokenizer: Any, vocab_size: int | No
     return [torch.randint(0, vocab_size, (length,), generator=gen) for _ in range(count)]
 
 
-def _checked_ids(samples: list[tuple], example_args: tuple, vocab_size: int | None, path: Any) -> list[tuple]:
-    """CalibrationError unless a file's token ids (the integer [B, S] inputs of an LLM) are in
-    the vocabulary: the model's embedding would fail on them deep inside calibration."""
-    if not vocab_size:
-        return samples
-    for k, sample in enumerate(samples):
-        for t, ex in zip(sample, example_args):
-            if not (isinstance(t, torch.Tensor) and isinstance(ex, torch.Tensor) and ex.dim() == 2
-                    and ex.dtype in (torch.int64, torch.int32) and t.numel() and not t.is_floating_point()):
+def _checked_ids(items: list[tuple], example_args: tuple, vocab_size: int | None, path: Any) -> list[tuple]:
+    """A calibration file's samples, their integer inputs (token ids) checked to be integers in
+    [0, vocab_size): an id past the embedding table would index outside it, deep inside calibration."""
+    for k, item in enumerate(items):
+        for j, (t, ref) in enumerate(zip(item, example_args)):
+            if not (isinstance(t, torch.Tensor) and isinstance(ref, torch.Tensor)) or ref.is_floating_point():
                 continue
-            lo, hi = int(t.min()), int(t.max())  # the extremes named, not a million ids walked
-            if lo < 0 or hi >= vocab_size:
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise CalibrationError(f"calibration sample {k} in {path}: input {j} is {t.dtype}, the model takes "
+                                       f"{ref.dtype} token ids; save integer tensors")
+            if vocab_size and t.numel():
+                lo, hi = int(t.min()), int(t.max())  # the extremes named, not a million ids walked
                 check_token_ids([v for v in (lo, hi) if not 0 <= v < vocab_size], vocab_size,
-                                f"calibration sample {k} in {path}", error=CalibrationError,
-                                fix="Give ids the model's tokenizer makes.")
-    return samples
+                                f"calibration sample {k} input {j} in {path}", error=CalibrationError,
+                                fix="Tokenize the calibration text with the model's tokenizer.")
+    return items
 
 
 def _from_file(path: str | os.PathLike, example_args: tuple, n: int) -> list[tuple]:

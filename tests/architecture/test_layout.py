@@ -172,8 +172,8 @@ def test_every_subcommand_has_its_module():
 # it, function-level imports included (a lazy import keeps start-up fast; it still points
 # down). Below the line of each group, what it is:
 LAYERS: tuple[str, ...] = (
-    # the base: no circleops import but errors
-    "_version", "errors", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
+    # the base: no circleops import but errors (user_files: the readers of a user's files)
+    "_version", "errors", "user_files", "chat_template", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
     "remote_code", "token_ids",
     "memory",  # resident memory given back (madvise), the machine's memory: standard library only
     # the model of a file, the targets' facts, the fused ops, the file formats
