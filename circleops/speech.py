@@ -374,20 +374,27 @@ def _check_speech_types(m: SpeechManifest, path: Path) -> None:
     def ints(v: Any, n: int | None = None, low: int = 0) -> bool:
         return isinstance(v, list) and (n is None or len(v) == n) and all(integer(x, low) for x in v)
 
+    # a token id's range (and whether a number is a whole one) is _check_speech_ids' to name
+    def tid(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def tids(v: Any) -> bool:
+        return isinstance(v, list) and all(tid(x) for x in v)
+
     def ids(v: Any) -> bool:
-        return isinstance(v, dict) and all(isinstance(k, str) and integer(x) for k, x in v.items())
+        return isinstance(v, dict) and all(isinstance(k, str) and tid(x) for k, x in v.items())
 
     checks = {"num_layers": integer(m.num_layers, 1), "prefill_len": integer(m.prefill_len, 1),
               "vocab_size": integer(m.vocab_size, 1), "max_target_positions": integer(m.max_target_positions, 1),
-              "decoder_start_token_id": integer(m.decoder_start_token_id), "pad_token_id": integer(m.pad_token_id),
+              "decoder_start_token_id": tid(m.decoder_start_token_id), "pad_token_id": tid(m.pad_token_id),
               "cache_shape": ints(m.cache_shape, 4, 1), "cross_shape": ints(m.cross_shape, 4, 1),
-              "input_features": ints(m.input_features, 3, 1), "eos_token_ids": ints(m.eos_token_ids),
-              "suppress_tokens": ints(m.suppress_tokens), "begin_suppress_tokens": ints(m.begin_suppress_tokens),
+              "input_features": ints(m.input_features, 3, 1), "eos_token_ids": tids(m.eos_token_ids),
+              "suppress_tokens": tids(m.suppress_tokens), "begin_suppress_tokens": tids(m.begin_suppress_tokens),
               "lang_to_id": ids(m.lang_to_id), "task_to_id": ids(m.task_to_id),
-              "no_timestamps_token_id": m.no_timestamps_token_id is None or integer(m.no_timestamps_token_id),
+              "no_timestamps_token_id": m.no_timestamps_token_id is None or tid(m.no_timestamps_token_id),
               "is_multilingual": isinstance(m.is_multilingual, bool),
               "forced_decoder_ids": isinstance(m.forced_decoder_ids, list) and all(
-                  isinstance(p, list) and len(p) == 2 and integer(p[0]) and (p[1] is None or integer(p[1]))
+                  isinstance(p, list) and len(p) == 2 and integer(p[0]) and (p[1] is None or tid(p[1]))
                   for p in m.forced_decoder_ids),
               "files": isinstance(m.files, dict) and all(isinstance(v, str) for v in m.files.values()),
               "signatures": isinstance(m.signatures, dict) and all(v is None or isinstance(v, str)
