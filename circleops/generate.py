@@ -151,8 +151,19 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
-    confined(manifest.directory, manifest.files[graph], f"the file of graph {graph!r}", manifest.directory / MANIFEST)
-    path = manifest.path(graph)
+    files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
+    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.split)
+        from circleops.runtime.chain import ChainSession
+
+        sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
+        return ChainSession(sessions, manifest.parts, one_row=graph != "decode" and manifest.prefill_one_row)
+    return _open_file(manifest, graph, files[0], runtime, isolated, threads)
+
+
+def _open_file(manifest: Any, graph: str, name: str, runtime: str, isolated: bool, threads: int | None) -> Session:
+    """open_graph's session on one file ``name`` of ``graph``."""
+    confined(manifest.directory, name, f"the file of graph {graph!r}", manifest.directory / MANIFEST)
+    path = manifest.directory / name
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
