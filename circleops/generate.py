@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
-from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
+from circleops.runtime import RUNTIMES, Session, open_session, runtime_info, selects_signatures
 
 DEFAULT_MAX_NEW_TOKENS = 64
 # What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
@@ -168,9 +168,12 @@ def _open_file(manifest: Any, graph: str, name: str, runtime: str, isolated: boo
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
     info = runtime_info(runtime)
-    if not info.selects_signatures and signature is not None:
-        raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select; convert "
-                          f"with --target onert for one file per graph.")
+    if signature is not None and not selects_signatures(runtime):
+        how = (" (this directory's files need onert's C API: pip install circleops[onert-signatures], onert "
+               "0.2.0.dev250922 or later)" if getattr(manifest, "signature_api", None) else "")
+        raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select{how}; "
+                          f"convert with --target onert --onert-signatures off for one file per graph, or run with "
+                          f"--runtime reference.")
     env = info.threads_env
     if threads is None and env and env not in os.environ:
         # the thread count the graphs were made for (convert --threads; 1 for GGML weights:

@@ -478,7 +478,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
                    progress: Progress | None = None, quantize: str | None = None,
                    threads: int | None = None, cache_update: str | None = None,
-                   cache_windows: Sequence[int] | None = None, max_file_bytes: int | None = None) -> GraphsReport:
+                   cache_windows: Sequence[int] | None = None, max_file_bytes: int | None = None,
+                   onert_signatures: bool | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -508,6 +509,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     reads no weights after the flatbuffer, onert; no limit otherwise). A model whose weights
     pass it is written as consecutive files of a layer range each (circleops.split); the
     manifest's ``parts`` says which layers each holds.
+    ``onert_signatures``: target onert writes one file with a signature per graph, sharing
+    the weights, run through onert's C API (circleops.runtime.onert_c; manifest
+    ``signature_api`` "nnfw-c"), instead of a file per graph. None (default): when the
+    installed onert has that API (0.2.0.dev; not 0.1.0).
     """
     import torch
 
@@ -553,17 +558,18 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         named["decode"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
     fmt = profile.format
-    files = {g: (f"{g}.{fmt}" if profile.one_file_per_graph else f"model.{fmt}") for g in named}
+    per_graph = profile.one_file_per_graph and not signature_files(profile, onert_signatures)
+    files = {g: (f"{g}.{fmt}" if per_graph else f"model.{fmt}") for g in named}
     max_file_bytes = file_limit(profile, max_file_bytes)
     parts = split_plan(model, quantize, max_file_bytes)  # sizes alone: before any work
     if parts:
-        files = {g: split.part_file_name(g, 0, fmt, profile.one_file_per_graph) for g in named}
+        files = {g: split.part_file_name(g, 0, fmt, per_graph) for g in named}
     opts = pipeline.Options(target, torch_dtype, quantize=quantize, threads=threads, runtime=runtime,
                             tolerance=tolerance, functionalize=False)
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
     plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir, windows,
-                      parts, profile.one_file_per_graph, max_file_bytes)
+                      parts, per_graph, max_file_bytes)
     tracker = pipeline.Tracker(progress)
     try:
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
@@ -621,6 +627,19 @@ class GraphsPlan:
             return self.files[graph]
         fmt = Path(self.files[graph]).suffix.lstrip(".")
         return split.part_file_name(graph, part, fmt, self.per_graph_files)
+
+
+def signature_files(profile: Any, wanted: bool | None) -> bool:
+    """Whether a target that writes a file per graph (onert) writes one file with a signature
+    per graph instead: ``wanted``, or (None) when the installed onert selects signatures through
+    its C API (circleops.runtime.onert_c: onert 0.2.0.dev; 0.1.0 cannot)."""
+    if not profile.one_file_per_graph or profile.runtime != "onert" or wanted is False:
+        return False
+    if wanted:
+        return True
+    from circleops.runtime import onert_c
+
+    return onert_c.available()
 
 
 def file_limit(profile: Any, max_file_bytes: int | None) -> int | None:
@@ -796,6 +815,7 @@ def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: d
         quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update,
         prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None,
         parts=[list(r) for r in plan.parts] or None,
+        signature_api="nnfw-c" if opts.profile.one_file_per_graph and not plan.per_graph_files else None,
         part_files={g: infos[g].part_files for g in plan.graphs} if plan.parts else None)
 
 
