@@ -52,11 +52,11 @@ def decode_bytes(directory: Path) -> int:
     return sum((directory / f).stat().st_size for f in dict.fromkeys(m.graph_files("decode")))
 
 
-def _hwm_mb() -> float:
-    """This process's peak RSS (VmHWM; getrusage's ru_maxrss survives exec, so a child would
-    report the parent's 1 GiB array)."""
+def _status_mb(field: str = "VmHWM") -> float:
+    """A /proc/self/status size in MB: VmHWM the peak RSS (getrusage's ru_maxrss survives exec,
+    so a child would report the parent's 1 GiB array), RssAnon / RssFile what it holds now."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -76,7 +76,8 @@ def child(directory: str, ids: list[int], new: int, threads: int | None) -> dict
     return {"dir": directory, "open_s": open_s, "prefill_ms": 1000 * result.prefill_seconds,
             "decode_ms": 1000 * result.decode_seconds / max(1, result.decode_steps), "cpu_s": cpu,
             "wall_s": result.prefill_seconds + result.decode_seconds,
-            "peak_rss_mb": _hwm_mb(), "dir_bytes": files,
+            "peak_rss_mb": _status_mb(), "anon_mb": _status_mb("RssAnon"), "file_mb": _status_mb("RssFile"),
+            "dir_bytes": files,
             "decode_bytes": decode_bytes(d), "tokens": result.tokens, "runtime": result.runtime,
             "signature_api": gen.manifest.signature_api, "parts": len(gen.manifest.parts or [[0]])}
 
@@ -115,7 +116,8 @@ def main() -> int:
             rows.append(res)
             print(f"  {directory}: decode {res['decode_ms']:.1f} ms/token (floor {res['floor_ms']:.1f}, "
                   f"{res['decode_ms'] / res['floor_ms']:.2f}x), prefill {res['prefill_ms']:.0f} ms, CPU "
-                  f"{res['cpu_s']:.2f} s / wall {res['wall_s']:.2f} s, peak RSS {res['peak_rss_mb']:.0f} MB, "
+                  f"{res['cpu_s']:.2f} s / wall {res['wall_s']:.2f} s, peak RSS {res['peak_rss_mb']:.0f} MB (now anon "
+                  f"{res['anon_mb']:.0f} + file {res['file_mb']:.0f}), "
                   f"dir {res['dir_bytes'] / 1e6:.0f} MB, parts {res['parts']}, api {res['signature_api']}, "
                   f"tokens {res['tokens'][:6]}...", flush=True)
     if args.json:

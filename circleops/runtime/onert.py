@@ -30,22 +30,7 @@ from circleops.runtime.isolated import note_in_process
 from circleops.serialize.verify import verify_file
 
 
-@contextlib.contextmanager
-def captured_stderr() -> Iterator[list[str]]:
-    """Redirect fd 2 (C++ writes included) to a temp file; yields a list that receives the text."""
-    out: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            out.append(tmp.read().decode("utf-8", "replace").strip())
+from circleops.runtime.stderr import captured_stderr  # noqa: E402 - re-exported: onert's words on fd 2
 
 
 _HINT = "If an operator is unsupported, convert with target='onert', which writes only what onert runs."

@@ -98,7 +98,7 @@ def available() -> bool:
 
 def _call(what: str, path: str, fn: Any, *args: Any) -> None:
     """Call an nnfw function; RuntimeRunError with onert's own stderr words on a failure."""
-    from circleops.runtime.onert import captured_stderr
+    from circleops.runtime.stderr import captured_stderr
 
     with captured_stderr() as text:
         status = fn(*args)
@@ -116,6 +116,7 @@ class _Native:
         self.handle = ctypes.c_void_p()
         self.lock = threading.Lock()
         self.users = 0
+        self.selected: str | None = None  # the signature the session runs now
         _call("create a session for", path, self.lib.nnfw_create_session, ctypes.byref(self.handle))
         try:
             _call("load", path, self.lib.nnfw_load_model_from_file, self.handle, load_path.encode())
@@ -126,8 +127,12 @@ class _Native:
             raise
 
     def select(self, signature: str) -> None:
+        if signature == self.selected:
+            return  # a decode loop runs one signature: no switch per step
+        self.selected = None
         _call(f"select signature {signature!r} of", self.path, getattr(self.lib, SIGNATURE_SYMBOL), self.handle,
               signature.encode())
+        self.selected = signature
 
     def specs(self, output: bool) -> list[TensorSpec]:
         count = ctypes.c_uint32()
