@@ -30,7 +30,7 @@ from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
-from circleops.runtime import RUNTIMES, Session, open_session, runtime_info
+from circleops.runtime import RUNTIMES, Session, open_session, runtime_info, selects_signatures
 from circleops.token_ids import check_token_ids
 from circleops.remote_code import refuse_remote_code
 
@@ -154,15 +154,29 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
     if graph not in manifest.files:
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
-    confined(manifest.directory, manifest.files[graph], f"the file of graph {graph!r}", manifest.directory / MANIFEST)
-    path = manifest.path(graph)
+    files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
+    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.split)
+        from circleops.runtime.chain import ChainSession
+
+        sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
+        return ChainSession(sessions, manifest.parts, one_row=graph != "decode" and manifest.prefill_one_row)
+    return _open_file(manifest, graph, files[0], runtime, isolated, threads)
+
+
+def _open_file(manifest: Any, graph: str, name: str, runtime: str, isolated: bool, threads: int | None) -> Session:
+    """open_graph's session on one file ``name`` of ``graph``."""
+    confined(manifest.directory, name, f"the file of graph {graph!r}", manifest.directory / MANIFEST)
+    path = manifest.directory / name
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing (listed in {manifest.directory}/manifest.json). Convert again.")
     signature = manifest.signatures.get(graph)
     info = runtime_info(runtime)
-    if not info.selects_signatures and signature is not None:
-        raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select; convert "
-                          f"with --target onert for one file per graph.")
+    if signature is not None and not selects_signatures(runtime):
+        how = (" (this directory's files need onert's C API: pip install circleops[onert-signatures], onert "
+               "0.2.0.dev250922 or later)" if getattr(manifest, "signature_api", None) else "")
+        raise TargetError(f"{path} keeps the graphs as signatures, which {info.label} 0.1.0 cannot select{how}; "
+                          f"convert with --target onert --onert-signatures off for one file per graph, or run with "
+                          f"--runtime reference.")
     env = info.threads_env
     if threads is None and env and env not in os.environ:
         # the thread count the graphs were made for (convert --threads; 1 for GGML weights:

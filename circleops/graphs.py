@@ -57,6 +57,7 @@ from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
 from circleops.targets import PROFILES
+from circleops import split
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks
 # (Generator.plan): long prompts in runs of the longest, short ones (and the remainder) in
@@ -310,6 +311,7 @@ class GraphInfo:
     inputs: list[tuple[str, list[int], str]]
     outputs: list[tuple[str, list[int], str]]
     max_abs_error: float | None = None
+    part_files: list[str] | None = None  # a split graph's files, one per layer range (circleops.split)
 
 
 @dataclass
@@ -347,6 +349,11 @@ class GraphsReport:
     def summary(self) -> str:
         lines = [f"circleops: wrote {len(self.graphs)} graph(s) of {self.source or 'the model'} to {self.directory}/ "
                  f"(target {self.target}, {self.dtype})"]
+        m = self.manifest
+        if m is not None and m.parts:
+            lines.append(f"  split: {len(m.parts)} consecutive files per graph (layers "
+                         f"{', '.join(f'{a}-{b - 1}' for a, b in m.parts)}): each within the target's file limit; the "
+                         f"first holds the embedding table, the last the lm_head, the generator passes the hidden state")
         if self.one_file_per_graph:
             lines.append(f"  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
                          f"signature, so the weights are stored in each file")
@@ -471,7 +478,8 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
                    verify: bool | str = False, tolerance: float | None = None, source: str = "",
                    progress: Progress | None = None, quantize: str | None = None,
                    threads: int | None = None, cache_update: str | None = None,
-                   cache_windows: Sequence[int] | None = None) -> GraphsReport:
+                   cache_windows: Sequence[int] | None = None, max_file_bytes: int | None = None,
+                   onert_signatures: bool | None = None) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
     with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
 
@@ -497,6 +505,14 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``cache_windows``: cache windows W < ``max_cache_len`` for which the longest prefill is
     also written reading only the first W cache slots (graph ``prefill_cW``; a chunk at
     pos <= W runs it); default :func:`default_cache_windows`, ``()`` for none.
+    ``max_file_bytes``: the most one file may hold (default: 2 GiB for a target whose runtime
+    reads no weights after the flatbuffer, onert; no limit otherwise). A model whose weights
+    pass it is written as consecutive files of a layer range each (circleops.split); the
+    manifest's ``parts`` says which layers each holds.
+    ``onert_signatures``: target onert writes one file with a signature per graph, sharing
+    the weights, run through onert's C API (circleops.runtime.onert_c; manifest
+    ``signature_api`` "nnfw-c"), instead of a file per graph. None (default): when the
+    installed onert has that API (0.2.0.dev; not 0.1.0).
     """
     import torch
 
@@ -542,12 +558,18 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
         named["decode"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
     fmt = profile.format
-    files = {g: (f"{g}.{fmt}" if profile.one_file_per_graph else f"model.{fmt}") for g in named}
+    per_graph = profile.one_file_per_graph and not signature_files(profile, onert_signatures)
+    files = {g: (f"{g}.{fmt}" if per_graph else f"model.{fmt}") for g in named}
+    max_file_bytes = file_limit(profile, max_file_bytes)
+    parts = split_plan(model, quantize, max_file_bytes)  # sizes alone: before any work
+    if parts:
+        files = {g: split.part_file_name(g, 0, fmt, per_graph) for g in named}
     opts = pipeline.Options(target, torch_dtype, quantize=quantize, threads=threads, runtime=runtime,
                             tolerance=tolerance, functionalize=False)
     _prepare_dir(out_dir)
     staging = _staging_dir(out_dir)
-    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir, windows)
+    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir, windows,
+                      parts, per_graph, max_file_bytes)
     tracker = pipeline.Tracker(progress)
     try:
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
@@ -590,6 +612,52 @@ class GraphsPlan:
     out_dir: Path  # where the files are written (the staging directory)
     final_dir: Path  # where they are published
     windows: dict[str, int] = field(default_factory=dict)  # windowed prefill graph -> its cache window W
+    parts: list[tuple[int, int]] = field(default_factory=list)  # split: each file's layer range ([]: not split)
+    per_graph_files: bool = True  # a file (or a part's file) per graph, else one with a signature per graph
+    max_file_bytes: int | None = None  # the most one file may hold (split parts are planned within it)
+
+    def programs(self) -> dict[str, tuple[str, int | None]]:
+        """The programs to export and lower: program name -> (graph, part index or None)."""
+        if not self.parts:
+            return {g: (g, None) for g in self.graphs}
+        return {split.part_graph_name(g, j): (g, j) for g in self.graphs for j in range(len(self.parts))}
+
+    def program_file(self, graph: str, part: int | None) -> str:
+        if part is None:
+            return self.files[graph]
+        fmt = Path(self.files[graph]).suffix.lstrip(".")
+        return split.part_file_name(graph, part, fmt, self.per_graph_files)
+
+
+def signature_files(profile: Any, wanted: bool | None) -> bool:
+    """Whether a target that writes a file per graph (onert) writes one file with a signature
+    per graph instead: ``wanted``, or (None) when the installed onert selects signatures through
+    its C API (circleops.runtime.onert_c: onert 0.2.0.dev; 0.1.0 cannot)."""
+    if not profile.one_file_per_graph or profile.runtime != "onert" or wanted is False:
+        return False
+    if wanted:
+        return True
+    from circleops.runtime import onert_c
+
+    return onert_c.available()
+
+
+def file_limit(profile: Any, max_file_bytes: int | None) -> int | None:
+    """The most one file may hold: ``max_file_bytes``, else 2 GiB where the target's runtime
+    reads no weights after the flatbuffer (onert), else no limit (None)."""
+    from circleops.serialize.writer import FLATBUFFER_LIMIT
+
+    if max_file_bytes is None:
+        return None if profile.weights_after_flatbuffer else FLATBUFFER_LIMIT
+    if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 1:
+        raise TargetError(f"max_file_bytes must be a positive whole number of bytes; got {max_file_bytes!r}.")
+    return max_file_bytes
+
+
+def split_plan(model: Any, quantize: str | None, max_file_bytes: int | None) -> list[tuple[int, int]]:
+    """The layer ranges of a split model's files ([]: one file holds it): past ``max_file_bytes``."""
+    ranges = split.plan_parts(split.part_bytes(model, quantize), max_file_bytes)
+    return ranges if len(ranges) > 1 else []
 
 
 def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, tracker: Any) -> GraphsReport:
@@ -605,11 +673,17 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
             references = _verify_references(model, plan.lengths)
     with tracker.stage("export"):
         step = decoder_step(model, plan.max_cache_len, plan.cache_update)
-        eps = {g: export_graph(windowed_step(step, plan.windows[g]) if g in plan.windows else step, kind, n)
-               for g, (kind, n) in plan.graphs.items()}
-    built = pipeline.build(eps, opts, weights, tracker, lower_one=lambda g, ep: lower_step(
-        ep, g, graph_options(opts, plan.graphs[g][1] if plan.graphs[g][0] == "prefill" else 1), step.num_layers,
-        kind=plan.graphs[g][0], cache_update=plan.cache_update))
+        eps = {name: _export_program(windowed_step(step, plan.windows[g]) if g in plan.windows else step, plan, g, j)
+               for name, (g, j) in plan.programs().items()}
+
+    def lower_one(name: str, ep: Any) -> Any:
+        g, j = plan.programs()[name]
+        kind, n = plan.graphs[g]
+        names = None if j is None else split.part_io_names(kind, *plan.parts[j], step.num_layers, plan.cache_update)
+        return lower_step(ep, g, graph_options(opts, n if kind == "prefill" else 1), step.num_layers,
+                          kind=kind, cache_update=plan.cache_update, names=names)
+
+    built = pipeline.build(eps, opts, weights, tracker, lower_one=lower_one)
     lowered = built.models
     del eps, built
     if opts.runtime is not None and weights.report is not None:
@@ -637,24 +711,45 @@ def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, 
     return report
 
 
+def _export_program(step: Any, plan: GraphsPlan, graph: str, part: int | None) -> Any:
+    """torch.export of one graph, or of one part of it (a split model's layer range)."""
+    import torch
+
+    from circleops.pipeline import export
+
+    kind, n = plan.graphs[graph]
+    if part is None:
+        return export_graph(step, kind, n)
+    start, stop = plan.parts[part]
+    module = split.part_module(step, kind, start, stop)
+    with torch.no_grad():
+        return export(module, split.part_example_args(step, kind, n, start, stop), adapters=False, warn_list=[])
+
+
 def _write_graphs(lowered: dict[str, Any], plan: GraphsPlan, opts: Any, num_layers: int) -> dict[str, GraphInfo]:
     """Write the lowered graphs into their files (one per graph, or one with a signature
     per graph, as the target profile says); every file fits its target before the first is
     written."""
     from circleops import pipeline
 
-    one_file_per_graph = opts.profile.one_file_per_graph
+    one_file_per_graph = plan.per_graph_files
+    programs = plan.programs()
     groups: dict[str, dict[str, Any]] = {}
-    for g, m in lowered.items():
-        groups.setdefault(plan.files[g], {})[g] = m
+    for name, m in lowered.items():
+        groups.setdefault(plan.program_file(*programs[name]), {})[name] = m
     files_ir = {file: next(iter(members.values())) if len(members) == 1 and one_file_per_graph
                 else merge_models(members) for file, members in groups.items()}
-    for one in files_ir.values():
+    for file, one in files_ir.items():
         pipeline.check_size(one, opts.profile)
+        split.check_part_size(one, plan.max_file_bytes, file)
     infos: dict[str, GraphInfo] = {}
+    written: dict[str, int] = {}
     for file, members in groups.items():
         info = pipeline.write(files_ir[file], plan.out_dir / file, opts)
+        written[file] = info.file_bytes
         for g, m in members.items():
+            if programs[g][1] is not None:
+                continue  # a split graph's parts: one GraphInfo of the whole, below
             sub = m.subgraphs[0]
             infos[g] = GraphInfo(
                 name=g, file=file, signature=None if one_file_per_graph else g,
@@ -662,7 +757,37 @@ def _write_graphs(lowered: dict[str, Any], plan: GraphsPlan, opts: Any, num_laye
                 inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
                 outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
                          for n, i in zip(io_names(num_layers, plan.graphs[g][0], plan.cache_update)[1], sub.outputs)])
+    if plan.parts:
+        for g in plan.graphs:
+            infos[g] = _split_info(g, [lowered[split.part_graph_name(g, j)] for j in range(len(plan.parts))], plan,
+                                   written, None if one_file_per_graph else g)
     return infos
+
+
+def _split_info(graph: str, models: list[Any], plan: GraphsPlan, written: dict[str, int],
+                signature: str | None) -> GraphInfo:
+    """The GraphInfo of a split graph: its parts' files, bytes and ops together; inputs and
+    outputs those of the one graph the parts replace (circleops.runtime.chain)."""
+    from collections import Counter
+
+    from circleops import pipeline
+
+    files = [plan.program_file(graph, j) for j in range(len(models))]
+    ops: Counter = Counter()
+    ins: dict[str, tuple] = {}
+    outs: dict[str, tuple] = {}
+    for j, m in enumerate(models):
+        ops.update(pipeline.op_histogram(m))
+        sub = m.subgraphs[0]
+        names = split.part_io_names(plan.graphs[graph][0], *plan.parts[j], plan.parts[-1][1], plan.cache_update)
+        for name, i in zip(names[0], sub.inputs):
+            ins.setdefault(name, (name, list(sub.tensors[i].shape), sub.tensors[i].dtype))
+        for name, i in zip(names[1], sub.outputs):
+            outs.setdefault(name, (name, list(sub.tensors[i].shape), sub.tensors[i].dtype))
+    want_in, want_out = io_names(plan.parts[-1][1], plan.graphs[graph][0], plan.cache_update)
+    return GraphInfo(name=graph, file=files[0], signature=signature, ops=dict(ops),
+                     file_size=sum(written[f] for f in dict.fromkeys(files)),
+                     inputs=[ins[n] for n in want_in], outputs=[outs[n] for n in want_out], part_files=files)
 
 
 def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: dict[str, GraphInfo]) -> Manifest:
@@ -689,7 +814,10 @@ def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: d
         inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=plan.source,
         quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update,
-        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None)
+        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None,
+        parts=[list(r) for r in plan.parts] or None,
+        signature_api="nnfw-c" if opts.profile.one_file_per_graph and not plan.per_graph_files else None,
+        part_files={g: infos[g].part_files for g in plan.graphs} if plan.parts else None)
 
 
 # --------------------------------------------------------------------------- verify

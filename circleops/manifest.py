@@ -25,8 +25,14 @@ MANIFEST_FORMAT = "circleops-generate"
 # is read (version 1 wrote it, always slot-major; "rows" graphs take head-major caches). A
 # version-1 manifest still reads, as cache_update "full"; a reader older than 2 refuses a
 # version-2 directory instead of feeding rows back as caches.
+# 3: "parts" and "part_files": a graph split into consecutive files, a layer range each
+# (circleops.split: onert reads no file past 2 GiB); "signature_api": onert runs the graphs as
+# signatures of one file through its C API (circleops.runtime.onert_signatures). Written only
+# when a directory uses them: a reader of version 2 refuses such a directory instead of
+# running the first part as the whole model; every other directory stays version 2.
 MANIFEST_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SPLIT_MANIFEST_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 # How the graphs hand back the KV cache (circle::attention's cache_update):
 #   full: every cache output is the whole updated cache [1, C, Hkv, D]; it is the next input
 #   rows: every cache output is the step's new rows [1, S, Hkv, D]; the caller writes them
@@ -89,6 +95,14 @@ class Manifest:
     # chunk at pos <= W attends to nothing past slot W, and attention over all C slots was a
     # third of a 64-row chunk's time on LiteRT (SmolLM2 w8, bench/results/18-*.yaml)
     prefill_windows: dict[str, list[int]] | None = None
+    # a split model (circleops.split): each file's layer range [start, stop), consecutive from
+    # 0 to num_layers, the same for every graph; part_files[g] the files of graph g in that
+    # order (files[g] is the first). None: every graph is one file.
+    parts: list[list[int]] | None = None
+    part_files: dict[str, list[str]] | None = None
+    # how the target's runtime selects a graph's signature where one file holds several:
+    # "nnfw-c" (onert >= 0.2.0.dev's C API, nnfw_set_signature_run). None: the runtime's own way
+    signature_api: str | None = None
 
     @property
     def windowed_prefills(self) -> dict[str, tuple[int, int]]:
@@ -121,9 +135,19 @@ class Manifest:
     def path(self, graph: str) -> Path:
         return self.directory / self.files[graph]
 
+    def graph_files(self, graph: str) -> list[str]:
+        """The files of ``graph``: one, or a split graph's parts in layer order."""
+        if self.part_files and graph in self.part_files:
+            return list(self.part_files[graph])
+        return [self.files[graph]]
+
+    @property
+    def version(self) -> int:
+        return SPLIT_MANIFEST_VERSION if self.parts or self.signature_api else MANIFEST_VERSION
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": self.source,
+            "format": MANIFEST_FORMAT, "version": self.version, "source": self.source,
             "target": self.target, "dtype": self.dtype, "default_runtime": self.default_runtime,
             "files": self.files, "signatures": self.signatures,
             "one_file_per_graph": len(set(self.files.values())) > 1,
@@ -136,6 +160,8 @@ class Manifest:
             "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
             **({"vision": self.vision} if self.vision is not None else {}),
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
+            **({"parts": self.parts, "part_files": self.part_files} if self.parts else {}),
+            **({"signature_api": self.signature_api} if self.signature_api else {}),
         }
 
     def write(self) -> Path:
@@ -200,6 +226,34 @@ def _check_types(m: Manifest, path: Path) -> None:
     if wrong:
         raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
                              f"Convert again with --graphs.")
+    _check_parts(m, path)
+
+
+SIGNATURE_APIS = ("nnfw-c",)
+
+
+def _check_parts(m: Manifest, path: Path) -> None:
+    """ModelLoadError unless ``parts`` are consecutive layer ranges from 0 to num_layers and
+    every graph lists one file per range (the first being its ``files`` entry)."""
+    if m.signature_api is not None and m.signature_api not in SIGNATURE_APIS:
+        raise ModelLoadError(f"{path}: unknown signature_api {m.signature_api!r} (this circleops knows "
+                             f"{', '.join(SIGNATURE_APIS)}). Convert again with --graphs.")
+    if m.parts is None and m.part_files is None:
+        return
+    ok = isinstance(m.parts, list) and len(m.parts) >= 2 and isinstance(m.part_files, dict)
+    if ok:
+        edges = [0]
+        for r in m.parts:
+            ok = ok and isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and r[0] == edges[-1] \
+                and r[1] > r[0]
+            edges.append(r[1] if ok else -1)
+        ok = ok and edges[-1] == m.num_layers and set(m.part_files) == set(m.files)
+        ok = ok and all(isinstance(fs, list) and len(fs) == len(m.parts) and all(isinstance(f, str) for f in fs)
+                        and fs[0] == m.files[g] for g, fs in m.part_files.items())
+    if not ok:
+        raise ModelLoadError(f"{path}: parts and part_files must give consecutive layer ranges from 0 to num_layers "
+                             f"({m.num_layers}) and, for every graph, one file per range. The directory is damaged: "
+                             f"convert again with --graphs.")
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
@@ -240,7 +294,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
                      cache_update=data.get("cache_update") or "full",
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
-                     prefill_windows=data.get("prefill_windows"))
+                     prefill_windows=data.get("prefill_windows"), parts=data.get("parts"),
+                     part_files=data.get("part_files"), signature_api=data.get("signature_api"))
     except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)
@@ -269,6 +324,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                              f"outside the cache. Convert again with --graphs.")
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
+    for graph, names in (m.part_files or {}).items():
+        for name in names:
+            confined(d, name, f"a part file of graph {graph!r}", path)
     if m.tokenizer is not None:
         # refused on reading, before any graph opens: generate, chat and a VLM's processor read it
         refuse_remote_code(confined_tokenizer(d, m.tokenizer, path))

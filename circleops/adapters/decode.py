@@ -277,3 +277,62 @@ class OneRowPrefill(torch.nn.Module):
 
     def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
         return self._run(input_ids, pos, caches, row)
+
+
+class DecoderPart(torch.nn.Module):
+    """Layers ``start..stop-1`` of ``step`` (a :class:`DecoderWithCache`): one file of a model
+    split into consecutive files (circleops.split; onert reads no file past 2 GiB).
+
+    ``forward(x, pos, [row,] *caches)``: ``x`` is the token ids [1, S] in the first part
+    (which looks up the embeddings), else the hidden state [1, S, hidden] the previous part
+    returned; ``caches`` are the k caches then the v caches of this part's layers only. It
+    returns ``(y, *k_rows_or_caches, *v_...)``: ``y`` the hidden state after ``stop - 1``, or,
+    in the last part, the logits (of row ``row`` only when the part takes ``one_row``).
+    Each part computes its own masks and RoPE tables from ``pos`` (a few kB of work)."""
+
+    def __init__(self, step: DecoderWithCache, start: int, stop: int, *, one_row: bool = False):
+        super().__init__()
+        if not 0 <= start < stop <= step.num_layers:
+            raise CircleOpsError(f"DecoderPart: layers {start}..{stop - 1} are not a range of the model's "
+                                 f"{step.num_layers} layers.")
+        self.model = step.model  # the step's parameter names: parts share the model's weights
+        object.__setattr__(self, "_step", step)  # not a submodule: its parameters are self.model's
+        self.start, self.stop = int(start), int(stop)
+        self.first, self.last = start == 0, stop == step.num_layers
+        self.one_row = bool(one_row and self.last)
+
+    def forward(self, x: Tensor, pos: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        step, n = self._step, self.stop - self.start
+        row, caches = (rest[0], rest[1:]) if self.one_row else (None, rest)
+        if len(caches) != 2 * n:
+            raise CircleOpsError(f"DecoderPart: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
+        base, lm_head = _parts(step.model)
+        s = x.shape[1]
+        positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=x.device)[None]
+        hidden = base.embed_tokens(x) if self.first else x
+        layers = range(self.start, self.stop)
+        if step.rope_types is None:
+            table = base.rotary_emb(hidden, positions)
+            rope = {i: table for i in layers}
+        else:
+            tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(step.rope_types[i] for i in layers)}
+            rope = {i: tables[step.rope_types[i]] for i in layers}
+        masks = step._masks(pos, positions, hidden.dtype)
+        k_caches: list = [None] * step.num_layers
+        v_caches: list = [None] * step.num_layers
+        for j, i in enumerate(layers):
+            k, v = caches[j], caches[n + j]
+            if step.cache_layout == HEAD_MAJOR:  # as DecoderWithCache.run: views, cancelled when lowered
+                k, v = k.transpose(1, 2), v.permute(0, 3, 1, 2)
+            k_caches[i], v_caches[i] = k, v
+        kv = StaticKV(k_caches, v_caches, pos, step.cache_update)
+        for i in layers:
+            hidden = base.layers[i](hidden, attention_mask=masks[i], position_embeddings=rope[i],
+                                    position_ids=positions, **{KV_KWARG: kv})
+        if self.last:
+            if row is not None:
+                hidden = hidden.index_select(1, row.reshape(1).to(torch.int64))
+            hidden = lm_head(base.norm(hidden))
+            if step.final_softcap is not None:
+                hidden = torch.tanh(hidden / step.final_softcap) * step.final_softcap
+        return (hidden, *kv.k[self.start:self.stop], *kv.v[self.start:self.stop])

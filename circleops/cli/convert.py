@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
     from circleops.cli.integer import add_integer_arguments
+    from circleops.cli import convert_graphs as convert_graphs_cli
     from circleops.quantize import WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
@@ -79,9 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
-    parser.add_argument("--cache-windows", metavar="W,...", default=None, help="with --graphs: the longest prefill also "
-                        "reading only the first W cache slots, per W ('none': no such graphs; default: target tflite "
-                        "C/2, C/4, ... down to twice the prefill length; docs/llm.md)")
+    convert_graphs_cli.add_file_options(parser)
 
 
 def main(args: argparse.Namespace) -> int:

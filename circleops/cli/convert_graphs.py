@@ -8,6 +8,20 @@ import time
 from pathlib import Path
 
 
+def add_file_options(parser: argparse.ArgumentParser) -> None:
+    """The --graphs options that shape the files: cache windows, onert's signatures, the file limit."""
+    parser.add_argument("--cache-windows", metavar="W,...", default=None, help="with --graphs: the longest prefill also "
+                        "reading only the first W cache slots, per W ('none': no such graphs; default: target tflite "
+                        "C/2, C/4, ... down to twice the prefill length; docs/llm.md)")
+    parser.add_argument("--onert-signatures", choices=("auto", "on", "off"), default="auto",
+                        help="with --graphs --target onert: one file whose graphs share the weights, run through "
+                             "onert 0.2.0.dev's C API (on), or a file per graph (off, what onert 0.1.0 runs); auto: "
+                             "as the installed onert can (docs/llm.md)")
+    parser.add_argument("--max-file-bytes", type=int, default=None, metavar="N",
+                        help="with --graphs: the most one file may hold; past it the model is written as consecutive "
+                             "files of a layer range each (default: 2 GiB for target onert, no limit otherwise)")
+
+
 def main(args: argparse.Namespace) -> int:
     from circleops import conversion as api
     from circleops import graphs, models
@@ -71,7 +85,10 @@ def main(args: argparse.Namespace) -> int:
                                    max_cache_len=args.max_cache_len, tokenizer=loaded.tokenizer, verify=verify,
                                    tolerance=args.tolerance, source=loaded.source, progress=progress,
                                    quantize=quantize, threads=getattr(args, "threads", None),
-                                   cache_windows=graphs.parse_windows(getattr(args, "cache_windows", None)))
+                                   cache_windows=graphs.parse_windows(getattr(args, "cache_windows", None)),
+                                   max_file_bytes=getattr(args, "max_file_bytes", None),
+                                   onert_signatures={"on": True, "off": False}.get(getattr(args, "onert_signatures",
+                                                                                         "auto")))
     report.timings = {"load": load_seconds, **report.timings}
     from circleops.cli.common import finish_graphs
 

@@ -95,6 +95,19 @@ register_runtime(Runtime("reference", ("circle", "tflite"), "circleops.runtime.r
                          "circleops' reference interpreter", selects_signatures=True, threads_env=None))
 
 
+def selects_signatures(name: str) -> bool:
+    """Whether runtime ``name`` as installed can run a signature other than subgraph 0: its
+    registry entry says so, or (onert) the installed onert has the C API that selects one
+    (0.2.0.dev: circleops.runtime.onert_c; 0.1.0 has none)."""
+    if runtime_info(name).selects_signatures:
+        return True
+    if name == "onert":
+        from circleops.runtime import onert_c
+
+        return onert_c.available()
+    return False
+
+
 def choose_runtime(requested: bool | str | None, target: Any, quantize: str | None = None,
                    doing: str = "verify") -> tuple[str, str | None]:
     """The one runtime choice: the runtime for ``target``'s files quantized as ``quantize``
@@ -183,4 +196,4 @@ def open_session(runtime: str, path: str | os.PathLike, signature: str | None = 
 
 
 __all__ = ["RUNTIMES", "Runtime", "Session", "TensorSpec", "choose_runtime", "open_session", "register_runtime",
-           "runtime_info", "runtime_module", "unregister_runtime"]
+           "runtime_info", "runtime_module", "selects_signatures", "unregister_runtime"]

@@ -30,22 +30,7 @@ from circleops.runtime.isolated import note_in_process
 from circleops.serialize.verify import verify_file
 
 
-@contextlib.contextmanager
-def captured_stderr() -> Iterator[list[str]]:
-    """Redirect fd 2 (C++ writes included) to a temp file; yields a list that receives the text."""
-    out: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            out.append(tmp.read().decode("utf-8", "replace").strip())
+from circleops.runtime.stderr import captured_stderr  # noqa: E402 - re-exported: onert's words on fd 2
 
 
 _HINT = "If an operator is unsupported, convert with target='onert', which writes only what onert runs."
@@ -54,31 +39,33 @@ _HINT = "If an operator is unsupported, convert with target='onert', which write
 class Session:
     """One onert session on a Circle file, prepared once and run many times.
 
-    onert runs subgraph 0 of a file and its Python API cannot select a signature, so
-    ``signature`` must be None. nnfw's set_input binds the array's memory (no copy), so the
+    onert's Python API runs subgraph 0 of a file and cannot select a signature: a
+    ``signature`` is run through onert's C API where the installed onert has it (0.2.0.dev:
+    circleops.runtime.onert_c.SignatureSession, which this returns then), and refused on
+    0.1.0. nnfw's set_input binds the array's memory (no copy), so the
     bound inputs are kept alive until the next run; each output is a fresh array (onert
     allocates its outputs), which the caller may pass straight back in as the next input.
     """
 
+    def __new__(cls, path: str | os.PathLike, signature: str | None = None, backends: str = "cpu") -> Any:
+        if signature is None:
+            return super().__new__(cls)
+        from circleops.runtime import onert_c
+
+        if not onert_c.available():
+            raise RuntimeRunError(f"onert cannot select signature {signature!r} of {path}: onert 0.1.0 runs only "
+                                  f"subgraph 0 of a file (onert 0.2.0.dev's C API can: pip install "
+                                  f"circleops[onert-signatures]). Convert with --target onert for one file per graph, "
+                                  f"or run the signature with --runtime reference.")
+        _checked(str(Path(path)))
+        if Path(path).suffix != ".circle":
+            raise RuntimeRunError(f"onert picks its loader by the file extension: {path} must end in .circle.")
+        return onert_c.SignatureSession(str(Path(path)), signature, backends=backends)
+
     def __init__(self, path: str | os.PathLike, signature: str | None = None, backends: str = "cpu"):
         self.path = str(Path(path))
         self.signature = signature
-        if signature is not None:
-            raise RuntimeRunError(f"onert cannot select signature {signature!r} of {self.path}: onert 0.1.0 runs "
-                                  f"only subgraph 0 of a file. Convert with --target onert for one file per graph, "
-                                  f"or run the signature with --runtime reference.")
-        if not os.path.isfile(self.path):
-            raise RuntimeRunError(f"cannot run {self.path}: no such file")
-        # onert reads the flatbuffer without verifying it: a damaged or hostile file would make
-        # it read out of bounds in this process (issue 24), so circleops checks it first
-        verified = verify_file(self.path)
-        note_in_process("onert")  # later isolated sessions must not fork from here
-        _check_host(self.path, verified.tensor_types)
-        if verified.offset_buffers:
-            raise RuntimeRunError(
-                f"onert cannot load {self.path}: {verified.offset_buffers} of its buffers keep their weights after the "
-                f"flatbuffer (Buffer.offset/size), and onert 0.1.0 crashes (SIGSEGV) on such files. Run it with "
-                f"--runtime reference, or convert it again with circleops (--target onert writes weights inline).")
+        _checked(self.path)
         self._link_dir: tempfile.TemporaryDirectory | None = None  # removed with the session
         load_path = self.path
         if Path(self.path).suffix not in (".circle", ".tflite"):
@@ -143,6 +130,22 @@ class Session:
                 failure = err
         _raise_or_echo(failure, text, "run", self.path)
         return outputs
+
+
+def _checked(path: str) -> None:
+    """The checks before onert reads ``path``: it exists, it is a well-formed flatbuffer (onert
+    reads it without verifying: a damaged or hostile file would make it read out of bounds in
+    this process, issue 24), this CPU runs its weights, and no weight follows the flatbuffer."""
+    if not os.path.isfile(path):
+        raise RuntimeRunError(f"cannot run {path}: no such file")
+    verified = verify_file(path)
+    note_in_process("onert")  # later isolated sessions must not fork from here
+    _check_host(path, verified.tensor_types)
+    if verified.offset_buffers:
+        raise RuntimeRunError(
+            f"onert cannot load {path}: {verified.offset_buffers} of its buffers keep their weights after the "
+            f"flatbuffer (Buffer.offset/size), and onert 0.1.0 crashes (SIGSEGV) on such files. Run it with "
+            f"--runtime reference, or convert it again with circleops (--target onert writes weights inline).")
 
 
 def _check_host(path: str, types: frozenset[str]) -> None:

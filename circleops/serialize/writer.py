@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -554,6 +555,21 @@ def _atomic_write(path: Path, write, check: Callable[[Path], None] | None = None
         pass
 
 
+def _memory_key(data: Any, nbytes: int) -> tuple | None:
+    """(address, bytes) of a contiguous constant: views of one memory in another shape count
+    once (a linear's weight [N, K] and its 1x1 CONV_2D filter [N, 1, 1, K] in the graphs of
+    one file: the writer stores those bytes once). None for a strided view."""
+    if isinstance(data, np.ndarray) and data.flags.c_contiguous:
+        return ("memory", data.__array_interface__["data"][0], nbytes)
+    torch = sys.modules.get("torch")  # a torch tensor exists only where torch is imported
+    if torch is not None and isinstance(data, torch.Tensor) and data.is_contiguous():
+        try:
+            return ("memory", data.untyped_storage().data_ptr() + data.storage_offset() * data.element_size(), nbytes)
+        except Exception:  # noqa: BLE001 - tensor subclasses without storage
+            return None
+    return None
+
+
 def constant_bytes(model: ir.Model) -> int:
     """The bytes the model's weights take in a file, from the IR alone: each constant once
     per memory it views (tied weights count once), aligned, plus the metadata.
@@ -569,11 +585,11 @@ def constant_bytes(model: ir.Model) -> int:
         for t in sg.tensors:
             if t.data is None:
                 continue
-            key = identity_key(t.data) or ("object", id(t.data))
+            n = data_nbytes(t.dtype, tuple(t.shape))
+            key = _memory_key(t.data, n) or identity_key(t.data) or ("object", id(t.data))
             if key in seen:
                 continue
             seen.add(key)
-            n = data_nbytes(t.dtype, tuple(t.shape))
             total += _align(4 + n)
     return total + sum(_align(4 + len(bytes(blob))) for blob in model.metadata.values())
 

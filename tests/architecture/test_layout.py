@@ -188,6 +188,8 @@ LAYERS: tuple[str, ...] = (
     "sizes",
     # one conversion: its option checks, then the pipeline
     "validate", "pipeline",
+    # a model past one file's size limit as consecutive files (plans and names the parts)
+    "split",
     # the applications over the pipeline, then the CLI over them
     "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
     # a vision-language model: its graphs and generation from an image (over graphs, generate, chat)

@@ -134,7 +134,7 @@ def test_manifest_round_trip_and_older_versions(tmp_path):
     data["version"], data["cache_layout"] = 1, "[1, C, Hkv, D]"
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     assert (read_manifest(tmp_path).cache_update, read_manifest(tmp_path).cache_layout) == ("full", SLOT_MAJOR)
-    for bad, match in (({"version": 3}, "version 1 or 2"), ({"version": 2, "cache_update": "half"}, "cache_update"),
+    for bad, match in (({"version": 4}, "version 1 or 2 or 3"), ({"version": 2, "cache_update": "half"}, "cache_update"),
                        ({"version": 2, "cache_layout": "[C, D]"}, "cache_layout"),
                        ({"version": 2, "cache_layout": HEAD_MAJOR}, "cache_layout")):  # whole caches are slot-major
         (tmp_path / "manifest.json").write_text(json.dumps({**data, **bad}))

@@ -166,6 +166,11 @@ def test_constant_bytes_bounds_the_weights_without_reading_them(tmp_path):
     tied = _two_consts(emb, emb)
     assert emb.numel() * 4 <= writer_mod.constant_bytes(tied) < emb.numel() * 4 + 32
     assert writer_mod.constant_bytes(tied) <= write_model(tied, tmp_path / "t.circle").file_bytes
+    # a linear's weight and its 1x1 CONV_2D filter view [N, 1, 1, K] in the graphs of one
+    # file (onert signatures): the same memory, counted once (the writer stores it once)
+    conv = _two_consts(emb, emb.view(1000, 1, 1, 64))
+    assert writer_mod.constant_bytes(conv) == writer_mod.constant_bytes(tied)
+    assert write_model(conv, tmp_path / "c.circle").weight_bytes == emb.numel() * 4
 
 
 def test_inline_only_past_the_limit_uses_the_callers_message(tmp_path, monkeypatch):

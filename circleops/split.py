@@ -1,0 +1,179 @@
+"""A model past one file's size limit as consecutive files: a layer range per file.
+
+onert reads no weights stored after the flatbuffer (SIGSEGV, FACTS.md), so no onert file
+passes 2 GiB: a Llama-3.2-1B in fp32 (4.9 GB) cannot be one file. ``convert --graphs``
+then writes each generation graph as parts (:class:`circleops.adapters.decode.DecoderPart`):
+the first looks up the embeddings and runs the first layers, each later one takes the hidden
+state [1, S, hidden] the previous returned, the last also holds the final norm and the
+lm_head and returns the logits. Each part takes only its own layers' KV caches.
+:class:`circleops.runtime.chain.ChainSession` runs them as the one graph they replace.
+
+The layer ranges are planned here from the weights' bytes in the file's format, before
+anything is exported (a model that cannot be split, one layer alone too large, is refused
+before any work). A tied embedding / lm_head table is stored twice, in the first part and
+in the last (1 GB in fp32 for a 128256 x 2048 table): each file must hold what its runtime
+reads, and no onert file can read another's buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from circleops.errors import TargetError
+
+# The share of a file's limit the weights may fill: the rest is for the flatbuffer's graph
+# tables (kilobytes), buffer alignment and an estimate that is per tensor, not per file.
+WEIGHT_SHARE = 0.97
+TABLE_BYTES = 64 << 10  # and this much for the graph tables themselves (a tiny model's ~14 kB)
+
+
+@dataclass(frozen=True)
+class PartBytes:
+    """The weight bytes a part would hold: the embedding table (first part), each layer,
+    and the final norm + lm_head (last part), in the file's format."""
+
+    embedding: int
+    layers: tuple[int, ...]
+    head: int
+    tied: bool  # the lm_head is the embedding table (one copy when there is one part)
+
+    @property
+    def whole(self) -> int:
+        return self.embedding + sum(self.layers) + (0 if self.tied else self.head)
+
+
+def _tensor_bytes(numel: int, shape: Sequence[int], tensor_type: str | None) -> int:
+    """Bytes of a weight of ``shape`` stored as ``tensor_type`` (None: fp32)."""
+    from circleops import ir
+
+    if tensor_type in ir.GGML_BLOCKS:
+        per_block, block_bytes = ir.GGML_BLOCKS[tensor_type]
+        if shape and shape[-1] % per_block == 0:
+            return -(-numel // per_block) * block_bytes
+        return 4 * numel
+    if tensor_type == "INT8":
+        return numel + 4 * (shape[0] if shape else 1)  # per-channel scales
+    return 4 * numel
+
+
+def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
+    """The weight bytes of ``model``'s parts in format ``quantize`` (None: fp32): linears
+    (2-D weights of a layer) at the format's tensor type, the embedding table too when the
+    format stores it so, the lm_head at the format's head type; the rest fp32. An estimate
+    from the parameters' shapes (no weight is read); the writer checks each file exactly."""
+    from circleops.quantize import formats
+
+    fmt = formats.get(quantize) if quantize else None
+    if fmt is not None and fmt.kind != formats.WEIGHTS:
+        fmt = None  # integer graphs are not written as generation graphs
+    linear = fmt.tensor_type if fmt is not None else None
+    base, head = model.model, model.lm_head
+
+    def module_bytes(module: Any, two_d: str | None) -> int:
+        return sum(_tensor_bytes(p.numel(), tuple(p.shape), two_d if p.dim() == 2 else None)
+                   for p in module.parameters())
+
+    embed = base.embed_tokens.weight
+    embed_type = linear if fmt is not None and fmt.embedding else None
+    tied = head.weight is embed
+    head_type = (fmt.head_type or linear) if fmt is not None else None
+    return PartBytes(
+        embedding=_tensor_bytes(embed.numel(), tuple(embed.shape), embed_type),
+        layers=tuple(module_bytes(layer, linear) for layer in base.layers),
+        head=module_bytes(base.norm, None) + _tensor_bytes(head.weight.numel(), tuple(head.weight.shape), head_type),
+        tied=tied)
+
+
+def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
+    """Consecutive layer ranges (start, stop) whose parts' weights each fit ``limit`` bytes
+    (None: no limit, one part), the first part also holding the embedding table, the last
+    the lm_head; as few parts as the greedy fill from the first layer gives. One range when
+    the whole model fits. TargetError when a part with one layer cannot fit."""
+    n = len(sizes.layers)
+    budget = None if limit is None else int(limit * WEIGHT_SHARE) - TABLE_BYTES
+    if budget is None or sizes.whole <= budget:
+        return [(0, n)]
+    ranges: list[tuple[int, int]] = []
+    start, used = 0, sizes.embedding
+    for i, layer in enumerate(sizes.layers):
+        tail = sizes.head if i == n - 1 else 0
+        if used + layer + tail > budget and i > start:
+            ranges.append((start, i))
+            start, used = i, 0
+        used += layer
+        if used + tail > budget:
+            what = ("the embedding table and layer 0" if i == 0 else
+                    "layer {0} with the lm_head".format(i) if tail else f"layer {i}")
+            raise TargetError(f"the model cannot be split into files of at most {limit} bytes: {what} alone take "
+                              f"{used + tail} bytes of weights. Quantize it (--quantize q4_0, q8_0 or w8), or use "
+                              f"--target circle or tflite, whose files may pass 2 GiB.")
+    ranges.append((start, n))
+    return ranges
+
+
+def check_part_size(ir_model: Any, limit: int | None, name: str) -> None:
+    """TargetError when a written part would pass ``limit`` after all (the plan is an estimate
+    from the parameters; the constants of the lowered part are exact)."""
+    from circleops.serialize.writer import constant_bytes
+
+    if limit is None:
+        return
+    needed = constant_bytes(ir_model) + TABLE_BYTES
+    if needed > limit:
+        raise TargetError(f"{name} would hold {needed} bytes, more than the {limit} a file may (the split plan "
+                          f"estimated less); nothing was written. Quantize the model, or report it.")
+
+
+def part_graph_name(graph: str, part: int) -> str:
+    """The name of part ``part`` of ``graph`` among the programs a convert lowers."""
+    return f"{graph}.part{part}"
+
+
+def part_file_name(graph: str, part: int, fmt: str, one_file_per_graph: bool) -> str:
+    """The file of part ``part`` of ``graph``: its own (``decode.part1.circle``) or, where a
+    file holds a signature per graph, the part's file shared by every graph (``part1.circle``)."""
+    return f"{graph}.part{part}.{fmt}" if one_file_per_graph else f"part{part}.{fmt}"
+
+
+def part_io_names(graph_kind: str, start: int, stop: int, num_layers: int,
+                  cache_update: str = "rows") -> tuple[list[str], list[str]]:
+    """Inputs and outputs of the part of layers start..stop-1 of a ``graph_kind`` ("prefill"
+    or "decode") graph: ``input_ids`` (first part) or ``hidden_in``, ``pos``, ``logits_row``
+    (a prefill's last part), the part's caches; ``logits`` (last part) or ``hidden``, the
+    part's new cache rows (or whole caches for cache_update "full")."""
+    layers = range(start, stop)
+    ins = ["input_ids" if start == 0 else "hidden_in", "pos"]
+    if graph_kind == "prefill" and stop == num_layers:
+        ins.append("logits_row")
+    ins += [f"k_cache_{i}" for i in layers] + [f"v_cache_{i}" for i in layers]
+    if cache_update == "rows":
+        rows = [f"k_new_{i}" for i in layers] + [f"v_new_{i}" for i in layers]
+    else:
+        rows = [f"new_k_cache_{i}" for i in layers] + [f"new_v_cache_{i}" for i in layers]
+    return ins, ["logits" if stop == num_layers else "hidden", *rows]
+
+
+def part_module(step: Any, graph_kind: str, start: int, stop: int) -> Any:
+    """The torch module of one part (a prefill's last part computes one row's logits)."""
+    from circleops.adapters.decode import DecoderPart
+
+    return DecoderPart(step, start, stop, one_row=graph_kind == "prefill")
+
+
+def part_example_args(step: Any, graph_kind: str, length: int, start: int, stop: int) -> tuple:
+    """Export inputs of a part: token ids or a zero hidden state, pos, (a prefill's last part:
+    the logits row,) the part's zero caches."""
+    import torch
+
+    s = length if graph_kind == "prefill" else 1
+    caches = step.empty_caches()
+    n = step.num_layers
+    mine = caches[start:stop] + caches[n + start:n + stop]
+    if start == 0:
+        x = torch.zeros((1, s), dtype=torch.int64)
+    else:
+        hidden = int(step.model.config.hidden_size)
+        x = torch.zeros((1, s, hidden), dtype=caches[0].dtype)
+    pos = torch.tensor([0 if graph_kind == "prefill" else length], dtype=torch.int64)
+    row = [torch.tensor([s - 1], dtype=torch.int64)] if graph_kind == "prefill" and stop == n else []
+    return (x, pos, *row, *mine)

@@ -1,0 +1,100 @@
+"""One onert file with a signature per generation graph, weights shared (circleops.runtime.onert_c).
+
+onert 0.1.0 runs only subgraph 0 of a file, so target onert writes a file per graph, each
+with every weight; onert 0.2.0.dev250922's C API selects a signature (nnfw_set_signature_run)
+on one prepared session. Which one a convert writes follows the installed onert; the
+manifest says which (``signature_api``). The C API tests need onert 0.2.0.dev: .ci/run
+installs it in a venv of its own and runs this file there (the base environment keeps
+onert 0.1.0, where they are skipped and the fallback tests run).
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from families import BY_NAME
+from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
+
+from circleops.errors import TargetError
+from circleops.generate import Generator
+from circleops.graphs import convert_graphs, signature_files
+from circleops.runtime import onert_c, selects_signatures
+from circleops.targets import PROFILES
+
+C_API = onert_c.available()
+needs_c_api = pytest.mark.skipif(not C_API, reason="the installed onert (0.1.0) has no nnfw_set_signature_run; "
+                                                   ".ci/run runs this file with onert 0.2.0.dev250922")
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return BY_NAME["llama"].build(num_hidden_layers=3, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return {tuple(p): hf_greedy(model, p, NEW) for p in TINY_PROMPTS[:2]}
+
+
+def _convert(model, out, **kw):
+    return convert_graphs(copy.deepcopy(model), out, target="onert", prefill_len=4, max_cache_len=TINY_CACHE,
+                          **kw)
+
+
+def test_the_file_layout_follows_the_installed_onert():
+    assert onert_c.library_path() is not None  # the wheel's own libonert.so
+    assert signature_files(PROFILES["onert"], None) is C_API
+    assert selects_signatures("onert") is C_API
+    assert signature_files(PROFILES["onert"], False) is False
+    assert signature_files(PROFILES["tflite"], True) is False  # LiteRT selects signatures anyway
+
+
+def test_a_file_per_graph_when_asked(model, tmp_path):
+    _convert(model, tmp_path / "out", onert_signatures=False)
+    data = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert data["files"] == {g: f"{g}.circle" for g in ("prefill", "decode")}
+    assert set(data["signatures"].values()) == {None} and "signature_api" not in data and data["version"] == 2
+
+
+@pytest.mark.skipif(C_API, reason="the refusal of onert 0.1.0")
+def test_signature_files_on_onert_0_1_are_refused_with_what_to_install(model, tmp_path):
+    _convert(model, tmp_path / "out", onert_signatures=True)
+    with pytest.raises(TargetError, match=r"onert-signatures"):
+        Generator(tmp_path / "out", runtime="onert")
+    assert Generator(tmp_path / "out", runtime="reference").generate(TINY_PROMPTS[0], 3).tokens
+
+
+@needs_c_api
+def test_one_file_shared_by_every_graph_gives_transformers_tokens(model, expected, tmp_path):
+    out = tmp_path / "out"
+    _convert(model, out, verify=True)  # verify runs each signature on onert (in a child process)
+    data = json.loads((out / "manifest.json").read_text())
+    assert set(data["files"].values()) == {"model.circle"} and data["signature_api"] == "nnfw-c"
+    assert data["signatures"] == {g: g for g in data["files"]} and data["version"] == 3
+    gen = Generator(out, runtime="onert")
+    sessions = [*gen.prefill_sessions.values(), gen.decode_session]
+    assert all(isinstance(s, onert_c.SignatureSession) for s in sessions)
+    assert len({id(s._native) for s in sessions}) == 1  # one native session: the weights once
+    for prompt, want in expected.items():  # prefill -> decode -> prefill again on one session
+        assert gen.generate(list(prompt), NEW).tokens == want
+
+
+@needs_c_api
+def test_split_parts_with_signatures(model, expected, tmp_path):
+    """A split model on onert 0.2: one file per layer range, each with every graph's signature."""
+    from circleops.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes
+
+    sizes = part_bytes(model)
+    limit = int((sizes.embedding + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096
+    out = tmp_path / "out"
+    _convert(model, out, max_file_bytes=limit)
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["parts"] == [[0, 1], [1, 2], [2, 3]]
+    assert data["part_files"]["decode"] == data["part_files"]["prefill"] == ["part0.circle", "part1.circle",
+                                                                             "part2.circle"]
+    gen = Generator(out, runtime="onert")
+    for prompt, want in expected.items():
+        assert gen.generate(list(prompt), NEW).tokens == want

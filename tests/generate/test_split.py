@@ -1,0 +1,121 @@
+"""A model past the target's file limit as consecutive files, a layer range each (circleops.split).
+
+onert reads no weights after the flatbuffer, so no onert file passes 2 GiB (a 1B model in
+fp32 is 4.9 GB). The limit is lowered here (max_file_bytes) so that a 4-layer tiny Llama
+with a tied embedding splits into four parts: first (embedding + layer 0), two middle
+ones, last (layer 3 + the lm_head, the tied table's second copy). Generation through the
+parts must give transformers' greedy tokens on onert and on the reference interpreter.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from families import BY_NAME
+from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
+
+from circleops.errors import ModelLoadError, TargetError
+from circleops.generate import Generator
+from circleops.graphs import convert_graphs
+from circleops.manifest import read_manifest
+from circleops.serialize import read_model
+from circleops.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes, plan_parts
+
+LAYERS, NEW = 4, 12
+
+
+@pytest.fixture(scope="module")
+def tied_model():
+    return BY_NAME["llama"].build(num_hidden_layers=LAYERS, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def limit(tied_model):
+    sizes = part_bytes(tied_model)
+    # a file holds the embedding table and one layer, not two layers: 4 parts
+    return int((sizes.embedding + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096
+
+
+@pytest.fixture(scope="module")
+def split_onert(tmp_path_factory, tied_model, limit):
+    out = tmp_path_factory.mktemp("split_onert")
+    report = convert_graphs(copy.deepcopy(tied_model), out, target="onert", prefill_len=(8, 4),
+                            max_cache_len=TINY_CACHE, max_file_bytes=limit, verify=True, source="tiny tied llama")
+    return out, report
+
+
+def test_plan_fills_each_file_from_the_first_layer(tied_model, limit):
+    sizes = part_bytes(tied_model)
+    assert sizes.tied and sizes.whole == sizes.embedding + sum(sizes.layers)
+    assert plan_parts(sizes, limit) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert plan_parts(sizes, None) == [(0, LAYERS)]
+    assert plan_parts(sizes, 2 * sizes.whole) == [(0, LAYERS)]
+
+
+def test_a_part_that_cannot_fit_is_refused_before_any_work(tied_model, tmp_path):
+    """From the parameters' shapes alone: nothing exported, nothing written."""
+    with pytest.raises(TargetError, match="cannot be split into files of at most 1000 bytes.*--quantize"):
+        convert_graphs(copy.deepcopy(tied_model), tmp_path / "out", target="onert", prefill_len=8, max_cache_len=TINY_CACHE,
+                       max_file_bytes=1000)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_split_files_and_manifest(split_onert, limit):
+    out, report = split_onert
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["version"] == 3
+    assert data["parts"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert data["part_files"]["decode"] == [f"decode.part{j}.circle" for j in range(4)]
+    assert data["files"]["decode"] == "decode.part0.circle"
+    for graph, files in data["part_files"].items():
+        for j, name in enumerate(files):
+            assert (out / name).stat().st_size <= limit, name
+            sub = read_model(str(out / name)).subgraphs[0]
+            ins = [sub.tensors[i] for i in sub.inputs]
+            # the [vocab, hidden] table read by a GATHER in the first part (the embedding), by
+            # the products in the last (the tied lm_head, its second copy), nowhere between
+            readers = Counter(op.opcode for op in sub.operators for i in op.inputs
+                              if i >= 0 and sub.tensors[i].data is not None and tuple(sub.tensors[i].shape) == (256, 64))
+            assert ("GATHER" in readers) == (j == 0), (name, readers)
+            assert (set(readers) - {"GATHER"} != set()) == (j == 3), (name, readers)
+            assert ins[0].name == ("input_ids" if j == 0 else "hidden_in")
+            assert len([t for t in ins if "cache" in t.name]) == 2  # this part's layer only
+            outs = [sub.tensors[i].name for i in sub.outputs]
+            assert outs[0] == ("logits" if j == 3 else "hidden")
+            assert outs[1:] == [f"k_new_{j}", f"v_new_{j}"]
+    assert report.graphs["decode"].part_files == data["part_files"]["decode"]
+    assert "split: 4 consecutive files per graph" in report.summary()
+
+
+# 5 tokens: one 8-row chunk, padded; 11 tokens: an 8-row chunk, then a 4-row one
+PROMPTS = (tuple(TINY_PROMPTS[0]), tuple(range(3, 14)))
+
+
+@pytest.fixture(scope="module")
+def expected(tied_model):
+    return {p: hf_greedy(tied_model, list(p), NEW) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("runtime", ["onert", "reference"])
+def test_split_generation_gives_transformers_tokens(split_onert, expected, runtime):
+    out, _ = split_onert
+    gen = Generator(out, runtime=runtime)
+    for prompt in PROMPTS:
+        assert gen.generate(list(prompt), NEW).tokens == expected[prompt], (runtime, prompt)
+
+
+def test_damaged_parts_are_refused(split_onert, tmp_path):
+    out, _ = split_onert
+    data = json.loads((out / "manifest.json").read_text())
+    for broken in ({"parts": [[0, 1], [2, 4]]}, {"parts": [[0, 1], [1, 2], [2, 3], [3, 5]]},
+                   {"part_files": {**data["part_files"], "decode": data["part_files"]["decode"][:3]}},
+                   {"part_files": {**data["part_files"], "decode": ["decode.part0.circle", "../x", "y", "z"]}}):
+        d = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "manifest.json").write_text(json.dumps({**data, **broken}))
+        with pytest.raises(ModelLoadError):
+            read_manifest(d)
