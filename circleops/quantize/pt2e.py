@@ -204,7 +204,7 @@ def _checked_ids(items: list[tuple], example_args: tuple, vocab_size: int | None
             if vocab_size and t.numel():
                 lo, hi = int(t.min()), int(t.max())  # the extremes named, not a million ids walked
                 check_token_ids([v for v in (lo, hi) if not 0 <= v < vocab_size], vocab_size,
-                                f"calibration sample {k} input {j} in {path}", error=CalibrationError,
+                                f"calibration sample {k} in {path}", error=CalibrationError,
                                 fix="Tokenize the calibration text with the model's tokenizer.")
     return items
 

@@ -196,7 +196,9 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
 def test_cli_convert_graphs_refuses_a_file_output(capsys, tmp_path, tiny_model):
     cfg = tmp_path / "config.json"
     tiny_model.config.to_json_file(cfg)
-    rc = cli(["convert", "--config", str(cfg), "--graphs", "prefill,decode", "-o", str(tmp_path / "m.circle")])
+    # a cache length the config supports, so the -o rule is what refuses
+    rc = cli(["convert", "--config", str(cfg), "--graphs", "prefill,decode", "--max-cache-len",
+              str(tiny_model.config.max_position_embeddings), "-o", str(tmp_path / "m.circle")])
     assert rc == 2 and "-o names a directory" in capsys.readouterr().err
 
 
