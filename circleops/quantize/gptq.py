@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Callable, Any, Iterator, Sequence
 
 import torch
 
@@ -55,16 +55,52 @@ def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, dam
     return q, row_scale, mult
 
 
+def compensate(w: torch.Tensor, h: torch.Tensor, level: Callable[..., tuple[torch.Tensor, torch.Tensor]], *,
+               block: int = BLOCK, damp: float = DAMP, act_order: bool = False) -> torch.Tensor:
+    """GPTQ's loop: the columns of ``w`` [rows, cols] rounded one at a time by
+    ``level(column, j, w1, i) -> (levels, scale)`` (j: the column's index in ``w``; w1, i: the
+    current block of columns as compensation has left it, and the column's place in it), each
+    column's rounding error moved onto the columns not yet rounded through the inverse of the
+    Hessian ``h`` [cols, cols]. ``act_order``: the columns in order of decreasing Hessian
+    diagonal (valid when the scales are fixed before). The levels [rows, cols], in w's order."""
+    w = w.detach().to(torch.float32).clone()
+    h = h.detach().to(torch.float32).clone()
+    cols = w.shape[1]
+    dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(cols)
+    if act_order:
+        w, h = w[:, perm], h[perm][:, perm]
+    h += damp * torch.diagonal(h).mean() * torch.eye(cols)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = torch.zeros_like(w)
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            qc, scale = level(col, int(perm[i1 + i]), w1, i)
+            q[:, i1 + i] = qc
+            e = (col - qc * scale) / hinv1[i, i]
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return q[:, torch.argsort(perm)] if act_order else q
+
+
 def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float, *,
           act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     from circleops.quantize.grouped import group_scale, row_scales, search_mult  # noqa: F811
 
-    w = w.detach().to(torch.float32).clone()
-    h = h.detach().to(torch.float32).clone()
+    w = w.detach().to(torch.float32)
     rows, cols = w.shape
     qmax = qmax_for(bits)
     mult = None
     static = None  # act order: every column's scale [rows, cols], fixed before
+    row_scale = None
     if group:
         row_scale = row_scales(w, bits)
         if act_order:
@@ -77,40 +113,21 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
         scale = w.abs().amax(1).clamp_min(1e-12) / qmax
     pinned = w.abs().argmax(1)  # each row's largest weight keeps ±qmax (see the module docstring)
     sign = torch.sign(w[torch.arange(rows), pinned])
-    dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = None
-    if static is not None:
-        perm = torch.argsort(torch.diagonal(h), descending=True)
-        w, h, static = w[:, perm], h[perm][:, perm], static[:, perm]
-    h += damp * torch.diagonal(h).mean() * torch.eye(cols)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    q = torch.zeros_like(w)
-    for i1 in range(0, cols, block):
-        i2 = min(i1 + block, cols)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = w1[:, i]
-            if static is not None:
-                scale = static[:, i1 + i]
-            elif group and (i1 + i) % group == 0:  # a new group: its scale from the weights as they are now
-                m = group_scale(w1[:, i:i + group], row_scale, bits, search=False)
-                mult[:, (i1 + i) // group] = m
-                scale = row_scale * m
-            qc = torch.clamp(torch.round(col / scale), -qmax, qmax)
-            if not group:  # per channel: the PT2E observer must find the same scale (module docstring)
-                pin = pinned == i1 + i
-                qc = torch.where(pin, sign * qmax, qc)
-            q[:, i1 + i] = qc
-            e = (col - qc * scale) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    if perm is not None:
-        q = q[:, torch.argsort(perm)]
+    current = [scale]  # the group rule's scale, carried from a group's first column to its others
+
+    def level(col: torch.Tensor, j: int, w1: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if static is not None:
+            current[0] = static[:, j]
+        elif group and j % group == 0:  # a new group: its scale from the weights as they are now
+            m = group_scale(w1[:, i:i + group], row_scale, bits, search=False)
+            mult[:, j // group] = m
+            current[0] = row_scale * m
+        qc = torch.clamp(torch.round(col / current[0]), -qmax, qmax)
+        if not group:  # per channel: the PT2E observer must find the same scale (module docstring)
+            qc = torch.where(pinned == j, sign * qmax, qc)
+        return qc, current[0]
+
+    q = compensate(w, h, level, block=block, damp=damp, act_order=static is not None)
     return q, (row_scale if group else scale), mult
 
 

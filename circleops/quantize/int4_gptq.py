@@ -25,32 +25,14 @@ def gptq_static(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, *, damp: 
                 block: int = BLOCK) -> torch.Tensor:
     """int4 levels [rows, cols] (float) of ``w`` at the fixed per-element ``scale`` [rows, cols]
     (0: the level is 0), error-compensated with the Hessian ``h`` [cols, cols], act order."""
-    w = w.detach().to(torch.float32).clone()
-    h = h.detach().to(torch.float32).clone()
-    rows, cols = w.shape
-    dead = torch.diagonal(h) == 0  # inputs that were always 0: their weights do not matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = torch.argsort(torch.diagonal(h), descending=True)
-    w, h, scale = w[:, perm], h[perm][:, perm], scale[:, perm]
-    h += damp * torch.diagonal(h).mean() * torch.eye(cols)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    from circleops.quantize.gptq import compensate
+
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.zeros_like(w)
-    for i1 in range(0, cols, block):
-        i2 = min(i1 + block, cols)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = w1[:, i]
-            qc = torch.clamp(torch.round(col * inv[:, i1 + i]), *int4.LEVELS)
-            q[:, i1 + i] = qc
-            e = (col - qc * scale[:, i1 + i]) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return q[:, torch.argsort(perm)]
+
+    def level(col: torch.Tensor, j: int, w1: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.clamp(torch.round(col * inv[:, j]), *int4.LEVELS), scale[:, j]
+
+    return compensate(w, h, level, block=block, damp=damp, act_order=True)
 
 
 def gptq_blocks(model: torch.nn.Module, fmt: WeightFormat, tokenizer: Any = None,
