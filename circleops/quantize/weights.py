@@ -183,6 +183,26 @@ def input_rounding(report: QuantReport | None, runtime: str | None) -> Callable[
     return None
 
 
+# How far another summation order moves a product's input: 16 fp32 ulps (sums of a few
+# hundred terms in two orders differ by ~sqrt(K) ulps), enough to flip a runtime's rounding of
+# that input one step the other way where it lies near a rounding boundary
+NUDGE = 2.0 ** -20
+
+
+def perturbed(rounding: Callable[[torch.Tensor], torch.Tensor], seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rounding`` of the input nudged first (each element times 1 + u NUDGE, u uniform in
+    [-1, 1], the same draws for a seed): verify's second reference. Where a model amplifies
+    the few input roundings such a nudge flips (a deep random model does: a 1B Llama's logits
+    move by 14 % of their range, as far as onert's own summation order moves them;
+    bench/q4_depth.py), the two references' difference is the model's own noise floor."""
+    g = torch.Generator().manual_seed(seed)
+
+    def moved(x: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(x.shape, generator=g, dtype=torch.float32).mul_(2 * NUDGE).sub_(NUDGE).add_(1.0)
+        return rounding(x * u)
+    return moved
+
+
 def _rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn`` over the rows [.., K] of ``x``, in x's shape and dtype."""
     return fn(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype)
@@ -294,11 +314,12 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
 
 @contextlib.contextmanager
 def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | None = None,
-                        runtime: str | None = None) -> Iterator[None]:
+                        runtime: str | None = None, perturb: int | None = None) -> Iterator[None]:
     """Inside: the torch weights the report quantized hold their dequantized values (what
     the file computes with), so torch is the reference for a quantized file; restored after.
     With ``runtime``, each quantized linear's input also goes through that runtime's
-    activation rounding (:func:`input_rounding`).
+    activation rounding (:func:`input_rounding`); with ``perturb`` (a seed), that input
+    nudged by a summation order's few ulps first (:func:`perturbed`).
 
     The weights of ``model``'s own Linear / Embedding modules are decoded as each module
     runs (no copy of the model's weights kept); any other source (a view a lowering made)
@@ -312,6 +333,8 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     entries = report.sources if report is not None else []
     codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
     rounding = input_rounding(report, runtime) if entries else None
+    if rounding is not None and perturb is not None:
+        rounding = perturbed(rounding, perturb)
     with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding) as rest:
         with _swapped_in_place(rest, report, model, codec):
             yield
