@@ -27,7 +27,7 @@ Q8_ROW = 34
 
 def circle_weights(out_dir: Path) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
     """{tensor name: (GGML dtype, shape, blocks as uint8 [rows, bytes per row])} of one graph file."""
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
     from circleops.serialize.reader import read_model
 
     m = read_manifest(out_dir)

@@ -5,7 +5,7 @@ torch), and by the reference interpreter with that rounding perturbed below one 
     python bench/q4_depth.py OUT_DIR [--tokens 32] [--runs onert,reference,jitter,jitter2,half-away]
 
 OUT_DIR: a `circleops convert --graphs prefill,decode --target onert --quantize q4_0` directory.
-The prompt is the first ``--tokens`` of verify's ids (circleops.models.example_token_ids), run
+The prompt is the first ``--tokens`` of verify's ids (circleops.sources.models.example_token_ids), run
 as verify runs it (the longest prefill graph from pos 0). Printed: each run's max abs
 difference of the last prompt token's logits from the reference interpreter's.
 
@@ -49,8 +49,8 @@ def half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def logits(directory: str, ids: list[int], runtime: str, rounding=None, dense=None) -> np.ndarray:
-    from circleops.generate import empty_caches, open_graph
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import empty_caches, open_graph
+    from circleops.package.manifest import read_manifest
     from circleops.runtime.kernels import nn
 
     m = read_manifest(Path(directory))
@@ -116,8 +116,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from circleops.manifest import read_manifest
-    from circleops.models import example_token_ids
+    from circleops.package.manifest import read_manifest
+    from circleops.sources.models import example_token_ids
 
     vocab = read_manifest(Path(args.directory)).vocab_size
     ids = [int(i) for i in example_token_ids(args.tokens + 1, vocab)[0][:args.tokens]]

@@ -46,7 +46,7 @@ def decode_bytes(engine: str, artifact: str) -> int | None:
     p = Path(artifact)
     if p.is_file():
         return p.stat().st_size
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     m = read_manifest(p)
     return sum((p / f).stat().st_size for f in dict.fromkeys(m.graph_files("decode")))

@@ -86,7 +86,7 @@ def deep_llama():
 
 
 def _graphs(model, out, **kw):
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     return convert_graphs(copy.deepcopy(model), out, target="onert", prefill_len=32, max_cache_len=64,
                           verify=True, quantize="q4_0", **kw)
