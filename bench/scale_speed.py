@@ -65,7 +65,12 @@ def main() -> int:
     ap.add_argument("--ik-python", default="/work/venvs/ik/bin/python")
     ap.add_argument("--work", type=Path, default=Path("/tmp/scale-speed"))
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--yaml", type=Path, default=None, help="no measuring: the results file from --json")
+    ap.add_argument("--note", default="", help="the results text's first sentence (date, machine, load)")
     args = ap.parse_args()
+    if args.yaml:
+        write_yaml(json.loads(args.json.read_text()), args.yaml, args.note)
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     spec = spec_file(args.work, args.vocab, args.prompts, args.decode_steps)
     import llm_speed
@@ -99,6 +104,30 @@ def main() -> int:
                     f"; decode {r['decode_ms']:.1f} ms/token (CPU {r['decode_cpu_ms']:.1f}; floor {floor:.1f}, "
                     f"{r['decode_ms'] / floor:.2f}x); load {load:.1f}", flush=True)
     return 0
+
+
+def write_yaml(results: list[dict], path: Path, note: str) -> None:
+    """The runs as a bench/report.py results file: one row per (label, threads, round)."""
+    import yaml
+
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["label"], str(r["threads"]), str(r["round"]), "failed", "", "", "", "", "", f"{r['load']:.1f}"])
+            continue
+        long = max(r["ttft"], key=int)
+        floor = r["decode_bytes"] / (r["gbps"] * 1e9) * 1000
+        rows.append([r["label"], str(r["threads"]), str(r["round"]), f"{1000 * r['ttft'][long]:.0f}",
+                     f"{1000 * r['ttft_cpu'][long]:.0f}", f"{r['decode_ms']:.1f}", f"{r['decode_cpu_ms']:.1f}",
+                     f"{r['decode_bytes'] / 1e6:.0f}", f"{floor:.1f} ({r['decode_ms'] / floor:.2f}x)", f"{r['load']:.1f}"])
+    long = max((max(r["ttft"], key=int) for r in results if "ttft" in r), key=int, default="300")
+    data = {"heading": "bench/scale_speed.py — TTFT and decode over model sizes beside ik_llama.cpp (issue 32)",
+            "blocks": [{"text": note + "\n"},
+                       {"table": {"columns": ["run", "threads", "round", f"TTFT {long} ms", f"TTFT {long} CPU ms",
+                                              "decode ms/token", "decode CPU ms/token", "MB read per token",
+                                              "floor ms (decode / floor)", "load"],
+                                  "align": ["left"] + ["right"] * 9, "rows": rows}}]}
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110))
 
 
 if __name__ == "__main__":
