@@ -74,6 +74,9 @@ def main(argv: list[str]) -> int:
     import gguf
     from safetensors import safe_open
 
+    if len(argv) != 3:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
     out_dir, model_dir, path = Path(argv[0]), Path(argv[1]), argv[2]
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("model_type") not in ("llama", "qwen2"):
