@@ -395,7 +395,7 @@ class Generator:
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
         if m.vision is not None and type(self).prefill_extras is Generator.prefill_extras:
             raise ModelLoadError(f"{m.directory} holds a vision-language model, whose prefill graphs also take image "
-                                 f"embeddings: run it with circleops.recipes.vlm.VisionGenerator (circleops generate DIR "
+                                 f"embeddings: run it with circleops.generation.vision.VisionGenerator (circleops generate DIR "
                                  f"--image PATH --prompt TEXT).")
         self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
@@ -492,7 +492,7 @@ class Generator:
     def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
         """Inputs a prefill graph takes after its ids, pos and logits row, for the chunk
         ``ids`` [1, N] at ``pos``: none for a text model (a vision-language model's prefill
-        also takes the chunk's image embeddings: circleops.recipes.vlm.VisionGenerator)."""
+        also takes the chunk's image embeddings: circleops.generation.vision.VisionGenerator)."""
         return []
 
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
