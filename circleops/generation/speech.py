@@ -2,6 +2,12 @@
 --audio clip.wav``): the encoder once per clip, the prefill of the forced start tokens (which
 also projects every layer's cross-attention K/V), then one decode step per token.
 
+:class:`SpeechGenerator` is a kind of the generation core (circleops.generation.core): the
+encoder's run and the start tokens prepare a request, the cross-attention K/V are the
+request's constant inputs, Whisper's suppressed tokens are its logits processor and the end
+token is not one of its output tokens; sessions, threads, caches, sampling and the loop
+are the core's.
+
     from circleops.generation.speech import SpeechGenerator
     gen = SpeechGenerator("asr/")
     result = gen.transcribe("clip.wav", language="en")
@@ -13,9 +19,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from circleops.errors import ModelLoadError, RuntimeRunError
+from circleops.generation.caches import HEADS_ROWS
+from circleops.generation.core import CacheSpec, GenerationCore
 from circleops.package.manifest import MANIFEST
 from circleops.package.speech_manifest import (SPEECH_GRAPHS, SpeechInputError, SpeechManifest, check_extractor,
                                                read_speech_manifest)
@@ -77,21 +85,38 @@ class Transcription:
                 f"{self.decode_seconds:.2f} s{rate}")
 
 
-class SpeechGenerator:
-    """Greedy speech-to-text over a speech directory's graphs, as transformers'
-    ``WhisperForConditionalGeneration.generate(input_features, do_sample=False)`` decodes
-    (short-form: one window): the same start tokens for ``language`` / ``task`` (the
-    language detected from the first token's logits when the model is multilingual and
-    none is given), the same suppressed tokens. One Session per graph, opened once."""
+class SpeechGenerator(GenerationCore):
+    """Speech-to-text over a speech directory's graphs, as transformers'
+    ``WhisperForConditionalGeneration.generate(input_features)`` decodes (short-form: one
+    window): the same start tokens for ``language`` / ``task`` (the language detected from
+    the first token's logits when the model is multilingual and none is given), the same
+    suppressed tokens; greedy (``do_sample=False``: the same tokens), or drawn by a
+    ``sampler``. One Session per graph, opened once; ``threads`` as for
+    :class:`circleops.generation.generator.Generator`."""
 
-    def __init__(self, directory: str | os.PathLike | SpeechManifest, runtime: str | None = None):
-        from circleops.generation.generator import choose_runtime, open_graph
+    keep_stop_token = False  # transformers' Whisper generate leaves the end token out of its output
 
-        self.manifest = directory if isinstance(directory, SpeechManifest) else read_speech_manifest(directory)
-        self.runtime, self.note = choose_runtime(self.manifest, runtime)
-        self.sessions = {g: open_graph(self.manifest, g, self.runtime) for g in SPEECH_GRAPHS}
+    def __init__(self, directory: str | os.PathLike | SpeechManifest, runtime: str | None = None, *,
+                 threads: int | Mapping[str, int] | None = None):
+        import numpy as np
+
+        m = directory if isinstance(directory, SpeechManifest) else read_speech_manifest(directory)
+        frames = m.cross_shape[2]
+        # the rows each graph's matmuls run (its thread count): the encoder and the prefill
+        # (which projects every layer's cross-attention K/V) over the T encoder frames
+        self.open(m, runtime, threads, {"encoder": frames, "prefill": frames, "decode": 1})
         self._check_sessions()
+        caches = CacheSpec([m.cache_shape] * (2 * m.num_layers), m.max_cache_len, HEADS_ROWS, "rows")
+        self.start({m.prefill_len: "prefill"}, "decode", caches, one_row=True)
+        self._suppress = [t for t in m.suppress_tokens if 0 <= t < m.vocab_size]
+        self._begin = [t for t in m.begin_suppress_tokens if 0 <= t < m.vocab_size]
+        self.states = np.zeros(0, np.float32)  # the encoder's output for the request (set by generate)
         self._processor: Any = None
+
+    @property
+    def note(self) -> str | None:
+        """Why the default runtime changed, if it did (choose_runtime)."""
+        return self.runtime_note
 
     def _check_sessions(self) -> None:
         m = self.manifest
@@ -146,10 +171,10 @@ class SpeechGenerator:
 
     def transcribe(self, audio: str | os.PathLike | Any, *, language: str | None = None, task: str | None = None,
                    max_new_tokens: int | None = None, on_token: Callable[[int], None] | None = None,
-                   warn: Callable[[str], None] | None = None) -> Transcription:
+                   warn: Callable[[str], None] | None = None, sampler: Any = None) -> Transcription:
         """:meth:`generate` on the features of ``audio``, with the text decoded."""
         result = self.generate(self.features(audio, warn=warn), language=language, task=task,
-                               max_new_tokens=max_new_tokens, on_token=on_token)
+                               max_new_tokens=max_new_tokens, on_token=on_token, sampler=sampler)
         result.text = self.processor.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return result
 
@@ -219,6 +244,7 @@ class SpeechGenerator:
         return init
 
     def _prefill(self, tokens: Sequence[int], encoder_states: Any, row: int) -> list[Any]:
+        """One run of the prefill graph on ``tokens`` (the caches untouched): language detection."""
         import numpy as np
 
         m = self.manifest
@@ -226,10 +252,53 @@ class SpeechGenerator:
         ids[0, :len(tokens)] = tokens
         return self.sessions["prefill"].run([ids, np.array([row], np.int64), encoder_states])
 
+    # ------------------------------------------------------------------ the core's hooks
+
+    def prefill_inputs(self, ids: Any, pos: int, row: int, caches: list[Any]) -> list[Any]:
+        """Whisper's prefill starts a request at slot 0 and reads no cache: the start tokens,
+        the row whose logits it returns and the encoder's states."""
+        import numpy as np
+
+        return [ids, np.array([row], np.int64), self.states]
+
+    def prefill_outputs(self, outputs: Sequence[Any]) -> Sequence[Any]:
+        """The start tokens' self-attention rows; every layer's cross-attention K/V, which
+        the prefill computes once per clip, become the request's constant inputs (read by
+        every decode step after its caches)."""
+        import numpy as np
+
+        rows = 2 * self.manifest.num_layers
+        self.constants = [np.ascontiguousarray(c) for c in outputs[rows + 1:]]
+        return outputs[1:rows + 1]
+
+    def process_logits(self, logits: Any, step: int) -> Any:
+        """transformers' SuppressTokensLogitsProcessor (every step) and
+        SuppressTokensAtBeginLogitsProcessor (the first new token): those tokens get -inf."""
+        import numpy as np
+
+        scores = logits.astype(np.float32)
+        scores[self._suppress] = -np.inf
+        if step == 0:
+            scores[self._begin] = -np.inf
+        return scores
+
+    def token_budget(self, prompt_len: int, max_new_tokens: Any) -> int:
+        """``max_new_tokens`` (None: up to max_target_positions, as transformers), cut to what
+        the cache holds."""
+        m = self.manifest
+        # transformers: at most max_target_positions tokens in all; the cache holds the fed ones
+        limit = min(m.max_target_positions, m.max_cache_len + 1) - prompt_len
+        return max(0, limit if max_new_tokens is None else min(int(max_new_tokens), limit))
+
+    # ------------------------------------------------------------------ a request
+
     def generate(self, input_features: Any, *, language: str | None = None, task: str | None = None,
-                 max_new_tokens: int | None = None, on_token: Callable[[int], None] | None = None) -> Transcription:
-        """Greedy tokens for ``input_features [1, mel, frames]``; ``max_new_tokens`` (None:
-        up to max_target_positions, as transformers) is cut to what the cache holds."""
+                 max_new_tokens: int | None = None, on_token: Callable[[int], None] | None = None,
+                 sampler: Any = None) -> Transcription:  # type: ignore[override]
+        """The tokens for ``input_features [1, mel, frames]``: greedy, or drawn by ``sampler``
+        (a :class:`circleops.generation.sampling.Sampler`, over the suppressed logits);
+        ``max_new_tokens`` (None: up to max_target_positions, as transformers) is cut to what
+        the cache holds."""
         import numpy as np
 
         m = self.manifest
@@ -237,42 +306,16 @@ class SpeechGenerator:
         if list(feats.shape) != m.input_features:
             raise SpeechInputError(f"input_features of shape {list(feats.shape)}; the encoder graph takes "
                                    f"{m.input_features} (one window of the model's feature extractor).")
+        self.reset()
         t0 = time.perf_counter()
-        states = self.sessions["encoder"].run([feats])[0]
+        self.states = self.sessions["encoder"].run([feats])[0]
         t1 = time.perf_counter()
-        init = self.start_tokens(states, language, task)
-        n, layers = len(init), m.num_layers
-        outs = self._prefill(init, states, row=n - 1)
-        caches = [np.zeros(m.cache_shape, np.float32) for _ in range(2 * layers)]
-        for cache, rows in zip(caches, outs[1:2 * layers + 1]):
-            cache[:, :, :m.prefill_len] = rows
-        cross = [np.ascontiguousarray(c) for c in outs[2 * layers + 1:]]
+        init = self.start_tokens(self.states, language, task)
         t2 = time.perf_counter()
-        # transformers: at most max_target_positions tokens in all; the cache holds the fed ones
-        limit = min(m.max_target_positions, m.max_cache_len + 1) - n
-        budget = limit if max_new_tokens is None else min(int(max_new_tokens), limit)
-        suppress = [t for t in m.suppress_tokens if 0 <= t < m.vocab_size]
-        begin = [t for t in m.begin_suppress_tokens if 0 <= t < m.vocab_size]
-        logits, tokens, pos, stopped = outs[0].reshape(-1), [], n, False
-        while len(tokens) < budget:
-            scores = logits.astype(np.float32).copy()
-            scores[suppress] = -np.inf
-            if not tokens:
-                scores[begin] = -np.inf
-            token = int(np.argmax(scores))
-            if token in m.eos_token_ids:  # the end: transformers' Whisper generate leaves it out of its output
-                stopped = True
-                break
-            tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-            if len(tokens) == budget:
-                break
-            step = self.sessions["decode"].run([np.array([[token]], np.int64), np.array([pos], np.int64),
-                                                *caches, *cross])
-            for cache, row in zip(caches, step[1:]):
-                cache[:, :, pos:pos + 1] = row
-            logits, pos = step[0].reshape(-1), pos + 1
+        # the core's loop (GenerationCore.generate: this class's generate takes features)
+        result = GenerationCore.generate(self, init, max_new_tokens, on_token=on_token, sampler=sampler,
+                                         keep_cache=True)
         lang = next((k.strip("<|>") for k, v in m.lang_to_id.items() if v in init[1:2]), None)
-        return Transcription(tokens, init, language=lang, encode_seconds=t1 - t0, prefill_seconds=t2 - t1,
-                             decode_seconds=time.perf_counter() - t2, stopped_at_eos=stopped)
+        return Transcription(result.tokens, init, language=lang, encode_seconds=t1 - t0,
+                             prefill_seconds=t2 - t1 + result.prefill_seconds, decode_seconds=result.decode_seconds,
+                             stopped_at_eos=result.stopped_at_eos)

@@ -17,7 +17,10 @@ from typing import Any, Sequence
 from circleops.generation.chat import Chat
 from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError
-from circleops.generation.generator import Generation, Generator, GenerationLimitError, TextStream, open_graph
+from circleops.generation.core import Generation, GenerationLimitError
+from circleops.generation.generator import Generator
+from circleops.generation.sessions import open_graph
+from circleops.generation.tokenizers import TextStream
 from circleops.package.manifest import MANIFEST, Manifest
 from circleops.package.vision_manifest import VLM_GRAPH_NAMES, VisionSpec
 from circleops.inputs.remote_code import refuse_remote_code
