@@ -20,7 +20,8 @@ def choose_runtime(manifest: Any, runtime: str | None) -> tuple[str, str | None]
 
     if runtime is not None:
         check_runtime(manifest, runtime)
-    runtime, note = choose(runtime, manifest.target, manifest.quantize, "run")
+    # a manifest without a weight format (a speech model's) runs as fp32
+    runtime, note = choose(runtime, manifest.target, getattr(manifest, "quantize", None), "run")
     check_runtime(manifest, runtime)
     return runtime, note
 
