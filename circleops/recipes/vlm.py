@@ -48,7 +48,8 @@ from circleops.errors import CircleOpsError, ModelLoadError, TargetError, Verify
 from circleops.generation.vision import VisionGenerator, load_processor
 from circleops.recipes.llm import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
                               decoder_step, default_cache_update, eos_ids, export_graph, io_names, lower_step,
-                              merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
+                              merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir,
+                              text_lines)
 from circleops.package.manifest import TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFIX_LEN, VISION_GRAPH, VLM_GRAPH_NAMES,
                                                VisionSpec)
@@ -385,7 +386,8 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
             vision=spec.to_json())
         manifest.write()
     report = GraphsReport(directory=str(staging), target=opts.target, dtype="fp32", graphs=infos, manifest=manifest,
-                          timings=tracker.timings, source=source, quantization=quantization)
+                          timings=tracker.timings, source=source, quantization=quantization,
+                          **text_lines(manifest, list(files)))
     if example is not None:
         tol = opts.verify_tolerance()
         tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
