@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.inputs.user_files import positive_whole_number
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.isolated import WEIGHT_CACHE_ENV, note_in_process
@@ -31,13 +32,8 @@ def num_threads() -> int:
     """LiteRT's thread count: the NUM_THREADS environment variable, as onert reads it (and as
     ``circleops generate`` sets it from a manifest's num_threads), else :data:`NUM_THREADS`."""
     text = os.environ.get("NUM_THREADS", "").strip()
-    if not text:
-        return NUM_THREADS
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = positive_whole_number(text, NUM_THREADS)
+    if value is None:
         raise RuntimeRunError(f"NUM_THREADS={text!r}: give LiteRT's thread count as a whole number of 1 or more "
                               f"(or unset it for {NUM_THREADS}).")
     return value
