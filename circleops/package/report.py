@@ -42,6 +42,7 @@ class GraphsReport:
     verify_note: str | None = None  # why that is not the target's own runtime
     tolerance: float | None = None
     noise_floor: float | None = None  # the largest of the model's own noise floors verify measured (quantized)
+    quality: Any = None  # a quantized file against fp32 (circleops.quantize.quality.Quality), measured with --verify
     source: str = ""
     quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
     attention: str | None = None  # which layers' attention is decomposed, and why (DecoderWithCache.attention_note)
@@ -58,7 +59,8 @@ class GraphsReport:
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
                 "attention": self.attention, "verify_runtime": self.verify_runtime, "verify_note": self.verify_note,
-                "tolerance": self.tolerance, "noise_floor": self.noise_floor, "timings": {k: round(v, 3) for k, v in self.timings.items()}}
+                "tolerance": self.tolerance, "noise_floor": self.noise_floor,
+                "quality": self.quality.to_dict() if self.quality is not None else None, "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
     def one_file_per_graph(self) -> bool:
@@ -89,6 +91,10 @@ class GraphsReport:
                          f"{errs} (tolerance {self.tolerance:.3g}{self._floor_words()}): passed")
             if self.verify_note:
                 lines.append(f"  note: {self.verify_note}")
+        if self.quality is not None:
+            lines.append(f"  quality against fp32 (torch on the file's weights and {self.verify_runtime}'s input "
+                         f"rounding, the verify tokens; not a verify bound): {self.quality.line()}; perplexity on "
+                         f"text: circleops check MODEL --quantize {self.quantization.format}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
                      + f", total {sum(self.timings.values()):.1f} s")
         if self.next_args is not None:
@@ -99,7 +105,7 @@ class GraphsReport:
 
     def _floor_words(self) -> str:
         """How the noise floor entered the verify bound, or nothing when it was not measured."""
-        from circleops.package.step import NOISE_FLOORS
+        from circleops.quantize.weights import NOISE_FLOORS
 
         if self.noise_floor is None:
             return ""

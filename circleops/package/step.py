@@ -175,13 +175,7 @@ class References:
 
     own: Any  # recipe.references(): what the recipe's compare takes
     noise: dict[str, float] | float | None = None  # the model's own noise floor (Recipe.noise); None: not measured
-
-
-# A graph passes within its tolerance, or within this many times the model's own noise floor:
-# the runtime's summation order moves the inputs it rounds as the nudge does, so its error is
-# another draw of the same difference (the Llama-3.2-1B shape, q4_0: onert 1.36, nudges of 1
-# and 16 ulps 1.37-1.51; bench/results/26-scale-q4-depth.yaml)
-NOISE_FLOORS = 2.0
+    quality: Any = None  # a quantized file's circleops.quantize.quality.Quality against fp32; None: fp32
 
 
 def _quantized_references(recipe: Any, quantization: Any, runtime: str, tracker: Any) -> References:
@@ -190,12 +184,16 @@ def _quantized_references(recipe: Any, quantization: Any, runtime: str, tracker:
     that rounding applies, again with every rounded input nudged 16 fp32 ulps
     (circleops.quantize.weights.perturbed): the two differ by how far this model carries a
     rounding that another summation order flips, its noise floor."""
+    from circleops.quantize import quality
     from circleops.quantize.weights import dequantized_sources, input_rounding
 
     module = recipe.weights_module()
-    with tracker.stage("torch reference logits", "verify", enter=False), \
-            dequantized_sources(quantization, module, runtime):
-        refs = References(recipe.references())
+    with tracker.stage("torch reference logits", "verify", enter=False):
+        fp32 = recipe.references()  # the quality against fp32 (reported, never a bound): one forward more
+        with dequantized_sources(quantization, module, runtime):
+            refs = References(recipe.references())
+        refs.quality = quality.measure(fp32, refs.own)
+        del fp32
     if input_rounding(quantization, runtime) is not None:
         with tracker.stage("torch reference logits", "verify", enter=False), \
                 dequantized_sources(quantization, module, runtime, perturb=0):
@@ -275,6 +273,7 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
     max(1, max|reference|), unless (a quantized file whose inputs the runtime rounds) within
     NOISE_FLOORS x the model's own noise floor at what that graph is compared with."""
     from circleops.pipeline import stages
+    from circleops.quantize.weights import NOISE_FLOORS
 
     opts = pkg.opts
     tol = opts.verify_tolerance()
@@ -298,6 +297,6 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
                 f"Convert without --verify to inspect them (circleops inspect), and report the model.")
     for g, (err, _) in compared.items():
         report.graphs[g].max_abs_error = err
-    report.verify_runtime, report.tolerance = opts.runtime, tol
+    report.verify_runtime, report.tolerance, report.quality = opts.runtime, tol, references.quality
     if noise is not None:
         report.noise_floor = max(f for f in floors.values() if f is not None)

@@ -31,8 +31,9 @@ from typing import Any, ContextManager, Sequence
 from circleops.errors import OutputError
 from circleops.options import ConvertOptions
 from circleops.package.step import Graph
+from circleops.quantize.quality import float_arrays
 
-__all__ = ["Graph", "Recipe", "eos_token_ids", "float_arrays", "pad_token_id", "save_generation_config"]
+__all__ = ["Graph", "Recipe", "eos_token_ids", "pad_token_id", "save_generation_config"]
 
 
 def eos_token_ids(*configs: Any) -> list[int]:
@@ -63,22 +64,6 @@ def save_generation_config(model: Any, directory: Path) -> None:
         config.to_json_file(str(directory / "generation_config.json"))
     except OSError as err:
         raise OutputError(f"cannot write {directory / 'generation_config.json'}: {err}.") from None
-
-
-def float_arrays(value: Any) -> list[Any]:
-    """The float numpy arrays of a recipe's references (a dataclass, mapping, sequence or
-    array, tensors as arrays), in a fixed order: what two references are compared over."""
-    import numpy as np
-
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    elif isinstance(value, dict):
-        value = [value[k] for k in sorted(value, key=str)]
-    if isinstance(value, (list, tuple)):
-        return [a for v in value for a in float_arrays(v)]
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().float().numpy() if value.is_floating_point() else None
-    return [value] if isinstance(value, np.ndarray) and value.dtype.kind == "f" else []
 
 
 class Recipe:
