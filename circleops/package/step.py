@@ -140,11 +140,15 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
 
 def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
     """The step's work into the staging directory: references, export, build, write, compare."""
+    from circleops.pipeline import stages
+
     opts, tracker = pkg.opts, pkg.tracker
     references = None
-    if opts.runtime is not None and not opts.quantize:  # the model's own forward, before its modules are fused
+    if opts.runtime is not None:  # the model's own forward, before its modules are fused (quantized: fp32's)
         with tracker.stage("torch reference logits", "verify", enter=False):
             references = References(recipe.references())
+        if opts.quantize:  # its mapped weights are read next one at a time, as each is quantized
+            stages.release_weights()
     with tracker.stage("export"):
         graphs = recipe.graphs(opts, pkg.plan.parts)
         programs = {name: g for graph in graphs for name, g in graph.programs().items()}
@@ -152,7 +156,7 @@ def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
     lowered, quantization = _build(recipe, programs, eps, opts, weights, tracker)
     del eps
     if opts.runtime is not None and quantization is not None:
-        references = _quantized_references(recipe, quantization, opts.runtime, tracker)
+        references = _quantized_references(recipe, quantization, opts.runtime, tracker, references.own)
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
@@ -178,22 +182,21 @@ class References:
     quality: Any = None  # a quantized file's circleops.quantize.quality.Quality against fp32; None: fp32
 
 
-def _quantized_references(recipe: Any, quantization: Any, runtime: str, tracker: Any) -> References:
+def _quantized_references(recipe: Any, quantization: Any, runtime: str, tracker: Any, fp32: Any) -> References:
     """The recipe's references on the weights the files hold (the model's forward, fused by
-    now: same numerics) with ``runtime``'s rounding of each quantized linear's input; where
-    that rounding applies, again with every rounded input nudged 16 fp32 ulps
+    now: same numerics) with ``runtime``'s rounding of each quantized linear's input, and
+    their quality against ``fp32`` (its references on the model's own weights: reported, never
+    a bound); where that rounding applies, again with every rounded input nudged 16 fp32 ulps
     (circleops.quantize.weights.perturbed): the two differ by how far this model carries a
     rounding that another summation order flips, its noise floor."""
     from circleops.quantize import quality
     from circleops.quantize.weights import dequantized_sources, input_rounding
 
     module = recipe.weights_module()
-    with tracker.stage("torch reference logits", "verify", enter=False):
-        fp32 = recipe.references()  # the quality against fp32 (reported, never a bound): one forward more
-        with dequantized_sources(quantization, module, runtime):
-            refs = References(recipe.references())
-        refs.quality = quality.measure(fp32, refs.own)
-        del fp32
+    with tracker.stage("torch reference logits", "verify", enter=False), \
+            dequantized_sources(quantization, module, runtime):
+        refs = References(recipe.references())
+    refs.quality = quality.measure(fp32, refs.own)
     if input_rounding(quantization, runtime) is not None:
         with tracker.stage("torch reference logits", "verify", enter=False), \
                 dequantized_sources(quantization, module, runtime, perturb=0):

@@ -43,6 +43,7 @@ from circleops.quantize.linears import is_f32_const as _is_f32_const
 from circleops.quantize.linears import is_table as _is_table
 from circleops.quantize.linears import linear_weight as _linear_weight
 from circleops.quantize.linears import note_float_inputs
+from circleops.system.memory import Pager
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -246,6 +247,14 @@ class _RoundedInputs(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _decoded(codec: Any, blocks: Any, dtype: str, shape2d: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The values of ``blocks`` in ``like``'s shape and dtype: written straight into a new
+    float32 tensor (no float temporaries of the whole weight), else decoded and cast."""
+    if like.dtype == torch.float32:
+        return codec.decode_into(blocks, dtype, torch.empty(like.shape, dtype=torch.float32))
+    return codec.decode(blocks, dtype, shape2d).reshape(like.shape).to(like.dtype)
+
+
 @contextlib.contextmanager
 def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybrid: bool,
                   rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[list]:
@@ -284,7 +293,12 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
             rest.append(entry)
             continue
         for m in chosen:
+            # decoded while its parent runs (a fused op reads its children's weights), but an
+            # embedding and a child of the model itself (the lm_head) while they run: the
+            # model's whole forward would hold their tables decoded (1B: 2 x 1.05 GB, issue 32)
             parent = parents.get(id(m), m)
+            if isinstance(m, torch.nn.Embedding) or parent is model:
+                parent = m
             groups.setdefault(id(parent), (parent, []))[1].append((m, entry, m.weight))
     rounded: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
     handles: list[Any] = []
@@ -293,7 +307,7 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
         def before(mod: torch.nn.Module, args: tuple) -> None:
             with torch.no_grad():
                 for m, (_, blocks, dtype, shape2d, _), original in members:
-                    values = codec.decode(blocks, dtype, shape2d).reshape(original.shape).to(original.dtype)
+                    values = _decoded(codec, blocks, dtype, shape2d, original)
                     m.weight = torch.nn.Parameter(values, requires_grad=False)
                     if rounding is not None and isinstance(m, torch.nn.Linear):
                         rounded[id(m.weight)] = rounding
@@ -445,6 +459,7 @@ class _Quantizer:
         self.importance = importance or {}
         self.tables: set[tuple] = set()  # source keys of the embedding tables (a tied head's too)
         self.pending: dict[tuple, Any] = {}  # (source key, dtype) -> Future of _make's result
+        self.pager = Pager()  # a mapped source weight leaves the resident set once encoded (issue 32)
 
     def fits(self, k: int) -> bool:
         """Whether a linear with inputs of length ``k`` can be stored in this format."""
@@ -484,6 +499,7 @@ class _Quantizer:
         if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
         blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp, **self.codec_options)
+        self.pager.release_tensor(data)
         return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
 
     def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:

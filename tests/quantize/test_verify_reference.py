@@ -41,15 +41,17 @@ def test_quantized_file_matches_torch_on_its_own_rounding(llama, tmp_path, targe
     assert _verify(llama, tmp_path, target, fmt) <= FP32_REL
 
 
+def _codec_off(monkeypatch, factor):
+    """The GGML codec's two decoders (to a new tensor, into a given one) ``factor`` off."""
+    real, real_into = ggml.dequantize, ggml.dequantize_into
+    monkeypatch.setattr(ggml, "decode", lambda blocks, dtype, shape: real(blocks, dtype, shape) * factor)
+    monkeypatch.setattr(ggml, "decode_into", lambda blocks, dtype, out: real_into(blocks, dtype, out).mul_(factor))
+
+
 def test_a_wrong_codec_scale_is_seen(llama, tmp_path, monkeypatch):
     """Torch's side decodes the blocks with the codec; a codec whose scale is 2% off makes
     the reference differ from the file the interpreter runs far beyond fp32's tolerance."""
-    real = ggml.dequantize
-
-    def off(blocks, dtype, shape):
-        return real(blocks, dtype, shape) * 1.02
-
-    monkeypatch.setattr(ggml, "decode", off)
+    _codec_off(monkeypatch, 1.02)
     assert _verify(llama, tmp_path, "circle", "q4_0") > 10 * FP32_REL
 
 
@@ -108,7 +110,6 @@ def test_graphs_verify_sees_a_wrong_scale_beyond_the_noise_floor(deep_llama, tmp
     scales are not what the reference computes with) fail the same verify."""
     from circleops.errors import VerifyError
 
-    real = ggml.dequantize
-    monkeypatch.setattr(ggml, "decode", lambda blocks, dtype, shape: real(blocks, dtype, shape) * 1.02)
+    _codec_off(monkeypatch, 1.02)
     with pytest.raises(VerifyError, match="noise floor|16 fp32 ulps"):
         _graphs(deep_llama, tmp_path / "g", tolerance=1e-6)
