@@ -116,7 +116,8 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
     (what ``convert --threads`` made the files for; 1 for GGML weights) is the budget.
     """
     windowed = getattr(manifest, "windowed_prefills", {})
-    graphs = [*manifest.prefill_graphs.values(), *windowed, "decode"]
+    decodes = ["decode", *getattr(manifest, "windowed_decodes", {})]
+    graphs = [*manifest.prefill_graphs.values(), *windowed, *decodes]
     exact: Mapping[str, int] = threads if isinstance(threads, Mapping) else {}
     for graph, count in exact.items():
         if graph not in graphs:
@@ -131,7 +132,7 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
         budget = getattr(manifest, "num_threads", None)
     few_rows, cap = GRAPH_THREAD_CAPS.get(runtime, (0, 0))
     rows = {**{g: n for n, g in manifest.prefill_graphs.items()}, **{g: n for g, (n, _) in windowed.items()},
-            "decode": 1}
+            **{g: 1 for g in decodes}}
     plan: dict[str, int | None] = {}
     for graph in graphs:
         if graph in exact:
@@ -389,7 +390,8 @@ class Generator:
 
         self.manifest = source if isinstance(source, Manifest) else read_manifest(source)
         m = self.manifest
-        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values(), *m.windowed_prefills) if g not in m.files]
+        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values(), *m.windowed_prefills, *m.windowed_decodes)
+                   if g not in m.files]
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
@@ -409,6 +411,9 @@ class Generator:
             self.window_sessions.setdefault(n, []).append(
                 (w, open_graph(m, g, self.runtime, threads=self.threads[g])))
         self.decode_session = open_graph(m, "decode", self.runtime, threads=self.threads["decode"])
+        # [(window W, session)], narrowest first: a step at pos <= W reads only slots < W
+        self.decode_windows = [(w, open_graph(m, g, self.runtime, threads=self.threads[g]))
+                               for g, w in sorted(m.windowed_decodes.items(), key=lambda item: item[1])]
         _check_caches(m, self.decode_session)
         _check_vocab(m, {**{g: self.prefill_sessions[n] for n, g in m.prefill_graphs.items()},
                          "decode": self.decode_session})
@@ -553,8 +558,12 @@ class Generator:
         self._ids[0, 0] = token
         self._pos[0] = self.position
         self._ensure_caches()
-        outs = self.decode_session.run([self._ids, self._pos, *self.caches])
         m = self.manifest
+        window = next(((w, s) for w, s in self.decode_windows if self.position <= w), None)
+        if window is not None:  # the slots before the position are all this step attends to
+            outs = window[1].run([self._ids, self._pos, *cache_window(self.caches, window[0], m.cache_layout)])
+        else:
+            outs = self.decode_session.run([self._ids, self._pos, *self.caches])
         self.caches = store_caches(self.caches, outs[1:], self.position, m.cache_update, m.cache_layout)
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))

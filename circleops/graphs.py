@@ -139,6 +139,28 @@ def default_cache_windows(target: str, prefill_len: int, max_cache_len: int, cac
     return tuple(windows)
 
 
+# the narrowest decode window: below it a decode step's attention is no longer what it costs
+DECODE_MIN_WINDOW = 32
+
+
+def decode_windows(windows: Sequence[int] | None, target: str, max_cache_len: int, cache_update: str) -> tuple[int, ...]:
+    """The cache windows the decode graph is also written for: ``windows`` (the checked
+    --cache-windows) when given, else (the default) C/2, C/4, ... down to
+    :data:`DECODE_MIN_WINDOW` where :func:`default_cache_windows` writes prefill windows.
+    On LiteRT XNNPACK packs the cache operand of every attention BATCH_MATMUL on each run: a
+    decode step over all C slots cost C slots whatever its position (SmolLM2 int4, C=512: 29 %
+    of the step's CPU in that packing; bench/results/26-int4-speed.yaml)."""
+    if windows is not None:
+        return tuple(windows)
+    if not default_cache_windows(target, 1, max_cache_len, cache_update):
+        return ()
+    out, w = [], max_cache_len // 2
+    while w >= DECODE_MIN_WINDOW:
+        out.append(w)
+        w //= 2
+    return tuple(out)
+
+
 def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, max_cache_len: int,
                   cache_update: str) -> tuple[int, ...]:
     """``windows`` (None: :func:`default_cache_windows`) checked: each a whole number from the
@@ -556,6 +578,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
             named[f"{prefill_graph_name(lengths[0], lengths)}_c{w}"] = ("prefill", lengths[0])
     if "decode" in graphs:
         named["decode"] = ("decode", lengths[0])
+        given = None if cache_windows is None else check_windows(cache_windows, target, 1, max_cache_len, cache_update)
+        for w in decode_windows(given, target, max_cache_len, cache_update):
+            windows[f"decode_c{w}"] = w
+            named[f"decode_c{w}"] = ("decode", lengths[0])
     out_dir = Path(out_dir)
     fmt = profile.format
     per_graph = profile.one_file_per_graph and not signature_files(profile, onert_signatures)
@@ -611,7 +637,7 @@ class GraphsPlan:
     source: str
     out_dir: Path  # where the files are written (the staging directory)
     final_dir: Path  # where they are published
-    windows: dict[str, int] = field(default_factory=dict)  # windowed prefill graph -> its cache window W
+    windows: dict[str, int] = field(default_factory=dict)  # windowed prefill or decode graph -> its cache window W
     parts: list[tuple[int, int]] = field(default_factory=list)  # split: each file's layer range ([]: not split)
     per_graph_files: bool = True  # a file (or a part's file) per graph, else one with a signature per graph
     max_file_bytes: int | None = None  # the most one file may hold (split parts are planned within it)
@@ -814,7 +840,9 @@ def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: d
         inputs=ins, outputs=outs,
         eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=plan.source,
         quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update,
-        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None,
+        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()
+                         if plan.graphs[g][0] == "prefill"} or None,
+        decode_windows={g: w for g, w in plan.windows.items() if plan.graphs[g][0] == "decode"} or None,
         parts=[list(r) for r in plan.parts] or None,
         signature_api="nnfw-c" if opts.profile.one_file_per_graph and not plan.per_graph_files else None,
         part_files={g: infos[g].part_files for g in plan.graphs} if plan.parts else None)
@@ -892,6 +920,15 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
             out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
         del decode  # its child ends (IsolatedSession.__del__)
+    for g, w in manifest.windowed_decodes.items():  # the same step, reading the first W slots
+        if g not in graphs:
+            continue
+        caches, p = after if after is not None and after[1] <= w else (zeros, 0)
+        token = ids[p] if after is not None and after[1] <= w else ids[0]
+        window = [np.ascontiguousarray(c) for c in cache_window(caches, w, manifest.cache_layout)]
+        out = open_graph(manifest, g, runtime, isolated=True).run([np.array([[token]], np.int64),
+                                                                   np.array([p], np.int64), *window])[0][0, 0]
+        errors[g], wants[g] = float(np.abs(out - refs.logits[p]).max()), refs.logits[p]
     _check_errors(errors, wants, runtime, tol, manifest)
     return errors
 
