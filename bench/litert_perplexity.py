@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--check-json", default=None, help="an earlier `circleops check --json` of w8 on litert (no rerun)")
     ap.add_argument("--with-fp32", action="store_true", help="litert-torch's fp32 file too")
+    ap.add_argument("--quantize", default="w8", help="circleops' format (w8, int4, ...): `circleops check --quantize`")
+    ap.add_argument("--peer-files", nargs="*", default=None, metavar="NAME",
+                    help="litert-torch's files in --work/litert-torch to score (default: model_quantized.tflite; "
+                         "bench/llm_speed.py names its int4 files model_int4-b32.tflite, model_int4-pc.tflite)")
+    ap.add_argument("--results", default=str(RESULTS_FILE))
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)  # child: MODEL WINDOWS_JSON
     args = ap.parse_args(argv)
@@ -84,17 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_json:
         check = json.loads(Path(args.check_json).read_text())
     else:
-        cmd = [str(Path(sys.executable).with_name("circleops")), "check", "smollm2", "--quantize", "w8", "--runtime",
-               "litert", "--window", str(args.window), "--json", str(Path(args.work) / "check-w8-litert.json")]
+        out = Path(args.work) / f"check-{args.quantize}-litert.json"
+        cmd = [str(Path(sys.executable).with_name("circleops")), "check", "smollm2", "--quantize", args.quantize,
+               "--runtime", "litert", "--window", str(args.window), "--json", str(out)]
         cmd += ["--max-windows", str(args.max_windows)] if args.max_windows else []
         subprocess.run(cmd, check=True)
-        check = json.loads((Path(args.work) / "check-w8-litert.json").read_text())
+        check = json.loads(out.read_text())
     assert check["perplexity_tokens"] == count * (args.window - 1), "the check scored other windows"
     rows.append(["torch fp32 (transformers)", f"{check['perplexity_fp32']:.3f}", ""])
-    rows.append(["circleops --target tflite --quantize w8 (LiteRT)", f"{check['perplexity_quantized']:.3f}",
-                 f"{check['perplexity_ratio'] - 1:+.2%}"])
+    rows.append([f"circleops --target tflite --quantize {check.get('format', args.quantize)} (LiteRT)",
+                 f"{check['perplexity_quantized']:.3f}", f"{check['perplexity_ratio'] - 1:+.2%}"])
     fp32 = check["perplexity_fp32"]
-    peers = [("litert-torch 0.10 export_hf dynamic int8 weights (LiteRT)", "model_quantized.tflite")]
+    labels = {"model_quantized.tflite": "litert-torch 0.10 export_hf dynamic int8 weights (LiteRT)",
+              "model_int4-b32.tflite": "litert-torch 0.10 + ai-edge-quantizer dynamic_wi4b32_afp32 (LiteRT)",
+              "model_int4-pc.tflite": "litert-torch 0.10 + ai-edge-quantizer dynamic_wi4_afp32, per channel (LiteRT)"}
+    peers = [(labels.get(n, n), n) for n in (args.peer_files if args.peer_files is not None
+                                             else ["model_quantized.tflite"])]
     if args.with_fp32:  # the same model as torch fp32 (minutes more, token by token)
         peers.insert(0, ("litert-torch 0.10 export_hf fp32 (LiteRT)", "model.tflite"))
     for label, name in peers:
@@ -117,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         text = (f"`python bench/litert_perplexity.py --write` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}): "
                 f"SmolLM2-135M's perplexity on circleops' shipped perplexity text ({count * (args.window - 1)} "
                 f"tokens scored, {count} windows of {args.window} from an empty cache), each file run by LiteRT "
-                f"(XNNPACK); circleops' w8 file is `circleops check smollm2 --quantize w8 --runtime litert` "
-                f"(SmoothQuant folded, per-channel int8 weights, every linear of the tflite generation graphs), "
+                f"(XNNPACK); circleops' file is `circleops check smollm2 --quantize {args.quantize} --runtime litert` "
+                f"(every linear of the tflite generation graphs), "
                 f"litert-torch's files token by token through their decode signature. Load average {load0:.1f} / "
                 f"{load1:.1f} (perplexity does not depend on it).\n")
-        RESULTS_FILE.write_text(yaml.safe_dump({"heading": "bench/litert_perplexity.py — int8-weight tflite files: "
-                                                           "perplexity beside litert-torch's",
+        heading = ("bench/litert_perplexity.py — int8-weight tflite files: perplexity beside litert-torch's"
+                   if args.quantize == "w8" else f"bench/litert_perplexity.py --quantize {args.quantize} — perplexity "
+                   "beside litert-torch's int4 files (issue 34)")
+        Path(args.results).write_text(yaml.safe_dump({"heading": heading,
                                                 "blocks": [{"text": text}, {"table": table}]},
                                                sort_keys=False, width=100, allow_unicode=True))
         report.main([])
