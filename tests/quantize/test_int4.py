@@ -268,8 +268,8 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     q = report.quantization
     # 2 layers x 7 linears: all int4 but the 2 MLP down projections (int8 by measurement)
     assert sum(w.dtype == "INT4" for w in q.weights) == 2 * 6 and not q.kept_fp32 and not q.fallbacks
-    assert sorted(w.name for w in q.weights if "down_proj" in w.name and w.dtype == "INT8") == [
-        f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    downs = sorted(w.name for w in q.weights if "down_proj" in w.name and w.dtype == "INT8")
+    assert len(downs) == 2 and all(n.endswith(f"layers.{i}.mlp.down_proj.weight") for i, n in enumerate(downs))
     assert any("kept INT8 per channel by measurement" in line for line in q.summary_lines())
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
