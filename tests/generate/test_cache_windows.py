@@ -152,6 +152,15 @@ def test_bad_windows_are_refused(tmp_path, out):
     (bad / "model.tflite").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="prefill_windows"):
         read_manifest(bad)
+    data = json.loads((out / "manifest.json").read_text())
+    data["decode_windows"] = {"decode_c64": CACHE}  # a decode window as large as the cache
+    (bad / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="decode_windows"):
+        read_manifest(bad)
+    data["decode_windows"] = {"decode_c99": 16}  # a graph the directory lacks
+    (bad / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="decode_windows"):
+        read_manifest(bad)
 
 
 def test_cli_cache_windows(tmp_path, capsys):
