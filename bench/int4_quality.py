@@ -9,7 +9,7 @@ importance-weighted scales on the bf16 grid, the importance of `convert`'s calib
 where the variant says, int8 per channel (circleops.quantize.int8); the embedding and the tied
 head one int8 table; every linear's input rounded to int8 per row, asymmetric, as XNNPACK's qd8
 kernels do (circleops.quantize.int8.quantize_rows_asymmetric). Perplexity on circleops' shipped
-text (circleops.quant_report.text_ids), windows of 256 from an empty cache, as `circleops check`
+text (circleops.tools.quant_report.text_ids), windows of 256 from an empty cache, as `circleops check`
 scores a file. The all-int4 variant agrees with LiteRT running the file (bench/results/23-*:
 30.811, this emulation 30.795), so the variants need no file each. The extra bytes are those
 of the linears kept int8 over their int4 blocks.
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from circleops.models import load_smollm2
-    from circleops.quant_report import text_ids
+    from circleops.sources.models import load_smollm2
+    from circleops.tools.quant_report import text_ids
     from circleops.quantize import int4, int8
     from circleops.quantize.importance import input_importance
 
