@@ -95,6 +95,11 @@ class Manifest:
     # chunk at pos <= W attends to nothing past slot W, and attention over all C slots was a
     # third of a 64-row chunk's time on LiteRT (SmolLM2 w8, bench/results/18-*.yaml)
     prefill_windows: dict[str, list[int]] | None = None
+    # decode graphs that read only the first W cache slots (graph name -> W): a step at pos <= W
+    # runs the narrowest. XNNPACK packs the cache operand of each attention BATCH_MATMUL on
+    # every run, so a decode step over all C slots paid for C slots whatever its position
+    # (SmolLM2 int4 on LiteRT: 29 % of the step's CPU in packing at C=512, bench/results/26-*)
+    decode_windows: dict[str, int] | None = None
     # a split model (circleops.package.split): each file's layer range [start, stop), consecutive from
     # 0 to num_layers, the same for every graph; part_files[g] the files of graph g in that
     # order (files[g] is the first). None: every graph is one file.
@@ -109,6 +114,11 @@ class Manifest:
         """Graph name -> (prefill length, cache window W) of the prefill graphs whose caches
         are the first W slots ([1, Hkv, W, D] and [1, Hkv, D, W] head-major), if any."""
         return {g: (int(n), int(w)) for g, (n, w) in (self.prefill_windows or {}).items()}
+
+    @property
+    def windowed_decodes(self) -> dict[str, int]:
+        """Graph name -> cache window W of the decode graphs whose caches are the first W slots."""
+        return {g: int(w) for g, w in (self.decode_windows or {}).items()}
 
     @property
     def cache_shapes(self) -> list[list[int]]:
@@ -160,6 +170,7 @@ class Manifest:
             "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
             **({"vision": self.vision} if self.vision is not None else {}),
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
+            **({"decode_windows": self.decode_windows} if self.decode_windows else {}),
             **({"parts": self.parts, "part_files": self.part_files} if self.parts else {}),
             **({"signature_api": self.signature_api} if self.signature_api else {}),
         }
@@ -222,6 +233,10 @@ def _check_types(m: Manifest, path: Path) -> None:
             isinstance(m.prefill_windows, dict) and all(isinstance(k, str) and k in m.files and ints(v) and len(v) == 2
                                                         and 1 <= v[0] <= v[1] < m.max_cache_len
                                                         for k, v in m.prefill_windows.items()))),
+        ("decode_windows", m.decode_windows is None or (
+            isinstance(m.decode_windows, dict) and all(isinstance(k, str) and k in m.files and ints([w])
+                                                       and 1 <= w < m.max_cache_len
+                                                       for k, w in m.decode_windows.items()))),
     ) if not ok]
     if wrong:
         raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
@@ -294,7 +309,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
                      cache_update=data.get("cache_update") or "full",
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
-                     prefill_windows=data.get("prefill_windows"), parts=data.get("parts"),
+                     prefill_windows=data.get("prefill_windows"), decode_windows=data.get("decode_windows"),
+                     parts=data.get("parts"),
                      part_files=data.get("part_files"), signature_api=data.get("signature_api"))
     except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None

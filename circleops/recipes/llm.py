@@ -131,6 +131,28 @@ def default_cache_windows(target: str, prefill_len: int, max_cache_len: int, cac
     return tuple(windows)
 
 
+# the narrowest decode window: below it a decode step's attention is no longer what it costs
+DECODE_MIN_WINDOW = 32
+
+
+def decode_windows(windows: Sequence[int] | None, target: str, max_cache_len: int, cache_update: str) -> tuple[int, ...]:
+    """The cache windows the decode graph is also written for: ``windows`` (the checked
+    --cache-windows) when given, else (the default) C/2, C/4, ... down to
+    :data:`DECODE_MIN_WINDOW` where :func:`default_cache_windows` writes prefill windows.
+    On LiteRT XNNPACK packs the cache operand of every attention BATCH_MATMUL on each run: a
+    decode step over all C slots cost C slots whatever its position (SmolLM2 int4, C=512: 29 %
+    of the step's CPU in that packing; bench/results/26-int4-speed.yaml)."""
+    if windows is not None:
+        return tuple(windows)
+    if not default_cache_windows(target, 1, max_cache_len, cache_update):
+        return ()
+    out, w = [], max_cache_len // 2
+    while w >= DECODE_MIN_WINDOW:
+        out.append(w)
+        w //= 2
+    return tuple(out)
+
+
 def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, max_cache_len: int,
                   cache_update: str) -> tuple[int, ...]:
     """``windows`` (None: :func:`default_cache_windows`) checked: each a whole number from the
@@ -268,6 +290,11 @@ class LLMRecipe(Recipe):
                 named[f"{longest}_c{w}"] = ("prefill", lengths[0])
         if "decode" in self.names:
             named["decode"] = ("decode", lengths[0])
+            given = (None if o.cache_windows is None
+                     else check_windows(o.cache_windows, opts.target, 1, o.max_cache_len, self.cache_update))
+            for w in decode_windows(given, opts.target, o.max_cache_len, self.cache_update):
+                self.windows[f"decode_c{w}"] = w
+                named[f"decode_c{w}"] = ("decode", lengths[0])
         self.named = named
 
     def layer_bytes(self, quantize: str | None) -> Any:
@@ -308,7 +335,9 @@ class LLMRecipe(Recipe):
             vocab_size=int(self.model.config.vocab_size), inputs=ins, outputs=outs,
             eos_token_ids=eos, pad_token_id=pad_token_id(self.model.config, eos), tokenizer=tokenizer_dir,
             source=self.source, quantize=opts.quantize, num_threads=opts.threads, cache_update=self.cache_update,
-            prefill_windows={g: [self.named[g][1], w] for g, w in self.windows.items()} or None,
+            prefill_windows={g: [self.named[g][1], w] for g, w in self.windows.items()
+                             if self.named[g][0] == "prefill"} or None,
+            decode_windows={g: w for g, w in self.windows.items() if self.named[g][0] == "decode"} or None,
             parts=[list(r) for r in plan.parts] or None, signature_api=plan.signature_api,
             part_files={g: infos[g].part_files for g in graphs} if plan.parts else None)
 
@@ -460,6 +489,15 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
             out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
         del decode  # its child ends (IsolatedSession.__del__)
+    for g, w in manifest.windowed_decodes.items():  # the same step, reading the first W slots
+        if g not in graphs:
+            continue
+        caches, p = after if after is not None and after[1] <= w else (zeros, 0)
+        token = ids[p] if after is not None and after[1] <= w else ids[0]
+        window = [np.ascontiguousarray(c) for c in cache_window(caches, w, manifest.cache_layout)]
+        out = open_graph(manifest, g, runtime, isolated=True).run([np.array([[token]], np.int64),
+                                                                   np.array([p], np.int64), *window])[0][0, 0]
+        errors[g], wants[g] = float(np.abs(out - refs.logits[p]).max()), refs.logits[p]
     return {g: (err, float(np.abs(wants[g]).max())) for g, err in errors.items()}
 
 
