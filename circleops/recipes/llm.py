@@ -49,8 +49,7 @@ from typing import Any, Sequence
 from circleops.dtypes import short_name
 from circleops.errors import OutputError, TargetError
 from circleops.generation.generator import cache_window, empty_caches, open_graph, store_caches
-from circleops.options import (CACHE_UPDATES, DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, HEAD_MAJOR, SLOT_MAJOR,
-                               ConvertOptions)
+from circleops.options import CACHE_UPDATES, DEFAULT_PREFILL_LENS, HEAD_MAJOR, SLOT_MAJOR, ConvertOptions
 from circleops.package import split, step as package_step
 from circleops.package.manifest import GRAPH_NAMES, LOGITS_ROW, TOKENIZER_DIR, Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
@@ -170,19 +169,6 @@ def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, 
     return windows
 
 
-def parse_windows(text: str | None) -> tuple[int, ...] | None:
-    """``--cache-windows``: None (the target's default), "none" -> (), "256,128" -> (256, 128)."""
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise TargetError(f"--cache-windows takes cache slot counts separated by commas (e.g. 256,128) or 'none'; "
-                          f"got {text!r}.") from None
-
-
 def windowed_step(step: Any, window: int) -> Any:
     """``step`` reading only the first ``window`` cache slots: the same modules and parameters
     (so the graphs share every weight), caches of ``window`` slots."""
@@ -239,23 +225,18 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
 
 
 def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any = None, kind: str | None = None,
-               cache_update: str = "full", names: tuple[Sequence[str], Sequence[str]] | None = None) -> Any:
-    """Lower one exported step for ``target`` (a name, a TargetProfile or the pipeline's
-    Options); its subgraph and signature are named ``graph``, its inputs and outputs those of
-    :func:`io_names` for ``kind`` ("prefill" or "decode"; default: ``graph``'s own) and
-    ``cache_update``, or ``names`` (inputs, outputs) when given."""
+               cache_update: str = "full") -> Any:
+    """Lower one exported step for ``target`` (a name or a TargetProfile; the package step
+    lowers a recipe's graphs itself); its subgraph and signature are named ``graph``, its
+    inputs and outputs those of :func:`io_names` for ``kind`` ("prefill" or "decode";
+    default: ``graph``'s own) and ``cache_update``."""
     from circleops.lowering import lower_program
     from circleops.pipeline import stages
     from circleops.targets import profile
 
-    if isinstance(target, stages.Options):
-        stages.inline_fused_ops(ep, target.profile.graph_inline_ops)
-        model = stages.lower(ep, target)
-    else:
-        stages.inline_fused_ops(ep, profile(target).graph_inline_ops)
-        model = lower_program(ep, target, dtype=dtype)
-    ins, outs = names or io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
-    return package_step.name_graph(model, graph, ins, outs)
+    stages.inline_fused_ops(ep, profile(target).graph_inline_ops)
+    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
+    return package_step.name_graph(lower_program(ep, target, dtype=dtype), graph, ins, outs)
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -269,8 +250,34 @@ class LLMRecipe(Recipe):
     kind = "text"
     graph_names = GRAPH_NAMES
 
+    @classmethod
+    def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
+        parse_graph_names(options.graphs if options.graphs is not None else GRAPH_NAMES)
+        if source is not None and Path(source).suffix.lower() in (".pt2", ".pt", ".ep"):
+            raise TargetError(f"--graphs needs the model itself, not an ExportedProgram ({source}): the prefill "
+                              f"and decode graphs are exported from the model with its KV cache. Pass the HF "
+                              f"directory, .gguf file or smollm2.")
+        if options.fuse not in ("auto", "adapters"):
+            raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
+                              f"lives in circle.attention); --fuse {options.fuse} cannot apply. Drop --fuse.")
+        lengths = prefill_lengths(DEFAULT_PREFILL_LENS if options.seq_len is None else options.seq_len)
+        check_lengths(lengths[0], options.max_cache_len, None, source or "the model")
+
+    @classmethod
+    def from_source(cls, model: str | None, options: ConvertOptions) -> "LLMRecipe":
+        from circleops.pipeline.validate import resolve_dtype
+        from circleops.sources import models
+
+        o = options
+        loaded = models.load(model, config=o.config, dtype=resolve_dtype(o.dtype, None), seed=o.seed,
+                             allow_random_init=o.allow_random_init)
+        if loaded.kind != "hf":
+            raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
+        return cls(loaded.module, options, tokenizer=loaded.tokenizer, source=loaded.source)
+
     def check(self, opts: Any) -> None:
         o = self.options
+        self.check_options(o)
         self.names = parse_graph_names(o.graphs if o.graphs is not None else GRAPH_NAMES)
         self.cache_update = o.cache_update if o.cache_update is not None else default_cache_update(opts.target)
         if self.cache_update not in CACHE_UPDATES:
@@ -499,20 +506,3 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
                                                                    np.array([p], np.int64), *window])[0][0, 0]
         errors[g], wants[g] = float(np.abs(out - refs.logits[p]).max()), refs.logits[p]
     return {g: (err, float(np.abs(wants[g]).max())) for g, err in errors.items()}
-
-
-# circleops.recipes.vlm and .speech take these from here until they are recipes themselves
-from circleops.package.files import merge_models  # noqa: E402
-from circleops.package.output import prepare_dir, publish, staging_dir  # noqa: E402
-from circleops.package.report import GraphInfo  # noqa: E402
-from circleops.recipes.base import eos_token_ids  # noqa: E402
-
-prepare_output_dir = prepare_dir
-
-
-def eos_ids(model: Any) -> list[int]:
-    return eos_token_ids(getattr(model, "generation_config", None), getattr(model, "config", None))
-
-
-def pad_id(model: Any, eos: list[int]) -> int:
-    return pad_token_id(getattr(model, "config", None), eos)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.errors import ModelLoadError, TargetError
 from circleops.generation.generator import Generator, cache_window
 from circleops.recipes.llm import DECODE_MIN_WINDOW, convert_graphs, decode_windows, default_cache_windows
@@ -54,7 +55,7 @@ def test_tflite_writes_windows_down_to_twice_the_prefill(out):
     assert default_cache_windows("tflite", 64, 512, "full") == ()
     m = read_manifest(out)
     assert m.windowed_prefills == {"prefill_c64": (PREFILL, 64), "prefill_c32": (PREFILL, 32)}
-    assert json.loads((out / "manifest.json").read_text())["prefill_windows"] == {
+    assert manifest_json.read(out)["text"]["prefill_windows"] == {
         "prefill_c64": [PREFILL, 64], "prefill_c32": [PREFILL, 32]}
     gen = Generator(out)
     shapes = {w: [tuple(s.shape) for s in session.inputs[3:]] for w, session in gen.window_sessions[PREFILL]}
@@ -144,11 +145,9 @@ def test_bad_windows_are_refused(tmp_path, out):
     with pytest.raises(TargetError, match="cache_update='rows'"):
         convert_graphs(BY_NAME["llama"].build(), tmp_path / "b", target="tflite", prefill_len=8, max_cache_len=32,
                        cache_windows=[16], cache_update="full")
-    data = json.loads((out / "manifest.json").read_text())
-    data["prefill_windows"] = {"prefill_c64": [PREFILL, CACHE]}  # a window as large as the cache
     bad = tmp_path / "m"
     bad.mkdir()
-    (bad / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"prefill_windows": {"prefill_c64": [PREFILL, CACHE]}}, to=bad)  # as large as the cache
     (bad / "model.tflite").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="prefill_windows"):
         read_manifest(bad)
