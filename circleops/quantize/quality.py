@@ -57,16 +57,24 @@ def float_arrays(value: Any) -> list[Any]:
     return [value] if isinstance(value, np.ndarray) and value.dtype.kind == "f" else []
 
 
+def outputs(references: Any) -> list[Any]:
+    """What the quality is measured over: a recipe's references' ``logits`` when they have
+    them (a VLM's also hold its input pixels and its fp32 vision features), else every float
+    array (:func:`float_arrays`)."""
+    logits = getattr(references, "logits", None)
+    return float_arrays(logits) if logits is not None else float_arrays(references)
+
+
 def measure(fp32: Any, quantized: Any) -> Quality | None:
     """The :class:`Quality` of ``quantized`` against ``fp32``: two references of one recipe
-    (their :func:`float_arrays`, in the same order and shapes); each array's rows along its
-    last axis are positions. None when there is nothing to compare."""
+    (their :func:`outputs`, in the same order and shapes); each array's rows along its last
+    axis are positions. None when there is nothing to compare."""
     import numpy as np
 
     signal = noise = 0.0
     agree = positions = 0
     worst = 0.0
-    for a, b in zip(float_arrays(fp32), float_arrays(quantized)):
+    for a, b in zip(outputs(fp32), outputs(quantized)):
         if a.size == 0 or a.shape != b.shape:
             continue
         a64, b64 = a.astype(np.float64), b.astype(np.float64)

@@ -430,6 +430,15 @@ def test_a_subcommand_and_a_flag(tmp_path, capsys, monkeypatch):
     assert cli.main(["describe", "circle"]) == 0 and capsys.readouterr().out == "circle\n"
 
 
+def test_a_convert_option():
+    """Checked by tests/cli/test_convert_option.py, which edits a copy of circleops (the option's
+    field and its one use) and runs convert from it; here: that test names the same two files."""
+    text = (CONTRIBUTING.parent / "tests" / "cli" / "test_convert_option.py").read_text()
+    edits = re.search(r"^EDITS = \{(.*)\}$", text, re.M).group(1)
+    assert len(re.findall(r'"circleops/[\w/]+\.py"', edits)) == claims()["a convert option"]
+
+
 CHECKED = {"an op": test_an_op, "a lowering": test_a_lowering, "a target": test_a_target, "a runtime": test_a_runtime,
            "a weight format": test_a_weight_format, "a model family": test_a_model_family,
-           "a subcommand": test_a_subcommand_and_a_flag, "a CLI flag": test_a_subcommand_and_a_flag}
+           "a subcommand": test_a_subcommand_and_a_flag, "a CLI flag": test_a_subcommand_and_a_flag,
+           "a convert option": test_a_convert_option}
