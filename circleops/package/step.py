@@ -70,6 +70,10 @@ class Package:
     staging: Path  # where everything is written (and compared) first
     out_dir: Path  # where it is published
     tracker: Any  # circleops.pipeline.stages.Tracker
+    # undoes what prepare_weights changed in place (w8's SmoothQuant): closed once the files
+    # are written, before verify's runtime loads them (the folded weights' written pages are
+    # dropped, the file's again: 4.5 GB of the 1B shape's anonymous memory, issue 32)
+    restore: contextlib.ExitStack | None = None
 
 
 def verify_runtime(verify: bool | str, target: str, quantize: str | None) -> tuple[str | None, str | None]:
@@ -128,7 +132,7 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
             weights = stages.prepare_weights(recipe.weights_module(), opts, restore, tokenizer=recipe.tokenizer,
                                              tracker=tracker)
-            report = _package(recipe, Package(opts, plan, staging, out, tracker), weights)
+            report = _package(recipe, Package(opts, plan, staging, out, tracker, restore), weights)
         report.verify_note = note
         publish(staging, out)
     except BaseException:
@@ -282,7 +286,9 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
     tol = opts.verify_tolerance()
     tol = stages.format_tolerance(None, opts.dtype) if tol is None else tol
     noise = references.noise
-    stages.release_weights()  # written and referenced: the runtime's child needs the memory now
+    if pkg.restore is not None:  # written and referenced: the model's own weights again (ExitStack closes once)
+        pkg.restore.close()
+    stages.release_weights()  # and paged out: the runtime's child needs the memory now
     with pkg.tracker.stage("verify"):
         compared = recipe.compare(manifest, opts.runtime, references.own)
     what = f"max abs {recipe.compared} error" if recipe.compared else "max abs error"
