@@ -118,9 +118,10 @@ def _writer_drops_zero_points() -> None:
 
     orig = writer._quantization
 
-    def quantization(schema, t, where):
-        qp = orig(schema, t, where)
-        qp.zeroPoint = np.zeros(len(qp.scale), dtype="<i8")
+    def quantization(schema, t, where, index=None):  # the writer's signature, whatever the target
+        qp = orig(schema, t, where, index)
+        if qp.scale is not None and len(qp.scale):  # blockwise tables carry no zero points
+            qp.zeroPoint = np.zeros(len(qp.scale), dtype="<i8")
         return qp
 
     _replace("circleops.serialize.writer", "_quantization", quantization)
