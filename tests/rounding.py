@@ -100,12 +100,17 @@ def rounding_steps(model: Any, subgraph: int = 0, reductions_round_once: bool = 
 
 
 def output_steps(model: Any, subgraph: int = 0, reductions_round_once: bool = False,
-                 native_fp16: bool = False, dtypes: tuple[str, ...] = ("FLOAT32", "FLOAT16")) -> list[float]:
+                 native_fp16: bool = False, dtypes: tuple[str, ...] = ("FLOAT32", "FLOAT16"),
+                 rounded_constants: bool = False) -> list[float]:
     """Per output of the subgraph (in order): the most rounding steps on one path to it.
     ``model`` is a circleops.ir.Model (serialize.read_model); only ops with a result in
-    ``dtypes`` round (an fp16 file run against fp32: dtypes=("FLOAT16",))."""
+    ``dtypes`` round (an fp16 file run against fp32: dtypes=("FLOAT16",)).
+    ``rounded_constants``: the file's constants of ``dtypes`` were rounded from the model's
+    (fp16 weights of an fp32 model): one step each."""
     sg = model.subgraphs[subgraph]
     steps: dict[int, float] = {}
+    if rounded_constants:
+        steps.update({i: 1.0 for i, t in enumerate(sg.tensors) if t.data is not None and t.dtype in dtypes})
     for op in sg.operators:
         d = max((steps.get(i, 0.0) for i in op.inputs if i >= 0), default=0.0)
         if any(sg.tensors[o].dtype in dtypes for o in op.outputs) or op.opcode == "STABLEHLO_COMPOSITE":
@@ -143,3 +148,40 @@ def pt2e_rounding_depth(graph: torch.fx.Graph) -> int:
         d = max((depth[a] for a in n.all_input_nodes), default=0)
         depth[n] = d + (n.op == "call_function" and n.target == quantize)
     return max(depth.values(), default=0)
+
+
+# A fixed-point kernel's result vs another implementation's (LiteRT vs the reference
+# interpreter), in steps of the op's output: int8 kernels 0-1 step; LiteRT's int16 LOGISTIC,
+# SOFTMAX, TANH, RSQRT, EXP are table lookups 1-3 steps off (measured on one-op files,
+# tests/tflite/test_tflite_integer.py)
+INTEGER_LUT_OPS = {"LOGISTIC", "SOFTMAX", "TANH", "RSQRT", "EXP", "LOG", "GELU", "HARD_SWISH", "SQRT", "POW"}
+INTEGER_LUT_STEPS = 3
+
+
+def integer_output_bounds(model: Any, subgraph: int = 0) -> list[float]:
+    """Per output of an integer file's subgraph: how far two fixed-point implementations of it
+    may end apart, in the output's units (docs/testing.md): at every op with a quantized
+    integer result a value on a rounding boundary may land one of its kernel's deviations
+    apart (1 step, INTEGER_LUT_STEPS for int16 table lookups), moving the output by at most
+    that many of its own steps (passed on at unit gain, in output steps): the sum of the
+    deviations on the deepest path, times the step of the integer tensor the output is
+    dequantized from (or the output's own)."""
+    sg = model.subgraphs[subgraph]
+    steps: dict[int, float] = {}
+    source: dict[int, int] = {}  # a DEQUANTIZE's output -> the integer tensor it reads
+    for op in sg.operators:
+        d = max((steps.get(i, 0.0) for i in op.inputs if i >= 0), default=0.0)
+        out = sg.tensors[op.outputs[0]] if op.outputs else None
+        if op.opcode == "DEQUANTIZE":
+            source[op.outputs[0]] = op.inputs[0]
+        elif out is not None and out.quant is not None and out.dtype in ("INT8", "INT16", "UINT8") \
+                and op.opcode not in EXACT:
+            d += INTEGER_LUT_STEPS if op.opcode in INTEGER_LUT_OPS and out.dtype == "INT16" else 1
+        for o in op.outputs:
+            steps[o] = d
+    bounds = []
+    for o in sg.outputs:
+        q = sg.tensors[source.get(o, o)].quant
+        step = float(max(q.scale)) if q is not None and q.scale is not None and len(q.scale) else 0.0
+        bounds.append(steps.get(o, 0.0) * step)
+    return bounds

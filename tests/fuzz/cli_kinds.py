@@ -704,7 +704,7 @@ def task(rng: random.Random, s: CliSeeds, dest: Path) -> CliCase:
                           ("BertTokenizerFast", "GPT2Tokenizer", 2 ** 70))
             edits.append(("auto_map", _set("auto_map", {"AutoTokenizer": [evil_module(d, marker), None]})))
             what = _mutate_json_or(rng, d / name, edits)
-        text = rng.choice(("the cat sat", "", "x" * 200000, "\u0000\ud7ff", "[CLS] [SEP] [MASK]" * 100))
+        text = rng.choice(("the cat sat", "", "x" * 100000, "\u0000\ud7ff", "[CLS] [SEP] [MASK]" * 100))
         argv = ["run", str(s["task_text"]), "--text", text, "--model", str(d)]
         what = f"sst {name}: {what}"
     if rng.random() < 0.2:

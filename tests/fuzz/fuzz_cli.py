@@ -68,6 +68,8 @@ class CliStats:
 
     def summary(self) -> str:
         outcomes = ", ".join(f"{k} {self.outcomes.get(k, 0)}" for k in GOOD + BAD)
+        if self.outcomes.get("not_run"):
+            outcomes += f", not run (harness) {self.outcomes['not_run']}"
         return (f"{sum(self.cases.values())} cases over {len(self.cases)} kinds in {self.seconds:.0f} s "
                 f"(children's CPU {self.cpu_seconds:.0f} s; slowest {self.slowest[0]:.1f} s {self.slowest[1]}): "
                 f"{outcomes}")
@@ -102,9 +104,12 @@ def run_user_process(case: CliCase, case_dir: Path, timeout: float, memory: int)
     """``python -m circleops.cli ARGV`` as a user runs it, in ``case_dir``: (outcome, output)."""
     # offline unless the case says otherwise (HF_HUB_OFFLINE="": huggingface_hub may try the network)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **case.env}
-    proc = subprocess.Popen([sys.executable, "-m", "circleops.cli", *case.argv], cwd=case_dir, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_limits(memory))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "circleops.cli", *case.argv], cwd=case_dir, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=_limits(memory))
+    except OSError as err:  # an argument no shell could pass either (E2BIG): a harness bug, counted apart
+        return "not_run", f"cannot start: {err}"
     try:
         out, _ = proc.communicate(case.stdin or b"", timeout=timeout)
         code: int | None = proc.returncode
