@@ -45,7 +45,7 @@ from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_run
 from circleops.targets import PROFILES
 from circleops.remote_code import refuse_remote_code
 from circleops.token_ids import check_token_ids
-from circleops.user_files import read_json
+from circleops.user_files import read_json, users_processor
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -807,7 +807,9 @@ class SpeechGenerator:
             warn(f"the audio is {samples.size / extractor.sampling_rate:.1f} s long and the model hears windows of "
                  f"{extractor.n_samples / extractor.sampling_rate:.1f} s: only the first window is transcribed "
                  f"(long-form transcription is not implemented)")
-        feats = extractor(samples, sampling_rate=extractor.sampling_rate, return_tensors="np")["input_features"]
+        with users_processor("feature extractor", self.manifest.directory / (self.manifest.processor or ""),
+                             error=SpeechInputError):
+            feats = extractor(samples, sampling_rate=extractor.sampling_rate, return_tensors="np")["input_features"]
         return np.asarray(feats, dtype=np.float32)
 
     def transcribe(self, audio: str | os.PathLike | Any, *, language: str | None = None, task: str | None = None,

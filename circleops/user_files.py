@@ -352,6 +352,27 @@ def opened_image(path: str | os.PathLike, *, error: type[CircleOpsError] = Input
         Image.MAX_IMAGE_PIXELS = saved
 
 
+# what transformers' processors, tokenizers and feature extractors raise when their saved
+# configuration holds a value they cannot use ("image_mean": "", "n_fft": 0, "size": [1, 2])
+PROCESSOR_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+                    RuntimeError, AssertionError)
+
+
+@contextlib.contextmanager
+def users_processor(what: str, source: Any, *, error: type[CircleOpsError] = InputFileError) -> Iterator[None]:
+    """Inside, a processor, tokenizer or feature extractor that a user's files configure runs on
+    an input: what it raises on values of its configuration it cannot use becomes ``error``
+    naming ``what`` and where it was saved (``source``). Keep the block to the call itself."""
+    try:
+        yield
+    except CircleOpsError:
+        raise
+    except PROCESSOR_ERRORS as err:
+        raise _fail(error, f"the {what} saved in {source} failed on this input: {type(err).__name__}: "
+                           f"{_first_line(err)}. Its configuration holds values it cannot use: fix those files or "
+                           f"save the {what} again (save_pretrained).") from None
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return (text[0][:200] if text else type(err).__name__) or type(err).__name__

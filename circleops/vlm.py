@@ -683,10 +683,11 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     if image is None and "<image>" in text:
         raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
                               "or drop <image> from the prompt.")
-    try:
+    from circleops.user_files import users_processor
+
+    with users_processor("processor", getattr(processor, "name_or_path", None) or "the model's directory",
+                         error=ImageInputError):
         enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
-    except ValueError as err:
-        raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
     return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
 
 

@@ -263,6 +263,22 @@ def test_cli_values(seeds, tmp_path, capsys, monkeypatch):
     assert "not UTF-8 text" in err and "internal error" not in err
 
 
+def test_thread_counts_are_bounded(seeds, tmp_path, capsys):
+    """A thread count past validate.MAX_THREADS is refused before any pool is made (the CLI
+    hold-out fuzz: check --threads 100000 ended in an internal MemoryError from torch)."""
+    from circleops.cli import main
+    from circleops.validate import MAX_THREADS
+
+    config = tmp_path / "config.json"
+    shutil.copy(seeds.hf_dir / "config.json", config)
+    for argv in (["check", "--config", str(config), "-q", "--prompt-ids", "5,6", "-n", "1", "--policies", "fused"],
+                 ["generate", str(seeds.chat_dir), "--token-ids", "5,6", "-q", "--max-new-tokens", "1"],
+                 ["convert", "--config", str(config), "-o", str(tmp_path / "m.circle"), "--seq-len", "4"]):
+        assert main([*argv, "--threads", "100000"]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"from 1 to {MAX_THREADS}" in err and "internal error" not in err, err
+
+
 def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     from circleops.manifest import read_manifest
 
