@@ -100,17 +100,12 @@ def rounding_steps(model: Any, subgraph: int = 0, reductions_round_once: bool = 
 
 
 def output_steps(model: Any, subgraph: int = 0, reductions_round_once: bool = False,
-                 native_fp16: bool = False, dtypes: tuple[str, ...] = ("FLOAT32", "FLOAT16"),
-                 rounded_constants: bool = False) -> list[float]:
+                 native_fp16: bool = False, dtypes: tuple[str, ...] = ("FLOAT32", "FLOAT16")) -> list[float]:
     """Per output of the subgraph (in order): the most rounding steps on one path to it.
     ``model`` is a circleops.ir.Model (serialize.read_model); only ops with a result in
-    ``dtypes`` round (an fp16 file run against fp32: dtypes=("FLOAT16",)).
-    ``rounded_constants``: the file's constants of ``dtypes`` were rounded from the model's
-    (fp16 weights of an fp32 model): one step each."""
+    ``dtypes`` round."""
     sg = model.subgraphs[subgraph]
     steps: dict[int, float] = {}
-    if rounded_constants:
-        steps.update({i: 1.0 for i, t in enumerate(sg.tensors) if t.data is not None and t.dtype in dtypes})
     for op in sg.operators:
         d = max((steps.get(i, 0.0) for i in op.inputs if i >= 0), default=0.0)
         if any(sg.tensors[o].dtype in dtypes for o in op.outputs) or op.opcode == "STABLEHLO_COMPOSITE":
@@ -185,3 +180,38 @@ def integer_output_bounds(model: Any, subgraph: int = 0) -> list[float]:
         step = float(max(q.scale)) if q is not None and q.scale is not None and len(q.scale) else 0.0
         bounds.append(steps.get(o, 0.0) * step)
     return bounds
+
+
+_SUMS = {"FULLY_CONNECTED", "BATCH_MATMUL", "CONV_2D", "DEPTHWISE_CONV_2D", "MEAN", "SUM", "SOFTMAX", "RMS_NORM",
+         "AVERAGE_POOL_2D"}
+
+
+def fp16_roundings(model: Any, subgraph: int = 0, native_fp16: bool = False) -> list[float]:
+    """Per output: the most fp16 roundings on one path from the inputs (each fp16 constant
+    rounded once from the model's fp32 value): one per op with an fp16 result (ATTENTION: its
+    seven steps); with native fp16 arithmetic a sum of n terms rounds n / 2 partial sums of its
+    size and a transcendental ~8 times (XNNPACK's / oneDNN's fp16 kernels). Two runs whose
+    roundings are independent, each within half an fp16 step: the error's RMS relative to the
+    values is 2^-11 sqrt(roundings / 3) (uniform errors), its maximum within LAMBDA of that."""
+    sg = model.subgraphs[subgraph]
+    count: dict[int, float] = {i: 1.0 for i, t in enumerate(sg.tensors) if t.data is not None and t.dtype == "FLOAT16"}
+    for op in sg.operators:
+        r = max((count.get(i, 0.0) for i in op.inputs if i >= 0), default=0.0)
+        if any(sg.tensors[o].dtype == "FLOAT16" for o in op.outputs) and op.opcode not in EXACT:
+            n = int(sg.tensors[op.inputs[0]].shape[-1]) if sg.tensors[op.inputs[0]].shape else 1
+            if op.opcode == "ATTENTION":  # projections, rope, scores, softmax, weighted sum, output
+                r += 7 + (4 * n if native_fp16 else 0)
+            elif native_fp16 and op.opcode in _SUMS:
+                r += n / 2
+            elif native_fp16 and op.opcode in TRANSCENDENTAL:
+                r += 8
+            else:
+                r += 1
+        for o in op.outputs:
+            count[o] = r
+    return [count.get(o, 0.0) for o in sg.outputs]
+
+
+def fp16_error_bound(roundings: float) -> float:
+    """The largest relative error ``roundings`` independent fp16 roundings leave (see fp16_roundings)."""
+    return LAMBDA * 2.0 ** -11 * math.sqrt(roundings / 3)
