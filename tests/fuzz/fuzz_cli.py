@@ -52,6 +52,7 @@ class CliStats:
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    processes: int = 0  # cases run as a new process
     slowest: tuple[float, str] = (0.0, "")
 
     @property
@@ -147,9 +148,10 @@ def run_in_child(case: CliCase, case_dir: Path, timeout: float) -> tuple[str, st
 
 def fuzz_cli(cases: int, seed: int = 0, kinds: tuple[str, ...] = tuple(KINDS), timeout: float = 180,
              memory: int = MEMORY, work: Path | None = None, save_dir: Path | None = None,
-             in_process: bool = False, log=None) -> CliStats:
+             in_process: bool = False, log=None, process_every: int = 0) -> CliStats:
     """``cases`` cases spread over ``kinds`` in turn (case n is kind n mod len(kinds), drawn from
-    random.Random(seed)), each as a new process (or a forked child with ``in_process``)."""
+    random.Random(seed)), each as a new process, or with ``in_process`` a forked child (then
+    every ``process_every``-th case still a new process)."""
     stats = CliStats()
     t0 = time.monotonic()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -165,8 +167,10 @@ def fuzz_cli(cases: int, seed: int = 0, kinds: tuple[str, ...] = tuple(KINDS), t
             case_dir.mkdir(parents=True)
             case = KINDS[kind](rng, seeds, case_dir)
             t = time.monotonic()
-            how, text = (run_in_child(case, case_dir, timeout) if in_process
-                         else run_user_process(case, case_dir, timeout, memory))
+            child = in_process and not (process_every and n % process_every == 0)
+            how, text = run_in_child(case, case_dir, timeout) if child else \
+                run_user_process(case, case_dir, timeout, memory)
+            stats.processes += not child
             elapsed = time.monotonic() - t
             stats.add(kind, how, elapsed, case.what)
             if log is not None:
@@ -206,13 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="keep the seeds (and cases) here")
     p.add_argument("--save-dir", type=Path, default=None)
     p.add_argument("--in-process", action="store_true", help="forked children instead of new processes")
+    p.add_argument("--process-every", type=int, default=0, help="with --in-process: every N-th case a new process")
     args = p.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         p.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
     stats = fuzz_cli(args.cases, args.seed, kinds, args.timeout, int(args.memory_gib * 2 ** 30), args.work,
-                     args.save_dir, args.in_process, log=sys.stdout)
+                     args.save_dir, args.in_process, log=sys.stdout, process_every=args.process_every)
     print(stats.summary())
     for kind, row in sorted(stats.per_kind.items()):
         print(f"  {kind:18s} " + ", ".join(f"{k} {v}" for k, v in sorted(row.items())))
