@@ -722,9 +722,39 @@ def _auto_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary
+    entry: a byte-level or SentencePiece piece is one character per byte or character)."""
+    cached = getattr(tokenizer, "_circleops_longest_token", None)
+    if cached is None:
+        vocab = (tokenizer.tokenizer if isinstance(tokenizer, FastTokenizer) else tokenizer).get_vocab()
+        cached = max((len(piece) for piece in vocab), default=1) or 1
+        try:
+            tokenizer._circleops_longest_token = cached
+        except AttributeError:
+            pass
+    return int(cached)
+
+
+def check_text_fits(tokenizer: Any, text: str, tokens: int, what: str = "the prompt", *,
+                    error: type[GenerationLimitError] = GenerationLimitError) -> None:
+    """An ``error`` when ``text`` is longer than ``tokens`` tokens could be even at the
+    tokenizer's longest token: checked before tokenizing, which costs hundreds of bytes per
+    character (a pasted 30 MB text would take gigabytes to be refused afterwards)."""
+    longest = longest_token_chars(tokenizer)
+    if len(text) > tokens * longest:
+        raise error(
+            f"{what} is {len(text)} characters: more than the model's {tokens} cache slots can hold even at its "
+            f"longest token ({longest} characters). Shorten it, or convert again with a larger --max-cache-len.")
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
     """Token ids of ``prompt``, special tokens added as the tokenizer's post-processor says
-    (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
+    (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn.
+    ``max_tokens``: the cache's length, which a prompt longer than could ever fit is refused
+    against before tokenizing (check_text_fits)."""
+    if max_tokens is not None:
+        check_text_fits(tokenizer, prompt, max_tokens)
     if chat:
         if isinstance(tokenizer, FastTokenizer):
             tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
@@ -754,7 +784,7 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
     tokenizer = None
     if isinstance(prompt, str):
         tokenizer = load_tokenizer(gen.manifest)
-        ids = encode_prompt(tokenizer, prompt, chat)
+        ids = encode_prompt(tokenizer, prompt, chat, max_tokens=gen.manifest.max_cache_len)
     else:
         ids = [int(i) for i in prompt]
         if gen.manifest.tokenizer and stream is not None:

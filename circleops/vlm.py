@@ -49,7 +49,8 @@ from typing import Any, Callable, Sequence
 from circleops.chat import Chat
 from circleops.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
-from circleops.generate import Generation, Generator, GenerationLimitError, TextStream, open_graph
+from circleops.generate import (Generation, Generator, GenerationLimitError, TextStream, check_text_fits,
+                                open_graph)
 from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
                               decoder_step, default_cache_update, eos_ids, export_graph, io_names, lower_step,
                               merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
@@ -665,10 +666,13 @@ def _user_content(text: str, image: bool) -> list[dict[str, str]]:
     return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
 
 
-def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False) -> tuple[list[int], Any]:
+def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False,
+            max_tokens: int | None = None) -> tuple[list[int], Any]:
     """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
     makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
     prompt has one); with ``chat`` the prompt is one user turn of the processor's template."""
+    if max_tokens is not None:  # before the processor tokenizes
+        check_text_fits(processor.tokenizer, prompt, max_tokens)
     if chat:
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
@@ -700,7 +704,8 @@ def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike
     gen = VisionGenerator(directory, runtime=runtime)
     gen.check_chat(chat)
     processor = saved_processor(gen.manifest)
-    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
+    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat,
+                          max_tokens=gen.manifest.max_cache_len)
     gen.check_fits(len(ids), max_new_tokens)
     streamer = TextStream(processor.tokenizer, stream) if stream is not None else None
     result = gen.generate_with_image(ids, pixels, max_new_tokens, on_token=streamer, sampler=sampler)

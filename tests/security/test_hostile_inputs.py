@@ -357,3 +357,28 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     for change in ({"n_samples": 16000 * 10 ** 9}, {"feature_size": 80}, {"hop_length": 0}, {"n_samples": "x"}):
         with pytest.raises(ModelLoadError, match="does not make the encoder's input of 20 mel bins x 100 frames"):
             check_extractor(SimpleNamespace(**{**vars(good), **change}), m)
+
+
+def test_text_longer_than_the_cache_could_hold_is_refused_before_tokenizing(seeds, tmp_path, capsys, monkeypatch):
+    """A prompt or chat message longer than the cache's slots times the longest token is
+    refused before the tokenizer sees it (the CLI hold-out fuzz: a 3 MB line on chat's stdin
+    made the tokenizers library abort on a failed allocation, SIGABRT, under a 6 GiB limit;
+    tokenizing costs hundreds of bytes per character)."""
+    from circleops.cli import main
+    from circleops.generate import GenerationLimitError, check_text_fits, load_tokenizer
+    from circleops.manifest import read_manifest
+
+    manifest = read_manifest(seeds.chat_dir)
+    tokenizer = load_tokenizer(manifest)
+    capacity = manifest.max_cache_len
+    check_text_fits(tokenizer, "x" * capacity, capacity)  # one character per token: fits
+    with pytest.raises(GenerationLimitError, match="cache slots can hold"):
+        check_text_fits(tokenizer, "x" * (capacity * 20), capacity)
+    big = "x" * 3_000_000
+    assert main(["generate", str(seeds.chat_dir), "--prompt", big, "-q", "--max-new-tokens", "2"]) == 2
+    assert "3000000 characters" in capsys.readouterr().err
+    with address_space_limit(256 << 20):  # refused without the gigabytes tokenizing would take
+        monkeypatch.setattr(sys, "stdin", io.StringIO(big + "\nhi\n"))
+        assert main(["chat", str(seeds.chat_dir), "-q", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "this message is 3000000 characters" in err and "internal error" not in err, err
