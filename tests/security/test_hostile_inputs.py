@@ -382,3 +382,34 @@ def test_text_longer_than_the_cache_could_hold_is_refused_before_tokenizing(seed
         assert main(["chat", str(seeds.chat_dir), "-q", "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "this message is 3000000 characters" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda h, n: h[n].update(shape=[[1, "a"]]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=["0", "8"]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=[0, 2 ** 40]), "data offsets inside"),
+    (lambda h, n: h[n].update(shape=[True, 2]), "is not a tensor"),
+    (lambda h, n: h.update({n: [1, 2]}), "is not a tensor"),
+])
+def test_safetensors_header_entries_are_checked(seeds, tmp_path, capsys, change, message):
+    """The sizes read from a safetensors header before anything is built are checked by one
+    reader (user_files.read_safetensors_header; the CLI hold-out fuzz: a shape holding a list
+    ended in an internal TypeError in the size estimate)."""
+    from circleops.cli import main
+    from circleops.user_files import read_safetensors_header
+
+    d = tmp_path / "hf"
+    shutil.copytree(seeds.hf_dir, d)
+    (d / "model.safetensors.index.json").unlink()
+    data = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header, sorted(k for k in header if k != "__metadata__")[0])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(InputFileError, match=message):
+        read_safetensors_header(d / "model.safetensors")
+    assert main(["convert", str(d), "-o", str(tmp_path / "m.circle"), "--seq-len", "4", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err
