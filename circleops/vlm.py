@@ -150,13 +150,20 @@ def load_processor(path: Path, *, required: bool = True) -> Any:
 
     refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
     try:
+        if required:  # a damaged tokenizer.json or JSON file is named (generate.check_tokenizer_dir)
+            from circleops.generate import check_tokenizer_dir
+
+            check_tokenizer_dir(Path(path))
         with quiet_transformers():
             return AutoProcessor.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
+    except CircleOpsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers / tokenizers on a damaged or mistyped file
         if not required:
             return None
-        raise ModelLoadError(f"cannot load the processor saved in {path}: {str(err).strip()[:300]}. Convert again "
-                             f"from a model directory that holds its processor.") from None
+        raise ModelLoadError(f"cannot load the processor saved in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:300]}. Convert again from a model directory that holds "
+                             f"its processor.") from None
 
 
 def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = True, longest_edge: int | None = None,
