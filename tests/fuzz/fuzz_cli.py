@@ -8,6 +8,7 @@ task processors, .npy headers, tokenizers, chat templates, manifests, generation
     python tests/fuzz/fuzz_cli.py --cases 340 --seed 2026            # the hold-out run
     python tests/fuzz/fuzz_cli.py --kinds npy,pt2 --cases 20         # some kinds only
     python tests/fuzz/fuzz_cli.py --in-process --cases 40            # forked children (the CI slice's way)
+    python tests/fuzz/fuzz_cli.py --replay /tmp/fz/failed            # the saved failing cases, run again
 
 Each outcome is counted: ``ok`` (exit 0), ``refused`` (exit 2, one "circleops CMD: error:"
 paragraph or argparse's usage), and the failures: ``code_ran`` (a payload's marker file
@@ -19,6 +20,7 @@ copied to --save-dir with their log. ``--work DIR`` keeps the seeds between runs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -179,14 +181,34 @@ def fuzz_cli(cases: int, seed: int = 0, kinds: tuple[str, ...] = tuple(KINDS), t
                 tail = " | ".join(text.strip().splitlines()[-4:])[-700:]
                 stats.failures.append(f"case {n} [{kind}] {case.what[:200]}: {how}: {tail}\n    argv: "
                                       f"{' '.join(case.argv)[:400]}")
-                if save_dir is not None:
+                if save_dir is not None:  # replayable: python tests/fuzz/fuzz_cli.py --replay SAVE_DIR
                     (case_dir / "log.txt").write_text(text)
-                    (case_dir / "argv.txt").write_text("\n".join(case.argv))
+                    (case_dir / "case.json").write_text(json.dumps(
+                        {"kind": kind, "what": case.what, "argv": case.argv, "env": case.env, "dir": str(case_dir),
+                         "stdin": None if case.stdin is None else case.stdin.decode("latin-1")}))
                     shutil.copytree(case_dir, Path(save_dir) / f"{n:05d}-{kind}", symlinks=True, dirs_exist_ok=True)
             _remove(case_dir)
     stats.seconds = time.monotonic() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     stats.cpu_seconds = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    return stats
+
+
+def replay(save_dir: Path, timeout: float = 180, memory: int = MEMORY) -> CliStats:
+    """Run again every case a run saved in ``save_dir`` (its copy of the case's files in place
+    of the original directory), as a new process: the outcomes with the code as it is now."""
+    stats = CliStats()
+    for saved in sorted(p for p in Path(save_dir).iterdir() if (p / "case.json").is_file()):
+        spec = json.loads((saved / "case.json").read_text())
+        argv = [a.replace(spec["dir"], str(saved)) for a in spec["argv"]]
+        stdin = None if spec["stdin"] is None else spec["stdin"].encode("latin-1")
+        case = CliCase(spec["kind"], spec["what"], argv, stdin, spec["env"])
+        for marker in saved.rglob(MARKER):
+            marker.unlink()
+        t = time.monotonic()
+        how, text = run_user_process(case, saved, timeout, memory)
+        stats.add(spec["kind"], how, time.monotonic() - t, spec["what"])
+        stats.failures += [] if how in GOOD else [f"{saved.name}: {how}: {text.strip().splitlines()[-1:]}"]
     return stats
 
 
@@ -211,7 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-dir", type=Path, default=None)
     p.add_argument("--in-process", action="store_true", help="forked children instead of new processes")
     p.add_argument("--process-every", type=int, default=0, help="with --in-process: every N-th case a new process")
+    p.add_argument("--replay", type=Path, default=None, help="run again the cases a run saved in this --save-dir")
     args = p.parse_args(argv)
+    if args.replay is not None:
+        stats = replay(args.replay, args.timeout, int(args.memory_gib * 2 ** 30))
+        print(stats.summary())
+        print("\n".join(stats.failures))
+        return 1 if stats.bad else 0
     kinds = tuple(args.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
