@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.conversion import format_tolerance
+from circleops.pipeline.convert import format_tolerance
 from families import BY_NAME, example_ids
 
 FORMATS = ("fp16", "uint8", "int16", "q4_0", "q8_0", "w8")

@@ -135,7 +135,7 @@ def _vlm(s: CliSeeds) -> None:
     from chat_fixtures import tiny_chat_tokenizer
     from vlm_fixtures import tiny_vlm
 
-    from circleops import vlm
+    from circleops.recipes import vlm
 
     tokenizer = tiny_chat_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(vlm.IMAGE_TOKENS)})

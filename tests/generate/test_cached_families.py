@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from circleops.adapters import attention_blockers
-from circleops.generate import Generator
-from circleops.graphs import GraphsReport, convert_graphs
+from circleops.generation.generator import Generator
+from circleops.recipes.llm import GraphsReport, convert_graphs
 from families import BY_NAME, FAMILIES, MOE_FAMILIES, Family
 from generate_fixtures import hf_greedy, one_torch_thread
 
@@ -38,7 +38,7 @@ def logits_bound(directory: Path) -> float:
     fp32 rounding steps (tests/rounding.py) on the deepest path of a graph, twice (the K/V
     cache a step reads was computed by another run of a graph), one fp32 step each. Measured
     on the AMD EPYC: <= 1e-5; this comes to 1.5e-4 to 3e-4 for these 2-layer models."""
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
     from circleops.serialize import read_model
     from rounding import FP32_STEP, rounding_steps
 
@@ -197,7 +197,7 @@ def test_moe_families_generate_on_onert(tmp_path, family):
 def test_cli_convert_and_generate_gemma2(tmp_path, capsys):
     """The commands a user types, on Gemma 2 (soft-capping, a sliding layer, another scale)."""
     from circleops.cli import main as cli
-    from circleops.models import load_config
+    from circleops.sources.models import load_config
 
     cfg = tmp_path / "config.json"
     BY_NAME["gemma2"].config().to_json_file(cfg)
