@@ -256,8 +256,9 @@ def generate_flags(rng: random.Random, s: CliSeeds, dest: Path) -> CliCase:
     argv = ["generate", str(d), "--prompt", "hi", "-q", "--max-new-tokens", "2"]
     for flag, value in zip(*[iter(_pick(rng, GENERATE_FLAGS))] * 2):
         value = value.replace("{photo}", str(s["photo.png"])).replace("{wav}", str(s["clip.wav"]))
-        if flag == "--audio":
-            argv.remove("--prompt"), argv.remove("hi")
+        if flag == "--audio" and "--prompt" in argv:  # one input: the audio replaces the prompt
+            at = argv.index("--prompt")
+            del argv[at:at + 2]
         argv = _set_flag(argv, flag, value)
     if rng.random() < 0.3:
         argv.append("--chat")
@@ -602,7 +603,9 @@ def _wav_extra(rng: random.Random, s: CliSeeds, dest: Path) -> tuple[Path, str]:
         new = new[:4] + struct.pack("<I", len(new) - 8) + new[8:]
     elif r == 1:
         rate = rng.choice((1, 8000, 44100, 48000, 2 ** 31, 4294967295))
-        new, what = _wav(1, 2, frames=8000, rate=rate), f"rate {rate}"
+        new = bytearray(_wav(1, 2, frames=8000))
+        struct.pack_into("<II", new, 24, rate, (2 * rate) & 0xFFFFFFFF)  # the rate and the byte rate it implies
+        new, what = bytes(new), f"rate {rate}"
     elif r == 2:
         fmt, width = rng.choice(((6, 1), (7, 1), (0xFFFE, 2), (3, 8), (2, 2), (1, 5), (1, 0)))
         new, what = _wav(1, width or 1, fmt=fmt, frames=4000), f"format {fmt} width {width}"

@@ -167,7 +167,12 @@ def fuzz_cli(cases: int, seed: int = 0, kinds: tuple[str, ...] = tuple(KINDS), t
             if case_dir.exists():
                 shutil.rmtree(case_dir)
             case_dir.mkdir(parents=True)
-            case = KINDS[kind](rng, seeds, case_dir)
+            try:
+                case = KINDS[kind](rng, seeds, case_dir)
+            except Exception as err:  # noqa: BLE001 - a harness bug is counted apart, the run goes on
+                stats.add(kind, "not_run", 0.0, f"cannot make the case: {type(err).__name__}: {err}")
+                stats.failures.append(f"case {n} [{kind}] not run (harness): {type(err).__name__}: {err}")
+                continue
             t = time.monotonic()
             child = in_process and not (process_every and n % process_every == 0)
             how, text = run_in_child(case, case_dir, timeout) if child else \
