@@ -81,8 +81,9 @@ def main(args: argparse.Namespace) -> int:
 
         pyplot()  # a missing matplotlib fails now, not after the run
     if args.threads is not None:
-        if args.threads < 1:
-            raise CircleOpsError(f"--threads must be at least 1, got {args.threads}.")
+        from circleops.pipeline.validate import validate_threads
+
+        validate_threads(args.threads, "--threads")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -116,8 +117,11 @@ def _quant_main(args: argparse.Namespace) -> int:
     from circleops.quantize.recipe import recipe_from_args
 
     if args.threads is not None:
+        from circleops.pipeline.validate import validate_threads
+
+        validate_threads(args.threads, "--threads")
         import torch
-        torch.set_num_threads(max(1, args.threads))
+        torch.set_num_threads(args.threads)
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
     recipe = recipe_from_args(args)  # the integer recipe, checked before the model loads

@@ -62,6 +62,12 @@ _INTEGER_OPERANDS = {"STRIDED_SLICE": (1, 2, 3), "SLICE": (1, 2), "RESHAPE": (1,
                      "REDUCE_MAX": (1,), "REDUCE_MIN": (1,), "REDUCE_PROD": (1,), "REDUCE_ANY": (1,),
                      "EXPAND_DIMS": (1,), "TILE": (1,), "BROADCAST_TO": (1,)}
 _INDEX_TYPES = ("INT32", "INT64")
+# operator -> input positions onert reads when it prepares the kernel, so they must be
+# constants in a Circle file: a reduction whose axes were a runtime input (a graph input or
+# another op's output) killed onert 0.1.0 (SIGSEGV: MEAN, SUM and REDUCE_MAX measured on
+# one-op files; LiteRT reads them at run time, so .tflite files may compute them)
+_CONSTANT_OPERANDS = {"MEAN": (1,), "SUM": (1,), "REDUCE_MAX": (1,), "REDUCE_MIN": (1,), "REDUCE_PROD": (1,),
+                      "REDUCE_ANY": (1,)}
 
 _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")
@@ -631,6 +637,11 @@ def _check_integer_operands(w: _Walker, where: str, name: str, inputs: tuple[int
         if p >= len(inputs) or inputs[p] < 0:
             continue
         t = tensors[inputs[p]]
+        if w.fmt == "circle" and p in _CONSTANT_OPERANDS.get(name, ()):
+            bi = t["Buffer"]
+            if not (0 < bi < len(extents) and extents[bi] is not None and extents[bi][0] > 0):
+                raise w.fail(where, f"input {p} (the axes) is not a constant; onert reads a {name}'s axes when it "
+                                    f"loads the file and needs them in it")
         dtype = type_names.get(t["Type"])
         allowed = _INDEX_TYPES + (("INT16",) if name.startswith("GATHER") else ())  # TFLite's int16 positions
         if dtype not in allowed:
