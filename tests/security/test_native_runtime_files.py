@@ -266,20 +266,20 @@ def _mean_over(axes_constant: bool):
 def test_a_reduction_over_computed_axes_is_refused_for_onert(tmp_path):
     """onert 0.1.0 reads a reduction's axes when it loads the file: axes that are a graph input
     (or another op's output) kill it (SIGSEGV; found by the CLI hold-out fuzz on a damaged
-    Whisper prefill graph). The verifier refuses them in a Circle file; constant axes run."""
+    Whisper prefill graph). The integrity check refuses them in a Circle file; constant axes run."""
     from circleops.serialize import write_model
-    from circleops.serialize.verify import verify_file
+    from circleops.serialize.integrity import check_file
 
     good, bad = tmp_path / "good.circle", tmp_path / "bad.circle"
     write_model(_mean_over(True), good, "circle")
     write_model(_mean_over(False), bad, "circle")
-    verify_file(good)
+    check_file(good)
     with pytest.raises(CorruptFileError, match="input 1 \\(the axes\\) is not a constant"):
-        verify_file(bad)
+        check_file(bad)
     probe = ("import sys, numpy as np, onert; s = onert.infer.session(sys.argv[1], 'cpu'); "
              "s.infer([np.ones((1, 4, 8), np.float32)] + ([np.array([1], np.int32)] if 'bad' in sys.argv[1] else []))")
     crashed = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, env=ENV, timeout=300)
-    assert crashed.returncode == -signal.SIGSEGV  # the premise: without the verifier, onert dies
+    assert crashed.returncode == -signal.SIGSEGV  # the premise: without the integrity check, onert dies
     ran = subprocess.run([sys.executable, "-c", probe, str(good)], capture_output=True, env=ENV, timeout=300)
     assert ran.returncode == 0, ran.stderr
     r = _cli("run", str(bad), "--runtime", "onert", "-i", *_inputs(bad, tmp_path))
