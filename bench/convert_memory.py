@@ -6,6 +6,10 @@ runtime's child): anonymous (RssAnon: torch tensors, numpy arrays, buffers) and 
 (RssFile: the mapped safetensors and written files) resident bytes. Prints per stage the
 largest of each, and the whole run's peak (the command's RSS plus its children's at one instant,
 and the largest single process, which is what `/usr/bin/time` and os.wait4 call the peak).
+The verify child is forked: its RSS counts the parent's resident pages it shares
+(copy-on-write), so the RSS sum counts them twice; the proportional set size (Pss, from
+/proc/PID/smaps_rollup: a shared page split between its sharers) summed over the processes
+is what the machine holds for the run at once, the "pss" column.
 
     python bench/convert_memory.py -- /work/models/llama-3.2-1b-shape --graphs prefill,decode \
         --target onert --quantize q4_0 --verify -o /tmp/out-1b
@@ -39,6 +43,18 @@ def _status(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def _pss(pid: int) -> int:
+    """Pss of ``pid`` in bytes (0 once it is gone): its private pages and its share of shared ones."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _children(pid: int) -> list[int]:
@@ -76,10 +92,12 @@ class Sampler:
 
     def sample(self) -> None:
         main = _status(self.pid)
-        kids = [_status(k) for k in _children(self.pid)]
+        kid_ids = _children(self.pid)
+        kids = [_status(k) for k in kid_ids]
         row = {"anon": main.get("RssAnon", 0), "file": main.get("RssFile", 0), "rss": main.get("VmRSS", 0),
                "child": max([k.get("VmRSS", 0) for k in kids], default=0),
-               "sum": main.get("VmRSS", 0) + sum(k.get("VmRSS", 0) for k in kids)}
+               "sum": main.get("VmRSS", 0) + sum(k.get("VmRSS", 0) for k in kids),
+               "pss": _pss(self.pid) + sum(_pss(k) for k in kid_ids)}
         with self.lock:
             if self.stage not in self.peaks:
                 self.order.append(self.stage)
@@ -124,24 +142,27 @@ def main() -> int:
         load = os.getloadavg()
         sampler, code, wall, cpu = run(cmd)
     rows = []
-    print(f"{'stage':60s} {'anon':>7s} {'file':>7s} {'rss':>7s} {'child':>7s} {'sum':>7s}  (GB)")
+    keys = ("anon", "file", "rss", "child", "sum", "pss")
+    print(f"{'stage':60s} " + " ".join(f"{k:>7s}" for k in keys) + "  (GB)")
     for stage in sampler.order:
         p = sampler.peaks[stage]
         if not p:
             continue
-        rows.append([stage, *(round(p.get(k, 0) / GB, 2) for k in ("anon", "file", "rss", "child", "sum"))])
+        rows.append([stage, *(round(p.get(k, 0) / GB, 2) for k in keys)])
         print(f"{stage:60s} " + " ".join(f"{v:7.2f}" for v in rows[-1][1:]))
     peak_sum = max(p.get("sum", 0) for p in sampler.peaks.values() if p) / GB
     peak_one = max(max(p.get("rss", 0), p.get("child", 0)) for p in sampler.peaks.values() if p) / GB
+    peak_pss = max(p.get("pss", 0) for p in sampler.peaks.values() if p) / GB
     print(f"exit {code}; wall {wall:.0f} s, CPU {cpu:.0f} s; peak of one process {peak_one:.2f} GB, of the command "
-          f"and its children at once {peak_sum:.2f} GB; load {load[0]:.1f} at the start")
+          f"and its children at once {peak_sum:.2f} GB RSS, {peak_pss:.2f} GB Pss; load {load[0]:.1f} at the start")
     if a.yaml:
         import yaml
 
         Path(a.yaml).write_text(yaml.safe_dump({
             "command": " ".join(["circleops", "convert", *args]), "exit": code, "wall_s": round(wall),
             "cpu_s": round(cpu), "peak_one_gb": round(peak_one, 2), "peak_sum_gb": round(peak_sum, 2),
-            "load": round(load[0], 1), "columns": ["stage", "anon", "file", "rss", "child", "sum"], "rows": rows},
+            "peak_pss_gb": round(peak_pss, 2),
+            "load": round(load[0], 1), "columns": ["stage", *keys], "rows": rows},
             sort_keys=False))
     return code
 
