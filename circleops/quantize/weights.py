@@ -194,7 +194,7 @@ NUDGE = 2.0 ** -20
 # own noise floor (how far its outputs move under the nudge; circleops.package.step): the
 # runtime's summation order moves the inputs it rounds as the nudge does, so its error is
 # another draw of the same difference (the Llama-3.2-1B shape, q4_0: onert 1.36, nudges of 1
-# and 16 ulps 1.37-1.51; bench/results/26-scale-q4-depth.yaml)
+# and 16 ulps 1.37-1.51; bench/results/31-scale-q4-depth.yaml)
 NOISE_FLOORS = 2.0
 
 
