@@ -38,10 +38,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             verify: bool | str = False, tolerance: float | None = None,
             progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
             calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
+            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] | None = None,
             output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
-            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
-            weight_group_size: int | None = None, int8_weights: str = "") -> Report:
+            weight_bits: int | None = None, gptq: bool | None = None, rotate: str = "auto",
+            weight_group_size: int | None = None, int8_weights: str | None = None) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
@@ -77,15 +77,19 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         ``int16`` (with "uint8", target circle): parts kept at int16 activations, mixed
         precision: circleops.quantize.INT16_PARTS ("norms", "residual", ...), a preset of
         INT16_PRESETS ("llm"), or module names / globs ("*.mlp.down_proj"); "auto": the ops
-        around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
-        ``weight_bits`` 8 / 4: int8 per-channel or int4 (Circle INT4, target circle) weights; an
-        LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
-        scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
-        BlockwiseQuantization (circleops.quantize.grouped). ``int8_weights`` "auto": the 4-bit
-        linears whose rounding measures worst in the logits stay int8 per channel. ``gptq``: GPTQ rounding of the weights on the calibration
-        samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
-        stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
-        file's metadata ("circleops.quantization"); see docs/integer-llm.md.
+        around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity);
+        () or ["none"]: uint8 throughout. ``weight_bits`` 8 / 4: int8 per-channel or int4
+        (Circle INT4, target circle) weights; an LLM's lm_head stays int8. ``weight_group_size``
+        (4-bit): the input columns sharing a scale (None: 32; 0: per channel), rounded before
+        PT2E and written as Circle BlockwiseQuantization (circleops.quantize.grouped).
+        ``int8_weights`` "auto": the 4-bit linears whose rounding measures worst in the logits
+        stay int8 per channel ("none": none). ``gptq``: GPTQ rounding of the weights on the
+        calibration samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's
+        residual stream folded into its weights (auto: Llama-shaped LLMs). Left out (None), the
+        options take the recipes measured usable for an LLM (circleops.quantize.recipe.resolve_recipe:
+        uint8 on target circle: int16 "auto"; 4-bit weights: GPTQ and int8_weights "auto"),
+        else int8 weights and uint8 throughout. The recipe is
+        recorded in the file's metadata ("circleops.quantization"); see docs/integer-llm.md.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
@@ -97,12 +101,11 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     target, fmt, fuse = validate_target(target, fuse)
     quantize = validate_quantize(quantize, target, int16)
     fuse = integer_fuse(target, quantize, fuse)
-    from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
+    from circleops.quantize.recipe import RecipeOptions, resolve_recipe
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights=int8_weights)
-    recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
-                           calibrate, group_size_for(weight_bits, weight_group_size), int8_weights=int8_weights) \
-        if quantize in INTEGER_FORMATS else None
+    recipe = resolve_recipe(quantize, target, model, RecipeOptions(
+        weight_bits, gptq, rotate, weight_group_size, None if int16 is None else tuple(int16), calibrate, int8_weights))
+    int16 = recipe.int16 if recipe is not None else ()
     validate_threads(threads)
     if integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
@@ -122,8 +125,10 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
     with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the file is written
         weights = prepare_weights(model, opts, restore, example_args=example_args, tokenizer=tokenizer,
                                   tracker=tracker)
+        probe = None
         if recipe is not None:  # rotation and GPTQ change the weights until the file is written
             with hf_export_settings(model), dense_experts(model):
+                probe = _probe(model, example_args, tokenizer)  # fp32 logits of a hold-out text, before
                 _prepare_integer_llm(model, example_args, recipe, restore, (calibration_data, tokenizer), tracker)
         t += sum(tracker.timings.values())
         module = export_module(model)
@@ -141,7 +146,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
             ep, opts = _quantize_integer(ep, model, opts, job, Calibration(
                 example_args, calibrate, calibration_data, tokenizer,
                 getattr(getattr(model, "config", None), "vocab_size", None), tuple(int16),
-                getattr(progress, "bar", None) is not None, recipe, tuple(head)))
+                getattr(progress, "bar", None) is not None, recipe, tuple(head)), probe)
             from circleops.quantize.recipe import METADATA_KEY
 
             job.metadata[METADATA_KEY] = recipe.metadata()
@@ -159,15 +164,31 @@ def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: 
     prepare_llm(model, example_args, recipe, restore, data_and_tokenizer, tracker)
 
 
-def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:
+def _probe(model: Any, example_args: tuple, tokenizer: Any) -> Any:
+    """An LLM's fp32 logits on a hold-out text (circleops.quantize.llm.probe), or None."""
+    from circleops.quantize.llm import probe
+
+    return probe(model, example_args, tokenizer)
+
+
+def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration,
+                      probe: Any = None) -> tuple[Any, Options]:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then prepare,
     calibration, convert and a new export (circleops.pipeline.quantize_program); the job
-    then lowers that program and verifies against the converted (fake-quantized) module."""
+    then lowers that program and verifies against the converted (fake-quantized) module.
+    An LLM's converted module is scored against ``probe`` (its fp32 logits of a hold-out
+    text): the summary says what the file scores, and a warning what to add if it is not usable."""
     from circleops.pipeline import fuse
 
     ep, _ = fuse(ep, dataclasses.replace(opts, functionalize=False), job.fusion_model, job.tracker)
     with job.tracker.stage("calibrate"), hf_export_settings(model), torch.no_grad():
         converted, qep = quantize_program(ep, job.fusion_model, opts, calibration)
+    if probe is not None and calibration.recipe is not None:
+        from circleops.quantize.llm import score, score_line
+
+        line, warning = score_line(calibration.recipe, opts.target, *score(probe, converted))
+        calibration.recipe.lines.append(line)
+        job.warnings.extend([warning] if warning else [])
     job.reference = lambda: run_torch(converted, job.example_args, None)
     return qep, dataclasses.replace(opts, fuse="none")
 
