@@ -56,6 +56,11 @@ class QuantCheckReport:
     logits_sqnr_db: float | None = None  # over the N positions predicting fp32's greedy tokens
     recipe: dict[str, Any] | None = None  # an integer format's recipe (circleops.quantize.recipe)
     tico: dict[str, Any] | None = None  # TICO's PTQ on the same windows (or why it did not run)
+    # the perplexity windows teacher-forced (a hold-out text: never calibrated on): logits SQNR
+    # and how many positions' top-1 equals fp32's (each position, not only the leading ones)
+    holdout_sqnr_db: float | None = None
+    holdout_agreement: int = 0
+    holdout_positions: int = 0
 
     @property
     def perplexity_ratio(self) -> float:
@@ -86,6 +91,10 @@ class QuantCheckReport:
         lines.append(f"perplexity on {self.perplexity_tokens} tokens (windows of {self.window}): fp32 "
                      f"{self.perplexity_fp32:.3f}, {self.format} {self.perplexity_quantized:.3f} "
                      f"({self.perplexity_ratio - 1:+.2%})")
+        if self.holdout_sqnr_db is not None:
+            lines.append(f"hold-out text (the same windows, teacher-forced): logits SQNR {self.holdout_sqnr_db:.1f} dB, "
+                         f"top-1 equal to fp32's at {self.holdout_agreement} of {self.holdout_positions} positions "
+                         f"({self.holdout_agreement / max(self.holdout_positions, 1):.1%})")
         if self.tico is not None:
             t = self.tico
             if "error" in t:
@@ -121,7 +130,8 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     or where onert cannot run the integer recipe (int16, 4-bit weights, int16 parts).
     ``recipe``: for "uint8" / "int16", a circleops.quantize.recipe.IntegerRecipe (weight
     bits, group size, GPTQ, rotation, int16 parts, calibration windows), applied as convert
-    applies it; default: the recipe convert's defaults give. ``tico``: also TICO's PTQ
+    applies it, or the options as given (RecipeOptions, None: all left out), completed with
+    the defaults convert gives an LLM for target circle (resolve_recipe). ``tico``: also TICO's PTQ
     (tico.quantization, default PTQConfig) calibrated on the same windows, scored in torch.
     "litert": the --target tflite file (w8 only), with the fused ops the tflite generation
     graphs write inline inlined here too (TargetProfile.graph_inline_ops: attention, whose
@@ -142,9 +152,11 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     # file for NPU compilers) runs in the reference interpreter's integer kernels
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
     if integer:
-        from circleops.quantize.recipe import IntegerRecipe, check_recipe
+        from circleops.quantize.recipe import IntegerRecipe, RecipeOptions, check_recipe, resolve_recipe
 
-        recipe = recipe if recipe is not None else IntegerRecipe(quantize)
+        if not isinstance(recipe, IntegerRecipe):  # the options as given, the LLM defaults for the rest
+            recipe = resolve_recipe(quantize, "onert" if runtime == "onert" else "circle", model,
+                                    recipe if recipe is not None else RecipeOptions())
         recipe.scheme = quantize
         if runtime is None and (quantize == "int16" or recipe.weight_bits == 4 or recipe.int16):
             runtime = "reference"  # onert loads no int16 / int4 graph (circleops.validate)
@@ -189,8 +201,9 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     example = torch.tensor([chunks[0]])
     module = CausalLMLogits(reference).eval()
     t = time.perf_counter()
+    holdout = _Holdout()
     with hf_export_settings(reference), torch.no_grad():  # the model as given (before w8's smoothing)
-        fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
+        fp32_nll = [_nll(holdout.keep(module(torch.tensor([c]))[0].numpy()), c) for c in chunks]
     fp32_seconds = time.perf_counter() - t
 
     opts = pipeline.Options(target, quantize=quantize, functionalize=False)
@@ -242,7 +255,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg),
                (recipe, calibration_data, _head_names(module, reference)))
         run = _session(runtime, lm_path)
-        q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
+        q_nll = [_nll(holdout.compare(k, run([np.array([c], dtype=np.int64)])[0][0]), c) for k, c in enumerate(chunks)]
         timings["perplexity"] = time.perf_counter() - t + fp32_seconds
         file_bytes = path.stat().st_size
     tico_result = None
@@ -262,7 +275,43 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
         quantization=summary, timings=timings, layer_sqnr_db=sqnr, logits_sqnr_db=logits_sqnr,
-        recipe=recipe.to_dict() if integer else None, tico=tico_result)
+        recipe=recipe.to_dict() if integer else None, tico=tico_result, holdout_sqnr_db=holdout.sqnr_db(),
+        holdout_agreement=holdout.agree, holdout_positions=holdout.positions)
+
+
+class _Holdout:
+    """fp32's logits of each perplexity window, kept on disk (SmolLM2: 50 MB a window) until
+    the quantized file's are compared with them: the hold-out SQNR and top-1 agreement."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="circleops-holdout-")
+        self.signal = self.noise = 0.0
+        self.agree = self.positions = 0
+
+    def keep(self, logits: Any) -> Any:
+        import numpy as np
+
+        np.save(Path(self._dir.name) / f"{len(os.listdir(self._dir.name))}.npy", np.asarray(logits, np.float32))
+        return logits
+
+    def compare(self, k: int, got: Any) -> Any:
+        import numpy as np
+
+        ref = np.load(Path(self._dir.name) / f"{k}.npy", mmap_mode="r").astype(np.float64)
+        g = np.asarray(got, np.float64).reshape(ref.shape)
+        self.signal += float(np.sum(ref ** 2))
+        self.noise += float(np.sum((ref - g) ** 2))
+        self.agree += int(np.sum(ref.argmax(-1) == g.argmax(-1)))
+        self.positions += ref.shape[0]
+        return got
+
+    def sqnr_db(self) -> float | None:
+        self._dir.cleanup()
+        if not self.signal:
+            return None
+        return float("inf") if self.noise == 0 else float(10 * math.log10(self.signal / self.noise))
 
 
 def sqnr_db(ref: Any, got: Any) -> float:

@@ -100,6 +100,9 @@ def test_cli_check_int16_int4_grouped_gptq_against_fp32_and_tico(tmp_path, capsy
     assert data["recipe"]["group_size"] == 32 and data["recipe"]["gptq"] and data["recipe"]["weight_bits"] == 4
     assert any("in groups of 32" in line for line in data["quantization"])
     assert isinstance(data["logits_sqnr_db"], float) and len(data["layer_sqnr_db"]) == 2
+    # the hold-out figures: every position of the perplexity window, teacher-forced
+    assert data["holdout_positions"] == 32 and 0 <= data["holdout_agreement"] <= 32
+    assert isinstance(data["holdout_sqnr_db"], float) and "hold-out text (the same windows" in captured.out
     tico = data["tico"]
     assert "error" not in tico, tico
     assert tico["calibrate"] == 2 and 0 <= tico["agreement"] <= 4 and tico["perplexity"] > 1
