@@ -1,5 +1,5 @@
 """``circleops check MODEL --dtype fp16``: the fp16/bf16 numerics report per norm policy
-(circleops.precision)."""
+(circleops.tools.precision)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops import precision
-    from circleops.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
+    from circleops.tools import precision
+    from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
 
     parts = precision.__doc__.strip().replace("``", "").split("\n\n")
     parser.description = parts[0] + "\n\n" + parts[1]
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch threads for fp32 and the interpreter (default: torch's; 1: fastest when busy)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
-    # GGML weight quantization instead of the fp16/bf16 policies (circleops.quant_report)
+    # GGML weight quantization instead of the fp16/bf16 policies (circleops.tools.quant_report)
     from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
-    from circleops.quant_report import DEFAULT_WINDOW
+    from circleops.tools.quant_report import DEFAULT_WINDOW
 
     parser.add_argument("--quantize", choices=list(WEIGHT_ONLY_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import models
-    from circleops.precision import check, directory_tokenizer, low_precision_dtype
+    from circleops.sources import models
+    from circleops.tools.precision import CheckOptions, check, directory_tokenizer, low_precision_dtype
     from circleops.cli.common import writable
     from circleops.errors import CircleOpsError, OutputError
     from circleops.numerics import norm_policy
@@ -80,13 +80,7 @@ def main(args: argparse.Namespace) -> int:
         from circleops.numerics.report import pyplot
 
         pyplot()  # a missing matplotlib fails now, not after the run
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CircleOpsError(f"--threads must be at least 1, got {args.threads}.")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _torch_threads(args.threads)
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
     loaded = models.load(args.model, config=args.config, seed=args.seed)
@@ -95,9 +89,9 @@ def main(args: argparse.Namespace) -> int:
                              "HF directory, a .gguf file, smollm2 or --config), not an ExportedProgram.")
     tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
-    report = check(loaded.module, tokenizer, prompt=args.prompt, prompt_ids=prompt_ids, dtype=args.dtype,
-                   policies=policies, new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source,
-                   progress=progress)
+    options = CheckOptions(prompt=args.prompt, prompt_ids=prompt_ids, new_tokens=args.new_tokens, work_dir=args.keep,
+                           source=loaded.source, dtype=args.dtype, policies=policies)
+    report = check(loaded.module, tokenizer, options, progress=progress)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)
@@ -109,16 +103,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _quant_main(args: argparse.Namespace) -> int:
-    """``check --quantize``: circleops.quant_report on the loaded model."""
-    from circleops import models
+    """``check --quantize``: circleops.tools.quant_report on the loaded model."""
+    from circleops.sources import models
     from circleops.errors import CircleOpsError
-    from circleops.precision import directory_tokenizer
-    from circleops.quant_report import quant_check
+    from circleops.tools.precision import directory_tokenizer
+    from circleops.tools.quant_report import QuantCheckOptions, quant_check
     from circleops.quantize.recipe import recipe_from_args
 
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(max(1, args.threads))
+    _torch_threads(args.threads)
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
     recipe = recipe_from_args(args)  # the integer recipe, checked before the model loads
@@ -127,17 +119,25 @@ def _quant_main(args: argparse.Namespace) -> int:
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
     tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
-    report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
-                         prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
-                         new_tokens=args.new_tokens, window=args.window, max_windows=args.max_windows,
-                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress,
-                         recipe=recipe, calibration_data=args.calibration_data, tico=args.tico)
+    options = QuantCheckOptions(
+        prompt=args.prompt, prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None, tico=args.tico,
+        new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source, quantize=args.quantize,
+        window=args.window, max_windows=args.max_windows, runtime=args.runtime, recipe=recipe,
+        calibration_data=args.calibration_data)
+    report = quant_check(loaded.module, tokenizer, options, progress=progress)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)
     if not args.quiet:
         print(report.table())
     return 0
+
+
+def _torch_threads(threads: int | None) -> None:
+    if threads is not None:  # checked before torch sizes a pool with it
+        from circleops.pipeline.validate import validate_threads
+        import torch
+        validate_threads(threads, "--threads"), torch.set_num_threads(threads)
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -222,16 +222,10 @@ def recipe_for(scheme: str | None, *, weight_bits: int | None = None, gptq: bool
     return RecipeOptions(weight_bits, gptq, rotate, group_size, parts, calibrate, int8_weights)
 
 
-def int16_option(text: str | None) -> tuple[str, ...] | None:
-    """``--int16``'s text as recipe parts: None (left out: the default), () for "none"."""
-    if text is None or not text.strip():
-        return None
-    parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    return () if parts == ("none",) else parts
-
-
 def recipe_from_args(args: Any) -> RecipeOptions | None:
     """:func:`recipe_for` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
+    from circleops.options import int16_parts
+
     return recipe_for(args.quantize, weight_bits=args.weight_bits, gptq=args.gptq, rotate=args.rotate,
-                      group_size=args.weight_group_size, int16=int16_option(args.int16), calibrate=args.calibrate,
+                      group_size=args.weight_group_size, int16=int16_parts(args.int16), calibrate=args.calibrate,
                       int8_weights=args.int8_weights, tico=args.tico, calibration_data=args.calibration_data)

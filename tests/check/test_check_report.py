@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from circleops.precision import check, greedy
+from circleops.tools.precision import check, greedy
 from circleops.cli import main
 from circleops.errors import CircleOpsError
 from circleops.runtime.reference import Interpreter
@@ -145,7 +145,7 @@ def test_command_quiet_and_policy_subset(config_json, tmp_path, capsys):
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
     (["--prompt-ids", "1,999"], "out of range for the model's vocabulary of 256"),
     (["--json", "/nonexistent/dir/r.json"], "cannot write --json"),
-    (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads=0: give a thread count from 1"),
 ])
 def test_user_errors(config_json, capsys, args, message):
     model = [] if args == [] else ["--config", str(config_json)]

@@ -119,7 +119,7 @@ def prepare_python_dir(directory: Path) -> None:
     """Files the Python blocks read: model.circle (input_ids [1, 8] -> logits) and the
     prefill/decode graphs in out-circle/ (target circle, one file with two signatures)."""
     import circleops
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     ids = example_ids()
     circleops.convert(BY_NAME["llama"].build(), (ids,), str(directory / "model.circle"), target="circle")
@@ -143,8 +143,9 @@ def python_namespace(directory: Path) -> dict:
     angles = torch.outer(torch.arange(P + 1, dtype=torch.float32), 10000.0 ** (-torch.arange(0, D, 2) / D))
     table_cos, table_sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     input_ids = example_ids(8)
-    manifest = json.loads((directory / "out-circle" / "manifest.json").read_text())
-    caches = [torch.zeros(1, manifest["max_cache_len"], Hkv, D) for _ in range(4)]
+    from circleops.package.manifest import read_manifest
+
+    caches = [torch.zeros(1, read_manifest(directory / "out-circle").max_cache_len, Hkv, D) for _ in range(4)]
     return {
         "torch": torch,
         # rms_norm / rope / attention

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
+import manifest_json
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
 from families import FAMILIES
 
 from circleops.cli import main as cli
-from circleops.generate import GenerationLimitError, Generator, generate
+from circleops.generation.generator import GenerationLimitError, Generator, generate
 from circleops.errors import TargetError
 
 CASES = [("onert", "onert"), ("onert", "reference"), ("tflite", "litert"), ("circle", "reference")]
@@ -106,7 +107,7 @@ def test_cli_generate_token_ids(capsys, tiny_onert):
 
 def _topk_recording_sampler(config):
     """A Sampler that also records, per pick, whether the token was among the top_k logits."""
-    from circleops.sampling import Sampler
+    from circleops.generation.sampling import Sampler
 
     class Recording(Sampler):
         picks: list = []
@@ -123,7 +124,7 @@ def _topk_recording_sampler(config):
 def test_cli_sample_draws_what_the_sampler_draws(capsys, tiny_onert):
     """--sample --top-k 5 --seed S: the CLI's tokens are the API's draws with that config,
     each token among the 5 most likely ones, not greedy's; the seed decides the draws."""
-    from circleops.sampling import SamplingConfig
+    from circleops.generation.sampling import SamplingConfig
 
     prompt, greedy = TINY_PROMPTS[0], tiny_onert.expected[tuple(TINY_PROMPTS[0])]
     gen = Generator(tiny_onert.directory)
@@ -168,7 +169,7 @@ def test_cli_not_a_graphs_directory(capsys, tmp_path):
 def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     """`circleops convert --config ... --graphs prefill,decode --verify` then generate, as
     separate processes (the commands a user types); the model is the config's seeded one."""
-    from circleops.models import load_config
+    from circleops.sources.models import load_config
 
     cfg = tmp_path / "config.json"
     tiny_model.config.to_json_file(cfg)
@@ -184,7 +185,7 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     assert report["graphs"]["decode"]["ops"]["ROPE"] == 4
     assert report["graphs"]["decode"]["max_abs_error"] < 1e-4
     # two prefill graphs, each verified: prefill (8, the longest) and prefill_4
-    assert report["manifest"]["prefill_lens"] == [8, 4] and (out / "prefill_4.circle").is_file()
+    assert report["manifest"]["text"]["prefill_lens"] == [8, 4] and (out / "prefill_4.circle").is_file()
     assert max(report["graphs"][g]["max_abs_error"] for g in ("prefill", "prefill_4")) < 1e-4
     expected = hf_greedy(load_config(cfg).module, TINY_PROMPTS[0], TINY_NEW)
     proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(out), "--token-ids",
@@ -209,7 +210,7 @@ def test_other_families_on_onert(tmp_path, family):
     on onert (Llama is covered above with more prompts and runtimes)."""
     from generate_fixtures import one_torch_thread
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     model = family.build()
     prompt = TINY_PROMPTS[0]
@@ -227,8 +228,8 @@ def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_ex
 
     import torch
 
-    from circleops.conversion import export
-    from circleops.graphs import convert_graphs, decoder_step, lower_step
+    from circleops.pipeline.convert import export
+    from circleops.recipes.llm import convert_graphs, decoder_step, lower_step
     from circleops.serialize import write_model
 
     out = tmp_path / "old"
@@ -239,10 +240,7 @@ def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_ex
     ep = export(step, (ids, pos, *step.empty_caches()), adapters=False, warn_list=[])
     model = lower_step(ep, "prefill", "onert", step.num_layers, kind="decode")  # the io of the old prefill
     write_model(model, out / "prefill.circle", "circle")
-    manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["prefill_inputs"], manifest["prefill_lens"], manifest["cache_update"]
-    manifest["version"] = 1
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    manifest_json.write_legacy(out, 1, drop=["prefill_inputs", "prefill_lens", "cache_update"])
     gen = Generator(out)
     assert not gen.manifest.prefill_one_row and gen.manifest.cache_update == "full"
     for prompt in TINY_PROMPTS[:2] + [list(range(1, TINY_PREFILL + 4))]:  # the last takes two chunks

@@ -8,13 +8,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
+import manifest_json
 from generate_fixtures import TINY_CACHE, TINY_PREFILL
 from families import BY_NAME, FAMILIES, MOE_FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError
-from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
-                              parse_graph_names)
-from circleops.manifest import read_manifest
+from circleops.package.files import merge_models
+from circleops.recipes.llm import (convert_graphs, decoder_step, export_graph, io_names, lower_step,
+                                  parse_graph_names)
+from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model, write_model
 
 LAYERS = 2
@@ -77,7 +79,8 @@ def test_onert_graph_io(tiny_onert):
 
 
 def test_manifest(tiny_onert):
-    data = json.loads((tiny_onert.directory / "manifest.json").read_text())
+    data = manifest_json.fields(tiny_onert.directory)  # version 4: the text section's fields and the common ones
+    assert manifest_json.read(tiny_onert.directory)["kind"] == "text" and "text" in manifest_json.read(tiny_onert.directory)
     assert data["files"] == {"prefill": "prefill.circle", "decode": "decode.circle"}
     assert data["signatures"] == {"prefill": None, "decode": None}
     assert data["one_file_per_graph"] is True and data["default_runtime"] == "onert"
@@ -85,7 +88,7 @@ def test_manifest(tiny_onert):
     assert data["cache_shape"] == [1, TINY_CACHE, 2, 16]
     assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
     assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"] == io_names(LAYERS, "decode", "rows")[1]
-    assert data["cache_update"] == "rows" and data["version"] == 2
+    assert data["cache_update"] == "rows" and data["version"] == 4
     assert data["cache_layout"] == "k [1, Hkv, C, D], v [1, Hkv, D, C]"
     assert data["prefill_inputs"] == io_names(LAYERS, "prefill")[0] and data["prefill_lens"] == [TINY_PREFILL]
     m = read_manifest(tiny_onert.directory)
@@ -166,3 +169,28 @@ def test_bad_options(tmp_path):
     with pytest.raises(TargetError, match="comma-separated list of prefill, decode"):
         parse_graph_names("prefill,encode")
     assert parse_graph_names("decode, prefill") == ("prefill", "decode")
+
+
+def test_an_hf_directory_keeps_its_tokenizer(tmp_path, capsys):
+    """``convert DIR --graphs prefill,decode`` of an HF directory that holds a tokenizer saves it
+    beside the graphs, so ``generate --prompt`` (and --chat) work on the result as after
+    ``convert smollm2`` (it used to keep only the weights: "has no tokenizer")."""
+    from chat_fixtures import tiny_chat_tokenizer
+
+    from circleops.cli import main
+    from circleops.generation.generator import Generator
+
+    tokenizer = tiny_chat_tokenizer()
+    model_dir, out = tmp_path / "hf", tmp_path / "out"
+    BY_NAME["llama"].build(vocab_size=len(tokenizer), num_hidden_layers=1).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["convert", str(model_dir), "--graphs", "prefill,decode", "--target", "onert", "--seq-len", "8",
+                 "--max-cache-len", "32", "-q", "-o", str(out)]) == 0
+    assert read_manifest(out).tokenizer == "tokenizer"
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "hi there", "--chat", "-q", "--max-new-tokens", "4"]) == 0
+    text = capsys.readouterr().out
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    want = Generator(out).generate(list(ids), 4).tokens
+    assert text.strip("\n") == tokenizer.decode(want).strip("\n")

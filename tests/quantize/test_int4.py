@@ -239,7 +239,10 @@ def test_convert_int4_tflite_runs_in_litert(tmp_path, llama, fmt):
     q = report.quantization
     assert q.form == "blockwise" and q.embedding
     eight = sorted(w.name.rsplit(".", 2)[-2] for w in q.weights if w.dtype == "INT8")
-    assert eight == ["embed_tokens", "lm_head"]  # the table (EMBEDDING_LOOKUP) and the head, int8 per row
+    # the table (EMBEDDING_LOOKUP) and the head, int8 per row; int4 keeps the MLP down
+    # projections int8 too (measured better: int4_tflite.EIGHT_BIT_LINEARS)
+    layers = llama.config.num_hidden_layers
+    assert eight == sorted(["embed_tokens", "lm_head"] + (["down_proj"] * layers if fmt == "int4" else []))
     assert {w.dtype for w in q.weights} == {"INT4", "INT8"} and not q.fallbacks
     got = litert.run(path, [ids.numpy()])[0]
     np.testing.assert_allclose(reference.run(path, [ids.numpy()])[0], got, atol=1e-5 * max(1, np.abs(got).max()))
@@ -252,9 +255,9 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     """The generation graphs (prefill, its cache window, decode: one file sharing one set of
     int4 weights), every linear INT4 (attention inline), run by the Generator in LiteRT: each
     greedy token is torch's on the file's dequantized weights, up to the file's own error."""
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     out = tmp_path / "g"
     model = copy.deepcopy(llama)
@@ -263,7 +266,11 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     manifest = read_manifest(out)
     assert manifest.quantize == "int4" and set(manifest.files) == {"prefill", "prefill_c16", "decode"}
     q = report.quantization
-    assert sum(w.dtype == "INT4" for w in q.weights) == 2 * 7 and not q.kept_fp32 and not q.fallbacks
+    # 2 layers x 7 linears: all int4 but the 2 MLP down projections (int8 by measurement)
+    assert sum(w.dtype == "INT4" for w in q.weights) == 2 * 6 and not q.kept_fp32 and not q.fallbacks
+    downs = sorted(w.name for w in q.weights if "down_proj" in w.name and w.dtype == "INT8")
+    assert len(downs) == 2 and all(n.endswith(f"layers.{i}.mlp.down_proj.weight") for i, n in enumerate(downs))
+    assert any("kept INT8 per channel by measurement" in line for line in q.summary_lines())
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
     err = max(info.max_abs_error for info in report.graphs.values())
@@ -301,7 +308,7 @@ def test_gptq_at_static_block_scales_lowers_the_output_error():
 
 def test_quant_check_int4_runs_the_tflite_file_in_litert(llama):
     """check --quantize int4 (no --runtime): only LiteRT runs its files, so the report is LiteRT's."""
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     r = quant_check(llama, None, quantize="int4", prompt_ids=[5, 17, 42], new_tokens=4, window=64, max_windows=1)
     assert r.runtime == "litert" and r.perplexity_tokens == 63

@@ -16,10 +16,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 
+import manifest_json
 import fuzz_inputs  # noqa: E402
 from bounds import address_space_limit  # noqa: E402
 from circleops.errors import CircleOpsError, ModelLoadError  # noqa: E402
-from circleops.user_files import InputFileError, load_npy, opened_image, read_json, read_wav  # noqa: E402
+from circleops.inputs.user_files import InputFileError, load_npy, opened_image, read_json, read_wav  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +131,9 @@ def test_json_depth_and_damage_are_named(tmp_path):
 @pytest.mark.parametrize("name", ["manifest.json", "generation_config.json", "tokenizer/tokenizer_config.json",
                                   "tokenizer/tokenizer.json"])
 def test_nested_json_in_a_converted_directory(seeds, tmp_path, name):
-    from circleops.generate import encode_prompt, load_tokenizer
-    from circleops.manifest import read_manifest
-    from circleops.sampling import SamplingConfig
+    from circleops.generation.generator import encode_prompt, load_tokenizer
+    from circleops.package.manifest import read_manifest
+    from circleops.generation.sampling import SamplingConfig
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     (d / name).write_text(_deep())
@@ -142,7 +143,7 @@ def test_nested_json_in_a_converted_directory(seeds, tmp_path, name):
 
 
 def test_nested_speech_manifest_and_wrong_types(seeds, tmp_path):
-    from circleops.speech import read_speech_manifest
+    from circleops.package.speech_manifest import read_speech_manifest
 
     d = shutil.copytree(seeds.speech_dir, tmp_path / "speech")
     (d / "manifest.json").write_text(_deep())
@@ -164,7 +165,7 @@ def test_nested_speech_manifest_and_wrong_types(seeds, tmp_path):
     ('{"weight_map": {"model.embed_tokens.weight": "/etc/passwd"}}', "absolute path"),
 ])
 def test_safetensors_index(seeds, tmp_path, index, message):
-    from circleops import models
+    from circleops.sources import models
 
     d = shutil.copytree(seeds.hf_dir, tmp_path / "hf")
     (d / "model.safetensors.index.json").write_text(index)
@@ -173,7 +174,7 @@ def test_safetensors_index(seeds, tmp_path, index, message):
 
 
 def test_index_pointing_outside_through_a_symlink(seeds, tmp_path):
-    from circleops import models
+    from circleops.sources import models
 
     d = shutil.copytree(seeds.hf_dir, tmp_path / "hf")
     (d / "model.safetensors").rename(tmp_path / "outside.safetensors")
@@ -187,8 +188,8 @@ def test_index_pointing_outside_through_a_symlink(seeds, tmp_path):
     (lambda t: b"", "is empty"), (lambda t: t.replace(b'"<|endoftext|>":0', b'"<|endoftext|>":-5', 1), "-5"),
 ])
 def test_damaged_tokenizer_json(seeds, tmp_path, data, message):
-    from circleops.generate import encode_prompt, load_tokenizer
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import encode_prompt, load_tokenizer
+    from circleops.package.manifest import read_manifest
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     path = d / "tokenizer" / "tokenizer.json"
@@ -207,8 +208,8 @@ def test_damaged_tokenizer_json(seeds, tmp_path, data, message):
     ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "an output of"),
 ])
 def test_chat_template_errors_and_budget(seeds, tmp_path, template, message):
-    from circleops.chat_template import ChatTemplateError
-    from circleops.generate import encode_prompt, hf_tokenizer
+    from circleops.inputs.chat_template import ChatTemplateError
+    from circleops.generation.generator import encode_prompt, hf_tokenizer
 
     d = shutil.copytree(seeds.chat_dir / "tokenizer", tmp_path / "tokenizer")
     (d / "chat_template.jinja").write_text(template)
@@ -217,8 +218,8 @@ def test_chat_template_errors_and_budget(seeds, tmp_path, template, message):
 
 
 def test_chat_template_time_budget(seeds, tmp_path, monkeypatch):
-    import circleops.chat_template as ct
-    from circleops.generate import encode_prompt, hf_tokenizer
+    import circleops.inputs.chat_template as ct
+    from circleops.generation.generator import encode_prompt, hf_tokenizer
 
     monkeypatch.setattr(ct, "TEMPLATE_SECONDS", 0.5)  # the same 10^10-step loop, stopped sooner than 10 s
     d = shutil.copytree(seeds.chat_dir / "tokenizer", tmp_path / "tokenizer")
@@ -232,7 +233,7 @@ def test_chat_template_time_budget(seeds, tmp_path, monkeypatch):
 
 def test_sampling_values(seeds, tmp_path):
     from circleops.errors import CircleOpsError
-    from circleops.sampling import Sampler, SamplingConfig, SamplingError
+    from circleops.generation.sampling import Sampler, SamplingConfig, SamplingError
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     (d / "generation_config.json").write_text(json.dumps({"temperature": "hot", "top_k": [1]}))
@@ -263,17 +264,30 @@ def test_cli_values(seeds, tmp_path, capsys, monkeypatch):
     assert "not UTF-8 text" in err and "internal error" not in err
 
 
+def test_thread_counts_are_bounded(seeds, tmp_path, capsys):
+    """A thread count past validate.MAX_THREADS is refused before any pool is made (the CLI
+    hold-out fuzz: check --threads 100000 ended in an internal MemoryError from torch)."""
+    from circleops.cli import main
+    from circleops.pipeline.validate import MAX_THREADS
+
+    config = tmp_path / "config.json"
+    shutil.copy(seeds.hf_dir / "config.json", config)
+    for argv in (["check", "--config", str(config), "-q", "--prompt-ids", "5,6", "-n", "1", "--policies", "fused"],
+                 ["generate", str(seeds.chat_dir), "--token-ids", "5,6", "-q", "--max-new-tokens", "1"],
+                 ["convert", "--config", str(config), "-o", str(tmp_path / "m.circle"), "--seq-len", "4"]):
+        assert main([*argv, "--threads", "100000"]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"from 1 to {MAX_THREADS}" in err and "internal error" not in err, err
+
+
 def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
-    m = json.loads((d / "manifest.json").read_text())
-    m["max_cache_len"] = 100000
-    (d / "manifest.json").write_text(json.dumps(m))
+    manifest_json.edit(d, {"max_cache_len": 100000})
     with pytest.raises(ModelLoadError, match="max_cache_len is 100000 but the caches.*hold 32 slots"):
         read_manifest(d)
-    m["max_cache_len"], m["vocab_size"] = 32, float("inf")  # written as Infinity; int() overflows
-    (d / "manifest.json").write_text(json.dumps(m))
+    manifest_json.edit(d, {"max_cache_len": 32, "vocab_size": float("inf")})  # written as Infinity; int() overflows
     with pytest.raises(ModelLoadError, match="is incomplete"):
         read_manifest(d)
 
@@ -283,7 +297,7 @@ def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     ({"hidden_size": 10 ** 7, "intermediate_size": 10 ** 7}, "parameters, which in fp32 would need"),
 ])
 def test_config_sizes_are_bounded_before_building(seeds, tmp_path, change, message):
-    from circleops import models
+    from circleops.sources import models
 
     cfg = {**json.loads((seeds.hf_dir / "config.json").read_text()), **change}
     path = _file(tmp_path, "config.json", json.dumps(cfg).encode())
@@ -293,7 +307,7 @@ def test_config_sizes_are_bounded_before_building(seeds, tmp_path, change, messa
 
 def test_task_input_sizes_are_bounded():
     from circleops.errors import TargetError
-    from circleops.tasks import _image_hw, check_input_sizes, parse_input_shapes
+    from circleops.recipes.tasks import _image_hw, check_input_sizes, parse_input_shapes
 
     shapes = {"pixel_values": (parse_input_shapes(["pixel_values=1x3x1000000000000000000x1"])["pixel_values"],
                                "float32")}
@@ -333,7 +347,7 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     # a processor whose chunk_length is 10^9 would pad the audio to 1.6e13 samples
     from types import SimpleNamespace
 
-    from circleops.speech import check_extractor, read_speech_manifest
+    from circleops.package.speech_manifest import check_extractor, read_speech_manifest
 
     m = read_speech_manifest(seeds.speech_dir)
     good = SimpleNamespace(feature_size=20, n_samples=16000, hop_length=160, sampling_rate=16000)
@@ -341,3 +355,60 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     for change in ({"n_samples": 16000 * 10 ** 9}, {"feature_size": 80}, {"hop_length": 0}, {"n_samples": "x"}):
         with pytest.raises(ModelLoadError, match="does not make the encoder's input of 20 mel bins x 100 frames"):
             check_extractor(SimpleNamespace(**{**vars(good), **change}), m)
+
+
+def test_text_longer_than_the_cache_could_hold_is_refused_before_tokenizing(seeds, tmp_path, capsys, monkeypatch):
+    """A prompt or chat message longer than the cache's slots times the longest token is
+    refused before the tokenizer sees it (the CLI hold-out fuzz: a 3 MB line on chat's stdin
+    made the tokenizers library abort on a failed allocation, SIGABRT, under a 6 GiB limit;
+    tokenizing costs hundreds of bytes per character)."""
+    from circleops.cli import main
+    from circleops.generation.core import GenerationLimitError
+    from circleops.generation.tokenizers import check_text_fits, load_tokenizer
+    from circleops.package.manifest import read_manifest
+
+    manifest = read_manifest(seeds.chat_dir)
+    tokenizer = load_tokenizer(manifest)
+    capacity = manifest.max_cache_len
+    check_text_fits(tokenizer, "x" * capacity, capacity)  # one character per token: fits
+    with pytest.raises(GenerationLimitError, match="cache slots can hold"):
+        check_text_fits(tokenizer, "x" * (capacity * 20), capacity)
+    big = "x" * 3_000_000
+    assert main(["generate", str(seeds.chat_dir), "--prompt", big, "-q", "--max-new-tokens", "2"]) == 2
+    assert "3000000 characters" in capsys.readouterr().err
+    with address_space_limit(256 << 20):  # refused without the gigabytes tokenizing would take
+        monkeypatch.setattr(sys, "stdin", io.StringIO(big + "\nhi\n"))
+        assert main(["chat", str(seeds.chat_dir), "-q", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "this message is 3000000 characters" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda h, n: h[n].update(shape=[[1, "a"]]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=["0", "8"]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=[0, 2 ** 40]), "data offsets inside"),
+    (lambda h, n: h[n].update(shape=[True, 2]), "is not a tensor"),
+    (lambda h, n: h.update({n: [1, 2]}), "is not a tensor"),
+])
+def test_safetensors_header_entries_are_checked(seeds, tmp_path, capsys, change, message):
+    """The sizes read from a safetensors header before anything is built are checked by one
+    reader (user_files.read_safetensors_header; the CLI hold-out fuzz: a shape holding a list
+    ended in an internal TypeError in the size estimate)."""
+    from circleops.cli import main
+    from circleops.inputs.user_files import read_safetensors_header
+
+    d = tmp_path / "hf"
+    shutil.copytree(seeds.hf_dir, d)
+    (d / "model.safetensors.index.json").unlink()
+    data = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header, sorted(k for k in header if k != "__metadata__")[0])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(InputFileError, match=message):
+        read_safetensors_header(d / "model.safetensors")
+    assert main(["convert", str(d), "-o", str(tmp_path / "m.circle"), "--seq-len", "4", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.errors import CorruptFileError, ModelLoadError, RuntimeCrashError, RuntimeRunError
 from circleops.serialize.schema import get_schema
 
@@ -31,7 +32,7 @@ def graphs(tmp_path_factory):
     sys.path.insert(0, str(REPO / "tests"))
     from families import BY_NAME
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     torch.manual_seed(0)
     model = BY_NAME["llama"].build(num_hidden_layers=1)
@@ -173,13 +174,9 @@ def _copy(graphs, tmp_path, target="onert") -> Path:
 
 
 def _set_manifest(d: Path, **changes) -> None:
-    m = json.loads((d / "manifest.json").read_text())
-    for key, value in changes.items():
-        if key.startswith("files."):
-            m["files"][key[6:]] = value
-        else:
-            m[key] = value
-    (d / "manifest.json").write_text(json.dumps(m))
+    files = manifest_json.read(d)["files"]
+    files.update({key[6:]: value for key, value in changes.items() if key.startswith("files.")})
+    manifest_json.edit(d, {**{k: v for k, v in changes.items() if not k.startswith("files.")}, "files": files})
 
 
 @pytest.mark.parametrize("name, words", [
@@ -190,7 +187,7 @@ def _set_manifest(d: Path, **changes) -> None:
     (".", "is not a file name"),
 ])
 def test_manifest_files_stay_in_their_directory(graphs, tmp_path, name, words):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = _copy(graphs, tmp_path)
     (d / "escape.circle").symlink_to(graphs["onert"] / "decode.circle")  # a sound file, but outside
@@ -203,7 +200,7 @@ def test_manifest_files_stay_in_their_directory(graphs, tmp_path, name, words):
 
 
 def test_tokenizer_directory_stays_in_the_directory(graphs, tmp_path):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = _copy(graphs, tmp_path)
     _set_manifest(d, tokenizer="/etc")
@@ -254,3 +251,36 @@ def test_a_runtime_killed_for_memory_is_reported_as_such(graphs, monkeypatch):
     assert "fault inside" not in text and "GB resident of this machine's" in text
     peak = float(text.split("peaked at ")[1].split(" GB")[0])
     assert peak >= 0.2  # the child's own 200 MB at least
+
+
+def _mean_over(axes_constant: bool):
+    """MEAN(x [1, 4, 8], axes [1]) with the axes a constant or a graph input."""
+    from circleops import ir
+
+    axes = ir.Tensor("axes", (1,), "INT32", data=np.array([1], np.int32) if axes_constant else None)
+    tensors = [ir.Tensor("x", (1, 4, 8), "FLOAT32"), axes, ir.Tensor("y", (1, 1, 8), "FLOAT32")]
+    op = ir.Operator("MEAN", [0, 1], [2], "ReducerOptions", {"keepDims": True})
+    return ir.Model([ir.Subgraph("main", tensors, [op], [0] if axes_constant else [0, 1], [2])])
+
+
+def test_a_reduction_over_computed_axes_is_refused_for_onert(tmp_path):
+    """onert 0.1.0 reads a reduction's axes when it loads the file: axes that are a graph input
+    (or another op's output) kill it (SIGSEGV; found by the CLI hold-out fuzz on a damaged
+    Whisper prefill graph). The integrity check refuses them in a Circle file; constant axes run."""
+    from circleops.serialize import write_model
+    from circleops.serialize.integrity import check_file
+
+    good, bad = tmp_path / "good.circle", tmp_path / "bad.circle"
+    write_model(_mean_over(True), good, "circle")
+    write_model(_mean_over(False), bad, "circle")
+    check_file(good)
+    with pytest.raises(CorruptFileError, match="input 1 \\(the axes\\) is not a constant"):
+        check_file(bad)
+    probe = ("import sys, numpy as np, onert; s = onert.infer.session(sys.argv[1], 'cpu'); "
+             "s.infer([np.ones((1, 4, 8), np.float32)] + ([np.array([1], np.int32)] if 'bad' in sys.argv[1] else []))")
+    crashed = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, env=ENV, timeout=300)
+    assert crashed.returncode == -signal.SIGSEGV  # the premise: without the integrity check, onert dies
+    ran = subprocess.run([sys.executable, "-c", probe, str(good)], capture_output=True, env=ENV, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    r = _cli("run", str(bad), "--runtime", "onert", "-i", *_inputs(bad, tmp_path))
+    assert r.returncode == 2 and "is not a constant" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -20,7 +20,7 @@ import torch
 import circleops
 from circleops import ir
 from circleops.errors import VerifyError
-from circleops.report import VerifyResult
+from circleops.pipeline.report import VerifyResult
 from circleops.serialize import read_model, write_model
 from circleops.serialize.writer import remove_stale_temporaries
 
@@ -105,7 +105,7 @@ def test_failed_verify_keeps_the_previous_good_file_and_verifies_the_temporary(t
         assert Path(p).exists() and Path(p) != path
         return VerifyResult(runtime=runtime, max_abs_error=1.0, tolerance=1e-3, reference_max_abs=1.0, passed=False)
 
-    monkeypatch.setitem(conv_globals, "verify_file", failing)
+    monkeypatch.setitem(conv_globals, "compare_file", failing)
     with pytest.raises(VerifyError, match="nothing was written to"):
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).eval()
@@ -221,7 +221,7 @@ def _graphs_model():
 
 
 def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypatch):
-    from circleops import graphs
+    from circleops.recipes import llm as graphs
 
     out = tmp_path / "out"
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
@@ -231,23 +231,23 @@ def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypat
     def broken(*a, **k):
         raise RuntimeError("simulated failure in the middle of the re-conversion")
 
-    monkeypatch.setattr(graphs, "lower_step", broken)
+    monkeypatch.setattr("circleops.package.step.lower_graph", broken)
     with pytest.raises(RuntimeError, match="simulated"):
         graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.is_file()}
     assert after == before
-    assert json.loads((out / "manifest.json").read_text())["prefill_len"] == 4
+    assert json.loads((out / "manifest.json").read_text())["text"]["prefill_len"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the staging directory is gone
 
 
 def test_graphs_reconversion_replaces_the_directory_when_complete(tmp_path, umask_022):
-    from circleops import graphs
+    from circleops.recipes import llm as graphs
 
     out = tmp_path / "out"
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
     (out / "notes.txt").write_text("the user's own file")
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=6, max_cache_len=8)
-    assert json.loads((out / "manifest.json").read_text())["prefill_len"] == 6
+    assert json.loads((out / "manifest.json").read_text())["text"]["prefill_len"] == 6
     assert (out / "notes.txt").read_text() == "the user's own file"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     for p in out.iterdir():
