@@ -32,7 +32,7 @@ from pt2e import recipe as parse_recipe, sqnr_db  # noqa: E402
 
 def holdout_ids(tok, tokens: int, offset: int = 0, windows: int = 1) -> torch.Tensor:
     """[windows, tokens] ids of the hold-out text (perplexity.txt, never calibrated on), from ``offset``."""
-    from circleops.quant_report import PERPLEXITY_TEXT
+    from circleops.tools.quant_report import PERPLEXITY_TEXT
 
     ids = tok(PERPLEXITY_TEXT.read_text())["input_ids"]
     return torch.tensor([ids[offset + k * tokens:offset + (k + 1) * tokens] for k in range(windows)])
@@ -65,7 +65,7 @@ def main() -> int:
     args = p.parse_args()
 
     import circleops
-    from circleops import models
+    from circleops.sources import models
     from circleops.runtime import reference
 
     model, tok = models.load_smollm2()

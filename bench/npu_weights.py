@@ -33,7 +33,7 @@ WINDOWS = 24
 def holdout_batch(tok, tokens: int = 32, windows: int = WINDOWS) -> torch.Tensor:
     """The first ``windows`` windows of ``tokens`` tokens of the hold-out text (perplexity.txt),
     the first being bench/npu_holdout.py's."""
-    from circleops.quant_report import PERPLEXITY_TEXT
+    from circleops.tools.quant_report import PERPLEXITY_TEXT
 
     ids = tok(PERPLEXITY_TEXT.read_text())["input_ids"]
     return torch.tensor([ids[o:o + tokens] for o in range(0, len(ids) - tokens + 1, tokens)][:windows])
@@ -85,7 +85,7 @@ def int16_logits(model, batch: torch.Tensor, samples: list[tuple], head_int8: bo
     them unobserved), the lm_head int8 per channel."""
     import dataclasses
 
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
     from circleops.quantize.recipe import IntegerRecipe
 
     module = pipeline.CausalLMLogits(model).eval()
@@ -126,7 +126,7 @@ def main() -> int:
 
     import contextlib
 
-    from circleops import models
+    from circleops.sources import models
     from circleops.quantize.ggml import one_thread
     from circleops.quantize.rotate import rotated
 
