@@ -114,3 +114,22 @@ def test_cli_check_refuses_recipe_options_outside_integer_formats(tmp_path, caps
 
     code = main(["check", "--config", str(tmp_path / "none.json"), "--quantize", "q4_0", "--tico"])
     assert code != 0 and "apply to --quantize uint8 or int16" in capsys.readouterr().err
+
+
+def test_holdout_figures_count_every_position_of_every_window():
+    import math
+
+    import numpy as np
+
+    from circleops.tools.quant_report import _Holdout
+
+    a, b = np.random.default_rng(0).normal(size=(2, 6, 9)).astype(np.float32)
+    holdout = _Holdout()
+    holdout.keep(a), holdout.keep(b)
+    holdout.compare(0, a)  # the first window exact
+    holdout.compare(1, b[::-1] * 2)  # the second with its positions reversed and scaled
+    agree = 6 + int((b.argmax(-1) == b[::-1].argmax(-1)).sum())
+    noise = float(((b[::-1].astype(np.float64) * 2 - b) ** 2).sum())
+    want_db = 10 * math.log10(float((a.astype(np.float64) ** 2).sum() + (b.astype(np.float64) ** 2).sum()) / noise)
+    assert (holdout.agree, holdout.positions) == (agree, 12) and agree < 12
+    assert abs(holdout.sqnr_db() - want_db) < 1e-9
