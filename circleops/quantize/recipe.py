@@ -201,31 +201,29 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     return recipe
 
 
-def recipe_for(scheme: str | None, *, weight_bits: int | None = None, gptq: bool | None = None,
-               rotate: str = "auto", group_size: int | None = None, int16: Any = None, calibrate: int = 8,
-               int8_weights: str | None = None, tico: bool = False, calibration_data: Any = None
-               ) -> RecipeOptions | None:
+def recipe_options(scheme: str | None, options: RecipeOptions, *, tico: bool = False,
+                   calibration_data: Any = None) -> RecipeOptions | None:
     """The recipe options as the CLI gives them (check --quantize), checked before any work
     (resolve_recipe completes them once the model is loaded); None for a format that is not
     an integer graph (where only defaults are allowed)."""
     from circleops.quantize import INTEGER_FORMATS
 
-    parts = tuple(p.strip() for p in int16 if p.strip()) if int16 is not None else None
-    check_recipe(scheme, "circle", weight_bits, gptq, rotate, group_size, int8_weights=int8_weights)
+    o = options
+    check_recipe(scheme, "circle", o.weight_bits, o.gptq, o.rotate, o.group_size, int8_weights=o.int8_weights)
     if scheme not in INTEGER_FORMATS:
-        if tico or parts or calibration_data or calibrate != 8:
+        if tico or o.int16 or calibration_data or o.calibrate != 8:
             raise TargetError(f"--tico / --int16 / --calibrate / --calibration-data apply to --quantize uint8 or "
                               f"int16, not {scheme}")
         return None
-    if calibrate < 1:
-        raise TargetError(f"--calibrate must be at least 1, got {calibrate}")
-    return RecipeOptions(weight_bits, gptq, rotate, group_size, parts, calibrate, int8_weights)
+    if o.calibrate < 1:
+        raise TargetError(f"--calibrate must be at least 1, got {o.calibrate}")
+    return o
 
 
 def recipe_from_args(args: Any) -> RecipeOptions | None:
-    """:func:`recipe_for` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
+    """:func:`recipe_options` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
     from circleops.options import int16_parts
 
-    return recipe_for(args.quantize, weight_bits=args.weight_bits, gptq=args.gptq, rotate=args.rotate,
-                      group_size=args.weight_group_size, int16=int16_parts(args.int16), calibrate=args.calibrate,
-                      int8_weights=args.int8_weights, tico=args.tico, calibration_data=args.calibration_data)
+    options = RecipeOptions(args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
+                            int16_parts(args.int16), args.calibrate, args.int8_weights)
+    return recipe_options(args.quantize, options, tico=args.tico, calibration_data=args.calibration_data)
