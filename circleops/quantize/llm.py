@@ -78,7 +78,7 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
 
 
 # What an integer LLM file must score on the hold-out text to be called usable (issue 22's
-# goal for the NPU recipes: bench/results/29-npu-defaults.yaml measures the recipes against it)
+# goal for the NPU recipes: bench/results/35-npu-defaults.yaml measures the recipes against it)
 USABLE_DB = 15.0
 USABLE_AGREEMENT = 0.875  # 28 of 32 positions
 HOLDOUT_TEXT = Path(__file__).with_name("perplexity.txt")  # never calibrated on (calibration.txt is)

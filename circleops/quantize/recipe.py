@@ -152,7 +152,7 @@ def is_causal_lm(model: Any) -> bool:
 def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeOptions) -> IntegerRecipe | None:
     """The recipe of ``options`` for ``model`` on ``target``, checked; None for a format that
     is not an integer graph. For an LLM the options left out (None) take the recipes measured
-    usable (docs/integer-llm.md, bench/results/29-npu-defaults.yaml):
+    usable (docs/integer-llm.md, bench/results/35-npu-defaults.yaml):
 
     * 4-bit weights (asked for: 8 bits stay the default, the 4-bit recipe measures below
       the usable bar): GPTQ, and with groups ``int8_weights="auto"`` (the linears measured
@@ -173,7 +173,7 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     chosen = []
     # 8-bit weights unless asked: the 4-bit NPU recipe (16a4w with GPTQ and the measured int8
     # linears) scores 13.5 dB and 23/32 top-1 on SmolLM2's hold-out text, below USABLE_DB
-    # (bench/results/29-npu-defaults.yaml), so it is not yet what `--quantize int16` writes
+    # (bench/results/35-npu-defaults.yaml), so it is not yet what `--quantize int16` writes
     bits = 8 if o.weight_bits is None else o.weight_bits
     group = group_size_for(bits, o.group_size)
     gptq = o.gptq
