@@ -48,7 +48,7 @@ class Flag:
     help: str
     choices: str | tuple[str, ...] | None = None  # a tuple, or "module:NAME": the registry that defines them
     metavar: str | None = None
-    kind: str = "str"  # "str", "int", "float", "bool" (a switch), "list" (repeatable)
+    kind: str = "str"  # "str", "int", "float", "bool" (a switch), "switch" (--x / --no-x, else None), "list"
     cli_default: Any = None  # the flag's default when not the field's (--dtype: fp32); None: the field's
     parse: str | None = None  # "module:function" turning the flag's text into the field's value
 
@@ -99,26 +99,31 @@ class ConvertOptions:
         "--calibrate", "integer", _W + "calibrate on N samples (LLMs: windows of the text shipped in "
         "circleops/quantize/calibration.txt; other models: the example input with seeded noise, or "
         "--calibration-data) (default 8)", kind="int", metavar="N"))
-    int16: tuple[str, ...] = field(default=(), metadata=flag(
+    # the integer options left out (None) take their defaults, the recipe measured usable for an
+    # LLM (circleops.quantize.recipe.resolve_recipe, once the model is known)
+    int16: tuple[str, ...] | None = field(default=None, metadata=flag(
         "--int16", "integer", "with --quantize uint8: int16 activations for these comma-separated parts (mixed "
-        "precision): auto: the ops whose activations measure worst in uint8; {INT16_PARTS}; presets {INT16_PRESETS}; "
-        "or module names / globs (*.mlp.down_proj)", metavar="PARTS", cli_default="",
-        parse="circleops.options:comma_list"))
+        "precision): auto: the ops whose activations measure worst in uint8 (the default for an LLM with --target "
+        "circle); none: uint8 throughout; {INT16_PARTS}; presets {INT16_PRESETS}; or module names / globs "
+        "(*.mlp.down_proj)", metavar="PARTS", parse="circleops.options:int16_parts"))
     calibration_data: str | None = field(default=None, metadata=flag(
         "--calibration-data", "integer", _W + "a .pt file of input tensors to calibrate on (loaded with "
         "weights_only=True)", metavar="PT"))
-    weight_bits: int = field(default=8, metadata=flag(
+    weight_bits: int | None = field(default=None, metadata=flag(
         "--weight-bits", "integer", _W + "int8 per-channel or int4 (Circle INT4, target circle) weights; an LLM's "
-        "lm_head stays int8 (default 8)", kind="int", choices="circleops.quantize.recipe:WEIGHT_BITS"))
+        "lm_head stays int8 (default 8: the 4-bit recipe measures below the usable bar on SmolLM2, "
+        "docs/integer-llm.md)", kind="int", choices="circleops.quantize.recipe:WEIGHT_BITS"))
     weight_group_size: int | None = field(default=None, metadata=flag(
         "--weight-group-size", "integer", "with --weight-bits 4: N input columns share a scale (per-group, written as "
         "Circle BlockwiseQuantization); 0: one scale per output channel (default 32, measured best on SmolLM2: "
         "docs/integer-llm.md)", kind="int", metavar="N"))
-    int8_weights: str = field(default="", metadata=flag(
+    int8_weights: str | None = field(default=None, metadata=flag(
         "--int8-weights", "integer", "with --weight-bits 4: auto: the linears whose int4 rounding measures worst in "
-        "the logits stay int8 per channel (at most a quarter of the weights)", choices=("auto",)))
-    gptq: bool = field(default=False, metadata=flag(
-        "--gptq", "integer", _W + "GPTQ rounding of the weights on the calibration samples", kind="bool"))
+        "the logits stay int8 per channel (at most a quarter of the weights; the default for an LLM's grouped "
+        "4-bit weights); none: every linear int4", choices=("auto", "none")))
+    gptq: bool | None = field(default=None, metadata=flag(
+        "--gptq", "integer", _W + "GPTQ rounding of the weights on the calibration samples (default: on for an "
+        "LLM's 4-bit weights; --no-gptq: round to nearest)", kind="switch"))
     rotate: str = field(default="auto", metadata=flag(
         "--rotate", "integer", _W + "fold a Hadamard rotation of an LLM's residual stream into its weights (auto: "
         "Llama-shaped LLMs)", choices="circleops.quantize.recipe:ROTATE_MODES"))
@@ -211,6 +216,14 @@ ALIASES = {"prefill_len": "seq_len"}
 def comma_list(text: str) -> tuple[str, ...]:
     """``"a, b,"`` -> ("a", "b")."""
     return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def int16_parts(text: str | None) -> tuple[str, ...] | None:
+    """``--int16``: None or "" (left out: the default for the model), "none" -> (), "a,b" -> ("a", "b")."""
+    parts = comma_list(text or "")
+    if not parts:
+        return None
+    return () if parts == ("none",) else parts
 
 
 def on_off_auto(text: str) -> bool | None:

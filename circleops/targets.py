@@ -292,10 +292,10 @@ TFLITE = TargetProfile(
     # NEG is -q: 255 steps off with an int8 zero point, and -(-32768) wraps to -32768 in int16
     quantized_neg_raw=True,
     # int16 RSQRT interpolates a 512-segment table over the whole input range: rsqrt(100) read ~1.0 with the
-    # range at 8e5 (SmolLM2's norms); 3 ranges 16x apart, their MINIMUM (lower._rsqrt_ranges)
+    # range at 8e5 (SmolLM2's norms); 3 ranges 16x apart, their MINIMUM (quantize/integer/passes/rsqrt_ranges.py)
     quantized_rsqrt_ranges=3,
     # one massive token sets the norms' mean-square range (SmolLM2: 8e5, a step of 25 for the others' 16-100):
-    # computed also 256x finer, the fine one's rsqrt taken where it did not saturate (lower._narrow_mean_squares)
+    # computed also 256x finer, the fine one's rsqrt taken where it did not saturate (quantize/integer/passes/narrow_mean_squares.py)
     quantized_mean_square_narrow=256,
     # 16x8 CONV_2D reads its bias as int64 (an int32 one gives garbage, no error; FULLY_CONNECTED takes both)
     quantized_int16_bias="INT64",

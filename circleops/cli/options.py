@@ -54,6 +54,8 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str] | None = 
         kw: dict[str, Any] = dict(dest=f.name, help=_help(flag, choices))
         if flag.kind == "bool":
             kw.update(action="store_true")
+        elif flag.kind == "switch":  # --x / --no-x; neither: None (the default chosen later)
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
         elif flag.kind == "list":
             kw.update(action="append", default=[], metavar=flag.metavar)
         else:

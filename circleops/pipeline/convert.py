@@ -82,10 +82,15 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
         scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
         BlockwiseQuantization (circleops.quantize.grouped). ``int8_weights`` "auto": the 4-bit
-        linears whose rounding measures worst in the logits stay int8 per channel. ``gptq``: GPTQ rounding of the weights on the calibration
-        samples. ``rotate`` ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual
-        stream folded into its weights (auto: Llama-shaped LLMs). The recipe is recorded in the
-        file's metadata ("circleops.quantization"); see docs/integer-llm.md.
+        linears whose rounding measures worst in the logits stay int8 per channel ("none":
+        none). ``gptq``: GPTQ rounding of the weights on the calibration samples. ``rotate``
+        ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual stream folded into
+        its weights (auto: Llama-shaped LLMs). Left out (None), the options take the recipes
+        measured usable for an LLM (circleops.quantize.recipe.resolve_recipe: uint8 on target
+        circle: int16 "auto"; 4-bit weights: GPTQ and int8_weights "auto"), else int8 weights
+        and uint8 throughout. An LLM's summary says what the file scores on a hold-out text
+        (a warning with the flags that fix it when it is not usable). The recipe is recorded
+        in the file's metadata ("circleops.quantization"); see docs/integer-llm.md.
     threads: the NUM_THREADS the onert file will run with (target onert). None or 2+: linears
         of 4+ rows are 1x1 CONV_2D (onert's blocked GEMM, faster with a second core); 1: they
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
@@ -111,16 +116,15 @@ class _Plan:
 def _resolve(o: ConvertOptions, model: Any, path: str | os.PathLike) -> _Plan:
     """Every option checked before any work (circleops.pipeline.validate), resolved into the
     pipeline's Options."""
-    from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
+    from circleops.quantize.recipe import RecipeOptions, resolve_recipe
 
     target, fmt, fuse = validate_target(o.target, o.fuse)
-    int16 = tuple(p.strip() for p in o.int16 if p.strip())
+    int16 = None if o.int16 is None else tuple(p.strip() for p in o.int16 if p.strip())
     quantize = validate_quantize(o.quantize, target, int16)
     fuse = integer_fuse(target, quantize, fuse)
-    check_recipe(quantize, target, o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int8_weights=o.int8_weights)
-    recipe = IntegerRecipe(quantize, o.weight_bits, o.rotate, o.gptq, int16, o.calibrate,
-                           group_size_for(o.weight_bits, o.weight_group_size), int8_weights=o.int8_weights) \
-        if quantize in INTEGER_FORMATS else None
+    # the options left out (None) take the recipe measured usable for an LLM
+    recipe = resolve_recipe(quantize, target, model, RecipeOptions(
+        o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int16, o.calibrate, o.int8_weights))
     validate_threads(o.threads)
     verify = o.verify_runtime
     if o.integer_io and (quantize not in INTEGER_FORMATS or verify):
@@ -146,8 +150,10 @@ def _convert(model: Any, example_args: tuple, plan: _Plan, tokenizer: Any, track
     with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the file is written
         weights = prepare_weights(model, opts, restore, example_args=example_args, tokenizer=tokenizer,
                                   tracker=tracker)
+        probe = None
         if recipe is not None:  # rotation and GPTQ change the weights until the file is written
             with hf_export_settings(model), dense_experts(model):
+                probe = _probe(model, example_args, tokenizer)  # fp32 logits of a hold-out text, before
                 _prepare_integer_llm(model, example_args, recipe, restore, (o.calibration_data, tokenizer), tracker)
         t += sum(tracker.timings.values())
         module = export_module(model)
@@ -161,7 +167,7 @@ def _convert(model: Any, example_args: tuple, plan: _Plan, tokenizer: Any, track
         tracker.timings["export"] = time.perf_counter() - t
         if opts.integer_format is not None:
             calibration = _calibration(model, module, example_args, plan, tokenizer, tracker)
-            ep, opts = _quantize_integer(ep, model, opts, job, calibration)
+            ep, opts = _quantize_integer(ep, model, opts, job, calibration, probe)
             from circleops.quantize.recipe import METADATA_KEY
 
             job.metadata[METADATA_KEY] = recipe.metadata()
@@ -180,7 +186,7 @@ def _calibration(model: Any, module: Any, example_args: tuple, plan: _Plan, toke
         if callable(getattr(model, "get_output_embeddings", None)) else []
     return Calibration(example_args, o.calibrate, o.calibration_data, tokenizer,
                        getattr(getattr(model, "config", None), "vocab_size", None),
-                       tuple(p.strip() for p in o.int16 if p.strip()),
+                       tuple(plan.recipe.int16),
                        getattr(tracker.progress, "bar", None) is not None, plan.recipe, tuple(head))
 
 
@@ -192,15 +198,31 @@ def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: 
     prepare_llm(model, example_args, recipe, restore, data_and_tokenizer, tracker)
 
 
-def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:
+def _probe(model: Any, example_args: tuple, tokenizer: Any) -> Any:
+    """An LLM's fp32 logits on a hold-out text (circleops.quantize.llm.probe), or None."""
+    from circleops.quantize.llm import probe
+
+    return probe(model, example_args, tokenizer)
+
+
+def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration,
+                      probe: Any = None) -> tuple[Any, Options]:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then prepare,
     calibration, convert and a new export (circleops.pipeline.stages.quantize_program); the job
-    then lowers that program and verifies against the converted (fake-quantized) module."""
+    then lowers that program and verifies against the converted (fake-quantized) module.
+    An LLM's converted module is scored against ``probe`` (its fp32 logits of a hold-out
+    text): the summary says what the file scores, and a warning what to add if it is not usable."""
     from circleops.pipeline.stages import fuse
 
     ep, _ = fuse(ep, dataclasses.replace(opts, functionalize=False), job.fusion_model, job.tracker)
     with job.tracker.stage("calibrate"), hf_export_settings(model), torch.no_grad():
         converted, qep = quantize_program(ep, job.fusion_model, opts, calibration)
+    if probe is not None and calibration.recipe is not None:
+        from circleops.quantize.llm import score, score_line
+
+        line, warning = score_line(calibration.recipe, opts.target, *score(probe, converted))
+        calibration.recipe.lines.append(line)
+        job.warnings.extend([warning] if warning else [])
     job.reference = lambda: run_torch(converted, job.example_args, None)
     return qep, dataclasses.replace(opts, fuse="none")
 

@@ -49,7 +49,8 @@ def validate_quantize(quantize: str | None, target: str, int16: Sequence[str] = 
     an unknown name, a target whose files cannot hold it, and ``int16`` parts (mixed
     precision) outside a uint8 graph of a target that loads INT16 tensors."""
     p = profile(target)
-    if [part for part in int16 if part.strip()]:
+    int16 = [part for part in (int16 or ()) if part.strip() and part.strip() != "none"]  # none: uint8 throughout
+    if int16:
         if quantize != "uint8" or "INT16" not in p.quantized_dtypes:
             raise TargetError(f"int16 parts ({', '.join(int16)}) mix int16 into a uint8 graph: use quantize='uint8' "
                               f"with target 'circle' (got quantize={quantize!r}, target {target!r}; onert 0.1.0 "

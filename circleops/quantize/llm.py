@@ -1,10 +1,17 @@
 """The integer recipe applied to an LLM's weights before PT2E (circleops.quantize.recipe):
 the Hadamard rotation, the measured int8 linears, then GPTQ or per-group rounding; each
-step in the weights until the caller's ExitStack closes (convert, check --quantize)."""
+step in the weights until the caller's ExitStack closes (convert, check --quantize). And
+the file's measured score (:func:`probe` before, :func:`score` after): convert prints it,
+and says what to add when the file is not usable."""
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from circleops.errors import TargetError
 from circleops.quantize.recipe import IntegerRecipe
@@ -68,3 +75,73 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
 
         recipe.lines.append(grouped.summary_line())
         restore.enter_context(written_as_blockwise(grouped.weights))
+
+
+# What an integer LLM file must score on the hold-out text to be called usable (issue 22's
+# goal for the NPU recipes: bench/results/35-npu-defaults.yaml measures the recipes against it)
+USABLE_DB = 15.0
+USABLE_AGREEMENT = 0.875  # 28 of 32 positions
+HOLDOUT_TEXT = Path(__file__).with_name("perplexity.txt")  # never calibrated on (calibration.txt is)
+
+
+@dataclass
+class Probe:
+    """fp32 logits of the hold-out text, taken before the recipe changes the weights."""
+
+    ids: torch.Tensor  # [1, S]: the first S tokens of HOLDOUT_TEXT, S the example's length
+    logits: torch.Tensor  # [S, vocab] float64
+
+
+def probe(model: Any, example_args: tuple, tokenizer: Any = None) -> Probe | None:
+    """The fp32 model's logits on the hold-out text's first S tokens (S the example's sequence
+    length), for an LLM taking one [1, S] tensor of token ids; None for any other model."""
+    from circleops.quantize.recipe import is_causal_lm
+
+    if not is_causal_lm(model) or len(example_args) != 1 or not isinstance(example_args[0], torch.Tensor) \
+            or example_args[0].dim() != 2 or example_args[0].shape[0] != 1 or example_args[0].is_floating_point():
+        return None
+    length, vocab = int(example_args[0].shape[1]), int(model.config.vocab_size)
+    text = HOLDOUT_TEXT.read_text()
+    ids = list(tokenizer(text)["input_ids"]) if tokenizer is not None else [b % vocab for b in text.encode()]
+    ids = (ids * (length // max(len(ids), 1) + 1))[:length]
+    ids_t = torch.tensor([ids], dtype=example_args[0].dtype)
+    with torch.no_grad():
+        out = model(ids_t)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return Probe(ids_t, logits[0].detach().to(torch.float64))
+
+
+def score(p: Probe, converted: Any) -> tuple[float, int, int]:
+    """(logits SQNR in dB, positions whose top-1 equals fp32's, positions) of the converted
+    (fake-quantized) module on the probe's tokens: what the file computes, within its rounding."""
+    with torch.no_grad():
+        out = converted(p.ids)
+    got = (out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out)
+    got = got.reshape(p.logits.shape).detach().to(torch.float64)
+    noise = float((got - p.logits).pow(2).sum())
+    db = math.inf if noise == 0 else 10 * math.log10(float(p.logits.pow(2).sum()) / noise)
+    return db, int((got.argmax(-1) == p.logits.argmax(-1)).sum()), int(p.logits.shape[0])
+
+
+def score_line(recipe: IntegerRecipe, target: str, db: float, agree: int, n: int) -> tuple[str, str | None]:
+    """The summary line of the file's measured score, and a warning naming what to add when
+    it is below USABLE_DB or USABLE_AGREEMENT (None when it is not)."""
+    line = (f"measured on {n} tokens of a hold-out text (fp32 vs the fake-quantized module the file matches): "
+            f"logits SQNR {db:.1f} dB, top-1 agreement {agree}/{n}")
+    if db >= USABLE_DB and agree >= USABLE_AGREEMENT * n:
+        return line, None
+    from circleops.targets import profile
+
+    if recipe.scheme == "uint8" and not recipe.int16:
+        fix = ("add --int16 auto (measured mixed precision)" if "INT16" in profile(target).quantized_dtypes else
+               f"{target} loads no int16 tensor, so --int16 auto cannot help here: for an NPU write --target "
+               "circle (--int16 auto is its default for an LLM); for onert's CPU use --quantize q4_0 or w8")
+    elif recipe.weight_bits == 4 and not (recipe.gptq and recipe.int8_weights):
+        fix = "add " + " ".join(f for f, on in (("--gptq", recipe.gptq), ("--int8-weights auto", recipe.int8_weights))
+                                if not on) + ", or --weight-bits 8"
+    elif recipe.weight_bits == 4:
+        fix = "use --weight-bits 8 (int16 activations with int8 weights)"
+    else:
+        fix = "see docs/integer-llm.md for the recipes measured on SmolLM2"
+    return line, (f"this {recipe.scheme} file scores {db:.1f} dB and {agree}/{n} top-1 against fp32 on a hold-out "
+                  f"text (usable: >= {USABLE_DB:g} dB, >= {USABLE_AGREEMENT:.0%}): {fix}")

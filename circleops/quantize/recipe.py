@@ -12,6 +12,11 @@ after calibration, checked before any work and recorded in the file's metadata.
 * ``int16``: parts with int16 activations in a uint8 graph; ``"auto"`` chooses the ops
   from each activation's measured uint8 rounding SQNR (circleops.quantize.sensitivity).
 
+Left out (None), the options take their defaults, which for an LLM are the recipes measured
+usable (:func:`resolve_recipe`, docs/integer-llm.md): ``uint8`` on target circle gets
+``int16="auto"``; 4-bit weights (asked for) get GPTQ and, in groups, the linears measured
+most sensitive int8. Any option given is taken as given.
+
 The metadata entry ``circleops.quantization`` (JSON) holds the recipe and what each
 step reported, so a reader of the file knows what was done.
 """
@@ -44,6 +49,7 @@ class IntegerRecipe:
     lines: list[str] = field(default_factory=list)  # what each step reported
     rotation: Any = None  # the residual stream's Q while the rotation is folded in (h_rotated = h · Q)
     int8_weights: str = ""  # "auto": the 4-bit linears measured most sensitive stay int8 per channel
+    defaults: str = ""  # what the defaults for an LLM chose (resolve_recipe), for the summary
 
     @property
     def weight(self) -> str:
@@ -61,12 +67,13 @@ class IntegerRecipe:
     def summary_lines(self) -> list[str]:
         head = (f"{self.scheme} activations, {self.weight_label}, int32 bias (PT2E, {self.calibrate} "
                 "calibration samples)")
-        return [head, *self.lines]
+        return [head, *([self.defaults] if self.defaults else []), *self.lines]
 
     def to_dict(self) -> dict[str, Any]:
         return {"activations": self.scheme, "weights": self.weight, "weight_bits": self.weight_bits,
-                "group_size": self.group_size, "int8_weights": self.int8_weights, "rotate": self.rotate, "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
-                "steps": list(self.lines)}
+                "group_size": self.group_size, "int8_weights": self.int8_weights, "rotate": self.rotate,
+                "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
+                "defaults": self.defaults, "steps": list(self.lines)}
 
     def metadata(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True).encode()
@@ -82,34 +89,35 @@ def group_size_for(weight_bits: int, group_size: int | None) -> int:
     return int(group_size)
 
 
-def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bool = False,
-                 rotate: str = "auto", group_size: int | None = None, *, int8_weights: str = "") -> None:
-    """Errors for options that do not apply, before any work."""
+def check_recipe(scheme: str | None, target: str, weight_bits: int | None = 8, gptq: bool | None = False,
+                 rotate: str = "auto", group_size: int | None = None, *, int8_weights: str | None = "") -> None:
+    """Errors for options that do not apply, before any work; None is an option left to its
+    default (resolve_recipe), checked once the model is known."""
     from circleops.quantize import INTEGER_FORMATS
 
-    if int8_weights not in ("", "auto"):
+    if int8_weights not in (None, "", "auto", "none"):
         raise TargetError(f"int8 weights {int8_weights!r}: 'auto' (the linears measured most sensitive stay int8) "
-                          "is the one choice")
-    if int8_weights and (weight_bits != 4 or group_size == 0):
+                          "or 'none'")
+    if int8_weights == "auto" and (weight_bits == 8 or group_size == 0):
         raise TargetError("int8 weights 'auto' keeps some linears of a per-group 4-bit recipe at 8 bits: add "
                           "--weight-bits 4 (with a group size)")
 
-    if weight_bits not in WEIGHT_BITS:
+    if weight_bits is not None and weight_bits not in WEIGHT_BITS:
         raise TargetError(f"weight_bits={weight_bits!r}: integer weights are 8 or 4 bits")
     if group_size is not None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0 or \
                 (group_size and (group_size < 8 or group_size & (group_size - 1))):
             raise TargetError(f"weight group size {group_size!r}: give a power of two from 8 (e.g. 32, 64, 128), "
                               "or 0 for one scale per output channel")
-        if group_size and weight_bits != 4:
+        if group_size and weight_bits == 8:
             raise TargetError(f"weight group size {group_size}: per-group scales are for 4-bit weights; add "
                               "--weight-bits 4 (weight_bits=4), or leave the group size out for int8 per channel")
     if rotate not in ROTATE_MODES:
         raise TargetError(f"rotate={rotate!r}: choose one of {', '.join(ROTATE_MODES)}")
     if scheme not in INTEGER_FORMATS:
-        if weight_bits != 8 or gptq or rotate == "on" or group_size:
-            raise TargetError("weight_bits / gptq / rotate apply to integer graphs: add quantize='uint8' or "
-                              f"quantize='int16' (got quantize={scheme!r})")
+        if weight_bits not in (None, 8) or gptq or rotate == "on" or group_size or int8_weights == "auto":
+            raise TargetError("weight_bits / gptq / rotate / int8 weights apply to integer graphs: add "
+                              f"quantize='uint8' or quantize='int16' (got quantize={scheme!r})")
         return
     if weight_bits == 4 and target != "circle":
         why = ("onert 0.1.0 loads no INT4 tensor ('Unsupported tensor type', measured)" if target == "onert" else
@@ -120,28 +128,102 @@ def check_recipe(scheme: str | None, target: str, weight_bits: int = 8, gptq: bo
                           "run the file in the reference interpreter (--runtime reference)")
 
 
-def recipe_for(scheme: str | None, *, weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
-               group_size: int | None = None, int16: Any = (), calibrate: int = 8, int8_weights: str = "",
-               tico: bool = False, calibration_data: Any = None) -> IntegerRecipe | None:
-    """The recipe of options as the CLI gives them (check --quantize), checked before any
-    work; None for a format that is not an integer graph (where only defaults are allowed)."""
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The integer options as given (convert's keywords, the CLI's flags); None: the default,
+    which :func:`resolve_recipe` chooses once the model and the target are known."""
+
+    weight_bits: int | None = None
+    gptq: bool | None = None
+    rotate: str = "auto"
+    group_size: int | None = None
+    int16: tuple[str, ...] | None = None
+    calibrate: int = 8
+    int8_weights: str | None = None
+
+
+def is_causal_lm(model: Any) -> bool:
+    """A Hugging Face causal LM (a vocabulary and an output head): what the LLM defaults are for."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "get_output_embeddings", None)
+    return getattr(config, "vocab_size", None) is not None and callable(head) and head() is not None
+
+
+def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeOptions) -> IntegerRecipe | None:
+    """The recipe of ``options`` for ``model`` on ``target``, checked; None for a format that
+    is not an integer graph. For an LLM the options left out (None) take the recipes measured
+    usable (docs/integer-llm.md, bench/results/35-npu-defaults.yaml):
+
+    * 4-bit weights (asked for: 8 bits stay the default, the 4-bit recipe measures below
+      the usable bar): GPTQ, and with groups ``int8_weights="auto"`` (the linears measured
+      most sensitive int8, within grouped.INT8_BUDGET of the linear weights);
+    * ``uint8`` activations on target circle: ``int16="auto"`` (measured mixed precision);
+      on onert (no int16) and tflite (integer TFLite files stay int8 throughout, what its
+      delegates expect) uint8 throughout, and the file's measured score says what it costs
+      and what to add (circleops.quantize.llm.score_line).
+
+    Any other model, and every option given, as given (int8 weights, no GPTQ, no int16 parts)."""
     from circleops.quantize import INTEGER_FORMATS
 
-    parts = tuple(p.strip() for p in int16 if p.strip())
-    check_recipe(scheme, "circle", weight_bits, gptq, rotate, group_size, int8_weights=int8_weights)
+    o = options
+    check_recipe(scheme, target, o.weight_bits, o.gptq, o.rotate, o.group_size, int8_weights=o.int8_weights)
     if scheme not in INTEGER_FORMATS:
-        if tico or parts or calibration_data or calibrate != 8:
+        return None
+    llm = is_causal_lm(model)
+    chosen = []
+    # 8-bit weights unless asked: the 4-bit NPU recipe (16a4w with GPTQ and the measured int8
+    # linears) scores 13.5 dB and 23/32 top-1 on SmolLM2's hold-out text, below USABLE_DB
+    # (bench/results/35-npu-defaults.yaml), so it is not yet what `--quantize int16` writes
+    bits = 8 if o.weight_bits is None else o.weight_bits
+    group = group_size_for(bits, o.group_size)
+    gptq = o.gptq
+    if gptq is None:
+        gptq = bits == 4 and llm
+        if gptq:
+            chosen.append("GPTQ")
+    int8 = "" if o.int8_weights == "none" else o.int8_weights
+    if int8 is None:
+        int8 = "auto" if bits == 4 and group and llm else ""
+        if int8:
+            chosen.append("--int8-weights auto")
+    int16 = tuple(p.strip() for p in o.int16 if p.strip() and p.strip() != "none") if o.int16 is not None else None
+    if int16 is None:
+        int16 = ("auto",) if scheme == "uint8" and llm and target == "circle" else ()
+        if int16:
+            chosen.append("--int16 auto")
+    check_recipe(scheme, target, bits, gptq, o.rotate, group, int8_weights=int8)
+    recipe = IntegerRecipe(scheme, bits, o.rotate, gptq, int16, o.calibrate, group, int8_weights=int8)
+    if chosen:
+        undo = {"GPTQ": "--no-gptq", "--int8-weights auto": "--int8-weights none",
+                "--int16 auto": "--int16 none"}
+        recipe.defaults = (f"the measured recipe for an LLM (default): {', '.join(chosen)} (to leave out: "
+                           f"{', '.join(undo[c] for c in chosen)}; docs/integer-llm.md)")
+    return recipe
+
+
+def recipe_options(scheme: str | None, options: RecipeOptions, *, tico: bool = False,
+                   calibration_data: Any = None) -> RecipeOptions | None:
+    """The recipe options as the CLI gives them (check --quantize), checked before any work
+    (resolve_recipe completes them once the model is loaded); None for a format that is not
+    an integer graph (where only defaults are allowed)."""
+    from circleops.quantize import INTEGER_FORMATS
+
+    o = options
+    check_recipe(scheme, "circle", o.weight_bits, o.gptq, o.rotate, o.group_size, int8_weights=o.int8_weights)
+    if scheme not in INTEGER_FORMATS:
+        if tico or o.int16 or calibration_data or o.calibrate != 8:
             raise TargetError(f"--tico / --int16 / --calibrate / --calibration-data apply to --quantize uint8 or "
                               f"int16, not {scheme}")
         return None
-    if calibrate < 1:
-        raise TargetError(f"--calibrate must be at least 1, got {calibrate}")
-    return IntegerRecipe(scheme, weight_bits, rotate, gptq, parts, calibrate, group_size_for(weight_bits, group_size),
-                         int8_weights=int8_weights)
+    if o.calibrate < 1:
+        raise TargetError(f"--calibrate must be at least 1, got {o.calibrate}")
+    return o
 
 
-def recipe_from_args(args: Any) -> IntegerRecipe | None:
-    """:func:`recipe_for` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
-    return recipe_for(args.quantize, weight_bits=args.weight_bits, gptq=args.gptq, rotate=args.rotate,
-                      group_size=args.weight_group_size, int16=args.int16.split(","), calibrate=args.calibrate,
-                      int8_weights=args.int8_weights, tico=args.tico, calibration_data=args.calibration_data)
+def recipe_from_args(args: Any) -> RecipeOptions | None:
+    """:func:`recipe_options` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
+    from circleops.options import int16_parts
+
+    options = RecipeOptions(args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
+                            int16_parts(args.int16), args.calibrate, args.int8_weights)
+    return recipe_options(args.quantize, options, tico=args.tico, calibration_data=args.calibration_data)

@@ -58,6 +58,11 @@ class QuantCheckReport:
     logits_sqnr_db: float | None = None  # over the N positions predicting fp32's greedy tokens
     recipe: dict[str, Any] | None = None  # an integer format's recipe (circleops.quantize.recipe)
     tico: dict[str, Any] | None = None  # TICO's PTQ on the same windows (or why it did not run)
+    # the perplexity windows teacher-forced (a hold-out text: never calibrated on): logits SQNR
+    # and how many positions' top-1 equals fp32's (each position, not only the leading ones)
+    holdout_sqnr_db: float | None = None
+    holdout_agreement: int = 0
+    holdout_positions: int = 0
 
     @property
     def perplexity_ratio(self) -> float:
@@ -88,6 +93,10 @@ class QuantCheckReport:
         lines.append(f"perplexity on {self.perplexity_tokens} tokens (windows of {self.window}): fp32 "
                      f"{self.perplexity_fp32:.3f}, {self.format} {self.perplexity_quantized:.3f} "
                      f"({self.perplexity_ratio - 1:+.2%})")
+        if self.holdout_sqnr_db is not None:
+            lines.append(f"hold-out text (the same windows, teacher-forced): logits SQNR {self.holdout_sqnr_db:.1f} dB, "
+                         f"top-1 equal to fp32's at {self.holdout_agreement} of {self.holdout_positions} positions "
+                         f"({self.holdout_agreement / max(self.holdout_positions, 1):.1%})")
         if self.tico is not None:
             t = self.tico
             if "error" in t:
@@ -120,7 +129,7 @@ class QuantCheckOptions(ReportOptions):
     window: int = DEFAULT_WINDOW  # perplexity window in tokens (at most the model's positions)
     max_windows: int | None = None  # score only the first K windows (default: all)
     runtime: str | None = None  # of the quantized file: "onert", "reference", "litert"; None: chosen
-    recipe: Any = None  # an integer format's circleops.quantize.recipe.IntegerRecipe
+    recipe: Any = None  # an integer format's IntegerRecipe, or RecipeOptions (None: all left out)
     calibration_data: str | os.PathLike | None = None  # an integer format's calibration text or ids
     tico: bool = False  # also TICO's PTQ on the same windows
 
@@ -136,7 +145,8 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
     or where onert cannot run the integer recipe (int16, 4-bit weights, int16 parts).
     ``recipe``: for "uint8" / "int16", a circleops.quantize.recipe.IntegerRecipe (weight
     bits, group size, GPTQ, rotation, int16 parts, calibration windows), applied as convert
-    applies it; default: the recipe convert's defaults give. ``tico``: also TICO's PTQ
+    applies it, or the options as given (a RecipeOptions; None: all left out), completed with
+    the defaults convert gives an LLM for target circle (resolve_recipe). ``tico``: also TICO's PTQ
     (tico.quantization, default PTQConfig) calibrated on the same windows, scored in torch.
     "litert": the --target tflite file (w8 only), with the fused ops the tflite generation
     graphs write inline inlined here too (TargetProfile.graph_inline_ops: attention, whose
@@ -149,7 +159,7 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
     from circleops.pipeline.stages import CausalLMLogits, hf_export_settings
 
     o = fp.options_with(options or QuantCheckOptions(), fields)
-    plan = _plan(o)
+    plan = _plan(o, model)
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     limit = getattr(model.config, "max_position_embeddings", None) or o.window
@@ -161,9 +171,9 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
     timings["reference"] = time.perf_counter() - t
     chunks = _windows(text_ids(tokenizer, int(model.config.vocab_size), o.text), o.window, o.max_windows)
     logits_module = CausalLMLogits(ref.model).eval()
-    t = time.perf_counter()
+    t, holdout = time.perf_counter(), _Holdout()
     with hf_export_settings(ref.model), torch.no_grad():  # the model as given (before w8's smoothing)
-        fp32_nll = [_nll(logits_module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
+        fp32_nll = [_nll(holdout.keep(logits_module(torch.tensor([c]))[0].numpy()), c) for c in chunks]
     fp32_seconds = time.perf_counter() - t
 
     with contextlib.ExitStack() as restore, fp.WorkDirectory(o.work_dir) as directory:
@@ -174,7 +184,7 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
         t = time.perf_counter()
         say(f"perplexity: fp32 (torch) and {o.quantize} ({plan.runtime}), windows of {o.window}")
         run = _session(plan.runtime, job.write(logits_module, torch.tensor([chunks[0]]), "logits", weights)[0])
-        q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
+        q_nll = [_nll(holdout.compare(k, run([np.array([c], dtype=np.int64)])[0][0]), c) for k, c in enumerate(chunks)]
         timings["perplexity"] = time.perf_counter() - t + fp32_seconds
     tico_result = None
     if o.tico:  # after the recipe's weights are restored: TICO quantizes the model as given
@@ -193,7 +203,8 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
         perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
         perplexity_tokens=len(chunks) * (o.window - 1), window=o.window, file_bytes=layers.file_bytes,
         quantization=layers.summary, timings=timings, layer_sqnr_db=layers.sqnr, logits_sqnr_db=layers.logits_sqnr,
-        recipe=plan.recipe.to_dict() if plan.integer else None, tico=tico_result)
+        recipe=plan.recipe.to_dict() if plan.integer else None, tico=tico_result, holdout_sqnr_db=holdout.sqnr_db(),
+        holdout_agreement=holdout.agree, holdout_positions=holdout.positions)
 
 
 @dataclass
@@ -208,8 +219,9 @@ class _Plan:
     note: str | None
 
 
-def _plan(o: QuantCheckOptions) -> _Plan:
-    """The format's target and runtime, its options checked as convert checks them."""
+def _plan(o: QuantCheckOptions, model: Any) -> _Plan:
+    """The format's target and runtime, its options checked as convert checks them (an
+    integer recipe's options left out completed as convert completes them for ``model``)."""
     from circleops.errors import CircleOpsError
     from circleops.pipeline.validate import validate_quantize
     from circleops.quantize import formats
@@ -220,9 +232,11 @@ def _plan(o: QuantCheckOptions) -> _Plan:
     # file for NPU compilers) runs in the reference interpreter's integer kernels
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
     if integer:
-        from circleops.quantize.recipe import IntegerRecipe, check_recipe
+        from circleops.quantize.recipe import IntegerRecipe, RecipeOptions, check_recipe, resolve_recipe
 
-        recipe = recipe if recipe is not None else IntegerRecipe(quantize)
+        if not isinstance(recipe, IntegerRecipe):  # the options as given, the LLM defaults for the rest
+            recipe = resolve_recipe(quantize, "onert" if runtime == "onert" else "circle", model,
+                                    recipe if recipe is not None else RecipeOptions())
         recipe.scheme = quantize
         if runtime is None and (quantize == "int16" or recipe.weight_bits == 4 or recipe.int16):
             runtime = "reference"  # onert loads no int16 / int4 graph (circleops.pipeline.validate)
@@ -351,6 +365,43 @@ def _layer_errors(job: _Job, weights: Any) -> _LayerErrors:
     return _LayerErrors(errors, rel, sqnr, float(np.abs(logits - want).max()),
                         sqnr_db(want[start: start + n], logits[start: start + n]), predicted, agreement, summary,
                         path.stat().st_size)
+
+
+class _Holdout:
+    """fp32's logits of each perplexity window, kept on disk (SmolLM2: 50 MB a window) until
+    the quantized file's are compared with them: the hold-out SQNR and top-1 agreement."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="circleops-holdout-")
+        self.signal = self.noise = 0.0
+        self.agree = self.positions = self.kept = 0
+
+    def keep(self, logits: Any) -> Any:
+        import numpy as np
+
+        np.save(Path(self._dir.name) / f"{self.kept}.npy", np.asarray(logits, np.float32))
+        self.kept += 1
+        return logits
+
+    def compare(self, k: int, got: Any) -> Any:
+        import numpy as np
+
+        ref = np.load(Path(self._dir.name) / f"{k}.npy", mmap_mode="r").astype(np.float64)
+        g = np.asarray(got, np.float64).reshape(ref.shape)
+        self.signal += float(np.sum(ref ** 2))
+        self.noise += float(np.sum((ref - g) ** 2))
+        self.agree += int(np.sum(ref.argmax(-1) == g.argmax(-1)))
+        self.positions += ref.shape[0]
+        return got
+
+    def sqnr_db(self) -> float | None:
+        """The SQNR over every compared window (None: none compared); the kept logits deleted."""
+        self._dir.cleanup()
+        if not self.signal:
+            return None
+        return float("inf") if self.noise == 0 else float(10 * math.log10(self.signal / self.noise))
 
 
 def sqnr_db(ref: Any, got: Any) -> float:

@@ -285,7 +285,6 @@ def _schema_mirror(name: str) -> bool:
 SIZE_ALLOWED: dict[str, str] = {
     "circleops.quantize.quantizer:_make_class": "npu4: 84 lines",
     "circleops.quantize.pt2e:quantize_mixed": "npu4: 9 parameters",
-    "circleops.quantize.recipe:recipe_for": "npu4: 10 parameters",
     "circleops.quantize.weights:_quantize_subgraph": "scale: 124 lines",
 }
 

@@ -128,7 +128,7 @@ def test_int16_grouped_int4_llm_end_to_end(tmp_path):
     for group in (0, 32):
         path = tmp_path / f"g{group}.circle"
         circleops.convert(model, (ids,), path, quantize="int16", weight_bits=4, weight_group_size=group,
-                          calibrate=2, rotate="off", verify="reference")
+                          calibrate=2, rotate="off", verify="reference", gptq=False, int8_weights="none")
         m = read_model(str(path))
         sg = m.subgraphs[0]
         recipe = json.loads(m.metadata[METADATA_KEY])

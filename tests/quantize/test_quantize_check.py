@@ -100,6 +100,9 @@ def test_cli_check_int16_int4_grouped_gptq_against_fp32_and_tico(tmp_path, capsy
     assert data["recipe"]["group_size"] == 32 and data["recipe"]["gptq"] and data["recipe"]["weight_bits"] == 4
     assert any("in groups of 32" in line for line in data["quantization"])
     assert isinstance(data["logits_sqnr_db"], float) and len(data["layer_sqnr_db"]) == 2
+    # the hold-out figures: every position of the perplexity window, teacher-forced
+    assert data["holdout_positions"] == 32 and 0 <= data["holdout_agreement"] <= 32
+    assert isinstance(data["holdout_sqnr_db"], float) and "hold-out text (the same windows" in captured.out
     tico = data["tico"]
     assert "error" not in tico, tico
     assert tico["calibrate"] == 2 and 0 <= tico["agreement"] <= 4 and tico["perplexity"] > 1
@@ -111,3 +114,22 @@ def test_cli_check_refuses_recipe_options_outside_integer_formats(tmp_path, caps
 
     code = main(["check", "--config", str(tmp_path / "none.json"), "--quantize", "q4_0", "--tico"])
     assert code != 0 and "apply to --quantize uint8 or int16" in capsys.readouterr().err
+
+
+def test_holdout_figures_count_every_position_of_every_window():
+    import math
+
+    import numpy as np
+
+    from circleops.tools.quant_report import _Holdout
+
+    a, b = np.random.default_rng(0).normal(size=(2, 6, 9)).astype(np.float32)
+    holdout = _Holdout()
+    holdout.keep(a), holdout.keep(b)
+    holdout.compare(0, a)  # the first window exact
+    holdout.compare(1, b[::-1] * 2)  # the second with its positions reversed and scaled
+    agree = 6 + int((b.argmax(-1) == b[::-1].argmax(-1)).sum())
+    noise = float(((b[::-1].astype(np.float64) * 2 - b) ** 2).sum())
+    want_db = 10 * math.log10(float((a.astype(np.float64) ** 2).sum() + (b.astype(np.float64) ** 2).sum()) / noise)
+    assert (holdout.agree, holdout.positions) == (agree, 12) and agree < 12
+    assert abs(holdout.sqnr_db() - want_db) < 1e-9
