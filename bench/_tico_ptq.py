@@ -36,7 +36,7 @@ try:
     from tico.quantization import convert, prepare
     from tico.quantization.config.ptq import PTQConfig
 
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
     from circleops.quantize.pt2e import calibration_samples
 
     t = mark("import", t0)

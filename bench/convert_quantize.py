@@ -57,7 +57,7 @@ def kernels(rounds: int) -> None:
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
     from circleops.quantize import ggml, importance
     from circleops.quantize.weights import source_key
 
@@ -99,7 +99,7 @@ def kernels(rounds: int) -> None:
 def cold_env(base: dict, work: Path) -> dict:
     """A CIRCLEOPS_CACHE with no importances that reuses the cached smollm2 directory."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from circleops.models import cache_dir
+    from circleops.sources.models import cache_dir
 
     root = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
     (root / "smollm2").symlink_to(cache_dir() / "smollm2")

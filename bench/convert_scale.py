@@ -73,7 +73,7 @@ def run_one(model: Path, target: str, fmt: str | None, out: Path, big: bool) -> 
 
 
 def parameters(model: Path) -> int:
-    from circleops import sizes
+    from circleops.sources import sizes
 
     return sizes.estimate(model).parameters
 

@@ -50,10 +50,10 @@ def main() -> None:
 
     import torch
 
-    from circleops.generate import Generator, encode_prompt, load_tokenizer
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
-    from circleops.models import load_smollm2
+    from circleops.generation.generator import Generator, encode_prompt, load_tokenizer
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
+    from circleops.sources.models import load_smollm2
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from circleops.generate import Generator
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.package.manifest import read_manifest
 
     load_before = os.getloadavg()
     sessions = []

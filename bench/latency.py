@@ -47,7 +47,7 @@ def build_llama():
 
 
 def build_smollm2():
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
 
     return load_smollm2()[0]
 
@@ -60,7 +60,7 @@ def runners(model, ids, work: Path, fp16: bool) -> dict[str, Callable[[], object
     from ai_edge_litert.interpreter import Interpreter
 
     import circleops
-    from circleops.conversion import export_module
+    from circleops.pipeline.convert import export_module
 
     torch.set_num_threads(THREADS)
     module = export_module(model)

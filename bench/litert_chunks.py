@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     import llm_speed
 
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
 
     ids = llm_speed.prompt_ids([300])["300"]
     gen = Generator(args.directory, threads=args.threads)

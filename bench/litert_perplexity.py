@@ -4,12 +4,12 @@ litert-torch's own export of SmolLM2, both run by LiteRT (issue 26).
     python bench/litert_perplexity.py --write          # -> bench/results/11-litert-perplexity.yaml
     python bench/litert_perplexity.py --max-windows 2  # a short look
 
-circleops: `circleops check smollm2 --quantize w8 --runtime litert` (circleops.quant_report:
+circleops: `circleops check smollm2 --quantize w8 --runtime litert` (circleops.tools.quant_report:
 the tflite w8 file with attention inline, as the generation graphs write it, scoring every
 window in one forward; fp32 is torch). litert-torch: its `model.tflite` and
 `model_quantized.tflite` (--with-fp32; bench/llm_speed.py makes them, --work), run in its own venv
 (--litert-python) token by token through its decode signature (its prefill returns no
-logits), the same windows of the same token ids (circleops.quant_report.text_ids: the
+logits), the same windows of the same token ids (circleops.tools.quant_report.text_ids: the
 shipped perplexity text, SmolLM2's tokenizer, windows of 256 from an empty cache).
 """
 from __future__ import annotations
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from circleops.models import smollm2_dir
-    from circleops.quant_report import text_ids
+    from circleops.sources.models import smollm2_dir
+    from circleops.tools.quant_report import text_ids
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
     ids = text_ids(tok, 49152)

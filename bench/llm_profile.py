@@ -42,8 +42,8 @@ TEXT = ("The lighthouse keeper counted the ships that passed the harbour, wrote 
 
 _CHILD = """
 import json, sys, time
-from circleops.generate import Generator
-from circleops.models import smollm2_dir
+from circleops.generation.generator import Generator
+from circleops.sources.models import smollm2_dir
 from transformers import AutoTokenizer
 d, runs, prompts = sys.argv[1], int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]
 text = sys.argv[4]
@@ -171,7 +171,7 @@ class NoOpSession:
 def python_side(d: str, calls: int) -> dict:
     """ms per Generator call with onert's runs replaced by NoOpSession, and the per-run cost of
     circleops.runtime.onert.Session.run's fd-2 capture."""
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
     from circleops.runtime.onert import captured_stderr
 
     gen = Generator(d, runtime="onert")

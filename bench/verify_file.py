@@ -57,7 +57,7 @@ def warm_ms(path: Path, rounds: int) -> tuple[float, float, int]:
 def first_token(directory: Path, rounds: int, prompt: list[int]) -> tuple[float, float]:
     """Median seconds of Generator(dir) + one token, with and without verification."""
     import circleops.runtime.onert as onert_module
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
     from circleops.serialize.verify import verify_file
 
     real = onert_module.verify_file

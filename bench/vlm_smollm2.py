@@ -35,8 +35,8 @@ def build(model_dir: Path, photo: Path) -> None:
     from PIL import Image
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration
 
-    from circleops import vlm
-    from circleops.models import load_smollm2
+    from circleops.recipes import vlm
+    from circleops.sources.models import load_smollm2
 
     text, tokenizer = load_smollm2()
     tokenizer.add_special_tokens({"additional_special_tokens": list(vlm.IMAGE_TOKENS)})
@@ -106,7 +106,7 @@ def main() -> None:
                            str(args.new)])
     print(text + f"generate (no image): {wall:.1f} s wall, {cpu:.1f} s CPU")
 
-    from circleops import vlm
+    from circleops.recipes import vlm
 
     model, processor = vlm.load(model_dir)
     ids, pixel_values = vlm.prepare(processor, PROMPT, vlm.read_image(photo), chat=True)

@@ -16,9 +16,9 @@ import math
 import numpy as np
 import torch
 
-from circleops import models
+from circleops.sources import models
 from circleops.quantize import int8
-from circleops.quant_report import text_ids
+from circleops.tools.quant_report import text_ids
 
 
 def main() -> None:

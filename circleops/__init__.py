@@ -12,9 +12,9 @@ from circleops._version import __version__
 
 # public name -> module that defines it (imported lazily, PEP 562)
 _LAZY = {
-    "convert": "circleops.conversion",
-    "save": "circleops.conversion",
-    "Report": "circleops.report",
+    "convert": "circleops.pipeline.convert",
+    "save": "circleops.pipeline.convert",
+    "Report": "circleops.package.report",
     "fuse": "circleops.adapters",
     "unfuse": "circleops.adapters",
     "ops": "circleops.ops",

@@ -21,7 +21,7 @@ SLOT_MAJOR = "[1, C, Hkv, D]"
 HEAD_MAJOR = "k [1, Hkv, C, D], v [1, Hkv, D, C]"
 CACHE_LAYOUTS = (SLOT_MAJOR, HEAD_MAJOR)
 
-# the metadata entry where a task conversion (circleops.tasks) records its task, source model,
+# the metadata entry where a task conversion (circleops.recipes.tasks) records its task, source model,
 # input shapes and labels; circleops inspect and run read it
 TASK_METADATA_KEY = "circleops.task"
 

@@ -230,7 +230,7 @@ def check_targets(spec: OpSpec, samples: Samples, targets: Sequence[str] | None 
                   out_dir: str | Path | None = None) -> dict[str, Any]:
     """Convert a module calling the op for every target and verify the written file against
     torch on its target's runtime. Returns target -> circleops Report."""
-    from circleops.conversion import convert
+    from circleops.pipeline.convert import convert
     from circleops.targets import PROFILES, TARGETS
 
     args, kwargs = samples_for(samples, torch.float32)[0]

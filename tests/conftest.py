@@ -39,7 +39,7 @@ CROSS_CHECK_ATOL = 1e-5
 # input quantum (2^-7 of the row's scale); on the sharp tiny models such a flip goes on
 # through attention that picks positions (a near-tie of two scores can go either way). So
 # these files agree within the format's verify bound: 16 int8 rounding steps of the output's
-# scale (circleops.pipeline.format_tolerance("q8_0") = 16 x 2^-7). Fed the same input, the
+# scale (circleops.pipeline.stages.format_tolerance("q8_0") = 16 x 2^-7). Fed the same input, the
 # interpreter's GGML and hybrid kernels equal onert's within 1e-5
 # (tests/quantize/test_ggml_reference.py, test_w8.py's test_interpreter_hybrid_fc_equals_onert).
 INPUT_ROUNDING_CROSS_CHECK_ATOL = 16 * 2.0 ** -7

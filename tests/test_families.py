@@ -18,7 +18,7 @@ from families import BY_NAME
 
 PROMPTS = [[5, 17, 42, 99, 3], [1, 200, 7], [9, 8, 7, 6, 5, 4, 3, 250]]
 NEW = 10
-LOOSEST_TOLERANCE = 5e-2  # circleops.conversion: fp16 verify, INTEGER_TOLERANCE's old flat bound
+LOOSEST_TOLERANCE = 5e-2  # circleops.pipeline.convert: fp16 verify, INTEGER_TOLERANCE's old flat bound
 
 
 @pytest.fixture(scope="module")

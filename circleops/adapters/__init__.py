@@ -12,7 +12,7 @@ transformers; a family's modeling module is imported when its patch is entered.
 """
 from __future__ import annotations
 
-from circleops.dynamic_cache import register_when_imported
+from circleops.adapters.dynamic_cache import register_when_imported
 from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
 from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_moe, qwen3_moe
 from circleops.adapters._attention import StaticKV, attention_blockers

@@ -12,7 +12,7 @@ from typing import Callable
 
 from circleops.adapters._attention import attention_forward
 from circleops.adapters._experts import dense_experts_forward
-from circleops.dynamic_cache import no_cache_by_default
+from circleops.adapters.dynamic_cache import no_cache_by_default
 from circleops.adapters._patching import Patch, PatchSession
 from circleops.adapters._rmsnorm import NormStyle, norm_forward
 from circleops.adapters._rope import rope_function
@@ -67,7 +67,7 @@ class Family:
 
     def cache_patches(self) -> list[Patch]:
         """The decoder model runs without an HF DynamicCache unless asked for one, so that
-        ``torch.export.export(model, (input_ids,))`` works as written (see circleops/dynamic_cache.py)."""
+        ``torch.export.export(model, (input_ids,))`` works as written (see circleops/adapters/dynamic_cache.py)."""
         return [Patch(self.module, self.decoder_class, "forward", label=self.decoder_class, group=self.name,
                       build=no_cache_by_default, tracked=False)]
 

@@ -21,7 +21,7 @@ import torch
 from circleops.adapters._attention import attention_forward
 from circleops.adapters._cached_attention import CacheAttentionFunctions
 from circleops.adapters._experts import dense_experts_forward
-from circleops.dynamic_cache import no_cache_by_default
+from circleops.adapters.dynamic_cache import no_cache_by_default
 from circleops.adapters._family import ROPE_FUNCTION, Family
 from circleops.adapters._patching import pristine
 from circleops.adapters._rmsnorm import norm_forward

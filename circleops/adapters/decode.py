@@ -175,7 +175,7 @@ class DecoderWithCache(torch.nn.Module):
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
         logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.
         ``inputs_embeds`` [1, S, hidden]: the tokens' embeddings, given instead of looked up
-        (a vision-language model's prefill merges image embeddings in: circleops.vlm).
+        (a vision-language model's prefill merges image embeddings in: circleops.recipes.vlm).
         ``prefix_len`` (int64 [1]): a prefix-LM's mask (PaliGemma): the first ``prefix_len``
         positions (image and prompt) see each other both ways, the rest causally; 0 is causal."""
         n = self.num_layers
@@ -281,7 +281,7 @@ class OneRowPrefill(torch.nn.Module):
 
 class DecoderPart(torch.nn.Module):
     """Layers ``start..stop-1`` of ``step`` (a :class:`DecoderWithCache`): one file of a model
-    split into consecutive files (circleops.split; onert reads no file past 2 GiB).
+    split into consecutive files (circleops.package.split; onert reads no file past 2 GiB).
 
     ``forward(x, pos, [row,] *caches)``: ``x`` is the token ids [1, S] in the first part
     (which looks up the embeddings), else the hidden state [1, S, hidden] the previous part

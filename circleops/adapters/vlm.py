@@ -1,8 +1,8 @@
-"""The torch modules a vision-language model's graphs are exported from (circleops.vlm),
+"""The torch modules a vision-language model's graphs are exported from (circleops.recipes.vlm),
 built from one declarative row per family (:class:`VLMFamily`): where its vision tower,
 projector and text model are, how many embeddings an image gives, and what its prefill
 mask is. Adding a family (Qwen2-VL next) is one row here, plus its processor in
-circleops.vlm.
+circleops.recipes.vlm.
 
 * the vision graph: ``projector(vision(pixel_values).last_hidden_state)`` on one image
   (:class:`VisionTower`): SmolVLM's connector (pixel shuffle + linear), PaliGemma's linear

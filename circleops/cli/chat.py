@@ -1,5 +1,5 @@
 """``circleops chat DIR``: a multi-turn conversation with the graphs `circleops convert MODEL
---graphs prefill,decode -o DIR` wrote (circleops.chat).
+--graphs prefill,decode -o DIR` wrote (circleops.generation.chat).
 
 One user message per line of stdin; each reply streams to stdout and ends with a newline.
 The KV cache is kept between turns, so a turn costs only its own tokens. `/reset` starts a
@@ -50,9 +50,9 @@ def _read_line() -> str | UnicodeError | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops.chat import Chat, CacheFullError
-    from circleops.generate import Generator, TextStream, hf_tokenizer, choose_runtime
-    from circleops.manifest import MANIFEST, confined_tokenizer, read_manifest
+    from circleops.generation.chat import Chat, CacheFullError
+    from circleops.generation.generator import Generator, TextStream, hf_tokenizer, choose_runtime
+    from circleops.package.manifest import MANIFEST, confined_tokenizer, read_manifest
 
     manifest = read_manifest(args.directory)
     runtime, note = choose_runtime(manifest, args.runtime)

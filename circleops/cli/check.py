@@ -1,5 +1,5 @@
 """``circleops check MODEL --dtype fp16``: the fp16/bf16 numerics report per norm policy
-(circleops.precision)."""
+(circleops.tools.precision)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops import precision
-    from circleops.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
+    from circleops.tools import precision
+    from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DTYPE_CHOICES, POLICY_NAMES
 
     parts = precision.__doc__.strip().replace("``", "").split("\n\n")
     parser.description = parts[0] + "\n\n" + parts[1]
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch threads for fp32 and the interpreter (default: torch's; 1: fastest when busy)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
-    # GGML weight quantization instead of the fp16/bf16 policies (circleops.quant_report)
+    # GGML weight quantization instead of the fp16/bf16 policies (circleops.tools.quant_report)
     from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
-    from circleops.quant_report import DEFAULT_WINDOW
+    from circleops.tools.quant_report import DEFAULT_WINDOW
 
     parser.add_argument("--quantize", choices=list(WEIGHT_ONLY_FORMATS) + list(INTEGER_FORMATS), default=None,
                         metavar="FORMAT",
@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import models
-    from circleops.precision import check, directory_tokenizer, low_precision_dtype
+    from circleops.sources import models
+    from circleops.tools.precision import check, directory_tokenizer, low_precision_dtype
     from circleops.cli.common import writable
     from circleops.errors import CircleOpsError, OutputError
     from circleops.numerics import norm_policy
@@ -109,11 +109,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _quant_main(args: argparse.Namespace) -> int:
-    """``check --quantize``: circleops.quant_report on the loaded model."""
-    from circleops import models
+    """``check --quantize``: circleops.tools.quant_report on the loaded model."""
+    from circleops.sources import models
     from circleops.errors import CircleOpsError
-    from circleops.precision import directory_tokenizer
-    from circleops.quant_report import quant_check
+    from circleops.tools.precision import directory_tokenizer
+    from circleops.tools.quant_report import quant_check
     from circleops.quantize.recipe import recipe_from_args
 
     if args.threads is not None:

@@ -122,7 +122,7 @@ def one_length(text: str | None, source: str | None) -> int | None:
         raise TargetError(f"--seq-len takes one length (several, comma-separated, only with --graphs: one prefill "
                           f"graph each); got {text!r}.") from None
     if length < 1:
-        from circleops.models import check_seq_len
+        from circleops.sources.models import check_seq_len
 
         check_seq_len(length, None, source)
     return length

@@ -17,7 +17,7 @@ EXIT_WITHOUT_TEARDOWN = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Light modules only (no torch): `circleops convert --help` must be instant.
-    from circleops.graphs import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
+    from circleops.recipes.llm import DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS
     prefill_lens = ",".join(map(str, DEFAULT_PREFILL_LENS))
     from circleops.options import CONVERT_DTYPES, FUSE_MODES
     from circleops.cli.integer import add_integer_arguments
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from circleops.quantize import WEIGHT_FORMATS
     from circleops.runtime import RUNTIMES
     from circleops.targets import TARGETS
-    from circleops.tasks import TASKS
+    from circleops.recipes.tasks import TASKS
 
     parser.description = __doc__.strip().splitlines()[0] + "\n\n" + "\n".join(__doc__.strip().splitlines()[2:])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -86,15 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from circleops import conversion as api
-    from circleops import models, sizes
+    from circleops.pipeline import convert as api
+    from circleops.sources import models
+    from circleops.sources import sizes
     from circleops.cli import convert_graphs, convert_task, vision
     from circleops.cli.integer import integer_options
     from circleops.cli.common import (ProgressBar, convert_stages, one_length, scipy_hidden,
                                       write_report, writable)
     from circleops.dtypes import float_dtype
     from circleops.errors import OutputError, TargetError
-    from circleops.hub import resolve_model
+    from circleops.sources.hub import resolve_model
     from circleops.targets import PROFILES
 
     args.model = resolve_model(args.model) if args.model else args.model  # a hub id: its cached/downloaded copy

@@ -1,5 +1,5 @@
 """``circleops convert MODEL --graphs prefill,decode -o DIR``: the generation graphs
-(circleops.graphs) instead of one forward; the options are circleops.cli.convert's."""
+(circleops.recipes.llm) instead of one forward; the options are circleops.cli.convert's."""
 from __future__ import annotations
 
 import argparse
@@ -23,11 +23,12 @@ def add_file_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import conversion as api
-    from circleops import graphs, models
+    from circleops.pipeline import convert as api
+    from circleops.recipes import llm as graphs
+    from circleops.sources import models
     from circleops.cli.common import scipy_hidden
     from circleops.dtypes import float_dtype
-    from circleops.manifest import graph_runtimes
+    from circleops.package.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
 
     from circleops.cli import convert_speech
@@ -54,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     prefill_len = graphs.prefill_lengths(graphs.DEFAULT_PREFILL_LENS if args.seq_len is None else args.seq_len)
     graphs.check_lengths(prefill_len[0], args.max_cache_len, None, args.model or args.config)
     graphs.parse_windows(getattr(args, "cache_windows", None))  # refused before the model loads
-    from circleops import sizes  # every refusal sizes decide, from the headers / config, before any work
+    from circleops.sources import sizes  # every refusal sizes decide, from the headers / config, before any work
 
     sizes.check(sizes.estimate(args.model, config=args.config, quantize=quantize, dtype=dtype), args.target,
                 max_cache_len=args.max_cache_len)

@@ -1,5 +1,5 @@
 """``circleops convert WHISPER_DIR --graphs encoder,prefill,decode -o DIR``: the speech graphs
-(circleops.speech) of a Whisper-style model; the options are circleops.cli.convert's."""
+(circleops.recipes.speech) of a Whisper-style model; the options are circleops.cli.convert's."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +10,14 @@ from pathlib import Path
 def wants_speech(args: argparse.Namespace) -> bool:
     """--graphs names the encoder, or MODEL is a Whisper directory (whose other --graphs
     lists convert_speech refuses, saying which it takes)."""
-    from circleops.speech import speech_model_type
+    from circleops.recipes.speech import speech_model_type
 
     names = {n.strip() for n in str(args.graphs).split(",")}
     return "encoder" in names or (args.model is not None and speech_model_type(args.model) is not None)
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops import speech
+    from circleops.recipes import speech
     from circleops.errors import OutputError, TargetError
 
     speech.parse_speech_graphs(args.graphs)

@@ -1,5 +1,5 @@
 """``circleops convert DIR -o model.circle`` for a model that is not a causal LM (a ViT, a BERT,
-a Whisper encoder...): the task comes from config.json or ``--task`` (circleops.tasks); the
+a Whisper encoder...): the task comes from config.json or ``--task`` (circleops.recipes.tasks); the
 options are circleops.cli.convert's."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def task_of(args: argparse.Namespace) -> str | None:
 
             raise TargetError(f"--task {args.task} applies to Hugging Face models (a directory with config.json, "
                               f"or --config); {source} is not one.")
-        return None  # circleops.models says what it is
-    from circleops import tasks
+        return None  # circleops.sources.models says what it is
+    from circleops.recipes import tasks
     from circleops.cli.common import scipy_hidden
 
     if args.task:
@@ -34,8 +34,8 @@ def task_of(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace, task: str) -> int:
-    from circleops import conversion as api
-    from circleops import tasks
+    from circleops.pipeline import convert as api
+    from circleops.recipes import tasks
     from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
     from circleops.dtypes import float_dtype
     from circleops.errors import OutputError, TargetError

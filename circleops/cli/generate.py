@@ -1,5 +1,5 @@
 """``circleops generate DIR --prompt TEXT``: greedy generation with the prefill and decode
-graphs that ``circleops convert MODEL --graphs prefill,decode -o DIR`` wrote (circleops.generate)."""
+graphs that ``circleops convert MODEL --graphs prefill,decode -o DIR`` wrote (circleops.generation.generator)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from typing import Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from circleops.generate import DEFAULT_MAX_NEW_TOKENS  # light: no torch
+    from circleops.generation.generator import DEFAULT_MAX_NEW_TOKENS  # light: no torch
     from circleops.runtime import RUNTIMES
 
     parser.description = ("generation (greedy by default, or --sample) with the prefill and decode graphs that `circleops convert MODEL "
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """--threads N: the thread budget of the runtime sessions (circleops.generate.graph_threads)."""
+    """--threads N: the thread budget of the runtime sessions (circleops.generation.generator.graph_threads)."""
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="threads the runtime may use (default: NUM_THREADS if set, else what the files were "
                              "converted for); each graph runs at N unless fewer measured faster for it "
@@ -48,7 +48,7 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """--sample, --temperature, --top-k, --top-p, --repetition-penalty, --seed (transformers'
-    GenerationConfig names and meaning; circleops.sampling)."""
+    GenerationConfig names and meaning; circleops.generation.sampling)."""
     g = parser.add_argument_group("sampling (default: greedy, the same text every run)")
     g.add_argument("--sample", action="store_true",
                    help="draw tokens instead of taking the most likely; the values not given below come from the "
@@ -64,7 +64,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sampler_from_args(args: argparse.Namespace, directory):
     """The Sampler the flags ask for, or None for plain greedy."""
-    from circleops.sampling import Sampler, SamplingConfig, SamplingError
+    from circleops.generation.sampling import Sampler, SamplingConfig, SamplingError
 
     needs_sample = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                    ("--top-p", args.top_p), ("--seed", args.seed)) if v is not None]
@@ -80,10 +80,10 @@ def sampler_from_args(args: argparse.Namespace, directory):
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops.generate import (GenerationLimitError, Generator, TextStream, choose_runtime, encode_prompt,
+    from circleops.generation.generator import (GenerationLimitError, Generator, TextStream, choose_runtime, encode_prompt,
                                     load_tokenizer)
-    from circleops.token_ids import check_token_ids
-    from circleops.manifest import read_manifest
+    from circleops.inputs.token_ids import check_token_ids
+    from circleops.package.manifest import read_manifest
 
     from circleops.cli import generate_speech
 
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _parse_ids(text: str) -> list[int]:
-    from circleops.generate import GenerationLimitError
+    from circleops.generation.generator import GenerationLimitError
 
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]

@@ -1,5 +1,5 @@
 """``circleops generate DIR --audio clip.wav``: greedy speech-to-text with the graphs that
-``circleops convert WHISPER_DIR --graphs encoder,prefill,decode -o DIR`` wrote (circleops.speech)."""
+``circleops convert WHISPER_DIR --graphs encoder,prefill,decode -o DIR`` wrote (circleops.recipes.speech)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser, what: argparse._MutuallyExclusiveGroup) -> None:
     """--audio (in ``what``, beside --prompt), --language and --task."""
-    from circleops.speech import TASK_NAMES  # light: no torch
+    from circleops.recipes.speech import TASK_NAMES  # light: no torch
 
     what.add_argument("--audio", metavar="WAV", help="transcribe this WAV file (PCM at the model's sampling rate) with "
                                                      "speech graphs (convert --graphs encoder,prefill,decode)")
@@ -28,8 +28,8 @@ def check_text_arguments(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops.errors import TargetError
-    from circleops.generate import TextStream
-    from circleops.speech import SpeechGenerator
+    from circleops.generation.generator import TextStream
+    from circleops.recipes.speech import SpeechGenerator
 
     given = [flag for flag, on in (("--chat", args.chat), ("--sample", args.sample),
                                    ("--repetition-penalty", args.repetition_penalty is not None)) if on]

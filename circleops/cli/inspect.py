@@ -1,4 +1,4 @@
-"""``circleops inspect FILE``: what a Circle or TFLite file holds (circleops.inspect)."""
+"""``circleops inspect FILE``: what a Circle or TFLite file holds (circleops.tools.inspect)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from circleops.inspect import format_text, json_default, summarize
+    from circleops.tools.inspect import format_text, json_default, summarize
 
     summary = summarize(args.file)
     if args.json:

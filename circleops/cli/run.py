@@ -1,6 +1,6 @@
 """``circleops run FILE --input x.npy ...``: run a Circle or TFLite file on .npy inputs.
 
-A file converted for a task (``circleops convert DIR``, circleops.tasks) also runs on ``--image``,
+A file converted for a task (``circleops convert DIR``, circleops.recipes.tasks) also runs on ``--image``,
 ``--text`` or ``--audio`` through the model's saved processor, and prints labels (``--top``).
 
 The reference interpreter (pure torch, every op circleops writes) is the default runtime;
@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from circleops.errors import OutputError, RuntimeRunError
-from circleops.user_files import load_npy
+from circleops.inputs.user_files import load_npy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     if out_dir is not None:
         print(f"wrote {len(outputs)} arrays to {out_dir}/output_<i>.npy")
     if prepared:
-        from circleops.task_io import describe
+        from circleops.recipes.task_io import describe
 
         print("\n".join(describe(prepared, outputs, args.top)))
     return 0
@@ -126,8 +126,8 @@ def _task_inputs(args: argparse.Namespace, path: str):
     """--image / --text / --audio: inputs through the processor of the model the file records."""
     if args.image is None and args.text is None and args.audio is None:
         return None
-    from circleops.task_io import prepare
-    from circleops.tasks import read_task_record
+    from circleops.recipes.task_io import prepare
+    from circleops.recipes.tasks import read_task_record
 
     if args.input:
         raise RuntimeRunError("give the inputs either as .npy files (--input) or from --image/--text/--audio.")

@@ -1,5 +1,5 @@
 """The vision-language side of ``circleops convert --graphs``, ``generate --image`` and
-``chat --image`` (circleops.vlm); the commands' own modules call in here."""
+``chat --image`` (circleops.recipes.vlm); the commands' own modules call in here."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from typing import Any
 
 def is_vlm(args: argparse.Namespace) -> bool:
     """A vision-language model directory (or config), or --graphs naming the vision graph."""
-    from circleops.vlm import VISION_GRAPH, vlm_model_type
+    from circleops.recipes.vlm import VISION_GRAPH, vlm_model_type
 
     asked = VISION_GRAPH in [g.strip() for g in str(getattr(args, "graphs", None) or "").split(",")]
     return asked or vlm_model_type(args.model, args.config) is not None
@@ -19,7 +19,7 @@ def is_vlm(args: argparse.Namespace) -> bool:
 def refuse_without_graphs(args: argparse.Namespace) -> None:
     """A vision-language model is not one forward: say to convert its generation graphs."""
     from circleops.errors import TargetError
-    from circleops.vlm import VLM_GRAPH_NAMES, vlm_model_type
+    from circleops.recipes.vlm import VLM_GRAPH_NAMES, vlm_model_type
 
     kind = vlm_model_type(args.model, args.config)
     if kind is not None:
@@ -30,7 +30,8 @@ def refuse_without_graphs(args: argparse.Namespace) -> None:
 
 
 def convert_main(args: argparse.Namespace) -> int:
-    from circleops import graphs, vlm
+    from circleops.recipes import llm as graphs
+    from circleops.recipes import vlm
     from circleops.errors import TargetError
 
     vlm.parse_vlm_graphs(args.graphs)
@@ -66,8 +67,8 @@ def convert_main(args: argparse.Namespace) -> int:
 def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler: Any) -> int:
     """``circleops generate DIR --image PATH --prompt TEXT`` on a vision-language model."""
     from circleops.errors import TargetError
-    from circleops.generate import TextStream
-    from circleops.vlm import VisionGenerator, prepare, read_image, saved_processor
+    from circleops.generation.generator import TextStream
+    from circleops.recipes.vlm import VisionGenerator, prepare, read_image, saved_processor
 
     if args.prompt is None:
         raise TargetError("a vision-language model generates from --prompt TEXT (with --image PATH); --token-ids "
@@ -93,7 +94,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
 
 def vision_chat(args: argparse.Namespace, manifest: Any, runtime: str) -> Any:
     """The VisionChat of ``circleops chat DIR --image PATH`` (the image in the first message)."""
-    from circleops.vlm import VisionChat, VisionGenerator, read_image, saved_processor
+    from circleops.recipes.vlm import VisionChat, VisionGenerator, read_image, saved_processor
 
     image = read_image(args.image) if args.image else None
     return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)), saved_processor(manifest), image,

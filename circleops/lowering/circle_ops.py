@@ -13,7 +13,7 @@ limits); every other registered op is lowered by :func:`lower_registered` (a res
 the lowering table), from its spec alone.
 
 A node whose ``meta[LOWERING_META]`` is ``"decomposed"`` is decomposed whatever its target
-says (set by a pass before lowering, e.g. circleops.precision, to write an fp16 graph's
+says (set by a pass before lowering, e.g. circleops.tools.precision, to write an fp16 graph's
 fp32-policy RMSNorm as a CAST-ops-CAST island instead of the RMS_NORM builtin).
 
 Semantics of the builtins as onert 0.1.0 runs them (probed with hand-built files; the

@@ -1,6 +1,6 @@
 """The numerics report: per-layer error and greedy agreement per norm policy.
 
-    report = circleops.precision.check(model, tokenizer, dtype="fp16")
+    report = circleops.tools.precision.check(model, tokenizer, dtype="fp16")
     print(report.table())
     report.to_json("check.json")
     report.plot("check.png")          # needs matplotlib (the `plot` extra)

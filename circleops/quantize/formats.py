@@ -78,7 +78,7 @@ class WeightFormat:
     runtimes: frozenset[str] = frozenset()  # runtimes that run its files
     host_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # runtime -> CPU flags it needs
     # the format's rounding step at the output's scale, relative (verify's tolerance is a few of
-    # them, circleops.pipeline.format_tolerance): an integer graph's output quantum against the
+    # them, circleops.pipeline.stages.format_tolerance): an integer graph's output quantum against the
     # fake-quantized module (uint8: ~2 max|output| / 255; int16: 2^-15), or the GGML / w8
     # kernels' int8 rounding of each linear's input (absmax / 127 per block or row), which torch
     # on the dequantized weights does not do

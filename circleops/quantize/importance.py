@@ -140,7 +140,7 @@ def _linear_keys(model: torch.nn.Module) -> dict[str, tuple]:
 
 def _cache_path(model: torch.nn.Module, ids: torch.Tensor, stat: str = "importance") -> Path | None:
     """The cache file of ``model`` run on ``ids``; None when the model cannot be fingerprinted."""
-    from circleops.cache_dir import cache_dir
+    from circleops.system.cache_dir import cache_dir
 
     h = hashlib.sha256()
 

@@ -13,7 +13,7 @@ from circleops.quantize.recipe import IntegerRecipe
 def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore: contextlib.ExitStack,
                 data_and_tokenizer: tuple, tracker: Any) -> None:
     """Rotation, then GPTQ, of an LLM's weights (in place until ``restore`` closes), as the
-    recipe asks; each step's summary goes to ``recipe.lines``. ``tracker``: circleops.pipeline's
+    recipe asks; each step's summary goes to ``recipe.lines``. ``tracker``: circleops.pipeline.stages's
     Tracker (its ``stage`` times each step, its ``progress.bar`` shows GPTQ's progress). The
     per-group rounding stays registered for the integer lowering until ``restore`` closes."""
     from circleops.quantize import pt2e

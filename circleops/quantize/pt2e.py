@@ -21,7 +21,7 @@ import torch
 
 from circleops.errors import CircleOpsError
 from circleops.quantize.quantizer import ACTIVATIONS, QuantizeConfigError, torchao_pt2e
-from circleops.token_ids import check_token_ids
+from circleops.inputs.token_ids import check_token_ids
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 

@@ -1,6 +1,6 @@
 """One generation graph run as a chain of sessions, one per consecutive layer range.
 
-A model past what one file of its target can hold (onert: 2 GiB, circleops.split) is
+A model past what one file of its target can hold (onert: 2 GiB, circleops.package.split) is
 written as parts: the first takes the token ids and looks up the embeddings, each passes
 its hidden state [1, S, hidden] to the next, the last computes the logits. Each part takes
 only its own layers' caches and returns their new rows (or whole caches). A

@@ -177,7 +177,7 @@ def _killed_message(runtime: str, path: str, doing: str) -> str:
     machine's memory."""
     import resource
 
-    from circleops.memory import machine_memory
+    from circleops.system.memory import machine_memory
 
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
     total, available = machine_memory()

@@ -94,7 +94,7 @@ _SHARED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary
 
 def weight_cache_dir() -> Path:
     """Where XNNPACK weight caches go: $CIRCLEOPS_XNNPACK_CACHE, else circleops' cache/xnnpack."""
-    from circleops.cache_dir import cache_dir
+    from circleops.system.cache_dir import cache_dir
 
     env = os.environ.get(WEIGHT_CACHE_ENV)
     return Path(env) if env else cache_dir() / "xnnpack"
@@ -165,7 +165,7 @@ class _Compiled:
         self.circleops_lock = threading.Lock()
         # its weights now live packed in the cache: the file's pages that packing read go back
         # (a GATHER's table rows are read again from the file as needed)
-        from circleops.memory import page_out
+        from circleops.system.memory import page_out
 
         real = os.path.realpath(path)
         page_out(lambda mapped: mapped == real)

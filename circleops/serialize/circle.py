@@ -16,6 +16,6 @@ RULES = FormatRules(
     deprecated_code=_deprecated_code,
     # Circle (ONE's luci) defines Buffer.offset/size; onert 0.1.0 crashes on it, but a file
     # past 2 GiB has no other layout, so it is written for target circle and refused for
-    # target onert (circleops.pipeline.write).
+    # target onert (circleops.pipeline.stages.write).
     reads_offset_buffers=True,
 )

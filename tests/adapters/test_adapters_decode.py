@@ -77,7 +77,7 @@ PROMPT, NEW = [5, 17, 42, 99, 3, 7, 8, 9, 10, 11], 8
 
 
 def _store(step, caches, outs, pos, s):
-    """What the Generator does with a step's cache outputs (circleops.generate.store_caches)."""
+    """What the Generator does with a step's cache outputs (circleops.generation.generator.store_caches)."""
     if step.cache_update == "full":
         return list(outs)
     n = step.num_layers

@@ -2,7 +2,7 @@
 the model as HF builds it (config.use_cache=True, the default): inside an adapter session,
 after circleops.fuse(model), and a plain export followed by fuse_patterns.
 
-Without circleops/dynamic_cache.py each of these fails ("Found <class
+Without circleops/adapters/dynamic_cache.py each of these fails ("Found <class
 'transformers.cache_utils.DynamicCache'> in output"), and attention handed an HF cache
 stays decomposed."""
 from __future__ import annotations

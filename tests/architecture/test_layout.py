@@ -172,10 +172,10 @@ def test_every_subcommand_has_its_module():
 # it, function-level imports included (a lazy import keeps start-up fast; it still points
 # down). Below the line of each group, what it is:
 LAYERS: tuple[str, ...] = (
-    # the base: no circleops import but errors (user_files: the readers of a user's files)
-    "_version", "errors", "user_files", "chat_template", "options", "dtypes", "cache_dir", "safe_load", "report", "sampling", "dynamic_cache", "hub",
-    "remote_code", "token_ids",
-    "memory",  # resident memory given back (madvise), the machine's memory: standard library only
+    # the base: no circleops import but errors. inputs: the readers of a user's files and values
+    # (JSON, WAV, images, .npy, token ids, chat templates, remote code, pickles); system: the
+    # cache directory and the machine's memory (standard library only)
+    "_version", "errors", "inputs", "options", "dtypes", "system",
     # the model of a file, the targets' facts, the fused ops, the file formats
     "ir", "targets", "ops", "serialize",
     # torch side: adapters (HF patches), ExportedProgram passes; then lowering to the IR
@@ -183,21 +183,19 @@ LAYERS: tuple[str, ...] = (
     # every quantization format (weight codecs, the weight pass, the PT2E integer path)
     "quantize",
     # running files (the reference interpreter's kernels use the weight codecs)
-    "runtime", "numerics", "models", "manifest",
-    # what a conversion will weigh, from the config / safetensors headers (the refusals sizes decide)
-    "sizes",
-    # one conversion: its option checks, then the pipeline
-    "validate", "pipeline",
-    # a model past one file's size limit as consecutive files (plans and names the parts)
-    "split",
-    # the applications over the pipeline, then the CLI over them
-    "generate", "inspect", "precision", "quant_report", "conversion", "graphs", "chat",
-    # a vision-language model: its graphs and generation from an image (over graphs, generate, chat)
-    "vlm",
-    # any Hugging Face model for its task (over conversion), and its inputs from a processor
-    "tasks", "task_io",
-    # Whisper-style speech graphs and their generation (over graphs, generate and task_io)
-    "speech",
+    "runtime", "numerics",
+    # where models come from (HF dir, GGUF, SmolLM2, .pt2, config, hub) and what they weigh
+    "sources",
+    # the written output: manifest, split files, the conversion report
+    "package",
+    # one conversion: its option checks, the stages, convert/save
+    "pipeline",
+    # running a written set of graphs: the generator, sampling, chat
+    "generation",
+    # tools over files and models: inspect, the fp16 check, the quantization report
+    "tools",
+    # the sets of graphs a model is written as: decoder LLM, VLM, speech, task models
+    "recipes",
     "cli", "circleops",
     # users of the public API, as a plugin would be: other toolchains' ops, the op test kit
     "interop", "testing",

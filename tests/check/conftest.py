@@ -30,6 +30,6 @@ def loud_llama() -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def loud_report(loud_llama, tmp_path_factory):
     """check() on the loud model, every policy, the .circle files kept."""
-    from circleops.precision import check
+    from circleops.tools.precision import check
 
     return check(loud_llama, None, new_tokens=NEW_TOKENS, work_dir=tmp_path_factory.mktemp("loud"))

@@ -23,7 +23,7 @@ N_NORMS = 5  # 2 layers x 2 + the final norm
 def fp16_program(tiny_llama):
     import copy
 
-    from circleops.conversion import hf_export_settings, export
+    from circleops.pipeline.convert import hf_export_settings, export
     from circleops.numerics import LayerOutputs
 
     model = copy.deepcopy(tiny_llama).half()

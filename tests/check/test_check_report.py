@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from circleops.precision import check, greedy
+from circleops.tools.precision import check, greedy
 from circleops.cli import main
 from circleops.errors import CircleOpsError
 from circleops.runtime.reference import Interpreter

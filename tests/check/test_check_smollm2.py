@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circleops.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
+from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ N = DEFAULT_NEW_TOKENS
 
 @pytest.fixture(scope="session")
 def smollm2_report(tmp_path_factory):
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # measured: 2 threads on 2 shared cores is ~20x slower per forward

@@ -182,7 +182,7 @@ def test_onert_past_2_gib(graphs, capsys, tmp_path, llama_dir, monkeypatch):
     assert "bytes (> 2 GiB) for target onert" in err
     assert "onert 0.1.0 cannot read weights stored after the flatbuffer (it crashes)" in err
     assert "--target circle for NPU compilers, or --target tflite for LiteRT" in err and "--dtype fp16" in err
-    if graphs:  # refused from the sizes before -o is made (circleops.sizes), or made and left empty
+    if graphs:  # refused from the sizes before -o is made (circleops.sources.sizes), or made and left empty
         assert not out.exists() or list(out.iterdir()) == []
     else:
         assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -1,5 +1,5 @@
 """Every refusal that the model's sizes decide comes before any work (issue 32): the
-parameter count from the safetensors headers or the config (circleops.sizes), the target's
+parameter count from the safetensors headers or the config (circleops.sources.sizes), the target's
 file-size limit, the cache length against the model's positions, and the machine's memory.
 The model is never loaded: ``models.load`` raises if it is called."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from circleops import models, sizes
+from circleops.sources import models
+from circleops.sources import sizes
 from circleops.cli import main
 
 # A Llama-3.2-1B config: 1.24 B parameters, 4.9 GB in fp32

@@ -104,7 +104,7 @@ def llama_config(tmp_path_factory, llama_model) -> Path:
 @pytest.fixture(scope="session")
 def llama_pt2(tmp_path_factory, llama_model) -> Path:
     """The tiny Llama exported (input_ids -> logits) and saved with torch.export.save."""
-    from circleops.conversion import CausalLMLogits
+    from circleops.pipeline.convert import CausalLMLogits
 
     path = tmp_path_factory.mktemp("pt2") / "tiny-llama.pt2"
     with torch.no_grad():

@@ -157,7 +157,7 @@ def test_hf_settings_are_restored(tmp_path):
 
 
 def test_save_an_exported_program(llama, tmp_path):
-    from circleops.conversion import CausalLMLogits
+    from circleops.pipeline.convert import CausalLMLogits
 
     with torch.no_grad():
         ep = torch.export.export(CausalLMLogits(llama), (example_ids(SEQ),))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.conversion import verify_file
+from circleops.pipeline.convert import verify_file
 from circleops.errors import VerifyError
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.conversion import format_tolerance
+from circleops.pipeline.convert import format_tolerance
 from families import BY_NAME, example_ids
 
 SQNR_FLOOR = {"fp16": 50.4, "uint8": 22.5, "int16": 30.0, "q4_0": 9.8, "q8_0": 33.2, "w8": 32.7}

@@ -1,4 +1,4 @@
-"""circleops.models: every way to name a model loads the same weights as transformers does."""
+"""circleops.sources.models: every way to name a model loads the same weights as transformers does."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circleops import models
+from circleops.sources import models
 from circleops.errors import ModelLoadError
 from families import FAMILIES, example_ids
 

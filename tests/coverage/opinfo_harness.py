@@ -302,7 +302,7 @@ def _op_codes(path: str) -> set[str]:
 def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None = None,
                dtype: torch.dtype = torch.float32) -> dict[str, Outcome]:
     """One sample exported once, converted to each target, run and compared with torch."""
-    from circleops.conversion import export, save
+    from circleops.pipeline.convert import export, save
     from circleops.errors import CircleOpsError
 
     module = SampleModule(opinfo.op, sample, consts).eval()

@@ -119,7 +119,7 @@ def prepare_python_dir(directory: Path) -> None:
     """Files the Python blocks read: model.circle (input_ids [1, 8] -> logits) and the
     prefill/decode graphs in out-circle/ (target circle, one file with two signatures)."""
     import circleops
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     ids = example_ids()
     circleops.convert(BY_NAME["llama"].build(), (ids,), str(directory / "model.circle"), target="circle")

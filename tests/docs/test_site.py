@@ -39,7 +39,7 @@ def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
     # the API pages are rendered from the docstrings, the architecture page includes CONTRIBUTING.md
     api = (site / "api" / "convert" / "index.html").read_text()
-    assert "circleops.conversion.convert" in api and "example_args" in api
+    assert "circleops.pipeline.convert.convert" in api and "example_args" in api
     assert "Adding a lowering" in (site / "architecture" / "index.html").read_text()
     built = {p.parent.relative_to(site).as_posix() for p in site.rglob("index.html")}
     assert {"ops", "converting", "llm", "quantization", "targets", "tools", "benchmarks"} <= built

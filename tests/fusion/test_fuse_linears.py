@@ -207,9 +207,9 @@ def test_convert_writes_fused_linears_with_the_same_logits(tmp_path, llama, fmt,
 
 
 def test_graphs_generate_the_same_tokens(tmp_path, llama, monkeypatch):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     kw = dict(target="onert", prefill_len=8, max_cache_len=32, quantize="q4_0")
     convert_graphs(copy.deepcopy(llama), tmp_path / "fused", **kw)
@@ -228,7 +228,7 @@ def test_graphs_generate_the_same_tokens(tmp_path, llama, monkeypatch):
 
 def test_shared_fused_weight_between_graphs(tmp_path, llama):
     """prefill and decode share their GGML blocks, so they share each fused weight too."""
-    import circleops.graphs as graphs
+    import circleops.recipes.llm as graphs
 
     seen = []
     real = fuse_linears.fuse_sibling_linears

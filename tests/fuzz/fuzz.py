@@ -260,7 +260,7 @@ def _cli(argv: list[str]) -> int:
 
 def run_case(path: Path, seed: Seed, npys: list[str], with_cli: bool, stats: Stats) -> None:
     """Everything that reads the file; raises what escaped (the caller classifies it)."""
-    from circleops.inspect import format_text, summarize
+    from circleops.tools.inspect import format_text, summarize
     from circleops.runtime import reference
     from circleops.serialize import read_model
 

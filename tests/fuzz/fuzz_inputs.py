@@ -135,7 +135,7 @@ def _image_bytes(fmt: str) -> bytes:
 
 
 def speech_manifest_dict() -> dict[str, Any]:
-    """A speech manifest as circleops.speech writes it for a 2-layer Whisper."""
+    """A speech manifest as circleops.recipes.speech writes it for a 2-layer Whisper."""
     return {"format": "circleops-speech", "version": 1, "default_runtime": "onert", "cache_update": "rows",
             "target": "onert", "dtype": "fp32",
             "files": {"encoder": "encoder.circle", "prefill": "prefill.circle", "decode": "decode.circle"},
@@ -155,7 +155,7 @@ def build_seeds(work: Path) -> Seeds:
 
     import circleops
     from chat_fixtures import tiny_chat_tokenizer
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
     from families import BY_NAME
 
     work.mkdir(parents=True, exist_ok=True)
@@ -361,13 +361,13 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
         desc = f"{name}: {', '.join(what)}"
         if kind == "wav":
             def run() -> Any:
-                from circleops.speech import read_audio
+                from circleops.recipes.speech import read_audio
 
                 return read_audio(path, 16000)
             return Case(kind, desc, run)
         if kind == "image":
             def run() -> Any:
-                from circleops.vlm import read_image
+                from circleops.recipes.vlm import read_image
 
                 return read_image(path).size
             return Case(kind, desc, run)
@@ -378,7 +378,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
             what = mutate_json_file(rng, d / "manifest.json")
 
             def run() -> Any:
-                from circleops.generate import generate
+                from circleops.generation.generator import generate
 
                 return generate(d, [5, 6, 7], 3).tokens
             return Case(kind, what, run)
@@ -386,7 +386,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
             what = mutate_json_file(rng, d / "generation_config.json")
 
             def run() -> Any:
-                from circleops.sampling import Sampler, SamplingConfig
+                from circleops.generation.sampling import Sampler, SamplingConfig
 
                 config = SamplingConfig.from_generation_config(d, do_sample=True, seed=1)
                 return Sampler(config)(np.linspace(-3, 3, 259, dtype=np.float32), [1, 2])
@@ -396,8 +396,8 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
             what = f"{name}: " + mutate_json_file(rng, d / "tokenizer" / name)
 
             def run() -> Any:
-                from circleops.generate import encode_prompt, load_tokenizer
-                from circleops.manifest import read_manifest
+                from circleops.generation.generator import encode_prompt, load_tokenizer
+                from circleops.package.manifest import read_manifest
 
                 tokenizer = load_tokenizer(read_manifest(d))
                 ids = encode_prompt(tokenizer, "hi there", chat=rng_flag)
@@ -418,7 +418,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
                                               "--max-new-tokens", "2"]), cli=True)
 
             def run() -> Any:
-                from circleops.generate import encode_prompt, hf_tokenizer
+                from circleops.generation.generator import encode_prompt, hf_tokenizer
 
                 return encode_prompt(hf_tokenizer(d / "tokenizer"), "hi", chat=True)
             return Case(kind, what, run)
@@ -440,7 +440,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
         what = mutate_json_file(rng, d / "manifest.json")
 
         def run() -> Any:
-            from circleops.speech import read_speech_manifest
+            from circleops.recipes.speech import read_speech_manifest
 
             return read_speech_manifest(d).num_layers
         return Case(kind, what, run)
@@ -450,7 +450,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
         what = mutate_json_file(rng, path)
 
         def run() -> Any:
-            from circleops import models
+            from circleops.sources import models
 
             return type(models.load(None, config=str(path)).module).__name__
         return Case(kind, what, run)
@@ -475,7 +475,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
             what = f"{name}: " + mutate_json_file(rng, d / name)
 
         def run() -> Any:
-            from circleops import models
+            from circleops.sources import models
 
             return type(models.load(str(d)).module).__name__
         return Case(kind, what, run)

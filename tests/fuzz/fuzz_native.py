@@ -104,7 +104,7 @@ def build_targets(work: Path, paths: tuple[str, ...] = PATHS) -> list[Target]:
     import torch
 
     import circleops
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
     from families import BY_NAME
     from fuzz import _Tiny
 

@@ -59,7 +59,7 @@ def tiny_expected(tiny_model) -> dict[tuple, list[int]]:
 
 
 def _tiny(tmp_path_factory, tiny_model, tiny_expected, target: str) -> Converted:
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     out = tmp_path_factory.mktemp(f"tiny_{target}")
     convert_graphs(copy.deepcopy(tiny_model), out, target=target, prefill_len=TINY_PREFILL,
@@ -101,7 +101,7 @@ def _long_text() -> str:
 def smollm2(tmp_path_factory) -> SmolLM2:
     """SmolLM2-135M converted once as a newcomer does (the CLI, --verify on onert)."""
     from circleops.cli import main
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
 
     model, tokenizer = load_smollm2()
     prompts = {p: [int(i) for i in tokenizer(p)["input_ids"]] for p in SMOL_PROMPTS}

@@ -12,9 +12,9 @@ import pytest
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, one_torch_thread
 
 from circleops.errors import ModelLoadError, TargetError
-from circleops.generate import Generator, store_caches
-from circleops.graphs import convert_graphs, default_cache_update
-from circleops.manifest import MANIFEST_VERSION, Manifest, read_manifest
+from circleops.generation.generator import Generator, store_caches
+from circleops.recipes.llm import convert_graphs, default_cache_update
+from circleops.package.manifest import MANIFEST_VERSION, Manifest, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 
 # (target, runtime) of the rows-form fixtures: every runtime the Generator supports for them

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from circleops.errors import ModelLoadError, TargetError
-from circleops.generate import Generator, cache_window
-from circleops.graphs import convert_graphs, default_cache_windows
-from circleops.manifest import read_manifest
+from circleops.generation.generator import Generator, cache_window
+from circleops.recipes.llm import convert_graphs, default_cache_windows
+from circleops.package.manifest import read_manifest
 from families import BY_NAME
 from generate_fixtures import one_torch_thread
 

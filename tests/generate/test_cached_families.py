@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from circleops.adapters import attention_blockers
-from circleops.generate import Generator
-from circleops.graphs import GraphsReport, convert_graphs
+from circleops.generation.generator import Generator
+from circleops.recipes.llm import GraphsReport, convert_graphs
 from families import BY_NAME, FAMILIES, MOE_FAMILIES, Family
 from generate_fixtures import hf_greedy, one_torch_thread
 
@@ -158,7 +158,7 @@ def test_moe_families_generate_on_onert(tmp_path, family):
 def test_cli_convert_and_generate_gemma2(tmp_path, capsys):
     """The commands a user types, on Gemma 2 (soft-capping, a sliding layer, another scale)."""
     from circleops.cli import main as cli
-    from circleops.models import load_config
+    from circleops.sources.models import load_config
 
     cfg = tmp_path / "config.json"
     BY_NAME["gemma2"].config().to_json_file(cfg)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from chat_fixtures import tiny_chat_tokenizer
-from circleops.chat import CacheFullError, Chat
+from circleops.generation.chat import CacheFullError, Chat
 from circleops.cli import main
-from circleops.generate import Generator
-from circleops.graphs import convert_graphs
+from circleops.generation.generator import Generator
+from circleops.recipes.llm import convert_graphs
 from families import BY_NAME
 from generate_fixtures import one_torch_thread
 

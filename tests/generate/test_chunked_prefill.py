@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from circleops.generate import GenerationLimitError, Generator, plan_chunks
-from circleops.graphs import convert_graphs
+from circleops.generation.generator import GenerationLimitError, Generator, plan_chunks
+from circleops.recipes.llm import convert_graphs
 from families import BY_NAME
 from generate_fixtures import one_torch_thread
 

@@ -13,7 +13,7 @@ from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, 
 from families import FAMILIES
 
 from circleops.cli import main as cli
-from circleops.generate import GenerationLimitError, Generator, generate
+from circleops.generation.generator import GenerationLimitError, Generator, generate
 from circleops.errors import TargetError
 
 CASES = [("onert", "onert"), ("onert", "reference"), ("tflite", "litert"), ("circle", "reference")]
@@ -106,7 +106,7 @@ def test_cli_generate_token_ids(capsys, tiny_onert):
 
 def _topk_recording_sampler(config):
     """A Sampler that also records, per pick, whether the token was among the top_k logits."""
-    from circleops.sampling import Sampler
+    from circleops.generation.sampling import Sampler
 
     class Recording(Sampler):
         picks: list = []
@@ -123,7 +123,7 @@ def _topk_recording_sampler(config):
 def test_cli_sample_draws_what_the_sampler_draws(capsys, tiny_onert):
     """--sample --top-k 5 --seed S: the CLI's tokens are the API's draws with that config,
     each token among the 5 most likely ones, not greedy's; the seed decides the draws."""
-    from circleops.sampling import SamplingConfig
+    from circleops.generation.sampling import SamplingConfig
 
     prompt, greedy = TINY_PROMPTS[0], tiny_onert.expected[tuple(TINY_PROMPTS[0])]
     gen = Generator(tiny_onert.directory)
@@ -168,7 +168,7 @@ def test_cli_not_a_graphs_directory(capsys, tmp_path):
 def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     """`circleops convert --config ... --graphs prefill,decode --verify` then generate, as
     separate processes (the commands a user types); the model is the config's seeded one."""
-    from circleops.models import load_config
+    from circleops.sources.models import load_config
 
     cfg = tmp_path / "config.json"
     tiny_model.config.to_json_file(cfg)
@@ -209,7 +209,7 @@ def test_other_families_on_onert(tmp_path, family):
     on onert (Llama is covered above with more prompts and runtimes)."""
     from generate_fixtures import one_torch_thread
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     model = family.build()
     prompt = TINY_PROMPTS[0]
@@ -227,8 +227,8 @@ def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_ex
 
     import torch
 
-    from circleops.conversion import export
-    from circleops.graphs import convert_graphs, decoder_step, lower_step
+    from circleops.pipeline.convert import export
+    from circleops.recipes.llm import convert_graphs, decoder_step, lower_step
     from circleops.serialize import write_model
 
     out = tmp_path / "old"

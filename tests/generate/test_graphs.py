@@ -12,9 +12,9 @@ from generate_fixtures import TINY_CACHE, TINY_PREFILL
 from families import BY_NAME, FAMILIES, MOE_FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError
-from circleops.graphs import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
+from circleops.recipes.llm import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
                               parse_graph_names)
-from circleops.manifest import read_manifest
+from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model, write_model
 
 LAYERS = 2

@@ -24,7 +24,7 @@ def _photo(path, orientation: int):
 def test_read_image_applies_exif_orientation_as_transformers(tmp_path, suffix, orientation):
     from transformers.image_utils import load_image
 
-    from circleops import vlm
+    from circleops.recipes import vlm
 
     path = _photo(tmp_path / f"photo{suffix}", orientation)
     ours, theirs = np.asarray(vlm.read_image(path)), np.asarray(load_image(str(path)))

@@ -18,8 +18,8 @@ from families import BY_NAME
 from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
 
 from circleops.errors import TargetError
-from circleops.generate import Generator
-from circleops.graphs import convert_graphs, signature_files
+from circleops.generation.generator import Generator
+from circleops.recipes.llm import convert_graphs, signature_files
 from circleops.runtime import onert_c, selects_signatures
 from circleops.targets import PROFILES
 
@@ -85,7 +85,7 @@ def test_one_file_shared_by_every_graph_gives_transformers_tokens(model, expecte
 @needs_c_api
 def test_split_parts_with_signatures(model, expected, tmp_path):
     """A split model on onert 0.2: one file per layer range, each with every graph's signature."""
-    from circleops.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes
+    from circleops.package.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes
 
     sizes = part_bytes(model)
     limit = int((sizes.embedding + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096

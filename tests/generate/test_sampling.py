@@ -1,4 +1,4 @@
-"""circleops.sampling: transformers' logits processing, reproducible draws, the right distribution."""
+"""circleops.generation.sampling: transformers' logits processing, reproducible draws, the right distribution."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from circleops.sampling import Sampler, SamplingConfig, SamplingError, softmax
+from circleops.generation.sampling import Sampler, SamplingConfig, SamplingError, softmax
 
 V = 64
 

@@ -10,8 +10,8 @@ import pytest
 
 from generate_fixtures import SMOL_CACHE, SMOL_LONG, SMOL_LONG_NEW, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
 
-from circleops.generate import Generator
-from circleops.manifest import read_manifest
+from circleops.generation.generator import Generator
+from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_cli_streams_text_and_reports_speed(smollm2):
 
 def test_prompt_of_300_tokens_in_chunks_equals_transformers(smollm2):
     """Ten runs of the 32-token prefill graph (the last one end-aligned), then decode."""
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
 
     assert len(smollm2.long_prompt) == SMOL_LONG
     result = Generator(smollm2.directory).generate(smollm2.long_prompt, SMOL_LONG_NEW)

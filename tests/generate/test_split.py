@@ -1,4 +1,4 @@
-"""A model past the target's file limit as consecutive files, a layer range each (circleops.split).
+"""A model past the target's file limit as consecutive files, a layer range each (circleops.package.split).
 
 onert reads no weights after the flatbuffer, so no onert file passes 2 GiB (a 1B model in
 fp32 is 4.9 GB). The limit is lowered here (max_file_bytes) so that a 4-layer tiny Llama
@@ -19,11 +19,11 @@ from families import BY_NAME
 from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
 
 from circleops.errors import ModelLoadError, TargetError
-from circleops.generate import Generator
-from circleops.graphs import convert_graphs
-from circleops.manifest import read_manifest
+from circleops.generation.generator import Generator
+from circleops.recipes.llm import convert_graphs
+from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
-from circleops.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes, plan_parts
+from circleops.package.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes, plan_parts
 
 LAYERS, NEW = 4, 12
 

@@ -1,4 +1,4 @@
-"""Each graph's session opens at its own thread count (circleops.generate.graph_threads): a
+"""Each graph's session opens at its own thread count (circleops.generation.generator.graph_threads): a
 budget (``Generator(threads=N)``, ``generate --threads N``) runs the long prefill graph at N
 and onert's graphs of few rows (decode, the short prefill) at 1 (measured faster:
 bench/results/09-llm-speed.yaml); a mapping and a NUM_THREADS set in the environment are
@@ -11,10 +11,10 @@ import pytest
 
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PROMPTS, Converted
 
-import circleops.generate as generate_module
+import circleops.generation.generator as generate_module
 from circleops.cli import main as cli
 from circleops.errors import TargetError
-from circleops.generate import Generator, graph_threads
+from circleops.generation.generator import Generator, graph_threads
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def two_lengths(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
     """The tiny Llama on onert with a 16-row and a 4-row prefill graph."""
     import copy
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     out = tmp_path_factory.mktemp("tiny_16_4")
     convert_graphs(copy.deepcopy(tiny_model), out, target="onert", prefill_len="16,4", max_cache_len=TINY_CACHE,
@@ -75,7 +75,7 @@ def test_the_users_num_threads_is_honoured_for_every_graph(tiny_onert, opened, m
 
 
 def test_the_manifest_count_is_the_default_budget(tiny_onert, opened):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     m = read_manifest(tiny_onert.directory)
     m.num_threads = 2  # what convert --threads 2 writes
@@ -109,7 +109,7 @@ def test_cli_threads_reaches_the_sessions(two_lengths, opened, capsys):
 
 def test_graphs_run_at_one_thread_are_lowered_for_one(two_lengths):
     """onert's few-row graphs run one thread, so their multi-row linears are FULLY_CONNECTED
-    (circleops.graphs.graph_options); the 16-row prefill keeps the 1x1 CONV_2D (faster with
+    (circleops.recipes.llm.graph_options); the 16-row prefill keeps the 1x1 CONV_2D (faster with
     a second core) for its linears."""
     from circleops.serialize import read_model
 
@@ -128,9 +128,9 @@ def test_graphs_run_at_one_thread_are_lowered_for_one(two_lengths):
 def test_ggml_files_plan_short_runs(two_lengths, monkeypatch):
     """The chunk plan counts a run's overhead by the files' weights and threads: GGML products
     cost the same per row in short runs, so an 8-token prompt is two 4-row runs there, one
-    padded 16-row run in fp32 (circleops.generate.GGML_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
+    padded 16-row run in fp32 (circleops.generation.generator.GGML_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
     ONE_THREAD_RUN_OVERHEAD)."""
-    from circleops.generate import ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD
+    from circleops.generation.generator import ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD
 
     gen = Generator(two_lengths.directory)
     assert gen.plan(0, 8) == [(16, 0)]

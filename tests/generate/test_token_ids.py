@@ -1,6 +1,6 @@
 """Token ids are checked against the vocabulary before a runtime sees them (issue 31): an id
 past the embedding table (or negative) made onert read outside it (SIGSEGV, or tokens out of
-garbage). Every path is checked by circleops.token_ids.check_token_ids: --token-ids, the
+garbage). Every path is checked by circleops.inputs.token_ids.check_token_ids: --token-ids, the
 tokenizer's output, the manifest's pad / eos ids, the tokens fed and decoded, on onert and
 the reference interpreter (the tiny 2-layer Llama's graphs)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from circleops.cli import main as cli
 from circleops.errors import ModelLoadError
-from circleops.generate import GenerationLimitError, Generator
-from circleops.manifest import read_manifest
+from circleops.generation.generator import GenerationLimitError, Generator
+from circleops.package.manifest import read_manifest
 
 
 @pytest.fixture(params=["onert", "reference"])

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from circleops.cli import main
-from circleops.manifest import read_manifest
+from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
-from circleops import vlm
+from circleops.recipes import vlm
 from vlm_fixtures import VLM_NEW
 
 
@@ -152,7 +152,7 @@ def test_errors_are_one_clear_paragraph(tiny_vlm_onert, tmp_path, capsys):
 
 def test_the_text_generator_refuses_a_vlm_directory(tiny_vlm_onert):
     from circleops.errors import ModelLoadError
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
 
     with pytest.raises(ModelLoadError, match="VisionGenerator"):
         Generator(tiny_vlm_onert.out)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from circleops import vlm
+from circleops.recipes import vlm
 from circleops.cli import main
 from vlm_fixtures import VLM_NEW
 

@@ -118,8 +118,8 @@ def _build(family: str, root: Path):
     """(model, processor) of ``family`` over SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from circleops import vlm
-    from circleops.models import smollm2_dir
+    from circleops.recipes import vlm
+    from circleops.sources.models import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
     if family == "smolvlm":

@@ -159,7 +159,7 @@ def _w8_weights_7_bits() -> None:
 def _sampling_is_greedy() -> None:
     import numpy as np
 
-    from circleops import sampling
+    from circleops.generation import sampling
 
     def call(self, logits, context=()):
         return int(np.argmax(self.process(logits, context)))
@@ -168,18 +168,18 @@ def _sampling_is_greedy() -> None:
 
 
 def _sampling_ignores_top_k() -> None:
-    _replace("circleops.sampling", "top_k", lambda scores, k: scores)
+    _replace("circleops.generation.sampling", "top_k", lambda scores, k: scores)
 
 
 def _cache_rows_one_slot_late() -> None:
-    from circleops import generate
+    from circleops.generation import generator as generate
 
     orig = generate.store_caches
 
     def store_caches(caches, outputs, pos, cache_update, cache_layout=generate.SLOT_MAJOR):
         return orig(caches, outputs, pos + 1, cache_update, cache_layout)
 
-    _replace("circleops.generate", "store_caches", store_caches)
+    _replace("circleops.generation.generator", "store_caches", store_caches)
 
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [

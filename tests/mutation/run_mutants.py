@@ -29,7 +29,7 @@ def _preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import circleops  # noqa: F401
-    import circleops.conversion  # noqa: F401
+    import circleops.pipeline.convert  # noqa: F401
     import circleops.runtime.reference  # noqa: F401
 
 

@@ -252,9 +252,9 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     """The generation graphs (prefill, its cache window, decode: one file sharing one set of
     int4 weights), every linear INT4 (attention inline), run by the Generator in LiteRT: each
     greedy token is torch's on the file's dequantized weights, up to the file's own error."""
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     out = tmp_path / "g"
     model = copy.deepcopy(llama)
@@ -301,7 +301,7 @@ def test_gptq_at_static_block_scales_lowers_the_output_error():
 
 def test_quant_check_int4_runs_the_tflite_file_in_litert(llama):
     """check --quantize int4 (no --runtime): only LiteRT runs its files, so the report is LiteRT's."""
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     r = quant_check(llama, None, quantize="int4", prompt_ids=[5, 17, 42], new_tokens=4, window=64, max_windows=1)
     assert r.runtime == "litert" and r.perplexity_tokens == 63

@@ -38,7 +38,7 @@ def tiny_llama_int4(tmp_path_factory):
     written to a Circle file: (converted module, ids, path)."""
     from families import FAMILIES
 
-    from circleops.conversion import export, export_module, hf_export_settings
+    from circleops.pipeline.convert import export, export_module, hf_export_settings
 
     model = next(f for f in FAMILIES if f.name == "llama").build()
     module = export_module(model)
@@ -239,7 +239,7 @@ def test_choose_int16_takes_the_worst_tensors_within_the_budget():
 def test_int16_auto_gives_the_worst_measured_ops_int16(tmp_path):
     from families import FAMILIES
 
-    from circleops.conversion import export, export_module, hf_export_settings
+    from circleops.pipeline.convert import export, export_module, hf_export_settings
 
     model = next(f for f in FAMILIES if f.name == "llama").build()
     module = export_module(model)

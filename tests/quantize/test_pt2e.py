@@ -164,7 +164,7 @@ def test_conv_net_with_instance_norm_uint8(tmp_path, convnet_uint8):
 def tiny_llama():
     from families import FAMILIES
 
-    from circleops.conversion import hf_export_settings, export, export_module
+    from circleops.pipeline.convert import hf_export_settings, export, export_module
 
     fam = next(f for f in FAMILIES if f.name == "llama")
     model = fam.build()
@@ -296,7 +296,7 @@ def test_inspect_shows_quantization_of_every_tensor(tmp_path, capsys, small_net_
 def test_check_reports_layer_sqnr_and_agreement(scheme, runtime):
     from families import BY_NAME
 
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     if runtime == "onert":
         pytest.importorskip("onert")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import circleops
-from circleops.inspect import format_text, summarize
-from circleops.quant_report import PERPLEXITY_TEXT, quant_check, text_ids
+from circleops.tools.inspect import format_text, summarize
+from circleops.tools.quant_report import PERPLEXITY_TEXT, quant_check, text_ids
 from families import BY_NAME, example_ids
 from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 

@@ -188,9 +188,9 @@ def test_odd_k_stays_fp32_and_bias_is_its_own_add(tmp_path, target, odd_linears)
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_graphs_quantized_generate(tmp_path, llama, fmt):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     out = tmp_path / "g"
     model = copy.deepcopy(llama)
@@ -217,7 +217,7 @@ def test_graphs_quantized_generate(tmp_path, llama, fmt):
 
 
 def test_save_quantized(tmp_path, llama):
-    from circleops.conversion import export_module
+    from circleops.pipeline.convert import export_module
 
     ids = example_ids(8)
     with torch.no_grad():
@@ -253,10 +253,10 @@ def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
     NUM_THREADS=1 (unless the user set it) and leaves the environment as it was."""
     import os
 
-    import circleops.generate as rt
-    from circleops.generate import open_graph
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    import circleops.generation.generator as rt
+    from circleops.generation.generator import open_graph
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     convert_graphs(copy.deepcopy(llama), tmp_path / "g", target="onert", prefill_len=8, max_cache_len=16,
                    quantize="q8_0")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.models import load_gguf
+from circleops.sources.models import load_gguf
 from circleops.serialize import read_model
 from onert_host import GGML_RUNTIME, ONERT_RUNS_GGML
 from families import BY_NAME, example_ids

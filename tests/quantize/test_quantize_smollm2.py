@@ -11,11 +11,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_smollm2_q4_0_graphs_generate(tmp_path):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
-    from circleops.models import load_smollm2
-    from circleops.quant_report import text_ids
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
+    from circleops.sources.models import load_smollm2
+    from circleops.tools.quant_report import text_ids
 
     model, tokenizer = load_smollm2()
     assert len(text_ids(tokenizer, model.config.vocab_size)) >= 2000

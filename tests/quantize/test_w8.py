@@ -297,9 +297,9 @@ def _file_w8_weights(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def test_graphs_w8_generate(tmp_path, llama):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
     from circleops.quantize.smooth import smoothed
 
     out = tmp_path / "g"
@@ -421,9 +421,9 @@ def test_graphs_w8_tflite_generate(tmp_path, llama):
     """The generation graphs with w8 on tflite (one file, both signatures share the int8
     weights), run by the Generator in LiteRT: each greedy token is torch's on the weights
     the file holds, up to the file's measured error (as for onert above)."""
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
     from circleops.quantize.smooth import smoothed
     from circleops.serialize.reader import read_signatures
 
@@ -448,7 +448,7 @@ def test_graphs_w8_tflite_generate(tmp_path, llama):
 
 
 def test_quant_check_w8_costs_little(llama):
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2)
     assert r.runtime == "onert" and r.note is None  # onert runs w8 on any x86-64
@@ -460,7 +460,7 @@ def test_quant_check_w8_costs_little(llama):
 def test_quant_check_w8_litert(llama):
     """check --quantize w8 --runtime litert: the tflite file (dynamic-range FULLY_CONNECTED,
     attention inline as the generation graphs write it: every linear int8) run by LiteRT."""
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
 
     r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2,
                     runtime="litert")

@@ -105,9 +105,9 @@ def test_smoothing_lowers_the_w8_error_with_an_outlier_channel(tmp_path, monkeyp
 
 
 def test_convert_graphs_w8_smooths_and_restores(tmp_path):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     model = _llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}

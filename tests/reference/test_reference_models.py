@@ -21,7 +21,7 @@ import torch
 
 import convnet
 from circleops.adapters import patched_modules
-from circleops.conversion import convert, save
+from circleops.pipeline.convert import convert, save
 from circleops.runtime import litert, onert, reference
 from circleops.serialize import read_model
 from families import BY_NAME, FAMILIES, example_ids

@@ -18,7 +18,7 @@ from flatbuffers import flexbuffers
 
 import circleops
 from circleops.cli import main as cli_main
-import circleops.inspect
+import circleops.tools.inspect
 from circleops.errors import CircleOpsError, RuntimeRunError, UnsupportedOpError
 from circleops.ops import REGISTRY, OpDefinitionError, by_custom_code
 from circleops.runtime import litert, reference
@@ -215,7 +215,7 @@ def test_a_shape_derived_attribute_is_written_as_a_constant(tmp_path):
 
     path = tmp_path / "d.circle"
     circleops.convert(Dyn(), (X,), path, target="circle", verify=True)
-    assert "custom_options {s=3.0}" in circleops.inspect.format_text(circleops.inspect.summarize(path))
+    assert "custom_options {s=3.0}" in circleops.tools.inspect.format_text(circleops.tools.inspect.summarize(path))
 
 
 @circleops.op("mylib::band(Tensor x) -> Tensor", circle="decompose")

@@ -16,7 +16,7 @@ import circleops
 from circleops.errors import TargetError
 from circleops.runtime import RUNTIMES, Runtime, choose_runtime, reference, register_runtime, unregister_runtime
 from circleops.targets import CIRCLE, PROFILES, register_target, unregister_target
-from circleops.validate import resolve_runtime
+from circleops.pipeline.validate import resolve_runtime
 
 RUNTIME = "traced"
 TARGET = "circle-files"
@@ -73,8 +73,8 @@ def test_a_target_and_runtime_registered_in_a_test_convert_and_verify(tmp_path, 
 
 
 def test_a_registered_target_writes_graphs_one_file_each_and_generates(tmp_path, registered):
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
 
     model = BY_NAME["llama"].build().eval()
     report = convert_graphs(model, tmp_path / "g", target=TARGET, prefill_len=4, max_cache_len=8, verify=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circleops import models
+from circleops.sources import models
 from circleops.errors import ModelLoadError
 
 REPO = Path(__file__).resolve().parents[2]

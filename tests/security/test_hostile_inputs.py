@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 import fuzz_inputs  # noqa: E402
 from bounds import address_space_limit  # noqa: E402
 from circleops.errors import CircleOpsError, ModelLoadError  # noqa: E402
-from circleops.user_files import InputFileError, load_npy, opened_image, read_json, read_wav  # noqa: E402
+from circleops.inputs.user_files import InputFileError, load_npy, opened_image, read_json, read_wav  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +130,9 @@ def test_json_depth_and_damage_are_named(tmp_path):
 @pytest.mark.parametrize("name", ["manifest.json", "generation_config.json", "tokenizer/tokenizer_config.json",
                                   "tokenizer/tokenizer.json"])
 def test_nested_json_in_a_converted_directory(seeds, tmp_path, name):
-    from circleops.generate import encode_prompt, load_tokenizer
-    from circleops.manifest import read_manifest
-    from circleops.sampling import SamplingConfig
+    from circleops.generation.generator import encode_prompt, load_tokenizer
+    from circleops.package.manifest import read_manifest
+    from circleops.generation.sampling import SamplingConfig
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     (d / name).write_text(_deep())
@@ -142,7 +142,7 @@ def test_nested_json_in_a_converted_directory(seeds, tmp_path, name):
 
 
 def test_nested_speech_manifest_and_wrong_types(seeds, tmp_path):
-    from circleops.speech import read_speech_manifest
+    from circleops.recipes.speech import read_speech_manifest
 
     d = shutil.copytree(seeds.speech_dir, tmp_path / "speech")
     (d / "manifest.json").write_text(_deep())
@@ -164,7 +164,7 @@ def test_nested_speech_manifest_and_wrong_types(seeds, tmp_path):
     ('{"weight_map": {"model.embed_tokens.weight": "/etc/passwd"}}', "absolute path"),
 ])
 def test_safetensors_index(seeds, tmp_path, index, message):
-    from circleops import models
+    from circleops.sources import models
 
     d = shutil.copytree(seeds.hf_dir, tmp_path / "hf")
     (d / "model.safetensors.index.json").write_text(index)
@@ -173,7 +173,7 @@ def test_safetensors_index(seeds, tmp_path, index, message):
 
 
 def test_index_pointing_outside_through_a_symlink(seeds, tmp_path):
-    from circleops import models
+    from circleops.sources import models
 
     d = shutil.copytree(seeds.hf_dir, tmp_path / "hf")
     (d / "model.safetensors").rename(tmp_path / "outside.safetensors")
@@ -187,8 +187,8 @@ def test_index_pointing_outside_through_a_symlink(seeds, tmp_path):
     (lambda t: b"", "is empty"), (lambda t: t.replace(b'"<|endoftext|>":0', b'"<|endoftext|>":-5', 1), "-5"),
 ])
 def test_damaged_tokenizer_json(seeds, tmp_path, data, message):
-    from circleops.generate import encode_prompt, load_tokenizer
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import encode_prompt, load_tokenizer
+    from circleops.package.manifest import read_manifest
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     path = d / "tokenizer" / "tokenizer.json"
@@ -207,8 +207,8 @@ def test_damaged_tokenizer_json(seeds, tmp_path, data, message):
     ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "an output of"),
 ])
 def test_chat_template_errors_and_budget(seeds, tmp_path, template, message):
-    from circleops.chat_template import ChatTemplateError
-    from circleops.generate import encode_prompt, hf_tokenizer
+    from circleops.inputs.chat_template import ChatTemplateError
+    from circleops.generation.generator import encode_prompt, hf_tokenizer
 
     d = shutil.copytree(seeds.chat_dir / "tokenizer", tmp_path / "tokenizer")
     (d / "chat_template.jinja").write_text(template)
@@ -217,8 +217,8 @@ def test_chat_template_errors_and_budget(seeds, tmp_path, template, message):
 
 
 def test_chat_template_time_budget(seeds, tmp_path, monkeypatch):
-    import circleops.chat_template as ct
-    from circleops.generate import encode_prompt, hf_tokenizer
+    import circleops.inputs.chat_template as ct
+    from circleops.generation.generator import encode_prompt, hf_tokenizer
 
     monkeypatch.setattr(ct, "TEMPLATE_SECONDS", 0.5)  # the same 10^10-step loop, stopped sooner than 10 s
     d = shutil.copytree(seeds.chat_dir / "tokenizer", tmp_path / "tokenizer")
@@ -232,7 +232,7 @@ def test_chat_template_time_budget(seeds, tmp_path, monkeypatch):
 
 def test_sampling_values(seeds, tmp_path):
     from circleops.errors import CircleOpsError
-    from circleops.sampling import Sampler, SamplingConfig, SamplingError
+    from circleops.generation.sampling import Sampler, SamplingConfig, SamplingError
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     (d / "generation_config.json").write_text(json.dumps({"temperature": "hot", "top_k": [1]}))
@@ -264,7 +264,7 @@ def test_cli_values(seeds, tmp_path, capsys, monkeypatch):
 
 
 def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
     m = json.loads((d / "manifest.json").read_text())
@@ -283,7 +283,7 @@ def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     ({"hidden_size": 10 ** 7, "intermediate_size": 10 ** 7}, "parameters, which in fp32 would need"),
 ])
 def test_config_sizes_are_bounded_before_building(seeds, tmp_path, change, message):
-    from circleops import models
+    from circleops.sources import models
 
     cfg = {**json.loads((seeds.hf_dir / "config.json").read_text()), **change}
     path = _file(tmp_path, "config.json", json.dumps(cfg).encode())
@@ -293,7 +293,7 @@ def test_config_sizes_are_bounded_before_building(seeds, tmp_path, change, messa
 
 def test_task_input_sizes_are_bounded():
     from circleops.errors import TargetError
-    from circleops.tasks import _image_hw, check_input_sizes, parse_input_shapes
+    from circleops.recipes.tasks import _image_hw, check_input_sizes, parse_input_shapes
 
     shapes = {"pixel_values": (parse_input_shapes(["pixel_values=1x3x1000000000000000000x1"])["pixel_values"],
                                "float32")}
@@ -333,7 +333,7 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     # a processor whose chunk_length is 10^9 would pad the audio to 1.6e13 samples
     from types import SimpleNamespace
 
-    from circleops.speech import check_extractor, read_speech_manifest
+    from circleops.recipes.speech import check_extractor, read_speech_manifest
 
     m = read_speech_manifest(seeds.speech_dir)
     good = SimpleNamespace(feature_size=20, n_samples=16000, hop_length=160, sampling_rate=16000)

@@ -31,7 +31,7 @@ def graphs(tmp_path_factory):
     sys.path.insert(0, str(REPO / "tests"))
     from families import BY_NAME
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
 
     torch.manual_seed(0)
     model = BY_NAME["llama"].build(num_hidden_layers=1)
@@ -190,7 +190,7 @@ def _set_manifest(d: Path, **changes) -> None:
     (".", "is not a file name"),
 ])
 def test_manifest_files_stay_in_their_directory(graphs, tmp_path, name, words):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = _copy(graphs, tmp_path)
     (d / "escape.circle").symlink_to(graphs["onert"] / "decode.circle")  # a sound file, but outside
@@ -203,7 +203,7 @@ def test_manifest_files_stay_in_their_directory(graphs, tmp_path, name, words):
 
 
 def test_tokenizer_directory_stays_in_the_directory(graphs, tmp_path):
-    from circleops.manifest import read_manifest
+    from circleops.package.manifest import read_manifest
 
     d = _copy(graphs, tmp_path)
     _set_manifest(d, tokenizer="/etc")

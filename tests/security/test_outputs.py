@@ -20,7 +20,7 @@ import torch
 import circleops
 from circleops import ir
 from circleops.errors import VerifyError
-from circleops.report import VerifyResult
+from circleops.package.report import VerifyResult
 from circleops.serialize import read_model, write_model
 from circleops.serialize.writer import remove_stale_temporaries
 
@@ -221,7 +221,7 @@ def _graphs_model():
 
 
 def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypatch):
-    from circleops import graphs
+    from circleops.recipes import llm as graphs
 
     out = tmp_path / "out"
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
@@ -241,7 +241,7 @@ def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypat
 
 
 def test_graphs_reconversion_replaces_the_directory_when_complete(tmp_path, umask_022):
-    from circleops import graphs
+    from circleops.recipes import llm as graphs
 
     out = tmp_path / "out"
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)

@@ -33,7 +33,7 @@ def _tokenizer_dir(path: Path) -> Path:
 
 
 def _text_manifest(d: Path, vision: dict | None = None) -> Path:
-    from circleops.manifest import Manifest
+    from circleops.package.manifest import Manifest
 
     d.mkdir(parents=True)
     files = {"prefill": "prefill.circle", "decode": "decode.circle", **({"vision": "vision.circle"} if vision else {})}
@@ -45,7 +45,7 @@ def _text_manifest(d: Path, vision: dict | None = None) -> Path:
 
 
 def _speech_manifest(d: Path) -> Path:
-    from circleops.speech import SpeechManifest
+    from circleops.recipes.speech import SpeechManifest
 
     d.mkdir(parents=True)
     SpeechManifest(directory=d, target="onert", dtype="float32",
@@ -130,7 +130,10 @@ def test_cli_refuses_a_directory_naming_code(path, evil, tmp_path):
 @pytest.mark.parametrize("file", ["tokenizer_config.json", "preprocessor_config.json", "processor_config.json"])
 def test_every_loader_refuses_before_transformers(file, tmp_path):
     """The library calls too (not only the CLI): each loader of a saved tokenizer/processor."""
-    from circleops import generate, precision, speech, vlm
+    from circleops.generation import generator as generate
+    from circleops.tools import precision
+    from circleops.recipes import speech
+    from circleops.recipes import vlm
 
     marker = tmp_path / "pwned"
     d = make_evil(_tokenizer_dir(tmp_path / "tok"), file, marker)
@@ -141,8 +144,8 @@ def test_every_loader_refuses_before_transformers(file, tmp_path):
 
 
 def test_nested_auto_map_and_a_config_file_are_refused(tmp_path):
-    from circleops import models
-    from circleops.remote_code import refuse_remote_code
+    from circleops.sources import models
+    from circleops.inputs.remote_code import refuse_remote_code
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {
         "model_type": "llama", "auto_map": {"AutoConfig": "x.Y"}}}))

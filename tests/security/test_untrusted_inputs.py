@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from circleops import models
+from circleops.sources import models
 from circleops.errors import ModelLoadError
-from circleops.safe_load import check_pt2_archive
+from circleops.inputs.safe_load import check_pt2_archive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,7 @@ def test_plain_pt2_still_loads(tmp_path):
 def test_even_without_the_check_every_torch_load_is_weights_only(tmp_path, monkeypatch):
     # Defence in depth: with the archive check disabled, the load still unpickles nothing
     # but tensors (torch's weights_only=False fallback is forced to weights_only=True).
-    import circleops.safe_load as safe_load
+    import circleops.inputs.safe_load as safe_load
 
     monkeypatch.setattr(safe_load, "check_pt2_archive", lambda path: None)
     marker = tmp_path / "pwned"

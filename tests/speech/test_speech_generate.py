@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from circleops.cli import main
-from circleops.speech import SPEECH_FORMAT, SpeechGenerator, SpeechInputError
+from circleops.recipes.speech import SPEECH_FORMAT, SpeechGenerator, SpeechInputError
 from tiny_whisper import write_wav
 
 NEW_TOKENS = 12

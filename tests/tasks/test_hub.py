@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from circleops import hub
+from circleops.sources import hub
 from circleops.cli import main
 from circleops.errors import ModelLoadError
-from circleops.tasks import read_task_record
+from circleops.recipes.tasks import read_task_record
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from circleops.cli import main
-from circleops.tasks import read_task_record
+from circleops.recipes.tasks import read_task_record
 from tiny_models import ZOO
 
 

@@ -1,4 +1,4 @@
-"""circleops.tasks: which task a config.json means, the inputs made for it, and the errors a
+"""circleops.recipes.tasks: which task a config.json means, the inputs made for it, and the errors a
 user gets for a model or an option circleops cannot convert (one paragraph, exit code 2)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from circleops import tasks
+from circleops.recipes import tasks
 from circleops.cli import main
 from circleops.errors import TargetError
 
@@ -115,7 +115,7 @@ def test_integer_calibration_of_a_text_model_keeps_the_mask(tiny_dir, tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from circleops.models import load
+    from circleops.sources.models import load
 
     model_dir = tiny_dir("bert-ner")
     config = load(str(model_dir), model_class=tasks.model_class_for("token-classification")).module.config

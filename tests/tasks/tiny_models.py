@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models, one or more per task of circleops.tasks.TASKS, saved with
+"""Tiny random Hugging Face models, one or more per task of circleops.recipes.tasks.TASKS, saved with
 save_pretrained (config.json, model.safetensors and the processor / tokenizer a user has).
 
 The task zoo (tests/tasks/test_task_zoo.py, and bench/task_zoo.py that writes the table in

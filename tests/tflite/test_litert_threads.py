@@ -70,9 +70,9 @@ def test_generation_graphs_run_with_the_manifests_threads(tmp_path, interpreter_
 
     from families import BY_NAME
 
-    from circleops.generate import Generator
-    from circleops.graphs import convert_graphs
-    from circleops.manifest import read_manifest
+    from circleops.generation.generator import Generator
+    from circleops.recipes.llm import convert_graphs
+    from circleops.package.manifest import read_manifest
 
     monkeypatch.delenv("NUM_THREADS", raising=False)
     convert_graphs(copy.deepcopy(BY_NAME["llama"].build()), tmp_path / "g", target="tflite", prefill_len=8,

@@ -8,7 +8,7 @@ import torch
 
 import circleops
 from circleops.adapters import patched_modules
-from circleops.conversion import export_module
+from circleops.pipeline.convert import export_module
 from circleops.errors import TargetError
 from families import BY_NAME, FAMILIES, example_ids
 from tflite_util import composite_counts, litert, max_error, read, scale

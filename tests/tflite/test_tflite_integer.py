@@ -15,7 +15,7 @@ import transformers
 
 import circleops
 from circleops.errors import TargetError
-from circleops.pipeline import export, export_module, hf_export_settings
+from circleops.pipeline.stages import export, export_module, hf_export_settings
 from circleops.quantize import pt2e
 from circleops.quantize.integer.masks import finite_masks
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from circleops.models import load_smollm2
+    from circleops.sources.models import load_smollm2
 
     model, tokenizer = load_smollm2()
     ids = tokenizer("Once upon a time, there was a little", return_tensors="pt").input_ids

@@ -192,7 +192,7 @@ def convert(build: Callable[[], torch.nn.Module], example: Callable[[], torch.Te
             dtype: torch.dtype = torch.float32, **kw: Any) -> Converted:
     """Build the model in ``dtype``, run torch on the example, convert for target tflite."""
     import circleops
-    from circleops.conversion import export_module
+    from circleops.pipeline.convert import export_module
 
     model = build().to(dtype).eval()
     x = example()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.inspect import summarize
+from circleops.tools.inspect import summarize
 from circleops.runtime import reference
 from circleops.testing import check_op
 

@@ -5,13 +5,13 @@ inputs the graph takes and how they are shaped (from the config and the saved pr
 and how ``circleops run`` reads its outputs. One row per task in :data:`TASKS`; the task of
 a model directory is inferred from config.json (``architectures``, else ``model_type``).
 
-    from circleops import tasks
+    from circleops.recipes import tasks
     report = tasks.convert_task("my-vit/", "vit.circle", target="onert", verify=True)
 
 The written file records the task, the source model directory, its input/output names and
 ``id2label`` in its metadata (:data:`METADATA_KEY`), so ``circleops run vit.circle --image
 cat.png`` finds the processor and prints labels. text-generation (causal LMs) keeps its own
-path (``circleops.models`` / ``--graphs``); it is listed here so that inference and the
+path (``circleops.sources.models`` / ``--graphs``); it is listed here so that inference and the
 error messages cover every task.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.options import TASK_METADATA_KEY
-from circleops.remote_code import refuse_remote_code
-from circleops.user_files import check_bytes, check_count, machine_memory, parse_json, read_json
+from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.user_files import check_bytes, check_count, machine_memory, parse_json, read_json
 
 METADATA_KEY = TASK_METADATA_KEY  # circleops.options: inspect reads it without importing this module
 DEFAULT_SEQ_LEN = 64
@@ -157,7 +157,7 @@ def check_task(name: str) -> Task:
 
 
 def model_class_for(task_name: str):
-    """A ``model_class`` callback for circleops.models.load: the task's class for the config."""
+    """A ``model_class`` callback for circleops.sources.models.load: the task's class for the config."""
     task = check_task(task_name)
 
     def pick(config: Any, cfg: dict[str, Any], source: str) -> type:
@@ -222,7 +222,7 @@ def input_shapes(model: Any, config: Any, model_dir: str | None, seq_len: int | 
     if main == "input_ids":
         if seq_len is None:
             seq_len = min(DEFAULT_SEQ_LEN, getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
-        from circleops.models import check_seq_len
+        from circleops.sources.models import check_seq_len
 
         check_seq_len(seq_len, getattr(config, "max_position_embeddings", None), "the model")
         shapes = {"input_ids": ((1, seq_len), "int64")}
@@ -330,7 +330,8 @@ def convert_task(model: str | None, path: str | os.PathLike, *, task: str | None
     """
     import torch
 
-    from circleops import conversion, models
+    from circleops.pipeline import convert as conversion
+    from circleops.sources import models
 
     name = check_task(task).name if task else task_of(model, config)
     if name == "text-generation":
@@ -404,8 +405,8 @@ def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any
 
 def task_of(model: str | None, config: str | None) -> str:
     """The task of MODEL (an HF directory or hub id) or --config, from its config.json."""
-    from circleops.hub import resolve_model
-    from circleops.models import read_config_dict
+    from circleops.sources.hub import resolve_model
+    from circleops.sources.models import read_config_dict
 
     path = Path(config if config is not None else resolve_model(model or ""))
     cfg = read_config_dict(path / "config.json" if path.is_dir() else path)

@@ -8,11 +8,11 @@ token with the caches passed in as numpy arrays. Graphs of manifest cache_update
 writes into its caches at the position in place; "full" ones return the whole updated
 caches, which become the next step's inputs. Each runtime session is created
 once and reused for every step, so a token costs one decode run: generation time grows
-linearly with the number of new tokens. Greedy by default; a ``circleops.sampling.Sampler``
+linearly with the number of new tokens. Greedy by default; a ``circleops.generation.sampling.Sampler``
 draws tokens instead. The cache persists between calls (``keep_cache``, ``feed``), which
 ``circleops chat`` uses to continue a conversation without prefilling it again.
 
-    from circleops.generate import Generator
+    from circleops.generation.generator import Generator
     gen = Generator("out/")                       # runtime from the manifest (onert for target onert)
     result = gen.generate([1, 2, 3], max_new_tokens=32)
     result.tokens, result.prefill_seconds, result.decode_tokens_per_second
@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from circleops.chat_template import template_budget
+from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
-from circleops.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
+from circleops.package.manifest import GRAPH_NAMES, MANIFEST, Manifest, confined, confined_tokenizer, graph_runtimes, read_manifest
 from circleops.options import HEAD_MAJOR, SLOT_MAJOR
 from circleops.runtime import RUNTIMES, Session, open_session, runtime_info, selects_signatures
-from circleops.token_ids import check_token_ids
-from circleops.remote_code import refuse_remote_code
+from circleops.inputs.token_ids import check_token_ids
+from circleops.inputs.remote_code import refuse_remote_code
 
 DEFAULT_MAX_NEW_TOKENS = 64
 # What one prefill run costs beyond its rows, in rows: the chunk plan (plan_chunks)
@@ -155,7 +155,7 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
     files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
-    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.split)
+    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.package.split)
         from circleops.runtime.chain import ChainSession
 
         sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
@@ -395,7 +395,7 @@ class Generator:
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
         if m.vision is not None and type(self).prefill_extras is Generator.prefill_extras:
             raise ModelLoadError(f"{m.directory} holds a vision-language model, whose prefill graphs also take image "
-                                 f"embeddings: run it with circleops.vlm.VisionGenerator (circleops generate DIR "
+                                 f"embeddings: run it with circleops.recipes.vlm.VisionGenerator (circleops generate DIR "
                                  f"--image PATH --prompt TEXT).")
         self.runtime, self.runtime_note = choose_runtime(m, runtime)
         # prefill length -> its session, longest first
@@ -492,7 +492,7 @@ class Generator:
     def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
         """Inputs a prefill graph takes after its ids, pos and logits row, for the chunk
         ``ids`` [1, N] at ``pos``: none for a text model (a vision-language model's prefill
-        also takes the chunk's image embeddings: circleops.vlm.VisionGenerator)."""
+        also takes the chunk's image embeddings: circleops.recipes.vlm.VisionGenerator)."""
         return []
 
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
@@ -564,7 +564,7 @@ class Generator:
                  stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None,
                  sampler: Any = None, keep_cache: bool = False, stop_ids: Sequence[int] | None = None) -> Generation:
         """Up to ``max_new_tokens`` tokens after ``prompt_ids``: greedy, or drawn by
-        ``sampler`` (a :class:`circleops.sampling.Sampler`; its repetition penalty sees the
+        ``sampler`` (a :class:`circleops.generation.sampling.Sampler`; its repetition penalty sees the
         prompt and the tokens so far, as transformers' does).
 
         Stops after an EOS token (kept in ``tokens``, as transformers does) when
@@ -641,10 +641,10 @@ class TextStream:
 
 def check_tokenizer_dir(directory: Path) -> Any:
     """ModelLoadError naming the file unless every JSON file of the tokenizer directory reads
-    (circleops.user_files.read_json: not empty, UTF-8, JSON, not nested past the limit) and
+    (circleops.inputs.user_files.read_json: not empty, UTF-8, JSON, not nested past the limit) and
     tokenizer.json loads in the ``tokenizers`` library (which refuses e.g. a negative id);
     returns that ``tokenizers.Tokenizer`` (None without tokenizer.json or the library)."""
-    from circleops.user_files import check_json_files
+    from circleops.inputs.user_files import check_json_files
 
     fix = "The tokenizer is damaged: convert the model again."
     check_json_files(directory, error=ModelLoadError, fix=fix)
@@ -714,7 +714,7 @@ def hf_tokenizer(path: Path) -> Any:
 def _auto_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from circleops.models import quiet_transformers
+    from circleops.sources.models import quiet_transformers
 
     refuse_remote_code(path)
     with quiet_transformers():

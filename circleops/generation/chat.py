@@ -1,6 +1,6 @@
 """A multi-turn conversation on the prefill/decode graphs, the KV cache kept between turns.
 
-    from circleops.chat import Chat
+    from circleops.generation.chat import Chat
     chat = Chat(Generator("out/"), tokenizer)        # tokenizer with a chat template
     reply = chat.turn("Hi! Who are you?")             # reply.text, reply.tokens, reply.fed
     reply = chat.turn("Tell me more.")                # only this turn's tokens are fed
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from circleops.chat_template import template_budget
-from circleops.generate import GenerationLimitError, Generator
+from circleops.inputs.chat_template import template_budget
+from circleops.generation.generator import GenerationLimitError, Generator
 
 # end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3, plain text)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")

@@ -4,9 +4,9 @@
     report = circleops.convert(model, (input_ids,), "model.circle", target="onert", verify=True)
     print(report.summary())
 
-The stages (circleops.pipeline): export (inside the adapters' patches) -> pattern fusion ->
+The stages (circleops.pipeline.stages): export (inside the adapters' patches) -> pattern fusion ->
 lowering for the target -> quantize -> atomic write -> optional verify (run the written file
-against torch); the options are checked first (circleops.validate). Every
+against torch); the options are checked first (circleops.pipeline.validate). Every
 user-caused failure raises a circleops.errors.CircleOpsError and leaves no file at ``path``.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ import torch
 
 from circleops.dtypes import short_name
 from circleops.errors import TargetError
-from circleops.pipeline import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, format_tolerance, CausalLMLogits, Job,
+from circleops.pipeline.stages import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, format_tolerance, CausalLMLogits, Job,
                                 Options, Tracker, dense_experts, export, export_module, fused_counts,
                                 hf_export_settings, op_histogram, parameter_names, prepare_weights,
                                 pretrained_blocks, quantize_program, run, run_torch, target_profile, verify_file)
 from circleops.quantize import INTEGER_FORMATS
-from circleops.report import Report
-from circleops.validate import (integer_fuse, model_dtype, resolve_dtype, resolve_runtime, validate_output_path,
+from circleops.package.report import Report
+from circleops.pipeline.validate import (integer_fuse, model_dtype, resolve_dtype, resolve_runtime, validate_output_path,
                                 validate_quantize, validate_target, validate_target_dtype, validate_threads)
 
 Progress = Callable[[str], None]
@@ -91,7 +91,7 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         stay FULLY_CONNECTED (measured faster on one thread); see bench/README.md.
     output_names: names of the file's outputs, in the order the model returns them (an HF
         CausalLM's one output is named "logits" without it). metadata: entries written into
-        the file's metadata (name -> bytes), e.g. circleops.tasks' record of the source model.
+        the file's metadata (name -> bytes), e.g. circleops.recipes.tasks' record of the source model.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
     target, fmt, fuse = validate_target(target, fuse)
@@ -161,9 +161,9 @@ def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: 
 
 def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration: Calibration) -> tuple[Any, Options]:
     """PT2E: pattern fusion first (the quantizer annotates fused ops whole), then prepare,
-    calibration, convert and a new export (circleops.pipeline.quantize_program); the job
+    calibration, convert and a new export (circleops.pipeline.stages.quantize_program); the job
     then lowers that program and verifies against the converted (fake-quantized) module."""
-    from circleops.pipeline import fuse
+    from circleops.pipeline.stages import fuse
 
     ep, _ = fuse(ep, dataclasses.replace(opts, functionalize=False), job.fusion_model, job.tracker)
     with job.tracker.stage("calibrate"), hf_export_settings(model), torch.no_grad():
@@ -218,7 +218,7 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     runtime = resolve_runtime(verify, target, torch_dtype, quantize, host_notes)
     validate_target_dtype(target, torch_dtype, quantize)
     if example_args is None and runtime is not None:
-        from circleops.models import exported_example_args
+        from circleops.sources.models import exported_example_args
 
         example_args = exported_example_args(exported_program, None, "the ExportedProgram")
     args = tuple(example_args or ())
@@ -259,7 +259,7 @@ def _count_params(obj: Any) -> int:
         return 0
 
 
-# The option checks under their former names (circleops.validate has them now).
+# The option checks under their former names (circleops.pipeline.validate has them now).
 check_quantize = validate_quantize
 check_target_dtype = validate_target_dtype
 check_output_path = validate_output_path

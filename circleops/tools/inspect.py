@@ -182,13 +182,13 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _task_record(metadata: dict[str, bytes]) -> dict[str, Any] | None:
-    """What circleops.tasks recorded about the source model (task, inputs, labels), if anything."""
+    """What circleops.recipes.tasks recorded about the source model (task, inputs, labels), if anything."""
     import json
 
     from circleops.options import TASK_METADATA_KEY as METADATA_KEY
 
     from circleops.errors import CircleOpsError
-    from circleops.user_files import parse_json
+    from circleops.inputs.user_files import parse_json
 
     try:
         return parse_json(bytes(metadata[METADATA_KEY]), "the task metadata") if METADATA_KEY in metadata else None

@@ -5,11 +5,11 @@ it) and run by onert (or the reference interpreter); the report gives
 
 * per decoder layer, the max error of its output against the fp32 model (torch);
 * how many of fp32's N greedy tokens the quantized file reproduces before the first
-  divergence (measured as circleops.precision does: one run over prompt + fp32's tokens);
+  divergence (measured as circleops.tools.precision does: one run over prompt + fp32's tokens);
 * the perplexity of fp32 (torch) and of the quantized file on a fixed English text shipped
   with circleops (``perplexity.txt``, ~2.4k SmolLM2 tokens), in non-overlapping windows.
 
-    from circleops.quant_report import quant_check
+    from circleops.tools.quant_report import quant_check
     report = quant_check(model, tokenizer, quantize="q4_0")
     print(report.table())
 """
@@ -129,14 +129,14 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
     import numpy as np
     import torch
 
-    from circleops import precision as fp
-    from circleops import pipeline
+    from circleops.tools import precision as fp
+    from circleops.pipeline import stages as pipeline
     from circleops.errors import CircleOpsError
     from circleops.numerics import LayerOutputs
-    from circleops.pipeline import CausalLMLogits, export, hf_export_settings
+    from circleops.pipeline.stages import CausalLMLogits, export, hf_export_settings
     from circleops.quantize import formats
     from circleops.runtime import choose_runtime
-    from circleops.validate import validate_quantize
+    from circleops.pipeline.validate import validate_quantize
 
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
@@ -147,7 +147,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         recipe = recipe if recipe is not None else IntegerRecipe(quantize)
         recipe.scheme = quantize
         if runtime is None and (quantize == "int16" or recipe.weight_bits == 4 or recipe.int16):
-            runtime = "reference"  # onert loads no int16 / int4 graph (circleops.validate)
+            runtime = "reference"  # onert loads no int16 / int4 graph (circleops.pipeline.validate)
         check_recipe(quantize, "onert" if runtime in (None, "onert") else "circle", recipe.weight_bits, recipe.gptq,
                      recipe.rotate, recipe.group_size)
     elif recipe is not None or tico:
@@ -344,10 +344,10 @@ class Example:
 
 def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example,
            calibration: tuple = (None, None, ())) -> list[str]:
-    """The file convert writes for ``ep`` (circleops.pipeline): PT2E calibrated on windows of
+    """The file convert writes for ``ep`` (circleops.pipeline.stages): PT2E calibrated on windows of
     the shipped calibration text (or ``calibration``'s data) for an integer format, with its
     recipe; the quantization summary lines."""
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
 
     pipeline.inline_fused_ops(ep, opts.profile.graph_inline_ops)  # as the target's generation graphs write them
     lines = None

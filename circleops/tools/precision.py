@@ -6,7 +6,7 @@ target circle and run by the reference interpreter; the report gives the max err
 every decoder layer's output against the fp32 model, and how many greedy tokens agree
 with fp32's before the first divergence.
 
-    from circleops.precision import check
+    from circleops.tools.precision import check
     report = check(model, tokenizer, dtype="fp16", new_tokens=32)
     print(report.table())
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.dtypes import float_dtype, short_name
-from circleops.remote_code import refuse_remote_code
+from circleops.inputs.remote_code import refuse_remote_code
 
 DEFAULT_PROMPT = "Once upon a time,"
 DEFAULT_NEW_TOKENS = 32
@@ -110,7 +110,7 @@ def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
 
     import torch
 
-    from circleops.pipeline import hf_export_settings
+    from circleops.pipeline.stages import hf_export_settings
 
     params = inspect.signature(model.forward).parameters
     cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
@@ -157,7 +157,7 @@ def directory_tokenizer(model: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    from circleops.models import quiet_transformers
+    from circleops.sources.models import quiet_transformers
 
     refuse_remote_code(model)
     with quiet_transformers():
@@ -192,7 +192,7 @@ def prompt_token_ids(model: Any, tokenizer: Any, prompt: str | None, prompt_ids:
     elif tokenizer is not None and prompt is not None:
         ids = list(tokenizer(prompt).input_ids)
     else:
-        from circleops.models import example_token_ids
+        from circleops.sources.models import example_token_ids
 
         if vocab is None:
             raise _error("the model's config has no vocab_size: pass --prompt-ids.")
@@ -229,7 +229,7 @@ def layer_outputs(model: Any, seq: Any) -> list[Any]:
     """[logits, each decoder layer's output] of ``model`` on ``seq``, in fp32."""
     import torch
 
-    from circleops.pipeline import hf_export_settings
+    from circleops.pipeline.stages import hf_export_settings
     from circleops.numerics import LayerOutputs
 
     with hf_export_settings(model), torch.no_grad():
@@ -240,7 +240,7 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     """One export in ``dtype`` with the layers' outputs as extra outputs, adapters on."""
     import torch
 
-    from circleops.pipeline import hf_export_settings, export
+    from circleops.pipeline.stages import hf_export_settings, export
     from circleops.numerics import LayerOutputs, rms_norm_nodes
 
     low = copy.deepcopy(model).to(dtype).eval()
@@ -256,7 +256,7 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
                 prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
     import torch
 
-    from circleops.pipeline import op_histogram
+    from circleops.pipeline.stages import op_histogram
     from circleops.lowering import lower_program
     from circleops.numerics import PolicyResult, set_norm_policy
     from circleops.runtime import reference

@@ -5,8 +5,8 @@ function of the previous stage's product, over one :class:`Options`.
     built = build({"main": ep}, opts, weights)        # fuse, lower, quantize, fuse linears
     write(built.models["main"], "model.circle", opts, check=verify)
 
-Three callers, one pipeline: ``circleops.convert`` / ``save`` (circleops.conversion: one file,
-:func:`run`), ``convert_graphs`` (circleops.graphs: several programs into one or several
+Three callers, one pipeline: ``circleops.convert`` / ``save`` (circleops.pipeline.convert: one file,
+:func:`run`), ``convert_graphs`` (circleops.recipes.llm: several programs into one or several
 files) and the quantization report (circleops.quantize.report). Every target fact comes
 from the target profile (circleops.targets), every format fact from the format registry
 (circleops.quantize.formats), every runtime fact from the runtime registry (circleops.runtime).
@@ -30,7 +30,7 @@ import torch
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.quantize import formats
-from circleops.report import Report, VerifyResult
+from circleops.package.report import Report, VerifyResult
 from circleops.targets import PROFILES, TargetProfile, profile
 
 # Verify tolerances, relative to max(1, max|torch output|), derived from the format: fp32
@@ -64,7 +64,7 @@ Progress = Callable[[str], None]
 
 @dataclass
 class Options:
-    """One conversion's settings, validated before (circleops.validate)."""
+    """One conversion's settings, validated before (circleops.pipeline.validate)."""
 
     target: str
     dtype: Any = torch.float32  # the torch dtype the graph computes in
@@ -203,7 +203,7 @@ def prepare_weights(model: Any, opts: Options, restore: contextlib.ExitStack, *,
 
 
 def pretrained_blocks(model: Any) -> Any:
-    """GGUF Q4_0/Q8_0 blocks the loader attached to ``model`` (circleops.models), keyed by
+    """GGUF Q4_0/Q8_0 blocks the loader attached to ``model`` (circleops.sources.models), keyed by
     the memory of the parameter they came from; None when there are none."""
     from circleops.quantize.gguf import pretrained_for
 
@@ -440,7 +440,7 @@ class Job:
     tracker: Tracker = field(default_factory=Tracker)
     warnings: list[str] = field(default_factory=list)
     compare: Callable[..., VerifyResult] | None = None  # runs the file and compares (default verify_file)
-    metadata: dict[str, bytes] = field(default_factory=dict)  # written into the file as it is (circleops.tasks)
+    metadata: dict[str, bytes] = field(default_factory=dict)  # written into the file as it is (circleops.recipes.tasks)
 
 
 def run(ep: Any, opts: Options, job: Job) -> Report:
@@ -511,9 +511,9 @@ def _run(ep: Any, opts: Options, job: Job) -> Report:
 
 def release_weights() -> None:
     """The memory-mapped weights' pages given back before verify's runtime loads the written
-    file (circleops.models.page_out_mapped_weights): the runtime's process and this one must
+    file (circleops.sources.models.page_out_mapped_weights): the runtime's process and this one must
     not both hold the weights (issue 32)."""
-    from circleops.models import page_out_mapped_weights
+    from circleops.sources.models import page_out_mapped_weights
 
     page_out_mapped_weights()
 

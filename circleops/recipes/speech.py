@@ -3,7 +3,7 @@ graph with a self-attention KV cache and cross-attention K/V computed once, and 
 generation over them (``circleops convert DIR --graphs encoder,prefill,decode``,
 ``circleops generate DIR --audio clip.wav``).
 
-    from circleops import speech
+    from circleops.recipes import speech
     speech.convert_speech("whisper-tiny/", "asr/", target="onert", verify=True)
     gen = speech.SpeechGenerator("asr/")
     result = gen.transcribe("clip.wav", language="en")
@@ -23,7 +23,7 @@ encoder frames, C = the self-attention cache length, P = the prefill length, V =
   ``[1, H, C, D]`` (slots >= pos are masked) and ``cross_k_i`` / ``cross_v_i`` (read, never
   recomputed) -> ``logits [1, 1, V]`` and the token's rows ``k_new_i`` / ``v_new_i``
   ``[1, H, 1, D]``, which the generator writes into its caches at ``pos`` (the "rows"
-  cache update of circleops.graphs: no cache is copied per step).
+  cache update of circleops.recipes.llm: no cache is copied per step).
 
 Attention is written as matmuls and a softmax, not the fused ATTENTION op: its contract
 (schema/ops.yaml) projects K and V from the same ``x`` as Q (cross-attention takes them
@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
-from circleops.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
+from circleops.package.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
 from circleops.targets import PROFILES
-from circleops.remote_code import refuse_remote_code
-from circleops.token_ids import check_token_ids
-from circleops.user_files import read_json
+from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.token_ids import check_token_ids
+from circleops.inputs.user_files import read_json
 
 SPEECH_FORMAT = "circleops-speech"
 SPEECH_VERSION = 1
@@ -129,7 +129,7 @@ def _decoder_layer(layer: Any, h: Any, past: tuple[Any, Any] | None, mask: Any, 
 
 
 def _torch_modules() -> tuple[type, type, type]:
-    """The three graph modules (defined on first use: importing circleops.speech does not
+    """The three graph modules (defined on first use: importing circleops.recipes.speech does not
     import torch)."""
     import torch
 
@@ -252,7 +252,7 @@ def example_args(graph: str, s: _Shapes, seed: int = 0) -> tuple:
 class SpeechManifest:
     """``manifest.json`` of a speech directory: the graphs' files and the decoding rules
     (Whisper's generation_config: start, language and task tokens, suppressed tokens).
-    ``open_graph`` (circleops.generate) reads target, directory, files, signatures and
+    ``open_graph`` (circleops.generation.generator) reads target, directory, files, signatures and
     num_threads of it as of a text manifest."""
 
     directory: Path
@@ -280,7 +280,7 @@ class SpeechManifest:
     processor: str | None = PROCESSOR_DIR
     source: str = ""
     num_threads: int | None = None
-    quantize: str | None = None  # never set: read by circleops.generate's runtime choice
+    quantize: str | None = None  # never set: read by circleops.generation.generator's runtime choice
 
     @property
     def max_cache_len(self) -> int:
@@ -493,10 +493,10 @@ def convert_speech(model: Any, out_dir: str | os.PathLike, *, target: str = "one
     """
     import torch
 
-    from circleops import graphs as graph_files
-    from circleops import pipeline
+    from circleops.recipes import llm as graph_files
+    from circleops.pipeline import stages as pipeline
     from circleops.runtime import choose_runtime
-    from circleops.validate import validate_threads
+    from circleops.pipeline.validate import validate_threads
 
     if target not in PROFILES:
         raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
@@ -565,8 +565,8 @@ def convert_speech(model: Any, out_dir: str | os.PathLike, *, target: str = "one
 
 def _load(path: Any, processor: Any, source: str) -> tuple[Any, Any, str]:
     """The model of an HF directory (or hub id), and its processor."""
-    from circleops import models
-    from circleops.hub import resolve_model
+    from circleops.sources import models
+    from circleops.sources.hub import resolve_model
 
     path = resolve_model(str(path))
     if speech_model_type(path) is None:
@@ -619,8 +619,8 @@ def _name_io(model: Any, graph: str, num_layers: int) -> Any:
 
 def _write(lowered: dict[str, Any], files: dict[str, str], out_dir: Path, opts: Any) -> dict[str, dict[str, Any]]:
     """One file per graph, or one file with a signature per graph (the target says)."""
-    from circleops import pipeline
-    from circleops.graphs import merge_models
+    from circleops.pipeline import stages as pipeline
+    from circleops.recipes.llm import merge_models
 
     groups: dict[str, dict[str, Any]] = {}
     for g, m in lowered.items():
@@ -676,7 +676,7 @@ def _verify(manifest: SpeechManifest, modules: dict[str, Any], args: dict[str, t
     import numpy as np
     import torch
 
-    from circleops.generate import open_graph
+    from circleops.generation.generator import open_graph
 
     first = [manifest.decoder_start_token_id, *list(manifest.lang_to_id.values())[:1],
              *list(manifest.task_to_id.values())[:1]]
@@ -709,7 +709,7 @@ def _verify(manifest: SpeechManifest, modules: dict[str, Any], args: dict[str, t
 def read_audio(path: str | os.PathLike, sampling_rate: int) -> Any:
     """A WAV file (8/16/32-bit PCM, mono or mixed down) as float32 samples; a file at
     another rate than the model's is refused (resampling would change what it hears)."""
-    from circleops.task_io import read_wav
+    from circleops.recipes.task_io import read_wav
 
     samples, rate = read_wav(str(path))
     if rate != sampling_rate:
@@ -751,7 +751,7 @@ class SpeechGenerator:
     none is given), the same suppressed tokens. One Session per graph, opened once."""
 
     def __init__(self, directory: str | os.PathLike | SpeechManifest, runtime: str | None = None):
-        from circleops.generate import choose_runtime, open_graph
+        from circleops.generation.generator import choose_runtime, open_graph
 
         self.manifest = directory if isinstance(directory, SpeechManifest) else read_speech_manifest(directory)
         self.runtime, self.note = choose_runtime(self.manifest, runtime)

@@ -1,7 +1,7 @@
 """Choosing the next token from logits, with transformers' GenerationConfig semantics, in
 numpy (generation imports neither torch nor transformers).
 
-    from circleops.sampling import SamplingConfig, Sampler
+    from circleops.generation.sampling import SamplingConfig, Sampler
     sampler = Sampler(SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9, seed=0))
     token = sampler(logits, context_ids)      # logits [V] of the last position
 
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from circleops.errors import CircleOpsError
-from circleops.user_files import read_json
+from circleops.inputs.user_files import read_json
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -1,7 +1,7 @@
 """``manifest.json``: what ``circleops convert --graphs`` wrote and ``circleops generate`` runs.
 
-The one contract between the two: circleops.graphs writes a :class:`Manifest`,
-circleops.generate reads it (:func:`read_manifest`); neither imports the other for it.
+The one contract between the two: circleops.recipes.llm writes a :class:`Manifest`,
+circleops.generation.generator reads it (:func:`read_manifest`); neither imports the other for it.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
 from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
-from circleops.remote_code import refuse_remote_code
+from circleops.inputs.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
-from circleops.token_ids import check_token_ids
-from circleops.user_files import outside_reason, read_json
+from circleops.inputs.token_ids import check_token_ids
+from circleops.inputs.user_files import outside_reason, read_json
 
 GRAPH_NAMES = ("prefill", "decode")
 MANIFEST = "manifest.json"
@@ -26,7 +26,7 @@ MANIFEST_FORMAT = "circleops-generate"
 # version-1 manifest still reads, as cache_update "full"; a reader older than 2 refuses a
 # version-2 directory instead of feeding rows back as caches.
 # 3: "parts" and "part_files": a graph split into consecutive files, a layer range each
-# (circleops.split: onert reads no file past 2 GiB); "signature_api": onert runs the graphs as
+# (circleops.package.split: onert reads no file past 2 GiB); "signature_api": onert runs the graphs as
 # signatures of one file through its C API (circleops.runtime.onert_signatures). Written only
 # when a directory uses them: a reader of version 2 refuses such a directory instead of
 # running the first part as the whole model; every other directory stays version 2.
@@ -88,14 +88,14 @@ class Manifest:
     prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
     cache_update: str = "full"  # what the cache outputs are: whole caches, or the new rows (CACHE_UPDATES)
     cache_layout: str = SLOT_MAJOR  # the cache arrays' layout (CACHE_LAYOUTS); cache_shape is [1, C, Hkv, D] in any
-    # a vision-language model's image side (circleops.vlm.VisionSpec.to_json): its vision graph
+    # a vision-language model's image side (circleops.recipes.vlm.VisionSpec.to_json): its vision graph
     # (a key of ``files``), image token, tokens per image and the embeddings input of the prefill
     vision: dict[str, Any] | None = None
     # prefill graphs that read only the first W cache slots (graph name -> [length, W]): a
     # chunk at pos <= W attends to nothing past slot W, and attention over all C slots was a
     # third of a 64-row chunk's time on LiteRT (SmolLM2 w8, bench/results/18-*.yaml)
     prefill_windows: dict[str, list[int]] | None = None
-    # a split model (circleops.split): each file's layer range [start, stop), consecutive from
+    # a split model (circleops.package.split): each file's layer range [start, stop), consecutive from
     # 0 to num_layers, the same for every graph; part_files[g] the files of graph g in that
     # order (files[g] is the first). None: every graph is one file.
     parts: list[list[int]] | None = None
@@ -273,7 +273,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs.")
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
-    if data.get("format") == "circleops-speech":  # circleops.speech's graphs (Whisper)
+    if data.get("format") == "circleops-speech":  # circleops.recipes.speech's graphs (Whisper)
         raise ModelLoadError(f"{d} holds the speech graphs of a Whisper-style model, which take audio, not a "
                              f"prompt: run `circleops generate {d} --audio clip.wav`.")
     if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:

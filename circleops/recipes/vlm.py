@@ -1,7 +1,7 @@
 """Vision-language models: a vision graph, prefill graphs that take image embeddings, and
 the decode graph with its KV cache; generation from an image and a prompt.
 
-    from circleops import vlm
+    from circleops.recipes import vlm
     model, processor = vlm.load("smolvlm-dir/")
     vlm.convert_vlm_graphs(model, "out/", processor=processor, target="onert", verify=True)
     result = vlm.generate("out/", "Describe it", image="photo.png")
@@ -46,17 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from circleops.chat import Chat
-from circleops.chat_template import template_budget
+from circleops.generation.chat import Chat
+from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
-from circleops.generate import Generation, Generator, GenerationLimitError, TextStream, open_graph
-from circleops.graphs import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
+from circleops.generation.generator import Generation, Generator, GenerationLimitError, TextStream, open_graph
+from circleops.recipes.llm import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
                               decoder_step, default_cache_update, eos_ids, export_graph, io_names, lower_step,
                               merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
-from circleops.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
+from circleops.package.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
 from circleops.targets import PROFILES
 from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
-from circleops.remote_code import refuse_remote_code
+from circleops.inputs.remote_code import refuse_remote_code
 
 # model_type of config.json -> what it is; the classes are transformers'
 VLM_MODEL_TYPES = {t: cls for fam in FAMILIES for t, cls in fam.classes.items()}
@@ -91,7 +91,7 @@ def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.Path
     path = Path(config) if config else Path(model) / "config.json" if model else None
     if path is None or not path.is_file():
         return None
-    from circleops.user_files import read_json
+    from circleops.inputs.user_files import read_json
 
     try:
         cfg = read_json(path)
@@ -112,8 +112,8 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
     ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json."""
     import torch
 
-    from circleops.models import check_model_size, quiet_transformers, read_config_dict
-    from circleops.user_files import check_json_files
+    from circleops.sources.models import check_model_size, quiet_transformers, read_config_dict
+    from circleops.inputs.user_files import check_json_files
 
     kind = vlm_model_type(model, config)
     if kind is None:
@@ -145,7 +145,7 @@ def load_processor(path: Path, *, required: bool = True) -> Any:
     """The processor (tokenizer, image processor, chat template) saved in ``path``."""
     from transformers import AutoProcessor
 
-    from circleops.models import quiet_transformers
+    from circleops.sources.models import quiet_transformers
 
     refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
     try:
@@ -304,7 +304,7 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
     with ``manifest.json`` (its ``vision`` entry) and the processor in ``out_dir/tokenizer``.
 
     ``quantize``: a weight-only format (q4_0, q8_0, w8, as for
-    :func:`circleops.graphs.convert_graphs`) for the text graphs (prefill and decode share one
+    :func:`circleops.recipes.llm.convert_graphs`) for the text graphs (prefill and decode share one
     set of blocks); the vision graph stays fp32. ``threads``: as for convert_graphs.
 
     ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
@@ -316,10 +316,10 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, *, processor: Any
     """
     import torch
 
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
     from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
     from circleops.runtime import choose_runtime
-    from circleops.validate import validate_quantize, validate_threads
+    from circleops.pipeline.validate import validate_quantize, validate_threads
 
     parse_vlm_graphs(graphs)
     if target not in PROFILES:
@@ -381,7 +381,7 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
 
     import torch
 
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
     from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower
     from circleops.quantize.weights import dequantized_sources
 
@@ -466,7 +466,7 @@ def _io(num_layers: int, cache_update: str, prefix_lm: bool = False) -> dict[str
 
 
 def _write(lowered: dict[str, Any], files: dict[str, str], names: dict, opts: Any, out: Path) -> dict[str, GraphInfo]:
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
 
     groups: dict[str, dict[str, Any]] = {}
     for g, m in lowered.items():
@@ -520,7 +520,7 @@ def _verify(manifest: Manifest, runtime: str, example: _Example, tol: float) -> 
 # --------------------------------------------------------------------------- generate
 
 class VisionGenerator(Generator):
-    """A :class:`~circleops.generate.Generator` over a vision-language model's directory:
+    """A :class:`~circleops.generation.generator.Generator` over a vision-language model's directory:
     :meth:`image_features` runs the vision graph, :meth:`attach_images` places image
     embeddings at the cache positions of ``<image>`` tokens, and the prefill graphs get each
     chunk's rows (:meth:`prefill_extras`)."""
@@ -652,7 +652,7 @@ def read_image(path: str | os.PathLike) -> Any:
     """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
     from PIL import ImageOps
 
-    from circleops.user_files import opened_image
+    from circleops.inputs.user_files import opened_image
 
     # opened_image checks the pixel count (CIRCLEOPS_MAX_IMAGE_PIXELS) before decoding and
     # turns any decoder error into an ImageInputError naming the file
@@ -710,7 +710,7 @@ def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike
 
 def saved_processor(manifest: Manifest) -> Any:
     """The processor saved next to the graphs (``tokenizer/``)."""
-    from circleops.manifest import confined_tokenizer
+    from circleops.package.manifest import confined_tokenizer
 
     if not manifest.tokenizer:
         raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
@@ -719,7 +719,7 @@ def saved_processor(manifest: Manifest) -> Any:
 
 
 class VisionChat(Chat):
-    """:class:`~circleops.chat.Chat` with an image in the first user message: the
+    """:class:`~circleops.generation.chat.Chat` with an image in the first user message: the
     conversation is rendered with the processor's chat template, the image's embeddings are
     computed once and placed at its ``<image>`` tokens."""
 

@@ -1,6 +1,6 @@
 """Prefill and decode graphs of a causal LM over a static KV cache, for ``circleops generate``.
 
-    from circleops.graphs import convert_graphs
+    from circleops.recipes.llm import convert_graphs
     report = convert_graphs(model, "out/", target="onert", prefill_len=(64, 8), max_cache_len=256,
                             tokenizer=tokenizer, verify=True)
 
@@ -51,13 +51,13 @@ from typing import Any, Callable, Sequence
 
 from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generate import GRAPH_THREAD_CAPS, cache_window, empty_caches, open_graph, store_caches
-from circleops.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
+from circleops.generation.generator import GRAPH_THREAD_CAPS, cache_window, empty_caches, open_graph, store_caches
+from circleops.package.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
                                 prefill_graph_name)
 from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
 from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
 from circleops.targets import PROFILES
-from circleops import split
+from circleops.package import split
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks
 # (Generator.plan): long prompts in runs of the longest, short ones (and the remainder) in
@@ -229,7 +229,7 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
     import torch
 
     from circleops.adapters.decode import OneRowPrefill
-    from circleops.pipeline import export
+    from circleops.pipeline.stages import export
 
     module = OneRowPrefill(step) if graph == "prefill" else step
     with torch.no_grad():
@@ -242,8 +242,8 @@ def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any 
     ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
     default: ``graph``'s own) and ``cache_update``, or ``names`` (inputs, outputs) when
     given. ``target``: a target's name, a TargetProfile, or the pipeline's Options
-    (circleops.pipeline)."""
-    from circleops import pipeline
+    (circleops.pipeline.stages)."""
+    from circleops.pipeline import stages as pipeline
     from circleops.targets import profile
 
     opts = target if isinstance(target, pipeline.Options) else None
@@ -311,7 +311,7 @@ class GraphInfo:
     inputs: list[tuple[str, list[int], str]]
     outputs: list[tuple[str, list[int], str]]
     max_abs_error: float | None = None
-    part_files: list[str] | None = None  # a split graph's files, one per layer range (circleops.split)
+    part_files: list[str] | None = None  # a split graph's files, one per layer range (circleops.package.split)
 
 
 @dataclass
@@ -507,7 +507,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     pos <= W runs it); default :func:`default_cache_windows`, ``()`` for none.
     ``max_file_bytes``: the most one file may hold (default: 2 GiB for a target whose runtime
     reads no weights after the flatbuffer, onert; no limit otherwise). A model whose weights
-    pass it is written as consecutive files of a layer range each (circleops.split); the
+    pass it is written as consecutive files of a layer range each (circleops.package.split); the
     manifest's ``parts`` says which layers each holds.
     ``onert_signatures``: target onert writes one file with a signature per graph, sharing
     the weights, run through onert's C API (circleops.runtime.onert_c; manifest
@@ -516,9 +516,9 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     """
     import torch
 
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
     from circleops.runtime import choose_runtime
-    from circleops.validate import model_dtype, validate_quantize, validate_target_dtype, validate_threads
+    from circleops.pipeline.validate import model_dtype, validate_quantize, validate_target_dtype, validate_threads
 
     graphs = parse_graph_names(graphs)
     if target not in PROFILES:
@@ -587,7 +587,7 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
 def graph_options(opts: Any, rows: int) -> Any:
     """The lowering options of a graph of ``rows`` rows: lowered for the thread count it runs
     at. A graph that generate runs at one thread on the target's runtime (fewer rows than
-    circleops.generate.GRAPH_THREAD_CAPS says: onert's 8-row prefill and decode) is lowered
+    circleops.generation.generator.GRAPH_THREAD_CAPS says: onert's 8-row prefill and decode) is lowered
     for one thread, which writes its multi-row linears FULLY_CONNECTED (pipeline.target_profile):
     SmolLM2's 8-row prefill took 0.66-0.85x the CPU so (bench/results/09-llm-speed.yaml)."""
     import dataclasses
@@ -662,8 +662,8 @@ def split_plan(model: Any, quantize: str | None, max_file_bytes: int | None) -> 
 
 def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, tracker: Any) -> GraphsReport:
     """convert_graphs' work, written into ``plan.out_dir`` (the staging directory): export
-    each graph, then the pipeline (circleops.pipeline.build), the write and verify."""
-    from circleops import pipeline
+    each graph, then the pipeline (circleops.pipeline.stages.build), the write and verify."""
+    from circleops.pipeline import stages as pipeline
     from circleops.quantize.weights import dequantized_sources
 
     timings = tracker.timings
@@ -715,7 +715,7 @@ def _export_program(step: Any, plan: GraphsPlan, graph: str, part: int | None) -
     """torch.export of one graph, or of one part of it (a split model's layer range)."""
     import torch
 
-    from circleops.pipeline import export
+    from circleops.pipeline.stages import export
 
     kind, n = plan.graphs[graph]
     if part is None:
@@ -730,7 +730,7 @@ def _write_graphs(lowered: dict[str, Any], plan: GraphsPlan, opts: Any, num_laye
     """Write the lowered graphs into their files (one per graph, or one with a signature
     per graph, as the target profile says); every file fits its target before the first is
     written."""
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
 
     one_file_per_graph = plan.per_graph_files
     programs = plan.programs()
@@ -770,7 +770,7 @@ def _split_info(graph: str, models: list[Any], plan: GraphsPlan, written: dict[s
     outputs those of the one graph the parts replace (circleops.runtime.chain)."""
     from collections import Counter
 
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
 
     files = [plan.program_file(graph, j) for j in range(len(models))]
     ops: Counter = Counter()
@@ -834,7 +834,7 @@ def _verify_references(model: Any, lengths: Sequence[int]) -> _References:
     the decode step on the token after them. Causal, so one forward gives every prefix."""
     import torch
 
-    from circleops.models import example_token_ids
+    from circleops.sources.models import example_token_ids
 
     p = max(1, max(lengths) // 2)
     ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
@@ -909,7 +909,7 @@ def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, 
 
 
 # the output directory's life cycle and the model's token ids, shared by the other graph
-# writers (circleops.speech, circleops.vlm): a directory that exists or can be made, a staging
+# writers (circleops.recipes.speech, circleops.recipes.vlm): a directory that exists or can be made, a staging
 # directory beside it, the publish of a complete output
 prepare_output_dir = prepare_dir = _prepare_dir
 staging_dir, publish, eos_ids, pad_id = _staging_dir, _publish, _eos_ids, _pad_id

@@ -21,7 +21,7 @@ from pathlib import Path
 from circleops.errors import ModelLoadError
 
 # What a conversion reads: no PyTorch .bin / TF / Flax / ONNX copies of the weights, and no
-# .py files (circleops never runs a model's code: circleops.remote_code).
+# .py files (circleops never runs a model's code: circleops.inputs.remote_code).
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 # org/name as the hub spells repository ids (one slash, no path-like parts)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")

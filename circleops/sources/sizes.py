@@ -8,7 +8,7 @@ these figures before the weights are read, exported or lowered:
 
 The figures are lower bounds where a file may hold more than one copy of a weight (a tied
 lm_head stored apart from the embedding table), so a refusal from them is always right; the
-exact check on the lowered graph (circleops.pipeline.check_size) still runs before writing.
+exact check on the lowered graph (circleops.pipeline.stages.check_size) still runs before writing.
 This module reads JSON and the headers only: no torch unless a config must be built.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
-from circleops.memory import machine_memory
+from circleops.system.memory import machine_memory
 
 
 # Bytes per weight of each stored form: GGML blocks (32 weights: 2 bytes of scale + 16 of
@@ -151,7 +151,7 @@ def config_parameters(cfg: dict[str, Any], source: str) -> int:
         return dense
     import torch
 
-    from circleops import models
+    from circleops.sources import models
 
     try:
         config = models.build_config(cfg, source)
@@ -178,7 +178,7 @@ def estimate(model: str | os.PathLike | None, *, config: str | os.PathLike | Non
     cfg_path = Path(config) if config is not None else (Path(model) / "config.json" if model is not None else None)
     if cfg_path is None or not cfg_path.is_file():
         return None
-    from circleops.models import read_config_dict
+    from circleops.sources.models import read_config_dict
 
     cfg = read_config_dict(cfg_path)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
@@ -199,7 +199,7 @@ def estimate(model: str | os.PathLike | None, *, config: str | os.PathLike | Non
 
 def too_large_message(needed: int, target: str, estimated: bool = False) -> str:
     """The refusal of a file past 2 GiB (``needed`` bytes) for a target that reads no weights
-    after the flatbuffer (circleops.pipeline.too_large_message says the same of a lowered graph)."""
+    after the flatbuffer (circleops.pipeline.stages.too_large_message says the same of a lowered graph)."""
     from circleops.targets import profile
 
     p = profile(target)

@@ -1,7 +1,7 @@
 """Inputs from an image, a text or a WAV file, and outputs read as labels, for the files
-circleops.tasks writes (``circleops run vit.circle --image cat.png --top 5``).
+circleops.recipes.tasks writes (``circleops run vit.circle --image cat.png --top 5``).
 
-The file's metadata (circleops.tasks.METADATA_KEY) names its task, input shapes, ``id2label``
+The file's metadata (circleops.recipes.tasks.METADATA_KEY) names its task, input shapes, ``id2label``
 and the model directory it was converted from; that directory's saved processor (image
 processor, tokenizer, feature extractor) makes the inputs exactly as transformers would for
 the torch model. Image processors run on their PIL backend: no torchvision needed.
@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from circleops.errors import RuntimeRunError
-from circleops.remote_code import refuse_remote_code
-from circleops.user_files import check_count
+from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.user_files import check_count
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Prepared:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """No "falling back to the PIL backend" chatter: the PIL processor is the one meant."""
-    from circleops.models import quiet_transformers
+    from circleops.sources.models import quiet_transformers
 
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -108,7 +108,7 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
     from PIL import ImageOps
     from transformers import AutoImageProcessor
 
-    from circleops.user_files import opened_image
+    from circleops.inputs.user_files import opened_image
 
     with opened_image(image, error=RuntimeRunError) as opened:
         picture = ImageOps.exif_transpose(opened).convert("RGB")  # upright, as transformers' load_image
@@ -136,8 +136,8 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
 
 
 def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """A WAV file as mono float32 in [-1, 1], and its sample rate (circleops.user_files.read_wav)."""
-    from circleops.user_files import read_wav as read
+    """A WAV file as mono float32 in [-1, 1], and its sample rate (circleops.inputs.user_files.read_wav)."""
+    from circleops.inputs.user_files import read_wav as read
 
     return read(path, error=RuntimeRunError)
 
@@ -179,7 +179,7 @@ def _label(record: dict[str, Any], i: int) -> str:
 
 def describe(prepared: Prepared, outputs: list[np.ndarray], top: int = 5) -> list[str]:
     """Lines reading the outputs for the task (labels, tokens, text); [] when there is nothing to add."""
-    from circleops.tasks import TASKS
+    from circleops.recipes.tasks import TASKS
 
     record = prepared.record
     task = TASKS.get(record.get("task", ""))

@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from circleops.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
+from circleops.system.cache_dir import cache_dir, cached_dir  # noqa: F401  (models.cache_dir, as before)
 from circleops.errors import ModelLoadError
-from circleops.remote_code import refuse_remote_code
-from circleops.user_files import check_bytes, check_json_files, json_object, outside_reason, read_json
+from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.user_files import check_bytes, check_json_files, json_object, outside_reason, read_json
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -97,11 +97,11 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
     HF directory whose weights do not cover the model (missing tensors randomly initialized,
     unexpected ones ignored); by default that is a ModelLoadError naming the tensors.
     ``model_class(config, cfg_dict, source)`` picks the transformers class to build for an HF
-    directory or config (default: the causal-LM class; circleops.tasks passes the task's).
-    A Hugging Face model id (``org/name``) is resolved through circleops.hub (cache, then download).
+    directory or config (default: the causal-LM class; circleops.recipes.tasks passes the task's).
+    A Hugging Face model id (``org/name``) is resolved through circleops.sources.hub (cache, then download).
     """
     if spec is not None and config is None:
-        from circleops.hub import resolve_model
+        from circleops.sources.hub import resolve_model
 
         spec = resolve_model(spec)
     if config is not None:
@@ -273,7 +273,7 @@ def _model_class(config: Any, cfg: dict[str, Any], source: str) -> type:
             f"circleops converts decoder LLMs ({AutoModelForCausalLM.__name__}).") from None
 
 
-# public: circleops.sizes builds a config's model on the meta device to count its parameters
+# public: circleops.sources.sizes builds a config's model on the meta device to count its parameters
 build_config, model_class = _build_config, _model_class
 
 
@@ -607,9 +607,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
 
 def load_exported(path: str | os.PathLike) -> Any:
     """A saved ExportedProgram (torch.export.save), checked first so that loading it runs no
-    code from the file (circleops.safe_load: pickled entries are refused)."""
+    code from the file (circleops.inputs.safe_load: pickled entries are refused)."""
     from circleops.ops.registry import PLUGINS, load_plugins
-    from circleops.safe_load import check_pt2_archive, load_pt2, pt2_unknown_ops
+    from circleops.inputs.safe_load import check_pt2_archive, load_pt2, pt2_unknown_ops
 
     check_pt2_archive(path)  # before any plugin is imported: a refused file needs none
     load_plugins()  # a program calling a plugin's op (torch.ops.npu.*) loads only once it defined them
@@ -661,8 +661,8 @@ def exported_example_args(ep: Any, seq_len: int | None, source: str) -> tuple:
 def page_out_mapped_weights() -> int:
     """Give back the resident pages of this process's memory-mapped safetensors files (the
     weights :func:`load_hf_dir` maps) once the conversion no longer reads them (after the
-    write, before verify's runtime loads the file: issue 32); circleops.memory.page_out says
+    write, before verify's runtime loads the file: issue 32); circleops.system.memory.page_out says
     why that loses nothing. Returns the bytes of the mappings advised."""
-    from circleops.memory import page_out
+    from circleops.system.memory import page_out
 
     return page_out(lambda path: path.endswith(".safetensors"))

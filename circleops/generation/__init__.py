@@ -1,0 +1,1 @@
+"""Running a written set of graphs: the generator, sampling, chat."""

@@ -1,0 +1,1 @@
+"""The sets of graphs a model is written as: decoder LLMs, vision-language models, speech, task models."""

@@ -1,0 +1,1 @@
+"""The machine: circleops' cache directory and the memory it has."""
