@@ -163,7 +163,7 @@ class Seq2SeqEncoder(_Step):
     def __init__(self, model: Any, source_len: int):
         super().__init__(model)
         if not self.fam.text_encoder:
-            raise CircleOpsError(f"{self.fam.name}'s encoder does not take token ids (its graphs are circleops.speech's).")
+            raise CircleOpsError(f"{self.fam.name}'s encoder does not take token ids (its graphs are circleops.recipes.speech's).")
         self.source_len = int(source_len)
         if self.fam.positions == RELATIVE:  # bidirectional buckets over the T source positions
             i = torch.arange(self.source_len)

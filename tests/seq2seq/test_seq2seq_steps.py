@@ -2,7 +2,7 @@
 greedy decoding through the encoder, prefill-chunk and decode modules gives generate's tokens
 and logits for T5 (v1 tied, v1.1 gated-gelu untied), BART, mBART (forced BOS) and Marian;
 the three modules export with static shapes and run on the reference interpreter; Whisper's
-row of the same table computes circleops.speech's graphs."""
+row of the same table computes circleops.recipes.speech's graphs."""
 from __future__ import annotations
 
 import copy
@@ -85,7 +85,7 @@ def _args(steps: Steps, seed: int = 0):
 def test_graphs_export_and_run_on_the_reference_interpreter(tiny_seq2seq, tmp_path):
     """The three modules export with static shapes, lower for target circle (T5's norms as
     RMS_NORM) and give torch's outputs on circleops' reference interpreter."""
-    from circleops import pipeline
+    from circleops.pipeline import stages as pipeline
     from circleops.runtime import open_session
 
     steps = Steps.of(copy.deepcopy(tiny_seq2seq.model), source_len=16, prefill_len=4, cache_len=16)

@@ -1,5 +1,5 @@
 """Whisper is a row of the same encoder-decoder table: the core's decoder step computes
-circleops.speech's prefill and decode graphs (the same inputs and outputs), so the speech
+circleops.recipes.speech's prefill and decode graphs (the same inputs and outputs), so the speech
 graphs can be exported from it."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def whisper(tmp_path_factory):
 
 
 def test_whisper_row_computes_the_speech_graphs(whisper):
-    from circleops import speech
+    from circleops.recipes import speech
     from circleops.adapters.seq2seq import CrossFromStates, Seq2SeqDecoderStep
 
     _, prefill_cls, decode_cls = speech._torch_modules()
