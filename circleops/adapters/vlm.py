@@ -37,6 +37,7 @@ class VLMFamily:
     image_seq_len: str  # embeddings (image tokens) per image or tile
     prefix_lm: bool = False  # bidirectional over the prompt prefix: the prompt in one prefill run
     position_offset: int = 0  # the RoPE position of cache slot 0 (PaliGemma counts from 1)
+    image_blocks: bool = False  # each image's tokens attend to each other both ways (Gemma 3)
 
     def text_body(self, vlm: Any) -> torch.nn.Module:
         body = _path(vlm, self.text)
@@ -71,7 +72,11 @@ PALIGEMMA = VLMFamily(
     name="paligemma", classes={"paligemma": "PaliGemmaForConditionalGeneration"},
     vision="model.vision_tower", projector="model.multi_modal_projector", text="model.language_model",
     image_seq_len="config.text_config.num_image_tokens", prefix_lm=True, position_offset=1)
-FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA)
+GEMMA3 = VLMFamily(
+    name="gemma3", classes={"gemma3": "Gemma3ForConditionalGeneration"}, vision="model.vision_tower",
+    projector="model.multi_modal_projector", text="model.language_model", image_seq_len="config.mm_tokens_per_image",
+    image_blocks=True)
+FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 
 
@@ -156,12 +161,13 @@ class ImagePrefill(torch.nn.Module):
     features), every other row its token embedding. Returns what the step's one-row prefill
     returns."""
 
-    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False):
+    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False, image_blocks: bool = False):
         super().__init__()
         self.model = step.model  # registered under the decode step's name: the same parameter names
         self._run = step.run
         self.image_token_id = int(image_token_id)
         self.prefix_lm = bool(prefix_lm)
+        self.image_blocks = bool(image_blocks)
         # an image token past the vocabulary (PaliGemma's may be) is looked up as token 0, as
         # the model does, before its row is replaced
         self._oov = self.image_token_id >= int(self.model.model.embed_tokens.num_embeddings)
@@ -172,4 +178,13 @@ class ImagePrefill(torch.nn.Module):
         ids = torch.where(is_image, torch.zeros_like(input_ids), input_ids) if self._oov else input_ids
         embeds = self.model.model.embed_tokens(ids)
         embeds = torch.where(is_image.unsqueeze(-1), image_embeds.to(embeds.dtype), embeds)
-        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len)
+        blocks = image_blocks(is_image[0]) if self.image_blocks else None
+        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len, blocks=blocks)
+
+
+def image_blocks(is_image: Tensor) -> Tensor:
+    """Each token's image block [S] (int64): -1 for a text token, else the count of text
+    tokens before it, shared by a run of image tokens (transformers' block_sequence_ids up to
+    numbering: one run of image tokens is one block)."""
+    text_before = torch.cumsum((~is_image).to(torch.int64), 0)
+    return torch.where(is_image, text_before, torch.full_like(text_before, -1))

@@ -396,7 +396,7 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
         tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size))
         eps = {VISION_GRAPH: pipeline.export(VisionTower(model).eval(), (tile,), adapters=False, warn_list=[])}
         step = decoder_step(TextLM(model), max_cache_len, cache_update)
-        prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm)
+        prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm, image_blocks=family.image_blocks)
         for n in lengths:
             extra = (torch.tensor([n]),) if spec.prefix_lm else ()
             args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
