@@ -15,6 +15,7 @@ from __future__ import annotations
 from circleops.adapters.dynamic_cache import register_when_imported
 from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
 from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_moe, qwen3_moe
+from circleops.adapters import qwen2_5_vl, qwen2_vl
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
 from circleops.adapters._instance import fuse, is_fused, unfuse
@@ -42,11 +43,16 @@ from circleops.adapters.deepseek_v3 import (patched_deepseek_v3_attention, patch
                                             patched_deepseek_v3_rope)
 from circleops.adapters.gpt_oss import (patched_gpt_oss_attention, patched_gpt_oss_modules, patched_gpt_oss_rmsnorm,
                                         patched_gpt_oss_rope)
+from circleops.adapters.qwen2_vl import (patched_qwen2_vl_attention, patched_qwen2_vl_modules, patched_qwen2_vl_rmsnorm,
+                                         patched_qwen2_vl_rope)
+from circleops.adapters.qwen2_5_vl import (patched_qwen2_5_vl_attention, patched_qwen2_5_vl_modules,
+                                           patched_qwen2_5_vl_rmsnorm, patched_qwen2_5_vl_rope)
 
 register_when_imported()  # DynamicCache as a pytree node once transformers loads it
 
 FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3,
-                                              mixtral, qwen2_moe, qwen3_moe, granitemoe, deepseek_v3, gpt_oss)]
+                                              mixtral, qwen2_moe, qwen3_moe, granitemoe, deepseek_v3, gpt_oss,
+                                              qwen2_vl, qwen2_5_vl)]
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
 
@@ -84,6 +90,7 @@ __all__ = [
     "DECISIONS", "attention_blockers", "dense_experts_implementation", "family_of", "fuse", "unfuse", "is_fused",
     "patched_modules", "patch_module", "patch_modules", "patch_function",
     *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
-                                   "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss")
+                                   "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss",
+                                   "qwen2_vl", "qwen2_5_vl")
       for k in ("rmsnorm", "rope", "attention", "modules")],
 ]

@@ -171,7 +171,8 @@ class DecoderWithCache(torch.nn.Module):
 
     def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
              row: Tensor | None = None, inputs_embeds: Tensor | None = None,
-             prefix_len: Tensor | None = None, blocks: Tensor | None = None) -> tuple[Tensor, ...]:
+             prefix_len: Tensor | None = None, blocks: Tensor | None = None,
+             rope_positions: Tensor | None = None) -> tuple[Tensor, ...]:
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
         logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.
         ``inputs_embeds`` [1, S, hidden]: the tokens' embeddings, given instead of looked up
@@ -180,7 +181,8 @@ class DecoderWithCache(torch.nn.Module):
         positions (image and prompt) see each other both ways, the rest causally; 0 is causal.
         ``blocks`` (int64 [S]): Gemma 3's image blocks: new tokens of one block id >= 0 see
         each other both ways (the rest causally, every layer's sliding window still applying),
-        -1 a text token; a block lies within one run."""
+        -1 a text token; a block lies within one run. ``rope_positions`` ([3, 1, S]): the
+        rotary positions when they are not the cache slots (Qwen2-VL's M-RoPE: t, h, w)."""
         n = self.num_layers
         if len(caches) != 2 * n:
             raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
@@ -188,7 +190,9 @@ class DecoderWithCache(torch.nn.Module):
         s = input_ids.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
         hidden = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.rope_types is None:
+        if rope_positions is not None:
+            rope = [base.rotary_emb(hidden, rope_positions)] * n
+        elif self.rope_types is None:
             rope = [base.rotary_emb(hidden, positions)] * n
         else:
             tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.rope_types)}

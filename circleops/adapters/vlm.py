@@ -38,6 +38,8 @@ class VLMFamily:
     prefix_lm: bool = False  # bidirectional over the prompt prefix: the prompt in one prefill run
     position_offset: int = 0  # the RoPE position of cache slot 0 (PaliGemma counts from 1)
     image_blocks: bool = False  # each image's tokens attend to each other both ways (Gemma 3)
+    mrope: bool = False  # 3-D rotary positions (t, h, w) from the host: Qwen2-VL's M-RoPE
+    tower: str = "pooled"  # "pooled": VisionTower on a tile; "qwen": adapters.qwen_vision's patches tower
 
     def text_body(self, vlm: Any) -> torch.nn.Module:
         body = _path(vlm, self.text)
@@ -76,7 +78,12 @@ GEMMA3 = VLMFamily(
     name="gemma3", classes={"gemma3": "Gemma3ForConditionalGeneration"}, vision="model.vision_tower",
     projector="model.multi_modal_projector", text="model.language_model", image_seq_len="config.mm_tokens_per_image",
     image_blocks=True)
-FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3)
+QWEN2_VL = VLMFamily(
+    name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                              "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+    vision="model.visual", projector="model.visual.merger", text="model.language_model",
+    image_seq_len="config.vision_config.spatial_merge_size", mrope=True, tower="qwen")
+FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3, QWEN2_VL)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 
 
@@ -161,8 +168,10 @@ class ImagePrefill(torch.nn.Module):
     features), every other row its token embedding. Returns what the step's one-row prefill
     returns."""
 
-    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False, image_blocks: bool = False):
+    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False, image_blocks: bool = False,
+                 mrope: bool = False):
         super().__init__()
+        self.mrope = bool(mrope)
         self.model = step.model  # registered under the decode step's name: the same parameter names
         self._run = step.run
         self.image_token_id = int(image_token_id)
@@ -173,13 +182,31 @@ class ImagePrefill(torch.nn.Module):
         self._oov = self.image_token_id >= int(self.model.model.embed_tokens.num_embeddings)
 
     def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, image_embeds: Tensor, *rest: Tensor):
+        rope, rest = (rest[0], rest[1:]) if self.mrope else (None, rest)  # [3, 1, S]
         prefix_len, caches = (rest[0], rest[1:]) if self.prefix_lm else (None, rest)
         is_image = input_ids == self.image_token_id
         ids = torch.where(is_image, torch.zeros_like(input_ids), input_ids) if self._oov else input_ids
         embeds = self.model.model.embed_tokens(ids)
         embeds = torch.where(is_image.unsqueeze(-1), image_embeds.to(embeds.dtype), embeds)
         blocks = image_blocks(is_image[0]) if self.image_blocks else None
-        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len, blocks=blocks)
+        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len, blocks=blocks,
+                         rope_positions=rope)
+
+
+class MRopeDecode(torch.nn.Module):
+    """The decode step of an M-RoPE model: ``forward(input_ids [1, 1], pos [1], rope_delta [1],
+    *caches)``; the token's rotary position is ``pos + rope_delta`` on all three axes (after the
+    prompt, transformers counts on from the prompt's largest position: get_rope_index's delta)."""
+
+    def __init__(self, step: Any):
+        super().__init__()
+        self.model = step.model
+        self._run = step.run
+
+    def forward(self, input_ids: Tensor, pos: Tensor, rope_delta: Tensor, *caches: Tensor):
+        p = (pos.reshape(1) + rope_delta.reshape(1)).to(torch.int64)
+        positions = p.reshape(1, 1, 1).expand(3, 1, input_ids.shape[1]) + torch.arange(input_ids.shape[1])
+        return self._run(input_ids, pos, caches, rope_positions=positions)
 
 
 def image_blocks(is_image: Tensor) -> Tensor:

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_vlms import greedy
+from tiny_vlms import MAX_PATCHES, greedy
 
 NEW = 8
+QWEN = ("Look at <|vision_start|><|image_pad|><|vision_end|> please, what is it?",
+        "Look <|vision_start|><|image_pad|><|vision_end|> and then at <|vision_start|><|image_pad|><|vision_end|> now!")
 PROMPTS = {"gemma3": ("Look at <start_of_image> please, what is it?",
-                      "Look <start_of_image> and then at <start_of_image> now, what is it?")}
+                      "Look <start_of_image> and then at <start_of_image> now, what is it?"),
+           "qwen2_vl": QWEN, "qwen2_5_vl": QWEN}
 # fp32 through 2 vision + 2 text layers in another order (chunked prefill, masks built
 # from pos): a few ulps of |logits|
 LOGIT_TOL = 1e-4
@@ -37,8 +40,7 @@ def _close(got, want):
 def test_greedy_equals_transformers(tiny_vlm, images, cache_update):
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][images - 1], tiny_vlm.images[:images])
     want, want_logits = tiny_vlm.hf_greedy(inputs, NEW)
-    ids = inputs["input_ids"][0].tolist()
-    got, logits = greedy(copy.deepcopy(tiny_vlm.model), ids, _tiles(inputs), NEW, cache_update=cache_update)
+    got, logits = greedy(copy.deepcopy(tiny_vlm.model), inputs, NEW, cache_update=cache_update)
     assert got == want
     _close(logits, want_logits)
 
@@ -47,35 +49,56 @@ def test_images_change_the_logits(tiny_vlm):
     """The image rows are live: the other image in the same place gives other logits."""
     text = PROMPTS[tiny_vlm.family][0]
     a, b = (tiny_vlm.inputs(text, [p]) for p in tiny_vlm.images)
-    ids = a["input_ids"][0].tolist()
-    la = greedy(copy.deepcopy(tiny_vlm.model), ids, _tiles(a), 1)[1][0]
-    lb = greedy(copy.deepcopy(tiny_vlm.model), ids, _tiles(b), 1)[1][0]
+    if a["input_ids"].shape != b["input_ids"].shape:  # Qwen: another size, other tokens
+        b = tiny_vlm.inputs(text, [tiny_vlm.images[0]])
+        b["pixel_values"] = b["pixel_values"].flip(0)
+    la = greedy(copy.deepcopy(tiny_vlm.model), a, 1)[1][0]
+    lb = greedy(copy.deepcopy(tiny_vlm.model), b, 1)[1][0]
     assert float((la - lb).abs().max()) > 1e-2
 
 
+def _vision_graph(model, inputs):
+    """The vision module and its inputs for the first image."""
+    from circleops.adapters.qwen_vision import QwenVisionTower, vision_index
+    from circleops.adapters.vlm import VisionTower, family_of
+
+    if family_of(model).tower != "qwen":
+        return VisionTower(model), (_tiles(inputs)[0],)
+    tower = QwenVisionTower(model)
+    index = vision_index(tower.visual, inputs["image_grid_thw"][0].tolist(), MAX_PATCHES)
+    px = inputs["pixel_values"][:index.patches]
+    return tower, (torch.cat([px, px.new_zeros(MAX_PATCHES - index.patches, px.shape[1])]), *index.inputs())
+
+
 def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path):
+    """The vision module and the image prefill (with its image blocks or 3-D positions)
+    export with static shapes and give torch's outputs on the reference interpreter."""
     from circleops.adapters.decode import DecoderWithCache
-    from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower, family_of
+    from circleops.adapters.vlm import ImagePrefill, TextLM, family_of
     from circleops.pipeline import stages as pipeline
     from circleops.runtime import open_session
 
     model = copy.deepcopy(tiny_vlm.model)
+    fam = family_of(model)
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][0], tiny_vlm.images[:1])
     ids = inputs["input_ids"][0].tolist()[:16]
-    tile = _tiles(inputs)[0]
     step = DecoderWithCache(TextLM(model), 32, "rows")
-    prefill = ImagePrefill(step, model.config.image_token_id, image_blocks=family_of(model).image_blocks)
+    prefill = ImagePrefill(step, model.config.image_token_id, image_blocks=fam.image_blocks, mrope=fam.mrope)
     g = torch.Generator().manual_seed(0)
     embeds = torch.randn((1, len(ids), model.config.text_config.hidden_size), generator=g)
     caches = [torch.randn(c.shape, generator=g) for c in step.empty_caches()]
-    graphs = {"vision": (VisionTower(model), (tile,)),
+    rope = (torch.randint(0, 20, (3, 1, len(ids)), generator=g),) if fam.mrope else ()
+    graphs = {"vision": _vision_graph(model, inputs),
               "prefill": (prefill, (torch.tensor([ids]), torch.tensor([3]), torch.tensor([len(ids) - 1]), embeds,
-                                    *caches))}
+                                    *rope, *caches))}
     opts = pipeline.Options("circle")
     for name, (module, args) in graphs.items():
         ep = pipeline.export(module, args, adapters=False)
+        built = pipeline.build({name: ep}, opts).models[name]
+        if fam.tower == "qwen":  # q/k rotate by the fused op, in the vision tower and the text model
+            assert "ROPE" in pipeline.op_histogram(built), name
         path = tmp_path / f"{name}.circle"
-        pipeline.write(pipeline.build({name: ep}, opts).models[name], path, opts)
+        pipeline.write(built, path, opts)
         outs = open_session("reference", path).run([a.numpy() for a in args])
         with torch.no_grad():
             want = module(*args)

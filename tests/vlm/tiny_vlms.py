@@ -66,7 +66,77 @@ def gemma3(root: Path, seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
-BUILDERS: dict[str, Callable[[Path, int], tuple[Any, Any]]] = {"gemma3": gemma3}
+class QwenImagesProcessor:
+    """What Qwen2VLProcessor does for images (its constructor insists on a video processor,
+    which needs torchvision: not installable here with the CPU torch): the image processor's
+    patches and grids, and each ``<|image_pad|>`` of the text expanded to grid.prod() / merge²
+    tokens, in order."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any):
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+
+    def __call__(self, images: Any = None, text: list[str] = (), return_tensors: str = "pt") -> dict:
+        out: dict = {}
+        text = list(text)
+        if images:
+            out = dict(self.image_processor(images=images[0], return_tensors="pt"))
+            merge = self.image_processor.merge_size ** 2
+            counts = iter(int(g.prod()) // merge for g in out["image_grid_thw"])
+            parts = text[0].split("<|image_pad|>")
+            text = [parts[0] + "".join("<|placeholder|>" * next(counts) + p for p in parts[1:])]
+            text = [text[0].replace("<|placeholder|>", "<|image_pad|>")]
+        out.update(self.tokenizer(text, return_tensors=return_tensors))
+        # what the model's get_rope_index groups by (text 0, image 1): without it transformers
+        # gives the image tokens 1-D positions
+        image = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        out["mm_token_type_ids"] = (out["input_ids"] == image).to(torch.int32)
+        return out
+
+    def save_pretrained(self, path: str) -> None:
+        self.image_processor.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def _qwen(version: str) -> Callable[[Path, int], tuple[Any, Any]]:
+    def build(root: Path, seed: int = 0) -> tuple[Any, Any]:
+        """Qwen2-VL / Qwen2.5-VL: patches of 8 px merged 2x2; Qwen2.5's windows of 32 px
+        (2x2 merge units) in block 0 and full attention in block 1; a 2-layer text model
+        with M-RoPE sections (2, 1, 1) over head_dim 8."""
+        import transformers as tf
+
+        tok = _gemma_tokenizer({})
+        tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                              "<|video_pad|>"]})
+        ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                        "<|video_pad|>")}
+        image_proc = tf.Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=48 * 48, patch_size=PATCH,
+                                                 temporal_patch_size=2, merge_size=2)
+        processor = QwenImagesProcessor(image_proc, tok)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=32)
+        if version == "qwen2_5_vl":
+            vision.update(window_size=32, fullatt_block_indexes=[1])
+            config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+        else:
+            vision.update(embed_dim=32, mlp_ratio=2)
+            config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+        text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+        _widen(model)
+        return model, processor
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[Path, int], tuple[Any, Any]]] = {
+    "gemma3": gemma3, "qwen2_vl": _qwen("qwen2_vl"), "qwen2_5_vl": _qwen("qwen2_5_vl")}
 
 
 @dataclass
@@ -118,19 +188,51 @@ def plan(ids: list[int], image_token: int, chunk: int) -> list[tuple[int, int]]:
     return runs
 
 
-def greedy(model: Any, ids: list[int], tiles: list[torch.Tensor], new: int, *, chunk: int = 8, cache: int = 96,
+MAX_PATCHES = 48  # the Qwen vision graph's patch capacity: a 48 x 32 px image (6 x 4 patches)
+
+
+def image_features(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every image's rows, in prompt order, through circleops' vision module: one tile at a
+    time (pooled towers), or one image's patches padded to MAX_PATCHES (Qwen)."""
+    from circleops.adapters.qwen_vision import QwenVisionTower, vision_index
+    from circleops.adapters.vlm import VisionTower, family_of
+
+    px = inputs["pixel_values"]
+    if family_of(model).tower != "qwen":
+        tower = VisionTower(model)
+        return torch.cat([tower(px[i:i + 1])[0] for i in range(px.shape[0])])
+    tower, rows, start = QwenVisionTower(model), [], 0
+    for grid in inputs["image_grid_thw"].tolist():
+        index = vision_index(tower.visual, grid, MAX_PATCHES)
+        patches = torch.cat([px[start:start + index.patches], px.new_zeros(MAX_PATCHES - index.patches, px.shape[1])])
+        rows.append(tower(patches, *index.inputs())[:index.tokens])
+        start += index.patches
+    return torch.cat(rows)
+
+
+def greedy(model: Any, inputs: dict[str, torch.Tensor], new: int, *, chunk: int = 8, cache: int = 96,
            cache_update: str = "rows", eos: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decoding through circleops' modules: the vision module on every tile, its rows
-    placed at the image tokens in order; the prompt in prefill runs; one token per decode."""
+    """Greedy decoding through circleops' modules: the vision module on every image, its rows
+    placed at the image tokens in order; the prompt in prefill runs (M-RoPE: with the
+    prompt's 3-D positions); one token per decode."""
     from circleops.adapters.decode import DecoderWithCache
-    from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower, family_of
+    from circleops.adapters.qwen_vision import mrope_positions
+    from circleops.adapters.vlm import ImagePrefill, MRopeDecode, TextLM, family_of
 
     fam = family_of(model)
     image_token = int(model.config.image_token_id)
+    ids = inputs["input_ids"][0].tolist()
+    eos = model.generation_config.eos_token_id if eos is None else eos
     with torch.no_grad():
-        features = torch.cat([VisionTower(model)(t)[0] for t in tiles]) if tiles else None
+        features = image_features(model, inputs) if "pixel_values" in inputs else None
         step = DecoderWithCache(TextLM(model), cache, cache_update)
-        prefill = ImagePrefill(step, image_token, image_blocks=fam.image_blocks)
+        prefill = ImagePrefill(step, image_token, image_blocks=fam.image_blocks, mrope=fam.mrope)
+        decode, delta = step, None
+        if fam.mrope:
+            grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
+            rope, delta = mrope_positions(ids, image_token, grids, model.config.vision_config.spatial_merge_size)
+            rope = torch.tensor(rope)
+            decode = MRopeDecode(step)
         hidden = int(model.config.text_config.hidden_size)
         rows = torch.zeros(len(ids), hidden)
         where = [i for i, t in enumerate(ids) if t == image_token]
@@ -141,7 +243,10 @@ def greedy(model: Any, ids: list[int], tiles: list[torch.Tensor], new: int, *, c
             n = end - start
             chunk_ids = torch.tensor([ids[start:end] + [0] * (chunk - n)])
             embeds = torch.cat([rows[start:end], torch.zeros(chunk - n, hidden)])[None]
-            out = prefill(chunk_ids, torch.tensor([start]), torch.tensor([n - 1]), embeds, *caches)
+            extra = ()
+            if fam.mrope:  # the chunk's positions, the padding counting on
+                extra = (torch.cat([rope[:, start:end], rope[:, end - 1:end] + torch.arange(1, chunk - n + 1)], 1)[:, None],)
+            out = prefill(chunk_ids, torch.tensor([start]), torch.tensor([n - 1]), embeds, *extra, *caches)
             caches = _update(caches, out[1:], start, n, cache_update)
         logits, tokens, seen, pos = out[0][0, -1], [], [], len(ids)
         for _ in range(new):
@@ -149,7 +254,8 @@ def greedy(model: Any, ids: list[int], tiles: list[torch.Tensor], new: int, *, c
             tokens.append(int(logits.argmax()))
             if tokens[-1] == eos:
                 break
-            out = step(torch.tensor([[tokens[-1]]]), torch.tensor([pos]), *caches)
+            extra = (torch.tensor([delta]),) if fam.mrope else ()
+            out = decode(torch.tensor([[tokens[-1]]]), torch.tensor([pos]), *extra, *caches)
             caches = _update(caches, out[1:], pos, 1, cache_update)
             pos += 1
             logits = out[0][0, -1]
