@@ -34,18 +34,21 @@ class VLMFamily:
     vision: str  # the vision tower: (pixel_values=...) -> .last_hidden_state
     projector: str  # vision features -> text embeddings
     text: str  # the text body (embed_tokens, layers, norm, rotary_emb)
-    image_seq_len: str  # embeddings (image tokens) per image or tile
+    image_seq_len: str  # embeddings (image tokens) per image or tile; "": by the image's size (Qwen)
     prefix_lm: bool = False  # bidirectional over the prompt prefix: the prompt in one prefill run
     position_offset: int = 0  # the RoPE position of cache slot 0 (PaliGemma counts from 1)
     image_blocks: bool = False  # each image's tokens attend to each other both ways (Gemma 3)
     mrope: bool = False  # 3-D rotary positions (t, h, w) from the host: Qwen2-VL's M-RoPE
     tower: str = "pooled"  # "pooled": VisionTower on a tile; "qwen": adapters.qwen_vision's patches tower
+    converted: bool = True  # circleops convert/generate take it (recipes.vlm); False: the torch side only so far
 
     def text_body(self, vlm: Any) -> torch.nn.Module:
         body = _path(vlm, self.text)
         return _ShiftedBody(body, self.position_offset) if self.position_offset else body
 
     def tokens_per_image(self, vlm: Any) -> int:
+        if not self.image_seq_len:
+            raise ValueError(f"{self.name}: the image tokens depend on each image's size (its grid)")
         return int(_path(vlm, self.image_seq_len))
 
     @contextlib.contextmanager
@@ -77,12 +80,12 @@ PALIGEMMA = VLMFamily(
 GEMMA3 = VLMFamily(
     name="gemma3", classes={"gemma3": "Gemma3ForConditionalGeneration"}, vision="model.vision_tower",
     projector="model.multi_modal_projector", text="model.language_model", image_seq_len="config.mm_tokens_per_image",
-    image_blocks=True)
+    image_blocks=True, converted=False)
 QWEN2_VL = VLMFamily(
     name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
                               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
     vision="model.visual", projector="model.visual.merger", text="model.language_model",
-    image_seq_len="config.vision_config.spatial_merge_size", mrope=True, tower="qwen")
+    image_seq_len="", mrope=True, tower="qwen", converted=False)
 FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3, QWEN2_VL)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 

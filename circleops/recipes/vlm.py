@@ -59,7 +59,7 @@ from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
 from circleops.inputs.remote_code import refuse_remote_code
 
 # model_type of config.json -> what it is; the classes are transformers'
-VLM_MODEL_TYPES = {t: cls for fam in FAMILIES for t, cls in fam.classes.items()}
+VLM_MODEL_TYPES = {t: cls for fam in FAMILIES if fam.converted for t, cls in fam.classes.items()}
 VISION_GRAPH = "vision"
 VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
 IMAGE_EMBEDS = "image_embeds"

@@ -105,3 +105,20 @@ def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path)
         want = want if isinstance(want, tuple) else (want,)
         for got, w in zip(outs, want):
             assert np.abs(got - w.numpy()).max() <= 1e-5 * max(1.0, float(w.abs().max())), name
+
+
+def test_mrope_positions_are_get_rope_index(tiny_vlm):
+    """The prompt's 3-D positions and decode delta, computed without the model, equal
+    transformers' get_rope_index for one and two images of different sizes."""
+    from circleops.adapters.qwen_vision import mrope_positions
+    from circleops.adapters.vlm import family_of
+
+    if not family_of(tiny_vlm.model).mrope:
+        pytest.skip("1-D positions: no M-RoPE in this family")
+    for images, text in ((1, PROMPTS[tiny_vlm.family][0]), (2, PROMPTS[tiny_vlm.family][1])):
+        inputs = tiny_vlm.inputs(text, tiny_vlm.images[:images])
+        want, delta = tiny_vlm.model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                          inputs["image_grid_thw"])
+        got, got_delta = mrope_positions(inputs["input_ids"][0].tolist(), tiny_vlm.model.config.image_token_id,
+                                         inputs["image_grid_thw"].tolist(), 2)
+        assert got == want[:, 0].tolist() and got_delta == int(delta)
