@@ -207,9 +207,9 @@ class MRopeDecode(torch.nn.Module):
         self._run = step.run
 
     def forward(self, input_ids: Tensor, pos: Tensor, rope_delta: Tensor, *caches: Tensor):
-        p = (pos.reshape(1) + rope_delta.reshape(1)).to(torch.int64)
-        positions = p.reshape(1, 1, 1).expand(3, 1, input_ids.shape[1]) + torch.arange(input_ids.shape[1])
-        return self._run(input_ids, pos, caches, rope_positions=positions)
+        p = (pos.reshape(1, 1, 1) + rope_delta.reshape(1, 1, 1)).to(torch.int64) + torch.arange(input_ids.shape[1])
+        # three copies by concatenation: onert's BROADCAST_TO takes no int64
+        return self._run(input_ids, pos, caches, rope_positions=torch.cat([p, p, p]))
 
 
 def image_blocks(is_image: Tensor) -> Tensor:

@@ -82,16 +82,19 @@ def _args(steps: Steps, seed: int = 0):
             "decode": (torch.randint(3, 50, (1, 1), generator=g), torch.tensor([9]), n, *caches, *cross)}
 
 
-def test_graphs_export_and_run_on_the_reference_interpreter(tiny_seq2seq, tmp_path):
-    """The three modules export with static shapes, lower for target circle (T5's norms as
-    RMS_NORM) and give torch's outputs on circleops' reference interpreter."""
+@pytest.mark.parametrize("target, runtime, graphs", [("circle", "reference", ("encoder", "prefill", "decode")),
+                                                     ("onert", "onert", ("prefill",))])
+def test_graphs_export_and_run(tiny_seq2seq, tmp_path, target, runtime, graphs):
+    """The three modules export with static shapes, lower (T5's norms as RMS_NORM) and give
+    torch's outputs on circleops' reference interpreter; the prefill (its masks, T5's bias
+    gathers) also on onert."""
     from circleops.pipeline import stages as pipeline
     from circleops.runtime import open_session
 
     steps = Steps.of(copy.deepcopy(tiny_seq2seq.model), source_len=16, prefill_len=4, cache_len=16)
     args = _args(steps)
-    opts = pipeline.Options("circle")
-    for name in ("encoder", "prefill", "decode"):
+    opts = pipeline.Options(target)
+    for name in graphs:
         module = getattr(steps, name)
         ep = pipeline.export(module, args[name], adapters=False)
         model = pipeline.build({name: ep}, opts).models[name]
@@ -99,7 +102,7 @@ def test_graphs_export_and_run_on_the_reference_interpreter(tiny_seq2seq, tmp_pa
         assert ("RMS_NORM" in ops) == tiny_seq2seq.family.startswith("t5"), ops
         path = tmp_path / f"{name}.circle"
         pipeline.write(model, path, opts)
-        outs = open_session("reference", path).run([a.numpy() for a in args[name]])
+        outs = open_session(runtime, path, isolated=True).run([a.numpy() for a in args[name]])
         with torch.no_grad():
             want = module(*args[name])
         assert len(outs) == len(want)

@@ -122,3 +122,28 @@ def test_mrope_positions_are_get_rope_index(tiny_vlm):
         got, got_delta = mrope_positions(inputs["input_ids"][0].tolist(), tiny_vlm.model.config.image_token_id,
                                          inputs["image_grid_thw"].tolist(), 2)
         assert got == want[:, 0].tolist() and got_delta == int(delta)
+
+
+def test_decode_runs_on_onert(tiny_vlm, tmp_path):
+    """The decode graph (M-RoPE: with its pos + delta positions, made without an int64
+    BROADCAST_TO, which onert cannot run) written for target onert gives torch's outputs."""
+    from circleops.adapters.decode import DecoderWithCache
+    from circleops.adapters.vlm import MRopeDecode, TextLM, family_of
+    from circleops.pipeline import stages as pipeline
+    from circleops.runtime import open_session
+
+    model = copy.deepcopy(tiny_vlm.model)
+    step = DecoderWithCache(TextLM(model), 32, "rows")
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(c.shape, generator=g) for c in step.empty_caches()]
+    module, extra = (MRopeDecode(step), (torch.tensor([-3]),)) if family_of(model).mrope else (step, ())
+    args = (torch.tensor([[5]]), torch.tensor([20]), *extra, *caches)
+    opts = pipeline.Options("onert")
+    path = tmp_path / "decode.circle"
+    pipeline.write(pipeline.build({"decode": pipeline.export(module, args, adapters=False)}, opts).models["decode"],
+                   path, opts)
+    outs = open_session("onert", path, isolated=True).run([a.numpy() for a in args])
+    with torch.no_grad():
+        want = module(*args)
+    for got, w in zip(outs, want):
+        assert np.abs(got - w.numpy()).max() <= 1e-5 * max(1.0, float(w.abs().max()))
