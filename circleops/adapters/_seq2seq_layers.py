@@ -101,7 +101,7 @@ class LayerRunner:
         h = residual(fam.pre_norm, h, path(layer, fam.self_norm), attn)
         return residual(fam.pre_norm, h, path(layer, fam.ffn_norm), lambda x: feed_forward(layer, fam.ffn, x))
 
-    def decoder_layer(self, layer: torch.nn.Module, h: Tensor, past: Optional[tuple[Tensor, Tensor]],
+    def decoder_layer(self, layer: torch.nn.Module, h: Tensor, past: Optional[tuple[Tensor, Tensor]], *,
                       mask: Optional[Tensor], bias: Optional[Tensor], cross: tuple[Tensor, Tensor],
                       cross_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder layer over the new tokens ``h`` [1, S, E]: causal self-attention over

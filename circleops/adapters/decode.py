@@ -171,7 +171,7 @@ class DecoderWithCache(torch.nn.Module):
 
     def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
              row: Tensor | None = None, inputs_embeds: Tensor | None = None,
-             prefix_len: Tensor | None = None, blocks: Tensor | None = None,
+             prefix_len: Tensor | None = None, *, blocks: Tensor | None = None,
              rope_positions: Tensor | None = None) -> tuple[Tensor, ...]:
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
         logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from circleops.adapters import _rmsnorm
 from circleops.adapters._cached_attention import own_mask, slot_mask
-from circleops.adapters._instance import _swap
+from circleops.adapters._instance import swap_forward
 from circleops.adapters._seq2seq_layers import (LayerRunner, bias_from_buckets, key_mask, path, relative_buckets,
                                                 split_heads)
 from circleops.errors import CircleOpsError
@@ -132,7 +132,7 @@ def fuse_norms(model: torch.nn.Module, fam: Seq2SeqFamily) -> torch.nn.Module:
     for sub in model.modules():
         name = type(sub).__name__
         if name in fam.rms_norms and "forward" not in sub.__dict__:
-            _swap(sub, _rmsnorm.norm_forward(_rmsnorm.LLAMA, name))
+            swap_forward(sub, _rmsnorm.norm_forward(_rmsnorm.LLAMA, name))
     return model
 
 
@@ -229,7 +229,8 @@ class Seq2SeqDecoderStep(_Step):
         ks, vs = [], []
         for i, layer in enumerate(fam.stack_layers(stack)):
             past = (caches[i], caches[n + i]) if caches is not None else None
-            h, k, v = self.runner.decoder_layer(layer, h, past, mask, bias, (cross[i], cross[n + i]), cross_mask)
+            h, k, v = self.runner.decoder_layer(layer, h, past, mask=mask, bias=bias, cross=(cross[i], cross[n + i]),
+                                                cross_mask=cross_mask)
             ks.append(k), vs.append(v)
         h = fam.finish(stack, h)
         if row is not None:

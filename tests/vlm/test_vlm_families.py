@@ -1,5 +1,5 @@
-"""circleops' vision-language modules (adapters.vlm rows) against transformers for the newer
-families: greedy decoding through the vision module, the image-merging prefill (runs that
+"""circleops' vision-language modules (adapters.vlm rows) against transformers, for every
+family (SmolVLM, PaliGemma, Gemma 3, Qwen2-VL, Qwen2.5-VL): greedy decoding through the vision module, the image-merging prefill (runs that
 never split an image block) and the decode step gives generate's tokens and logits, with
 one image and with two images placed where the processor places them, in both cache forms;
 the vision and prefill modules export and run on the reference interpreter."""
@@ -18,7 +18,9 @@ QWEN = ("Look at <|vision_start|><|image_pad|><|vision_end|> please, what is it?
         "Look <|vision_start|><|image_pad|><|vision_end|> and then at <|vision_start|><|image_pad|><|vision_end|> now!")
 PROMPTS = {"gemma3": ("Look at <start_of_image> please, what is it?",
                       "Look <start_of_image> and then at <start_of_image> now, what is it?"),
-           "qwen2_vl": QWEN, "qwen2_5_vl": QWEN}
+           "qwen2_vl": QWEN, "qwen2_5_vl": QWEN,
+           "smolvlm": ("Look at <image> please, what is it?", "Look <image> and then at <image> now, what is it?"),
+           "paligemma": ("what is it?", "compare them")}
 # fp32 through 2 vision + 2 text layers in another order (chunked prefill, masks built
 # from pos): a few ulps of |logits|
 LOGIT_TOL = 1e-4
@@ -35,8 +37,7 @@ def _close(got, want):
         assert float((g - w).abs().max()) <= LOGIT_TOL * max(1.0, float(w.abs().max())), f"step {i}"
 
 
-@pytest.mark.parametrize("images", [1, 2])
-@pytest.mark.parametrize("cache_update", ["rows", "full"])
+@pytest.mark.parametrize("images, cache_update", [(1, "rows"), (2, "rows"), (2, "full")])
 def test_greedy_equals_transformers(tiny_vlm, images, cache_update):
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][images - 1], tiny_vlm.images[:images])
     want, want_logits = tiny_vlm.hf_greedy(inputs, NEW)
@@ -80,6 +81,8 @@ def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path)
 
     model = copy.deepcopy(tiny_vlm.model)
     fam = family_of(model)
+    if fam.converted:
+        pytest.skip("converted and run on every runtime by tests/generate/test_vlm.py")
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][0], tiny_vlm.images[:1])
     ids = inputs["input_ids"][0].tolist()[:16]
     step = DecoderWithCache(TextLM(model), 32, "rows")
@@ -133,6 +136,8 @@ def test_decode_runs_on_onert(tiny_vlm, tmp_path):
     from circleops.runtime import open_session
 
     model = copy.deepcopy(tiny_vlm.model)
+    if family_of(model).converted:
+        pytest.skip("converted and run on every runtime by tests/generate/test_vlm.py")
     step = DecoderWithCache(TextLM(model), 32, "rows")
     g = torch.Generator().manual_seed(1)
     caches = [torch.randn(c.shape, generator=g) for c in step.empty_caches()]

@@ -135,8 +135,54 @@ def _qwen(version: str) -> Callable[[Path, int], tuple[Any, Any]]:
     return build
 
 
+def smolvlm(root: Path, seed: int = 0) -> tuple[Any, Any]:
+    """Idefics3 / SmolVLM: SigLIP tiles of 32 px (16 patches, pixel-shuffled to 4 tokens),
+    an image split into tiles + the global image; a 2-layer Llama."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    from circleops.recipes.vlm import IMAGE_TOKENS, build_processor
+
+    tok = _gemma_tokenizer({})
+    tok.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=IMAGE, patch_size=PATCH),
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    _widen(model)
+    return model, build_processor(tok, model, chat_template=None)
+
+
+def paligemma(root: Path, seed: int = 0) -> tuple[Any, Any]:
+    """PaliGemma: SigLIP at 32 px (16 image tokens per image, all images first), a 2-layer
+    Gemma whose prompt prefix (images, BOS, prompt) is attended both ways."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    from circleops.recipes.vlm import paligemma_processor
+
+    processor = paligemma_processor(_gemma_tokenizer({}), image_size=IMAGE, image_seq_len=(IMAGE // PATCH) ** 2)
+    tok = processor.tokenizer
+    config = PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE, patch_size=PATCH),
+        text_config=dict(model_type="gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=8, vocab_size=len(tok),
+                         max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.eos_token_id),
+        image_token_index=processor.image_token_id, vocab_size=len(tok), projection_dim=32, hidden_size=32,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = PaliGemmaForConditionalGeneration(config).eval()
+    _widen(model)
+    return model, processor
+
+
 BUILDERS: dict[str, Callable[[Path, int], tuple[Any, Any]]] = {
-    "gemma3": gemma3, "qwen2_vl": _qwen("qwen2_vl"), "qwen2_5_vl": _qwen("qwen2_5_vl")}
+    "smolvlm": smolvlm, "paligemma": paligemma, "gemma3": gemma3, "qwen2_vl": _qwen("qwen2_vl"), "qwen2_5_vl": _qwen("qwen2_5_vl")}
 
 
 @dataclass
@@ -151,7 +197,9 @@ class TinyVLM:
         from PIL import Image
 
         pics = [Image.open(p).convert("RGB") for p in images]
-        return dict(self.processor(images=[pics] if pics else None, text=[text], return_tensors="pt"))
+        out = dict(self.processor(images=[pics] if pics else None, text=[text], return_tensors="pt"))
+        out.pop("labels", None)  # PaliGemma's processor returns them for training
+        return out
 
     def hf_greedy(self, inputs: dict[str, torch.Tensor], new: int) -> tuple[list[int], list[torch.Tensor]]:
         with torch.no_grad():
@@ -198,6 +246,7 @@ def image_features(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     from circleops.adapters.vlm import VisionTower, family_of
 
     px = inputs["pixel_values"]
+    px = px[0] if px.dim() == 5 else px  # Idefics3: [1, tiles, 3, H, W]
     if family_of(model).tower != "qwen":
         tower = VisionTower(model)
         return torch.cat([tower(px[i:i + 1])[0] for i in range(px.shape[0])])
@@ -210,7 +259,7 @@ def image_features(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def greedy(model: Any, inputs: dict[str, torch.Tensor], new: int, *, chunk: int = 8, cache: int = 96,
+def greedy(model: Any, inputs: dict[str, torch.Tensor], new: int, *, chunk: int = 8, cache: int = 224,
            cache_update: str = "rows", eos: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy decoding through circleops' modules: the vision module on every image, its rows
     placed at the image tokens in order; the prompt in prefill runs (M-RoPE: with the
@@ -223,10 +272,13 @@ def greedy(model: Any, inputs: dict[str, torch.Tensor], new: int, *, chunk: int 
     image_token = int(model.config.image_token_id)
     ids = inputs["input_ids"][0].tolist()
     eos = model.generation_config.eos_token_id if eos is None else eos
-    with torch.no_grad():
+    with torch.no_grad(), fam.explicit_mask(model):
         features = image_features(model, inputs) if "pixel_values" in inputs else None
         step = DecoderWithCache(TextLM(model), cache, cache_update)
-        prefill = ImagePrefill(step, image_token, image_blocks=fam.image_blocks, mrope=fam.mrope)
+        prefill = ImagePrefill(step, image_token, image_blocks=fam.image_blocks, mrope=fam.mrope,
+                               prefix_lm=fam.prefix_lm)
+        if fam.prefix_lm:  # the processor's prompt is all prefix: one prefill run
+            chunk = max(chunk, len(ids))
         decode, delta = step, None
         if fam.mrope:
             grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
@@ -246,6 +298,8 @@ def greedy(model: Any, inputs: dict[str, torch.Tensor], new: int, *, chunk: int 
             extra = ()
             if fam.mrope:  # the chunk's positions, the padding counting on
                 extra = (torch.cat([rope[:, start:end], rope[:, end - 1:end] + torch.arange(1, chunk - n + 1)], 1)[:, None],)
+            if fam.prefix_lm:
+                extra = (*extra, torch.tensor([n]))
             out = prefill(chunk_ids, torch.tensor([start]), torch.tensor([n - 1]), embeds, *extra, *caches)
             caches = _update(caches, out[1:], start, n, cache_update)
         logits, tokens, seen, pos = out[0][0, -1], [], [], len(ids)
