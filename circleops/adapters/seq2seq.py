@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from circleops.adapters import _rmsnorm
-from circleops.adapters._cached_attention import own_mask, slot_mask
+from circleops.adapters._cached_attention import own_mask
 from circleops.adapters._instance import swap_forward
 from circleops.adapters._seq2seq_layers import (LayerRunner, bias_from_buckets, key_mask, path, relative_buckets,
                                                 split_heads)
@@ -74,13 +74,16 @@ class Seq2SeqFamily:
         return path(stack, self.layers)
 
     def embed(self, stack: torch.nn.Module, ids: Tensor, positions: Tensor) -> Tensor:
-        """Token embeddings (scaled), plus table positions, then the embedding norm."""
+        """Token embeddings (scaled), plus table positions (``positions`` [S]), then the
+        embedding norm."""
         h = stack.embed_tokens(ids)
         if self.embed_scale is not None:
             h = h * getattr(stack, self.embed_scale)
         if self.positions == TABLE:
             table = stack.embed_positions
-            index = positions.reshape(-1) + int(getattr(table, "offset", 0))
+            index = positions
+            if getattr(table, "offset", 0):  # BART's learned positions start at row 2
+                index = index + int(table.offset)
             h = h + torch.index_select(table.weight, 0, index)[None].to(h.dtype)
         return path(stack, self.embed_norm)(h) if self.embed_norm else h
 
@@ -221,9 +224,10 @@ class Seq2SeqDecoderStep(_Step):
         cache (the tokens start at slot 0: Whisper's prefill)."""
         fam, stack, n = self.fam, self.fam.stack(self.model, "decoder"), self.decoder_layers
         s = input_ids.shape[1]
-        positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
+        p = pos.to(torch.int64)  # [1]
+        positions = p if s == 1 else p + torch.arange(s, device=input_ids.device)  # [S]
         h = fam.embed(stack, input_ids, positions)
-        mask = self._mask(pos, positions, h.dtype, caches is not None)
+        mask = self._mask(p, s, h.dtype, caches[0].shape[2] if caches is not None else None)
         bias = self._bias(stack, positions, caches is not None) if fam.positions == RELATIVE else None
         cross_mask = key_mask(source_len, cross[0].shape[2], h.dtype) if source_len is not None else None
         ks, vs = [], []
@@ -237,21 +241,25 @@ class Seq2SeqDecoderStep(_Step):
             h = torch.index_select(h, 1, row.reshape(1).to(torch.int64))
         return (fam.logits(self.model, h), *ks, *vs)
 
-    def _mask(self, pos: Tensor, positions: Tensor, dtype: torch.dtype, cached: bool) -> Tensor:
-        """[1, 1, S, C + S]: cache slots before ``pos``, then the new tokens causally (floats:
-        onert's CONCATENATION takes no booleans); [1, 1, S, S] without a cache."""
-        s = positions.shape[1]
-        own = own_mask(s, dtype, device=positions.device)
+    def _mask(self, pos: Tensor, s: int, dtype: torch.dtype, length: Optional[int]) -> Tensor:
+        """[1, 1, S, C + S]: the C = ``length`` cache slots before ``pos``, then the new tokens
+        causally (floats: onert's CONCATENATION takes no booleans); [1, 1, S, S] without a
+        cache (``length`` None)."""
+        cached = length is not None
+        own = own_mask(s, dtype, device=pos.device)
         if not cached:
             return own
-        slots = torch.arange(self.max_len, device=positions.device)
-        cache = slot_mask(pos, positions, slots, "rows", dtype).expand(1, 1, s, self.max_len)
-        return torch.cat([cache, own], dim=-1)
+        slots = torch.arange(length, device=pos.device)
+        stale = slots >= pos  # written by no earlier step
+        cache = torch.zeros(length, dtype=dtype, device=slots.device).masked_fill(stale, torch.finfo(dtype).min)
+        if s == 1:  # one token sees itself: [C + 1], broadcast over the scores
+            return torch.cat([cache, torch.zeros(1, dtype=dtype, device=slots.device)])
+        return torch.cat([cache[None, None, None].expand(1, 1, s, length), own], dim=-1)
 
     def _bias(self, stack: torch.nn.Module, positions: Tensor, cached: bool) -> Tensor:
         """T5's causal relative-position bias [1, H, S, C + S] (keys: the cache slots, then the
         new tokens): bucket(max(query - key, 0)), gathered from the buckets of 0 .. C."""
-        q = positions[0]
+        q = positions
         keys = torch.cat([torch.arange(self.max_len, device=q.device), q]) if cached else q
         distance = torch.clamp(q[:, None] - keys[None, :], min=0, max=self.max_len)
         buckets = torch.index_select(self.buckets, 0, distance.reshape(-1)).reshape(distance.shape)

@@ -1,19 +1,25 @@
 """The torch modules a vision-language model's graphs are exported from (circleops.recipes.vlm),
 built from one declarative row per family (:class:`VLMFamily`): where its vision tower,
 projector and text model are, how many embeddings an image gives, and what its prefill
-mask is. Adding a family (Qwen2-VL next) is one row here, plus its processor in
-circleops.recipes.vlm.
+mask is. Rows: SmolVLM / Idefics3, PaliGemma, Gemma 3, Qwen2-VL / Qwen2.5-VL (the last two:
+the torch side; ``converted`` says which families circleops.recipes.vlm writes graphs for).
 
 * the vision graph: ``projector(vision(pixel_values).last_hidden_state)`` on one image
   (:class:`VisionTower`): SmolVLM's connector (pixel shuffle + linear), PaliGemma's linear
-  ``multi_modal_projector``;
+  ``multi_modal_projector``, Gemma 3's pooled, RMS-normed projection; Qwen's patch tower with
+  window attention and patch merger is adapters.qwen_vision's (``tower="qwen"``);
 * the merge (:class:`ImagePrefill`): each image token takes its image embedding instead of its
   token embedding, as both families' ``masked_scatter`` / ``inputs_merger`` do; the text tokens'
   embedding is the text model's own, with its scale (Gemma's ``sqrt(hidden)`` is inside its
   ``embed_tokens``: transformers 5 no longer divides PaliGemma's image features by it);
 * the prefill mask: causal (SmolVLM), or a prefix-LM (PaliGemma: the image and prompt tokens,
   ``token_type_ids == 0``, attend to each other both ways): the prefill graph then takes
-  ``prefix_len`` and builds the mask from it and ``pos`` (DecoderWithCache's ``prefix_len``).
+  ``prefix_len`` and builds the mask from it and ``pos`` (DecoderWithCache's ``prefix_len``);
+  or causal with each image block attended both ways (Gemma 3: the blocks come from the
+  image tokens in-graph, DecoderWithCache's ``blocks``);
+* positions: the cache slots, or (``mrope``) Qwen's 3-D t/h/w positions computed on the host
+  as transformers' get_rope_index does (adapters.qwen_vision.mrope_positions), an input of the
+  prefill; the decode step (:class:`MRopeDecode`) adds the prompt's delta to ``pos``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Whisper is a row of the same encoder-decoder table: the core's decoder step computes
-circleops.recipes.speech's prefill and decode graphs (the same inputs and outputs), so the speech
-graphs can be exported from it."""
+"""Whisper is a row of the same encoder-decoder table: circleops.recipes.speech's prefill and
+decode graphs are the core's modules, and they compute transformers' Whisper decoder: the
+prefill's row logits, its cross K/V, and a decode step over the rows it wrote."""
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -23,24 +22,21 @@ def whisper(tmp_path_factory):
     return WhisperForConditionalGeneration.from_pretrained(str(path)).eval()
 
 
-def test_whisper_row_computes_the_speech_graphs(whisper):
+def test_speech_graphs_compute_transformers_whisper(whisper):
     from circleops.recipes import speech
-    from circleops.adapters.seq2seq import CrossFromStates, Seq2SeqDecoderStep
 
-    _, prefill_cls, decode_cls = speech._torch_modules()
+    _, prefill_of, decode_of = speech._torch_modules()
     s = speech._shapes(whisper.config, 16)
-    g = torch.Generator().manual_seed(0)
-    states = torch.randn((1, s.enc_len, s.d_model), generator=g)
-    ids = torch.tensor([[50, 51, 52, 53]]) % s.vocab
-    step = Seq2SeqDecoderStep(copy.deepcopy(whisper), s.cache_len, source_mask=False)
+    states = torch.randn((1, s.enc_len, s.d_model), generator=torch.Generator().manual_seed(0))
+    ids = [s.vocab - 3, s.vocab - 5, s.vocab - 8, 40]
     with torch.no_grad():
-        want = prefill_cls(whisper)(ids, torch.tensor([3]), states)
-        got = CrossFromStates(step)(ids, torch.tensor([3]), states)
-        assert len(got) == len(want)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        cross = list(want[1 + 2 * s.num_layers:])
-        caches = [torch.randn((1, s.heads, s.cache_len, s.head_dim), generator=g) for _ in range(2 * s.num_layers)]
-        args = (torch.tensor([[7]]), torch.tensor([5]), *caches, *cross)
-        for a, b in zip(step(*args), decode_cls(whisper)(*args)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        hf = whisper(encoder_outputs=(states,), decoder_input_ids=torch.tensor([ids + [7]])).logits[0]
+        prefill, decode = prefill_of(whisper), decode_of(whisper)
+        out = prefill(torch.tensor([ids]), torch.tensor([3]), states)
+        n = s.num_layers
+        torch.testing.assert_close(out[0][0, 0], hf[3], rtol=1e-5, atol=1e-4)
+        caches = [torch.zeros((1, s.heads, s.cache_len, s.head_dim)) for _ in range(2 * n)]
+        for cache, row in zip(caches, out[1:1 + 2 * n]):
+            cache[:, :, :4] = row
+        step = decode(torch.tensor([[7]]), torch.tensor([4]), *caches, *out[1 + 2 * n:])
+        torch.testing.assert_close(step[0][0, 0], hf[4], rtol=1e-5, atol=1e-4)

@@ -11,12 +11,18 @@ the tokens."""
 from __future__ import annotations
 
 import json
+import os
 import string
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "speech"))
+
+from tiny_whisper import _bytes_to_unicode  # noqa: E402  (GPT-2's byte table: BART's byte-level BPE)
 
 WORDS = ("translate English to German French summarize : the a house is small big cat dog and on of "
          "wonderful green old new river city walks runs sees quickly").split()
@@ -28,18 +34,6 @@ FAMILIES = ("t5", "t5-v1_1", "bart", "mbart", "marian")
 def _unigram_pieces(specials: list[str]) -> list[tuple[str, float]]:
     return ([(t, 0.0) for t in specials] + [("▁" + w, -1.0) for w in WORDS]
             + [(c, -5.0) for c in string.ascii_letters + string.digits + ".,:!?'-"] + [("▁", -3.0)])
-
-
-def _bytes_to_unicode() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
 
 
 def _tokenizer(family: str, root: Path) -> Any:
