@@ -106,23 +106,24 @@ def main() -> None:
                            str(args.new)])
     print(text + f"generate (no image): {wall:.1f} s wall, {cpu:.1f} s CPU")
 
+    from circleops.generation import vision
     from circleops.recipes import vlm
 
     model, processor = vlm.load(model_dir)
-    ids, pixel_values = vlm.prepare(processor, PROMPT, vlm.read_image(photo), chat=True)
+    ids, pixel_values = vision.prepare(processor, PROMPT, vision.read_image(photo), chat=True)
     t = time.perf_counter()
     with torch.no_grad():
         hf = model.generate(input_ids=torch.tensor([ids]), pixel_values=torch.as_tensor(pixel_values),
                             max_new_tokens=args.new, do_sample=False)[0, len(ids):].tolist()
     hf_seconds = time.perf_counter() - t
-    ours = vlm.generate(out, PROMPT, photo, args.new, chat=True)
+    ours = vision.generate(out, PROMPT, photo, args.new, chat=True)
     print(f"transformers generate: {hf_seconds:.2f} s; {len(ids)}-token prompt")
     print(f"transformers: {processor.tokenizer.decode(hf, skip_special_tokens=True)!r}")
     print(f"tokens equal to transformers' greedy: {ours.tokens == hf} ({len(hf)} tokens)")
-    ids, _ = vlm.prepare(processor, TEXT_PROMPT, None, chat=True)
+    ids, _ = vision.prepare(processor, TEXT_PROMPT, None, chat=True)
     with torch.no_grad():
         hf = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.new, do_sample=False)[0, len(ids):]
-    ours = vlm.generate(out, TEXT_PROMPT, None, args.new, chat=True)
+    ours = vision.generate(out, TEXT_PROMPT, None, args.new, chat=True)
     print(f"no image: tokens equal to transformers' greedy: {ours.tokens == hf.tolist()} ({len(hf)} tokens)")
     print(f"load average {os.getloadavg()[0]:.1f}")
 

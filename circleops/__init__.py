@@ -14,7 +14,7 @@ from circleops._version import __version__
 _LAZY = {
     "convert": "circleops.pipeline.convert",
     "save": "circleops.pipeline.convert",
-    "Report": "circleops.package.report",
+    "Report": "circleops.pipeline.report",
     "fuse": "circleops.adapters",
     "unfuse": "circleops.adapters",
     "ops": "circleops.ops",

@@ -87,8 +87,8 @@ def main(args: argparse.Namespace) -> int:
 
     from circleops.cli import generate_speech
 
-    if args.audio is not None:
-        return generate_speech.main(args)
+    if args.audio is not None:  # the sampling flags checked before any graph opens
+        return generate_speech.main(args, sampler_from_args(args, args.directory))
     generate_speech.check_text_arguments(args)
     manifest = read_manifest(args.directory)
     runtime, note = choose_runtime(manifest, args.runtime)

@@ -1,14 +1,16 @@
-"""``circleops generate DIR --audio clip.wav``: greedy speech-to-text with the graphs that
-``circleops convert WHISPER_DIR --graphs encoder,prefill,decode -o DIR`` wrote (circleops.recipes.speech)."""
+"""``circleops generate DIR --audio clip.wav``: speech-to-text with the graphs that
+``circleops convert WHISPER_DIR --graphs encoder,prefill,decode -o DIR`` wrote
+(circleops.generation.speech): greedy, or --sample; --threads as for a text model."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser, what: argparse._MutuallyExclusiveGroup) -> None:
     """--audio (in ``what``, beside --prompt), --language and --task."""
-    from circleops.recipes.speech import TASK_NAMES  # light: no torch
+    from circleops.generation.speech import TASK_NAMES  # light: no torch
 
     what.add_argument("--audio", metavar="WAV", help="transcribe this WAV file (PCM at the model's sampling rate) with "
                                                      "speech graphs (convert --graphs encoder,prefill,decode)")
@@ -26,17 +28,17 @@ def check_text_arguments(args: argparse.Namespace) -> None:
         raise TargetError("--language and --task apply to speech (--audio clip.wav), not to a text prompt.")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, sampler: Any = None) -> int:
+    """``generate --audio``; ``sampler``: what --sample and its flags asked for (None: greedy),
+    built by circleops.cli.generate before any graph opens."""
     from circleops.errors import TargetError
     from circleops.generation.generator import TextStream
-    from circleops.recipes.speech import SpeechGenerator
+    from circleops.generation.speech import SpeechGenerator
 
-    given = [flag for flag, on in (("--chat", args.chat), ("--sample", args.sample),
-                                   ("--repetition-penalty", args.repetition_penalty is not None)) if on]
-    if given:
-        raise TargetError(f"{', '.join(given)} do(es) not apply to --audio: speech generation is greedy, as "
-                          f"transformers' Whisper generate with do_sample=False.")
-    gen = SpeechGenerator(args.directory, runtime=args.runtime)
+    if args.chat:
+        raise TargetError("--chat does not apply to --audio: a Whisper model transcribes one clip, it has no chat "
+                          "template.")
+    gen = SpeechGenerator(args.directory, runtime=args.runtime, threads=args.threads)
     if gen.note:
         print(f"circleops: {gen.note}", file=sys.stderr)
 
@@ -45,9 +47,10 @@ def main(args: argparse.Namespace) -> int:
 
     stream = TextStream(gen.processor.tokenizer, sys.stdout)
     result = gen.transcribe(args.audio, language=args.language, task=args.task,
-                            max_new_tokens=args.max_new_tokens, on_token=stream, warn=warn)
+                            max_new_tokens=args.max_new_tokens, on_token=stream, warn=warn, sampler=sampler)
     stream.close()
     if not args.quiet:
         lang = f" (language {result.language})" if result.language else ""
-        print(result.timing_line() + lang, file=sys.stderr)
+        how = f"; {sampler.config.describe()}" if sampler is not None else ""
+        print(result.timing_line() + lang + how, file=sys.stderr)
     return 0

@@ -68,7 +68,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     """``circleops generate DIR --image PATH --prompt TEXT`` on a vision-language model."""
     from circleops.errors import TargetError
     from circleops.generation.generator import TextStream
-    from circleops.recipes.vlm import VisionGenerator, prepare, read_image, saved_processor
+    from circleops.generation.vision import VisionGenerator, prepare, read_image, saved_processor
 
     if args.prompt is None:
         raise TargetError("a vision-language model generates from --prompt TEXT (with --image PATH); --token-ids "
@@ -94,7 +94,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
 
 def vision_chat(args: argparse.Namespace, manifest: Any, runtime: str) -> Any:
     """The VisionChat of ``circleops chat DIR --image PATH`` (the image in the first message)."""
-    from circleops.recipes.vlm import VisionChat, VisionGenerator, read_image, saved_processor
+    from circleops.generation.vision import VisionChat, VisionGenerator, read_image, saved_processor
 
     image = read_image(args.image) if args.image else None
     return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)), saved_processor(manifest), image,

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from circleops.inputs.chat_template import template_budget
-from circleops.generation.generator import GenerationLimitError, Generator
+from circleops.generation.core import GenerationLimitError
+from circleops.generation.generator import Generator
 
 # end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3, plain text)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")

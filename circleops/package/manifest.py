@@ -88,7 +88,7 @@ class Manifest:
     prefill_lens: list[int] | None = None  # every prefill graph's length, longest first (None: [prefill_len])
     cache_update: str = "full"  # what the cache outputs are: whole caches, or the new rows (CACHE_UPDATES)
     cache_layout: str = SLOT_MAJOR  # the cache arrays' layout (CACHE_LAYOUTS); cache_shape is [1, C, Hkv, D] in any
-    # a vision-language model's image side (circleops.recipes.vlm.VisionSpec.to_json): its vision graph
+    # a vision-language model's image side (circleops.package.vision_manifest.VisionSpec.to_json): its vision graph
     # (a key of ``files``), image token, tokens per image and the embeddings input of the prefill
     vision: dict[str, Any] | None = None
     # prefill graphs that read only the first W cache slots (graph name -> [length, W]): a
@@ -273,7 +273,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs.")
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
-    if data.get("format") == "circleops-speech":  # circleops.recipes.speech's graphs (Whisper)
+    if data.get("format") == "circleops-speech":  # circleops.package.speech_manifest's graphs (Whisper)
         raise ModelLoadError(f"{d} holds the speech graphs of a Whisper-style model, which take audio, not a "
                              f"prompt: run `circleops generate {d} --audio clip.wav`.")
     if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:

@@ -1,123 +1,132 @@
-"""The Report that ``convert`` / ``save`` return and ``circleops convert`` prints.
-
-    report = circleops.convert(model, (ids,), "model.circle", verify=True)
-    report.ops            # {"FULLY_CONNECTED": 29, "RMS_NORM": 9, ...} in the written file
-    report.fused          # {"rms_norm": 9, "rope": 8, ...} circle ops in the exported graph
-    report.verify         # VerifyResult(runtime="reference", max_abs_error=3e-6, ...)
-    print(report.summary())
-"""
+"""What the package step wrote (:class:`GraphsReport`): one report type for every recipe,
+printed by ``circleops convert --graphs`` and written by its ``--report``."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from circleops.targets import PROFILES
 
-@dataclass
-class VerifyResult:
-    """The written file run by ``runtime`` against torch on the same inputs."""
 
-    runtime: str
-    max_abs_error: float
-    tolerance: float
-    reference_max_abs: float  # max |torch output|, the scale the error is measured against
-    passed: bool
+def io_entry(name: str, tensor: Any) -> tuple[str, list[int], str]:
+    """(name, shape, dtype) of one graph input or output."""
+    return name, list(tensor.shape), tensor.dtype
 
 
 @dataclass
-class Report:
-    """What a conversion produced and how long each stage took."""
+class GraphInfo:
+    """One written graph: its file (and signature), ops, bytes, inputs and outputs."""
 
-    path: str
+    name: str
+    file: str
+    signature: str | None
+    ops: dict[str, int]
+    file_size: int
+    inputs: list[tuple[str, list[int], str]]
+    outputs: list[tuple[str, list[int], str]]
+    max_abs_error: float | None = None  # the numeric comparison with torch (--verify)
+    part_files: list[str] | None = None  # a split graph's files, one per layer range (circleops.package.split)
+
+
+@dataclass
+class GraphsReport:
+    """What the package step (circleops.package.step.run) wrote for a recipe."""
+
+    directory: str
     target: str
-    format: str
     dtype: str
-    ops: dict[str, int] = field(default_factory=dict)  # opcode -> count, main subgraph
-    fused: dict[str, int] = field(default_factory=dict)  # circle op -> count in the exported graph
-    file_size: int = 0
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
-    verify: VerifyResult | None = None
-    fusion: Any = None  # circleops.passes.fusion.FusionReport, when the pattern pass ran
-    fuse: str = "none"  # the fusion mode used: auto, adapters, patterns, none
+    graphs: dict[str, GraphInfo]
+    manifest: Any  # circleops.package.manifest.Manifest (or a speech manifest)
+    timings: dict[str, float] = field(default_factory=dict)
+    verify_runtime: str | None = None  # the runtime the written graphs were compared on (--verify)
+    verify_note: str | None = None  # why that is not the target's own runtime
+    tolerance: float | None = None
     source: str = ""
-    inputs: list[tuple[str, list[int], str]] = field(default_factory=list)  # name, shape, dtype
-    outputs: list[tuple[str, list[int], str]] = field(default_factory=list)
-    parameters: int = 0
-    warnings: list[str] = field(default_factory=list)
     quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
+    attention: str | None = None  # which layers' attention is decomposed, and why (DecoderWithCache.attention_note)
+    kind: str = "text"  # the recipe's kind: its manifest section (text, vision, speech)
+    manifest_line: str = ""  # what manifest.json records, in the recipe's words
+    next_args: str | None = None  # the arguments of the `circleops generate DIR ...` that runs the graphs
+    compared: str = "logit"  # what the comparison measures ("logit" error; "" for any output)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain data (``circleops convert --graphs --report``)."""
+        return {"directory": self.directory, "target": self.target, "dtype": self.dtype, "source": self.source,
+                "kind": self.kind,
+                "quantization": self.quantization.to_dict() if self.quantization is not None else None,
+                "graphs": {g: asdict(info) for g, info in self.graphs.items()},
+                "manifest": self.manifest.to_json() if self.manifest else None,
+                "attention": self.attention, "verify_runtime": self.verify_runtime, "verify_note": self.verify_note,
+                "tolerance": self.tolerance, "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
-    def total_seconds(self) -> float:
-        return sum(self.timings.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (the --report file)."""
-        d = asdict(self)
-        d["fusion"] = _plain(self.fusion)
-        d["quantization"] = self.quantization.to_dict() if self.quantization is not None else None
-        d["total_seconds"] = round(self.total_seconds, 3)
-        d["timings"] = {k: round(v, 3) for k, v in self.timings.items()}
-        return d
-
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
+    def one_file_per_graph(self) -> bool:
+        return len({g.file for g in self.graphs.values()}) > 1
 
     def summary(self) -> str:
-        """The human summary ``circleops convert`` prints."""
-        lines = [f"wrote {self.path} ({self.format}, target {self.target}, {self.dtype}): {_size(self.file_size)}"]
-        if self.source:
-            lines.append(f"  model:   {self.source}" + (f", {self.parameters / 1e6:.1f}M parameters" if self.parameters else ""))
-        for label, ios in (("inputs", self.inputs), ("outputs", self.outputs)):
-            if ios:
-                lines.append(f"  {label + ':':8} " + ", ".join(f"{n} {list(s)} {t}" for n, s, t in ios))
-        fused = ", ".join(f"{k} x{v}" for k, v in sorted(self.fused.items())) or "none"
-        lines.append(f"  fused:   {fused}  (fuse={self.fuse})")
-        total = sum(self.ops.values())
-        hist = ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items(), key=lambda kv: (-kv[1], kv[0])))
-        lines.append(f"  ops:     {total} ({hist})")
+        """The lines ``circleops convert --graphs`` prints."""
+        lines = [f"circleops: wrote {len(self.graphs)} graph(s) of {self.source or 'the model'} to {self.directory}/ "
+                 f"(target {self.target}, {self.dtype})", *self._file_lines()]
+        width = max([8, *(len(g) for g in self.graphs)])
+        for g in self.graphs.values():
+            where = g.file + (f" [signature {g.signature}]" if g.signature else "")
+            ops = ", ".join(f"{k} {v}" for k, v in sorted(g.ops.items(), key=lambda kv: -kv[1])
+                            if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
+            lines.append(f"  {g.name:{width}s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
+            lines.append(f"  {'':{width}s} {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
         if self.quantization is not None:
-            for k, line in enumerate(self.quantization.summary_lines()):
-                lines.append(f"  {'quantize:' if k == 0 else '':9}{line}")
-        if self.verify is not None:
-            v = self.verify
-            status = "ok" if v.passed else "MISMATCH"
-            lines.append(f"  verify:  {v.runtime}: max abs error {v.max_abs_error:.3g} vs torch "
-                         f"(max |output| {v.reference_max_abs:.3g}, tolerance {v.tolerance:.3g}) {status}")
-        stages = ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
-        lines.append(f"  time:    {self.total_seconds:.2f}s ({stages})")
-        for w in self.warnings:
-            lines.append(f"  warning: {w}")
+            lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
+                      for k, line in enumerate(self.quantization.summary_lines())]
+        if self.manifest_line:
+            lines.append(f"  manifest.json: {self.manifest_line}")
+        if self.verify_runtime:
+            errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
+            what = f"max abs {self.compared} error" if self.compared else "max abs error"
+            lines.append(f"  verify ({self.verify_runtime}, against the model's own forward): {what} "
+                         f"{errs} (tolerance {self.tolerance:.3g}): passed")
+            if self.verify_note:
+                lines.append(f"  note: {self.verify_note}")
+        lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
+                     + f", total {sum(self.timings.values()):.1f} s")
+        if self.next_args is not None:
+            hint = "; for onert, convert with --target onert" if self.target == "circle" else ""
+            lines.append(f"  next: circleops generate {self.directory} {self.next_args} (runtime "
+                         f"{PROFILES[self.target].runtime}{hint})")
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.summary()
+    def _file_lines(self) -> list[str]:
+        parts = getattr(self.manifest, "parts", None)
+        lines = []
+        if parts:
+            lines.append(f"  split: {len(parts)} consecutive files per graph (layers "
+                         f"{', '.join(f'{a}-{b - 1}' for a, b in parts)}): each within the target's file limit; the "
+                         f"first holds the embedding table, the last the lm_head, the generator passes the hidden state")
+        if self.one_file_per_graph:
+            lines.append("  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
+                         "signature, so the weights are stored in each file")
+        else:
+            lines.append("  files: one file, a signature per graph, weights shared between them")
+        return lines
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
-def _plain(obj: Any) -> Any:
-    """A FusionReport (or anything) as JSON-ready data."""
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    if hasattr(obj, "to_dict"):
-        return obj.to_dict()
-    try:
-        return _plain(asdict(obj))
-    except TypeError:
-        pass
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [_plain(v) for v in obj]
-    return str(obj)
+def _io(items: list[tuple[str, list[int], str]]) -> str:
+    def is_row(name: str) -> bool:
+        return name.startswith(("k_new_", "v_new_"))
+
+    caches = [x for x in items if "cache" in x[0]]
+    rows = [x for x in items if is_row(x[0])]
+    cross = [x for x in items if x[0].startswith("cross_")]  # an encoder-decoder's cross-attention K/V
+    rest = [f"{n} {s}" for n, s, _ in items if "cache" not in n and not is_row(n) and not n.startswith("cross_")]
+    if caches:
+        rest.append(f"{len(caches)} caches {caches[0][1]}")
+    if rows:
+        rest.append(f"{len(rows)} new cache rows {rows[0][1]}")
+    if cross:
+        rest.append(f"{len(cross)} cross-attention K/V {cross[0][1]}")
+    return ", ".join(rest)

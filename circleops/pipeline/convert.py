@@ -26,7 +26,7 @@ from circleops.pipeline.stages import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLER
                                 hf_export_settings, op_histogram, parameter_names, prepare_weights,
                                 pretrained_blocks, quantize_program, run, run_torch, target_profile, verify_file)
 from circleops.quantize import INTEGER_FORMATS
-from circleops.package.report import Report
+from circleops.pipeline.report import Report
 from circleops.pipeline.validate import (integer_fuse, model_dtype, resolve_dtype, resolve_runtime, validate_output_path,
                                 validate_quantize, validate_target, validate_target_dtype, validate_threads)
 

@@ -30,7 +30,7 @@ import torch
 from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalError, OutputError, TargetError,
                               VerifyError)
 from circleops.quantize import formats
-from circleops.package.report import Report, VerifyResult
+from circleops.pipeline.report import Report, VerifyResult
 from circleops.targets import PROFILES, TargetProfile, profile
 
 # Verify tolerances, relative to max(1, max|torch output|), derived from the format: fp32

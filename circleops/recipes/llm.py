@@ -41,35 +41,27 @@ which.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from circleops.dtypes import short_name
-from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
-from circleops.generation.generator import GRAPH_THREAD_CAPS, cache_window, empty_caches, open_graph, store_caches
-from circleops.package.manifest import (GRAPH_NAMES, LOGITS_ROW, MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes,
-                                prefill_graph_name)
-from circleops.options import CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
-from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
+from circleops.errors import OutputError, TargetError
+from circleops.generation.generator import cache_window, empty_caches, open_graph, store_caches
+from circleops.options import (CACHE_UPDATES, DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, HEAD_MAJOR, SLOT_MAJOR,
+                               ConvertOptions)
+from circleops.package import split, step as package_step
+from circleops.package.manifest import GRAPH_NAMES, LOGITS_ROW, TOKENIZER_DIR, Manifest, prefill_graph_name
+from circleops.package.report import GraphsReport
+from circleops.package.step import Graph
+from circleops.recipes.base import Recipe, pad_token_id, save_generation_config
 from circleops.targets import PROFILES
-from circleops.package import split
 
-# The prefill graphs' lengths, longest first: a prompt runs through them in chunks
-# (Generator.plan): long prompts in runs of the longest, short ones (and the remainder) in
-# the short one. Measured by bench/ttft.py (bench/README.md).
-DEFAULT_PREFILL_LENS = (64, 8)
 DEFAULT_PREFILL_LEN = DEFAULT_PREFILL_LENS[0]
-DEFAULT_MAX_CACHE_LEN = 512
 # Which targets get one file per graph is TargetProfile.one_file_per_graph (onert: see the
 # module docstring, and bench/onert_dynamic_seq.py for why one file with a dynamic sequence
 # dimension does not work on onert 0.1.0 either).
-
-Progress = Callable[[str], None]
 
 
 # --------------------------------------------------------------------------- options
@@ -199,18 +191,6 @@ def example_args(step: Any, graph: str, prefill_len: int) -> tuple:
     return (ids, torch.tensor([prefill_len], dtype=torch.int64), *step.empty_caches())
 
 
-def _save_generation_config(model: Any, out_dir: Path) -> None:
-    """The model's generation_config.json next to the graphs: `circleops generate --sample`
-    takes its temperature / top-k / top-p / repetition penalty as defaults."""
-    config = getattr(model, "generation_config", None)
-    if config is None:
-        return
-    try:
-        config.to_json_file(str(out_dir / "generation_config.json"))
-    except OSError as err:
-        raise OutputError(f"cannot write {out_dir / 'generation_config.json'}: {err}.") from None
-
-
 def io_names(num_layers: int, graph: str = "decode", cache_update: str = "full") -> tuple[list[str], list[str]]:
     """Input and output names of ``graph``, in order. The prefill has one more input after
     ``pos``: ``logits_row``, the one row of the chunk whose logits it computes. The cache
@@ -238,252 +218,141 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
 
 def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any = None, kind: str | None = None,
                cache_update: str = "full", names: tuple[Sequence[str], Sequence[str]] | None = None) -> Any:
-    """Lower one exported step; its subgraph is named ``graph`` and its signature key is
-    ``graph`` with the io names of :func:`io_names` for ``kind`` ("prefill" or "decode";
-    default: ``graph``'s own) and ``cache_update``, or ``names`` (inputs, outputs) when
-    given. ``target``: a target's name, a TargetProfile, or the pipeline's Options
-    (circleops.pipeline.stages)."""
-    from circleops.pipeline import stages as pipeline
+    """Lower one exported step for ``target`` (a name, a TargetProfile or the pipeline's
+    Options); its subgraph and signature are named ``graph``, its inputs and outputs those of
+    :func:`io_names` for ``kind`` ("prefill" or "decode"; default: ``graph``'s own) and
+    ``cache_update``, or ``names`` (inputs, outputs) when given."""
+    from circleops.lowering import lower_program
+    from circleops.pipeline import stages
     from circleops.targets import profile
 
-    opts = target if isinstance(target, pipeline.Options) else None
-    pipeline.inline_fused_ops(ep, (opts.profile if opts is not None else profile(target)).graph_inline_ops)
-    if opts is None:
-        from circleops.lowering import lower_program
-
-        model = lower_program(ep, target, dtype=dtype)
+    if isinstance(target, stages.Options):
+        stages.inline_fused_ops(ep, target.profile.graph_inline_ops)
+        model = stages.lower(ep, target)
     else:
-        model = pipeline.lower(ep, opts)
-    sub = model.subgraphs[0]
-    sub.name = graph
+        stages.inline_fused_ops(ep, profile(target).graph_inline_ops)
+        model = lower_program(ep, target, dtype=dtype)
     ins, outs = names or io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
-    ins, outs = list(ins), list(outs)
-    if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
-        raise CircleOpsError(f"internal: the {graph} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
-                             f"outputs, expected {len(ins)} and {len(outs)}.")
-    inputs = set(sub.inputs)
-    for idx, name in zip(sub.inputs, ins):
-        sub.tensors[idx].name = name
-    for idx, name in zip(sub.outputs, outs):
-        if idx not in inputs:  # an in-place cache update (Circle ATTENTION) outputs the input itself
-            sub.tensors[idx].name = name
-    sig = model.signatures[0]
-    sig.key = graph
-    sig.inputs = dict(zip(ins, sub.inputs))
-    sig.outputs = dict(zip(outs, sub.outputs))
-    return model
+    return package_step.name_graph(model, graph, ins, outs)
 
 
-def merge_models(models: dict[str, Any]) -> Any:
-    """One ir.Model holding every graph's subgraphs, one signature per graph.
+# --------------------------------------------------------------------------- the recipe
 
-    Constants keep their tensors (the model's parameters), so the writer stores each
-    weight once and both subgraphs point at the same buffer.
-    """
-    from circleops import ir
+class LLMRecipe(Recipe):
+    """A causal LM's prefill graphs (one per length, and the longest's cache windows) and
+    decode graph over a static KV cache (see the module docstring). Its options:
+    ``graphs``, ``seq_len`` (the prefill lengths), ``max_cache_len``, ``cache_update``,
+    ``cache_windows`` of circleops.options.ConvertOptions."""
 
-    merged = ir.Model(description=" + ".join(f"{g}" for g in models) + " (circleops)")
-    for graph, model in models.items():
-        offset = len(merged.subgraphs)
-        for sub in model.subgraphs:
-            if offset:
-                for op in sub.operators:
-                    for key, value in list(op.options.items()):
-                        # STABLEHLO_COMPOSITE's decomposition, IF/WHILE/CALL_ONCE bodies
-                        if key.endswith("SubgraphIndex") and isinstance(value, int):
-                            op.options[key] = value + offset
-            merged.subgraphs.append(sub)
-        for sig in model.signatures:
-            merged.signatures.append(ir.Signature(sig.key, sig.subgraph_index + offset, sig.inputs, sig.outputs))
-        merged.metadata.update(model.metadata)
-    return merged
+    kind = "text"
+    graph_names = GRAPH_NAMES
 
+    def check(self, opts: Any) -> None:
+        o = self.options
+        self.names = parse_graph_names(o.graphs if o.graphs is not None else GRAPH_NAMES)
+        self.cache_update = o.cache_update if o.cache_update is not None else default_cache_update(opts.target)
+        if self.cache_update not in CACHE_UPDATES:
+            raise TargetError(f"cache_update takes one of {', '.join(CACHE_UPDATES)}; got {self.cache_update!r}.")
+        self.lengths = lengths = prefill_lengths(DEFAULT_PREFILL_LENS if o.seq_len is None else o.seq_len)
+        self.max_cache_len = o.max_cache_len
+        source = self.source or "the model"
+        check_lengths(lengths[0], o.max_cache_len, getattr(self.model.config, "max_position_embeddings", None), source)
+        check_lengths(lengths[-1], o.max_cache_len, None, source)
+        # graph name -> (kind, length): every prefill length, its windows, then decode
+        longest = prefill_graph_name(lengths[0], lengths)
+        named = {prefill_graph_name(n, lengths): ("prefill", n) for n in lengths} if "prefill" in self.names else {}
+        self.windows: dict[str, int] = {}
+        if "prefill" in self.names:
+            for w in check_windows(o.cache_windows, opts.target, lengths[0], o.max_cache_len, self.cache_update):
+                self.windows[f"{longest}_c{w}"] = w
+                named[f"{longest}_c{w}"] = ("prefill", lengths[0])
+        if "decode" in self.names:
+            named["decode"] = ("decode", lengths[0])
+        self.named = named
 
-# --------------------------------------------------------------------------- convert
+    def layer_bytes(self, quantize: str | None) -> Any:
+        return split.part_bytes(self.model, quantize)
 
-@dataclass
-class GraphInfo:
-    name: str
-    file: str
-    signature: str | None
-    ops: dict[str, int]
-    file_size: int
-    inputs: list[tuple[str, list[int], str]]
-    outputs: list[tuple[str, list[int], str]]
-    max_abs_error: float | None = None
-    part_files: list[str] | None = None  # a split graph's files, one per layer range (circleops.package.split)
+    def references(self) -> "References":
+        return references(self.model, self.lengths)
 
+    def graphs(self, opts: Any, parts: Sequence[tuple[int, int]]) -> list[Graph]:
+        from circleops.adapters.decode import OneRowPrefill
 
-@dataclass
-class GraphsReport:
-    """What ``convert_graphs`` wrote."""
+        self.step = step = decoder_step(self.model, self.max_cache_len, self.cache_update)
+        graphs = []
+        for g, (kind, n) in self.named.items():
+            module = windowed_step(step, self.windows[g]) if g in self.windows else step
+            rows = n if kind == "prefill" else 1
+            graph = Graph(g, OneRowPrefill(module) if kind == "prefill" else module, example_args(module, kind, n),
+                          *io_names(step.num_layers, kind, self.cache_update), rows=rows)
+            graph.parts = [Graph(g, split.part_module(module, kind, a, b), split.part_example_args(module, kind, n, a, b),
+                                 *split.part_io_names(kind, a, b, step.num_layers, self.cache_update), rows=rows,
+                                 layers=(a, b)) for a, b in parts]
+            graphs.append(graph)
+        return graphs
 
-    directory: str
-    target: str
-    dtype: str
-    graphs: dict[str, GraphInfo]
-    manifest: Manifest | None
-    timings: dict[str, float] = field(default_factory=dict)
-    verify_runtime: str | None = None
-    verify_note: str | None = None  # why verify did not run on the target's own runtime
-    tolerance: float | None = None
-    source: str = ""
-    quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
-    attention: str | None = None  # which layers' attention is decomposed, and why (DecoderWithCache.attention_note)
+    def manifest(self, directory: Path, opts: Any, plan: Any, infos: dict[str, Any]) -> Manifest:
+        step, graphs = self.step, list(self.named)
+        tokenizer_dir = save_tokenizer(self.tokenizer, directory)
+        save_generation_config(self.model, directory)
+        eos = self.eos_token_ids()
+        ins, outs = io_names(step.num_layers, "decode", self.cache_update)
+        return Manifest(
+            directory=directory, target=opts.target, dtype=short_name(opts.dtype),
+            files={g: plan.file(g) for g in graphs}, signatures={g: infos[g].signature for g in graphs},
+            prefill_len=self.lengths[0], prefill_lens=list(self.lengths),
+            prefill_inputs=io_names(step.num_layers, "prefill")[0],
+            max_cache_len=self.max_cache_len, num_layers=step.num_layers,
+            cache_shape=list(step.cache_shape), cache_layout=step.cache_layout,
+            vocab_size=int(self.model.config.vocab_size), inputs=ins, outputs=outs,
+            eos_token_ids=eos, pad_token_id=pad_token_id(self.model.config, eos), tokenizer=tokenizer_dir,
+            source=self.source, quantize=opts.quantize, num_threads=opts.threads, cache_update=self.cache_update,
+            prefill_windows={g: [self.named[g][1], w] for g, w in self.windows.items()} or None,
+            parts=[list(r) for r in plan.parts] or None, signature_api=plan.signature_api,
+            part_files={g: infos[g].part_files for g in graphs} if plan.parts else None)
 
-    def to_json(self) -> dict[str, Any]:
-        """The report as plain data (``circleops convert --graphs --report``)."""
-        from dataclasses import asdict
+    def compare(self, manifest: Manifest, runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
+        return compare(manifest, list(self.named), runtime, refs)
 
-        return {"directory": self.directory, "target": self.target, "dtype": self.dtype, "source": self.source,
-                "quantization": self.quantization.to_dict() if self.quantization is not None else None,
-                "graphs": {g: asdict(info) for g, info in self.graphs.items()},
-                "manifest": self.manifest.to_json() if self.manifest else None,
-                "attention": self.attention, "verify_runtime": self.verify_runtime, "verify_note": self.verify_note, "tolerance": self.tolerance,
-                "timings": {k: round(v, 3) for k, v in self.timings.items()}}
-
-    @property
-    def one_file_per_graph(self) -> bool:
-        return len({g.file for g in self.graphs.values()}) > 1
-
-    def summary(self) -> str:
-        lines = [f"circleops: wrote {len(self.graphs)} graph(s) of {self.source or 'the model'} to {self.directory}/ "
-                 f"(target {self.target}, {self.dtype})"]
-        m = self.manifest
-        if m is not None and m.parts:
-            lines.append(f"  split: {len(m.parts)} consecutive files per graph (layers "
-                         f"{', '.join(f'{a}-{b - 1}' for a, b in m.parts)}): each within the target's file limit; the "
-                         f"first holds the embedding table, the last the lm_head, the generator passes the hidden state")
-        if self.one_file_per_graph:
-            lines.append(f"  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
-                         f"signature, so the weights are stored in each file")
-        else:
-            lines.append(f"  files: one file, a signature per graph, weights shared between them")
-        width = max([8, *(len(g) for g in self.graphs)])
-        for g in self.graphs.values():
-            where = g.file + (f" [signature {g.signature}]" if g.signature else "")
-            ops = ", ".join(f"{k} {v}" for k, v in sorted(g.ops.items(), key=lambda kv: -kv[1])
-                            if k in ("RMS_NORM", "ROPE", "ATTENTION") or "composite" in k.lower() or "(" in k)
-            lines.append(f"  {g.name:{width}s} {where}  {_mb(g.file_size)}  in: {_io(g.inputs)}  out: {_io(g.outputs)}")
-            lines.append(f"  {'':{width}s} {sum(g.ops.values())} ops" + (f"; fused: {ops}" if ops else ""))
-        if self.attention:
-            lines.append(f"  attention: {self.attention}")
-        if self.quantization is not None:
-            lines += [f"  {'quantize:' if k == 0 else '':9} {line}"
-                      for k, line in enumerate(self.quantization.summary_lines())]
-        if self.manifest is not None:
-            m = self.manifest
-            lines.append(f"  manifest.json: prefill length{'s' if len(m.prefill_graphs) > 1 else ''} "
-                         f"{', '.join(map(str, m.prefill_graphs))}, cache length {m.max_cache_len}, "
-                         f"tokenizer {m.tokenizer or 'none'}, eos ids {m.eos_token_ids}")
-        if self.verify_runtime:
-            errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
-            lines.append(f"  verify ({self.verify_runtime}, against the model's own forward): max abs logit error "
-                         f"{errs} (tolerance {self.tolerance:.3g}): passed")
-            if self.verify_note:
-                lines.append(f"  note: {self.verify_note}")
-        lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
-                     + f", total {sum(self.timings.values()):.1f} s")
-        if set(GRAPH_NAMES) <= set(self.graphs):
-            hint = "; for onert, convert with --target onert" if self.target == "circle" else ""
-            lines.append(f"  next: circleops generate {self.directory} --prompt \"...\" (runtime "
-                         f"{PROFILES[self.target].runtime}{hint})")
-        return "\n".join(lines)
+    def describe(self, manifest: Manifest) -> dict[str, Any]:
+        return {**text_lines(manifest, self.named), "attention": self.step.attention_note()}
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def _io(items: list[tuple[str, list[int], str]]) -> str:
-    def is_row(name: str) -> bool:
-        return name.startswith(("k_new_", "v_new_"))
-
-    caches = [x for x in items if "cache" in x[0]]
-    rows = [x for x in items if is_row(x[0])]
-    rest = [f"{n} {s}" for n, s, _ in items if "cache" not in n and not is_row(n)]
-    if caches:
-        rest.append(f"{len(caches)} caches {caches[0][1]}")
-    if rows:
-        rest.append(f"{len(rows)} new cache rows {rows[0][1]}")
-    return ", ".join(rest)
-
-
-def _eos_ids(model: Any) -> list[int]:
-    ids: list[int] = []
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        value = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if value is not None:
-            ids += list(value) if isinstance(value, (list, tuple)) else [value]
-    return sorted({int(i) for i in ids})
-
-
-def _pad_id(model: Any, eos: list[int]) -> int:
-    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return int(pad) if pad is not None else (eos[0] if eos else 0)
-
-
-def _prepare_dir(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputError(f"-o {out_dir} is a file; with --graphs, -o names a directory (e.g. -o out/).")
-    parent = out_dir.parent if str(out_dir.parent) else Path(".")
-    if not out_dir.exists():
-        if not parent.is_dir():
-            raise OutputError(f"cannot create {out_dir}: the directory {parent} does not exist. Create it first.")
-        try:
-            out_dir.mkdir()
-        except OSError as err:
-            raise OutputError(f"cannot create {out_dir}: {err.strerror}. Choose a directory you can write.") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write into {out_dir}: permission denied. Choose a directory you can write.")
-
-
-def _staging_dir(out_dir: Path) -> Path:
-    """A new directory beside ``out_dir`` where the whole output is built and verified
-    before anything in ``out_dir`` changes (``.NAME.<pid>-<random>.tmp``: a later run removes
-    those whose process died)."""
-    from circleops.serialize.writer import default_dir_mode, remove_stale_temporaries, temp_prefix
-
-    parent = out_dir.parent if str(out_dir.parent) else Path(".")
-    remove_stale_temporaries(out_dir)
+def save_tokenizer(tokenizer: Any, directory: Path) -> str | None:
+    """The tokenizer (or a processor) saved in ``directory/tokenizer``; its name there, or None."""
+    if tokenizer is None:
+        return None
     try:
-        staging = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), suffix=".tmp", dir=parent))
-        staging.chmod(default_dir_mode())  # mkdtemp's 0700 would survive the publish of new dirs
+        tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
     except OSError as err:
-        raise OutputError(f"cannot create a directory beside {out_dir}: {err.strerror or err}. "
-                          "Choose an output directory whose parent you can write.") from None
-    return staging
+        raise OutputError(f"cannot save the tokenizer into {directory / TOKENIZER_DIR}: {err}.") from None
+    return TOKENIZER_DIR
 
 
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Move the complete, verified output from ``staging`` into ``out_dir``. The old
-    manifest goes only now, and the new one is moved last: a reader never sees a manifest
-    describing files that are not all there."""
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for entry in sorted(staging.iterdir()):
-        if entry.name == MANIFEST:
-            continue
-        dest = out_dir / entry.name
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(entry, dest)
-    os.replace(staging / MANIFEST, out_dir / MANIFEST)
-    staging.rmdir()
+def text_lines(manifest: Manifest, graphs: Sequence[str]) -> dict[str, Any]:
+    """The report's lines of a text (or vision) manifest: what it records and, when it holds
+    a prefill and the decode graph, the ``circleops generate`` that runs them."""
+    m = manifest
+    line = (f"prefill length{'s' if len(m.prefill_graphs) > 1 else ''} {', '.join(map(str, m.prefill_graphs))}, "
+            f"cache length {m.max_cache_len}, tokenizer {m.tokenizer or 'none'}, eos ids {m.eos_token_ids}")
+    runs = "decode" in graphs and any(g.startswith("prefill") for g in graphs)
+    return {"manifest_line": line, "next_args": '--prompt "..."' if runs else None}
 
 
-def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[str] = GRAPH_NAMES,
-                   target: str = "onert", prefill_len: int | Sequence[int] = DEFAULT_PREFILL_LENS,
-                   max_cache_len: int = DEFAULT_MAX_CACHE_LEN, tokenizer: Any = None,
-                   verify: bool | str = False, tolerance: float | None = None, source: str = "",
-                   progress: Progress | None = None, quantize: str | None = None,
-                   threads: int | None = None, cache_update: str | None = None,
-                   cache_windows: Sequence[int] | None = None, max_file_bytes: int | None = None,
-                   onert_signatures: bool | None = None) -> GraphsReport:
+def convert_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertOptions | None = None, *,
+                   tokenizer: Any = None, source: str = "", progress: package_step.Progress | None = None,
+                   **fields: Any) -> GraphsReport:
     """Write ``model``'s prefill and/or decode graphs for ``target`` into ``out_dir``,
-    with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``.
+    with ``manifest.json`` and (when given) the tokenizer in ``out_dir/tokenizer``: the
+    :class:`LLMRecipe` through the package step (circleops.package.step.run).
 
-    ``prefill_len``: the prefill graph's length, or several (one prefill graph each; the
+    The options are ``options`` (circleops.options.ConvertOptions) or the same names as
+    keyword arguments (``target`` defaults to "onert" here); these apply:
+
+    ``graphs``: "prefill", "decode" or both (the default).
+
+    ``seq_len`` (or ``prefill_len``): the prefill graph's length, or several (one prefill graph each; the
     longest is ``prefill``, the others ``prefill_N``): generation picks per chunk. Each
     prefill returns the logits of one row (its ``logits_row`` input), the last prompt
     token's, so a chunk pays for one row of the lm_head.
@@ -514,321 +383,19 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, *, graphs: Sequence[s
     ``signature_api`` "nnfw-c"), instead of a file per graph. None (default): when the
     installed onert has that API (0.2.0.dev; not 0.1.0).
     """
-    import torch
-
-    from circleops.pipeline import stages as pipeline
-    from circleops.runtime import choose_runtime
-    from circleops.pipeline.validate import model_dtype, validate_quantize, validate_target_dtype, validate_threads
-
-    graphs = parse_graph_names(graphs)
-    if target not in PROFILES:
-        raise TargetError(f"unknown target {target!r}: choose one of {', '.join(PROFILES)}.")
-    profile = PROFILES[target]
-    if cache_update is None:
-        cache_update = default_cache_update(target)
-    if cache_update not in CACHE_UPDATES:
-        raise TargetError(f"cache_update takes one of {', '.join(CACHE_UPDATES)}; got {cache_update!r}.")
-    torch_dtype = model_dtype(model) or torch.float32
-    quantize = validate_quantize(quantize, target)
-    if quantize in INTEGER_FORMATS:
-        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write: use one of "
-                          f"{', '.join(WEIGHT_ONLY_FORMATS)} (weight-only), or circleops convert for an integer file")
-    validate_target_dtype(target, torch_dtype, quantize)
-    validate_threads(threads)
-    if threads is None and quantize:
-        threads = profile.quantized_threads  # the thread count quantized files are made for (the profile says)
-    runtime, verify_note = None, None
-    if verify:
-        if verify is not True and str(verify) not in graph_runtimes(target):
-            raise TargetError(f"runtime {verify} cannot run target {target}'s files; use one of "
-                              f"{', '.join(graph_runtimes(target))}.")
-        runtime, verify_note = choose_runtime(verify, target, quantize)  # GGML on a CPU without AVX-512
-    config = getattr(model, "config", None)
-    lengths = prefill_lengths(prefill_len)
-    check_lengths(lengths[0], max_cache_len, getattr(config, "max_position_embeddings", None), source or "the model")
-    check_lengths(lengths[-1], max_cache_len, None, source or "the model")
-    # graph name -> (kind, length): every prefill length, then decode
-    named = {prefill_graph_name(n, lengths): ("prefill", n) for n in lengths} if "prefill" in graphs else {}
-    windows: dict[str, int] = {}
-    if "prefill" in graphs:
-        for w in check_windows(cache_windows, target, lengths[0], max_cache_len, cache_update):
-            windows[f"{prefill_graph_name(lengths[0], lengths)}_c{w}"] = w
-            named[f"{prefill_graph_name(lengths[0], lengths)}_c{w}"] = ("prefill", lengths[0])
-    if "decode" in graphs:
-        named["decode"] = ("decode", lengths[0])
-    out_dir = Path(out_dir)
-    fmt = profile.format
-    per_graph = profile.one_file_per_graph and not signature_files(profile, onert_signatures)
-    files = {g: (f"{g}.{fmt}" if per_graph else f"model.{fmt}") for g in named}
-    max_file_bytes = file_limit(profile, max_file_bytes)
-    parts = split_plan(model, quantize, max_file_bytes)  # sizes alone: before any work
-    if parts:
-        files = {g: split.part_file_name(g, 0, fmt, per_graph) for g in named}
-    opts = pipeline.Options(target, torch_dtype, quantize=quantize, threads=threads, runtime=runtime,
-                            tolerance=tolerance, functionalize=False)
-    _prepare_dir(out_dir)
-    staging = _staging_dir(out_dir)
-    plan = GraphsPlan(named, lengths, max_cache_len, cache_update, files, tokenizer, source, staging, out_dir, windows,
-                      parts, per_graph, max_file_bytes)
-    tracker = pipeline.Tracker(progress)
-    try:
-        with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
-            weights = pipeline.prepare_weights(model.eval(), opts, restore, tokenizer=tokenizer, tracker=tracker)
-            report = _convert_graphs_into(model, plan, opts, weights, tracker)
-        report.verify_note = verify_note
-        _publish(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    report.manifest.directory = out_dir
-    return report
-
-
-def graph_options(opts: Any, rows: int) -> Any:
-    """The lowering options of a graph of ``rows`` rows: lowered for the thread count it runs
-    at. A graph that generate runs at one thread on the target's runtime (fewer rows than
-    circleops.generation.generator.GRAPH_THREAD_CAPS says: onert's 8-row prefill and decode) is lowered
-    for one thread, which writes its multi-row linears FULLY_CONNECTED (pipeline.target_profile):
-    SmolLM2's 8-row prefill took 0.66-0.85x the CPU so (bench/results/09-llm-speed.yaml)."""
-    import dataclasses
-
-    few_rows, cap = GRAPH_THREAD_CAPS.get(PROFILES[opts.target].runtime, (0, 0))
-    if rows < few_rows and cap == 1 and opts.threads != 1:
-        return dataclasses.replace(opts, threads=1)
-    return opts
-
-
-@dataclass
-class GraphsPlan:
-    """What convert_graphs writes: the graphs, their lengths and files, and where."""
-
-    graphs: dict[str, tuple[str, int]]  # graph name -> (kind: "prefill" / "decode", sequence length)
-    lengths: tuple[int, ...]  # the prefill lengths, longest first
-    max_cache_len: int
-    cache_update: str
-    files: dict[str, str]  # graph name -> file name
-    tokenizer: Any
-    source: str
-    out_dir: Path  # where the files are written (the staging directory)
-    final_dir: Path  # where they are published
-    windows: dict[str, int] = field(default_factory=dict)  # windowed prefill graph -> its cache window W
-    parts: list[tuple[int, int]] = field(default_factory=list)  # split: each file's layer range ([]: not split)
-    per_graph_files: bool = True  # a file (or a part's file) per graph, else one with a signature per graph
-    max_file_bytes: int | None = None  # the most one file may hold (split parts are planned within it)
-
-    def programs(self) -> dict[str, tuple[str, int | None]]:
-        """The programs to export and lower: program name -> (graph, part index or None)."""
-        if not self.parts:
-            return {g: (g, None) for g in self.graphs}
-        return {split.part_graph_name(g, j): (g, j) for g in self.graphs for j in range(len(self.parts))}
-
-    def program_file(self, graph: str, part: int | None) -> str:
-        if part is None:
-            return self.files[graph]
-        fmt = Path(self.files[graph]).suffix.lstrip(".")
-        return split.part_file_name(graph, part, fmt, self.per_graph_files)
-
-
-def signature_files(profile: Any, wanted: bool | None) -> bool:
-    """Whether a target that writes a file per graph (onert) writes one file with a signature
-    per graph instead: ``wanted``, or (None) when the installed onert selects signatures through
-    its C API (circleops.runtime.onert_c: onert 0.2.0.dev; 0.1.0 cannot)."""
-    if not profile.one_file_per_graph or profile.runtime != "onert" or wanted is False:
-        return False
-    if wanted:
-        return True
-    from circleops.runtime import onert_c
-
-    return onert_c.available()
-
-
-def file_limit(profile: Any, max_file_bytes: int | None) -> int | None:
-    """The most one file may hold: ``max_file_bytes``, else 2 GiB where the target's runtime
-    reads no weights after the flatbuffer (onert), else no limit (None)."""
-    from circleops.serialize.writer import FLATBUFFER_LIMIT
-
-    if max_file_bytes is None:
-        return None if profile.weights_after_flatbuffer else FLATBUFFER_LIMIT
-    if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 1:
-        raise TargetError(f"max_file_bytes must be a positive whole number of bytes; got {max_file_bytes!r}.")
-    return max_file_bytes
-
-
-def split_plan(model: Any, quantize: str | None, max_file_bytes: int | None) -> list[tuple[int, int]]:
-    """The layer ranges of a split model's files ([]: one file holds it): past ``max_file_bytes``."""
-    ranges = split.plan_parts(split.part_bytes(model, quantize), max_file_bytes)
-    return ranges if len(ranges) > 1 else []
-
-
-def _convert_graphs_into(model: Any, plan: GraphsPlan, opts: Any, weights: Any, tracker: Any) -> GraphsReport:
-    """convert_graphs' work, written into ``plan.out_dir`` (the staging directory): export
-    each graph, then the pipeline (circleops.pipeline.stages.build), the write and verify."""
-    from circleops.pipeline import stages as pipeline
-    from circleops.quantize.weights import dequantized_sources
-
-    timings = tracker.timings
-    references = None
-    if opts.runtime is not None and not opts.quantize:  # the model's own forward, before its modules are fused
-        with tracker.stage("torch reference logits", "verify", enter=False):
-            references = _verify_references(model, plan.lengths)
-    with tracker.stage("export"):
-        step = decoder_step(model, plan.max_cache_len, plan.cache_update)
-        eps = {name: _export_program(windowed_step(step, plan.windows[g]) if g in plan.windows else step, plan, g, j)
-               for name, (g, j) in plan.programs().items()}
-
-    def lower_one(name: str, ep: Any) -> Any:
-        g, j = plan.programs()[name]
-        kind, n = plan.graphs[g]
-        names = None if j is None else split.part_io_names(kind, *plan.parts[j], step.num_layers, plan.cache_update)
-        return lower_step(ep, g, graph_options(opts, n if kind == "prefill" else 1), step.num_layers,
-                          kind=kind, cache_update=plan.cache_update, names=names)
-
-    built = pipeline.build(eps, opts, weights, tracker, lower_one=lower_one)
-    lowered = built.models
-    del eps, built
-    if opts.runtime is not None and weights.report is not None:
-        # the model's forward (fused by now: same numerics) on the weights the files hold
-        with tracker.stage("torch reference logits", "verify", enter=False), dequantized_sources(weights.report, model, opts.runtime):
-            references = _verify_references(model, plan.lengths)
-
-    with tracker.stage("write"):
-        infos = _write_graphs(lowered, plan, opts, step.num_layers)
-        del lowered
-        manifest = _write_manifest(model, plan, opts, step, infos)
-    report = GraphsReport(directory=str(plan.final_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
-                          manifest=manifest, timings=timings, source=plan.source, quantization=weights.report,
-                          attention=step.attention_note())
-    if opts.runtime is not None:
-        tol = opts.verify_tolerance()
-        tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
-        pipeline.release_weights()  # written and referenced: the runtime's child needs the memory now
-        with tracker.stage("verify"):
-            errors = _verify(manifest, plan.graphs, opts.runtime, references, tol)
-        for g, err in errors.items():
-            infos[g].max_abs_error = err
-        report.verify_runtime, report.tolerance = opts.runtime, tol
-    manifest.write()
-    return report
-
-
-def _export_program(step: Any, plan: GraphsPlan, graph: str, part: int | None) -> Any:
-    """torch.export of one graph, or of one part of it (a split model's layer range)."""
-    import torch
-
-    from circleops.pipeline.stages import export
-
-    kind, n = plan.graphs[graph]
-    if part is None:
-        return export_graph(step, kind, n)
-    start, stop = plan.parts[part]
-    module = split.part_module(step, kind, start, stop)
-    with torch.no_grad():
-        return export(module, split.part_example_args(step, kind, n, start, stop), adapters=False, warn_list=[])
-
-
-def _write_graphs(lowered: dict[str, Any], plan: GraphsPlan, opts: Any, num_layers: int) -> dict[str, GraphInfo]:
-    """Write the lowered graphs into their files (one per graph, or one with a signature
-    per graph, as the target profile says); every file fits its target before the first is
-    written."""
-    from circleops.pipeline import stages as pipeline
-
-    one_file_per_graph = plan.per_graph_files
-    programs = plan.programs()
-    groups: dict[str, dict[str, Any]] = {}
-    for name, m in lowered.items():
-        groups.setdefault(plan.program_file(*programs[name]), {})[name] = m
-    files_ir = {file: next(iter(members.values())) if len(members) == 1 and one_file_per_graph
-                else merge_models(members) for file, members in groups.items()}
-    for file, one in files_ir.items():
-        pipeline.check_size(one, opts.profile)
-        split.check_part_size(one, plan.max_file_bytes, file)
-    infos: dict[str, GraphInfo] = {}
-    written: dict[str, int] = {}
-    for file, members in groups.items():
-        info = pipeline.write(files_ir[file], plan.out_dir / file, opts)
-        written[file] = info.file_bytes
-        for g, m in members.items():
-            if programs[g][1] is not None:
-                continue  # a split graph's parts: one GraphInfo of the whole, below
-            sub = m.subgraphs[0]
-            infos[g] = GraphInfo(
-                name=g, file=file, signature=None if one_file_per_graph else g,
-                ops=pipeline.op_histogram(m), file_size=info.file_bytes,
-                inputs=[(sub.tensors[i].name, list(sub.tensors[i].shape), sub.tensors[i].dtype) for i in sub.inputs],
-                outputs=[(n, list(sub.tensors[i].shape), sub.tensors[i].dtype)
-                         for n, i in zip(io_names(num_layers, plan.graphs[g][0], plan.cache_update)[1], sub.outputs)])
-    if plan.parts:
-        for g in plan.graphs:
-            infos[g] = _split_info(g, [lowered[split.part_graph_name(g, j)] for j in range(len(plan.parts))], plan,
-                                   written, None if one_file_per_graph else g)
-    return infos
-
-
-def _split_info(graph: str, models: list[Any], plan: GraphsPlan, written: dict[str, int],
-                signature: str | None) -> GraphInfo:
-    """The GraphInfo of a split graph: its parts' files, bytes and ops together; inputs and
-    outputs those of the one graph the parts replace (circleops.runtime.chain)."""
-    from collections import Counter
-
-    from circleops.pipeline import stages as pipeline
-
-    files = [plan.program_file(graph, j) for j in range(len(models))]
-    ops: Counter = Counter()
-    ins: dict[str, tuple] = {}
-    outs: dict[str, tuple] = {}
-    for j, m in enumerate(models):
-        ops.update(pipeline.op_histogram(m))
-        sub = m.subgraphs[0]
-        names = split.part_io_names(plan.graphs[graph][0], *plan.parts[j], plan.parts[-1][1], plan.cache_update)
-        for name, i in zip(names[0], sub.inputs):
-            ins.setdefault(name, (name, list(sub.tensors[i].shape), sub.tensors[i].dtype))
-        for name, i in zip(names[1], sub.outputs):
-            outs.setdefault(name, (name, list(sub.tensors[i].shape), sub.tensors[i].dtype))
-    want_in, want_out = io_names(plan.parts[-1][1], plan.graphs[graph][0], plan.cache_update)
-    return GraphInfo(name=graph, file=files[0], signature=signature, ops=dict(ops),
-                     file_size=sum(written[f] for f in dict.fromkeys(files)),
-                     inputs=[ins[n] for n in want_in], outputs=[outs[n] for n in want_out], part_files=files)
-
-
-def _write_manifest(model: Any, plan: GraphsPlan, opts: Any, step: Any, infos: dict[str, GraphInfo]) -> Manifest:
-    """The tokenizer, generation_config.json and the Manifest (written last, by the caller)."""
-    out_dir = plan.out_dir
-    tokenizer_dir = None
-    if plan.tokenizer is not None:
-        try:
-            plan.tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
-        except OSError as err:
-            raise OutputError(f"cannot save the tokenizer into {out_dir / TOKENIZER_DIR}: {err}.") from None
-        tokenizer_dir = TOKENIZER_DIR
-    _save_generation_config(model, out_dir)
-    eos = _eos_ids(model)
-    ins, outs = io_names(step.num_layers, "decode", plan.cache_update)
-    config = model.config
-    return Manifest(
-        directory=out_dir, target=opts.target, dtype=short_name(opts.dtype),
-        files={g: plan.files[g] for g in plan.graphs}, signatures={g: infos[g].signature for g in plan.graphs},
-        prefill_len=plan.lengths[0], prefill_lens=list(plan.lengths),
-        prefill_inputs=io_names(step.num_layers, "prefill")[0],
-        max_cache_len=plan.max_cache_len, num_layers=step.num_layers,
-        cache_shape=list(step.cache_shape), cache_layout=step.cache_layout, vocab_size=int(config.vocab_size),
-        inputs=ins, outputs=outs,
-        eos_token_ids=eos, pad_token_id=_pad_id(model, eos), tokenizer=tokenizer_dir, source=plan.source,
-        quantize=opts.quantize, num_threads=opts.threads, cache_update=plan.cache_update,
-        prefill_windows={g: [plan.graphs[g][1], w] for g, w in plan.windows.items()} or None,
-        parts=[list(r) for r in plan.parts] or None,
-        signature_api="nnfw-c" if opts.profile.one_file_per_graph and not plan.per_graph_files else None,
-        part_files={g: infos[g].part_files for g in plan.graphs} if plan.parts else None)
+    opts = ConvertOptions.of(options, fields, "convert_graphs", target="onert")
+    return package_step.run(LLMRecipe(model, opts, tokenizer=tokenizer, source=source), out_dir, progress)
 
 
 # --------------------------------------------------------------------------- verify
 
 @dataclass
-class _References:
+class References:
     ids: Any  # [P + 1] int64
     logits: Any  # [P + 1, V]: the model's logits of every prefix of ``ids``
 
 
-def _verify_references(model: Any, lengths: Sequence[int]) -> _References:
+def references(model: Any, lengths: Sequence[int]) -> References:
     """The model's own (HF, no cache) logits over one token sequence: each prefill graph
     of length L is checked on its first max(1, L // 2) tokens (a right-padded chunk), and
     the decode step on the token after them. Causal, so one forward gives every prefix."""
@@ -840,11 +407,12 @@ def _verify_references(model: Any, lengths: Sequence[int]) -> _References:
     ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0].float().numpy()
-    return _References(ids, logits)
+    return References(ids, logits)
 
 
-def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _References, tol: float) -> dict[str, float]:
-    """Max abs logit error per graph; VerifyError above tol x max(1, max|logit|).
+def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
+    """Graph -> (max abs logit error, max |logit| of torch): the written graphs on ``runtime``
+    against the model's own logits (the package step applies the tolerance).
 
     Each prefill graph of length L runs the first p = max(1, L // 2) tokens from pos 0 (the
     logits of token p - 1); then, when there is a decode graph, one decode step at p (the
@@ -892,24 +460,21 @@ def _verify(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: _Refe
             out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
         del decode  # its child ends (IsolatedSession.__del__)
-    _check_errors(errors, wants, runtime, tol, manifest)
-    return errors
+    return {g: (err, float(np.abs(wants[g]).max())) for g, err in errors.items()}
 
 
-def _check_errors(errors: dict[str, float], refs: dict[str, Any], runtime: str, tol: float, manifest: Manifest) -> None:
-    import numpy as np
+# circleops.recipes.vlm and .speech take these from here until they are recipes themselves
+from circleops.package.files import merge_models  # noqa: E402
+from circleops.package.output import prepare_dir, publish, staging_dir  # noqa: E402
+from circleops.package.report import GraphInfo  # noqa: E402
+from circleops.recipes.base import eos_token_ids  # noqa: E402
 
-    for g, err in errors.items():
-        scale = max(1.0, float(np.abs(refs[g]).max()))
-        if not err <= tol * scale:
-            raise VerifyError(
-                f"the written {g} graph does not match the model: {runtime} gives max abs logit error {err:.3g} "
-                f"(tolerance {tol:.3g} x {scale:.3g}); nothing was written (an earlier output there is unchanged). Convert "
-                f"without --verify to inspect them (circleops inspect), and report the model.")
+prepare_output_dir = prepare_dir
 
 
-# the output directory's life cycle and the model's token ids, shared by the other graph
-# writers (circleops.recipes.speech, circleops.recipes.vlm): a directory that exists or can be made, a staging
-# directory beside it, the publish of a complete output
-prepare_output_dir = prepare_dir = _prepare_dir
-staging_dir, publish, eos_ids, pad_id = _staging_dir, _publish, _eos_ids, _pad_id
+def eos_ids(model: Any) -> list[int]:
+    return eos_token_ids(getattr(model, "generation_config", None), getattr(model, "config", None))
+
+
+def pad_id(model: Any, eos: list[int]) -> int:
+    return pad_token_id(getattr(model, "config", None), eos)

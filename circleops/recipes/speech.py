@@ -4,8 +4,9 @@ generation over them (``circleops convert DIR --graphs encoder,prefill,decode``,
 ``circleops generate DIR --audio clip.wav``).
 
     from circleops.recipes import speech
+    from circleops.generation.speech import SpeechGenerator
     speech.convert_speech("whisper-tiny/", "asr/", target="onert", verify=True)
-    gen = speech.SpeechGenerator("asr/")
+    gen = SpeechGenerator("asr/")
     result = gen.transcribe("clip.wav", language="en")
     result.tokens, result.text
 
@@ -32,48 +33,20 @@ have them) and always applies RoPE. The layer norms are LayerNorm (no RMS_NORM).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from circleops.errors import CircleOpsError, ModelLoadError, OutputError, TargetError, VerifyError
-from circleops.package.manifest import MANIFEST, confined, confined_tokenizer, graph_runtimes
+from circleops.errors import CircleOpsError, OutputError, TargetError, VerifyError
+from circleops.generation.speech import load_processor
+from circleops.package.manifest import graph_runtimes
+from circleops.package.speech_manifest import PROCESSOR_DIR, SPEECH_GRAPHS, SpeechManifest, io_names, speech_model_type
 from circleops.targets import PROFILES
-from circleops.inputs.remote_code import refuse_remote_code
-from circleops.inputs.token_ids import check_token_ids
-from circleops.inputs.user_files import read_json
 
-SPEECH_FORMAT = "circleops-speech"
-SPEECH_VERSION = 1
-SPEECH_GRAPHS = ("encoder", "prefill", "decode")
-PROCESSOR_DIR = "processor"
 # the longest forced start: <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
 PREFILL_LEN = 4
-TASK_NAMES = ("transcribe", "translate")
-DEFAULT_MAX_NEW_TOKENS = 64
-
-
-class SpeechInputError(CircleOpsError):
-    """The audio, the language or the task cannot be used with this model."""
-
-
-# --------------------------------------------------------------------------- which models
-
-def speech_model_type(directory: str | os.PathLike) -> str | None:
-    """The model_type of an HF directory's config.json when it is a Whisper-style speech
-    seq2seq model circleops writes speech graphs for, else None."""
-    path = Path(directory) / "config.json"
-    try:
-        cfg = read_json(path)
-    except CircleOpsError:  # not JSON, or damaged: reported by the reader that needs it
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    return "whisper" if cfg.get("model_type") == "whisper" else None
 
 
 def parse_speech_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -120,18 +93,6 @@ def _torch_modules() -> tuple[Any, Any, Any]:
     return WhisperEncoderGraph, whisper_prefill, whisper_decode
 
 
-def io_names(graph: str, num_layers: int) -> tuple[list[str], list[str]]:
-    """The inputs and outputs of a speech graph, in order."""
-    rows = [f"{kv}_new_{i}" for kv in "kv" for i in range(num_layers)]
-    cross = [f"cross_{kv}_{i}" for kv in "kv" for i in range(num_layers)]
-    if graph == "encoder":
-        return ["input_features"], ["encoder_hidden_states"]
-    if graph == "prefill":
-        return ["input_ids", "logits_row", "encoder_hidden_states"], ["logits", *rows, *cross]
-    caches = [f"{kv}_cache_{i}" for kv in "kv" for i in range(num_layers)]
-    return ["input_ids", "pos", *caches, *cross], ["logits", *rows]
-
-
 @dataclass
 class _Shapes:
     mel: int
@@ -168,195 +129,6 @@ def example_args(graph: str, s: _Shapes, seed: int = 0) -> tuple:
     caches = [torch.zeros((1, s.heads, s.cache_len, s.head_dim)) for _ in range(2 * s.num_layers)]
     cross = [torch.zeros((1, s.heads, s.enc_len, s.head_dim)) for _ in range(2 * s.num_layers)]
     return (torch.zeros((1, 1), dtype=torch.int64), torch.tensor([PREFILL_LEN]), *caches, *cross)
-
-
-# --------------------------------------------------------------------------- the manifest
-
-@dataclass
-class SpeechManifest:
-    """``manifest.json`` of a speech directory: the graphs' files and the decoding rules
-    (Whisper's generation_config: start, language and task tokens, suppressed tokens).
-    ``open_graph`` (circleops.generation.generator) reads target, directory, files, signatures and
-    num_threads of it as of a text manifest."""
-
-    directory: Path
-    target: str
-    dtype: str
-    files: dict[str, str]
-    signatures: dict[str, str | None]
-    num_layers: int
-    cache_shape: list[int]  # [1, H, C, D], the k and the v caches alike
-    cross_shape: list[int]  # [1, H, T, D]
-    input_features: list[int]  # [1, mel, frames]
-    prefill_len: int
-    vocab_size: int
-    decoder_start_token_id: int
-    eos_token_ids: list[int]
-    pad_token_id: int
-    max_target_positions: int
-    is_multilingual: bool = False
-    lang_to_id: dict[str, int] = field(default_factory=dict)
-    task_to_id: dict[str, int] = field(default_factory=dict)
-    no_timestamps_token_id: int | None = None
-    forced_decoder_ids: list[list[Any]] = field(default_factory=list)  # the legacy [[index, id], ...]
-    suppress_tokens: list[int] = field(default_factory=list)
-    begin_suppress_tokens: list[int] = field(default_factory=list)
-    processor: str | None = PROCESSOR_DIR
-    source: str = ""
-    num_threads: int | None = None
-    quantize: str | None = None  # never set: read by circleops.generation.generator's runtime choice
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.cache_shape[2]
-
-    def path(self, graph: str) -> Path:
-        return self.directory / self.files[graph]
-
-    def to_json(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "directory"}
-        return {"format": SPEECH_FORMAT, "version": SPEECH_VERSION, "default_runtime": PROFILES[self.target].runtime,
-                "graphs": {g: {"inputs": io_names(g, self.num_layers)[0], "outputs": io_names(g, self.num_layers)[1]}
-                           for g in SPEECH_GRAPHS},
-                "cache_update": "rows", **data}
-
-    def write(self, directory: Path | None = None) -> Path:
-        path = (directory or self.directory) / MANIFEST
-        tmp = path.with_name(f".{MANIFEST}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
-
-
-def is_speech_dir(directory: str | os.PathLike) -> bool:
-    """``directory`` holds a manifest.json of speech graphs."""
-    try:
-        return read_json(Path(directory) / MANIFEST).get("format") == SPEECH_FORMAT
-    except (CircleOpsError, AttributeError):
-        return False
-
-
-def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
-    """The manifest of a directory written by ``convert --graphs encoder,prefill,decode``;
-    SpeechInputError for any other directory, saying what it is."""
-    d = Path(directory)
-    path = d / MANIFEST
-    what = ("a Hugging Face model directory, not converted graphs" if (d / "config.json").is_file()
-            else "not a directory written by `circleops convert --graphs`")
-    if path.is_file():  # damaged (not JSON, nested too deep...): said as such, not as "not speech graphs"
-        data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs encoder,prefill,decode.")
-    else:
-        data = None
-    if isinstance(data, dict) and data.get("format") != SPEECH_FORMAT and data.get("format"):
-        what = f"a directory of {data.get('format')} graphs (a text model: use --prompt), not speech graphs"
-    if not isinstance(data, dict) or data.get("format") != SPEECH_FORMAT:
-        hint = (f"; convert it with `circleops convert {d} --graphs encoder,prefill,decode --target onert -o OUT`"
-                if speech_model_type(d) else "")
-        how = (" first." if hint else f". Convert a Whisper directory with `circleops convert WHISPER_DIR --graphs "
-               f"encoder,prefill,decode -o OUT`, then run `circleops generate OUT --audio clip.wav`.")
-        raise SpeechInputError(f"--audio needs the graphs of a Whisper-style speech model, and {d} is {what}{hint}{how}")
-    if data.get("version") != SPEECH_VERSION:
-        raise ModelLoadError(f"{path}: speech manifest version {data.get('version')!r}; this circleops reads "
-                             f"{SPEECH_VERSION}. Convert again with --graphs encoder,prefill,decode.")
-    names = {f.name for f in SpeechManifest.__dataclass_fields__.values()} - {"directory"}
-    try:
-        m = SpeechManifest(directory=d, **{k: v for k, v in data.items() if k in names})
-        if m.target not in PROFILES or set(m.files) != set(SPEECH_GRAPHS) or len(m.cache_shape) != 4:
-            raise ValueError("target, files or cache_shape")
-    except (TypeError, ValueError) as err:
-        raise ModelLoadError(f"{path} is incomplete or damaged ({err}). Convert again with --graphs "
-                             f"encoder,prefill,decode.") from None
-    _check_speech_types(m, path)
-    _check_speech_ids(m, path)
-    for graph, name in m.files.items():
-        confined(d, name, f"the file of graph {graph!r}", path)
-    if m.processor is not None:
-        refuse_remote_code(confined_tokenizer(d, m.processor, path))  # before any graph opens
-    return m
-
-
-def check_extractor(extractor: Any, m: SpeechManifest) -> None:
-    """ModelLoadError unless the saved feature extractor makes the encoder graph's input: its
-    mel bins and its window (n_samples / hop_length frames) come from preprocessor_config.json,
-    and a hostile window (chunk_length 10^9) would size a buffer of terabytes."""
-    _, mel, frames = m.input_features
-    got = {k: getattr(extractor, k, None) for k in ("feature_size", "n_samples", "hop_length", "sampling_rate")}
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in got.values())
-    if not ok or got["feature_size"] != mel or got["n_samples"] // got["hop_length"] != frames:
-        raise ModelLoadError(f"{m.directory / (m.processor or PROCESSOR_DIR)}: the feature extractor (feature_size "
-                             f"{got['feature_size']!r}, n_samples {got['n_samples']!r}, hop_length "
-                             f"{got['hop_length']!r}) does not make the encoder's input of {mel} mel bins x {frames} "
-                             f"frames. The processor files are damaged: convert again.")
-
-
-def _check_speech_types(m: SpeechManifest, path: Path) -> None:
-    """ModelLoadError naming every field of the wrong type or size (a hand-edited or hostile
-    manifest fails here, not as a TypeError or a MemoryError in generation)."""
-    def integer(v: Any, low: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-    def ints(v: Any, n: int | None = None, low: int = 0) -> bool:
-        return isinstance(v, list) and (n is None or len(v) == n) and all(integer(x, low) for x in v)
-
-    # a token id's range (and whether a number is a whole one) is _check_speech_ids' to name
-    def tid(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    def tids(v: Any) -> bool:
-        return isinstance(v, list) and all(tid(x) for x in v)
-
-    def ids(v: Any) -> bool:
-        return isinstance(v, dict) and all(isinstance(k, str) and tid(x) for k, x in v.items())
-
-    checks = {"num_layers": integer(m.num_layers, 1), "prefill_len": integer(m.prefill_len, 1),
-              "vocab_size": integer(m.vocab_size, 1), "max_target_positions": integer(m.max_target_positions, 1),
-              "decoder_start_token_id": tid(m.decoder_start_token_id), "pad_token_id": tid(m.pad_token_id),
-              "cache_shape": ints(m.cache_shape, 4, 1), "cross_shape": ints(m.cross_shape, 4, 1),
-              "input_features": ints(m.input_features, 3, 1), "eos_token_ids": tids(m.eos_token_ids),
-              "suppress_tokens": tids(m.suppress_tokens), "begin_suppress_tokens": tids(m.begin_suppress_tokens),
-              "lang_to_id": ids(m.lang_to_id), "task_to_id": ids(m.task_to_id),
-              "no_timestamps_token_id": m.no_timestamps_token_id is None or tid(m.no_timestamps_token_id),
-              "is_multilingual": isinstance(m.is_multilingual, bool),
-              "forced_decoder_ids": isinstance(m.forced_decoder_ids, list) and all(
-                  isinstance(p, list) and len(p) == 2 and integer(p[0]) and (p[1] is None or tid(p[1]))
-                  for p in m.forced_decoder_ids),
-              "files": isinstance(m.files, dict) and all(isinstance(v, str) for v in m.files.values()),
-              "signatures": isinstance(m.signatures, dict) and all(v is None or isinstance(v, str)
-                                                                   for v in m.signatures.values()),
-              "dtype": isinstance(m.dtype, str), "source": isinstance(m.source, str),
-              "processor": m.processor is None or isinstance(m.processor, str),
-              "num_threads": m.num_threads is None or (integer(m.num_threads, 1) and m.num_threads <= 1024)}
-    wrong = [name for name, ok in checks.items() if not ok]
-    if wrong:
-        raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type or "
-                             f"size. Convert again with --graphs encoder,prefill,decode.")
-
-
-def _check_speech_ids(m: SpeechManifest, path: Path) -> None:
-    """ModelLoadError unless every token id the manifest holds (start, end, pad, language,
-    task, no-timestamps, forced, suppressed) is in the vocabulary: they are fed to the
-    prefill graph or index the logits."""
-    again = "Convert again with --graphs encoder,prefill,decode."
-    if not isinstance(m.vocab_size, int) or isinstance(m.vocab_size, bool) or m.vocab_size < 1:
-        raise ModelLoadError(f"{path}: vocab_size {m.vocab_size!r} is not a positive integer. {again}")
-    pairs = m.forced_decoder_ids if isinstance(m.forced_decoder_ids, list) else [None]
-    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
-        raise ModelLoadError(f"{path}: forced_decoder_ids must be a list of [index, token id] pairs. {again}")
-    maps = {"lang_to_id": m.lang_to_id, "task_to_id": m.task_to_id}
-    for name, table in maps.items():
-        if not isinstance(table, dict):
-            raise ModelLoadError(f"{path}: {name} must map names to token ids. {again}")
-    lists = {"eos_token_ids": m.eos_token_ids, "suppress_tokens": m.suppress_tokens,
-             "begin_suppress_tokens": m.begin_suppress_tokens}
-    for name, ids in lists.items():
-        if not isinstance(ids, list):
-            raise ModelLoadError(f"{path}: {name} must be a list of token ids. {again}")
-    fields = {"decoder_start_token_id": [m.decoder_start_token_id], "pad_token_id": [m.pad_token_id],
-              "no_timestamps_token_id": [] if m.no_timestamps_token_id is None else [m.no_timestamps_token_id],
-              "forced_decoder_ids": [t for _, t in pairs if t is not None],
-              **lists, **{k: list(v.values()) for k, v in maps.items()}}
-    for name, ids in fields.items():
-        check_token_ids(ids, m.vocab_size, f"{path}: {name}", fix=again)
 
 
 # --------------------------------------------------------------------------- convert
@@ -509,21 +281,6 @@ def _load(path: Any, processor: Any, source: str) -> tuple[Any, Any, str]:
     return loaded.module, processor, source or loaded.source
 
 
-def load_processor(path: Path) -> Any:
-    """The WhisperProcessor saved in ``path`` (feature extractor and tokenizer), or None."""
-    import contextlib
-    import io
-
-    from transformers import WhisperProcessor
-
-    refuse_remote_code(path)  # before the except below, which takes any failure for "no processor"
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            return WhisperProcessor.from_pretrained(str(path), trust_remote_code=False)
-    except Exception:  # a directory with no processor: the graphs still convert
-        return None
-
-
 def _name_io(model: Any, graph: str, num_layers: int) -> Any:
     """Name the lowered graph's subgraph, inputs, outputs and signature after ``graph``."""
     sub = model.subgraphs[0]
@@ -628,241 +385,3 @@ def _verify(manifest: SpeechManifest, modules: dict[str, Any], args: dict[str, t
     return errors
 
 
-# --------------------------------------------------------------------------- audio and generation
-
-def read_audio(path: str | os.PathLike, sampling_rate: int) -> Any:
-    """A WAV file (8/16/32-bit PCM, mono or mixed down) as float32 samples; a file at
-    another rate than the model's is refused (resampling would change what it hears)."""
-    from circleops.recipes.task_io import read_wav
-
-    samples, rate = read_wav(str(path))
-    if rate != sampling_rate:
-        raise SpeechInputError(f"{path} is sampled at {rate} Hz and the model hears {sampling_rate} Hz: resample it "
-                               f"first (e.g. `sox {path} -r {sampling_rate} clip-{sampling_rate // 1000}k.wav`, or "
-                               f"`ffmpeg -i {path} -ar {sampling_rate} clip-{sampling_rate // 1000}k.wav`).")
-    return samples
-
-
-@dataclass
-class Transcription:
-    """What :meth:`SpeechGenerator.generate` produced: the generated tokens as transformers'
-    ``WhisperForConditionalGeneration.generate(...)[0]`` returns them (transformers 5: without
-    the start tokens and without the end token; ``stopped_at_eos`` says whether the end token
-    was reached), the start tokens it was given, the text, and where the time went."""
-
-    tokens: list[int]
-    start_tokens: list[int]
-    text: str | None = None
-    language: str | None = None  # the language token, given or detected
-    encode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    stopped_at_eos: bool = False
-
-    def timing_line(self) -> str:
-        steps = max(0, len(self.tokens) - 1)
-        rate = f", {steps / self.decode_seconds:.1f} tokens/s" if steps and self.decode_seconds > 0 else ""
-        return (f"circleops: encoder {self.encode_seconds * 1e3:.0f} ms, prefill of {len(self.start_tokens)} start "
-                f"tokens {self.prefill_seconds * 1e3:.0f} ms, {len(self.tokens)} tokens decoded in "
-                f"{self.decode_seconds:.2f} s{rate}")
-
-
-class SpeechGenerator:
-    """Greedy speech-to-text over a speech directory's graphs, as transformers'
-    ``WhisperForConditionalGeneration.generate(input_features, do_sample=False)`` decodes
-    (short-form: one window): the same start tokens for ``language`` / ``task`` (the
-    language detected from the first token's logits when the model is multilingual and
-    none is given), the same suppressed tokens. One Session per graph, opened once."""
-
-    def __init__(self, directory: str | os.PathLike | SpeechManifest, runtime: str | None = None):
-        from circleops.generation.generator import choose_runtime, open_graph
-
-        self.manifest = directory if isinstance(directory, SpeechManifest) else read_speech_manifest(directory)
-        self.runtime, self.note = choose_runtime(self.manifest, runtime)
-        self.sessions = {g: open_graph(self.manifest, g, self.runtime) for g in SPEECH_GRAPHS}
-        self._check_sessions()
-        self._processor: Any = None
-
-    def _check_sessions(self) -> None:
-        m = self.manifest
-        counts = {g: len(self.sessions[g].inputs) for g in SPEECH_GRAPHS}
-        if counts["decode"] != 2 + 4 * m.num_layers:  # before any list is sized by num_layers
-            raise ModelLoadError(f"{m.directory}/{MANIFEST} does not describe its decode graph: num_layers "
-                                 f"{m.num_layers} means {2 + 4 * m.num_layers} inputs, the graph takes "
-                                 f"{counts['decode']}. Convert again with --graphs encoder,prefill,decode.")
-        want = {"encoder": [m.input_features], "prefill": [[1, m.prefill_len], [1], [1, m.cross_shape[2], m.cross_shape[1] * m.cross_shape[3]]],
-                "decode": [[1, 1], [1]] + [m.cache_shape] * (2 * m.num_layers) + [m.cross_shape] * (2 * m.num_layers)}
-        for g, shapes in want.items():
-            got = [list(spec.shape) for spec in self.sessions[g].inputs]
-            if got != shapes:
-                raise ModelLoadError(f"{m.directory}/{MANIFEST} does not describe its {g} graph: it takes inputs of "
-                                     f"shapes {got}, the manifest says {shapes}. Convert again with --graphs "
-                                     f"encoder,prefill,decode.")
-        for g in ("prefill", "decode"):  # the ids are checked against vocab_size: it must be the graphs'
-            logits = list(self.sessions[g].outputs[0].shape)
-            if logits[-1:] != [m.vocab_size]:
-                raise ModelLoadError(f"{m.directory}/{MANIFEST} says vocab_size {m.vocab_size}, and the {g} graph's "
-                                     f"logits have shape {logits}. Convert again with --graphs encoder,prefill,decode.")
-
-    @property
-    def processor(self) -> Any:
-        """The saved WhisperProcessor (feature extractor + tokenizer)."""
-        if self._processor is None:
-            if self.manifest.processor is None:
-                raise ModelLoadError(f"{self.manifest.directory} has no processor (the model directory had no "
-                                     f"preprocessor_config.json / tokenizer): pass input features and token ids "
-                                     f"from Python (SpeechGenerator.generate).")
-            self._processor = load_processor(self.manifest.directory / self.manifest.processor)
-            if self._processor is None:
-                raise ModelLoadError(f"cannot load the processor in {self.manifest.directory / self.manifest.processor}. "
-                                     f"Convert again.")
-        return self._processor
-
-    def features(self, audio: str | os.PathLike | Any, *, warn: Callable[[str], None] | None = None) -> Any:
-        """log-mel ``input_features [1, mel, frames]`` of a WAV file or of float samples at
-        the model's rate, by the saved feature extractor (padded or cut to one window)."""
-        import numpy as np
-
-        extractor = self.processor.feature_extractor
-        check_extractor(extractor, self.manifest)  # its window sizes the buffers: checked before any is made
-        samples = read_audio(audio, extractor.sampling_rate) if isinstance(audio, (str, os.PathLike)) else audio
-        samples = np.asarray(samples, dtype=np.float32)
-        if warn is not None and samples.size > extractor.n_samples:
-            warn(f"the audio is {samples.size / extractor.sampling_rate:.1f} s long and the model hears windows of "
-                 f"{extractor.n_samples / extractor.sampling_rate:.1f} s: only the first window is transcribed "
-                 f"(long-form transcription is not implemented)")
-        feats = extractor(samples, sampling_rate=extractor.sampling_rate, return_tensors="np")["input_features"]
-        return np.asarray(feats, dtype=np.float32)
-
-    def transcribe(self, audio: str | os.PathLike | Any, *, language: str | None = None, task: str | None = None,
-                   max_new_tokens: int | None = None, on_token: Callable[[int], None] | None = None,
-                   warn: Callable[[str], None] | None = None) -> Transcription:
-        """:meth:`generate` on the features of ``audio``, with the text decoded."""
-        result = self.generate(self.features(audio, warn=warn), language=language, task=task,
-                               max_new_tokens=max_new_tokens, on_token=on_token)
-        result.text = self.processor.tokenizer.decode(result.tokens, skip_special_tokens=True)
-        return result
-
-    # ------------------------------------------------------------------ decoding
-
-    def _language_id(self, language: str) -> int:
-        m = self.manifest
-        if not m.lang_to_id:
-            raise SpeechInputError(f"{m.source or m.directory} is English-only (its generation config lists no "
-                                   f"languages): drop --language.")
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-        name = language.lower()
-        token = (name if name in m.lang_to_id else f"<|{TO_LANGUAGE_CODE[name]}|>" if name in TO_LANGUAGE_CODE
-                 else f"<|{name}|>")
-        if token not in m.lang_to_id:
-            codes = ", ".join(t.strip("<|>") for t in m.lang_to_id)
-            raise SpeechInputError(f"language {language!r} is not one of the model's: {codes}.")
-        return m.lang_to_id[token]
-
-    def start_tokens(self, encoder_states: Any, language: str | None = None, task: str | None = None) -> list[int]:
-        """The forced start tokens, by transformers' rules (WhisperGenerationMixin's
-        _retrieve_init_tokens, short-form, no timestamps)."""
-        import numpy as np
-
-        m = self.manifest
-        if task is not None and task not in TASK_NAMES:
-            raise SpeechInputError(f"task {task!r}: Whisper's tasks are {', '.join(TASK_NAMES)}.")
-        if not m.is_multilingual and (task is not None or language is not None):
-            raise SpeechInputError(f"{m.source or m.directory} is English-only: it takes no --language or --task.")
-        init: list[Any] = [m.decoder_start_token_id]
-        if task is None and language is None:
-            forced = sorted((int(i), t) for i, t in m.forced_decoder_ids)
-            for k, (i, t) in enumerate(forced):
-                if i != k + 1:
-                    break
-                init.append(None if t is None else int(t))
-        undefined = len(init) <= 1 or init[1] is None
-        lang: int | None = None
-        if language is not None:
-            lang = self._language_id(language)
-        elif m.lang_to_id and undefined:
-            logits = self._prefill([m.decoder_start_token_id], encoder_states, row=0)[0].reshape(-1)
-            ids = sorted(m.lang_to_id.values())
-            lang = ids[int(np.argmax(logits[ids]))]
-        if lang is not None:
-            if len(init) > 1:
-                init[1] = lang
-            else:
-                init.append(lang)
-        if task is not None:
-            task_id = m.task_to_id.get(task)
-            if task_id is None:
-                raise SpeechInputError(f"the model's generation config has no task {task!r}.")
-            if any(t in m.task_to_id.values() for t in init):
-                init = [task_id if t in m.task_to_id.values() else t for t in init]
-            else:
-                init.append(task_id)
-        elif language is not None and "transcribe" in m.task_to_id:
-            if not any(t in m.task_to_id.values() for t in init):
-                init.append(m.task_to_id["transcribe"])
-        if m.no_timestamps_token_id is not None and init[-1] != m.no_timestamps_token_id:
-            init.append(int(m.no_timestamps_token_id))
-        init = [int(t) for t in init if t is not None]
-        if len(init) > m.prefill_len:
-            raise SpeechInputError(f"the start tokens {init} are more than the prefill graph's {m.prefill_len}.")
-        return init
-
-    def _prefill(self, tokens: Sequence[int], encoder_states: Any, row: int) -> list[Any]:
-        import numpy as np
-
-        m = self.manifest
-        ids = np.full((1, m.prefill_len), m.pad_token_id, dtype=np.int64)
-        ids[0, :len(tokens)] = tokens
-        return self.sessions["prefill"].run([ids, np.array([row], np.int64), encoder_states])
-
-    def generate(self, input_features: Any, *, language: str | None = None, task: str | None = None,
-                 max_new_tokens: int | None = None, on_token: Callable[[int], None] | None = None) -> Transcription:
-        """Greedy tokens for ``input_features [1, mel, frames]``; ``max_new_tokens`` (None:
-        up to max_target_positions, as transformers) is cut to what the cache holds."""
-        import numpy as np
-
-        m = self.manifest
-        feats = np.asarray(input_features, dtype=np.float32)
-        if list(feats.shape) != m.input_features:
-            raise SpeechInputError(f"input_features of shape {list(feats.shape)}; the encoder graph takes "
-                                   f"{m.input_features} (one window of the model's feature extractor).")
-        t0 = time.perf_counter()
-        states = self.sessions["encoder"].run([feats])[0]
-        t1 = time.perf_counter()
-        init = self.start_tokens(states, language, task)
-        n, layers = len(init), m.num_layers
-        outs = self._prefill(init, states, row=n - 1)
-        caches = [np.zeros(m.cache_shape, np.float32) for _ in range(2 * layers)]
-        for cache, rows in zip(caches, outs[1:2 * layers + 1]):
-            cache[:, :, :m.prefill_len] = rows
-        cross = [np.ascontiguousarray(c) for c in outs[2 * layers + 1:]]
-        t2 = time.perf_counter()
-        # transformers: at most max_target_positions tokens in all; the cache holds the fed ones
-        limit = min(m.max_target_positions, m.max_cache_len + 1) - n
-        budget = limit if max_new_tokens is None else min(int(max_new_tokens), limit)
-        suppress = [t for t in m.suppress_tokens if 0 <= t < m.vocab_size]
-        begin = [t for t in m.begin_suppress_tokens if 0 <= t < m.vocab_size]
-        logits, tokens, pos, stopped = outs[0].reshape(-1), [], n, False
-        while len(tokens) < budget:
-            scores = logits.astype(np.float32).copy()
-            scores[suppress] = -np.inf
-            if not tokens:
-                scores[begin] = -np.inf
-            token = int(np.argmax(scores))
-            if token in m.eos_token_ids:  # the end: transformers' Whisper generate leaves it out of its output
-                stopped = True
-                break
-            tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-            if len(tokens) == budget:
-                break
-            step = self.sessions["decode"].run([np.array([[token]], np.int64), np.array([pos], np.int64),
-                                                *caches, *cross])
-            for cache, row in zip(caches, step[1:]):
-                cache[:, :, pos:pos + 1] = row
-            logits, pos = step[0].reshape(-1), pos + 1
-        lang = next((k.strip("<|>") for k, v in m.lang_to_id.items() if v in init[1:2]), None)
-        return Transcription(tokens, init, language=lang, encode_seconds=t1 - t0, prefill_seconds=t2 - t1,
-                             decode_seconds=time.perf_counter() - t2, stopped_at_eos=stopped)

@@ -2,9 +2,10 @@
 the decode graph with its KV cache; generation from an image and a prompt.
 
     from circleops.recipes import vlm
+    from circleops.generation import vision
     model, processor = vlm.load("smolvlm-dir/")
     vlm.convert_vlm_graphs(model, "out/", processor=processor, target="onert", verify=True)
-    result = vlm.generate("out/", "Describe it", image="photo.png")
+    result = vision.generate("out/", "Describe it", image="photo.png")
 
 The families (one row each in circleops.adapters.vlm: where the vision tower, projector and
 text model are, what the prefill mask is):
@@ -36,35 +37,28 @@ processor, chat template) is saved in the directory's ``tokenizer/``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import contextlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from circleops.generation.chat import Chat
-from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError, VerifyError
-from circleops.generation.generator import Generation, Generator, GenerationLimitError, TextStream, open_graph
+from circleops.generation.vision import VisionGenerator, load_processor
 from circleops.recipes.llm import (DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, GraphInfo, GraphsReport, check_lengths,
                               decoder_step, default_cache_update, eos_ids, export_graph, io_names, lower_step,
-                              merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir)
-from circleops.package.manifest import MANIFEST, TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name, read_manifest
+                              merge_models, pad_id, prefill_lengths, prepare_dir, publish, staging_dir,
+                              text_lines)
+from circleops.package.manifest import TOKENIZER_DIR, Manifest, graph_runtimes, prefill_graph_name
+from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFIX_LEN, VISION_GRAPH, VLM_GRAPH_NAMES,
+                                               VisionSpec)
 from circleops.targets import PROFILES
-from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
+from circleops.adapters.vlm import FAMILIES, family_of
 from circleops.inputs.remote_code import refuse_remote_code
 
 # model_type of config.json -> what it is; the classes are transformers'
 VLM_MODEL_TYPES = {t: cls for fam in FAMILIES if fam.converted for t, cls in fam.classes.items()}
-VISION_GRAPH = "vision"
-VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
-IMAGE_EMBEDS = "image_embeds"
-PIXEL_VALUES = "pixel_values"
-PREFIX_LEN = "prefix_len"  # a prefix-LM's prefill input: the prompt positions that attend both ways
 # SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct): "User:<image>text<end_of_utterance>\nAssistant:"
 SMOLVLM_CHAT_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -77,10 +71,6 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 Progress = Callable[[str], None]
-
-
-class ImageInputError(CircleOpsError):
-    """An image that cannot be read, or a prompt whose image tokens have no image."""
 
 
 # --------------------------------------------------------------------------- the model
@@ -141,23 +131,6 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
     return module.eval(), processor
 
 
-def load_processor(path: Path, *, required: bool = True) -> Any:
-    """The processor (tokenizer, image processor, chat template) saved in ``path``."""
-    from transformers import AutoProcessor
-
-    from circleops.sources.models import quiet_transformers
-
-    refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
-    try:
-        with quiet_transformers():
-            return AutoProcessor.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
-        if not required:
-            return None
-        raise ModelLoadError(f"cannot load the processor saved in {path}: {str(err).strip()[:300]}. Convert again "
-                             f"from a model directory that holds its processor.") from None
-
-
 def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = True, longest_edge: int | None = None,
                     chat_template: str | None = SMOLVLM_CHAT_TEMPLATE) -> Any:
     """The processor of ``model`` over ``tokenizer`` (a text model's, e.g. SmolLM2's: the
@@ -190,38 +163,6 @@ def paligemma_processor(tokenizer: Any, *, image_size: int, image_seq_len: int) 
 
     images = SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, image_seq_length=image_seq_len)
     return PaliGemmaProcessor(images, tokenizer)
-
-
-@dataclass
-class VisionSpec:
-    """The manifest's ``vision`` entry: how the host feeds images to the graphs."""
-
-    graph: str  # the vision graph (a key of the manifest's files)
-    image_token_id: int
-    image_seq_len: int  # embeddings (and <image> tokens) per tile
-    tile_size: int  # the vision graph's pixel_values is [1, 3, tile_size, tile_size]
-    hidden_size: int  # the text model's: image_embeds rows
-    family: str  # model_type
-    prefix_lm: bool = False  # the prefill takes prefix_len: the prompt prefix attends both ways
-
-    def to_json(self) -> dict[str, Any]:
-        return {"graph": self.graph, "image_token_id": self.image_token_id, "image_seq_len": self.image_seq_len,
-                "tile_size": self.tile_size, "hidden_size": self.hidden_size, "family": self.family,
-                "prefill_input": IMAGE_EMBEDS, "prefix_lm": self.prefix_lm}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], where: Path) -> "VisionSpec":
-        try:
-            spec = cls(graph=str(data["graph"]), image_token_id=int(data["image_token_id"]),
-                       image_seq_len=int(data["image_seq_len"]), tile_size=int(data["tile_size"]),
-                       hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")),
-                       prefix_lm=bool(data.get("prefix_lm", False)))
-        except (KeyError, TypeError, ValueError) as err:
-            raise ModelLoadError(f"{where}: the vision entry is incomplete ({type(err).__name__}: {err}). Convert "
-                                 f"again with --graphs vision,prefill,decode.") from None
-        if min(spec.image_seq_len, spec.tile_size, spec.hidden_size) < 1 or spec.image_token_id < 0:
-            raise ModelLoadError(f"{where}: the vision entry's sizes must be positive. Convert again.")
-        return spec
 
 
 def vision_spec(model: Any) -> VisionSpec:
@@ -445,7 +386,8 @@ def _convert_into(model: Any, processor: Any, spec: VisionSpec, sizes: tuple, op
             vision=spec.to_json())
         manifest.write()
     report = GraphsReport(directory=str(staging), target=opts.target, dtype="fp32", graphs=infos, manifest=manifest,
-                          timings=tracker.timings, source=source, quantization=quantization)
+                          timings=tracker.timings, source=source, quantization=quantization,
+                          **text_lines(manifest, list(files)))
     if example is not None:
         tol = opts.verify_tolerance()
         tol = pipeline.format_tolerance(None, opts.dtype) if tol is None else tol
@@ -517,231 +459,3 @@ def _verify(manifest: Manifest, runtime: str, example: _Example, tol: float) -> 
     return errors
 
 
-# --------------------------------------------------------------------------- generate
-
-class VisionGenerator(Generator):
-    """A :class:`~circleops.generation.generator.Generator` over a vision-language model's directory:
-    :meth:`image_features` runs the vision graph, :meth:`attach_images` places image
-    embeddings at the cache positions of ``<image>`` tokens, and the prefill graphs get each
-    chunk's rows (:meth:`prefill_extras`)."""
-
-    def __init__(self, source: Any, runtime: str | None = None, *,
-                 threads: int | Mapping[str, int] | None = None):
-        import numpy as np
-
-        super().__init__(source, runtime, threads=threads)
-        m = self.manifest
-        if m.vision is None:
-            raise ModelLoadError(f"{m.directory} holds a text model (its manifest has no vision graph): generate "
-                                 f"without --image, or convert a vision-language model with --graphs "
-                                 f"{','.join(VLM_GRAPH_NAMES)}.")
-        self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
-        self.vision_session = open_graph(m, self.vision.graph, self.runtime)
-        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
-        self._has_image = np.zeros(m.max_cache_len, dtype=bool)
-        # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
-        # graphs take it, and the prefix must go through one run (see plan)
-        self.prefix_len = 0
-
-    def reset(self) -> None:
-        super().reset()
-        self._has_image[:] = False
-        self.prefix_len = 0
-
-    def check_chat(self, chat: bool) -> None:
-        """A prefix-LM (PaliGemma) has no chat: its prompt is one prefix with its image, which a
-        conversation's later turns could not extend (they would be causal, unlike transformers'
-        re-encoded prompt). ModelLoadError for ``chat``."""
-        if chat and self.vision.prefix_lm:
-            raise ModelLoadError(f"{self.vision.family or 'this model'} has no chat template: its prompt is one prefix "
-                                 f"(the image and the text attend to each other both ways), so it does not chat. Use "
-                                 f"`circleops generate {self.manifest.directory} --image PATH --prompt TEXT` without "
-                                 f"--chat.")
-
-    def check_prefix(self, prefix_len: int) -> int:
-        """The length of the prefill graph that takes a prefix of ``prefix_len`` tokens in one
-        run (the shortest that holds it); GenerationLimitError naming --seq-len if none does."""
-        fits = [n for n in self.prefill_sessions if n >= prefix_len]
-        if not fits:
-            raise GenerationLimitError(
-                f"the prompt is {prefix_len} tokens (the image's {self.vision.image_seq_len} and the text), and "
-                f"{self.vision.family or 'this model'} attends both ways over all of them, so they go through one "
-                f"prefill run; the longest prefill graph in {self.manifest.directory} takes "
-                f"{max(self.prefill_sessions)}. Shorten the prompt, or convert again with --seq-len {prefix_len} or "
-                f"more as the longest length (e.g. --seq-len {prefix_len},8).")
-        return min(fits)
-
-    def plan(self, start: int, end: int) -> list[tuple[int, int]]:
-        """A prefix-LM's prefix in one run (chunking it would hide later prefix tokens from
-        earlier ones), the rest as :meth:`Generator.plan` chunks it."""
-        if not self.vision.prefix_lm or self.prefix_len <= start:
-            return super().plan(start, end)
-        if start > 0:
-            raise GenerationLimitError(f"the prefix ends at position {self.prefix_len}, and {start} tokens are in "
-                                       f"the cache already: a prefix is fed from position 0 (start a new prompt).")
-        first = self.check_prefix(self.prefix_len)
-        return [(first, 0)] + (super().plan(first, end) if end > first else [])
-
-    def image_features(self, pixel_values: Any) -> Any:
-        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
-        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does."""
-        import numpy as np
-
-        s = self.vision.tile_size
-        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
-        if tiles.shape[-2:] != (s, s):
-            raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
-                                  f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
-                                  f"again with the model's own processor.")
-        out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
-        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
-
-    def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
-        """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
-        of ``features`` in order; ImageInputError unless there are as many."""
-        import numpy as np
-
-        where = [start + i for i, t in enumerate(ids) if int(t) == self.vision.image_token_id]
-        if len(where) != len(features):
-            raise ImageInputError(f"the prompt has {len(where)} image tokens and the image gives {len(features)} "
-                                  f"embeddings ({self.vision.image_seq_len} per tile): the prompt was not made by "
-                                  f"the model's processor from this image.")
-        if where and where[-1] >= self.manifest.max_cache_len:
-            raise GenerationLimitError(f"the image tokens reach position {where[-1]}, past the "
-                                       f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
-                                       f"larger --max-cache-len.")
-        if where:
-            self._rows[where] = np.asarray(features, dtype=np.float32)
-            self._has_image[where] = True
-
-    def feed(self, token_ids: Sequence[int]) -> Any:
-        start = self.position
-        img = self.vision.image_token_id
-        orphans = [start + i for i, t in enumerate(token_ids)
-                   if int(t) == img and start + i < len(self._has_image) and not self._has_image[start + i]]
-        if orphans and (len(token_ids) > 1 or start == 0):
-            raise ImageInputError(f"the prompt has {len(orphans)} image token(s) (<image>) with no image: pass the "
-                                  f"image (--image PATH).")
-        return super().feed(token_ids)
-
-    def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
-        import numpy as np
-
-        n = ids.shape[1]
-        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
-        take = max(0, min(n, self.manifest.max_cache_len - pos))
-        rows[0, :take] = self._rows[pos:pos + take]
-        if self.vision.prefix_lm:
-            return [rows, np.array([self.prefix_len], dtype=np.int64)]
-        return [rows]
-
-    def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
-                            max_new_tokens: int, **kwargs: Any) -> Generation:
-        """:meth:`generate` (a new conversation) with the image ``pixel_values`` (the
-        processor's) behind the prompt's image tokens."""
-        if self.vision.prefix_lm:  # the whole prompt is the prefix (what PaliGemmaProcessor makes)
-            self.check_prefix(len(prompt_ids))
-        features = self.image_features(pixel_values) if pixel_values is not None else []
-        self.reset()
-        self.attach_images(prompt_ids, 0, features)
-        self.prefix_len = len(prompt_ids) if self.vision.prefix_lm else 0
-        return self.generate(prompt_ids, max_new_tokens, keep_cache=True, **kwargs)
-
-
-def read_image(path: str | os.PathLike) -> Any:
-    """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
-    from PIL import ImageOps
-
-    from circleops.inputs.user_files import opened_image
-
-    # opened_image checks the pixel count (CIRCLEOPS_MAX_IMAGE_PIXELS) before decoding and
-    # turns any decoder error into an ImageInputError naming the file
-    with opened_image(path, error=ImageInputError) as picture:
-        # upright as the camera's EXIF Orientation says, as transformers' load_image does
-        return ImageOps.exif_transpose(picture).convert("RGB")
-
-
-def _user_content(text: str, image: bool) -> list[dict[str, str]]:
-    return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
-
-
-def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False) -> tuple[list[int], Any]:
-    """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
-    makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
-    prompt has one); with ``chat`` the prompt is one user turn of the processor's template."""
-    if chat:
-        if not getattr(processor, "chat_template", None):
-            raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
-        with template_budget(processor):  # a model's template is someone else's program
-            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
-                                                 add_generation_prompt=True, tokenize=False)
-    else:
-        text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
-    if image is None and type(processor).__name__ == "PaliGemmaProcessor":
-        raise ImageInputError("PaliGemma generates from an image and a prompt (its processor takes no text alone): "
-                              "pass the image (--image PATH).")
-    if image is None and "<image>" in text:
-        raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
-                              "or drop <image> from the prompt.")
-    try:
-        enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
-    except ValueError as err:
-        raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
-    return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
-
-
-def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike | None = None,
-             max_new_tokens: int = 64, *, runtime: str | None = None, chat: bool = False, stream: Any = None,
-             sampler: Any = None) -> Generation:
-    """Generation from ``prompt`` and the image at ``image`` with the graphs in
-    ``directory`` (``convert --graphs vision,prefill,decode``); ``result.text`` holds the
-    new text, which ``stream`` (a file) also receives as it is produced."""
-    gen = VisionGenerator(directory, runtime=runtime)
-    gen.check_chat(chat)
-    processor = saved_processor(gen.manifest)
-    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
-    gen.check_fits(len(ids), max_new_tokens)
-    streamer = TextStream(processor.tokenizer, stream) if stream is not None else None
-    result = gen.generate_with_image(ids, pixels, max_new_tokens, on_token=streamer, sampler=sampler)
-    result.text = streamer.close() if streamer is not None else processor.tokenizer.decode(
-        result.tokens, skip_special_tokens=True)
-    return result
-
-
-def saved_processor(manifest: Manifest) -> Any:
-    """The processor saved next to the graphs (``tokenizer/``)."""
-    from circleops.package.manifest import confined_tokenizer
-
-    if not manifest.tokenizer:
-        raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
-                             f"convert the model directory, with its processor, to generate from an image.")
-    return load_processor(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
-
-
-class VisionChat(Chat):
-    """:class:`~circleops.generation.chat.Chat` with an image in the first user message: the
-    conversation is rendered with the processor's chat template, the image's embeddings are
-    computed once and placed at its ``<image>`` tokens."""
-
-    def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
-        generator.check_chat(True)
-        if not getattr(processor, "chat_template", None):
-            raise ModelLoadError("the processor saved with this model has no chat template, so it cannot chat; use "
-                                 "`circleops generate DIR --image ... --prompt ...`.")
-        self.processor = processor
-        self.image = image
-        self._features = None
-        super().__init__(generator, processor.tokenizer, system=system)
-
-    def _render(self) -> list[int]:
-        first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
-        messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
-                    for i, m in enumerate(self.messages)]
-        with template_budget(self.processor):
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
-        if pixels is not None:
-            if self._features is None:
-                self._features = self.generator.image_features(pixels)
-            self.generator.attach_images(ids, 0, self._features)
-        return ids

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-PERPLEXITY_TEXT = Path(__file__).parent / "quantize" / "perplexity.txt"  # shipped with the quantizers
+PERPLEXITY_TEXT = Path(__file__).parents[1] / "quantize" / "perplexity.txt"  # shipped with the quantizers
 DEFAULT_WINDOW = 256
 
 

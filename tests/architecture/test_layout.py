@@ -186,10 +186,11 @@ LAYERS: tuple[str, ...] = (
     "runtime", "numerics",
     # where models come from (HF dir, GGUF, SmolLM2, .pt2, config, hub) and what they weigh
     "sources",
-    # the written output: manifest, split files, the conversion report
-    "package",
-    # one conversion: its option checks, the stages, convert/save
+    # one conversion: its option checks, the stages, convert/save and their report
     "pipeline",
+    # the written output of a recipe: the files per target, the manifest, split files, the
+    # output directory's life cycle, and the package step that writes every recipe the same way
+    "package",
     # running a written set of graphs: the generator, sampling, chat
     "generation",
     # tools over files and models: inspect, the fp16 check, the quantization report

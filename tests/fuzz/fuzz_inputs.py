@@ -361,13 +361,13 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
         desc = f"{name}: {', '.join(what)}"
         if kind == "wav":
             def run() -> Any:
-                from circleops.recipes.speech import read_audio
+                from circleops.generation.speech import read_audio
 
                 return read_audio(path, 16000)
             return Case(kind, desc, run)
         if kind == "image":
             def run() -> Any:
-                from circleops.recipes.vlm import read_image
+                from circleops.generation.vision import read_image
 
                 return read_image(path).size
             return Case(kind, desc, run)
@@ -440,7 +440,7 @@ def make_case(rng: random.Random, kind: str, seeds: Seeds, dest: Path) -> Case:
         what = mutate_json_file(rng, d / "manifest.json")
 
         def run() -> Any:
-            from circleops.recipes.speech import read_speech_manifest
+            from circleops.package.speech_manifest import read_speech_manifest
 
             return read_speech_manifest(d).num_layers
         return Case(kind, what, run)

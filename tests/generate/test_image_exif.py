@@ -24,9 +24,9 @@ def _photo(path, orientation: int):
 def test_read_image_applies_exif_orientation_as_transformers(tmp_path, suffix, orientation):
     from transformers.image_utils import load_image
 
-    from circleops.recipes import vlm
+    from circleops.generation import vision
 
     path = _photo(tmp_path / f"photo{suffix}", orientation)
-    ours, theirs = np.asarray(vlm.read_image(path)), np.asarray(load_image(str(path)))
+    ours, theirs = np.asarray(vision.read_image(path)), np.asarray(load_image(str(path)))
     assert ours.shape == theirs.shape == ((24, 40, 3) if orientation == 3 else (40, 24, 3))
     assert np.array_equal(ours, theirs)

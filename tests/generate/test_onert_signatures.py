@@ -19,7 +19,8 @@ from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
 
 from circleops.errors import TargetError
 from circleops.generation.generator import Generator
-from circleops.recipes.llm import convert_graphs, signature_files
+from circleops.package.files import signature_files
+from circleops.recipes.llm import convert_graphs
 from circleops.runtime import onert_c, selects_signatures
 from circleops.targets import PROFILES
 

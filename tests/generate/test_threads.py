@@ -1,4 +1,4 @@
-"""Each graph's session opens at its own thread count (circleops.generation.generator.graph_threads): a
+"""Each graph's session opens at its own thread count (circleops.generation.sessions.graph_threads): a
 budget (``Generator(threads=N)``, ``generate --threads N``) runs the long prefill graph at N
 and onert's graphs of few rows (decode, the short prefill) at 1 (measured faster:
 bench/results/09-llm-speed.yaml); a mapping and a NUM_THREADS set in the environment are
@@ -11,7 +11,7 @@ import pytest
 
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PROMPTS, Converted
 
-import circleops.generation.generator as generate_module
+import circleops.generation.sessions as sessions_module
 from circleops.cli import main as cli
 from circleops.errors import TargetError
 from circleops.generation.generator import Generator, graph_threads
@@ -34,14 +34,14 @@ def two_lengths(tmp_path_factory, tiny_model, tiny_expected) -> Converted:
 def opened(monkeypatch):
     """graph file name -> the NUM_THREADS its session was created under (None: unset)."""
     seen: dict[str, str | None] = {}
-    real = generate_module.open_session
+    real = sessions_module.open_session
 
     def spy(runtime, path, signature=None, **kwargs):
         seen[os.path.basename(str(path)).split(".")[0] if signature is None else signature] = \
             os.environ.get("NUM_THREADS")
         return real(runtime, path, signature, **kwargs)
 
-    monkeypatch.setattr(generate_module, "open_session", spy)
+    monkeypatch.setattr(sessions_module, "open_session", spy)
     monkeypatch.delenv("NUM_THREADS", raising=False)
     return seen
 

@@ -15,12 +15,13 @@ import torch
 from circleops.cli import main
 from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
+from circleops.generation import vision as vision_gen
 from circleops.recipes import vlm
 from vlm_fixtures import VLM_NEW
 
 
 def _inputs(t, prompt, image, chat=False):
-    return vlm.prepare(t.processor, prompt, vlm.read_image(image) if image else None, chat=chat)
+    return vision_gen.prepare(t.processor, prompt, vision_gen.read_image(image) if image else None, chat=chat)
 
 
 @pytest.mark.parametrize("runtime, prompt, chat", [
@@ -31,7 +32,7 @@ def test_generate_with_image_equals_transformers(tiny_vlm_onert, runtime, prompt
     chat = chat and t.chat  # PaliGemma has no chat template: its processor's own layout
     ids, pixels = _inputs(t, prompt, t.photo, chat)
     assert ids.count(t.model.config.image_token_id) == t.tiles * t.image_tokens and len(ids) > 16
-    result = vlm.generate(t.out, prompt, t.photo, VLM_NEW, runtime=runtime, chat=chat)
+    result = vision_gen.generate(t.out, prompt, t.photo, VLM_NEW, runtime=runtime, chat=chat)
     assert result.prompt_ids == ids
     assert result.tokens == t.hf_greedy(ids, pixels)
     # SmolVLM's prompt spans several chunks; PaliGemma's prefix attends both ways: one run
@@ -42,9 +43,9 @@ def test_the_image_decides_the_tokens(tiny_vlm_onert):
     """Another image gives transformers' tokens for that image, which differ: the graphs see it."""
     t = tiny_vlm_onert
     ids, pixels = _inputs(t, "Describe it", t.other, t.chat)
-    got = vlm.generate(t.out, "Describe it", t.other, VLM_NEW, chat=t.chat).tokens
+    got = vision_gen.generate(t.out, "Describe it", t.other, VLM_NEW, chat=t.chat).tokens
     assert got == t.hf_greedy(ids, pixels)
-    assert got != vlm.generate(t.out, "Describe it", t.photo, VLM_NEW, chat=t.chat).tokens
+    assert got != vision_gen.generate(t.out, "Describe it", t.photo, VLM_NEW, chat=t.chat).tokens
 
 
 def test_text_only_prompt_equals_transformers(tiny_vlm_onert):
@@ -52,12 +53,12 @@ def test_text_only_prompt_equals_transformers(tiny_vlm_onert):
     without an image, which is one clear error."""
     t = tiny_vlm_onert
     if t.family == "paligemma":
-        with pytest.raises(vlm.ImageInputError, match="PaliGemma generates from an image and a prompt"):
-            vlm.generate(t.out, "Hello there, how are you?", None, VLM_NEW)
+        with pytest.raises(vision_gen.ImageInputError, match="PaliGemma generates from an image and a prompt"):
+            vision_gen.generate(t.out, "Hello there, how are you?", None, VLM_NEW)
         return
     ids, pixels = _inputs(t, "Hello there, how are you?", None)
     assert pixels is None
-    assert vlm.generate(t.out, "Hello there, how are you?", None, VLM_NEW).tokens == t.hf_greedy(ids, None)
+    assert vision_gen.generate(t.out, "Hello there, how are you?", None, VLM_NEW).tokens == t.hf_greedy(ids, None)
 
 
 def test_cli_generate_prints_transformers_text(tiny_vlm_onert, capsys):
@@ -78,7 +79,7 @@ def _rendered(t, texts_and_replies, image):
                  "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": text}]}
                 for i, text in enumerate(texts_and_replies)]
     rendered = t.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return vlm.prepare(t.processor, rendered, image)
+    return vision_gen.prepare(t.processor, rendered, image)
 
 
 def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys):
@@ -86,7 +87,7 @@ def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys
     the processor's template with the image; the second turn feeds only its own tokens.
     PaliGemma (no chat template) refuses to chat in one paragraph."""
     t = tiny_vlm_onert
-    image = vlm.read_image(t.photo)
+    image = vision_gen.read_image(t.photo)
     if not t.chat:
         assert main(["chat", str(t.out), "--image", str(t.photo)]) == 2
         err = capsys.readouterr().err
@@ -94,7 +95,7 @@ def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys
         assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", "Hi", "--chat"]) == 2
         assert "so it does not chat" in capsys.readouterr().err
         return
-    chat = vlm.VisionChat(vlm.VisionGenerator(t.out), t.processor, image)
+    chat = vision_gen.VisionChat(vision_gen.VisionGenerator(t.out), t.processor, image)
     said: list[str] = []
     for text in ["Describe it", "And the colours?"]:
         ids, pixels = _rendered(t, [*said, text], image)
@@ -179,7 +180,7 @@ def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path,
     assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
     ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
     # 8 tokens: PaliGemma's causal-prefill tokens part from the prefix-LM's at the 5th
-    got = vlm.generate(tmp_path / "out", "Describe it", t.photo, 8, chat=t.chat).tokens
+    got = vision_gen.generate(tmp_path / "out", "Describe it", t.photo, 8, chat=t.chat).tokens
     assert got == t.hf_greedy(ids, pixels, 8)
 
 
@@ -199,7 +200,7 @@ def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, mes
     data["vision"] = vision
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ModelLoadError, match=message):
-        vlm.VisionGenerator(out, runtime="reference")
+        vision_gen.VisionGenerator(out, runtime="reference")
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "w8"])
@@ -225,7 +226,7 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
     weight_type = "GGML_Q4_0" if fmt == "q4_0" else "INT8"
     assert weight_type not in types["vision"] and weight_type in types["prefill"] and weight_type in types["decode"]
     ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
-    tokens = vlm.generate(out, "Describe it", t.photo, 8, chat=t.chat).tokens
+    tokens = vision_gen.generate(out, "Describe it", t.photo, 8, chat=t.chat).tokens
     assert len(tokens) == 8 or tokens[-1] in m.eos_token_ids
     if fmt == "w8":
         return
@@ -240,7 +241,7 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
     # the CLI writes the same files
     assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", "--target", "onert", "--quantize",
                  fmt, "-q", "--seq-len", t.prefill, "--max-cache-len", "64", "-o", str(tmp_path / "cli")]) == 0
-    assert vlm.generate(tmp_path / "cli", "Describe it", t.photo, 8, chat=t.chat).tokens == tokens
+    assert vision_gen.generate(tmp_path / "cli", "Describe it", t.photo, 8, chat=t.chat).tokens == tokens
 
 
 def test_dtype_is_refused_for_a_vlm(tiny_vlm_onert, tmp_path, capsys):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from circleops.generation import vision
 from circleops.recipes import vlm
 from circleops.cli import main
 from vlm_fixtures import VLM_NEW
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.parametrize("tiny_vlm_onert", ["paligemma"], indirect=T
 
 
 def _prefill_logits(out, ids, pixels, prefix_len: int, runtime=None):
-    gen = vlm.VisionGenerator(out, runtime=runtime)
+    gen = vision.VisionGenerator(out, runtime=runtime)
     gen.attach_images(ids, 0, gen.image_features(pixels))
     gen.prefix_len = prefix_len
     return gen.feed(ids)
@@ -35,7 +36,7 @@ def test_the_prefix_mask_decides_the_logits(tiny_vlm_onert, tmp_path, target):
         vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=(48, 8),
                                max_cache_len=64)
         out = tmp_path / "out"
-    ids, pixels = vlm.prepare(t.processor, "Describe it", vlm.read_image(t.photo))
+    ids, pixels = vision.prepare(t.processor, "Describe it", vision.read_image(t.photo))
     prefix, causal = (_prefill_logits(out, ids, pixels, p) for p in (len(ids), 0))
     want_prefix, want_causal = t.hf_logits(ids, pixels, token_type=0), t.hf_logits(ids, pixels, token_type=1)
     scale = max(1.0, float(np.abs(want_prefix).max()))
@@ -43,7 +44,7 @@ def test_the_prefix_mask_decides_the_logits(tiny_vlm_onert, tmp_path, target):
     assert np.abs(causal - want_causal).max() < 1e-4 * scale
     assert np.abs(want_prefix - want_causal).max() > 0.05 * scale  # the mask matters to this model
     assert t.hf_greedy(ids, pixels) != t.hf_greedy(ids, pixels, token_type=1)
-    assert vlm.generate(out, "Describe it", t.photo, VLM_NEW).tokens == t.hf_greedy(ids, pixels)
+    assert vision.generate(out, "Describe it", t.photo, VLM_NEW).tokens == t.hf_greedy(ids, pixels)
 
 
 def test_a_prefix_longer_than_the_prefill_graphs_names_seq_len(tiny_vlm_onert, tmp_path, capsys):
@@ -52,7 +53,7 @@ def test_a_prefix_longer_than_the_prefill_graphs_names_seq_len(tiny_vlm_onert, t
     each, naming --seq-len; nothing is written."""
     t = tiny_vlm_onert
     prompt = " ".join(["word"] * 40)
-    ids, _ = vlm.prepare(t.processor, prompt, vlm.read_image(t.photo))
+    ids, _ = vision.prepare(t.processor, prompt, vision.read_image(t.photo))
     assert len(ids) > 48
     assert main(["generate", str(t.out), "--image", str(t.photo), "--prompt", prompt]) == 2
     err = capsys.readouterr().err

@@ -142,7 +142,7 @@ def test_nested_json_in_a_converted_directory(seeds, tmp_path, name):
 
 
 def test_nested_speech_manifest_and_wrong_types(seeds, tmp_path):
-    from circleops.recipes.speech import read_speech_manifest
+    from circleops.package.speech_manifest import read_speech_manifest
 
     d = shutil.copytree(seeds.speech_dir, tmp_path / "speech")
     (d / "manifest.json").write_text(_deep())
@@ -333,7 +333,7 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     # a processor whose chunk_length is 10^9 would pad the audio to 1.6e13 samples
     from types import SimpleNamespace
 
-    from circleops.recipes.speech import check_extractor, read_speech_manifest
+    from circleops.package.speech_manifest import check_extractor, read_speech_manifest
 
     m = read_speech_manifest(seeds.speech_dir)
     good = SimpleNamespace(feature_size=20, n_samples=16000, hop_length=160, sampling_rate=16000)

@@ -20,7 +20,7 @@ import torch
 import circleops
 from circleops import ir
 from circleops.errors import VerifyError
-from circleops.package.report import VerifyResult
+from circleops.pipeline.report import VerifyResult
 from circleops.serialize import read_model, write_model
 from circleops.serialize.writer import remove_stale_temporaries
 
@@ -231,7 +231,7 @@ def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypat
     def broken(*a, **k):
         raise RuntimeError("simulated failure in the middle of the re-conversion")
 
-    monkeypatch.setattr(graphs, "lower_step", broken)
+    monkeypatch.setattr("circleops.package.step.lower_graph", broken)
     with pytest.raises(RuntimeError, match="simulated"):
         graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.is_file()}

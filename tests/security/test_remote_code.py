@@ -45,7 +45,7 @@ def _text_manifest(d: Path, vision: dict | None = None) -> Path:
 
 
 def _speech_manifest(d: Path) -> Path:
-    from circleops.recipes.speech import SpeechManifest
+    from circleops.package.speech_manifest import SpeechManifest
 
     d.mkdir(parents=True)
     SpeechManifest(directory=d, target="onert", dtype="float32",
@@ -132,12 +132,11 @@ def test_every_loader_refuses_before_transformers(file, tmp_path):
     """The library calls too (not only the CLI): each loader of a saved tokenizer/processor."""
     from circleops.generation import generator as generate
     from circleops.tools import precision
-    from circleops.recipes import speech
-    from circleops.recipes import vlm
+    from circleops.generation import speech, vision
 
     marker = tmp_path / "pwned"
     d = make_evil(_tokenizer_dir(tmp_path / "tok"), file, marker)
-    for load in (generate.hf_tokenizer, vlm.load_processor, speech.load_processor, precision.directory_tokenizer):
+    for load in (generate.hf_tokenizer, vision.load_processor, speech.load_processor, precision.directory_tokenizer):
         with pytest.raises(ModelLoadError, match=f"{file}.*auto_map"):
             load(d if load is not precision.directory_tokenizer else str(d))
     assert not marker.exists()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from circleops.cli import main
-from circleops.recipes.speech import SPEECH_FORMAT, SpeechGenerator, SpeechInputError
+from circleops.generation.speech import SpeechGenerator
+from circleops.package.speech_manifest import SPEECH_FORMAT, SpeechInputError
 from tiny_whisper import write_wav
 
 NEW_TOKENS = 12

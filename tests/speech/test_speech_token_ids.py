@@ -10,7 +10,7 @@ import pytest
 
 from circleops.cli import main
 from circleops.errors import ModelLoadError
-from circleops.recipes.speech import read_speech_manifest
+from circleops.package.speech_manifest import read_speech_manifest
 
 
 @pytest.mark.parametrize("field, value", [

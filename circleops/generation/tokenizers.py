@@ -1,0 +1,146 @@
+"""Text in and out of a generation: the tokenizer saved next to the graphs
+(:func:`load_tokenizer`: tokenizer.json through the ``tokenizers`` library, else transformers),
+the prompt's ids (:func:`encode_prompt`, with the chat template) and the text of the new tokens
+as they arrive (:class:`TextStream`)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from circleops.errors import CircleOpsError, ModelLoadError
+from circleops.inputs.chat_template import template_budget
+from circleops.inputs.remote_code import refuse_remote_code
+from circleops.package.manifest import MANIFEST, confined_tokenizer
+
+
+class TextStream:
+    """Writes the decoded text of the new tokens as they arrive (whole characters only:
+    a byte-level BPE token can end inside a UTF-8 sequence)."""
+
+    def __init__(self, tokenizer: Any, out: Any = None):
+        self.tokenizer = tokenizer
+        self.out = out if out is not None else sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def close(self) -> str:
+        text = self.text()
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+        return text
+
+
+def check_tokenizer_dir(directory: Path) -> Any:
+    """ModelLoadError naming the file unless every JSON file of the tokenizer directory reads
+    (circleops.inputs.user_files.read_json: not empty, UTF-8, JSON, not nested past the limit) and
+    tokenizer.json loads in the ``tokenizers`` library (which refuses e.g. a negative id);
+    returns that ``tokenizers.Tokenizer`` (None without tokenizer.json or the library)."""
+    from circleops.inputs.user_files import check_json_files
+
+    fix = "The tokenizer is damaged: convert the model again."
+    check_json_files(directory, error=ModelLoadError, fix=fix)
+    path = directory / "tokenizer.json"
+    if path.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the Rust library's one exception type for a bad file
+            raise ModelLoadError(f"{path} is not a tokenizer the tokenizers library can load: "
+                                 f"{' '.join(str(err).split())[:200]}. {fix}") from None
+    return None
+
+
+class FastTokenizer:
+    """The saved tokenizer.json through the ``tokenizers`` library: what generation needs
+    (encode, decode) without importing torch and transformers (seconds of start-up)."""
+
+    def __init__(self, directory: Path):
+        import tokenizers  # noqa: F401 - ImportError: the caller falls back to transformers
+
+        self.directory = directory
+        self.tokenizer = check_tokenizer_dir(directory)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(manifest: Any) -> Any:
+    """The tokenizer saved next to the graphs: a FastTokenizer over tokenizer.json when
+    there is one, else transformers.AutoTokenizer."""
+    if not manifest.tokenizer:
+        raise ModelLoadError(f"{manifest.directory} has no tokenizer (the model was converted without one, e.g. "
+                             f"from --config): pass the prompt as token ids with --token-ids 1,2,3.")
+    # checked again here: a Manifest can be built by hand, not only read (read_manifest checks)
+    path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
+    if not path.is_dir():
+        raise ModelLoadError(f"the tokenizer directory {path} listed in manifest.json is missing. Convert again.")
+    refuse_remote_code(path)  # its tokenizer.json alone would tokenize differently from the custom class
+    if (path / "tokenizer.json").is_file():
+        try:
+            return FastTokenizer(path)
+        except ImportError:
+            pass
+    return hf_tokenizer(path)
+
+
+def hf_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer of a saved tokenizer directory (chat templates need it)."""
+    check_tokenizer_dir(path)  # a damaged file is named here, not a traceback inside transformers
+    try:
+        return _auto_tokenizer(path)
+    except CircleOpsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers on a value of the wrong type in a user's file
+        raise ModelLoadError(f"transformers cannot load the tokenizer in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}. The tokenizer files (tokenizer_config.json) are "
+                             f"damaged: convert the model again.") from None
+
+
+def _auto_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from circleops.sources.models import quiet_transformers
+
+    refuse_remote_code(path)
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of ``prompt``, special tokens added as the tokenizer's post-processor says
+    (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
+    if chat:
+        if isinstance(tokenizer, FastTokenizer):
+            tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
+        with template_budget(tokenizer):  # a model's template is someone else's program
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.encode(prompt)
+    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+

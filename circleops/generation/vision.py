@@ -1,0 +1,278 @@
+"""Generation from an image and a prompt over a vision-language model's directory
+(``circleops generate DIR --image photo.png --prompt TEXT``, ``circleops chat DIR --image``):
+the vision graph runs on each tile, its embeddings take the places of the prompt's
+``<image>`` tokens, and the prefill graphs merge them in chunk by chunk.
+
+    from circleops.generation.vision import generate
+    result = generate("out/", "Describe it", image="photo.png")
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from circleops.generation.chat import Chat
+from circleops.inputs.chat_template import template_budget
+from circleops.errors import CircleOpsError, ModelLoadError
+from circleops.generation.core import Generation, GenerationLimitError
+from circleops.generation.generator import Generator
+from circleops.generation.sessions import open_graph
+from circleops.generation.tokenizers import TextStream
+from circleops.package.manifest import MANIFEST, Manifest
+from circleops.package.vision_manifest import VLM_GRAPH_NAMES, VisionSpec
+from circleops.inputs.remote_code import refuse_remote_code
+
+
+class ImageInputError(CircleOpsError):
+    """An image that cannot be read, or a prompt whose image tokens have no image."""
+
+
+
+def load_processor(path: Path, *, required: bool = True) -> Any:
+    """The processor (tokenizer, image processor, chat template) saved in ``path``."""
+    from transformers import AutoProcessor
+
+    from circleops.sources.models import quiet_transformers
+
+    refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
+    try:
+        with quiet_transformers():
+            return AutoProcessor.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
+        if not required:
+            return None
+        raise ModelLoadError(f"cannot load the processor saved in {path}: {str(err).strip()[:300]}. Convert again "
+                             f"from a model directory that holds its processor.") from None
+
+
+# --------------------------------------------------------------------------- generate
+
+class VisionGenerator(Generator):
+    """A :class:`~circleops.generation.generator.Generator` over a vision-language model's directory:
+    :meth:`image_features` runs the vision graph, :meth:`attach_images` places image
+    embeddings at the cache positions of ``<image>`` tokens, and the prefill graphs get each
+    chunk's rows (:meth:`prefill_extras`)."""
+
+    def __init__(self, source: Any, runtime: str | None = None, *,
+                 threads: int | Mapping[str, int] | None = None):
+        import numpy as np
+
+        super().__init__(source, runtime, threads=threads)
+        m = self.manifest
+        if m.vision is None:
+            raise ModelLoadError(f"{m.directory} holds a text model (its manifest has no vision graph): generate "
+                                 f"without --image, or convert a vision-language model with --graphs "
+                                 f"{','.join(VLM_GRAPH_NAMES)}.")
+        self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
+        self.vision_session = open_graph(m, self.vision.graph, self.runtime)
+        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
+        self._has_image = np.zeros(m.max_cache_len, dtype=bool)
+        # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
+        # graphs take it, and the prefix must go through one run (see plan)
+        self.prefix_len = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._has_image[:] = False
+        self.prefix_len = 0
+
+    def check_chat(self, chat: bool) -> None:
+        """A prefix-LM (PaliGemma) has no chat: its prompt is one prefix with its image, which a
+        conversation's later turns could not extend (they would be causal, unlike transformers'
+        re-encoded prompt). ModelLoadError for ``chat``."""
+        if chat and self.vision.prefix_lm:
+            raise ModelLoadError(f"{self.vision.family or 'this model'} has no chat template: its prompt is one prefix "
+                                 f"(the image and the text attend to each other both ways), so it does not chat. Use "
+                                 f"`circleops generate {self.manifest.directory} --image PATH --prompt TEXT` without "
+                                 f"--chat.")
+
+    def check_prefix(self, prefix_len: int) -> int:
+        """The length of the prefill graph that takes a prefix of ``prefix_len`` tokens in one
+        run (the shortest that holds it); GenerationLimitError naming --seq-len if none does."""
+        fits = [n for n in self.prefill_sessions if n >= prefix_len]
+        if not fits:
+            raise GenerationLimitError(
+                f"the prompt is {prefix_len} tokens (the image's {self.vision.image_seq_len} and the text), and "
+                f"{self.vision.family or 'this model'} attends both ways over all of them, so they go through one "
+                f"prefill run; the longest prefill graph in {self.manifest.directory} takes "
+                f"{max(self.prefill_sessions)}. Shorten the prompt, or convert again with --seq-len {prefix_len} or "
+                f"more as the longest length (e.g. --seq-len {prefix_len},8).")
+        return min(fits)
+
+    def plan(self, start: int, end: int) -> list[tuple[int, int]]:
+        """A prefix-LM's prefix in one run (chunking it would hide later prefix tokens from
+        earlier ones), the rest as :meth:`Generator.plan` chunks it."""
+        if not self.vision.prefix_lm or self.prefix_len <= start:
+            return super().plan(start, end)
+        if start > 0:
+            raise GenerationLimitError(f"the prefix ends at position {self.prefix_len}, and {start} tokens are in "
+                                       f"the cache already: a prefix is fed from position 0 (start a new prompt).")
+        first = self.check_prefix(self.prefix_len)
+        return [(first, 0)] + (super().plan(first, end) if end > first else [])
+
+    def image_features(self, pixel_values: Any) -> Any:
+        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
+        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does."""
+        import numpy as np
+
+        s = self.vision.tile_size
+        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
+        if tiles.shape[-2:] != (s, s):
+            raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
+                                  f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
+                                  f"again with the model's own processor.")
+        out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
+        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
+
+    def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
+        """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
+        of ``features`` in order; ImageInputError unless there are as many."""
+        import numpy as np
+
+        where = [start + i for i, t in enumerate(ids) if int(t) == self.vision.image_token_id]
+        if len(where) != len(features):
+            raise ImageInputError(f"the prompt has {len(where)} image tokens and the image gives {len(features)} "
+                                  f"embeddings ({self.vision.image_seq_len} per tile): the prompt was not made by "
+                                  f"the model's processor from this image.")
+        if where and where[-1] >= self.manifest.max_cache_len:
+            raise GenerationLimitError(f"the image tokens reach position {where[-1]}, past the "
+                                       f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
+                                       f"larger --max-cache-len.")
+        if where:
+            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._has_image[where] = True
+
+    def feed(self, token_ids: Sequence[int]) -> Any:
+        start = self.position
+        img = self.vision.image_token_id
+        orphans = [start + i for i, t in enumerate(token_ids)
+                   if int(t) == img and start + i < len(self._has_image) and not self._has_image[start + i]]
+        if orphans and (len(token_ids) > 1 or start == 0):
+            raise ImageInputError(f"the prompt has {len(orphans)} image token(s) (<image>) with no image: pass the "
+                                  f"image (--image PATH).")
+        return super().feed(token_ids)
+
+    def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
+        import numpy as np
+
+        n = ids.shape[1]
+        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
+        take = max(0, min(n, self.manifest.max_cache_len - pos))
+        rows[0, :take] = self._rows[pos:pos + take]
+        if self.vision.prefix_lm:
+            return [rows, np.array([self.prefix_len], dtype=np.int64)]
+        return [rows]
+
+    def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
+                            max_new_tokens: int, **kwargs: Any) -> Generation:
+        """:meth:`generate` (a new conversation) with the image ``pixel_values`` (the
+        processor's) behind the prompt's image tokens."""
+        if self.vision.prefix_lm:  # the whole prompt is the prefix (what PaliGemmaProcessor makes)
+            self.check_prefix(len(prompt_ids))
+        features = self.image_features(pixel_values) if pixel_values is not None else []
+        self.reset()
+        self.attach_images(prompt_ids, 0, features)
+        self.prefix_len = len(prompt_ids) if self.vision.prefix_lm else 0
+        return self.generate(prompt_ids, max_new_tokens, keep_cache=True, **kwargs)
+
+
+def read_image(path: str | os.PathLike) -> Any:
+    """The image at ``path`` as RGB (PIL); ImageInputError when it cannot be read."""
+    from PIL import ImageOps
+
+    from circleops.inputs.user_files import opened_image
+
+    # opened_image checks the pixel count (CIRCLEOPS_MAX_IMAGE_PIXELS) before decoding and
+    # turns any decoder error into an ImageInputError naming the file
+    with opened_image(path, error=ImageInputError) as picture:
+        # upright as the camera's EXIF Orientation says, as transformers' load_image does
+        return ImageOps.exif_transpose(picture).convert("RGB")
+
+
+def _user_content(text: str, image: bool) -> list[dict[str, str]]:
+    return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
+
+
+def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False) -> tuple[list[int], Any]:
+    """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
+    makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
+    prompt has one); with ``chat`` the prompt is one user turn of the processor's template."""
+    if chat:
+        if not getattr(processor, "chat_template", None):
+            raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
+        with template_budget(processor):  # a model's template is someone else's program
+            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
+                                                 add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
+    if image is None and type(processor).__name__ == "PaliGemmaProcessor":
+        raise ImageInputError("PaliGemma generates from an image and a prompt (its processor takes no text alone): "
+                              "pass the image (--image PATH).")
+    if image is None and "<image>" in text:
+        raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
+                              "or drop <image> from the prompt.")
+    try:
+        enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
+    except ValueError as err:
+        raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
+    return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
+
+
+def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike | None = None,
+             max_new_tokens: int = 64, *, runtime: str | None = None, chat: bool = False, stream: Any = None,
+             sampler: Any = None) -> Generation:
+    """Generation from ``prompt`` and the image at ``image`` with the graphs in
+    ``directory`` (``convert --graphs vision,prefill,decode``); ``result.text`` holds the
+    new text, which ``stream`` (a file) also receives as it is produced."""
+    gen = VisionGenerator(directory, runtime=runtime)
+    gen.check_chat(chat)
+    processor = saved_processor(gen.manifest)
+    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
+    gen.check_fits(len(ids), max_new_tokens)
+    streamer = TextStream(processor.tokenizer, stream) if stream is not None else None
+    result = gen.generate_with_image(ids, pixels, max_new_tokens, on_token=streamer, sampler=sampler)
+    result.text = streamer.close() if streamer is not None else processor.tokenizer.decode(
+        result.tokens, skip_special_tokens=True)
+    return result
+
+
+def saved_processor(manifest: Manifest) -> Any:
+    """The processor saved next to the graphs (``tokenizer/``)."""
+    from circleops.package.manifest import confined_tokenizer
+
+    if not manifest.tokenizer:
+        raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
+                             f"convert the model directory, with its processor, to generate from an image.")
+    return load_processor(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
+
+
+class VisionChat(Chat):
+    """:class:`~circleops.generation.chat.Chat` with an image in the first user message: the
+    conversation is rendered with the processor's chat template, the image's embeddings are
+    computed once and placed at its ``<image>`` tokens."""
+
+    def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
+        generator.check_chat(True)
+        if not getattr(processor, "chat_template", None):
+            raise ModelLoadError("the processor saved with this model has no chat template, so it cannot chat; use "
+                                 "`circleops generate DIR --image ... --prompt ...`.")
+        self.processor = processor
+        self.image = image
+        self._features = None
+        super().__init__(generator, processor.tokenizer, system=system)
+
+    def _render(self) -> list[int]:
+        first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
+        messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
+                    for i, m in enumerate(self.messages)]
+        with template_budget(self.processor):
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
+        if pixels is not None:
+            if self._features is None:
+                self._features = self.generator.image_features(pixels)
+            self.generator.attach_images(ids, 0, self._features)
+        return ids

@@ -1,0 +1,263 @@
+"""The package step: a recipe's graphs written the same way for every recipe.
+
+    report = run(recipe, "out/", progress=print)
+
+A recipe (circleops.recipes.base.Recipe: the decoder LLM, each VLM family, Whisper...) says
+which graphs it is (:class:`Graph`: a torch module, its example inputs, its input and output
+names), what its manifest section holds, the assets saved beside the graphs and how its
+written graphs are compared with torch. This step does the rest, in this order:
+
+1. the options checked (:func:`resolve`) and the files planned (circleops.package.files:
+   a file per graph, one with a signature per graph, onert's C-API signatures, a split
+   model's layer-range parts), before any work;
+2. the weight format's steps on the torch model (SmoothQuant, importances, GGUF blocks);
+3. the torch references (the model's own forward, before its modules are fused);
+4. each graph exported, then ``circleops.pipeline.stages.build`` (fuse, lower, quantize);
+5. the files written into a staging directory beside the output, the assets, the manifest;
+6. the numeric comparison of the written graphs with torch (``--verify``), one rule for all;
+7. the manifest written last and the directory published atomically (circleops.package.output).
+
+A recipe is used through its attributes only (this package sits below circleops.recipes).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from circleops.errors import CircleOpsError, TargetError, VerifyError
+from circleops.package import split
+from circleops.package.files import FilePlan, plan_files, write_files
+from circleops.package.manifest import graph_runtimes
+from circleops.package.output import prepare_dir, publish, staging_dir
+from circleops.package.report import GraphsReport
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Graph:
+    """One graph of a recipe, as the package step exports, lowers and writes it."""
+
+    name: str  # the manifest's key, the signature's key and the subgraph's name
+    module: Any = None  # the torch module exported
+    example_args: tuple = ()  # its export inputs
+    inputs: Sequence[str] = ()  # the graph's input names, in order
+    outputs: Sequence[str] = ()  # its output names, in order
+    rows: int | None = None  # the rows one run computes (prefill length; decode 1): lowered for the threads
+    #                          it runs at (circleops.recipes.base.Recipe.lowering_options); None: the budget
+    quantize: bool = True  # --quantize applies to its weights (a VLM's vision graph: False, it stays fp32)
+    layers: tuple[int, int] | None = None  # a part of a split graph: its layer range [start, stop)
+    parts: list["Graph"] = field(default_factory=list)  # a split graph: one Graph per layer range, in order
+
+    def programs(self) -> dict[str, "Graph"]:
+        """The programs to export and lower: name -> graph (itself, or its parts "decode.part1")."""
+        if not self.parts:
+            return {self.name: self}
+        return {split.part_graph_name(self.name, j): part for j, part in enumerate(self.parts)}
+
+
+@dataclass
+class Package:
+    """One run of the step: its resolved options, file plan, directories and tracker."""
+
+    opts: Any  # circleops.pipeline.stages.Options
+    plan: FilePlan
+    staging: Path  # where everything is written (and compared) first
+    out_dir: Path  # where it is published
+    tracker: Any  # circleops.pipeline.stages.Tracker
+
+
+def verify_runtime(verify: bool | str, target: str, quantize: str | None) -> tuple[str | None, str | None]:
+    """(the runtime the written graphs are compared on, a note when it is not the target's own):
+    None without ``verify``; ``verify`` True picks the target's, a name must run its graphs."""
+    from circleops.runtime import choose_runtime
+
+    if not verify:
+        return None, None
+    if verify is not True and str(verify) not in graph_runtimes(target):
+        raise TargetError(f"runtime {verify} cannot run target {target}'s files; use one of "
+                          f"{', '.join(graph_runtimes(target))}.")
+    return choose_runtime(verify, target, quantize)  # GGML on a CPU without AVX-512: the reference interpreter
+
+
+def resolve(recipe: Any) -> tuple[Any, str | None]:
+    """The pipeline's Options of ``recipe.options`` (circleops.options.ConvertOptions),
+    every option checked (the recipe's own by ``recipe.check``), and the verify note."""
+    from circleops.pipeline import stages
+    from circleops.pipeline.validate import validate_quantize, validate_target, validate_target_dtype, validate_threads
+    from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
+    from circleops.targets import PROFILES
+
+    o = recipe.options
+    target = validate_target(o.target)[0]
+    dtype = recipe.dtype()
+    quantize = validate_quantize(o.quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write: use one of "
+                          f"{', '.join(WEIGHT_ONLY_FORMATS)} (weight-only), or circleops convert for an integer file")
+    validate_target_dtype(target, dtype, quantize)
+    validate_threads(o.threads)
+    threads = o.threads
+    if threads is None and quantize:
+        threads = PROFILES[target].quantized_threads  # the thread count quantized files are made for
+    runtime, note = verify_runtime(o.verify, target, quantize)
+    opts = stages.Options(target, dtype, quantize=quantize, threads=threads, runtime=runtime, tolerance=o.tolerance,
+                          functionalize=False)
+    recipe.check(opts)
+    return opts, note
+
+
+def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = None) -> GraphsReport:
+    """Write ``recipe``'s graphs, assets and manifest into ``out_dir`` (see the module's
+    docstring); nothing in ``out_dir`` changes unless every graph was written (and compared)."""
+    from circleops.pipeline import stages
+
+    opts, note = resolve(recipe)
+    o = recipe.options
+    plan = plan_files(opts.profile, o.onert_signatures, o.max_file_bytes, recipe.layer_bytes(opts.quantize))
+    out = Path(out_dir)
+    prepare_dir(out)
+    staging = staging_dir(out)
+    tracker = stages.Tracker(progress)
+    try:
+        with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
+            weights = stages.prepare_weights(recipe.weights_module(), opts, restore, tokenizer=recipe.tokenizer,
+                                             tracker=tracker)
+            report = _package(recipe, Package(opts, plan, staging, out, tracker), weights)
+        report.verify_note = note
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report.manifest.directory = out
+    return report
+
+
+def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
+    """The step's work into the staging directory: references, export, build, write, compare."""
+    from circleops.quantize.weights import dequantized_sources
+
+    opts, tracker = pkg.opts, pkg.tracker
+    references = None
+    if opts.runtime is not None and not opts.quantize:  # the model's own forward, before its modules are fused
+        with tracker.stage("torch reference logits", "verify", enter=False):
+            references = recipe.references()
+    with tracker.stage("export"):
+        graphs = recipe.graphs(opts, pkg.plan.parts)
+        programs = {name: g for graph in graphs for name, g in graph.programs().items()}
+        eps = _export(recipe, programs)
+    lowered, quantization = _build(recipe, programs, eps, opts, weights, tracker)
+    del eps
+    if opts.runtime is not None and quantization is not None:
+        # the model's forward (fused by now: same numerics) on the weights the files hold
+        with tracker.stage("torch reference logits", "verify", enter=False), \
+                dequantized_sources(quantization, recipe.weights_module(), opts.runtime):
+            references = recipe.references()
+    with tracker.stage("write"):
+        infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
+        del lowered
+        manifest = recipe.manifest(pkg.staging, opts, pkg.plan, infos)  # and the assets beside it
+    report = GraphsReport(directory=str(pkg.out_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
+                          manifest=manifest, timings=tracker.timings, source=recipe.source,
+                          quantization=quantization, kind=recipe.kind, compared=recipe.compared,
+                          **recipe.describe(manifest))
+    if opts.runtime is not None:
+        _compare(recipe, manifest, references, report, pkg)
+    manifest.write()
+    return report
+
+
+def _export(recipe: Any, programs: Mapping[str, Graph]) -> dict[str, Any]:
+    """torch.export of every program (errors as ExportError), inside the recipe's export settings."""
+    import torch
+
+    from circleops.pipeline.stages import export
+
+    with torch.no_grad(), recipe.exporting():
+        return {name: export(g.module, tuple(g.example_args), adapters=False, warn_list=[])
+                for name, g in programs.items()}
+
+
+def _build(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, Any], opts: Any, weights: Any,
+           tracker: Any) -> tuple[dict[str, Any], Any]:
+    """fuse -> lower -> quantize over the programs (circleops.pipeline.stages.build): those
+    --quantize does not apply to first, without the weight format; (models in graph order,
+    the QuantReport or None)."""
+    from circleops.pipeline import stages
+
+    def builder(graph_opts: Any) -> Callable[[str, Any], Any]:
+        return lambda name, ep: lower_graph(ep, programs[name], recipe.lowering_options(graph_opts, programs[name]))
+
+    models: dict[str, Any] = {}
+    plain = {n: eps.pop(n) for n in list(eps) if not programs[n].quantize}
+    if plain:
+        plain_opts = dataclasses.replace(opts, quantize=None)
+        models.update(stages.build(plain, plain_opts, None, tracker, lower_one=builder(plain_opts)).models)
+        del plain
+    quantization = None
+    if eps:
+        built = stages.build(eps, opts, weights, tracker, lower_one=builder(opts))
+        models.update(built.models)
+        quantization = built.quantization
+        del built
+    return {name: models[name] for name in programs}, quantization
+
+
+def lower_graph(ep: Any, graph: Graph, opts: Any) -> Any:
+    """Lower one exported graph for ``opts`` (the profile's ``graph_inline_ops`` op by op) and
+    name its subgraph, inputs, outputs and signature after ``graph``."""
+    from circleops.pipeline import stages
+
+    stages.inline_fused_ops(ep, opts.profile.graph_inline_ops)
+    return name_graph(stages.lower(ep, opts), graph.name, graph.inputs, graph.outputs)
+
+
+def name_graph(model: Any, name: str, inputs: Sequence[str], outputs: Sequence[str]) -> Any:
+    """``model``'s subgraph named ``name``, its inputs and outputs named in order, its signature
+    key ``name``. An output that is an input (an in-place cache update, Circle ATTENTION) keeps
+    the input's name."""
+    sub = model.subgraphs[0]
+    sub.name = name
+    ins, outs = list(inputs), list(outputs)
+    if len(sub.inputs) != len(ins) or len(sub.outputs) != len(outs):
+        raise CircleOpsError(f"internal: the {name} graph has {len(sub.inputs)} inputs and {len(sub.outputs)} "
+                             f"outputs, expected {len(ins)} and {len(outs)}.")
+    for idx, n in zip(sub.inputs, ins):
+        sub.tensors[idx].name = n
+    taken = set(sub.inputs)
+    for idx, n in zip(sub.outputs, outs):
+        if idx not in taken:
+            sub.tensors[idx].name = n
+    sig = model.signatures[0]
+    sig.key, sig.inputs, sig.outputs = name, dict(zip(ins, sub.inputs)), dict(zip(outs, sub.outputs))
+    return model
+
+
+def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, pkg: Package) -> None:
+    """The written graphs run on the verify runtime against the torch references (the
+    recipe's ``compare``), one rule for every recipe: VerifyError above tolerance x
+    max(1, max|reference|)."""
+    from circleops.pipeline import stages
+
+    opts = pkg.opts
+    tol = opts.verify_tolerance()
+    tol = stages.format_tolerance(None, opts.dtype) if tol is None else tol
+    stages.release_weights()  # written and referenced: the runtime's child needs the memory now
+    with pkg.tracker.stage("verify"):
+        compared = recipe.compare(manifest, opts.runtime, references)
+    what = f"max abs {recipe.compared} error" if recipe.compared else "max abs error"
+    for g, (err, reference_max) in compared.items():
+        scale = max(1.0, float(reference_max))
+        if not err <= tol * scale:
+            raise VerifyError(
+                f"the written {g} graph does not match the model: {opts.runtime} gives {what} {err:.3g} "
+                f"(tolerance {tol:.3g} x {scale:.3g}); nothing was written (an earlier output there is unchanged). "
+                f"Convert without --verify to inspect them (circleops inspect), and report the model.")
+    for g, (err, _) in compared.items():
+        report.graphs[g].max_abs_error = err
+    report.verify_runtime, report.tolerance = opts.runtime, tol

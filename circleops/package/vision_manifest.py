@@ -1,0 +1,49 @@
+"""The manifest's ``vision`` entry of a vision-language model's directory: what
+``circleops convert --graphs vision,prefill,decode`` (circleops.recipes.vlm) writes and
+``circleops generate DIR --image`` (circleops.generation.vision) reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from circleops.errors import ModelLoadError
+
+VISION_GRAPH = "vision"
+VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
+IMAGE_EMBEDS = "image_embeds"
+PIXEL_VALUES = "pixel_values"
+PREFIX_LEN = "prefix_len"  # a prefix-LM's prefill input: the prompt positions that attend both ways
+
+
+@dataclass
+class VisionSpec:
+    """The manifest's ``vision`` entry: how the host feeds images to the graphs."""
+
+    graph: str  # the vision graph (a key of the manifest's files)
+    image_token_id: int
+    image_seq_len: int  # embeddings (and <image> tokens) per tile
+    tile_size: int  # the vision graph's pixel_values is [1, 3, tile_size, tile_size]
+    hidden_size: int  # the text model's: image_embeds rows
+    family: str  # model_type
+    prefix_lm: bool = False  # the prefill takes prefix_len: the prompt prefix attends both ways
+
+    def to_json(self) -> dict[str, Any]:
+        return {"graph": self.graph, "image_token_id": self.image_token_id, "image_seq_len": self.image_seq_len,
+                "tile_size": self.tile_size, "hidden_size": self.hidden_size, "family": self.family,
+                "prefill_input": IMAGE_EMBEDS, "prefix_lm": self.prefix_lm}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: Path) -> "VisionSpec":
+        try:
+            spec = cls(graph=str(data["graph"]), image_token_id=int(data["image_token_id"]),
+                       image_seq_len=int(data["image_seq_len"]), tile_size=int(data["tile_size"]),
+                       hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")),
+                       prefix_lm=bool(data.get("prefix_lm", False)))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"{where}: the vision entry is incomplete ({type(err).__name__}: {err}). Convert "
+                                 f"again with --graphs vision,prefill,decode.") from None
+        if min(spec.image_seq_len, spec.tile_size, spec.hidden_size) < 1 or spec.image_token_id < 0:
+            raise ModelLoadError(f"{where}: the vision entry's sizes must be positive. Convert again.")
+        return spec

@@ -1,0 +1,160 @@
+"""A recipe: the set of graphs a model is written as, for ``circleops generate`` to run.
+
+A recipe supplies what differs between models; the package step
+(circleops.package.step.run) does the rest the same way for every recipe: the option checks,
+the file plan per target (a file per graph, one file with signatures, onert's C-API
+signatures, split parts), export, the pipeline (fuse, lower, quantize), the write, the
+numeric comparison with torch (``--verify``), the manifest and the atomic publish.
+
+    class MyRecipe(Recipe):
+        kind = "text"                            # its manifest section
+        graph_names = ("prefill", "decode")      # the graphs it accepts (--graphs)
+
+        def graphs(self, opts, parts):           # what to export: Graph(name, module, args, io)
+        def manifest(self, directory, opts, plan, infos):   # the Manifest, assets saved beside it
+        def references(self):                    # torch's outputs the written graphs must match
+        def compare(self, manifest, runtime, references):   # {graph: (max abs error, max |reference|)}
+
+    report = package.step.run(MyRecipe(model, options), "out/")
+
+The decoder LLM (circleops.recipes.llm.LLMRecipe) is one; circleops/recipes/vlm.py and
+speech.py are others. Everything else has a default here: the model's dtype, the weights
+the format applies to, no split, the EOS rule, the report's lines.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any, ContextManager, Sequence
+
+from circleops.errors import OutputError
+from circleops.options import ConvertOptions
+from circleops.package.step import Graph
+
+__all__ = ["Graph", "Recipe", "eos_token_ids", "pad_token_id", "save_generation_config"]
+
+
+def eos_token_ids(*configs: Any) -> list[int]:
+    """The one EOS rule: every ``eos_token_id`` of ``configs`` (a model's generation_config and
+    config; an int or a list each), sorted, once each. Generation stops at any of them."""
+    ids: list[int] = []
+    for cfg in configs:
+        value = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if value is not None:
+            ids += list(value) if isinstance(value, (list, tuple)) else [value]
+    return sorted({int(i) for i in ids})
+
+
+def pad_token_id(config: Any, eos: Sequence[int]) -> int:
+    """The config's pad token, else the first EOS id, else 0 (what pads a short prefill chunk)."""
+    pad = getattr(config, "pad_token_id", None)
+    return int(pad) if pad is not None else (eos[0] if eos else 0)
+
+
+def save_generation_config(model: Any, directory: Path) -> None:
+    """The model's generation_config.json next to the graphs: `circleops generate --sample`
+    takes its temperature / top-k / top-p / repetition penalty as defaults, Whisper its start,
+    language and task tokens."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    try:
+        config.to_json_file(str(directory / "generation_config.json"))
+    except OSError as err:
+        raise OutputError(f"cannot write {directory / 'generation_config.json'}: {err}.") from None
+
+
+class Recipe:
+    """A set of graphs over one model (see the module docstring). ``options`` is the
+    conversion's circleops.options.ConvertOptions (target, quantize, verify, threads,
+    seq_len, max_cache_len, ...); ``tokenizer`` (or a processor) is saved with the graphs
+    and tokenizes calibration text; ``source`` names the model in reports and the manifest."""
+
+    kind: str = "text"  # the manifest section it writes: text, vision, speech
+    graph_names: tuple[str, ...] = ()  # the graphs it accepts (--graphs)
+    compared: str = "logit"  # what its comparison measures, in the report ("" for any output)
+
+    def __init__(self, model: Any, options: ConvertOptions | None = None, *, tokenizer: Any = None,
+                 source: str = ""):
+        self.model = model
+        self.options = options if options is not None else ConvertOptions()
+        self.tokenizer = tokenizer
+        self.source = source
+
+    # --------------------------------------------------------------- before any work
+
+    def dtype(self) -> Any:
+        """The torch dtype the graphs compute in: the model's (float32 if it has none)."""
+        import torch
+
+        from circleops.pipeline.validate import model_dtype
+
+        return model_dtype(self.model) or torch.float32
+
+    def check(self, opts: Any) -> None:
+        """Refuse what this recipe cannot write, and settle its own settings (lengths, graph
+        names), before any work. ``opts``: the resolved circleops.pipeline.stages.Options."""
+
+    def layer_bytes(self, quantize: str | None) -> Any:
+        """The weight bytes of its layer-range parts (circleops.package.split.PartBytes), or
+        None: it is never split into several files."""
+        return None
+
+    # --------------------------------------------------------------- the graphs
+
+    def weights_module(self) -> Any:
+        """The torch module whose weights the weight format applies to (and whose forward
+        runs on the dequantized weights for the comparison)."""
+        return self.model.eval()
+
+    def references(self) -> Any:
+        """torch's outputs that the written graphs are compared with (the model's own
+        forward, run before its modules are fused; again on the dequantized weights)."""
+        raise NotImplementedError
+
+    def graphs(self, opts: Any, parts: Sequence[tuple[int, int]]) -> list[Graph]:
+        """The graphs to write (``parts``: a split model's layer ranges, or ())."""
+        raise NotImplementedError
+
+    def exporting(self) -> ContextManager[Any]:
+        """A context the graphs are exported in (e.g. a VLM's explicit attention mask)."""
+        return contextlib.nullcontext()
+
+    def lowering_options(self, opts: Any, graph: Graph) -> Any:
+        """The lowering options of ``graph``: lowered for the thread count it runs at. A graph
+        that generate runs at one thread on the target's runtime (fewer rows than
+        circleops.generation.generator.GRAPH_THREAD_CAPS says: onert's 8-row prefill and
+        decode) is lowered for one thread, which writes its multi-row linears
+        FULLY_CONNECTED (pipeline.target_profile): SmolLM2's 8-row prefill took 0.66-0.85x
+        the CPU so (bench/results/09-llm-speed.yaml)."""
+        from circleops.generation.generator import GRAPH_THREAD_CAPS
+        from circleops.targets import PROFILES
+
+        few_rows, cap = GRAPH_THREAD_CAPS.get(PROFILES[opts.target].runtime, (0, 0))
+        if graph.rows is not None and graph.rows < few_rows and cap == 1 and opts.threads != 1:
+            return dataclasses.replace(opts, threads=1)
+        return opts
+
+    # --------------------------------------------------------------- what is written beside them
+
+    def manifest(self, directory: Path, opts: Any, plan: Any, infos: dict[str, Any]) -> Any:
+        """The manifest of the written graphs (circleops.package.manifest), its assets (the
+        tokenizer or processor, generation_config.json) saved into ``directory``."""
+        raise NotImplementedError
+
+    def eos_token_ids(self) -> list[int]:
+        """The model's EOS ids by the one rule (:func:`eos_token_ids`)."""
+        return eos_token_ids(getattr(self.model, "generation_config", None), getattr(self.model, "config", None))
+
+    # --------------------------------------------------------------- the comparison and the report
+
+    def compare(self, manifest: Any, runtime: str, references: Any) -> dict[str, tuple[float, float]]:
+        """Run the written graphs on ``runtime`` against ``references``: graph -> (max abs
+        error, max |reference|). The package step applies the tolerance."""
+        raise NotImplementedError
+
+    def describe(self, manifest: Any) -> dict[str, Any]:
+        """The report's recipe lines (circleops.package.report.GraphsReport fields):
+        ``manifest_line``, ``next_args``, ``attention``."""
+        return {}
