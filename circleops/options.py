@@ -24,6 +24,9 @@ CACHE_UPDATES = ("full", "rows")
 SLOT_MAJOR = "[1, C, Hkv, D]"
 HEAD_MAJOR = "k [1, Hkv, C, D], v [1, Hkv, D, C]"
 CACHE_LAYOUTS = (SLOT_MAJOR, HEAD_MAJOR)
+# an encoder-decoder's self-attention caches (Whisper's and the text-to-text models' graphs:
+# circleops.adapters.seq2seq), always with "rows": k and v alike [1, H, C, D]
+HEADS_ROWS = "k, v [1, H, C, D]; rows [1, H, S, D]"
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks (the
 # Generator's plan): long prompts in runs of the longest, short ones (and the remainder) in
@@ -35,7 +38,7 @@ DEFAULT_MAX_CACHE_LEN = 512
 # input shapes and labels; circleops inspect and run read it
 TASK_METADATA_KEY = "circleops.task"
 
-__all__ = ["ConvertOptions", "DEFAULT_PREFILL_LENS", "DEFAULT_MAX_CACHE_LEN", "TASK_METADATA_KEY", "FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS"]
+__all__ = ["ConvertOptions", "DEFAULT_PREFILL_LENS", "DEFAULT_MAX_CACHE_LEN", "TASK_METADATA_KEY", "FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS", "HEADS_ROWS"]
 
 
 @dataclass(frozen=True)

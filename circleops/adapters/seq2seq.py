@@ -280,3 +280,27 @@ class CrossFromStates(torch.nn.Module):
         step = self._step[0]
         cross = step.cross_kv(encoder_hidden_states)
         return (*step.run(input_ids, torch.zeros(1, dtype=torch.int64), None, cross, logits_row), *cross)
+
+
+class CalibrationLM(torch.nn.Module):
+    """An encoder-decoder text model as the causal LM a weight format's calibration runs
+    (circleops.quantize: input importances, SmoothQuant's maxima): ``forward(input_ids)``
+    encodes the text and decodes it teacher-forced (the start token, then the text shifted
+    right), so every linear of the encoder and the decoder sees it. It holds the model's own
+    modules: the formats quantize their weights."""
+
+    def __init__(self, model: Any):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
+        gen = self.generation_config
+        start = getattr(gen, "decoder_start_token_id", None) if gen is not None else None
+        start = int(start if start is not None else self.config.decoder_start_token_id)
+        decoder = torch.cat([torch.full_like(input_ids[:, :1], start), input_ids[:, :-1]], dim=1)
+        return self.model(input_ids=input_ids, decoder_input_ids=decoder, use_cache=False)

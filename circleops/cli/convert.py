@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=TASKS, default=None, help="what the model does, for HF models that "
                         "are not causal LMs (default: from config.json's architectures; docs/tasks.md)")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224", help="with a "
-                        "task model: the shape of this input (default: from the config and processor)")
+                        "task model: the shape of this input (default: from its config); text-to-text: input_ids=1xT")
     parser.add_argument("--seq-len", default=None, metavar="N", help="sequence length of the exported graph (default: "
                         f"64, or a .pt2's saved inputs); with --graphs the prefill lengths (default {prefill_lens})")
     parser.add_argument("--fuse", choices=FUSE_MODES, default="auto",
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cache; vision,prefill,decode for a vision-language model, docs/vlm.md) into the directory "
                              "-o, with manifest.json and the tokenizer, for "
                              f"`circleops generate`. --seq-len: one prefill graph per length (default {prefill_lens}). A "
-                             "Whisper directory: encoder,prefill,decode (generate --audio; docs/speech.md)")
+                             "Whisper, T5, BART or Marian directory: encoder,prefill,decode (docs/speech.md, docs/text2text.md)")
     parser.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN, metavar="C",
                         help=f"with --graphs: KV-cache slots, the longest prompt + generation "
                              f"(default {DEFAULT_MAX_CACHE_LEN})")
@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     from circleops.pipeline import convert as api
     from circleops.sources import models
     from circleops.sources import sizes
-    from circleops.cli import convert_graphs, convert_task, vision
+    from circleops.cli import convert_graphs, convert_task, convert_text2text, vision
     from circleops.cli.integer import integer_options
     from circleops.cli.common import (ProgressBar, convert_stages, one_length, scipy_hidden,
                                       write_report, writable)
@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model) if args.model else args.model  # a hub id: its cached/downloaded copy
     if getattr(args, "graphs", None):
         return convert_graphs.main(args)
-    vision.refuse_without_graphs(args)  # a vision-language model converts only into its --graphs
+    vision.refuse_without_graphs(args), convert_text2text.refuse_without_graphs(args)  # they convert only --graphs
     if task := convert_task.task_of(args):
         return convert_task.main(args, task)
     if args.model is None and args.config is None:

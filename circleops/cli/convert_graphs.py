@@ -31,7 +31,9 @@ def main(args: argparse.Namespace) -> int:
     from circleops.package.manifest import graph_runtimes
     from circleops.errors import OutputError, TargetError
 
-    from circleops.cli import convert_speech
+    from circleops.cli import convert_speech, convert_text2text
+    if convert_text2text.wants_text2text(args):  # T5, BART, mBART, Marian: encoder, prefill, decode
+        return convert_text2text.main(args)
     if convert_speech.wants_speech(args):  # Whisper: encoder, prefill, decode
         return convert_speech.main(args)
     from circleops.cli import vision

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
-from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
+from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, HEADS_ROWS, SLOT_MAJOR
 from circleops.inputs.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
 from circleops.inputs.token_ids import check_token_ids
@@ -103,6 +103,9 @@ class Manifest:
     # how the target's runtime selects a graph's signature where one file holds several:
     # "nnfw-c" (onert >= 0.2.0.dev's C API, nnfw_set_signature_run). None: the runtime's own way
     signature_api: str | None = None
+    # an encoder-decoder text model's encoder and decoding rules (circleops.package.text2text_manifest.Text2TextSpec
+    # .to_json): its encoder graph (a key of ``files``), source length and cross-attention K/V
+    text2text: dict[str, Any] | None = None
 
     @property
     def windowed_prefills(self) -> dict[str, tuple[int, int]]:
@@ -114,6 +117,8 @@ class Manifest:
     def cache_shapes(self) -> list[list[int]]:
         """The shape of each cache array the graphs take: the k caches, then the v caches."""
         _, c, h, d = self.cache_shape
+        if self.cache_layout == HEADS_ROWS:
+            return [[1, h, c, d]] * (2 * self.num_layers)
         k, v = ([1, h, c, d], [1, h, d, c]) if self.cache_layout == HEAD_MAJOR else (self.cache_shape, self.cache_shape)
         return [list(k)] * self.num_layers + [list(v)] * self.num_layers
 
@@ -159,6 +164,7 @@ class Manifest:
             "prefill_inputs": self.prefill_inputs or self.inputs,
             "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
             **({"vision": self.vision} if self.vision is not None else {}),
+            **({"text2text": self.text2text} if self.text2text is not None else {}),
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
             **({"parts": self.parts, "part_files": self.part_files} if self.parts else {}),
             **({"signature_api": self.signature_api} if self.signature_api else {}),
@@ -218,6 +224,7 @@ def _check_types(m: Manifest, path: Path) -> None:
         ("num_threads", m.num_threads is None or (isinstance(m.num_threads, int) and 1 <= m.num_threads <= 1024)),
         ("cache_update", isinstance(m.cache_update, str)), ("cache_layout", isinstance(m.cache_layout, str)),
         ("vision", m.vision is None or (isinstance(m.vision, dict) and all(isinstance(k, str) for k in m.vision))),
+        ("text2text", m.text2text is None or isinstance(m.text2text, dict)),
         ("prefill_windows", m.prefill_windows is None or (
             isinstance(m.prefill_windows, dict) and all(isinstance(k, str) and k in m.files and ints(v) and len(v) == 2
                                                         and 1 <= v[0] <= v[1] < m.max_cache_len
@@ -295,16 +302,18 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                      cache_update=data.get("cache_update") or "full",
                      cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
                      prefill_windows=data.get("prefill_windows"), parts=data.get("parts"),
-                     part_files=data.get("part_files"), signature_api=data.get("signature_api"))
+                     part_files=data.get("part_files"), signature_api=data.get("signature_api"),
+                     text2text=data.get("text2text"))
     except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)
     if m.cache_update not in CACHE_UPDATES:
         raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
                              f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
-    if m.cache_layout not in CACHE_LAYOUTS or (m.cache_layout == HEAD_MAJOR and m.cache_update != "rows"):
+    layouts = (*CACHE_LAYOUTS, HEADS_ROWS) if m.text2text is not None else CACHE_LAYOUTS  # an encoder-decoder's
+    if m.cache_layout not in layouts or (m.cache_layout in (HEAD_MAJOR, HEADS_ROWS) and m.cache_update != "rows"):
         raise ModelLoadError(f"{path}: unknown cache_layout {m.cache_layout!r} (this circleops reads "
-                             f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
+                             f"{' or '.join(map(repr, layouts))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
     sizes = [m.prefill_len, m.max_cache_len, m.num_layers, m.vocab_size, *m.prefill_graphs]
@@ -318,6 +327,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if isinstance(m.vision, dict) and "image_token_id" in m.vision:
         check_token_ids([m.vision["image_token_id"]], m.vocab_size, f"{path}: the vision entry's image_token_id",
                         fix=again)
+    if m.text2text is not None:  # every value checked (ModelLoadError) before any graph opens
+        from circleops.package.text2text_manifest import Text2TextSpec
+
+        Text2TextSpec.from_json(m.text2text, path, m.vocab_size)
     if m.cache_shape[1] != m.max_cache_len:  # the caches (checked against the graph) hold C slots, no more
         raise ModelLoadError(f"{path}: max_cache_len is {m.max_cache_len} but the caches (cache_shape "
                              f"{m.cache_shape}) hold {m.cache_shape[1]} slots; generating past them would write "

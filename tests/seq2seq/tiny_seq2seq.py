@@ -29,6 +29,11 @@ WORDS = ("translate English to German French summarize : the a house is small bi
 PROMPT = ("translate English to German: the old house on the river is small and green, and the big dog "
           "sees the cat.")
 FAMILIES = ("t5", "t5-v1_1", "bart", "mbart", "marian")
+# decoding rules of the generation configs real checkpoints ship (BART-CNN: min_length,
+# no_repeat_ngram_size; Marian: the pad token as a bad word): transformers' greedy generate
+# applies them as logits processors, and they keep a random model from repeating one token
+RULES = {"t5": {"no_repeat_ngram_size": 2}, "t5-v1_1": {"no_repeat_ngram_size": 3, "min_length": 6},
+         "bart": {"no_repeat_ngram_size": 3, "min_length": 4}, "marian": {"no_repeat_ngram_size": 2}}
 
 
 def _unigram_pieces(specials: list[str]) -> list[tuple[str, float]]:
@@ -124,6 +129,9 @@ def save_tiny(family: str, root: Path, seed: int = 0) -> TinySeq2Seq:
     tok = _tokenizer(family, root)
     vocab = len(tok) if tok is not None else 300
     model = _model(family, _config(family, vocab, tok), seed)
+    rules = {**RULES.get(family, {}), **({"bad_words_ids": [[vocab - 1]]} if family == "marian" else {})}
+    for name, value in rules.items():  # saved in generation_config.json
+        setattr(model.generation_config, name, value)
     model.save_pretrained(str(root))
     if tok is not None:
         tok.save_pretrained(str(root))
