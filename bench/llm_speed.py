@@ -75,15 +75,40 @@ ENGINES = {
                                    "circleops-litert"),
     "circleops-tflite-int4-pc": ("litert", "circleops --target tflite --quantize int4-pc (per channel) on LiteRT",
                                  "int4-pc", "circleops-litert"),
+    # the int4 file without cache windows (every decode step and prefill chunk over all C slots)
+    "circleops-tflite-int4-nowindow": ("litert", "circleops --target tflite --quantize int4 --cache-windows none",
+                                       "int4", "circleops-litert"),
+    # issue 34's anchors: ExecuTorch's 8da4w export (optimum-executorch, XNNPACK; its own venv,
+    # --executorch-python) and litert-torch's fp32 export quantized by ai-edge-quantizer's int4 recipes
+    "executorch-8da4w": ("litert", "ExecuTorch 1.5.1 8da4w + 8-bit embedding (optimum-executorch, XNNPACK)", "8da4w",
+                         "executorch"),
+    "litert-torch-int4": ("litert", "litert-torch 0.10 + ai-edge-quantizer dynamic_wi4b32_afp32 (int4 blocks of 32)",
+                          "int4-b32", "litert-torch"),
+    "litert-torch-int4-pc": ("litert", "litert-torch 0.10 + ai-edge-quantizer dynamic_wi4_afp32 (int4 per channel)",
+                             "int4-pc", "litert-torch"),
     "litert-torch-fp32": ("litert", "litert-torch 0.10 export_hf fp32", "fp32", "litert-torch"),
     "litert-torch-int8": ("litert", "litert-torch 0.10 export_hf dynamic int8 weights", "int8", "litert-torch"),
 }
 ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32": "ik-F32",
           "circleops-tflite-fp32": "litert-torch-fp32", "circleops-tflite-w8": "litert-torch-int8",
-          "circleops-tflite-w8-nowindow": "litert-torch-int8", "circleops-tflite-int4": "circleops-tflite-w8",
-          "circleops-tflite-int4-b128": "circleops-tflite-w8", "circleops-tflite-int4-pc": "circleops-tflite-w8"}
+          "circleops-tflite-w8-nowindow": "litert-torch-int8", "circleops-tflite-int4": "executorch-8da4w",
+          "circleops-tflite-int4-b128": "executorch-8da4w", "circleops-tflite-int4-pc": "executorch-8da4w",
+          "circleops-tflite-int4-nowindow": "executorch-8da4w", "litert-torch-int4": "executorch-8da4w",
+          "litert-torch-int4-pc": "executorch-8da4w"}
+# a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
+SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
+                                                     "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow")}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
-CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"]}
+CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
+                 "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
+# ai-edge-quantizer's recipe applied to litert-torch's fp32 model.tflite, per engine
+_LITERT_INT4_RECIPES = {"litert-torch-int4": "dynamic_wi4b32_afp32", "litert-torch-int4-pc": "dynamic_wi4_afp32"}
+_LITERT_QUANTIZE = ("from ai_edge_quantizer import quantizer, recipe; import sys; "
+                    "qt = quantizer.Quantizer(sys.argv[1]); qt.load_quantization_recipe(getattr(recipe, sys.argv[3])()); "
+                    "qt.quantize().export_model(sys.argv[2], overwrite=True)")
+# ExecuTorch's 8da4w export as issue 34 names it (optimum-executorch's CLI in its venv)
+_ET_EXPORT = ["export", "executorch", "--task", "text-generation", "--recipe", "xnnpack", "--use_custom_sdpa",
+              "--use_custom_kv_cache", "--qlinear", "8da4w", "--qembedding", "8w"]
 # litert-torch's HF export (in its own venv: litert-torch==0.10.0 + tensorflow-cpu), as issue 26 ran it
 _LITERT_EXPORT = ("from litert_torch.generative.export_hf.export import export; import sys; "
                   "export(model=sys.argv[1], output_dir=sys.argv[2], prefill_lengths=[64], cache_length=512, "
@@ -213,6 +238,40 @@ class _LitertTorch:
         return wall, cpu
 
 
+class _ExecuTorch:
+    """ExecuTorch's .pte (optimum-executorch's ExecuTorchModelForCausalLM, XNNPACK at T threads):
+    the prompt in one forward (its custom SDPA and KV cache), then one forward per token."""
+
+    def __init__(self, artifact: str, threads: int):
+        import torch
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+        from optimum.executorch import ExecuTorchModelForCausalLM
+
+        torch.set_num_threads(threads)
+        _unsafe_reset_threadpool(threads)
+        self.torch = torch
+        self.model = ExecuTorchModelForCausalLM.from_pretrained(artifact)
+
+    def _forward(self, ids: list[int], start: int) -> int:
+        t = self.torch
+        logits = self.model.forward(input_ids=t.tensor([ids], dtype=t.long),
+                                    cache_position=t.arange(start, start + len(ids), dtype=t.long))
+        return int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+
+    def ttft(self, ids: list[int]) -> int:
+        return self._forward(ids, 0)
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
+        token, pos = self._forward(ids, 0), len(ids)
+
+        def run():
+            nonlocal token, pos
+            for _ in range(steps):
+                token, pos = self._forward([token], pos), pos + 1
+        wall, cpu, _ = _timed(run)
+        return wall, cpu
+
+
 class _Ik:
     """ik_llama.cpp (IkLlama, flash attention as the wrapper decides for this CPU): the prefill
     and greedy steps as its IkLlama.generate does them, without its end-of-generation stop."""
@@ -270,6 +329,8 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
         runner = _Torch(artifact, threads)
     elif kind == "litert-torch":
         runner = _LitertTorch(artifact, threads)
+    elif kind == "executorch":
+        runner = _ExecuTorch(artifact, threads)
     else:
         runner = _Ik(artifact, threads)
     load = time.perf_counter() - t
@@ -322,7 +383,8 @@ def _circleops_cli() -> str:
 
 
 def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python: str | None = None, *,
-            fresh: bool = False, litert_torch_dir: str | None = None) -> dict[str, str]:
+            fresh: bool = False, litert_torch_dir: str | None = None,
+            executorch_python: str | None = None) -> dict[str, str]:
     """The artifact of each engine in ``work``, made when missing (``fresh``: circleops' files
     converted again whatever is there; ``litert_torch_dir``: litert-torch's export made earlier)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -347,7 +409,21 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
 
                 print(f"+ litert-torch export_hf -> {d}", flush=True)
                 subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True)
-            artifacts[engine] = str(d / ("model_quantized.tflite" if weights == "int8" else "model.tflite"))
+            name = {"int8": "model_quantized.tflite", "fp32": "model.tflite"}.get(weights, f"model_{weights}.tflite")
+            if engine in _LITERT_INT4_RECIPES and not (d / name).exists():
+                print(f"+ ai-edge-quantizer {_LITERT_INT4_RECIPES[engine]} -> {d / name}", flush=True)
+                subprocess.run([litert_python, "-c", _LITERT_QUANTIZE, str(d / "model.tflite"), str(d / name),
+                                _LITERT_INT4_RECIPES[engine]], check=True)
+            artifacts[engine] = str(d / name)
+        elif kind == "executorch":
+            d = work / "executorch-8da4w"
+            if not (d / "model.pte").exists():
+                from circleops.sources.models import smollm2_dir
+
+                print(f"+ optimum-cli {' '.join(_ET_EXPORT)} -> {d} (minutes)", flush=True)
+                cli = str(Path(executorch_python).with_name("optimum-cli"))
+                subprocess.run([cli, *_ET_EXPORT, "--model", str(smollm2_dir()), "--output_dir", str(d)], check=True)
+            artifacts[engine] = str(d)
         else:
             gguf_type = engine.split("-", 1)[1]
             path = work / f"smollm2-{gguf_type}.gguf"
@@ -409,6 +485,9 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
     columns = ["", "threads", f"TTFT {short} tokens ms", f"TTFT {long} tokens ms", "decode ms/token",
                f"TTFT {short} CPU ms", f"TTFT {long} CPU ms", "decode CPU ms/token"]
     columns += [f"TTFT {short} / anchor: wall (CPU)", f"TTFT {long} / anchor: wall (CPU)", "decode / anchor: wall (CPU)"]
+    second = any(e in SECOND_ANCHOR and ENGINES[e][0] == which for e in engines)
+    if second:
+        columns.append("decode / circleops w8: wall (CPU)")
     rows = []
     for t in threads:
         for e in engines:
@@ -424,6 +503,10 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
                 row.append(f"{s['decode_ms'] / a['decode_ms']:.2f} ({s['decode_cpu_ms'] / a['decode_cpu_ms']:.2f})")
             else:
                 row += ["", "", ""]
+            if second:
+                b = summary.get((SECOND_ANCHOR.get(e, ""), t))
+                row.append(f"{s['decode_ms'] / b['decode_ms']:.2f} ({s['decode_cpu_ms'] / b['decode_cpu_ms']:.2f})"
+                           if b else "")
             rows.append(row)
     return {"columns": columns, "align": ["left"] + ["right"] * (len(columns) - 1), "rows": rows}
 
@@ -455,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Python of a venv with ik-llama-cpp-python==0.1.5")
     ap.add_argument("--litert-python", default="/work/venvs/anchor-litert/bin/python",
                     help="the Python of a venv with litert-torch==0.10.0 and tensorflow-cpu (the LiteRT peer)")
+    ap.add_argument("--executorch-python", default="/work/venvs/anchor-executorch/bin/python",
+                    help="the Python of a venv with executorch==1.5.1 and optimum-executorch (issue 34's anchor)")
     ap.add_argument("--fresh", action="store_true", help="convert circleops' files again even when --work has them")
     ap.add_argument("--litert-torch-dir", default=None,
                     help="litert-torch's export_hf output made earlier (model.tflite, model_quantized.tflite)")
@@ -479,10 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         return report_runs(args, json.loads(Path(args.from_json).read_text()))
     ik_python = args.ik_python if Path(args.ik_python).exists() else None
     litert_python = args.litert_python if Path(args.litert_python).exists() else None
+    et_python = args.executorch_python if Path(args.executorch_python).exists() else None
     engines = [e for e in args.engines if (ENGINES[e][3] != "ik" or ik_python)
-               and (ENGINES[e][3] != "litert-torch" or litert_python)]
+               and (ENGINES[e][3] != "litert-torch" or litert_python) and (ENGINES[e][3] != "executorch" or et_python)]
     work = Path(args.work)
-    artifacts = prepare(work, engines, ik_python, litert_python, fresh=args.fresh, litert_torch_dir=args.litert_torch_dir)
+    artifacts = prepare(work, engines, ik_python, litert_python, fresh=args.fresh, litert_torch_dir=args.litert_torch_dir,
+                        executorch_python=et_python)
     spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps,
             "exact_threads": args.exact_threads}
     spec_path = work / "spec.json"
@@ -496,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         before = os.getloadavg()[0]
         for threads in args.threads:
             for e in engines:
-                python = {"ik": ik_python, "litert-torch": litert_python}.get(ENGINES[e][3], sys.executable)
+                python = {"ik": ik_python, "litert-torch": litert_python,
+                          "executorch": et_python}.get(ENGINES[e][3], sys.executable)
                 r = run_child(e, python, artifacts[e], threads, spec_path)
                 r["round"] = rnd
                 runs.append(r)

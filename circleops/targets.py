@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 from circleops.errors import TargetError
 
@@ -120,13 +120,25 @@ def _frozen(mapping: dict) -> Mapping:
 
 _ALL_ROPE_MODES = frozenset({"gpt_neox", "gpt_j"})
 
-CIRCLE = TargetProfile(
-    name="circle",
-    format="circle",
-    runtime="reference",
-    float_dtypes=frozenset({"float32", "float16", "bfloat16"}),
-    weights_after_flatbuffer=True,
-    fused_ops=BUILTIN,
+# The builtin facts of a runtime in which no quirk was found (the reference interpreter, LiteRT):
+# every builtin runs on every dtype and rank, ROPE on any positions and in both modes, linears
+# stay FULLY_CONNECTED with keepNumDims, reducers drop dims, subgraph outputs need no copy.
+# A profile with any quirk states each of these fields itself (ONERT).
+
+# The integer facts of a runtime whose integer kernels compute as the format defines them
+# (the reference interpreter, onert): any output parameters, any parameters on each input,
+# NEG and RSQRT computed (no raw negation, no table), RMS_NORM one op, int32 biases, and no
+# deviation of their own beyond the format's rounding steps.
+_FORMAT_INTEGER_KERNELS: dict[str, Any] = dict(
+    quantized_fixed_outputs=False,
+    quantized_same_params=frozenset(),
+    quantized_neg_raw=False,
+    quantized_rsqrt_ranges=1,
+    quantized_mean_square_narrow=1,
+    quantized_int16_bias="INT32",
+    quantized_verify_floor=0.0,
+)
+_NO_BUILTIN_QUIRKS: dict[str, Any] = dict(
     missing_builtins=frozenset(),
     builtin_dtypes=_frozen({}),
     builtin_ranks=_frozen({}),
@@ -136,6 +148,16 @@ CIRCLE = TargetProfile(
     fc_keep_num_dims=True,
     reduce_drops_dims=True,
     copy_consumed_outputs=False,
+)
+
+CIRCLE = TargetProfile(
+    name="circle",
+    format="circle",
+    runtime="reference",
+    float_dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    weights_after_flatbuffer=True,
+    fused_ops=BUILTIN,
+    **_NO_BUILTIN_QUIRKS,
     legalize_fp16=False,
     rank0_inputs=True,
     integer_graphs=True,
@@ -144,13 +166,7 @@ CIRCLE = TargetProfile(
     quantized_float_only=frozenset(),
     quantized_mean_needs_keep_dims=False,
     quantized_uint8_as_int8=False,
-    quantized_fixed_outputs=False,  # the reference interpreter requantizes any output parameters
-    quantized_same_params=frozenset(),
-    quantized_neg_raw=False,
-    quantized_rsqrt_ranges=1,  # computed, not a table
-    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
-    quantized_int16_bias="INT32",
-    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
+    **_FORMAT_INTEGER_KERNELS,  # the reference interpreter requantizes any output parameters
     quantized_float_islands=True,
     integer_fused_ops=True,  # RMS_NORM, ROPE, ATTENTION take and give integer tensors
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
@@ -231,13 +247,7 @@ ONERT = TargetProfile(
     quantized_float_only=frozenset({"RELU", "RELU6", "STRIDED_SLICE", "BATCH_MATMUL", "RMS_NORM"}),
     quantized_mean_needs_keep_dims=True,
     quantized_uint8_as_int8=False,  # onert's uint8 kernels are the ones that compute right
-    quantized_fixed_outputs=False,
-    quantized_same_params=frozenset(),
-    quantized_neg_raw=False,
-    quantized_rsqrt_ranges=1,  # computed, not a table
-    quantized_mean_square_narrow=1,  # RMS_NORM is one integer op
-    quantized_int16_bias="INT32",
-    quantized_verify_floor=0.0,  # fixed-point arithmetic throughout: the format's own steps
+    **_FORMAT_INTEGER_KERNELS,
     quantized_float_islands=True,  # quantized_float_only ops run float between DEQUANTIZE and QUANTIZE
     integer_fused_ops=True,
     # onert runs each GGML FULLY_CONNECTED as its own ggml graph, starting NUM_THREADS-1
@@ -261,15 +271,7 @@ TFLITE = TargetProfile(
     float_dtypes=frozenset({"float32", "float16"}),  # LiteRT's CPU kernels refuse bf16
     weights_after_flatbuffer=True,
     fused_ops=COMPOSITE,
-    missing_builtins=frozenset(),
-    builtin_dtypes=_frozen({}),
-    builtin_ranks=_frozen({}),
-    rope_max_positions=None,
-    rope_modes=_ALL_ROPE_MODES,
-    linear_as_conv=None,
-    fc_keep_num_dims=True,
-    reduce_drops_dims=True,
-    copy_consumed_outputs=False,
+    **_NO_BUILTIN_QUIRKS,
     legalize_fp16=True,
     rank0_inputs=True,
     # LiteRT's integer kernels (measured on ai-edge-litert 2.3.0 with one-op files, tests/tflite/

@@ -4,7 +4,8 @@
     with patched_llama_modules():
         ep = torch.export.export(model, (input_ids,))
 
-Each family (one file here, one :class:`~circleops.adapters._family.Family` row) gives
+Each family (one file here with one :class:`~circleops.adapters._family.Family` row named
+``FAMILY``, found by :data:`FAMILIES` without any other edit) gives
 ``patched_<family>_rmsnorm()``, ``_rope()``, ``_attention()`` and ``_modules()``;
 :func:`patched_modules` covers every family at once. :func:`fuse` / :func:`unfuse` do the
 same to one model instance, for good. Importing this package does not import
@@ -12,10 +13,10 @@ transformers; a family's modeling module is imported when its patch is entered.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from circleops.adapters.dynamic_cache import register_when_imported
-from circleops.adapters import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
-from circleops.adapters import deepseek_v3, gpt_oss, granitemoe, mixtral, qwen2_moe, qwen3_moe
-from circleops.adapters import qwen2_5_vl, qwen2_vl
 from circleops.adapters._attention import StaticKV, attention_blockers
 from circleops.adapters._family import Family
 from circleops.adapters._instance import fuse, is_fused, unfuse
@@ -50,10 +51,39 @@ from circleops.adapters.qwen2_5_vl import (patched_qwen2_5_vl_attention, patched
 
 register_when_imported()  # DynamicCache as a pytree node once transformers loads it
 
-FAMILIES: list[Family] = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3,
-                                              mixtral, qwen2_moe, qwen3_moe, granitemoe, deepseek_v3, gpt_oss,
-                                              qwen2_vl, qwen2_5_vl)]
+
+
+def _package_families() -> list[Family]:
+    """The ``FAMILY`` row of every public module of this package, by module name: a family is
+    its file, circleops/adapters/<family>.py (tests/architecture/test_how_to_add.py)."""
+    rows = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_") and not info.ispkg:
+            row = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+            if isinstance(row, Family):
+                rows.append(row)
+    return rows
+
+
+# every family convert, fuse, the fusion report and the graphs know (register_family adds to them)
+FAMILIES: list[Family] = _package_families()
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family defined outside this package (a plugin's or a test's): ``patched_modules``,
+    ``fuse``, convert and the generation graphs pick it up as they do the package's own. A
+    name is registered once (ValueError)."""
+    if family.name in BY_NAME:
+        raise ValueError(f"a model family named {family.name!r} is already registered")
+    FAMILIES.append(family)
+    BY_NAME[family.name] = family
+    return family
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family :func:`register_family` added (KeyError for an unknown name)."""
+    FAMILIES.remove(BY_NAME.pop(name))
 
 
 def patched_modules(*, attention: bool = True, model=None) -> PatchSession:
@@ -86,7 +116,7 @@ def family_of(model) -> Family | None:
 
 
 __all__ = [
-    "FAMILIES", "BY_NAME", "Family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
+    "FAMILIES", "BY_NAME", "Family", "register_family", "unregister_family", "PatchSession", "UnusedPatchWarning", "AttentionDecision", "StaticKV",
     "DECISIONS", "attention_blockers", "dense_experts_implementation", "family_of", "fuse", "unfuse", "is_fused",
     "patched_modules", "patch_module", "patch_modules", "patch_function",
     *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",

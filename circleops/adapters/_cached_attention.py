@@ -108,9 +108,7 @@ def own_mask(s: int, dtype: torch.dtype, window: Optional[int] = None,
 
 
 def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor, *, dropout: float = 0.0, scaling: Optional[float] = None,
-                     sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+                     attention_mask: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``eager_attention_forward``'s) over the
     explicit caches in ``kwargs[KV_KWARG]``: query [B, Hq, S, D], key/value [B, Hkv, S, D] of
     the S new tokens (RoPE'd key); returns (out [B, S, Hq, D], None) and records the layer's
@@ -119,8 +117,13 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     ``attention_mask`` is the layer's mask from DecoderWithCache: [.., S, C] ("full", and
     "rows" when S = 1), or [.., S, C + S] ("rows": the cache slots, then the new tokens); its
     sliding window is in it (``sliding_window``, a hint for flash kernels, is not needed).
+    The keywords transformers passes, read here: ``dropout`` (must be 0), ``scaling`` (None:
+    head_dim ** -0.5), ``softcap``; ``sliding_window`` is ignored, and any other keyword
+    that is not None and not harmless (:data:`_HARMLESS`) is refused.
     """
     kv: StaticKV = kwargs.pop(KV_KWARG)
+    dropout, scaling, softcap = kwargs.pop("dropout", 0.0), kwargs.pop("scaling", None), kwargs.pop("softcap", None)
+    kwargs.pop("sliding_window", None)
     layer = getattr(module, "layer_idx", None)
     name = f"{type(module).__name__} layer {layer}"
     others = sorted(k for k, v in kwargs.items() if v is not None and k not in _HARMLESS)

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from circleops.sources import models
-    from circleops.tools.precision import check, directory_tokenizer, low_precision_dtype
+    from circleops.tools.precision import CheckOptions, check, directory_tokenizer, low_precision_dtype
     from circleops.cli.common import writable
     from circleops.errors import CircleOpsError, OutputError
     from circleops.numerics import norm_policy
@@ -80,7 +80,6 @@ def main(args: argparse.Namespace) -> int:
         from circleops.numerics.report import pyplot
 
         pyplot()  # a missing matplotlib fails now, not after the run
-
     if args.threads is not None:
         if args.threads < 1:
             raise CircleOpsError(f"--threads must be at least 1, got {args.threads}.")
@@ -95,9 +94,9 @@ def main(args: argparse.Namespace) -> int:
                              "HF directory, a .gguf file, smollm2 or --config), not an ExportedProgram.")
     tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
-    report = check(loaded.module, tokenizer, prompt=args.prompt, prompt_ids=prompt_ids, dtype=args.dtype,
-                   policies=policies, new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source,
-                   progress=progress)
+    options = CheckOptions(prompt=args.prompt, prompt_ids=prompt_ids, new_tokens=args.new_tokens, work_dir=args.keep,
+                           source=loaded.source, dtype=args.dtype, policies=policies)
+    report = check(loaded.module, tokenizer, options, progress=progress)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)
@@ -113,7 +112,7 @@ def _quant_main(args: argparse.Namespace) -> int:
     from circleops.sources import models
     from circleops.errors import CircleOpsError
     from circleops.tools.precision import directory_tokenizer
-    from circleops.tools.quant_report import quant_check
+    from circleops.tools.quant_report import QuantCheckOptions, quant_check
     from circleops.quantize.recipe import recipe_from_args
 
     if args.threads is not None:
@@ -127,11 +126,12 @@ def _quant_main(args: argparse.Namespace) -> int:
         raise CircleOpsError(f"{loaded.source} is not a Hugging Face causal LM: check needs the model itself.")
     tokenizer = loaded.tokenizer or directory_tokenizer(args.model)
     load_seconds = time.perf_counter() - t
-    report = quant_check(loaded.module, tokenizer, quantize=args.quantize, prompt=args.prompt,
-                         prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None,
-                         new_tokens=args.new_tokens, window=args.window, max_windows=args.max_windows,
-                         runtime=args.runtime, work_dir=args.keep, source=loaded.source, progress=progress,
-                         recipe=recipe, calibration_data=args.calibration_data, tico=args.tico)
+    options = QuantCheckOptions(
+        prompt=args.prompt, prompt_ids=_parse_ids(args.prompt_ids) if args.prompt_ids else None, tico=args.tico,
+        new_tokens=args.new_tokens, work_dir=args.keep, source=loaded.source, quantize=args.quantize,
+        window=args.window, max_windows=args.max_windows, runtime=args.runtime, recipe=recipe,
+        calibration_data=args.calibration_data)
+    report = quant_check(loaded.module, tokenizer, options, progress=progress)
     report.timings = {"load": load_seconds, **report.timings}
     if args.json:
         report.to_json(args.json)

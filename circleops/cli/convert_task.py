@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def task_of(args: argparse.Namespace) -> str | None:
@@ -33,41 +34,32 @@ def task_of(args: argparse.Namespace) -> str | None:
     return None if task == "text-generation" else task
 
 
-def main(args: argparse.Namespace, task: str) -> int:
+def main(args: argparse.Namespace, options: Any) -> int:
+    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
+    from circleops.errors import OutputError, TargetError
     from circleops.pipeline import convert as api
     from circleops.recipes import tasks
-    from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
-    from circleops.dtypes import float_dtype
-    from circleops.errors import OutputError, TargetError
     from circleops.targets import PROFILES
 
-    if args.quantize in api.INTEGER_FORMATS and args.int16:
+    if options.quantize in api.INTEGER_FORMATS and options.int16:
         raise TargetError("--int16 parts name decoder-LLM modules; for a task model drop --int16.")
-    dtype = float_dtype(args.dtype)
-    quantize = api.validate_quantize(args.quantize, args.target)
-    api.validate_target_dtype(args.target, dtype, quantize)
-    out = api.validate_output_path(args.output, PROFILES[args.target].format)
+    dtype = api.resolve_dtype(options.dtype, None)
+    quantize = api.validate_quantize(options.quantize, options.target)
+    api.validate_target_dtype(options.target, dtype, quantize)
+    out = api.validate_output_path(args.output, PROFILES[options.target].format)
     if args.report and not writable(Path(args.report)):
         raise OutputError(f"cannot write the report {Path(args.report)}: its directory does not exist or is not "
                           "writable. Choose another --report path.")
-    shapes = tasks.parse_input_shapes(args.input_shape)
-    verify: bool | str = args.runtime or bool(args.verify)
-    if verify:
-        api.resolve_runtime(verify, args.target, dtype)
-    extra = dict(calibrate=args.calibrate, calibration_data=args.calibration_data) \
-        if quantize in api.INTEGER_FORMATS else {}
-    progress = ProgressBar(convert_stages(args.model, args.fuse, bool(quantize), bool(verify)),
+    options = options.replace(seq_len=one_length(options.seq_len, args.model or options.config))
+    if options.verify_runtime:
+        api.resolve_runtime(options.verify_runtime, options.target, dtype)
+    progress = ProgressBar(convert_stages(args.model, options.fuse, bool(quantize), bool(options.verify_runtime)),
                            enabled=not args.quiet and sys.stderr.isatty())
     t = time.perf_counter()
     try:
         progress("load")
-        with scipy_hidden(args.model, args.config):
-            report = tasks.convert_task(args.model, out, task=task, config=args.config,
-                                        seq_len=one_length(args.seq_len, args.model or args.config),
-                                        input_shape=shapes, dtype=dtype, seed=args.seed,
-                                        allow_random_init=args.allow_random_init, target=args.target, fuse=args.fuse,
-                                        verify=verify, tolerance=args.tolerance, progress=progress,
-                                        quantize=quantize, threads=args.threads, **extra)
+        with scipy_hidden(args.model, options.config):
+            report = tasks.convert_task(args.model, out, options, progress=progress)
     finally:
         progress.close()
     report.timings = {"load": time.perf_counter() - t - sum(report.timings.values()), **report.timings}

@@ -135,6 +135,8 @@ class GenerationCore:
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros(1, dtype=np.int64)
         self.window_sessions: dict[int, list[tuple[int, Session]]] = {}
+        # [(window W, decode session)], narrowest first: a step at pos <= W reads only slots < W
+        self.decode_windows: list[tuple[int, Session]] = []
         self.step_extras: list[Any] = []  # decode inputs after ids and pos, per request
         self.constants: list[Any] = []  # inputs after the caches, per request (cross-attention K/V)
 
@@ -308,7 +310,11 @@ class GenerationCore:
         self._ids[0, 0] = token
         self._pos[0] = self.position
         self._ensure_caches()
-        outs = self.decode_session.run([self._ids, self._pos, *self.step_extras, *self.caches, *self.constants])
+        session, caches = self.decode_session, self.caches
+        window = next(((w, s) for w, s in self.decode_windows if self.position <= w), None)
+        if window is not None:  # the slots before the position are all this step attends to
+            session, caches = window[1], cache_window(self.caches, window[0], self.cache.layout)
+        outs = session.run([self._ids, self._pos, *self.step_extras, *caches, *self.constants])
         self.caches = store_caches(self.caches, outs[1:], self.position, self.cache.update, self.cache.layout)
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))

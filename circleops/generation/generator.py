@@ -97,7 +97,8 @@ class Generator(GenerationCore):
 
     def __init__(self, source: Any, runtime: str | None = None, *, threads: int | Mapping[str, int] | None = None):
         m = source if isinstance(source, Manifest) else read_manifest(source)
-        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values(), *m.windowed_prefills) if g not in m.files]
+        missing = [g for g in (*GRAPH_NAMES, *m.prefill_graphs.values(), *m.windowed_prefills, *m.windowed_decodes)
+                   if g not in m.files]
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
@@ -116,6 +117,8 @@ class Generator(GenerationCore):
             self.window_sessions.setdefault(n, []).append((w, self.sessions[g]))
         self.start(m.prefill_graphs, "decode", CacheSpec(m.cache_shapes, m.max_cache_len, m.cache_layout,
                                                          m.cache_update), one_row=m.prefill_one_row)
+        self.decode_windows = [(w, self.sessions[g]) for g, w in sorted(m.windowed_decodes.items(),
+                                                                        key=lambda item: item[1])]
         _check_caches(m, self.decode_session)
         _check_vocab(m, {**{g: self.prefill_sessions[n] for n, g in m.prefill_graphs.items()},
                          "decode": self.decode_session})

@@ -100,10 +100,10 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
 
 def text_graph_rows(manifest: Any) -> dict[str, int]:
     """Graph -> rows of a text manifest's graphs: each prefill graph's length (the windowed
-    ones too), then the decode graph's one row."""
+    ones too), then the decode graphs' one row (the windowed ones too)."""
     windowed = getattr(manifest, "windowed_prefills", {})
     return {**{g: n for n, g in manifest.prefill_graphs.items()}, **{g: n for g, (n, _) in windowed.items()},
-            "decode": 1}
+            "decode": 1, **{g: 1 for g in getattr(manifest, "windowed_decodes", {})}}
 
 
 def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = False,

@@ -291,16 +291,23 @@ def _wav_samples(f: Any, fmt: tuple[int, ...], declared: int, held: int, bad: An
 
 # --------------------------------------------------------------------------- images
 
-def max_image_pixels() -> int:
-    """The largest image (width x height) circleops decodes: CIRCLEOPS_MAX_IMAGE_PIXELS, or 2^27."""
-    text = os.environ.get(MAX_IMAGE_PIXELS_ENV)
+def positive_whole_number(text: str | None, default: int) -> int | None:
+    """The count a setting's text gives (an environment variable's): ``default`` for no text,
+    the whole number it holds when that is 1 or more, else None (the caller names the setting)."""
     if not text:
-        return DEFAULT_MAX_IMAGE_PIXELS
+        return default
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
+        return None
+    return value if value >= 1 else None
+
+
+def max_image_pixels() -> int:
+    """The largest image (width x height) circleops decodes: CIRCLEOPS_MAX_IMAGE_PIXELS, or 2^27."""
+    text = os.environ.get(MAX_IMAGE_PIXELS_ENV)
+    value = positive_whole_number(text, DEFAULT_MAX_IMAGE_PIXELS)
+    if value is None:
         raise InputFileError(f"{MAX_IMAGE_PIXELS_ENV}={text!r}: it must be a positive number of pixels "
                              f"(default {DEFAULT_MAX_IMAGE_PIXELS}).")
     return value

@@ -56,54 +56,29 @@ def _within_rank(ctx, opcode, x, axes):
     return ctx.reshape(x, [size for size, _ in runs]), [i for i, (_, r) in enumerate(runs) if r]
 
 
-@lower(aten.mean.dim)
-def _(ctx, node, x, dim, keepdim=False, dtype=None):
-    return reduce(ctx, "MEAN", x, dim, keepdim)
+def _over_dims(opcode: str):
+    """The lowering of an aten reduction over ``dim`` (mean.dim, sum.dim_IntList, amax ...) as ``opcode``."""
+
+    def lowering(ctx, node, x, dim=(), keepdim=False, dtype=None):
+        return reduce(ctx, opcode, x, dim, keepdim)
+
+    return lowering
 
 
-@lower(aten.mean.default)
-def _(ctx, node, x, dtype=None):
-    return reduce(ctx, "MEAN", x, None, False)
+def _over_all(opcode: str):
+    """The lowering of an aten reduction of every element (mean.default, max.default ...) as ``opcode``."""
+
+    def lowering(ctx, node, x, dtype=None):
+        return reduce(ctx, opcode, x, None, False)
+
+    return lowering
 
 
-@lower(aten.sum.dim_IntList)
-def _(ctx, node, x, dim, keepdim=False, dtype=None):
-    return reduce(ctx, "SUM", x, dim, keepdim)
-
-
-@lower(aten.sum.default)
-def _(ctx, node, x, dtype=None):
-    return reduce(ctx, "SUM", x, None, False)
-
-
-@lower(aten.amax)
-def _(ctx, node, x, dim=(), keepdim=False):
-    return reduce(ctx, "REDUCE_MAX", x, dim, keepdim)
-
-
-@lower(aten.amin)
-def _(ctx, node, x, dim=(), keepdim=False):
-    return reduce(ctx, "REDUCE_MIN", x, dim, keepdim)
-
-
-@lower(aten.max.default)
-def _(ctx, node, x):
-    return reduce(ctx, "REDUCE_MAX", x, None, False)
-
-
-@lower(aten.min.default)
-def _(ctx, node, x):
-    return reduce(ctx, "REDUCE_MIN", x, None, False)
-
-
-@lower(aten.prod.dim_int)
-def _(ctx, node, x, dim, keepdim=False, dtype=None):
-    return reduce(ctx, "REDUCE_PROD", x, dim, keepdim)
-
-
-@lower(aten.prod.default)
-def _(ctx, node, x, dtype=None):
-    return reduce(ctx, "REDUCE_PROD", x, None, False)
+for _opcode, _dims, _all in (("MEAN", aten.mean.dim, aten.mean.default), ("SUM", aten.sum.dim_IntList, aten.sum.default),
+                             ("REDUCE_MAX", aten.amax, aten.max.default), ("REDUCE_MIN", aten.amin, aten.min.default),
+                             ("REDUCE_PROD", aten.prod.dim_int, aten.prod.default)):
+    lower(_dims)(_over_dims(_opcode))
+    lower(_all)(_over_all(_opcode))
 
 
 @lower(aten.any.dim, aten.any.dims, aten.any.default)

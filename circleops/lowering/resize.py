@@ -74,24 +74,22 @@ def _builtin(ctx, x, opcode, options, align):
     return ctx.transpose(y, _TO_NCHW)
 
 
-# (overload packet, spatial dims, .default overload, takes align_corners, mode)
+# (overload packet, spatial dims, takes align_corners, mode); its .default and .vec overloads are lowered
 _RESIZES = [
-    (aten.upsample_nearest1d, 1, aten.upsample_nearest1d.default, False, "nearest"),
-    (aten.upsample_nearest2d, 2, aten.upsample_nearest2d.default, False, "nearest"),
-    (aten.upsample_nearest3d, 3, aten.upsample_nearest3d.default, False, "nearest"),
-    (aten._upsample_nearest_exact1d, 1, aten._upsample_nearest_exact1d.default, False, "nearest"),
-    (aten._upsample_nearest_exact2d, 2, aten._upsample_nearest_exact2d.default, False, "nearest"),
-    (aten._upsample_nearest_exact3d, 3, aten._upsample_nearest_exact3d.default, False, "nearest"),
-    (aten.upsample_linear1d, 1, aten.upsample_linear1d.default, True, "linear"),
-    (aten.upsample_bilinear2d, 2, aten.upsample_bilinear2d.default, True, "bilinear"),
-    (aten.upsample_bicubic2d, 2, aten.upsample_bicubic2d.default, True, "bicubic"),
-    (aten.upsample_trilinear3d, 3, aten.upsample_trilinear3d.default, True, "trilinear"),
-    (aten._upsample_bilinear2d_aa, 2, aten._upsample_bilinear2d_aa.default, True, "aa"),
-    (aten._upsample_bicubic2d_aa, 2, aten._upsample_bicubic2d_aa.default, True, "aa"),
+    *((getattr(aten, f"{name}{k}d"), k, False, "nearest") for name in ("upsample_nearest", "_upsample_nearest_exact")
+      for k in (1, 2, 3)),
+    (aten.upsample_linear1d, 1, True, "linear"),
+    (aten.upsample_bilinear2d, 2, True, "bilinear"),
+    (aten.upsample_bicubic2d, 2, True, "bicubic"),
+    (aten.upsample_trilinear3d, 3, True, "trilinear"),
+    (aten._upsample_bilinear2d_aa, 2, True, "aa"),
+    (aten._upsample_bicubic2d_aa, 2, True, "aa"),
 ]
 
 
-def _register(packet, k, op, has_align, mode):
+def _register(packet, k, has_align, mode):
+    op = packet.default
+
     def vec(ctx, node, x, output_size, *rest):
         # .vec: (input, output_size, [align_corners,] scale_factors)
         align = rest[0] if has_align else None

@@ -11,7 +11,7 @@ positionally:
 * ``kernel`` (optional): a faster eager kernel with the reference kernel's exact roundings;
 * ``sample_inputs(dtype)``: ``(args, kwargs)`` pairs for the generic tests in tests/ops.
 
-Adding an op = one file here + one entry in schema/ops.yaml.
+Adding an op = one file here + one entry in schema/ops.yaml (:func:`define_builtin` defines it).
 
 The built-ins are defined through the same public decorator as users' and plugins' ops
 (:func:`circleops.op`, circleops.ops.registry): one registry, ``REGISTRY``, keyed by the
@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
 
 import yaml
 
@@ -47,18 +49,27 @@ def _schema_path() -> Path:
 SCHEMA_PATH = _schema_path()
 
 
+def define_builtin(contract: Mapping[str, Any], module: ModuleType) -> OpSpec:
+    """Define one built-in op from its schema/ops.yaml entry and its module (circleops/ops/<name>.py:
+    ``reference``, ``fake``, ``sample_inputs``, optionally ``kernel``) through :func:`op`, the
+    public path. Nothing else is needed: the lowering, the reference interpreter, the CLI's
+    ``ops`` listing and the op battery read the spec (tests/architecture/test_how_to_add.py
+    defines one from two files written in a test)."""
+    spec = op(contract["schema"], circle=contract["circle"], tflite=contract["tflite"],
+              autocast=contract["autocast"], samples=module.sample_inputs,
+              contract={**contract, "module": module, "provider": "circleops"})(module.reference)
+    spec.register_fake(module.fake)
+    if getattr(module, "kernel", None) is not None:
+        spec.register_kernel(module.kernel)
+    return spec
+
+
 def _load_builtins() -> list[str]:
-    """Define every op of schema/ops.yaml through :func:`op`, the public path."""
+    """Define every op of schema/ops.yaml."""
     with open(SCHEMA_PATH) as f:
         contracts = yaml.safe_load(f)["ops"]
     for name, contract in contracts.items():
-        module = importlib.import_module(f"circleops.ops.{name}")
-        spec = op(contract["schema"], circle=contract["circle"], tflite=contract["tflite"],
-                  autocast=contract["autocast"], samples=module.sample_inputs,
-                  contract={**contract, "module": module, "provider": "circleops"})(module.reference)
-        spec.register_fake(module.fake)
-        if getattr(module, "kernel", None) is not None:
-            spec.register_kernel(module.kernel)
+        define_builtin(contract, importlib.import_module(f"circleops.ops.{name}"))
     return list(contracts)
 
 
@@ -66,6 +77,6 @@ def _load_builtins() -> list[str]:
 BUILTINS: tuple[str, ...] = tuple(_load_builtins())
 
 
-__all__ = ["BUILTINS", "OpDefinitionError", "OpSpec", "PLUGINS", "PLUGIN_GROUP", "PluginWarning", "REGISTRY",
+__all__ = ["BUILTINS", "OpDefinitionError", "define_builtin", "OpSpec", "PLUGINS", "PLUGIN_GROUP", "PluginWarning", "REGISTRY",
            "CONTESTED", "SCHEMA_PATH", "UnknownCustomOpError", "at_least_fp32", "by_custom_code", "by_overload", "load_plugins",
            "lookup", "op", "register_op", "unknown_custom_code"]

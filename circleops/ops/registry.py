@@ -91,17 +91,18 @@ class OpSpec:
       CIRCLE_FORMS / TFLITE_FORMS), ``form(profile)``: how a target profile writes it.
     """
 
-    def __init__(self, schema: str, reference: Callable[..., Any], *, circle: Mapping[str, Any],
-                 tflite: Mapping[str, Any], autocast: str, contract: Mapping[str, Any], provider: str,
-                 module: ModuleType | None, samples: Callable[[torch.dtype], list] | None):
+    def __init__(self, schema: str, reference: Callable[..., Any], contract: Mapping[str, Any], *, provider: str,
+                 samples: Callable[[torch.dtype], list] | None):
+        """``contract``: the normalized ``circle`` and ``tflite`` forms, ``autocast``, the
+        defining ``module`` of a built-in (or None) and any other contract entries."""
         self.schema = schema
         self.qualname = schema.partition("(")[0].strip()
         self.namespace, _, self.name = self.qualname.partition("::")
         extra = {k: v for k, v in contract.items() if k not in ("module", "provider")}
-        self.contract: dict[str, Any] = {**extra, "schema": schema, "circle": dict(circle),
-                                         "tflite": dict(tflite), "autocast": autocast}
+        self.contract: dict[str, Any] = {**extra, "schema": schema, "circle": dict(contract["circle"]),
+                                         "tflite": dict(contract["tflite"]), "autocast": contract["autocast"]}
         self.provider = provider
-        self.module = module
+        self.module: ModuleType | None = contract.get("module")
         self._samples = samples
         self._reference = reference
         self._fake: Callable[..., Any] = reference
@@ -322,9 +323,9 @@ def op(schema: str, *, custom_code: str | None = None, circle: str | Mapping[str
                                     "defined once: pick another name or namespace")
         provider = _loading_plugin[-1] if _loading_plugin else (contract or {}).get("provider") or \
             getattr(fn, "__module__", None) or "?"
-        spec = OpSpec(schema, with_defaults(fn, parsed), circle=circle_form, tflite=tflite_form, autocast=autocast,
-                      contract=dict(contract or {}), provider=provider,
-                      module=(contract or {}).get("module"), samples=samples)
+        spec = OpSpec(schema, with_defaults(fn, parsed), {**(contract or {}), "circle": circle_form,
+                                                          "tflite": tflite_form, "autocast": autocast},
+                      provider=provider, samples=samples)
         if _contested_by_another_plugin(spec):
             return spec  # disabled: neither defined in torch nor registered; the plugin's other ops load
         _check_custom_codes(qualname, circle_form, tflite_form)
@@ -356,9 +357,10 @@ def register_op(op: Any, reference: Callable[..., Any], *, custom_code: str | No
     attributes = [a.name for a in parsed.arguments if not _is_tensor_type(a.type) and not _is_tensor_list(a.type)]
     circle_form = _normalize_circle(circle, parsed.name, custom_code, attributes)
     tflite_form = _normalize_tflite(tflite, parsed.name, custom_code, attributes)
-    spec = OpSpec(schema, with_defaults(reference, parsed), circle=circle_form, tflite=tflite_form, autocast="none",
-                  contract={}, provider=(_loading_plugin[-1] if _loading_plugin else None) or provider
-                  or getattr(reference, "__module__", None) or "?", module=None, samples=samples)
+    spec = OpSpec(schema, with_defaults(reference, parsed), {"circle": circle_form, "tflite": tflite_form,
+                                                              "autocast": "none"},
+                  provider=(_loading_plugin[-1] if _loading_plugin else None) or provider
+                  or getattr(reference, "__module__", None) or "?", samples=samples)
     if _contested_by_another_plugin(spec):
         return spec  # disabled, as for circleops.op
     _check_custom_codes(parsed.name, circle_form, tflite_form)

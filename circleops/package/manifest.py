@@ -1,7 +1,18 @@
 """``manifest.json``: what ``circleops convert --graphs`` wrote and ``circleops generate`` runs.
 
-The one contract between the two: circleops.recipes.llm writes a :class:`Manifest`,
-circleops.generation.generator reads it (:func:`read_manifest`); neither imports the other for it.
+The one contract between the two: a recipe (circleops.recipes) writes a manifest through the
+package step, circleops.generation reads it (:func:`read_manifest`, and
+circleops.package.speech_manifest for speech); neither imports the other for it.
+
+One schema for every kind of graphs (version 4): the keys every directory has at the top
+(``format``, ``version``, ``kind``, where the graphs are: ``files``, ``signatures``, ``parts``,
+``signature_api``; what they are: ``source``, ``target``, ``dtype``, ``quantize``,
+``num_threads``) and one section per kind: ``text`` (the prefill and decode graphs, their KV
+cache, the tokens), ``vision`` (a VLM's image side; kind "vision" has ``text`` too),
+``text2text`` (an encoder-decoder text model's encoder and decoding rules; kind "text2text" has
+``text`` too, its decoder's) and ``speech`` (Whisper's encoder and decoder, its decoding rules). Directories written before it
+still read: format ``circleops-generate`` versions 1-3 and ``circleops-speech`` version 1 were
+flat (:func:`manifest_fields` reads both).
 """
 from __future__ import annotations
 
@@ -30,9 +41,20 @@ MANIFEST_FORMAT = "circleops-generate"
 # signatures of one file through its C API (circleops.runtime.onert_signatures). Written only
 # when a directory uses them: a reader of version 2 refuses such a directory instead of
 # running the first part as the whole model; every other directory stays version 2.
-MANIFEST_VERSION = 2
-SPLIT_MANIFEST_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: one schema for every kind: the common keys on top, a section per kind (text, vision,
+# speech); every directory is written so. Readers of 1-3 refuse it (its format and version say
+# why) instead of misreading it.
+MANIFEST_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+# the flat manifests of Whisper's graphs (before version 4)
+SPEECH_FORMAT = "circleops-speech"
+KINDS = ("text", "vision", "speech", "text2text")
+# the kinds whose own section sits beside the text one (kept as one entry of the Manifest)
+TEXT_PLUS = ("vision", "text2text")
+# the keys at the top of a version-4 manifest, whatever its kind (and their defaults)
+COMMON_KEYS = {"source": "", "target": None, "dtype": None, "default_runtime": None, "files": None,
+               "signatures": None, "one_file_per_graph": None, "quantize": None, "num_threads": None,
+               "parts": None, "part_files": None, "signature_api": None}
 # How the graphs hand back the KV cache (circle::attention's cache_update):
 #   full: every cache output is the whole updated cache [1, C, Hkv, D]; it is the next input
 #   rows: every cache output is the step's new rows [1, S, Hkv, D]; the caller writes them
@@ -47,6 +69,46 @@ def prefill_graph_name(length: int, lengths: Sequence[int]) -> str:
     """The name (files/signatures key) of the prefill graph of ``length`` among ``lengths``:
     ``prefill`` for the longest, ``prefill_N`` for the others."""
     return "prefill" if length == max(lengths) else f"prefill_{length}"
+
+
+def manifest_json(kind: str, common: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """A version-4 manifest: the format, version and ``kind``, the ``common`` keys (those of
+    :data:`COMMON_KEYS`; ``parts``, ``part_files`` and ``signature_api`` only when set), then
+    one section per kind (``text``, ``vision``, ``text2text``, ``speech``)."""
+    optional = ("parts", "part_files", "signature_api")
+    top = {k: common.get(k, default) for k, default in COMMON_KEYS.items()
+           if k not in optional or common.get(k) is not None}
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "kind": kind, **top, **sections}
+
+
+def manifest_kind(data: Any) -> str | None:
+    """The kind of a manifest's JSON: one of :data:`KINDS` (any version), else None."""
+    if not isinstance(data, dict):
+        return None
+    if data.get("format") == SPEECH_FORMAT:
+        return "speech"
+    if data.get("format") != MANIFEST_FORMAT:
+        return None
+    if data.get("version") == MANIFEST_VERSION:
+        return data.get("kind") if data.get("kind") in KINDS else None
+    return "vision" if data.get("vision") is not None else "text"
+
+
+def manifest_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's fields as one flat dict: a version-4 manifest's common keys and its
+    sections' keys together (a ``vision`` or ``text2text`` section stays one entry, as the text
+    manifest holds it); a flat manifest of an earlier version as it is. KeyError for a missing section."""
+    if data.get("version") != MANIFEST_VERSION or data.get("format") != MANIFEST_FORMAT:
+        return dict(data)
+    kind = data.get("kind")
+    flat = {k: data[k] for k in ("format", "version", "kind", *COMMON_KEYS) if k in data}
+    for section in ("speech",) if kind == "speech" else ("text",):
+        if not isinstance(data[section], dict):
+            raise TypeError(f"the {section} section is not a mapping")
+        flat.update(data[section])
+    if kind in TEXT_PLUS:
+        flat[kind] = data[kind]
+    return flat
 
 
 def graph_runtimes(target: str) -> tuple[str, ...]:
@@ -95,6 +157,11 @@ class Manifest:
     # chunk at pos <= W attends to nothing past slot W, and attention over all C slots was a
     # third of a 64-row chunk's time on LiteRT (SmolLM2 w8, bench/results/18-*.yaml)
     prefill_windows: dict[str, list[int]] | None = None
+    # decode graphs that read only the first W cache slots (graph name -> W): a step at pos <= W
+    # runs the narrowest. XNNPACK packs the cache operand of each attention BATCH_MATMUL on
+    # every run, so a decode step over all C slots paid for C slots whatever its position
+    # (SmolLM2 int4 on LiteRT: 29 % of the step's CPU in packing at C=512, bench/results/26-*)
+    decode_windows: dict[str, int] | None = None
     # a split model (circleops.package.split): each file's layer range [start, stop), consecutive from
     # 0 to num_layers, the same for every graph; part_files[g] the files of graph g in that
     # order (files[g] is the first). None: every graph is one file.
@@ -112,6 +179,11 @@ class Manifest:
         """Graph name -> (prefill length, cache window W) of the prefill graphs whose caches
         are the first W slots ([1, Hkv, W, D] and [1, Hkv, D, W] head-major), if any."""
         return {g: (int(n), int(w)) for g, (n, w) in (self.prefill_windows or {}).items()}
+
+    @property
+    def windowed_decodes(self) -> dict[str, int]:
+        """Graph name -> cache window W of the decode graphs whose caches are the first W slots."""
+        return {g: int(w) for g, w in (self.decode_windows or {}).items()}
 
     @property
     def cache_shapes(self) -> list[list[int]]:
@@ -147,28 +219,28 @@ class Manifest:
         return [self.files[graph]]
 
     @property
-    def version(self) -> int:
-        return SPLIT_MANIFEST_VERSION if self.parts or self.signature_api else MANIFEST_VERSION
+    def kind(self) -> str:
+        """The manifest's kind: "vision" for a vision-language model's graphs, "text2text" for
+        an encoder-decoder text model's, else "text"."""
+        return "text2text" if self.text2text is not None else "text" if self.vision is None else "vision"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": MANIFEST_FORMAT, "version": self.version, "source": self.source,
-            "target": self.target, "dtype": self.dtype, "default_runtime": self.default_runtime,
-            "files": self.files, "signatures": self.signatures,
-            "one_file_per_graph": len(set(self.files.values())) > 1,
-            "prefill_len": self.prefill_len, "max_cache_len": self.max_cache_len,
+        common = {"source": self.source, "target": self.target, "dtype": self.dtype,
+                  "default_runtime": self.default_runtime, "files": self.files, "signatures": self.signatures,
+                  "one_file_per_graph": len(set(self.files.values())) > 1, "quantize": self.quantize,
+                  "num_threads": self.num_threads, "parts": self.parts or None,
+                  "part_files": self.part_files if self.parts else None, "signature_api": self.signature_api}
+        text = {
+            "prefill_len": self.prefill_len, "prefill_lens": list(self.prefill_graphs),
+            "prefill_inputs": self.prefill_inputs or self.inputs, "max_cache_len": self.max_cache_len,
             "num_layers": self.num_layers, "cache_shape": self.cache_shape, "cache_layout": self.cache_layout,
-            "vocab_size": self.vocab_size, "inputs": self.inputs, "outputs": self.outputs,
-            "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
-            "quantize": self.quantize, "num_threads": self.num_threads,
-            "prefill_inputs": self.prefill_inputs or self.inputs,
-            "prefill_lens": list(self.prefill_graphs), "cache_update": self.cache_update,
-            **({"vision": self.vision} if self.vision is not None else {}),
-            **({"text2text": self.text2text} if self.text2text is not None else {}),
+            "cache_update": self.cache_update, "vocab_size": self.vocab_size, "inputs": self.inputs,
+            "outputs": self.outputs, "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id,
+            "tokenizer": self.tokenizer,
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
-            **({"parts": self.parts, "part_files": self.part_files} if self.parts else {}),
-            **({"signature_api": self.signature_api} if self.signature_api else {}),
-        }
+            **({"decode_windows": self.decode_windows} if self.decode_windows else {})}
+        extra = {k: getattr(self, k) for k in TEXT_PLUS if getattr(self, k) is not None}
+        return manifest_json(self.kind, common, {"text": text, **extra})
 
     def write(self) -> Path:
         path = self.directory / MANIFEST
@@ -229,6 +301,10 @@ def _check_types(m: Manifest, path: Path) -> None:
             isinstance(m.prefill_windows, dict) and all(isinstance(k, str) and k in m.files and ints(v) and len(v) == 2
                                                         and 1 <= v[0] <= v[1] < m.max_cache_len
                                                         for k, v in m.prefill_windows.items()))),
+        ("decode_windows", m.decode_windows is None or (
+            isinstance(m.decode_windows, dict) and all(isinstance(k, str) and k in m.files and ints([w])
+                                                       and 1 <= w < m.max_cache_len
+                                                       for k, w in m.decode_windows.items()))),
     ) if not ok]
     if wrong:
         raise ModelLoadError(f"{path}: {', '.join(wrong)} {'has' if len(wrong) == 1 else 'have'} the wrong type. "
@@ -263,16 +339,21 @@ def _check_parts(m: Manifest, path: Path) -> None:
                              f"convert again with --graphs.")
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The manifest of a directory written by ``circleops convert --graphs``."""
+def manifest_path(directory: str | os.PathLike) -> tuple[Path, Path]:
+    """(the directory, its manifest.json) of a directory or of its manifest.json's path."""
     d = Path(directory)
     if d.is_dir():
-        path = d / MANIFEST
-    elif d.name == MANIFEST and d.is_file():
-        path, d = d, d.parent
-    else:
-        raise ModelLoadError(f"{directory} is not a directory: pass the directory that `circleops convert "
-                             f"MODEL --graphs prefill,decode -o DIR` wrote.")
+        return d, d / MANIFEST
+    if d.name == MANIFEST and d.is_file():
+        return d.parent, d
+    raise ModelLoadError(f"{directory} is not a directory: pass the directory that `circleops convert "
+                         f"MODEL --graphs prefill,decode -o DIR` wrote.")
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """The manifest of a directory written by ``circleops convert --graphs`` for a text or
+    vision-language model (any version: :func:`manifest_fields`)."""
+    d, path = manifest_path(directory)
     if not path.is_file():
         raise ModelLoadError(
             f"{d} has no {MANIFEST}, so it was not written by `circleops convert --graphs`. Run "
@@ -280,7 +361,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs.")
     if not isinstance(data, dict):
         data = {}  # reported as the wrong format just below
-    if data.get("format") == "circleops-speech":  # circleops.package.speech_manifest's graphs (Whisper)
+    if manifest_kind(data) == "speech":  # circleops.package.speech_manifest's graphs (Whisper)
         raise ModelLoadError(f"{d} holds the speech graphs of a Whisper-style model, which take audio, not a "
                              f"prompt: run `circleops generate {d} --audio clip.wav`.")
     if data.get("format") != MANIFEST_FORMAT or data.get("version") not in READABLE_VERSIONS:
@@ -289,24 +370,40 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                              f"(format {data.get('format')!r}, version {data.get('version')!r}). Convert again "
                              f"with --graphs.")
     try:
-        m = Manifest(directory=d, target=data["target"], dtype=data["dtype"], files=data["files"],
-                     signatures=data["signatures"], prefill_len=int(data["prefill_len"]),
-                     max_cache_len=int(data["max_cache_len"]), num_layers=int(data["num_layers"]),
-                     cache_shape=list(data["cache_shape"]), vocab_size=int(data["vocab_size"]),
-                     inputs=list(data["inputs"]), outputs=list(data["outputs"]),
-                     eos_token_ids=list(data.get("eos_token_ids") or []),
-                     pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
-                     source=data.get("source", ""), quantize=data.get("quantize"),
-                     num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
-                     prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
-                     cache_update=data.get("cache_update") or "full",
-                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
-                     prefill_windows=data.get("prefill_windows"), parts=data.get("parts"),
-                     part_files=data.get("part_files"), signature_api=data.get("signature_api"),
-                     text2text=data.get("text2text"))
+        m = _from_fields(d, manifest_fields(data))
     except (KeyError, TypeError, ValueError, OverflowError) as err:  # int(inf) is an OverflowError
         raise ModelLoadError(f"{path} is incomplete ({type(err).__name__}: {err}). Convert again with --graphs.") from None
     _check_types(m, path)
+    _check_values(m, path)
+    return m
+
+
+def _from_fields(d: Path, data: dict[str, Any]) -> Manifest:
+    """The Manifest of a flat dict of fields (a version 1-3 manifest, or a version-4 one's
+    common keys and sections together); KeyError / TypeError / ValueError where one is wrong."""
+    return Manifest(directory=d, target=data["target"], dtype=data["dtype"], files=data["files"],
+                    signatures=data["signatures"], prefill_len=int(data["prefill_len"]),
+                    max_cache_len=int(data["max_cache_len"]), num_layers=int(data["num_layers"]),
+                    cache_shape=list(data["cache_shape"]), vocab_size=int(data["vocab_size"]),
+                    inputs=list(data["inputs"]), outputs=list(data["outputs"]),
+                    eos_token_ids=list(data.get("eos_token_ids") or []),
+                    pad_token_id=int(data.get("pad_token_id") or 0), tokenizer=data.get("tokenizer"),
+                    source=data.get("source", ""), quantize=data.get("quantize"),
+                    num_threads=data.get("num_threads"), prefill_inputs=data.get("prefill_inputs"),
+                    prefill_lens=[int(n) for n in data.get("prefill_lens") or [data["prefill_len"]]],
+                    cache_update=data.get("cache_update") or "full",
+                    cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
+                    prefill_windows=data.get("prefill_windows"), decode_windows=data.get("decode_windows"),
+                    parts=data.get("parts"),
+                    part_files=data.get("part_files"), signature_api=data.get("signature_api"),
+                    text2text=data.get("text2text"))
+
+
+def _check_values(m: Manifest, path: Path) -> None:
+    """ModelLoadError unless the manifest's values are ones this circleops runs: known cache
+    update and layout, target, positive sizes, token ids in the vocabulary, a cache as long as
+    max_cache_len, files and the tokenizer inside the directory (and no remote code)."""
+    d = m.directory
     if m.cache_update not in CACHE_UPDATES:
         raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
                              f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
@@ -343,4 +440,3 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if m.tokenizer is not None:
         # refused on reading, before any graph opens: generate, chat and a VLM's processor read it
         refuse_remote_code(confined_tokenizer(d, m.tokenizer, path))
-    return m

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError
-from circleops.package.manifest import MANIFEST, confined, confined_tokenizer
+from circleops.package.manifest import (COMMON_KEYS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEECH_FORMAT,
+                                        confined, confined_tokenizer, manifest_fields, manifest_json, manifest_kind)
 from circleops.targets import PROFILES
 from circleops.inputs.remote_code import refuse_remote_code
 from circleops.inputs.token_ids import check_token_ids
 from circleops.inputs.user_files import read_json
 
-SPEECH_FORMAT = "circleops-speech"
-SPEECH_VERSION = 1
+SPEECH_VERSION = 1  # of the flat SPEECH_FORMAT manifests written before the one schema (version 4)
 SPEECH_GRAPHS = ("encoder", "prefill", "decode")
 PROCESSOR_DIR = "processor"
 
@@ -92,6 +92,11 @@ class SpeechManifest:
     source: str = ""
     num_threads: int | None = None
     quantize: str | None = None  # never set: read by circleops.generation.generator's runtime choice
+    signature_api: str | None = None  # "nnfw-c": onert runs the one file's signatures through its C API
+
+    @property
+    def kind(self) -> str:
+        return "speech"
 
     @property
     def max_cache_len(self) -> int:
@@ -101,11 +106,14 @@ class SpeechManifest:
         return self.directory / self.files[graph]
 
     def to_json(self) -> dict[str, Any]:
+        """The version-4 manifest (circleops.package.manifest): the common keys, and the
+        ``speech`` section: every graph's inputs and outputs, the shapes, the decoding rules."""
         data = {k: v for k, v in asdict(self).items() if k != "directory"}
-        return {"format": SPEECH_FORMAT, "version": SPEECH_VERSION, "default_runtime": PROFILES[self.target].runtime,
-                "graphs": {g: {"inputs": io_names(g, self.num_layers)[0], "outputs": io_names(g, self.num_layers)[1]}
-                           for g in SPEECH_GRAPHS},
-                "cache_update": "rows", **data}
+        common = {k: data.pop(k) for k in list(data) if k in COMMON_KEYS}
+        common.update(default_runtime=PROFILES[self.target].runtime, one_file_per_graph=len(set(self.files.values())) > 1)
+        graphs = {g: {"inputs": io_names(g, self.num_layers)[0], "outputs": io_names(g, self.num_layers)[1]}
+                  for g in SPEECH_GRAPHS}
+        return manifest_json("speech", common, {"speech": {"graphs": graphs, "cache_update": "rows", **data}})
 
     def write(self, directory: Path | None = None) -> Path:
         path = (directory or self.directory) / MANIFEST
@@ -118,8 +126,8 @@ class SpeechManifest:
 def is_speech_dir(directory: str | os.PathLike) -> bool:
     """``directory`` holds a manifest.json of speech graphs."""
     try:
-        return read_json(Path(directory) / MANIFEST).get("format") == SPEECH_FORMAT
-    except (CircleOpsError, AttributeError):
+        return manifest_kind(read_json(Path(directory) / MANIFEST)) == "speech"
+    except CircleOpsError:
         return False
 
 
@@ -134,23 +142,24 @@ def read_speech_manifest(directory: str | os.PathLike) -> SpeechManifest:
         data = read_json(path, error=ModelLoadError, fix="Convert again with --graphs encoder,prefill,decode.")
     else:
         data = None
-    if isinstance(data, dict) and data.get("format") != SPEECH_FORMAT and data.get("format"):
+    if isinstance(data, dict) and manifest_kind(data) != "speech" and data.get("format"):
         what = f"a directory of {data.get('format')} graphs (a text model: use --prompt), not speech graphs"
-    if not isinstance(data, dict) or data.get("format") != SPEECH_FORMAT:
+    if manifest_kind(data) != "speech":
         hint = (f"; convert it with `circleops convert {d} --graphs encoder,prefill,decode --target onert -o OUT`"
                 if speech_model_type(d) else "")
         how = (" first." if hint else f". Convert a Whisper directory with `circleops convert WHISPER_DIR --graphs "
                f"encoder,prefill,decode -o OUT`, then run `circleops generate OUT --audio clip.wav`.")
         raise SpeechInputError(f"--audio needs the graphs of a Whisper-style speech model, and {d} is {what}{hint}{how}")
-    if data.get("version") != SPEECH_VERSION:
+    if (data.get("format"), data.get("version")) not in ((SPEECH_FORMAT, SPEECH_VERSION), (MANIFEST_FORMAT, MANIFEST_VERSION)):
         raise ModelLoadError(f"{path}: speech manifest version {data.get('version')!r}; this circleops reads "
-                             f"{SPEECH_VERSION}. Convert again with --graphs encoder,prefill,decode.")
+                             f"{MANIFEST_VERSION} (and {SPEECH_VERSION} of format {SPEECH_FORMAT}). Convert again with "
+                             "--graphs encoder,prefill,decode.")
     names = {f.name for f in SpeechManifest.__dataclass_fields__.values()} - {"directory"}
     try:
-        m = SpeechManifest(directory=d, **{k: v for k, v in data.items() if k in names})
+        m = SpeechManifest(directory=d, **{k: v for k, v in manifest_fields(data).items() if k in names})
         if m.target not in PROFILES or set(m.files) != set(SPEECH_GRAPHS) or len(m.cache_shape) != 4:
             raise ValueError("target, files or cache_shape")
-    except (TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError) as err:
         raise ModelLoadError(f"{path} is incomplete or damaged ({err}). Convert again with --graphs "
                              f"encoder,prefill,decode.") from None
     _check_speech_types(m, path)

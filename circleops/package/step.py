@@ -105,9 +105,9 @@ def resolve(recipe: Any) -> tuple[Any, str | None]:
     threads = o.threads
     if threads is None and quantize:
         threads = PROFILES[target].quantized_threads  # the thread count quantized files are made for
-    runtime, note = verify_runtime(o.verify, target, quantize)
+    runtime, note = verify_runtime(o.verify_runtime, target, quantize)
     opts = stages.Options(target, dtype, quantize=quantize, threads=threads, runtime=runtime, tolerance=o.tolerance,
-                          functionalize=False)
+                          functionalize=False, given=o)
     recipe.check(opts)
     return opts, note
 
@@ -147,10 +147,10 @@ def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
     if opts.runtime is not None and not opts.quantize:  # the model's own forward, before its modules are fused
         with tracker.stage("torch reference logits", "verify", enter=False):
             references = recipe.references()
-    with tracker.stage("export"):
+    with tracker.stage("export"), recipe.exporting():  # the recipe's settings hold while its graphs are built
         graphs = recipe.graphs(opts, pkg.plan.parts)
         programs = {name: g for graph in graphs for name, g in graph.programs().items()}
-        eps = _export(recipe, programs)
+        eps = _export(programs)
     lowered, quantization = _build(recipe, programs, eps, opts, weights, tracker)
     del eps
     if opts.runtime is not None and quantization is not None:
@@ -172,13 +172,13 @@ def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
     return report
 
 
-def _export(recipe: Any, programs: Mapping[str, Graph]) -> dict[str, Any]:
-    """torch.export of every program (errors as ExportError), inside the recipe's export settings."""
+def _export(programs: Mapping[str, Graph]) -> dict[str, Any]:
+    """torch.export of every program (errors as ExportError)."""
     import torch
 
     from circleops.pipeline.stages import export
 
-    with torch.no_grad(), recipe.exporting():
+    with torch.no_grad():
         return {name: export(g.module, tuple(g.example_args), adapters=False, warn_list=[])
                 for name, g in programs.items()}
 

@@ -18,18 +18,38 @@ The graphs (H heads of D, L decoder layers, T = ``source_len``, C = the cache le
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from circleops.errors import ModelLoadError
+from circleops.errors import CircleOpsError, ModelLoadError
 from circleops.inputs.token_ids import check_token_ids
+from circleops.inputs.user_files import read_json
 
 ENCODER_GRAPH = "encoder"
 TEXT2TEXT_GRAPHS = (ENCODER_GRAPH, "prefill", "decode")
 SOURCE_IDS = "input_ids"
 SOURCE_LEN = "source_len"  # the source's real length: the encoder and cross-attention hide the padding after it
 TASK = "text2text-generation"  # the transformers pipeline task these graphs serve
+# model_type -> transformers class, of the text rows of circleops.adapters.seq2seq (names here:
+# recognising a directory must not import torch)
+TEXT2TEXT_MODEL_TYPES = {"t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration",
+                         "mbart": "MBartForConditionalGeneration", "marian": "MarianMTModel"}
+
+
+def text2text_model_type(model: str | os.PathLike | None = None, config: str | os.PathLike | None = None) -> str | None:
+    """The model_type of a text-to-text model directory (or config.json) circleops converts
+    with ``--graphs encoder,prefill,decode``; None for anything else."""
+    path = Path(config) if config else Path(model) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: not ours (read again, with the error, later)
+        return None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return kind if kind in TEXT2TEXT_MODEL_TYPES else None
 
 
 def cross_names(num_layers: int) -> list[str]:

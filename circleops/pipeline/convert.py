@@ -15,12 +15,14 @@ import contextlib
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from circleops.dtypes import short_name
 from circleops.errors import TargetError
+from circleops.options import ConvertOptions
 from circleops.pipeline.stages import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, format_tolerance, CausalLMLogits, Job,
                                 Options, Tracker, dense_experts, export, export_module, fused_counts,
                                 hf_export_settings, op_histogram, parameter_names, prepare_weights,
@@ -33,16 +35,14 @@ from circleops.pipeline.validate import (integer_fuse, model_dtype, resolve_dtyp
 Progress = Callable[[str], None]
 
 
-def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike, *,
-            target: str = "circle", dtype: str | torch.dtype | None = None, fuse: str = "auto",
-            verify: bool | str = False, tolerance: float | None = None,
-            progress: Progress | None = None, quantize: str | None = None, calibrate: int = 8,
-            calibration_data: str | os.PathLike | None = None, tokenizer: Any = None,
-            integer_io: bool = False, threads: int | None = None, int16: Sequence[str] = (),
-            output_names: Sequence[str] | None = None, metadata: dict[str, bytes] | None = None,
-            weight_bits: int = 8, gptq: bool = False, rotate: str = "auto",
-            weight_group_size: int | None = None, int8_weights: str = "") -> Report:
+def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.PathLike,
+            options: ConvertOptions | None = None, *, tokenizer: Any = None, progress: Progress | None = None,
+            **fields: Any) -> Report:
     """Export ``model`` on ``example_args`` and write it for ``target`` to ``path``.
+
+    The options are ``options`` (circleops.options.ConvertOptions, what ``circleops convert``
+    builds from its flags) or the same names as keyword arguments; ``tokenizer`` tokenizes the
+    calibration text, ``progress(stage)`` is called as each stage starts. The options:
 
     target: "circle" (fused ops as Circle builtins, for NPU compilers), "onert" (what the
         onert CPU runtime runs; fp32 only) or "tflite" (composites with decompositions).
@@ -53,8 +53,8 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         the rest), "adapters", "patterns" or "none".
     verify: run the written file and compare with torch: True picks the target's runtime
         (onert for onert, litert for tflite, reference for circle), or name one of
-        "onert", "litert", "reference". Raises VerifyError above ``tolerance`` (relative
-        to max(1, max|torch output|)).
+        "onert", "litert", "reference" (or as ``runtime``). Raises VerifyError above
+        ``tolerance`` (relative to max(1, max|torch output|)).
     quantize: "q4_0" / "q4_0-pure" / "q8_0" (circleops.quantize.WEIGHT_FORMATS) store every
         linear weight with K % 32 == 0 as GGML blocks, and for q4_0 the embedding table too
         (targets onert and circle; float32 only); q4_0 keeps the output head (lm_head) at
@@ -94,54 +94,74 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         the file's metadata (name -> bytes), e.g. circleops.recipes.tasks' record of the source model.
     A Hugging Face CausalLM is exported as ``input_ids -> logits`` (no cache, eager attention).
     """
-    target, fmt, fuse = validate_target(target, fuse)
-    quantize = validate_quantize(quantize, target, int16)
-    fuse = integer_fuse(target, quantize, fuse)
+    plan = _resolve(ConvertOptions.of(options, fields, "convert"), model, path)
+    return _convert(model, tuple(example_args), plan, tokenizer, Tracker(progress))
+
+
+@dataclass
+class _Plan:
+    """A conversion's checked options: the pipeline's Options, the integer recipe, the path."""
+
+    opts: Options
+    recipe: Any  # circleops.quantize.recipe.IntegerRecipe of an integer format, else None
+    path: Any
+    notes: list[str]  # the verify runtime's host notes, reported as warnings
+
+
+def _resolve(o: ConvertOptions, model: Any, path: str | os.PathLike) -> _Plan:
+    """Every option checked before any work (circleops.pipeline.validate), resolved into the
+    pipeline's Options."""
     from circleops.quantize.recipe import IntegerRecipe, check_recipe, group_size_for
 
-    check_recipe(quantize, target, weight_bits, gptq, rotate, weight_group_size, int8_weights=int8_weights)
-    recipe = IntegerRecipe(quantize, weight_bits, rotate, gptq, tuple(p.strip() for p in int16 if p.strip()),
-                           calibrate, group_size_for(weight_bits, weight_group_size), int8_weights=int8_weights) \
+    target, fmt, fuse = validate_target(o.target, o.fuse)
+    int16 = tuple(p.strip() for p in o.int16 if p.strip())
+    quantize = validate_quantize(o.quantize, target, int16)
+    fuse = integer_fuse(target, quantize, fuse)
+    check_recipe(quantize, target, o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int8_weights=o.int8_weights)
+    recipe = IntegerRecipe(quantize, o.weight_bits, o.rotate, o.gptq, int16, o.calibrate,
+                           group_size_for(o.weight_bits, o.weight_group_size), int8_weights=o.int8_weights) \
         if quantize in INTEGER_FORMATS else None
-    validate_threads(threads)
-    if integer_io and (quantize not in INTEGER_FORMATS or verify):
+    validate_threads(o.threads)
+    verify = o.verify_runtime
+    if o.integer_io and (quantize not in INTEGER_FORMATS or verify):
         raise TargetError("integer_io applies to integer graphs (quantize='uint8' / 'int16') written without "
                           "verify (verify compares float outputs with torch)")
     path = validate_output_path(path, fmt)
-    torch_dtype = resolve_dtype(dtype, model)
-    host_notes: list[str] = []
-    runtime = resolve_runtime(verify, target, torch_dtype, quantize, host_notes)
+    torch_dtype = resolve_dtype(o.dtype, model)
+    notes: list[str] = []
+    runtime = resolve_runtime(verify, target, torch_dtype, quantize, notes)
     validate_target_dtype(target, torch_dtype, quantize)
-    opts = Options(target, torch_dtype, fuse, quantize, threads, integer_io, runtime, tolerance)
-    example_args = tuple(example_args)
-    tracker = Tracker(progress)
+    opts = Options(target, torch_dtype, fuse, quantize, o.threads, o.integer_io, runtime, o.tolerance, given=o)
+    return _Plan(opts, recipe, path, notes)
+
+
+def _convert(model: Any, example_args: tuple, plan: _Plan, tokenizer: Any, tracker: Tracker) -> Report:
+    """The stages of one conversion (circleops.pipeline.stages): the weight steps, export,
+    the integer format's calibration, then build, write and verify (stages.run)."""
+    opts, recipe, o = plan.opts, plan.recipe, plan.opts.given
     tracker.say("export")
     t = time.perf_counter()
-    if model_dtype(model) not in (None, torch_dtype):
-        model.to(torch_dtype)
+    if model_dtype(model) not in (None, opts.dtype):
+        model.to(opts.dtype)
     with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the file is written
         weights = prepare_weights(model, opts, restore, example_args=example_args, tokenizer=tokenizer,
                                   tracker=tracker)
         if recipe is not None:  # rotation and GPTQ change the weights until the file is written
             with hf_export_settings(model), dense_experts(model):
-                _prepare_integer_llm(model, example_args, recipe, restore, (calibration_data, tokenizer), tracker)
+                _prepare_integer_llm(model, example_args, recipe, restore, (o.calibration_data, tokenizer), tracker)
         t += sum(tracker.timings.values())
         module = export_module(model)
-        job = Job(path, type(model).__name__, _count_params(model), example_args,
+        job = Job(plan.path, type(model).__name__, _count_params(model), example_args,
                   reference=lambda: run_torch(module, example_args, model), fusion_model=module, weights=weights,
-                  output_names=["logits"] if isinstance(module, CausalLMLogits) else output_names,
-                  tracker=tracker, compare=verify_file, metadata=dict(metadata or {}))
-        job.warnings.extend(host_notes)
+                  output_names=["logits"] if isinstance(module, CausalLMLogits) else o.output_names,
+                  tracker=tracker, compare=verify_file, metadata=dict(o.metadata or {}))
+        job.warnings.extend(plan.notes)
         with hf_export_settings(model), dense_experts(model), torch.no_grad():
-            ep = export(module, example_args, adapters=fuse in ("auto", "adapters"), warn_list=job.warnings)
+            ep = export(module, example_args, adapters=opts.fuse in ("auto", "adapters"), warn_list=job.warnings)
         tracker.timings["export"] = time.perf_counter() - t
         if opts.integer_format is not None:
-            head = [name for name, m in module.named_modules() if m is model.get_output_embeddings()] \
-                if callable(getattr(model, "get_output_embeddings", None)) else []
-            ep, opts = _quantize_integer(ep, model, opts, job, Calibration(
-                example_args, calibrate, calibration_data, tokenizer,
-                getattr(getattr(model, "config", None), "vocab_size", None), tuple(int16),
-                getattr(progress, "bar", None) is not None, recipe, tuple(head)))
+            calibration = _calibration(model, module, example_args, plan, tokenizer, tracker)
+            ep, opts = _quantize_integer(ep, model, opts, job, calibration)
             from circleops.quantize.recipe import METADATA_KEY
 
             job.metadata[METADATA_KEY] = recipe.metadata()
@@ -149,6 +169,19 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         if report.quantization is None and recipe is not None:
             report.quantization = recipe
         return report
+
+
+def _calibration(model: Any, module: Any, example_args: tuple, plan: _Plan, tokenizer: Any,
+                 tracker: Tracker) -> Calibration:
+    """What PT2E calibrates on: the example input or the calibration text, the integer
+    recipe, the output head (int8 when the other weights are int4)."""
+    o = plan.opts.given
+    head = [name for name, m in module.named_modules() if m is model.get_output_embeddings()] \
+        if callable(getattr(model, "get_output_embeddings", None)) else []
+    return Calibration(example_args, o.calibrate, o.calibration_data, tokenizer,
+                       getattr(getattr(model, "config", None), "vocab_size", None),
+                       tuple(p.strip() for p in o.int16 if p.strip()),
+                       getattr(tracker.progress, "bar", None) is not None, plan.recipe, tuple(head))
 
 
 def _prepare_integer_llm(model: Any, example_args: tuple, recipe: Any, restore: contextlib.ExitStack,
@@ -172,15 +205,15 @@ def _quantize_integer(ep: Any, model: Any, opts: Options, job: Job, calibration:
     return qep, dataclasses.replace(opts, fuse="none")
 
 
-def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circle",
-         dtype: str | torch.dtype | None = None, fuse: str = "patterns", verify: bool | str = False,
-         example_args: Sequence[Any] | None = None, tolerance: float | None = None,
-         progress: Progress | None = None, integer_io: bool = False, quantize: str | None = None,
-         threads: int | None = None) -> Report:
+def save(exported_program: Any, path: str | os.PathLike, options: ConvertOptions | None = None, *,
+         example_args: Sequence[Any] | None = None, progress: Progress | None = None, **fields: Any) -> Report:
     """Write an already exported program (``torch.export.export``) for ``target``.
 
-    Adapters act at export time, so only the pattern pass can fuse here (``fuse`` is
-    "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
+    The options are ``options`` (circleops.options.ConvertOptions) or the same names as
+    keyword arguments, as for :func:`convert` (``fuse`` defaults to "patterns" here): target,
+    dtype, fuse, verify, runtime, tolerance, quantize (a weight-only format), threads,
+    integer_io. Adapters act at export time, so only the pattern pass can fuse here (``fuse``
+    is "patterns" or "none"; "auto" means "patterns"). Verify runs on ``example_args``, by
     default the example inputs saved with the program.
 
     A program exported from torchao's ``convert_pt2e`` output (quantize/dequantize pairs,
@@ -189,47 +222,57 @@ def save(exported_program: Any, path: str | os.PathLike, *, target: str = "circl
     each float input and a DEQUANTIZE before each output, or, with ``integer_io``, integer
     inputs and outputs. Verify then compares with the converted (fake-quantized) module.
     """
-    target, fmt, fuse = validate_target(target, fuse)
-    quantize = validate_quantize(quantize, target)
-    if quantize in INTEGER_FORMATS:
-        raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
-                          "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
-                          "CircleQuantizer) and save the converted program, or use circleops.convert")
-    validate_threads(threads)
-    from circleops.quantize.integer.qdq import has_qdq
-
-    quantized = has_qdq(exported_program)
-    if quantized:
-        fuse = "none"  # fuse before prepare_pt2e: a quantized graph's patterns hold Q/DQ pairs
-        if integer_io and verify:
-            raise TargetError("verify compares float outputs with torch: write with integer_io=False to verify, "
-                              "or convert without verify")
-    if fuse in ("auto", "adapters"):
-        fuse = "patterns" if fuse == "auto" else "none"
-    path = validate_output_path(path, fmt)
-    program_dtype = _program_dtype(exported_program)
-    torch_dtype = resolve_dtype(dtype, None) if dtype is not None else (program_dtype or torch.float32)
-    if dtype is not None and program_dtype is not None and torch_dtype != program_dtype:
-        raise TargetError(
-            f"the ExportedProgram's weights are {short_name(program_dtype)} but dtype "
-            f"{short_name(torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
-            f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
-    host_notes: list[str] = []
-    runtime = resolve_runtime(verify, target, torch_dtype, quantize, host_notes)
-    validate_target_dtype(target, torch_dtype, quantize)
+    o = ConvertOptions.of(options, fields, "save", fuse="patterns")
+    plan = _resolve_save(o, exported_program, path)
+    runtime = plan.opts.runtime
     if example_args is None and runtime is not None:
         from circleops.sources.models import exported_example_args
 
         example_args = exported_example_args(exported_program, None, "the ExportedProgram")
     args = tuple(example_args or ())
-    if quantized and tolerance is None:
-        tolerance = format_tolerance(_integer_scheme(exported_program))
-    opts = Options(target, torch_dtype, fuse, quantize, threads, integer_io, runtime, tolerance)
-    job = Job(path, "ExportedProgram", _count_params(exported_program), args,
+    job = Job(plan.path, "ExportedProgram", _count_params(exported_program), args,
               reference=lambda: run_torch(exported_program.module(), args, None), tracker=Tracker(progress),
               compare=verify_file)
-    job.warnings.extend(host_notes)
-    return run(exported_program, opts, job)
+    job.warnings.extend(plan.notes)
+    return run(exported_program, plan.opts, job)
+
+
+def _resolve_save(o: ConvertOptions, exported_program: Any, path: str | os.PathLike) -> _Plan:
+    """save's options checked and resolved: a weight-only format at most, a fuse mode that
+    applies to a program exported already, the program's own dtype."""
+    from circleops.quantize.integer.qdq import has_qdq
+
+    target, fmt, fuse = validate_target(o.target, o.fuse)
+    quantize = validate_quantize(o.quantize, target)
+    if quantize in INTEGER_FORMATS:
+        raise TargetError(f"save writes a program as it is: for quantize={quantize!r} quantize it first "
+                          "(circleops.quantize.pt2e.quantize, or torchao's prepare_pt2e/convert_pt2e with "
+                          "CircleQuantizer) and save the converted program, or use circleops.convert")
+    validate_threads(o.threads)
+    verify, tolerance = o.verify_runtime, o.tolerance
+    quantized = has_qdq(exported_program)
+    if quantized:
+        fuse = "none"  # fuse before prepare_pt2e: a quantized graph's patterns hold Q/DQ pairs
+        if o.integer_io and verify:
+            raise TargetError("verify compares float outputs with torch: write with integer_io=False to verify, "
+                              "or convert without verify")
+        if tolerance is None:
+            tolerance = format_tolerance(_integer_scheme(exported_program))
+    if fuse in ("auto", "adapters"):
+        fuse = "patterns" if fuse == "auto" else "none"
+    path = validate_output_path(path, fmt)
+    program_dtype = _program_dtype(exported_program)
+    torch_dtype = resolve_dtype(o.dtype, None) if o.dtype is not None else (program_dtype or torch.float32)
+    if o.dtype is not None and program_dtype is not None and torch_dtype != program_dtype:
+        raise TargetError(
+            f"the ExportedProgram's weights are {short_name(program_dtype)} but dtype "
+            f"{short_name(torch_dtype)} was asked: an exported graph's dtype is fixed. Cast the "
+            f"model (model.to(...)) before torch.export, or use circleops.convert(model, ..., dtype=...).")
+    notes: list[str] = []
+    runtime = resolve_runtime(verify, target, torch_dtype, quantize, notes)
+    validate_target_dtype(target, torch_dtype, quantize)
+    opts = Options(target, torch_dtype, fuse, quantize, o.threads, o.integer_io, runtime, tolerance, given=o)
+    return _Plan(opts, None, path, notes)
 
 
 def _integer_scheme(ep: Any) -> str:

@@ -75,6 +75,9 @@ class Options:
     runtime: str | None = None  # the verify runtime; None: no verify
     tolerance: float | None = None  # verify's, relative to max(1, max|output|); None: by dtype and format
     functionalize: bool = True  # in-place ops out before the pattern pass (a program exported as given)
+    # the options as the user gave them (circleops.options.ConvertOptions): a stage reads an
+    # option that needs no resolving here, so a new option is its field and its use
+    given: Any = None
 
     @property
     def format(self) -> str:

@@ -426,7 +426,7 @@ class _Quantizer:
         if self.blockwise:
             from circleops.quantize import int4_tflite
 
-            return int4_tflite.linear_dtype(k, self.format)
+            return int4_tflite.linear_dtype(k, self.format, self.name(w))
         return self.dtype
 
     def is_head(self, t: ir.Tensor) -> bool:

@@ -84,6 +84,17 @@ class Recipe:
 
     # --------------------------------------------------------------- before any work
 
+    @classmethod
+    def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
+        """Refuse what the options ask of this recipe that no model can give, before the
+        model is loaded (``source``: where it will come from, to name it)."""
+
+    @classmethod
+    def from_source(cls, model: str | None, options: ConvertOptions) -> "Recipe":
+        """The recipe of the model at ``model`` (an HF directory, or ``options.config``'s
+        random weights), loaded with its assets (``circleops convert --graphs``)."""
+        raise NotImplementedError
+
     def dtype(self) -> Any:
         """The torch dtype the graphs compute in: the model's (float32 if it has none)."""
         import torch
@@ -118,7 +129,7 @@ class Recipe:
         raise NotImplementedError
 
     def exporting(self) -> ContextManager[Any]:
-        """A context the graphs are exported in (e.g. a VLM's explicit attention mask)."""
+        """A context the graphs are built and exported in (e.g. a VLM's explicit attention mask)."""
         return contextlib.nullcontext()
 
     def lowering_options(self, opts: Any, graph: Graph) -> Any:

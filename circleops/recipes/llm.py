@@ -49,8 +49,7 @@ from typing import Any, Sequence
 from circleops.dtypes import short_name
 from circleops.errors import OutputError, TargetError
 from circleops.generation.generator import cache_window, empty_caches, open_graph, store_caches
-from circleops.options import (CACHE_UPDATES, DEFAULT_MAX_CACHE_LEN, DEFAULT_PREFILL_LENS, HEAD_MAJOR, SLOT_MAJOR,
-                               ConvertOptions)
+from circleops.options import CACHE_UPDATES, DEFAULT_PREFILL_LENS, HEAD_MAJOR, SLOT_MAJOR, ConvertOptions
 from circleops.package import split, step as package_step
 from circleops.package.manifest import GRAPH_NAMES, LOGITS_ROW, TOKENIZER_DIR, Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
@@ -131,6 +130,28 @@ def default_cache_windows(target: str, prefill_len: int, max_cache_len: int, cac
     return tuple(windows)
 
 
+# the narrowest decode window: below it a decode step's attention is no longer what it costs
+DECODE_MIN_WINDOW = 32
+
+
+def decode_windows(windows: Sequence[int] | None, target: str, max_cache_len: int, cache_update: str) -> tuple[int, ...]:
+    """The cache windows the decode graph is also written for: ``windows`` (the checked
+    --cache-windows) when given, else (the default) C/2, C/4, ... down to
+    :data:`DECODE_MIN_WINDOW` where :func:`default_cache_windows` writes prefill windows.
+    On LiteRT XNNPACK packs the cache operand of every attention BATCH_MATMUL on each run: a
+    decode step over all C slots cost C slots whatever its position (SmolLM2 int4, C=512: 29 %
+    of the step's CPU in that packing; bench/results/26-int4-speed.yaml)."""
+    if windows is not None:
+        return tuple(windows)
+    if not default_cache_windows(target, 1, max_cache_len, cache_update):
+        return ()
+    out, w = [], max_cache_len // 2
+    while w >= DECODE_MIN_WINDOW:
+        out.append(w)
+        w //= 2
+    return tuple(out)
+
+
 def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, max_cache_len: int,
                   cache_update: str) -> tuple[int, ...]:
     """``windows`` (None: :func:`default_cache_windows`) checked: each a whole number from the
@@ -146,19 +167,6 @@ def check_windows(windows: Sequence[int] | None, target: str, prefill_len: int, 
         raise TargetError(f"cache_windows {bad} out of range: each window is a whole number of cache slots from the "
                           f"longest prefill length ({prefill_len}) to less than the cache length ({max_cache_len}).")
     return windows
-
-
-def parse_windows(text: str | None) -> tuple[int, ...] | None:
-    """``--cache-windows``: None (the target's default), "none" -> (), "256,128" -> (256, 128)."""
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise TargetError(f"--cache-windows takes cache slot counts separated by commas (e.g. 256,128) or 'none'; "
-                          f"got {text!r}.") from None
 
 
 def windowed_step(step: Any, window: int) -> Any:
@@ -217,23 +225,18 @@ def export_graph(step: Any, graph: str, prefill_len: int) -> Any:
 
 
 def lower_step(ep: Any, graph: str, target: Any, num_layers: int, *, dtype: Any = None, kind: str | None = None,
-               cache_update: str = "full", names: tuple[Sequence[str], Sequence[str]] | None = None) -> Any:
-    """Lower one exported step for ``target`` (a name, a TargetProfile or the pipeline's
-    Options); its subgraph and signature are named ``graph``, its inputs and outputs those of
-    :func:`io_names` for ``kind`` ("prefill" or "decode"; default: ``graph``'s own) and
-    ``cache_update``, or ``names`` (inputs, outputs) when given."""
+               cache_update: str = "full") -> Any:
+    """Lower one exported step for ``target`` (a name or a TargetProfile; the package step
+    lowers a recipe's graphs itself); its subgraph and signature are named ``graph``, its
+    inputs and outputs those of :func:`io_names` for ``kind`` ("prefill" or "decode";
+    default: ``graph``'s own) and ``cache_update``."""
     from circleops.lowering import lower_program
     from circleops.pipeline import stages
     from circleops.targets import profile
 
-    if isinstance(target, stages.Options):
-        stages.inline_fused_ops(ep, target.profile.graph_inline_ops)
-        model = stages.lower(ep, target)
-    else:
-        stages.inline_fused_ops(ep, profile(target).graph_inline_ops)
-        model = lower_program(ep, target, dtype=dtype)
-    ins, outs = names or io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
-    return package_step.name_graph(model, graph, ins, outs)
+    stages.inline_fused_ops(ep, profile(target).graph_inline_ops)
+    ins, outs = io_names(num_layers, kind or ("decode" if graph == "decode" else "prefill"), cache_update)
+    return package_step.name_graph(lower_program(ep, target, dtype=dtype), graph, ins, outs)
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -247,8 +250,34 @@ class LLMRecipe(Recipe):
     kind = "text"
     graph_names = GRAPH_NAMES
 
+    @classmethod
+    def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
+        parse_graph_names(options.graphs if options.graphs is not None else GRAPH_NAMES)
+        if source is not None and Path(source).suffix.lower() in (".pt2", ".pt", ".ep"):
+            raise TargetError(f"--graphs needs the model itself, not an ExportedProgram ({source}): the prefill "
+                              f"and decode graphs are exported from the model with its KV cache. Pass the HF "
+                              f"directory, .gguf file or smollm2.")
+        if options.fuse not in ("auto", "adapters"):
+            raise TargetError(f"--graphs always routes attention, RMSNorm and RoPE through the adapters (the cache "
+                              f"lives in circle.attention); --fuse {options.fuse} cannot apply. Drop --fuse.")
+        lengths = prefill_lengths(DEFAULT_PREFILL_LENS if options.seq_len is None else options.seq_len)
+        check_lengths(lengths[0], options.max_cache_len, None, source or "the model")
+
+    @classmethod
+    def from_source(cls, model: str | None, options: ConvertOptions) -> "LLMRecipe":
+        from circleops.pipeline.validate import resolve_dtype
+        from circleops.sources import models
+
+        o = options
+        loaded = models.load(model, config=o.config, dtype=resolve_dtype(o.dtype, None), seed=o.seed,
+                             allow_random_init=o.allow_random_init)
+        if loaded.kind != "hf":
+            raise TargetError(f"--graphs needs a Hugging Face causal LM; {loaded.source} is not one.")
+        return cls(loaded.module, options, tokenizer=loaded.tokenizer, source=loaded.source)
+
     def check(self, opts: Any) -> None:
         o = self.options
+        self.check_options(o)
         self.names = parse_graph_names(o.graphs if o.graphs is not None else GRAPH_NAMES)
         self.cache_update = o.cache_update if o.cache_update is not None else default_cache_update(opts.target)
         if self.cache_update not in CACHE_UPDATES:
@@ -268,6 +297,11 @@ class LLMRecipe(Recipe):
                 named[f"{longest}_c{w}"] = ("prefill", lengths[0])
         if "decode" in self.names:
             named["decode"] = ("decode", lengths[0])
+            given = (None if o.cache_windows is None
+                     else check_windows(o.cache_windows, opts.target, 1, o.max_cache_len, self.cache_update))
+            for w in decode_windows(given, opts.target, o.max_cache_len, self.cache_update):
+                self.windows[f"decode_c{w}"] = w
+                named[f"decode_c{w}"] = ("decode", lengths[0])
         self.named = named
 
     def layer_bytes(self, quantize: str | None) -> Any:
@@ -308,7 +342,9 @@ class LLMRecipe(Recipe):
             vocab_size=int(self.model.config.vocab_size), inputs=ins, outputs=outs,
             eos_token_ids=eos, pad_token_id=pad_token_id(self.model.config, eos), tokenizer=tokenizer_dir,
             source=self.source, quantize=opts.quantize, num_threads=opts.threads, cache_update=self.cache_update,
-            prefill_windows={g: [self.named[g][1], w] for g, w in self.windows.items()} or None,
+            prefill_windows={g: [self.named[g][1], w] for g, w in self.windows.items()
+                             if self.named[g][0] == "prefill"} or None,
+            decode_windows={g: w for g, w in self.windows.items() if self.named[g][0] == "decode"} or None,
             parts=[list(r) for r in plan.parts] or None, signature_api=plan.signature_api,
             part_files={g: infos[g].part_files for g in graphs} if plan.parts else None)
 
@@ -460,21 +496,13 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
             out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
             errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
         del decode  # its child ends (IsolatedSession.__del__)
+    for g, w in manifest.windowed_decodes.items():  # the same step, reading the first W slots
+        if g not in graphs:
+            continue
+        caches, p = after if after is not None and after[1] <= w else (zeros, 0)
+        token = ids[p] if after is not None and after[1] <= w else ids[0]
+        window = [np.ascontiguousarray(c) for c in cache_window(caches, w, manifest.cache_layout)]
+        out = open_graph(manifest, g, runtime, isolated=True).run([np.array([[token]], np.int64),
+                                                                   np.array([p], np.int64), *window])[0][0, 0]
+        errors[g], wants[g] = float(np.abs(out - refs.logits[p]).max()), refs.logits[p]
     return {g: (err, float(np.abs(wants[g]).max())) for g, err in errors.items()}
-
-
-# circleops.recipes.vlm and .speech take these from here until they are recipes themselves
-from circleops.package.files import merge_models  # noqa: E402
-from circleops.package.output import prepare_dir, publish, staging_dir  # noqa: E402
-from circleops.package.report import GraphInfo  # noqa: E402
-from circleops.recipes.base import eos_token_ids  # noqa: E402
-
-prepare_output_dir = prepare_dir
-
-
-def eos_ids(model: Any) -> list[int]:
-    return eos_token_ids(getattr(model, "generation_config", None), getattr(model, "config", None))
-
-
-def pad_id(model: Any, eos: list[int]) -> int:
-    return pad_token_id(getattr(model, "config", None), eos)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
-from circleops.options import TASK_METADATA_KEY
+from circleops.options import TASK_METADATA_KEY, ConvertOptions
 from circleops.inputs.remote_code import refuse_remote_code
 from circleops.inputs.user_files import check_bytes, check_count, machine_memory, parse_json, read_json
 
@@ -320,60 +320,83 @@ def output_names(model: Any, inputs: dict[str, Any]) -> list[str]:
     return [k for k, v in out.items() if isinstance(v, torch.Tensor)]
 
 
-def convert_task(model: str | None, path: str | os.PathLike, *, task: str | None = None, config: str | None = None,
-                 seq_len: int | None = None, input_shape: dict[str, tuple[int, ...]] | None = None,
-                 dtype: Any = None, seed: int = 0, allow_random_init: bool = False, **convert_kwargs: Any) -> Any:
-    """Convert the HF model directory ``model`` (or ``config``: random weights) for ``task``
-    (inferred from config.json when None) with ``circleops.convert``; returns its Report.
+def convert_task(model: str | None, path: str | os.PathLike, options: ConvertOptions | None = None, *,
+                 progress: Any = None, **fields: Any) -> Any:
+    """Convert the HF model directory ``model`` (or the ``config`` option: random weights) for
+    its ``task`` (inferred from config.json when None) with ``circleops.convert``; returns its
+    Report.
 
-    convert_kwargs go to circleops.convert (target, verify, fuse, quantize, progress, ...).
+    The options are ``options`` (circleops.options.ConvertOptions) or the same names as
+    keyword arguments: ``task``, ``config``, ``seq_len`` (a text model's sequence length),
+    ``input_shape`` ({input name: shape}), ``dtype``, ``seed``, ``allow_random_init``, and every
+    option circleops.convert takes (target, verify, fuse, quantize, ...).
     """
-    import torch
+    import tempfile
 
     from circleops.pipeline import convert as conversion
     from circleops.sources import models
 
-    name = check_task(task).name if task else task_of(model, config)
+    o = ConvertOptions.of(options, fields, "convert_task")
+    name = check_task(o.task).name if o.task else task_of(model, o.config)
     if name == "text-generation":
         raise TargetError("text-generation (causal LMs) converts with circleops.convert / `circleops convert` "
                           "directly; convert_task is for the other tasks.")
-    source = models.load(model, config=config, dtype=dtype or torch.float32, seed=seed,
-                         allow_random_init=allow_random_init, model_class=model_class_for(name))
+    from circleops.pipeline.validate import resolve_dtype
+
+    source = models.load(model, config=o.config, dtype=resolve_dtype(o.dtype, None), seed=o.seed,
+                         allow_random_init=o.allow_random_init, model_class=model_class_for(name))
     hf = source.module
     graph_model = hf.get_encoder() if TASKS[name].encoder else hf.base_model if TASKS[name].base else hf
-    model_dir = None if config is not None else str(Path(source.source).resolve())
-    shapes = input_shapes(graph_model, hf.config, model_dir, seq_len)
-    for key, shape in (input_shape or {}).items():
-        if key not in shapes:
-            raise TargetError(f"--input-shape {key}: the model has no input {key!r}; its inputs: {', '.join(shapes)}.")
-        shapes[key] = (shape, shapes[key][1])
-    check_input_sizes(shapes)
-    inputs = example_inputs(shapes, getattr(hf.config, "vocab_size", None), seed)
-    try:
-        names = output_names(graph_model, inputs)
-    except Exception as err:  # the model's own check of its input sizes, in torch
-        given = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in inputs.items())
-        raise TargetError(f"{type(graph_model).__name__} does not run on the inputs {given} in torch: "
-                          f"{str(err).strip()[:300].rstrip('.')}. Give shapes the model takes with --input-shape.") from None
-    record = {"task": name, "model_type": hf.config.model_type, "class": type(hf).__name__, "model_dir": model_dir,
-              "inputs": {k: list(s) for k, (s, _) in shapes.items()}, "outputs": names}
-    if TASKS[name].reads in ("labels", "token-labels", "segmentation", "detections") and getattr(hf.config, "id2label", None):
-        record["id2label"] = {str(k): v for k, v in hf.config.id2label.items()}
-    import tempfile
-
+    model_dir = None if o.config is not None else str(Path(source.source).resolve())
+    inputs = _example_inputs(graph_model, hf.config, model_dir, o)
+    names = _output_names(graph_model, inputs)
+    record = _record(name, hf, model_dir, inputs, names)
     with tempfile.TemporaryDirectory(prefix="circleops-calib-") as tmp:
-        if "input_ids" in inputs and convert_kwargs.get("quantize") and not convert_kwargs.get("calibration_data"):
-            convert_kwargs["calibration_data"] = _text_calibration(inputs, model_dir, hf.config, convert_kwargs, tmp)
+        if "input_ids" in inputs and o.quantize and not o.calibration_data:
+            o = o.replace(calibration_data=_text_calibration(inputs, model_dir, hf.config, o, tmp))
         report = conversion.convert(task_module(graph_model, list(inputs)), tuple(inputs.values()), path,
-                                    dtype=dtype, output_names=names,
-                                    metadata={METADATA_KEY: json.dumps(record).encode()}, **convert_kwargs)
+                                    o.replace(output_names=tuple(names),
+                                              metadata={METADATA_KEY: json.dumps(record).encode()}),
+                                    progress=progress)
     # The decoder-family adapters did not apply to this model: not a thing the user must act on.
     report.warnings[:] = [w for w in report.warnings if not w.startswith("patched_modules(): these patched")]
     report.source = f"{source.source} ({name}, {type(hf).__name__}" + (", encoder)" if TASKS[name].encoder else ")")
     return report
 
 
-def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any, kwargs: dict[str, Any],
+def _example_inputs(graph_model: Any, config: Any, model_dir: str | None, o: ConvertOptions) -> dict[str, Any]:
+    """The graph's example inputs: shapes from the config and processor, ``o.input_shape``'s
+    over them (each a known input), checked against the machine's memory."""
+    shapes = input_shapes(graph_model, config, model_dir, o.seq_len)
+    for key, shape in (o.input_shape or {}).items():
+        if key not in shapes:
+            raise TargetError(f"--input-shape {key}: the model has no input {key!r}; its inputs: {', '.join(shapes)}.")
+        shapes[key] = (shape, shapes[key][1])
+    check_input_sizes(shapes)
+    return example_inputs(shapes, getattr(config, "vocab_size", None), o.seed)
+
+
+def _output_names(graph_model: Any, inputs: dict[str, Any]) -> list[str]:
+    """The model's output names on ``inputs``; TargetError when it does not run on them."""
+    try:
+        return output_names(graph_model, inputs)
+    except Exception as err:  # the model's own check of its input sizes, in torch
+        given = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in inputs.items())
+        raise TargetError(f"{type(graph_model).__name__} does not run on the inputs {given} in torch: "
+                          f"{str(err).strip()[:300].rstrip('.')}. Give shapes the model takes with --input-shape.") from None
+
+
+def _record(name: str, hf: Any, model_dir: str | None, inputs: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """What the file's metadata records (METADATA_KEY): the task, the source model, its
+    input shapes, output names and labels."""
+    record = {"task": name, "model_type": hf.config.model_type, "class": type(hf).__name__, "model_dir": model_dir,
+              "inputs": {k: list(v.shape) for k, v in inputs.items()}, "outputs": names}
+    if TASKS[name].reads in ("labels", "token-labels", "segmentation", "detections") and getattr(hf.config, "id2label", None):
+        record["id2label"] = {str(k): v for k, v in hf.config.id2label.items()}
+    return record
+
+
+def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any, o: ConvertOptions,
                       tmp: str) -> str | None:
     """Integer quantization of a text model: calibration samples of token windows (the shipped
     calibration text through the model's tokenizer) with an all-ones attention mask, as a .pt
@@ -383,7 +406,7 @@ def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any
     from circleops.quantize import INTEGER_FORMATS
     from circleops.quantize.pt2e import calibration_samples
 
-    if kwargs.get("quantize") not in INTEGER_FORMATS:
+    if o.quantize not in INTEGER_FORMATS:
         return None
     tokenizer = None
     if model_dir is not None:
@@ -394,7 +417,7 @@ def _text_calibration(inputs: dict[str, Any], model_dir: str | None, config: Any
             tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         except Exception:  # no tokenizer saved: seeded ids below vocab_size
             tokenizer = None
-    ids = calibration_samples((inputs["input_ids"],), int(kwargs.get("calibrate", 8)), tokenizer=tokenizer,
+    ids = calibration_samples((inputs["input_ids"],), int(o.calibrate), tokenizer=tokenizer,
                               vocab_size=getattr(config, "vocab_size", None))
     rows = [tuple(sample[0] if name == "input_ids" else torch.ones_like(t) if name == "attention_mask" else t
                   for name, t in inputs.items()) for sample in ids]

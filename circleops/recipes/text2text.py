@@ -38,37 +38,17 @@ from circleops.package import step as package_step
 from circleops.package.manifest import Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
 from circleops.package.step import Graph
-from circleops.package.text2text_manifest import (ENCODER_GRAPH, SOURCE_IDS, TEXT2TEXT_GRAPHS, Text2TextSpec,
-                                                  io_names)
+from circleops.package.text2text_manifest import (ENCODER_GRAPH, SOURCE_IDS, TEXT2TEXT_GRAPHS,
+                                                  TEXT2TEXT_MODEL_TYPES, Text2TextSpec, io_names,
+                                                  text2text_model_type)
 from circleops.recipes.base import Recipe, pad_token_id, save_generation_config
 
 DEFAULT_SOURCE_LEN = 128
 # a decoder prompt is the start token (a prefix of a few more at most): one short prefill graph
 DEFAULT_DECODER_PREFILL = (8,)
-# model_type -> transformers class, of the text rows of circleops.adapters.seq2seq (kept here
-# as names: recognising a directory must not import torch)
-TEXT2TEXT_MODEL_TYPES = {"t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration",
-                         "mbart": "MBartForConditionalGeneration", "marian": "MarianMTModel"}
 
 
 # --------------------------------------------------------------------------- which models, loading
-
-def text2text_model_type(model: str | os.PathLike | None = None, config: str | os.PathLike | None = None) -> str | None:
-    """The model_type of a text-to-text model directory (or config.json) circleops converts
-    with ``--graphs encoder,prefill,decode``; None for anything else."""
-    from circleops.errors import CircleOpsError
-    from circleops.inputs.user_files import read_json
-
-    path = Path(config) if config else Path(model) / "config.json" if model else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        cfg = read_json(path)
-    except CircleOpsError:  # not JSON, or damaged: not ours (read again, with the error, later)
-        return None
-    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-    return kind if kind in TEXT2TEXT_MODEL_TYPES else None
-
 
 def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None,
          seed: int = 0) -> tuple[Any, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from circleops.errors import RuntimeRunError
+from circleops.inputs.user_files import positive_whole_number
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.isolated import WEIGHT_CACHE_ENV, note_in_process
@@ -31,13 +32,8 @@ def num_threads() -> int:
     """LiteRT's thread count: the NUM_THREADS environment variable, as onert reads it (and as
     ``circleops generate`` sets it from a manifest's num_threads), else :data:`NUM_THREADS`."""
     text = os.environ.get("NUM_THREADS", "").strip()
-    if not text:
-        return NUM_THREADS
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = positive_whole_number(text, NUM_THREADS)
+    if value is None:
         raise RuntimeRunError(f"NUM_THREADS={text!r}: give LiteRT's thread count as a whole number of 1 or more "
                               f"(or unset it for {NUM_THREADS}).")
     return value
@@ -227,6 +223,12 @@ class _SignatureRunner:
         self.out_details = [outs[n] for n in out_names]
         self._in_order, self._ins, self._outs = list(order["inputs"]), list(names), list(out_names)
         self._first = True
+        # what each run needs, made once: a decode step writes and reads ~120 tensors (SmolLM2's
+        # caches), and per-tensor Python work was a quarter of an int4 step (bench/results/26-*)
+        self._in_list = [self._in_buffers[n] for n in self._in_order]
+        self._out_list = list(self._out_buffers.values())
+        self._writes = [(self._in_buffers[n], np.dtype(d["dtype"])) for n, d in zip(self._ins, self.in_details)]
+        self._reads = [_read_plan(self._out_buffers[n], d) for n, d in zip(self._outs, self.out_details)]
 
     def __del__(self) -> None:
         _quietly_drop(self, "_in_buffers", "_out_buffers", "_cm")
@@ -236,20 +238,21 @@ class _SignatureRunner:
             self._first = False
             with delegate_banner_hidden(_SETUP_LOG):
                 return self.run(arrays)
-        for name, x, d in zip(self._ins, arrays, self.in_details):
-            x = np.asarray(x, dtype=d["dtype"])
-            self._in_buffers[name].write(x.view(np.int32) if x.dtype == np.int64 else x)
-        self._cm.run_by_index(self._index, [self._in_buffers[n] for n in self._in_order],
-                              list(self._out_buffers.values()))
-        return [_read(self._out_buffers[n], d) for n, d in zip(self._outs, self.out_details)]
+        for (buffer, dtype), x in zip(self._writes, arrays):
+            x = np.asarray(x, dtype=dtype)
+            buffer.write(x.view(np.int32) if dtype == np.int64 else x)
+        self._cm.run_by_index(self._index, self._in_list, self._out_list)
+        return [buffer.read(n, dtype).view(view).reshape(shape) for buffer, n, dtype, view, shape in self._reads]
 
 
-def _read(buffer: Any, detail: dict) -> np.ndarray:
+def _read_plan(buffer: Any, detail: dict) -> tuple[Any, int, Any, Any, tuple[int, ...]]:
+    """(buffer, elements to read, their dtype, the array's dtype, its shape) of an output:
+    int64 is read as int32 pairs."""
     dtype, shape = np.dtype(detail["dtype"]), tuple(int(d) for d in detail["shape"])
     n = int(np.prod(shape, dtype=np.int64))
     if dtype == np.int64:
-        return buffer.read(2 * n, np.int32).view(np.int64).reshape(shape)
-    return buffer.read(n, dtype).reshape(shape)
+        return buffer, 2 * n, np.dtype(np.int32), dtype, shape
+    return buffer, n, dtype, dtype, shape
 
 
 class Session:

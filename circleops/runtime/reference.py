@@ -32,7 +32,7 @@ from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.kernels import (BLOCK_WEIGHT_INPUTS, IN_PLACE, KERNELS, Kernel, KernelContext, KernelError,
                                        check_alloc, max_tensor_bytes)
 from circleops.runtime.kernels import quantized as quantized_kernels
-from circleops.runtime.kernels.fused import custom_spec
+from circleops.runtime.kernels.fused import custom_spec, registered_builtin
 from circleops.ops import UnknownCustomOpError
 from circleops.runtime.kernels.elementwise import BINARY
 
@@ -115,7 +115,7 @@ class SubgraphPlan:
         self.steps: list[_Step] = []
         last_use: dict[int, int] = {}
         for k, op in enumerate(sg.operators):
-            fn = KERNELS.get(op.opcode)
+            fn = KERNELS.get(op.opcode) or registered_builtin(op.opcode)
             if op.opcode == "CUSTOM":
                 try:
                     custom_spec(op)  # an unknown custom_code is an error at prepare, not mid-run

@@ -81,8 +81,7 @@ class Schema:
     @functools.cached_property
     def opcodes(self) -> dict[str, int]:
         """BuiltinOperator name -> code."""
-        e = self.enum("BuiltinOperator")
-        return {k: v for k, v in vars(e).items() if not k.startswith("_") and isinstance(v, int)}
+        return self.enum_members("BuiltinOperator")
 
     @functools.cached_property
     def opnames(self) -> dict[int, str]:
@@ -93,8 +92,7 @@ class Schema:
 
     @functools.cached_property
     def tensor_types(self) -> dict[str, int]:
-        e = self.enum("TensorType")
-        return {k: v for k, v in vars(e).items() if not k.startswith("_") and isinstance(v, int)}
+        return self.enum_members("TensorType")
 
     @functools.cached_property
     def tensor_type_names(self) -> dict[int, str]:

@@ -362,20 +362,47 @@ class VerifiedFile:
     tables: int  # tables walked
 
 
+@dataclass
+class _ModelFacts:
+    """What the checks of each subgraph need of the whole model (read once per file)."""
+
+    w: _Walker
+    schema: Schema
+    names: list[str]  # opcode index -> operator name
+    first_optional: list[int]  # opcode index -> the first input position that may be -1
+    expected_options: dict[int, str]  # opcode index -> the options table the op must carry
+    extents: list[tuple[int, int] | None]  # buffer index -> (bytes, where they start) of its constant
+    nsub: int
+
+    def fail(self, where: str, what: str) -> CorruptFileError:
+        return self.w.fail(where, what)
+
+
 def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[frozenset[str], int]:
-    buf, size = w.buf, w.size
     if model["Version"] != schema.version:
         raise w.fail("the model", f"schema version {model['Version']}, where {schema.name} files have version "
                                   f"{schema.version}")
     subgraphs = model["Subgraphs"] or []
     if not subgraphs:
         raise w.fail("the model", "it has no subgraph")
-    opcodes = model["OperatorCodes"] or []
-    buffers = model["Buffers"] or []
-    nsub, nbuf = len(subgraphs), len(buffers)
-    type_names = schema.tensor_type_names
-    opnames = schema.opnames
+    names = _opcode_names(w, model["OperatorCodes"] or [], schema)
+    extents, offset_buffers = _buffer_extents(w, model["Buffers"] or [])
+    facts = _ModelFacts(w, schema, names, _first_optional(names), _expected_options(names, schema), extents,
+                        len(subgraphs))
+    types: set[str] = set()
+    for si, sg in enumerate(subgraphs):
+        types |= _check_subgraph(facts, si, sg)
+    _check_signatures(w, model, subgraphs)
+    nbuf = len(extents)
+    for k, md in enumerate(model.get("Metadata") or []):
+        if md["Buffer"] >= nbuf:
+            raise w.fail(f"metadata {k}", f"buffer index {md['Buffer']} is out of range (the file has {nbuf} buffers)")
+    return frozenset(types), offset_buffers
 
+
+def _opcode_names(w: _Walker, opcodes: list[dict[str, Any]], schema: Schema) -> list[str]:
+    """The operator name of each operator code, its two code fields checked to agree."""
+    opnames = schema.opnames
     names = []
     for k, oc in enumerate(opcodes):
         builtin, deprecated = oc["BuiltinCode"], oc["DeprecatedBuiltinCode"]
@@ -394,132 +421,169 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
         if code not in opnames:
             raise w.fail(f"operator code {k}", f"builtin code {code} is not an operator of the {schema.name} schema")
         names.append(opnames[code])
+    return names
 
-    # opcode index -> the options table the op must carry. Circle only: onert dereferences an
-    # op's options without a null or type check (a MUL without MulOptions, or with AddOptions,
-    # is a SIGSEGV); LiteRT checks, and TFLite converters omit options tables.
-    # opcode index -> the first input position that may be -1 (omitted): never an op's data
-    # or weights (LiteRT's FULLY_CONNECTED without weights is a SIGSEGV); the recurrent ops
-    # omit gates from input 1 on
-    first_optional = [1 if "LSTM" in name or "RNN" in name else 2 for name in names]
-    expected_options: dict[int, str] = {}
+
+def _first_optional(names: list[str]) -> list[int]:
+    """opcode index -> the first input position that may be -1 (omitted): never an op's data
+    or weights (LiteRT's FULLY_CONNECTED without weights is a SIGSEGV); the recurrent ops
+    omit gates from input 1 on."""
+    return [1 if "LSTM" in name or "RNN" in name else 2 for name in names]
+
+
+def _expected_options(names: list[str], schema: Schema) -> dict[int, str]:
+    """opcode index -> the options table the op must carry. Circle only: onert dereferences an
+    op's options without a null or type check (a MUL without MulOptions, or with AddOptions,
+    is a SIGSEGV); LiteRT checks, and TFLite converters omit options tables."""
+    expected: dict[int, str] = {}
     if schema.name == "circle":
         for k, name in enumerate(names):
             table = schema.default_options_type(name)
             if table is not None:
-                expected_options[k] = table
+                expected[k] = table
+    return expected
 
-    # buffer index -> (bytes, where they start) of the constant it holds (None: no data)
+
+def _buffer_extents(w: _Walker, buffers: list[dict[str, Any]]) -> tuple[list[tuple[int, int] | None], int]:
+    """buffer index -> (bytes, where they start) of the constant it holds (None: no data), and
+    how many buffers hold their bytes after the flatbuffer (checked to lie inside the file)."""
     extents: list[tuple[int, int] | None] = []
     offset_buffers = 0
-    types: set[str] = set()
     for b, rec in enumerate(buffers):
         data, offset, nbytes = rec["Data"], rec.get("Offset") or 0, rec.get("Size") or 0
         if data is not None and data[1]:
             extents.append((data[1], data[0]))
         elif offset > 1:
-            if offset + nbytes > size:
+            if offset + nbytes > w.size:
                 raise w.fail(f"buffer {b}", f"its weights at bytes {offset}..{offset + nbytes} lie past the end of the "
-                                            f"{size}-byte file (truncated?)")
+                                            f"{w.size}-byte file (truncated?)")
             extents.append((nbytes, offset))
             offset_buffers += 1
         else:
             extents.append(None)
+    return extents, offset_buffers
 
-    for si, sg in enumerate(subgraphs):
-        tensors = sg["Tensors"] or []
-        nt = len(tensors)
-        ready: set[int] = set()  # tensors that hold a value before the first operator runs
-        variables: set[int] = set()
-        for ti, t in enumerate(tensors):
-            if schema.name == "circle" and t.get("Name") is None:  # (TFLite readers check)
-                raise w.fail(f"subgraph {si} tensor {ti}", "it has no name; onert reads tensor names without a "
-                                                           "check (SIGSEGV while loading)")
-            tag = t["Type"]
-            dtype = type_names.get(tag)
-            if dtype is None:
-                raise w.fail(f"subgraph {si} tensor {ti}", f"tensor type {tag} is not a {schema.name} TensorType")
-            types.add(dtype)
-            bi = t["Buffer"]
-            if bi >= nbuf and not (bi == 0 and nbuf == 0):
-                raise w.fail(f"subgraph {si} tensor {ti}", f"buffer index {bi} is out of range (the file has {nbuf} "
-                                                           f"buffers)")
-            shape = _ints(buf, t["Shape"])
-            if any(d < -1 for d in shape) or any(d < -1 for d in _ints(buf, t["ShapeSignature"])):
-                raise w.fail(f"subgraph {si} tensor {ti}", f"shape {list(shape)} has a dimension below -1")
-            extent = extents[bi] if bi < nbuf else None
-            if extent is not None:
-                _check_constant(w, f"subgraph {si} tensor {ti} (buffer {bi})", dtype, shape, extent[0])
-                ready.add(ti)
-            elif t["IsVariable"]:
-                ready.add(ti)
-                variables.add(ti)
-            elif shape and 0 in shape:  # a constant of no elements has no bytes to store
-                ready.add(ti)
-            q = t["Quantization"]
-            if q is not None:
-                _check_quant(w, f"subgraph {si} tensor {ti}", q, shape)
-        for label, vec in (("input", sg["Inputs"]), ("output", sg["Outputs"])):
-            for p, i in enumerate(_ints(buf, vec)):
-                if not 0 <= i < nt:
-                    raise w.fail(f"subgraph {si}", f"{label} {p} is tensor {i}, out of range (0..{nt - 1})")
-        if si == 0 and not _ints(buf, sg["Outputs"]):  # (a CALL_ONCE init subgraph has none)
-            raise w.fail(f"subgraph {si}", "it has no output")
-        # dataflow: an operator reads only what exists when it runs (an input, a constant, a
-        # variable, or an earlier operator's output); onert runs a tensor nobody wrote as
-        # unallocated memory (SIGSEGV)
-        ready.update(_ints(buf, sg["Inputs"]))
-        for k, op in enumerate(sg["Operators"] or []):
-            oi = op["OpcodeIndex"]
-            if oi >= len(opcodes):
-                raise w.fail(f"subgraph {si} operator {k}", f"opcode index {oi} is out of range (the file has "
-                                                            f"{len(opcodes)} operator codes)")
-            for label, vec, low in (("input", op["Inputs"], -1), ("output", op["Outputs"], 0)):
-                for p, i in enumerate(_ints(buf, vec)):
-                    if not low <= i < nt:
-                        raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                     f"{label} {p} is tensor {i}, out of range ({low}..{nt - 1})")
-                    if i < 0 and p < first_optional[oi]:
-                        raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                     f"input {p} is missing (-1); only later inputs (a bias...) may be omitted")
-                    if low < 0 and i >= 0 and i not in ready:
-                        raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                     f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "
-                                     f"output of an earlier operator")
-            _check_integer_operands(w, f"subgraph {si} operator {k} ({names[oi]})", names[oi], _ints(buf, op["Inputs"]),
-                                    tensors=tensors, type_names=type_names, extents=extents)
-            for p, i in enumerate(_ints(buf, op["Outputs"])):
-                # each tensor gets one value: an operator writing a subgraph input, a
-                # constant or another operator's output (or one output twice) makes onert
-                # plan two owners for one buffer (SIGSEGV); variables are written in place
-                if i in ready and i not in variables:
-                    raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                 f"output {p} is tensor {i}, which already holds a value (a subgraph input, a "
-                                 f"constant or an earlier output)")
-                ready.add(i)
-            expected = expected_options.get(oi)
-            if expected is not None:
-                carried = op.get("BuiltinOptionsTable") or op.get("BuiltinOptions2Table")
-                # an empty options table (ExpOptions...) is nothing to read: writers may omit it
-                if carried != expected and (carried is not None or table_plan(w.fmt, expected).fields):
-                    raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                 f"it carries {carried or 'no options'} where {names[oi]} has {expected} (onert reads "
-                                 f"them without a check)")
-            for attr in ("BuiltinOptions", "BuiltinOptions2"):
-                options = op.get(attr)
-                if options:
-                    for field, value in options.items():
-                        if field.startswith(_POSITIVE_OPTIONS) and isinstance(value, int) and value < 1:
-                            raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                         f"{field} is {value}; strides, dilations and filter sizes are at least 1")
-                        if field.endswith("SubgraphIndex") and isinstance(value, int) and not 0 <= value < nsub:
-                            raise w.fail(f"subgraph {si} operator {k} ({names[oi]})",
-                                         f"{field} {value} is out of range (the file has {nsub} subgraphs)")
-        for p, i in enumerate(_ints(buf, sg["Outputs"])):
-            if i not in ready:
-                raise w.fail(f"subgraph {si}", f"output {p} is tensor {i}, which no operator writes and which is not "
+
+def _check_subgraph(facts: _ModelFacts, si: int, sg: dict[str, Any]) -> set[str]:
+    """One subgraph's tensors, operators and dataflow; the tensor types it holds."""
+    buf = facts.w.buf
+    tensors = sg["Tensors"] or []
+    nt = len(tensors)
+    types, ready, variables = _check_tensors(facts, si, tensors)
+    for label, vec in (("input", sg["Inputs"]), ("output", sg["Outputs"])):
+        for p, i in enumerate(_ints(buf, vec)):
+            if not 0 <= i < nt:
+                raise facts.fail(f"subgraph {si}", f"{label} {p} is tensor {i}, out of range (0..{nt - 1})")
+    if si == 0 and not _ints(buf, sg["Outputs"]):  # (a CALL_ONCE init subgraph has none)
+        raise facts.fail(f"subgraph {si}", "it has no output")
+    # dataflow: an operator reads only what exists when it runs (an input, a constant, a
+    # variable, or an earlier operator's output); onert runs a tensor nobody wrote as
+    # unallocated memory (SIGSEGV)
+    ready.update(_ints(buf, sg["Inputs"]))
+    for k, op in enumerate(sg["Operators"] or []):
+        _check_operator(facts, f"subgraph {si} operator {k}", op, tensors, (ready, variables))
+    for p, i in enumerate(_ints(buf, sg["Outputs"])):
+        if i not in ready:
+            raise facts.fail(f"subgraph {si}", f"output {p} is tensor {i}, which no operator writes and which is not "
                                                f"an input or a constant")
+    return types
 
+
+def _check_tensors(facts: _ModelFacts, si: int, tensors: list[dict[str, Any]]) -> tuple[set[str], set[int], set[int]]:
+    """Each tensor's name, type, buffer, shape, constant size and quantization; (the tensor
+    types, the tensors that hold a value before the first operator runs, the variables)."""
+    w, schema, buf, extents = facts.w, facts.schema, facts.w.buf, facts.extents
+    nbuf = len(extents)
+    types: set[str] = set()
+    ready: set[int] = set()
+    variables: set[int] = set()
+    for ti, t in enumerate(tensors):
+        where = f"subgraph {si} tensor {ti}"
+        if schema.name == "circle" and t.get("Name") is None:  # (TFLite readers check)
+            raise w.fail(where, "it has no name; onert reads tensor names without a check (SIGSEGV while loading)")
+        tag = t["Type"]
+        dtype = schema.tensor_type_names.get(tag)
+        if dtype is None:
+            raise w.fail(where, f"tensor type {tag} is not a {schema.name} TensorType")
+        types.add(dtype)
+        bi = t["Buffer"]
+        if bi >= nbuf and not (bi == 0 and nbuf == 0):
+            raise w.fail(where, f"buffer index {bi} is out of range (the file has {nbuf} buffers)")
+        shape = _ints(buf, t["Shape"])
+        if any(d < -1 for d in shape) or any(d < -1 for d in _ints(buf, t["ShapeSignature"])):
+            raise w.fail(where, f"shape {list(shape)} has a dimension below -1")
+        extent = extents[bi] if bi < nbuf else None
+        if extent is not None:
+            _check_constant(w, f"{where} (buffer {bi})", dtype, shape, extent[0])
+            ready.add(ti)
+        elif t["IsVariable"]:
+            ready.add(ti)
+            variables.add(ti)
+        elif shape and 0 in shape:  # a constant of no elements has no bytes to store
+            ready.add(ti)
+        q = t["Quantization"]
+        if q is not None:
+            _check_quant(w, where, q, shape)
+    return types, ready, variables
+
+
+def _check_operator(facts: _ModelFacts, where: str, op: dict[str, Any], tensors: list[dict[str, Any]],
+                    dataflow: tuple[set[int], set[int]]) -> None:
+    """One operator: its opcode, operands, integer operands, outputs and options.
+    ``dataflow``: (the tensors holding a value so far, updated with its outputs; the variables)."""
+    ready, variables = dataflow
+    buf, nt = facts.w.buf, len(tensors)
+    oi = op["OpcodeIndex"]
+    if oi >= len(facts.names):
+        raise facts.fail(where, f"opcode index {oi} is out of range (the file has {len(facts.names)} operator codes)")
+    name = facts.names[oi]
+    where = f"{where} ({name})"
+    for label, vec, low in (("input", op["Inputs"], -1), ("output", op["Outputs"], 0)):
+        for p, i in enumerate(_ints(buf, vec)):
+            if not low <= i < nt:
+                raise facts.fail(where, f"{label} {p} is tensor {i}, out of range ({low}..{nt - 1})")
+            if i < 0 and p < facts.first_optional[oi]:
+                raise facts.fail(where, f"input {p} is missing (-1); only later inputs (a bias...) may be omitted")
+            if low < 0 and i >= 0 and i not in ready:
+                raise facts.fail(where, f"input {p} is tensor {i}, which is not a subgraph input, a constant or the "
+                                        f"output of an earlier operator")
+    _check_integer_operands(facts.w, where, name, _ints(buf, op["Inputs"]), tensors=tensors,
+                            type_names=facts.schema.tensor_type_names, extents=facts.extents)
+    for p, i in enumerate(_ints(buf, op["Outputs"])):
+        # each tensor gets one value: an operator writing a subgraph input, a
+        # constant or another operator's output (or one output twice) makes onert
+        # plan two owners for one buffer (SIGSEGV); variables are written in place
+        if i in ready and i not in variables:
+            raise facts.fail(where, f"output {p} is tensor {i}, which already holds a value (a subgraph input, a "
+                                    f"constant or an earlier output)")
+        ready.add(i)
+    _check_options(facts, where, op, oi)
+
+
+def _check_options(facts: _ModelFacts, where: str, op: dict[str, Any], oi: int) -> None:
+    """The operator carries the options table its operator reads; strides, dilations and
+    filter sizes are at least 1; a subgraph index option names a subgraph."""
+    name = facts.names[oi]
+    expected = facts.expected_options.get(oi)
+    if expected is not None:
+        carried = op.get("BuiltinOptionsTable") or op.get("BuiltinOptions2Table")
+        # an empty options table (ExpOptions...) is nothing to read: writers may omit it
+        if carried != expected and (carried is not None or table_plan(facts.w.fmt, expected).fields):
+            raise facts.fail(where, f"it carries {carried or 'no options'} where {name} has {expected} (onert reads "
+                                    f"them without a check)")
+    for attr in ("BuiltinOptions", "BuiltinOptions2"):
+        options = op.get(attr)
+        if not options:
+            continue
+        for field, value in options.items():
+            if field.startswith(_POSITIVE_OPTIONS) and isinstance(value, int) and value < 1:
+                raise facts.fail(where, f"{field} is {value}; strides, dilations and filter sizes are at least 1")
+            if field.endswith("SubgraphIndex") and isinstance(value, int) and not 0 <= value < facts.nsub:
+                raise facts.fail(where, f"{field} {value} is out of range (the file has {facts.nsub} subgraphs)")
+
+
+def _check_signatures(w: _Walker, model: dict[str, Any], subgraphs: list[dict[str, Any]]) -> None:
+    nsub = len(subgraphs)
     for k, sd in enumerate(model.get("SignatureDefs") or []):
         si = sd["SubgraphIndex"]
         if not 0 <= si < nsub:
@@ -528,10 +592,6 @@ def _check_model(w: _Walker, model: dict[str, Any], schema: Schema) -> tuple[fro
         for tm in (sd["Inputs"] or []) + (sd["Outputs"] or []):
             if not 0 <= tm["TensorIndex"] < nt:
                 raise w.fail(f"signature {k}", f"tensor index {tm['TensorIndex']} is out of range (0..{nt - 1})")
-    for k, md in enumerate(model.get("Metadata") or []):
-        if md["Buffer"] >= nbuf:
-            raise w.fail(f"metadata {k}", f"buffer index {md['Buffer']} is out of range (the file has {nbuf} buffers)")
-    return frozenset(types), offset_buffers
 
 
 def _numel(shape: tuple[int, ...]) -> int:

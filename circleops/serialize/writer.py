@@ -208,106 +208,39 @@ def _with_block_scales(sg: ir.Subgraph) -> tuple[list[ir.Tensor], dict[int, int]
     return tensors, index
 
 
+class _OperatorCodes:
+    """The model's OperatorCode tables, one per (operator, version, custom code), in first-use order."""
+
+    def __init__(self, schema: Schema, rules: FormatRules):
+        self.schema, self.rules = schema, rules
+        self.index: dict[tuple[str, int, str | None], int] = {}
+        self.tables: list[Any] = []
+
+    def __call__(self, name: str, version: int, where: str, custom_code: str | None = None) -> int:
+        """The index of the operator code for ``name`` (added on first use)."""
+        key = (name, self.rules.op_version(name, version), custom_code)
+        if key not in self.index:
+            code = self.schema.opcodes.get(name)
+            if code is None:
+                raise UnsupportedOpError(
+                    f"{where}: operator {name!r} does not exist in the {self.schema.name} schema; "
+                    f"choose a target whose lowering writes it differently")
+            oc = self.schema.cls("OperatorCode")()
+            oc.builtinCode = code
+            oc.deprecatedBuiltinCode = self.rules.deprecated_code(code)
+            oc.version = key[1]
+            oc.customCode = custom_code
+            self.index[key] = len(self.tables)
+            self.tables.append(oc)
+        return self.index[key]
+
+
 def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, BufferTable, list[_Placed]]:
     """The object-API ModelT and the buffers whose data the file streams after it."""
     table = BufferTable()
-    opcode_index: dict[tuple[str, int, str | None], int] = {}
-    opcodes: list[Any] = []
-
-    def opcode(name: str, version: int, where: str, custom_code: str | None = None) -> int:
-        key = (name, rules.op_version(name, version), custom_code)
-        if key not in opcode_index:
-            code = schema.opcodes.get(name)
-            if code is None:
-                raise UnsupportedOpError(
-                    f"{where}: operator {name!r} does not exist in the {schema.name} schema; "
-                    f"choose a target whose lowering writes it differently")
-            oc = schema.cls("OperatorCode")()
-            oc.builtinCode = code
-            oc.deprecatedBuiltinCode = rules.deprecated_code(code)
-            oc.version = key[1]
-            oc.customCode = custom_code
-            opcode_index[key] = len(opcodes)
-            opcodes.append(oc)
-        return opcode_index[key]
-
-    subgraphs = []
-    for si, sg in enumerate(model.subgraphs):
-        tensors = []
-        all_tensors, tensor_index = _with_block_scales(sg)
-        for ti, t in enumerate(all_tensors):
-            tt = schema.cls("Tensor")()
-            shape = [int(d) for d in t.shape]
-            tt.shape = [d if d >= 0 else 1 for d in shape]
-            if any(d < 0 for d in shape):
-                tt.shapeSignature = shape
-            if t.dtype not in schema.tensor_types:
-                if t.dtype in ir.GGML_BLOCKS:
-                    raise TargetError(
-                        f"tensor {t.name!r} (subgraph {si}): {t.dtype} block-quantized weights "
-                        f"exist only in Circle (onert runs them); the {schema.name} schema has no "
-                        "GGML types: write target circle/onert, or leave out quantize for tflite")
-                raise TargetError(
-                    f"tensor {t.name!r} (subgraph {si}): dtype {t.dtype} does not exist in the "
-                    f"{schema.name} schema")
-            tt.type = schema.tensor_types[t.dtype]
-            tt.name = t.name
-            tt.hasRank = True
-            if t.quant is not None:
-                tt.quantization = _quantization(schema, t, f"tensor {t.name!r} (subgraph {si})", tensor_index)
-            if t.data is not None:
-                tt.buffer = table.add(t.data, t.dtype, tuple(shape), t.name)
-            tensors.append(tt)
-        operators = []
-        for oi, op in enumerate(sg.operators):
-            where = f"subgraph {si} ({sg.name}) operator {oi} ({op.opcode})"
-            o = schema.cls("Operator")()
-            o.inputs = [int(i) for i in op.inputs]
-            o.outputs = [int(i) for i in op.outputs]
-            if op.opcode == "CUSTOM":
-                # No options table: the custom code names the op, its options are raw bytes.
-                o.opcodeIndex = opcode(op.opcode, op.version, where, op.options.get("customCode"))
-                raw = op.options.get("customOptions") or b""
-                o.customOptions = np.frombuffer(bytes(raw), dtype=np.uint8) if raw else None
-            else:
-                o.opcodeIndex = opcode(op.opcode, op.version, where)
-            options_type = op.options_type or schema.default_options_type(op.opcode)
-            if options_type:
-                try:
-                    attr, tag = schema.union_of(options_type)
-                except KeyError:
-                    raise UnsupportedOpError(
-                        f"{where}: options {options_type!r} are not in the {schema.name} "
-                        f"schema's BuiltinOptions unions") from None
-                options = op.options if op.options_type else _implied_options(op, sg, options_type, schema)
-                setattr(o, attr, _options(schema, options_type, options, where))
-                setattr(o, attr + "Type", tag)
-            operators.append(o)
-        s = schema.cls("SubGraph")()
-        s.tensors = tensors
-        s.operators = operators
-        s.inputs = [int(i) for i in sg.inputs]
-        s.outputs = [int(i) for i in sg.outputs]
-        s.name = sg.name
-        subgraphs.append(s)
-
-    signatures = []
-    for sig in model.signatures:
-        sd = schema.cls("SignatureDef")()
-        sd.signatureKey = sig.key
-        sd.subgraphIndex = sig.subgraph_index
-        maps = []
-        for group in (sig.inputs, sig.outputs):
-            entries = []
-            for name, index in group.items():
-                tm = schema.cls("TensorMap")()
-                tm.name = name
-                tm.tensorIndex = int(index)
-                entries.append(tm)
-            maps.append(entries)
-        sd.inputs, sd.outputs = maps
-        signatures.append(sd)
-
+    opcodes = _OperatorCodes(schema, rules)
+    subgraphs = [_subgraph(schema, si, sg, table, opcodes) for si, sg in enumerate(model.subgraphs)]
+    signatures = [_signature(schema, sig) for sig in model.signatures]
     metadata = []
     for name, blob in model.metadata.items():
         md = schema.cls("Metadata")()
@@ -318,7 +251,7 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
     placed = [_Placed(None if d is None else d.nbytes) for d in table.datas]
     m = schema.cls("Model")()
     m.version = schema.version
-    m.operatorCodes = opcodes
+    m.operatorCodes = opcodes.tables
     m.subgraphs = subgraphs
     m.description = model.description
     m.buffers = placed
@@ -327,6 +260,89 @@ def _build(model: ir.Model, schema: Schema, rules: FormatRules) -> tuple[Any, Bu
     if signatures:
         m.signatureDefs = signatures
     return m, table, placed
+
+
+def _subgraph(schema: Schema, si: int, sg: ir.Subgraph, table: BufferTable, opcodes: _OperatorCodes) -> Any:
+    """One SubGraph table: its tensors (constants' data added to ``table``) and operators."""
+    all_tensors, tensor_index = _with_block_scales(sg)
+    s = schema.cls("SubGraph")()
+    s.tensors = [_tensor(schema, t, f"subgraph {si}", table, tensor_index) for t in all_tensors]
+    s.operators = [_operator(schema, op, f"subgraph {si} ({sg.name}) operator {oi} ({op.opcode})", sg, opcodes)
+                   for oi, op in enumerate(sg.operators)]
+    s.inputs = [int(i) for i in sg.inputs]
+    s.outputs = [int(i) for i in sg.outputs]
+    s.name = sg.name
+    return s
+
+
+def _tensor(schema: Schema, t: ir.Tensor, subgraph: str, table: BufferTable, tensor_index: dict[int, int]) -> Any:
+    """One Tensor table (a dynamic dimension is 1 in shape, -1 in shapeSignature)."""
+    tt = schema.cls("Tensor")()
+    shape = [int(d) for d in t.shape]
+    tt.shape = [d if d >= 0 else 1 for d in shape]
+    if any(d < 0 for d in shape):
+        tt.shapeSignature = shape
+    if t.dtype not in schema.tensor_types:
+        if t.dtype in ir.GGML_BLOCKS:
+            raise TargetError(
+                f"tensor {t.name!r} ({subgraph}): {t.dtype} block-quantized weights "
+                f"exist only in Circle (onert runs them); the {schema.name} schema has no "
+                "GGML types: write target circle/onert, or leave out quantize for tflite")
+        raise TargetError(
+            f"tensor {t.name!r} ({subgraph}): dtype {t.dtype} does not exist in the "
+            f"{schema.name} schema")
+    tt.type = schema.tensor_types[t.dtype]
+    tt.name = t.name
+    tt.hasRank = True
+    if t.quant is not None:
+        tt.quantization = _quantization(schema, t, f"tensor {t.name!r} ({subgraph})", tensor_index)
+    if t.data is not None:
+        tt.buffer = table.add(t.data, t.dtype, tuple(shape), t.name)
+    return tt
+
+
+def _operator(schema: Schema, op: ir.Operator, where: str, sg: ir.Subgraph, opcodes: _OperatorCodes) -> Any:
+    """One Operator table: operands, operator code, options."""
+    o = schema.cls("Operator")()
+    o.inputs = [int(i) for i in op.inputs]
+    o.outputs = [int(i) for i in op.outputs]
+    if op.opcode == "CUSTOM":
+        # No options table: the custom code names the op, its options are raw bytes.
+        o.opcodeIndex = opcodes(op.opcode, op.version, where, op.options.get("customCode"))
+        raw = op.options.get("customOptions") or b""
+        o.customOptions = np.frombuffer(bytes(raw), dtype=np.uint8) if raw else None
+    else:
+        o.opcodeIndex = opcodes(op.opcode, op.version, where)
+    options_type = op.options_type or schema.default_options_type(op.opcode)
+    if options_type:
+        try:
+            attr, tag = schema.union_of(options_type)
+        except KeyError:
+            raise UnsupportedOpError(
+                f"{where}: options {options_type!r} are not in the {schema.name} "
+                f"schema's BuiltinOptions unions") from None
+        options = op.options if op.options_type else _implied_options(op, sg, options_type, schema)
+        setattr(o, attr, _options(schema, options_type, options, where))
+        setattr(o, attr + "Type", tag)
+    return o
+
+
+def _signature(schema: Schema, sig: ir.Signature) -> Any:
+    """One SignatureDef table: its key, subgraph and input/output tensor maps."""
+    sd = schema.cls("SignatureDef")()
+    sd.signatureKey = sig.key
+    sd.subgraphIndex = sig.subgraph_index
+    maps = []
+    for group in (sig.inputs, sig.outputs):
+        entries = []
+        for name, index in group.items():
+            tm = schema.cls("TensorMap")()
+            tm.name = name
+            tm.tensorIndex = int(index)
+            entries.append(tm)
+        maps.append(entries)
+    sd.inputs, sd.outputs = maps
+    return sd
 
 
 # ---------------------------------------------------------------------------------------

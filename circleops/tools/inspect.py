@@ -86,47 +86,47 @@ def _stored_bytes(t) -> int:
     return int(t.data.nbytes)
 
 
-def summarize(path: str | os.PathLike) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as plain data."""
-    from circleops.serialize.reader import detect_format, read_model
+class _Totals:
+    """What ``summarize`` adds up over the subgraphs."""
 
-    path = Path(path)
-    fmt = detect_format(path)
-    model = read_model(path)
-    layout = _layout(path, fmt)
+    def __init__(self) -> None:
+        self.ops: Counter[str] = Counter()
+        self.const_by_dtype: dict[str, dict[str, int]] = {}
+        self.seen_data: set[int] = set()
+        self.composites: dict[tuple, dict[str, Any]] = {}
+        self.customs: dict[tuple, dict[str, Any]] = {}
+        self.constants: list[dict[str, Any]] = []
+        self.activations: list[dict[str, Any]] = []  # quantized non-constant tensors (integer graphs)
 
-    ops: Counter[str] = Counter()
-    subgraphs = []
-    const_by_dtype: dict[str, dict[str, int]] = {}
-    seen_data: set[int] = set()
-    composites: dict[tuple, dict[str, Any]] = {}
-    customs: dict[tuple, dict[str, Any]] = {}
-    constants: list[dict[str, Any]] = []
-    activations: list[dict[str, Any]] = []  # quantized non-constant tensors (integer graphs)
-    for si, sg in enumerate(model.subgraphs):
-        sg_ops = Counter(op.opcode for op in sg.operators)
-        ops.update(sg_ops)
+    def add_tensors(self, si: int, sg: Any) -> int:
+        """Count the subgraph's constants (a shared buffer's bytes once) and quantized
+        activations; returns how many constants it has."""
         n_const = 0
         for t in sg.tensors:
             if t.data is None:
                 if t.quant is not None:
-                    activations.append({"subgraph": si, **_tensor_info(t)})
+                    self.activations.append({"subgraph": si, **_tensor_info(t)})
                 continue
             n_const += 1
-            entry = const_by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
+            entry = self.const_by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
             entry["tensors"] += 1
-            shared = id(t.data) in seen_data
+            shared = id(t.data) in self.seen_data
             if not shared:  # a shared buffer counts once
-                seen_data.add(id(t.data))
+                self.seen_data.add(id(t.data))
                 entry["bytes"] += _stored_bytes(t)
-            constants.append({"subgraph": si, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                              "bytes": _stored_bytes(t), "shared": shared, "quantization": _quant_info(t)})
+            self.constants.append({"subgraph": si, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                   "bytes": _stored_bytes(t), "shared": shared, "quantization": _quant_info(t)})
+        return n_const
+
+    def add_operators(self, sg: Any) -> None:
+        """Count the CUSTOM ops by (custom_code, options) and the composites by (name,
+        decomposition, attributes)."""
         for op in sg.operators:
             if op.opcode == "CUSTOM":
                 options = _custom_options(op.options.get("customOptions"))
                 key = (op.options.get("customCode"), json.dumps(options, sort_keys=True, default=json_default))
-                c = customs.setdefault(key, {"custom_code": op.options.get("customCode"), "options": options,
-                                             "count": 0})
+                c = self.customs.setdefault(key, {"custom_code": op.options.get("customCode"), "options": options,
+                                                  "count": 0})
                 c["count"] += 1
                 continue
             if op.opcode != "STABLEHLO_COMPOSITE":
@@ -134,17 +134,27 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
             o = op.options
             attrs = o.get("compositeAttributes") or {}
             key = (o.get("name"), o.get("decompositionSubgraphIndex"), json.dumps(attrs, sort_keys=True, default=json_default))
-            c = composites.setdefault(key, {
+            c = self.composites.setdefault(key, {
                 "name": o.get("name"), "decomposition_subgraph": o.get("decompositionSubgraphIndex"),
                 "attributes": attrs, "version": o.get("version", 0), "count": 0})
             c["count"] += 1
-        subgraphs.append({
+
+    def add_subgraph(self, si: int, sg: Any) -> dict[str, Any]:
+        """The subgraph's own summary; its ops, constants, composites and CUSTOM ops counted."""
+        sg_ops = Counter(op.opcode for op in sg.operators)
+        self.ops.update(sg_ops)
+        n_const = self.add_tensors(si, sg)
+        self.add_operators(sg)
+        return {
             "index": si, "name": sg.name, "ops": len(sg.operators), "tensors": len(sg.tensors),
             "constants": n_const, "op_histogram": dict(sorted(sg_ops.items(), key=lambda kv: (-kv[1], kv[0]))),
             "inputs": [_tensor_info(sg.tensors[i]) for i in sg.inputs],
             "outputs": [_tensor_info(sg.tensors[i]) for i in sg.outputs],
-        })
+        }
 
+
+def _signatures(model: Any) -> list[dict[str, Any]]:
+    """Each signature's key, subgraph and named inputs/outputs (with their tensors' shapes and dtypes)."""
     signatures = []
     for sig in model.signatures:
         tensors = model.subgraphs[sig.subgraph_index].tensors if sig.subgraph_index < len(model.subgraphs) else []
@@ -158,7 +168,19 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
             "inputs": [info(n, i) for n, i in sig.inputs.items()],
             "outputs": [info(n, i) for n, i in sig.outputs.items()],
         })
+    return signatures
 
+
+def summarize(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain data."""
+    from circleops.serialize.reader import detect_format, read_model
+
+    path = Path(path)
+    fmt = detect_format(path)
+    model = read_model(path)
+    layout = _layout(path, fmt)
+    totals = _Totals()
+    subgraphs = [totals.add_subgraph(si, sg) for si, sg in enumerate(model.subgraphs)]
     return {
         "file": str(path),
         "format": fmt,
@@ -168,14 +190,14 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
                     else "inline" if not layout["offset"] else "mixed inline and after the flatbuffer"),
         "buffers": layout,
         "subgraphs": subgraphs,
-        "signatures": signatures,
-        "op_histogram": dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "constants_by_dtype": dict(sorted(const_by_dtype.items())),
-        "constant_bytes": sum(v["bytes"] for v in const_by_dtype.values()),
-        "composites": list(composites.values()),
-        "custom_ops": list(customs.values()),
-        "constants": constants,
-        "quantized_activations": activations,
+        "signatures": _signatures(model),
+        "op_histogram": dict(sorted(totals.ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "constants_by_dtype": dict(sorted(totals.const_by_dtype.items())),
+        "constant_bytes": sum(v["bytes"] for v in totals.const_by_dtype.values()),
+        "composites": list(totals.composites.values()),
+        "custom_ops": list(totals.customs.values()),
+        "constants": totals.constants,
+        "quantized_activations": totals.activations,
         "metadata": {k: len(v) for k, v in model.metadata.items()},
         "task": _task_record(model.metadata),
     }

@@ -23,9 +23,11 @@ through the additive attention mask; the report counts them.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -43,63 +45,116 @@ Progress = Callable[[str], None]
 
 # --------------------------------------------------------------------------- API
 
-def check(model: Any, tokenizer: Any = None, *, prompt: str | None = DEFAULT_PROMPT,
-          prompt_ids: Sequence[int] | None = None, dtype: Any = "fp16",
-          policies: Sequence[str] = POLICY_NAMES, new_tokens: int = DEFAULT_NEW_TOKENS,
-          work_dir: str | os.PathLike | None = None, source: str | None = None,
-          progress: Progress | None = None) -> Any:
+@dataclass
+class ReportOptions:
+    """What the numerics report (``check``) and the quantization report
+    (circleops.tools.quant_report) take besides the model: the prompt and how many greedy
+    tokens fp32 generates over it, where the files go, the model's name in the report."""
+
+    prompt: str | None = DEFAULT_PROMPT  # encoded by the tokenizer; None: made-up ids without prompt_ids
+    prompt_ids: Sequence[int] | None = None  # the prompt as token ids (a model without a tokenizer)
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    work_dir: str | os.PathLike | None = None  # where the files are written (kept); None: a removed temp dir
+    source: str | None = None  # the model's name in the report (default: its class name)
+
+
+@dataclass
+class CheckOptions(ReportOptions):
+    """``check``'s options: the low precision checked and the norm policies compared."""
+
+    dtype: Any = "fp16"  # "fp16" or "bf16" (or the torch dtype)
+    policies: Sequence[str] = POLICY_NAMES  # names from circleops.numerics.NORM_POLICIES
+
+
+def options_with(options: Any, fields: dict[str, Any]) -> Any:
+    """``options`` with ``fields`` (keyword shorthands for its fields) replaced; a keyword
+    that is no field is a TypeError, as for any call."""
+    return dataclasses.replace(options, **fields) if fields else options
+
+
+def check(model: Any, tokenizer: Any = None, options: CheckOptions | None = None, *,
+          progress: Progress | None = None, **fields: Any) -> Any:
     """The numerics report (a :class:`circleops.numerics.CheckReport`) of ``model``.
 
     model: a Hugging Face *ForCausalLM (left unchanged; copies are cast). tokenizer: encodes
         ``prompt`` and decodes the tokens; without one, pass ``prompt_ids`` (else a fixed
-        made-up prompt of 5 ids is used). dtype: "fp16" or "bf16". policies: names from
-        circleops.numerics.NORM_POLICIES. work_dir: where the .circle files are written
-        (kept); None writes them to a temporary directory removed afterwards.
+        made-up prompt of 5 ids is used). options: a :class:`CheckOptions` (dtype "fp16" or
+        "bf16", policies from circleops.numerics.NORM_POLICIES, work_dir for the .circle files,
+        kept; None writes them to a temporary directory removed afterwards); its fields may
+        also be given as keywords (``check(model, tok, dtype="bf16", new_tokens=8)``).
     """
     import torch
 
     from circleops.numerics import CheckReport, norm_policy
 
-    torch_dtype = low_precision_dtype(dtype)
-    chosen = [norm_policy(p) for p in policies]
+    o = options_with(options or CheckOptions(), fields)
+    torch_dtype = low_precision_dtype(o.dtype)
+    chosen = [norm_policy(p) for p in o.policies]
     if not chosen:
         raise _error("no norm policy chosen: pass at least one of " + ", ".join(POLICY_NAMES) + ".")
-    if new_tokens < 1:
-        raise _error(f"--new-tokens must be at least 1, got {new_tokens}.")
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    ids, prompt = prompt_token_ids(model, tokenizer, prompt, prompt_ids)
-    check_length(model, len(ids) + new_tokens - 1)
-
-    say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = fp32_model(model)
-    tokens = greedy(reference, ids, new_tokens)
-    seq = torch.tensor([ids + tokens[:-1]])
-    want = layer_outputs(reference, seq)
+    ref = fp32_reference(model, tokenizer, o, say)
+    ref.model = None  # the fp32 copy is not needed past here
     timings["reference"] = time.perf_counter() - t
-    del reference
 
     t = time.perf_counter()
-    say(f"export ({short_name(torch_dtype)}, {seq.shape[1]} positions)")
-    ep = _exportlow_precision_dtype(model, seq, torch_dtype)
+    say(f"export ({short_name(torch_dtype)}, {ref.seq.shape[1]} positions)")
+    ep = _exportlow_precision_dtype(model, ref.seq, torch_dtype)
     timings["export"] = time.perf_counter() - t
 
     eos = eos_ids(model, tokenizer)
-    hidden_ref = want[1:]
+    hidden_ref = ref.want[1:]
     report = CheckReport(
-        source=source or type(model).__name__, dtype=short_name(torch_dtype), prompt=prompt, prompt_ids=list(ids),
-        new_tokens=new_tokens, reference_tokens=tokens, reference_text=decode_text(tokenizer, tokens),
+        source=o.source or type(model).__name__, dtype=short_name(torch_dtype), prompt=ref.prompt,
+        prompt_ids=list(ref.ids), new_tokens=o.new_tokens, reference_tokens=ref.tokens,
+        reference_text=decode_text(tokenizer, ref.tokens),
         layer_rms=[float(h.double().pow(2).mean(-1).sqrt().max()) for h in hidden_ref],
         layer_max=[float(h.abs().max()) for h in hidden_ref], eos_ids=eos, timings=timings)
-    with WorkDirectory(work_dir) as directory:
+    with WorkDirectory(o.work_dir) as directory:
         for policy in chosen:
             say(f"{policy.name}: convert, run")
-            result = _run_policy(ep, policy, torch_dtype, Path(directory), seq, want, tokens=tokens,
-                                     prompt_len=len(ids), eos=eos, tokenizer=tokenizer)
+            result = _run_policy(ep, policy, torch_dtype, Path(directory), ref, _Decoded(eos, tokenizer))
             report.policies.append(result)
             timings[policy.name] = sum(result.seconds.values())
     return report
+
+
+@dataclass
+class Reference:
+    """fp32's side of a report: the prompt, fp32's greedy tokens over it, and its logits and
+    decoder layer outputs on prompt + tokens[:-1] (one run of a file gives the same rows)."""
+
+    ids: list[int]  # the prompt's token ids
+    prompt: str | None
+    model: Any  # the fp32 model (the model itself when it is fp32 already)
+    tokens: list[int]  # fp32's greedy tokens
+    seq: Any  # [1, len(ids) + len(tokens) - 1] int64: the prompt and every token but the last
+    want: list[Any]  # [logits, each decoder layer's output] of the fp32 model on seq
+
+    def agreement(self, logits: Any) -> tuple[list[int], int]:
+        """(the file's greedy choices at the positions predicting fp32's tokens, how many
+        leading ones equal fp32's) from its logits [positions, vocab]."""
+        n, start = len(self.tokens), len(self.ids) - 1
+        predicted = logits[start: start + n].argmax(-1).tolist()
+        return predicted, next((k for k in range(n) if predicted[k] != self.tokens[k]), n)
+
+
+def fp32_reference(model: Any, tokenizer: Any, options: ReportOptions, say: Progress) -> Reference:
+    """The prompt's ids (checked against the vocabulary and the model's positions), fp32's
+    ``options.new_tokens`` greedy tokens, and fp32's logits and layer outputs over them."""
+    import torch
+
+    if options.new_tokens < 1:
+        raise _error(f"--new-tokens must be at least 1, got {options.new_tokens}.")
+    ids, prompt = prompt_token_ids(model, tokenizer, options.prompt, options.prompt_ids)
+    check_length(model, len(ids) + options.new_tokens - 1)
+    say(f"fp32 reference: {options.new_tokens} greedy tokens")
+    reference = fp32_model(model)
+    tokens = greedy(reference, ids, options.new_tokens)
+    seq = torch.tensor([ids + tokens[:-1]])
+    return Reference(ids, prompt, reference, tokens, seq, layer_outputs(reference, seq))
 
 
 def greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
@@ -252,8 +307,15 @@ def _exportlow_precision_dtype(model: Any, seq: Any, dtype: Any) -> Any:
     return ep
 
 
-def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, want: list[Any], *, tokens: list[int],
-                prompt_len: int, eos: list[int], tokenizer: Any) -> Any:
+@dataclass
+class _Decoded:
+    """What a policy's greedy choices are read against: the end-of-text ids, the tokenizer."""
+
+    eos: list[int]
+    tokenizer: Any
+
+
+def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, ref: Reference, decoded: _Decoded) -> Any:
     import torch
 
     from circleops.pipeline.stages import op_histogram
@@ -274,26 +336,26 @@ def _run_policy(ep: Any, policy: Any, dtype: Any, directory: Path, seq: Any, wan
     del model
     seconds["write"] = time.perf_counter() - t
     t = time.perf_counter()
-    got = reference.Session(path).run_torch([seq])
+    got = reference.Session(path).run_torch([ref.seq])
     seconds["run"] = time.perf_counter() - t
 
     errors, rel, bad = [], [], []
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(got[1:], ref.want[1:]):
         e, n = _max_error(g, w)
         errors.append(e)
         bad.append(n)
         scale = float(w.abs().max())
         rel.append(e / scale if scale > 0 else e)
-    logits_error, logits_bad = _max_error(got[0], want[0])
-    n = len(tokens)
-    predicted = got[0][0, prompt_len - 1: prompt_len - 1 + n].float().argmax(-1).tolist()
-    agreement = next((k for k in range(n) if predicted[k] != tokens[k]), n)
+    logits_error, logits_bad = _max_error(got[0], ref.want[0])
+    n = len(ref.tokens)
+    predicted, agreement = ref.agreement(got[0][0].float())
     generated = predicted[:agreement + 1]
+    tokenizer = decoded.tokenizer
     return PolicyResult(
         name=policy.name, description=policy.description, path=str(path), ops=ops, layer_max_abs=errors,
         layer_rel=rel, layer_nonfinite=bad, logits_max_abs=logits_error, logits_nonfinite=logits_bad,
         agreement=agreement, first_divergence=None if agreement == n else agreement, generated=generated,
-        predicted=predicted, eos_predicted=sum(p in eos for p in predicted),
+        predicted=predicted, eos_predicted=sum(p in decoded.eos for p in predicted),
         generated_text=decode_text(tokenizer, generated), predicted_text=decode_text(tokenizer, predicted), seconds=seconds)
 
 

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from circleops.tools.precision import ReportOptions
+
 PERPLEXITY_TEXT = Path(__file__).parents[1] / "quantize" / "perplexity.txt"  # shipped with the quantizers
 DEFAULT_WINDOW = 256
 
@@ -108,14 +110,27 @@ def text_ids(tokenizer: Any, vocab: int, text: str | None = None) -> list[int]:
     return [b % vocab for b in text.encode()]
 
 
-def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", prompt: str | None = None,
-                prompt_ids: Sequence[int] | None = None, new_tokens: int = 32, text: str | None = None,
-                window: int = DEFAULT_WINDOW, max_windows: int | None = None, runtime: str | None = None,
-                work_dir: str | os.PathLike | None = None, source: str | None = None,
-                progress: Callable[[str], None] | None = None, recipe: Any = None,
-                calibration_data: str | os.PathLike | None = None, tico: bool = False) -> QuantCheckReport:
+@dataclass
+class QuantCheckOptions(ReportOptions):
+    """``quant_check``'s options (the prompt, tokens, work_dir and source are
+    :class:`circleops.tools.precision.ReportOptions`')."""
+
+    quantize: str = "q4_0"  # a --quantize format
+    text: str | None = None  # the perplexity text (default: the shipped PERPLEXITY_TEXT)
+    window: int = DEFAULT_WINDOW  # perplexity window in tokens (at most the model's positions)
+    max_windows: int | None = None  # score only the first K windows (default: all)
+    runtime: str | None = None  # of the quantized file: "onert", "reference", "litert"; None: chosen
+    recipe: Any = None  # an integer format's circleops.quantize.recipe.IntegerRecipe
+    calibration_data: str | os.PathLike | None = None  # an integer format's calibration text or ids
+    tico: bool = False  # also TICO's PTQ on the same windows
+
+
+def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | None = None, *,
+                progress: Callable[[str], None] | None = None, **fields: Any) -> QuantCheckReport:
     """The quantization report of ``model`` (a Hugging Face *ForCausalLM, fp32, unchanged).
 
+    ``options``: a :class:`QuantCheckOptions`; its fields may also be given as keywords
+    (``quant_check(model, tok, quantize="q8_0", new_tokens=8)``).
     ``runtime``: "onert" or "reference"; None is onert, or the reference interpreter where
     onert cannot run GGML weights on this CPU (circleops.runtime.host; the report says so),
     or where onert cannot run the integer recipe (int16, 4-bit weights, int16 parts).
@@ -131,13 +146,76 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
 
     from circleops.tools import precision as fp
     from circleops.pipeline import stages as pipeline
+    from circleops.pipeline.stages import CausalLMLogits, hf_export_settings
+
+    o = fp.options_with(options or QuantCheckOptions(), fields)
+    plan = _plan(o)
+    say = progress or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    limit = getattr(model.config, "max_position_embeddings", None) or o.window
+    o = dataclasses.replace(o, window=max(2, min(o.window, limit)),
+                            prompt=o.prompt if o.prompt is not None else fp.DEFAULT_PROMPT)
+
+    t = time.perf_counter()
+    ref = fp.fp32_reference(model, tokenizer, o, say)
+    timings["reference"] = time.perf_counter() - t
+    chunks = _windows(text_ids(tokenizer, int(model.config.vocab_size), o.text), o.window, o.max_windows)
+    logits_module = CausalLMLogits(ref.model).eval()
+    t = time.perf_counter()
+    with hf_export_settings(ref.model), torch.no_grad():  # the model as given (before w8's smoothing)
+        fp32_nll = [_nll(logits_module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
+    fp32_seconds = time.perf_counter() - t
+
+    with contextlib.ExitStack() as restore, fp.WorkDirectory(o.work_dir) as directory:
+        job = _Job(o, plan, ref, tokenizer, Path(directory), say, timings,
+                   pipeline.Options(plan.target, quantize=o.quantize, functionalize=False))
+        weights = _prepare(job, restore)
+        layers = _layer_errors(job, weights)
+        t = time.perf_counter()
+        say(f"perplexity: fp32 (torch) and {o.quantize} ({plan.runtime}), windows of {o.window}")
+        run = _session(plan.runtime, job.write(logits_module, torch.tensor([chunks[0]]), "logits", weights)[0])
+        q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
+        timings["perplexity"] = time.perf_counter() - t + fp32_seconds
+    tico_result = None
+    if o.tico:  # after the recipe's weights are restored: TICO quantizes the model as given
+        t = time.perf_counter()
+        say("TICO PTQ (default PTQConfig) on the same calibration windows, scored in torch")
+        tico_result = tico_ptq(ref.model, tokenizer, ref.seq, chunks, start=len(ref.ids), tokens=ref.tokens,
+                               calibrate=plan.recipe.calibrate, calibration_data=o.calibration_data)
+        timings["tico"] = time.perf_counter() - t
+
+    return QuantCheckReport(
+        source=o.source or type(model).__name__, format=o.quantize, runtime=plan.runtime, note=plan.note,
+        prompt=ref.prompt, prompt_ids=list(ref.ids), new_tokens=o.new_tokens, reference_tokens=ref.tokens,
+        reference_text=fp.decode_text(tokenizer, ref.tokens), layer_max_abs=layers.errors, layer_rel=layers.rel,
+        logits_max_abs=layers.logits_error, agreement=layers.agreement,
+        generated_text=fp.decode_text(tokenizer, layers.predicted[:layers.agreement + 1]),
+        perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
+        perplexity_tokens=len(chunks) * (o.window - 1), window=o.window, file_bytes=layers.file_bytes,
+        quantization=layers.summary, timings=timings, layer_sqnr_db=layers.sqnr, logits_sqnr_db=layers.logits_sqnr,
+        recipe=plan.recipe.to_dict() if plan.integer else None, tico=tico_result)
+
+
+@dataclass
+class _Plan:
+    """How the quantized files are made and run: an integer (PT2E) format or weights only,
+    its recipe, the target they are written for, the runtime and why it was chosen."""
+
+    integer: bool
+    recipe: Any
+    target: str
+    runtime: str
+    note: str | None
+
+
+def _plan(o: QuantCheckOptions) -> _Plan:
+    """The format's target and runtime, its options checked as convert checks them."""
     from circleops.errors import CircleOpsError
-    from circleops.numerics import LayerOutputs
-    from circleops.pipeline.stages import CausalLMLogits, export, hf_export_settings
+    from circleops.pipeline.validate import validate_quantize
     from circleops.quantize import formats
     from circleops.runtime import choose_runtime
-    from circleops.pipeline.validate import validate_quantize
 
+    quantize, runtime, recipe = o.quantize, o.runtime, o.recipe
     # an integer graph (PT2E): onert runs uint8 files written for it; int16 (and any
     # file for NPU compilers) runs in the reference interpreter's integer kernels
     integer = formats.get(quantize) is not None and formats.get(quantize).kind == formats.INTEGER
@@ -150,7 +228,7 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
             runtime = "reference"  # onert loads no int16 / int4 graph (circleops.pipeline.validate)
         check_recipe(quantize, "onert" if runtime in (None, "onert") else "circle", recipe.weight_bits, recipe.gptq,
                      recipe.rotate, recipe.group_size)
-    elif recipe is not None or tico:
+    elif recipe is not None or o.tico:
         raise CircleOpsError(f"the integer recipe options and --tico apply to --quantize uint8 / int16, not {quantize}")
     if runtime is None and not integer and formats.get(quantize) is not None \
             and formats.get(quantize).file_formats == frozenset({"tflite"}):
@@ -163,106 +241,116 @@ def quant_check(model: Any, tokenizer: Any = None, *, quantize: str = "q4_0", pr
         raise CircleOpsError(f"runtime {runtime!r}: {quantize} files run in "
                              f"{' or '.join(sorted(formats.get(quantize).runtimes))}")
     runtime, note = choose_runtime(runtime, target, quantize, "run")
-    if new_tokens < 1:
-        raise CircleOpsError(f"--new-tokens must be at least 1, got {new_tokens}.")
-    say = progress or (lambda _msg: None)
-    timings: dict[str, float] = {}
-    cfg = model.config
-    limit = getattr(cfg, "max_position_embeddings", None) or window
-    window = max(2, min(window, limit))
+    if o.new_tokens < 1:
+        raise CircleOpsError(f"--new-tokens must be at least 1, got {o.new_tokens}.")
+    return _Plan(integer, recipe, target, runtime, note)
 
-    t = time.perf_counter()
-    ids, prompt = fp.prompt_token_ids(model, tokenizer, prompt if prompt is not None else fp.DEFAULT_PROMPT, prompt_ids)
-    fp.check_length(model, len(ids) + new_tokens - 1)
-    say(f"fp32 reference: {new_tokens} greedy tokens")
-    reference = fp.fp32_model(model)
-    tokens = fp.greedy(reference, ids, new_tokens)
-    seq = torch.tensor([ids + tokens[:-1]])
-    want = fp.layer_outputs(reference, seq)
-    timings["reference"] = time.perf_counter() - t
 
-    all_ids = text_ids(tokenizer, int(cfg.vocab_size), text)
+def _windows(all_ids: list[int], window: int, max_windows: int | None) -> list[list[int]]:
+    """The perplexity text's non-overlapping windows (the first ``max_windows``)."""
+    from circleops.errors import CircleOpsError
+
     count = len(all_ids) // window if max_windows is None else min(max_windows, len(all_ids) // window)
     if count < 1:
         raise CircleOpsError(f"the perplexity text has {len(all_ids)} tokens, fewer than one window of {window}.")
-    chunks = [all_ids[k * window:(k + 1) * window] for k in range(count)]
-    example = torch.tensor([chunks[0]])
-    module = CausalLMLogits(reference).eval()
-    t = time.perf_counter()
-    with hf_export_settings(reference), torch.no_grad():  # the model as given (before w8's smoothing)
-        fp32_nll = [_nll(module(torch.tensor([c]))[0].numpy(), c) for c in chunks]
-    fp32_seconds = time.perf_counter() - t
+    return [all_ids[k * window:(k + 1) * window] for k in range(count)]
 
-    opts = pipeline.Options(target, quantize=quantize, functionalize=False)
-    with contextlib.ExitStack() as restore, fp.WorkDirectory(work_dir) as directory:
-        # as convert does: w8's SmoothQuant folded into the weights, q4_0's input importances
-        tracker = pipeline.Tracker(timings=timings)
-        weights = pipeline.prepare_weights(reference, opts, restore, tokenizer=tokenizer, tracker=tracker)
-        if integer:  # rotation, GPTQ / per-group rounding, in the weights until the files are written
-            from circleops.quantize.llm import prepare_llm
 
-            say(f"integer recipe: {quantize}, {recipe.weight_label}" + (", GPTQ" if recipe.gptq else "")
-                + f", rotate {recipe.rotate}")
-            with hf_export_settings(reference):
-                prepare_llm(reference, (seq,), recipe, restore, (calibration_data, tokenizer), tracker)
-        t = time.perf_counter()
-        say(f"convert ({quantize}) and run the layer outputs")
-        layers_module = LayerOutputs(reference).eval()
-        with hf_export_settings(reference), torch.no_grad():
-            ep = export(layers_module, (seq,), adapters=True, warn_list=[])
-        path = Path(directory) / f"layers_{quantize}.{opts.profile.format}"
-        calibration = (recipe, calibration_data, _head_names(layers_module, reference))
-        summary = _write(ep, path, opts, weights, Example((seq,), tokenizer, cfg), calibration)
-        got = _run(runtime, path, [seq.numpy()])
-        timings["layers"] = time.perf_counter() - t
-        errors, rel, sqnr = [], [], []
-        rotation = recipe.rotation.double().numpy() if integer and recipe.rotation is not None else None
-        for g, w in zip(got[1:], want[1:]):
-            if rotation is not None:  # the rotated model's residual stream is h · Q: compare h
-                g = g.astype(np.float64) @ rotation.T
-            diff = g.astype(np.float64) - w.double().numpy()
-            e = float(np.abs(diff).max())
-            errors.append(e)
-            noise = float(np.sum(diff ** 2))
-            sqnr.append(float("inf") if noise == 0 else 10 * math.log10(float(w.double().pow(2).sum()) / noise))
-            scale = float(w.abs().max())
-            rel.append(e / scale if scale > 0 else e)
-        logits = got[0][0]
-        logits_error = float(np.abs(logits - want[0][0].numpy()).max())
-        n = len(tokens)
-        predicted = logits[len(ids) - 1: len(ids) - 1 + n].argmax(-1).tolist()
-        logits_sqnr = sqnr_db(want[0][0].numpy()[len(ids) - 1: len(ids) - 1 + n], logits[len(ids) - 1: len(ids) - 1 + n])
-        agreement = next((k for k in range(n) if predicted[k] != tokens[k]), n)
+@dataclass
+class _Job:
+    """One report's quantized files: what they are written from and where."""
 
-        t = time.perf_counter()
-        say(f"perplexity: fp32 (torch) and {quantize} ({runtime}), windows of {window}")
+    o: QuantCheckOptions
+    plan: _Plan
+    ref: Any  # circleops.tools.precision.Reference
+    tokenizer: Any
+    directory: Path
+    say: Callable[[str], None]
+    timings: dict[str, float]
+    opts: Any  # the files' circleops.pipeline.stages.Options
+
+    def write(self, module: Any, example: Any, stem: str, weights: Any) -> tuple[Path, list[str]]:
+        """``module`` exported on ``example`` and written as convert writes it; (its path, the
+        quantization summary lines)."""
+        import torch
+
+        from circleops.pipeline.stages import export, hf_export_settings
+
+        opts, reference = self.opts, self.ref.model
+        calibration = (self.plan.recipe, self.o.calibration_data, _head_names(module, reference))
         with hf_export_settings(reference), torch.no_grad():
             ep = export(module, (example,), adapters=True, warn_list=[])
-        lm_path = Path(directory) / f"logits_{quantize}.{opts.profile.format}"
-        _write(ep, lm_path, opts, weights, Example((example,), tokenizer, cfg),
-               (recipe, calibration_data, _head_names(module, reference)))
-        run = _session(runtime, lm_path)
-        q_nll = [_nll(run([np.array([c], dtype=np.int64)])[0][0], c) for c in chunks]
-        timings["perplexity"] = time.perf_counter() - t + fp32_seconds
-        file_bytes = path.stat().st_size
-    tico_result = None
-    if tico:  # after the recipe's weights are restored: TICO quantizes the model as given
-        t = time.perf_counter()
-        say("TICO PTQ (default PTQConfig) on the same calibration windows, scored in torch")
-        tico_result = tico_ptq(reference, tokenizer, seq, chunks, start=len(ids), tokens=tokens,
-                               calibrate=recipe.calibrate, calibration_data=calibration_data)
-        timings["tico"] = time.perf_counter() - t
+        path = self.directory / f"{stem}_{self.o.quantize}.{opts.profile.format}"
+        summary = _write(ep, path, opts, weights, Example((example,), self.tokenizer, reference.config), calibration)
+        return path, summary
 
-    return QuantCheckReport(
-        source=source or type(model).__name__, format=quantize, runtime=runtime, note=note, prompt=prompt,
-        prompt_ids=list(ids), new_tokens=new_tokens, reference_tokens=tokens,
-        reference_text=fp.decode_text(tokenizer, tokens), layer_max_abs=errors, layer_rel=rel,
-        logits_max_abs=logits_error, agreement=agreement,
-        generated_text=fp.decode_text(tokenizer, predicted[:agreement + 1]),
-        perplexity_fp32=math.exp(float(np.mean(fp32_nll))), perplexity_quantized=math.exp(float(np.mean(q_nll))),
-        perplexity_tokens=count * (window - 1), window=window, file_bytes=file_bytes,
-        quantization=summary, timings=timings, layer_sqnr_db=sqnr, logits_sqnr_db=logits_sqnr,
-        recipe=recipe.to_dict() if integer else None, tico=tico_result)
+
+def _prepare(job: _Job, restore: contextlib.ExitStack) -> Any:
+    """As convert does: w8's SmoothQuant folded into the weights, q4_0's input importances; an
+    integer recipe's rotation and GPTQ / per-group rounding, in the weights until ``restore``
+    closes. The weight inputs of the files."""
+    from circleops.pipeline import stages as pipeline
+    from circleops.pipeline.stages import hf_export_settings
+
+    reference, recipe = job.ref.model, job.plan.recipe
+    tracker = pipeline.Tracker(timings=job.timings)
+    weights = pipeline.prepare_weights(reference, job.opts, restore, tokenizer=job.tokenizer, tracker=tracker)
+    if job.plan.integer:
+        from circleops.quantize.llm import prepare_llm
+
+        job.say(f"integer recipe: {job.o.quantize}, {recipe.weight_label}" + (", GPTQ" if recipe.gptq else "")
+                + f", rotate {recipe.rotate}")
+        with hf_export_settings(reference):
+            prepare_llm(reference, (job.ref.seq,), recipe, restore, (job.o.calibration_data, job.tokenizer), tracker)
+    return weights
+
+
+@dataclass
+class _LayerErrors:
+    """The layers file against fp32: per layer and on the logits."""
+
+    errors: list[float]
+    rel: list[float]
+    sqnr: list[float]
+    logits_error: float
+    logits_sqnr: float
+    predicted: list[int]
+    agreement: int
+    summary: list[str]  # the file's quantization summary lines
+    file_bytes: int
+
+
+def _layer_errors(job: _Job, weights: Any) -> _LayerErrors:
+    """The quantized file of the model's logits and decoder layer outputs, run on the
+    reference's sequence and compared with fp32's."""
+    import numpy as np
+
+    from circleops.numerics import LayerOutputs
+
+    t = time.perf_counter()
+    ref, plan = job.ref, job.plan
+    job.say(f"convert ({job.o.quantize}) and run the layer outputs")
+    path, summary = job.write(LayerOutputs(ref.model).eval(), ref.seq, "layers", weights)
+    got = _run(plan.runtime, path, [ref.seq.numpy()])
+    job.timings["layers"] = time.perf_counter() - t
+    errors, rel, sqnr = [], [], []
+    rotation = plan.recipe.rotation.double().numpy() if plan.integer and plan.recipe.rotation is not None else None
+    for g, w in zip(got[1:], ref.want[1:]):
+        if rotation is not None:  # the rotated model's residual stream is h · Q: compare h
+            g = g.astype(np.float64) @ rotation.T
+        diff = g.astype(np.float64) - w.double().numpy()
+        e = float(np.abs(diff).max())
+        errors.append(e)
+        noise = float(np.sum(diff ** 2))
+        sqnr.append(float("inf") if noise == 0 else 10 * math.log10(float(w.double().pow(2).sum()) / noise))
+        scale = float(w.abs().max())
+        rel.append(e / scale if scale > 0 else e)
+    logits, want = got[0][0], ref.want[0][0].numpy()
+    start, n = len(ref.ids) - 1, len(ref.tokens)
+    predicted, agreement = ref.agreement(logits)
+    return _LayerErrors(errors, rel, sqnr, float(np.abs(logits - want).max()),
+                        sqnr_db(want[start: start + n], logits[start: start + n]), predicted, agreement, summary,
+                        path.stat().st_size)
 
 
 def sqnr_db(ref: Any, got: Any) -> float:

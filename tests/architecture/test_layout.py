@@ -262,3 +262,94 @@ def test_no_function_takes_more_than_six_positional_parameters():
                 if len(positional) > MAX_POSITIONAL:
                     bad.append(f"{name}:{node.lineno} {node.name}() takes {len(positional)} positional parameters")
     assert not bad, f"at most {MAX_POSITIONAL} positional parameters:\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- sizes (issue 33)
+
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8  # every parameter: positional, keyword-only, *args and **kwargs (self / cls not)
+
+
+def _schema_mirror(name: str) -> bool:
+    """Modules whose functions take an op's arguments as its schema lists them: a lowering
+    gets aten's (aten.convolution: 9, plus ctx and node), an op module circle.attention's 13,
+    an interpreter kernel or another toolchain's op (interop: TICO's schemas) theirs. Splitting
+    those into option objects would hide the schema they mirror. The op registry is not one."""
+    return name.startswith(POSITIONAL_EXEMPT) and name not in ("circleops.ops", "circleops.ops.registry",
+                                                               "circleops.ops._common")
+
+
+# Functions of other engineers' areas still over a limit (issue 33, this session), each with its owner:
+# whoever fixes one deletes its entry (the test fails on an entry that no longer offends, so the list
+# only shrinks). module:qualname -> owner, what is over
+SIZE_ALLOWED: dict[str, str] = {
+    "circleops.quantize.quantizer:_make_class": "npu4: 84 lines",
+    "circleops.quantize.pt2e:quantize_mixed": "npu4: 9 parameters",
+    "circleops.quantize.recipe:recipe_for": "npu4: 10 parameters",
+    "circleops.quantize.weights:_quantize_subgraph": "scale: 124 lines",
+}
+
+
+def _functions(path: Path):
+    """(qualname, node) of every function in the module at ``path``, methods and nested functions included."""
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield prefix + child.name, child
+                yield from walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(ast.parse(path.read_text(), str(path)), "")
+
+
+def _parameters(node) -> int:
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    count = len(names) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+    return count - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def _size_offences(modules: dict[str, Path]) -> dict[str, str]:
+    """module:qualname -> what is over the limits, for each function of ``modules`` (name -> path)."""
+    found = {}
+    for name, path in modules.items():
+        for qualname, node in _functions(path):
+            lines = node.end_lineno - node.lineno + 1
+            over = []
+            if lines > MAX_FUNCTION_LINES:
+                over.append(f"{lines} lines")
+            if _parameters(node) > MAX_PARAMETERS and not _schema_mirror(name):
+                over.append(f"{_parameters(node)} parameters")
+            if over:
+                found[f"{name}:{qualname}"] = ", ".join(over)
+    return found
+
+
+def test_no_function_is_long_or_takes_many_parameters():
+    """Issue 33: no function over 80 lines, none with more than 8 parameters. A long function
+    is a list of steps: give each a name. Many parameters are one options object (a dataclass
+    the caller builds once), or belong to an object the function is a method of."""
+    offences = _size_offences(MODULES)
+    new = {f: what for f, what in offences.items() if f not in SIZE_ALLOWED}
+    assert not new, (f"over {MAX_FUNCTION_LINES} lines or {MAX_PARAMETERS} parameters (split it into named steps, "
+                     "or pass an options object):\n" + "\n".join(f"{f}: {what}" for f, what in sorted(new.items())))
+    fixed = sorted(set(SIZE_ALLOWED) - set(offences))
+    assert not fixed, f"these are within the limits now: delete their SIZE_ALLOWED entries: {fixed}"
+
+
+def test_the_size_rule_sees_an_offence(tmp_path):
+    """The scan itself: a long function, a wide one and a wide method are found, a method's
+    self is not counted, and a schema-mirroring module is held to the length rule only."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    source = (f"def long():\n{body}\n\n\ndef wide(a, b, c, d, e, f, g, *h, i, **j):\n    pass\n\n\n"
+              "class C:\n    def method(self, a, b, c, d, e, f, g, h):\n        pass\n\n"
+              "    def wider(self, a, b, c, d, e, f, g, h, i):\n        pass\n")
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert _size_offences({"circleops.x": path}) == {
+        "circleops.x:long": f"{MAX_FUNCTION_LINES + 1} lines", "circleops.x:wide": "10 parameters",
+        "circleops.x:C.wider": "9 parameters"}
+    assert _size_offences({"circleops.lowering.x": path}) == {"circleops.lowering.x:long": f"{MAX_FUNCTION_LINES + 1} lines"}

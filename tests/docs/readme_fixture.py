@@ -144,8 +144,9 @@ def python_namespace(directory: Path) -> dict:
     angles = torch.outer(torch.arange(P + 1, dtype=torch.float32), 10000.0 ** (-torch.arange(0, D, 2) / D))
     table_cos, table_sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     input_ids = example_ids(8)
-    manifest = json.loads((directory / "out-circle" / "manifest.json").read_text())
-    caches = [torch.zeros(1, manifest["max_cache_len"], Hkv, D) for _ in range(4)]
+    from circleops.package.manifest import read_manifest
+
+    caches = [torch.zeros(1, read_manifest(directory / "out-circle").max_cache_len, Hkv, D) for _ in range(4)]
     return {
         "torch": torch,
         # rms_norm / rope / attention

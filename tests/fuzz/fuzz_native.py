@@ -166,16 +166,22 @@ def mutate_manifest(rng: random.Random, manifest: dict, names: list[str]) -> tup
             m["files"][graph] = rng.choice(_BAD_NAMES + tuple(names))
             done.append(f"files[{graph}]={m['files'][graph]!r}")
         elif kind == "tokenizer":
-            m["tokenizer"] = rng.choice(_BAD_NAMES)
-            done.append(f"tokenizer={m['tokenizer']!r}")
-        elif kind == "value":
-            key = rng.choice(sorted(m))
-            m[key] = rng.choice(_BAD_VALUES)
-            done.append(f"{key}={m[key]!r}")
-        elif kind == "drop":
-            key = rng.choice(sorted(m))
-            del m[key]
-            done.append(f"drop {key}")
+            part = m.get("text") if isinstance(m.get("text"), dict) else m  # version 4: the text section's
+            part["tokenizer"] = rng.choice(_BAD_NAMES)
+            done.append(f"tokenizer={part['tokenizer']!r}")
+        elif kind in ("value", "drop"):
+            # version 4: a common key or one of a section's (text, vision, speech), as often
+            sections = [k for k in ("text", "vision", "speech") if isinstance(m.get(k), dict)]
+            part = m[rng.choice(sections)] if sections and rng.random() < 0.5 else m
+            if not part:
+                continue
+            key = rng.choice(sorted(part))
+            if kind == "value":
+                part[key] = rng.choice(_BAD_VALUES)
+                done.append(f"{key}={part[key]!r}")
+            else:
+                del part[key]
+                done.append(f"drop {key}")
         else:  # two graphs' files swapped (a prefill graph as the decode graph)
             if isinstance(m.get("files"), dict) and len(m["files"]) > 1:
                 a, b = rng.sample(sorted(m["files"]), 2)

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+import manifest_json
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, one_torch_thread
 
 from circleops.errors import ModelLoadError, TargetError
@@ -122,19 +123,16 @@ def _manifest(tmp_path, **kw) -> Manifest:
 
 def test_manifest_round_trip_and_older_versions(tmp_path):
     _manifest(tmp_path, cache_update="rows").write()
-    data = json.loads((tmp_path / "manifest.json").read_text())
-    assert data["version"] == MANIFEST_VERSION == 2 and data["cache_update"] == "rows"
+    data = manifest_json.read(tmp_path)
+    assert data["version"] == MANIFEST_VERSION == 4 and data["kind"] == "text" and data["text"]["cache_update"] == "rows"
     assert read_manifest(tmp_path).cache_update == "rows" and read_manifest(tmp_path).cache_layout == SLOT_MAJOR
     _manifest(tmp_path, cache_update="rows", cache_layout=HEAD_MAJOR).write()
     m = read_manifest(tmp_path)
     assert m.cache_layout == HEAD_MAJOR and m.cache_shapes == [[1, 2, 32, 16]] * 2 + [[1, 2, 16, 32]] * 2
-    data = json.loads((tmp_path / "manifest.json").read_text())
-    # a version-1 directory (written before the field) reads as the full form it is
-    del data["cache_update"]
-    data["version"], data["cache_layout"] = 1, "[1, C, Hkv, D]"
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    # a version-1 directory (written before the field, flat) reads as the full form it is
+    data = manifest_json.write_legacy(tmp_path, 1, drop=["cache_update"], cache_layout="[1, C, Hkv, D]")
     assert (read_manifest(tmp_path).cache_update, read_manifest(tmp_path).cache_layout) == ("full", SLOT_MAJOR)
-    for bad, match in (({"version": 4}, "version 1 or 2 or 3"), ({"version": 2, "cache_update": "half"}, "cache_update"),
+    for bad, match in (({"version": 5}, "version 1 or 2 or 3 or 4"), ({"version": 2, "cache_update": "half"}, "cache_update"),
                        ({"version": 2, "cache_layout": "[C, D]"}, "cache_layout"),
                        ({"version": 2, "cache_layout": HEAD_MAJOR}, "cache_layout")):  # whole caches are slot-major
         (tmp_path / "manifest.json").write_text(json.dumps({**data, **bad}))

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.errors import ModelLoadError, TargetError
 from circleops.generation.generator import Generator, cache_window
-from circleops.recipes.llm import convert_graphs, default_cache_windows
+from circleops.recipes.llm import DECODE_MIN_WINDOW, convert_graphs, decode_windows, default_cache_windows
 from circleops.package.manifest import read_manifest
 from families import BY_NAME
 from generate_fixtures import one_torch_thread
@@ -54,7 +55,7 @@ def test_tflite_writes_windows_down_to_twice_the_prefill(out):
     assert default_cache_windows("tflite", 64, 512, "full") == ()
     m = read_manifest(out)
     assert m.windowed_prefills == {"prefill_c64": (PREFILL, 64), "prefill_c32": (PREFILL, 32)}
-    assert json.loads((out / "manifest.json").read_text())["prefill_windows"] == {
+    assert manifest_json.read(out)["text"]["prefill_windows"] == {
         "prefill_c64": [PREFILL, 64], "prefill_c32": [PREFILL, 32]}
     gen = Generator(out)
     shapes = {w: [tuple(s.shape) for s in session.inputs[3:]] for w, session in gen.window_sessions[PREFILL]}
@@ -95,6 +96,39 @@ def test_windows_keep_transformers_tokens(out, model, n):
     assert result.tokens == hf[0, n:].tolist()
 
 
+def test_decode_windows_down_to_the_minimum(out):
+    assert decode_windows(None, "tflite", 512, "rows") == (256, 128, 64, 32) and DECODE_MIN_WINDOW == 32
+    assert decode_windows(None, "onert", 512, "rows") == () and decode_windows(None, "tflite", 512, "full") == ()
+    assert decode_windows((100,), "tflite", 512, "rows") == (100,)  # --cache-windows names them for both
+    m = read_manifest(out)
+    assert m.windowed_decodes == {"decode_c64": 64, "decode_c32": 32}
+    assert json.loads((out / "manifest.json").read_text())["decode_windows"] == {"decode_c64": 64, "decode_c32": 32}
+    gen = Generator(out)
+    for w, session in gen.decode_windows:  # head-major k [1, Hkv, W, D], v [1, Hkv, D, W]
+        assert session.inputs[2].shape[2] == w and session.inputs[-1].shape[3] == w
+
+
+def test_decode_windows_give_the_full_cache_steps(out, model):
+    """Decode steps from pos 20 to 75: those at pos <= 32 run the 32-slot graph, up to 64 the
+    64-slot one, the rest the full cache; each step's logits equal the full-cache graph's
+    (a Generator without windows) and the model's."""
+    prompt = _prompt(76)
+    windowed, full = Generator(out), Generator(out)
+    full.decode_windows = []
+    counted = {w: _Counting(s) for w, s in windowed.decode_windows}
+    windowed.decode_windows = [(w, counted[w]) for w, _ in windowed.decode_windows]
+    steps, want = [windowed.prefill(prompt[:20])], [full.prefill(prompt[:20])]
+    for t in prompt[20:]:
+        steps.append(windowed.decode(t))
+        want.append(full.decode(t))
+    # positions 20..75: <= 32 -> 13 steps, 33..64 -> 32 steps, 65..75 full
+    assert {w: c.runs for w, c in counted.items()} == {32: 13, 64: 32}
+    assert np.abs(np.stack(steps) - np.stack(want)).max() < 1e-5
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, 19:].numpy()
+    assert np.abs(np.stack(steps) - ref).max() < 1e-4
+
+
 def test_cache_window_views_are_the_first_slots():
     k = np.arange(1 * 2 * 8 * 3, dtype=np.float32).reshape(1, 2, 8, 3)
     v = np.arange(1 * 2 * 3 * 8, dtype=np.float32).reshape(1, 2, 3, 8)
@@ -111,13 +145,20 @@ def test_bad_windows_are_refused(tmp_path, out):
     with pytest.raises(TargetError, match="cache_update='rows'"):
         convert_graphs(BY_NAME["llama"].build(), tmp_path / "b", target="tflite", prefill_len=8, max_cache_len=32,
                        cache_windows=[16], cache_update="full")
-    data = json.loads((out / "manifest.json").read_text())
-    data["prefill_windows"] = {"prefill_c64": [PREFILL, CACHE]}  # a window as large as the cache
     bad = tmp_path / "m"
     bad.mkdir()
-    (bad / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"prefill_windows": {"prefill_c64": [PREFILL, CACHE]}}, to=bad)  # as large as the cache
     (bad / "model.tflite").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="prefill_windows"):
+        read_manifest(bad)
+    data = json.loads((out / "manifest.json").read_text())
+    data["decode_windows"] = {"decode_c64": CACHE}  # a decode window as large as the cache
+    (bad / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="decode_windows"):
+        read_manifest(bad)
+    data["decode_windows"] = {"decode_c99": 16}  # a graph the directory lacks
+    (bad / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="decode_windows"):
         read_manifest(bad)
 
 
@@ -137,9 +178,10 @@ def test_cli_cache_windows(tmp_path, capsys):
     assert read_manifest(tmp_path / "default").windowed_prefills == {"prefill_c16": (4, 16), "prefill_c8": (4, 8)}
     assert main([*base, "--cache-windows", "none", "-o", str(tmp_path / "none")]) == 0
     m = read_manifest(tmp_path / "none")
-    assert m.prefill_windows is None and set(m.files) == {"prefill", "decode"}
+    assert m.prefill_windows is None and m.decode_windows is None and set(m.files) == {"prefill", "decode"}
     assert main([*base, "--cache-windows", "12", "-o", str(tmp_path / "twelve")]) == 0
     assert read_manifest(tmp_path / "twelve").windowed_prefills == {"prefill_c12": (4, 12)}
+    assert read_manifest(tmp_path / "twelve").windowed_decodes == {"decode_c12": 12}
     assert Generator(tmp_path / "twelve").generate([5, 17, 42, 7, 9, 11, 3], 3).tokens
     capsys.readouterr()
     assert main([*base, "--cache-windows", "half", "-o", str(tmp_path / "bad")]) == 2

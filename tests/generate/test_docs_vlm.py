@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from doc_blocks import blocks, run_cli
+import manifest_json
 from generate_fixtures import one_torch_thread
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vlm.md"
@@ -57,5 +58,5 @@ def test_every_block_runs(tmp_path, monkeypatch):
     assert ran == {"python": 3, "shell": 5, "console": 3}
     assert (tmp_path / "smolvlm-out" / "vision.circle").is_file()
     assert (tmp_path / "paligemma-out" / "prefill.circle").is_file()
-    assert json.loads((tmp_path / "paligemma-q4" / "manifest.json").read_text())["quantize"] == "q4_0"
+    assert manifest_json.read(tmp_path / "paligemma-q4")["quantize"] == "q4_0"
     assert not (tmp_path / "paligemma-short").exists()

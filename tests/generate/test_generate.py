@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import manifest_json
 from generate_fixtures import TINY_CACHE, TINY_NEW, TINY_PREFILL, TINY_PROMPTS, hf_greedy
 from families import FAMILIES
 
@@ -184,7 +185,7 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     assert report["graphs"]["decode"]["ops"]["ROPE"] == 4
     assert report["graphs"]["decode"]["max_abs_error"] < 1e-4
     # two prefill graphs, each verified: prefill (8, the longest) and prefill_4
-    assert report["manifest"]["prefill_lens"] == [8, 4] and (out / "prefill_4.circle").is_file()
+    assert report["manifest"]["text"]["prefill_lens"] == [8, 4] and (out / "prefill_4.circle").is_file()
     assert max(report["graphs"][g]["max_abs_error"] for g in ("prefill", "prefill_4")) < 1e-4
     expected = hf_greedy(load_config(cfg).module, TINY_PROMPTS[0], TINY_NEW)
     proc = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(out), "--token-ids",
@@ -239,10 +240,7 @@ def test_directories_of_all_row_prefills_still_run(tmp_path, tiny_model, tiny_ex
     ep = export(step, (ids, pos, *step.empty_caches()), adapters=False, warn_list=[])
     model = lower_step(ep, "prefill", "onert", step.num_layers, kind="decode")  # the io of the old prefill
     write_model(model, out / "prefill.circle", "circle")
-    manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["prefill_inputs"], manifest["prefill_lens"], manifest["cache_update"]
-    manifest["version"] = 1
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    manifest_json.write_legacy(out, 1, drop=["prefill_inputs", "prefill_lens", "cache_update"])
     gen = Generator(out)
     assert not gen.manifest.prefill_one_row and gen.manifest.cache_update == "full"
     for prompt in TINY_PROMPTS[:2] + [list(range(1, TINY_PREFILL + 4))]:  # the last takes two chunks

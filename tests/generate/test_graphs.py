@@ -8,12 +8,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
+import manifest_json
 from generate_fixtures import TINY_CACHE, TINY_PREFILL
 from families import BY_NAME, FAMILIES, MOE_FAMILIES
 
 from circleops.errors import CircleOpsError, TargetError
-from circleops.recipes.llm import (convert_graphs, decoder_step, export_graph, io_names, lower_step, merge_models,
-                              parse_graph_names)
+from circleops.package.files import merge_models
+from circleops.recipes.llm import (convert_graphs, decoder_step, export_graph, io_names, lower_step,
+                                  parse_graph_names)
 from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model, write_model
 
@@ -77,7 +79,8 @@ def test_onert_graph_io(tiny_onert):
 
 
 def test_manifest(tiny_onert):
-    data = json.loads((tiny_onert.directory / "manifest.json").read_text())
+    data = manifest_json.fields(tiny_onert.directory)  # version 4: the text section's fields and the common ones
+    assert manifest_json.read(tiny_onert.directory)["kind"] == "text" and "text" in manifest_json.read(tiny_onert.directory)
     assert data["files"] == {"prefill": "prefill.circle", "decode": "decode.circle"}
     assert data["signatures"] == {"prefill": None, "decode": None}
     assert data["one_file_per_graph"] is True and data["default_runtime"] == "onert"
@@ -85,7 +88,7 @@ def test_manifest(tiny_onert):
     assert data["cache_shape"] == [1, TINY_CACHE, 2, 16]
     assert data["eos_token_ids"] == [2] and data["tokenizer"] is None
     assert data["inputs"] == io_names(LAYERS)[0] and data["outputs"] == io_names(LAYERS, "decode", "rows")[1]
-    assert data["cache_update"] == "rows" and data["version"] == 2
+    assert data["cache_update"] == "rows" and data["version"] == 4
     assert data["cache_layout"] == "k [1, Hkv, C, D], v [1, Hkv, D, C]"
     assert data["prefill_inputs"] == io_names(LAYERS, "prefill")[0] and data["prefill_lens"] == [TINY_PREFILL]
     m = read_manifest(tiny_onert.directory)

@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+import manifest_json
 from families import BY_NAME
 from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
 
@@ -55,9 +56,9 @@ def test_the_file_layout_follows_the_installed_onert():
 
 def test_a_file_per_graph_when_asked(model, tmp_path):
     _convert(model, tmp_path / "out", onert_signatures=False)
-    data = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    data = manifest_json.read(tmp_path / "out")
     assert data["files"] == {g: f"{g}.circle" for g in ("prefill", "decode")}
-    assert set(data["signatures"].values()) == {None} and "signature_api" not in data and data["version"] == 2
+    assert set(data["signatures"].values()) == {None} and "signature_api" not in data and data["version"] == 4
 
 
 @pytest.mark.skipif(C_API, reason="the refusal of onert 0.1.0")
@@ -72,9 +73,9 @@ def test_signature_files_on_onert_0_1_are_refused_with_what_to_install(model, tm
 def test_one_file_shared_by_every_graph_gives_transformers_tokens(model, expected, tmp_path):
     out = tmp_path / "out"
     _convert(model, out, verify=True)  # verify runs each signature on onert (in a child process)
-    data = json.loads((out / "manifest.json").read_text())
+    data = manifest_json.read(out)
     assert set(data["files"].values()) == {"model.circle"} and data["signature_api"] == "nnfw-c"
-    assert data["signatures"] == {g: g for g in data["files"]} and data["version"] == 3
+    assert data["signatures"] == {g: g for g in data["files"]} and data["version"] == 4
     gen = Generator(out, runtime="onert")
     sessions = [*gen.prefill_sessions.values(), gen.decode_session]
     assert all(isinstance(s, onert_c.SignatureSession) for s in sessions)
@@ -92,7 +93,7 @@ def test_split_parts_with_signatures(model, expected, tmp_path):
     limit = int((sizes.embedding + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096
     out = tmp_path / "out"
     _convert(model, out, max_file_bytes=limit)
-    data = json.loads((out / "manifest.json").read_text())
+    data = manifest_json.read(out)
     assert data["parts"] == [[0, 1], [1, 2], [2, 3]]
     assert data["part_files"]["decode"] == data["part_files"]["prefill"] == ["part0.circle", "part1.circle",
                                                                              "part2.circle"]

@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
+import manifest_json
 from families import BY_NAME
 from generate_fixtures import TINY_CACHE, TINY_PROMPTS, hf_greedy
 
@@ -66,8 +67,8 @@ def test_a_part_that_cannot_fit_is_refused_before_any_work(tied_model, tmp_path)
 
 def test_split_files_and_manifest(split_onert, limit):
     out, report = split_onert
-    data = json.loads((out / "manifest.json").read_text())
-    assert data["version"] == 3
+    data = manifest_json.fields(out)
+    assert data["version"] == 4
     assert data["parts"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert data["part_files"]["decode"] == [f"decode.part{j}.circle" for j in range(4)]
     assert data["files"]["decode"] == "decode.part0.circle"
@@ -110,12 +111,12 @@ def test_split_generation_gives_transformers_tokens(split_onert, expected, runti
 
 def test_damaged_parts_are_refused(split_onert, tmp_path):
     out, _ = split_onert
-    data = json.loads((out / "manifest.json").read_text())
+    data = manifest_json.fields(out)
     for broken in ({"parts": [[0, 1], [2, 4]]}, {"parts": [[0, 1], [1, 2], [2, 3], [3, 5]]},
                    {"part_files": {**data["part_files"], "decode": data["part_files"]["decode"][:3]}},
                    {"part_files": {**data["part_files"], "decode": ["decode.part0.circle", "../x", "y", "z"]}}):
         d = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
         d.mkdir()
-        (d / "manifest.json").write_text(json.dumps({**data, **broken}))
+        manifest_json.edit(out, broken, to=d)
         with pytest.raises(ModelLoadError):
             read_manifest(d)

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+import manifest_json
 from circleops.cli import main as cli
 from circleops.errors import ModelLoadError
 from circleops.generation.generator import GenerationLimitError, Generator
@@ -75,10 +76,10 @@ def test_generator_checks_fed_and_decoded_ids_before_running(tiny):
 
 def _copy(directory, tmp_path, change):
     out = shutil.copytree(directory, tmp_path / "copy")
-    path = out / "manifest.json"
-    data = json.loads(path.read_text())
+    data = manifest_json.fields(out)
+    before = dict(data)
     change(data)
-    path.write_text(json.dumps(data))
+    manifest_json.edit(out, {k: v for k, v in data.items() if k not in before or before[k] != v})
     return out
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.cli import main
 from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
@@ -196,9 +197,7 @@ def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, mes
 
     out = tmp_path / "out"
     shutil.copytree(tiny_vlm_onert.out, out)
-    data = json.loads((out / "manifest.json").read_text())
-    data["vision"] = vision
-    (out / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"vision": vision})
     with pytest.raises(ModelLoadError, match=message):
         vision_gen.VisionGenerator(out, runtime="reference")
 

@@ -239,7 +239,10 @@ def test_convert_int4_tflite_runs_in_litert(tmp_path, llama, fmt):
     q = report.quantization
     assert q.form == "blockwise" and q.embedding
     eight = sorted(w.name.rsplit(".", 2)[-2] for w in q.weights if w.dtype == "INT8")
-    assert eight == ["embed_tokens", "lm_head"]  # the table (EMBEDDING_LOOKUP) and the head, int8 per row
+    # the table (EMBEDDING_LOOKUP) and the head, int8 per row; int4 keeps the MLP down
+    # projections int8 too (measured better: int4_tflite.EIGHT_BIT_LINEARS)
+    layers = llama.config.num_hidden_layers
+    assert eight == sorted(["embed_tokens", "lm_head"] + (["down_proj"] * layers if fmt == "int4" else []))
     assert {w.dtype for w in q.weights} == {"INT4", "INT8"} and not q.fallbacks
     got = litert.run(path, [ids.numpy()])[0]
     np.testing.assert_allclose(reference.run(path, [ids.numpy()])[0], got, atol=1e-5 * max(1, np.abs(got).max()))
@@ -263,7 +266,11 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     manifest = read_manifest(out)
     assert manifest.quantize == "int4" and set(manifest.files) == {"prefill", "prefill_c16", "decode"}
     q = report.quantization
-    assert sum(w.dtype == "INT4" for w in q.weights) == 2 * 7 and not q.kept_fp32 and not q.fallbacks
+    # 2 layers x 7 linears: all int4 but the 2 MLP down projections (int8 by measurement)
+    assert sum(w.dtype == "INT4" for w in q.weights) == 2 * 6 and not q.kept_fp32 and not q.fallbacks
+    downs = sorted(w.name for w in q.weights if "down_proj" in w.name and w.dtype == "INT8")
+    assert len(downs) == 2 and all(n.endswith(f"layers.{i}.mlp.down_proj.weight") for i, n in enumerate(downs))
+    assert any("kept INT8 per channel by measurement" in line for line in q.summary_lines())
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
     err = max(info.max_abs_error for info in report.graphs.values())

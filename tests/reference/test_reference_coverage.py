@@ -32,9 +32,13 @@ def _lowering_opcodes(opcodes: set[str]) -> set[str]:
 
 
 def test_every_opcode_the_lowering_emits_has_a_kernel():
+    """A kernel of its own, or (a fused op's Circle builtin) its op's reference kernel run by
+    circleops.runtime.kernels.fused.registered_builtin."""
+    from circleops.runtime.kernels.fused import registered_builtin
+
     emitted = _lowering_opcodes(_schema_opcodes())
     assert len(emitted) > 30, "the scan found too few opcodes: has the lowering changed how it names them?"
-    missing = sorted(emitted - set(KERNELS))
+    missing = sorted(o for o in emitted - set(KERNELS) if registered_builtin(o) is None)
     assert not missing, f"the lowering emits {missing} but circleops/runtime/kernels has no kernel for them"
 
 

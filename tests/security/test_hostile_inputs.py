@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 
+import manifest_json
 import fuzz_inputs  # noqa: E402
 from bounds import address_space_limit  # noqa: E402
 from circleops.errors import CircleOpsError, ModelLoadError  # noqa: E402
@@ -267,13 +268,10 @@ def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     from circleops.package.manifest import read_manifest
 
     d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
-    m = json.loads((d / "manifest.json").read_text())
-    m["max_cache_len"] = 100000
-    (d / "manifest.json").write_text(json.dumps(m))
+    manifest_json.edit(d, {"max_cache_len": 100000})
     with pytest.raises(ModelLoadError, match="max_cache_len is 100000 but the caches.*hold 32 slots"):
         read_manifest(d)
-    m["max_cache_len"], m["vocab_size"] = 32, float("inf")  # written as Infinity; int() overflows
-    (d / "manifest.json").write_text(json.dumps(m))
+    manifest_json.edit(d, {"max_cache_len": 32, "vocab_size": float("inf")})  # written as Infinity; int() overflows
     with pytest.raises(ModelLoadError, match="is incomplete"):
         read_manifest(d)
 

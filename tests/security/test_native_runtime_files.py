@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.errors import CorruptFileError, ModelLoadError, RuntimeCrashError, RuntimeRunError
 from circleops.serialize.schema import get_schema
 
@@ -173,13 +174,9 @@ def _copy(graphs, tmp_path, target="onert") -> Path:
 
 
 def _set_manifest(d: Path, **changes) -> None:
-    m = json.loads((d / "manifest.json").read_text())
-    for key, value in changes.items():
-        if key.startswith("files."):
-            m["files"][key[6:]] = value
-        else:
-            m[key] = value
-    (d / "manifest.json").write_text(json.dumps(m))
+    files = manifest_json.read(d)["files"]
+    files.update({key[6:]: value for key, value in changes.items() if key.startswith("files.")})
+    manifest_json.edit(d, {**{k: v for k, v in changes.items() if not k.startswith("files.")}, "files": files})
 
 
 @pytest.mark.parametrize("name, words", [

@@ -236,7 +236,7 @@ def test_failed_graphs_reconversion_keeps_the_good_directory(tmp_path, monkeypat
         graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.is_file()}
     assert after == before
-    assert json.loads((out / "manifest.json").read_text())["prefill_len"] == 4
+    assert json.loads((out / "manifest.json").read_text())["text"]["prefill_len"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the staging directory is gone
 
 
@@ -247,7 +247,7 @@ def test_graphs_reconversion_replaces_the_directory_when_complete(tmp_path, umas
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=4, max_cache_len=8)
     (out / "notes.txt").write_text("the user's own file")
     graphs.convert_graphs(_graphs_model(), out, target="circle", prefill_len=6, max_cache_len=8)
-    assert json.loads((out / "manifest.json").read_text())["prefill_len"] == 6
+    assert json.loads((out / "manifest.json").read_text())["text"]["prefill_len"] == 6
     assert (out / "notes.txt").read_text() == "the user's own file"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     for p in out.iterdir():

@@ -38,7 +38,7 @@ def test_every_block_runs(tmp_path, monkeypatch):
             assert status == 2, (command, out, err)
             for line in transcript:
                 assert line in err.splitlines(), (command, line, err)
-        elif lang == "text" and "wrote the speech graphs" in code:
+        elif lang == "text" and "circleops: wrote" in code:
             summary = outputs[-1].splitlines()
             for want in code.strip().splitlines():  # every line but the measured errors, word for word
                 if "verify" not in want:

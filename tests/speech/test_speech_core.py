@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import circleops.generation.sessions as sessions_module
+import manifest_json
 from circleops.cli import main
 from circleops.generation.sampling import Sampler, SamplingConfig
 from circleops.generation.speech import SpeechGenerator
@@ -70,9 +71,7 @@ def edited(speech_graphs, clip, tmp_path_factory):
         clip, language="en", max_new_tokens=NEW_TOKENS).tokens
     out = tmp_path_factory.mktemp("asr-edited") / "asr"
     shutil.copytree(speech_graphs("onert"), out)
-    data = json.loads((out / "manifest.json").read_text())
-    data["begin_suppress_tokens"], data["suppress_tokens"] = [plain[0]], [plain[1]]
-    (out / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"begin_suppress_tokens": [plain[0]], "suppress_tokens": [plain[1]]})
     return out, plain[0], plain[1]
 
 

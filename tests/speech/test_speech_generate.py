@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+import manifest_json
 from circleops.cli import main
 from circleops.generation.speech import SpeechGenerator
-from circleops.package.speech_manifest import SPEECH_FORMAT, SpeechInputError
+from circleops.package.speech_manifest import SpeechInputError
 from tiny_whisper import write_wav
 
 NEW_TOKENS = 12
@@ -99,10 +100,11 @@ def test_start_tokens_follow_transformers(speech_graphs, clip, hf):
 
 def test_cache_and_cross_kv_layout_in_the_manifest(speech_graphs, whisper_dir):
     out = speech_graphs("onert")
-    data = json.loads((out / "manifest.json").read_text())
+    top, data = manifest_json.read(out), manifest_json.fields(out)
     cfg = json.loads((whisper_dir / "config.json").read_text())
     heads, d = cfg["decoder_attention_heads"], cfg["d_model"] // cfg["decoder_attention_heads"]
-    assert data["format"] == SPEECH_FORMAT and data["cache_update"] == "rows"
+    assert (top["format"], top["version"], top["kind"]) == ("circleops-generate", 4, "speech") and "speech" in top
+    assert data["cache_update"] == "rows"
     assert data["files"] == {"encoder": "encoder.circle", "prefill": "prefill.circle", "decode": "decode.circle"}
     assert data["cache_shape"] == [1, heads, cfg["max_target_positions"], d]
     assert data["cross_shape"] == [1, heads, cfg["max_source_positions"], d]
@@ -178,9 +180,7 @@ def test_suppressed_tokens_are_applied_as_transformers_does(speech_graphs, clip,
     first, second = plain[0], plain[1]
     edited = tmp_path / "asr"
     shutil.copytree(speech_graphs("onert"), edited)
-    data = json.loads((edited / "manifest.json").read_text())
-    data["begin_suppress_tokens"], data["suppress_tokens"] = [first], [second]
-    (edited / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(edited, {"begin_suppress_tokens": [first], "suppress_tokens": [second]})
     got = SpeechGenerator(edited, runtime="onert").transcribe(clip, language="en", max_new_tokens=NEW_TOKENS).tokens
     with torch.no_grad():
         want = model.generate(_hf_features(processor, clip), do_sample=False, max_new_tokens=NEW_TOKENS,

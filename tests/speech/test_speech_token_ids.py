@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+import manifest_json
 from circleops.cli import main
 from circleops.errors import ModelLoadError
 from circleops.package.speech_manifest import read_speech_manifest
@@ -20,9 +21,8 @@ from circleops.package.speech_manifest import read_speech_manifest
 ])
 def test_whisper_manifest_ids_outside_the_vocabulary(speech_graphs, clip, tmp_path, capsys, field, value):
     out = shutil.copytree(speech_graphs("onert"), tmp_path / "asr")
-    data = json.loads((out / "manifest.json").read_text())
-    data[field] = value
-    (out / "manifest.json").write_text(json.dumps(data))
+    data = manifest_json.fields(out)
+    manifest_json.edit(out, {field: value})
     with pytest.raises(ModelLoadError, match=f"manifest.json: {field}: token id .* outside the model's vocabulary "
                                              f"of {data['vocab_size']} tokens"):
         read_speech_manifest(out)

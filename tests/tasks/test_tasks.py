@@ -115,13 +115,14 @@ def test_integer_calibration_of_a_text_model_keeps_the_mask(tiny_dir, tmp_path):
     import torch
     from transformers import AutoTokenizer
 
+    from circleops.options import ConvertOptions
     from circleops.sources.models import load
 
     model_dir = tiny_dir("bert-ner")
     config = load(str(model_dir), model_class=tasks.model_class_for("token-classification")).module.config
     inputs = tasks.example_inputs({"input_ids": ((1, 16), "int64"), "attention_mask": ((1, 16), "int64")},
                                   config.vocab_size)
-    path = tasks._text_calibration(inputs, str(model_dir), config, {"quantize": "uint8", "calibrate": 3},
+    path = tasks._text_calibration(inputs, str(model_dir), config, ConvertOptions(quantize="uint8", calibrate=3),
                                    str(tmp_path))
     rows = torch.load(path, weights_only=True)
     assert len(rows) == 3 and all(len(r) == 2 for r in rows)
@@ -131,4 +132,4 @@ def test_integer_calibration_of_a_text_model_keeps_the_mask(tiny_dir, tmp_path):
 
     text_ids = tok(CALIBRATION_TEXT.read_text())["input_ids"]
     assert rows[0][0][0].tolist() == text_ids[:16]  # the shipped text, tokenized by the model's tokenizer
-    assert tasks._text_calibration(inputs, str(model_dir), config, {"quantize": "w8"}, str(tmp_path)) is None
+    assert tasks._text_calibration(inputs, str(model_dir), config, ConvertOptions(quantize="w8"), str(tmp_path)) is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from circleops.ops import REGISTRY, by_custom_code, unknown_custom_code
-from circleops.runtime.kernels import KernelError, activation, enum_value, kernel, option
+from circleops.runtime.kernels import Kernel, KernelError, activation, enum_value, ints, kernel, option
 from circleops.serialize.composite import decode_attributes
 
 _ROPE_MODES = ("GPT_NEOX", "GPT_J")
@@ -91,3 +91,41 @@ def _custom(op, inputs, ctx):
                               f"(they hold {sorted(options)})")
     out = spec.reference(*args)
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def registered_builtin(opcode: str) -> Kernel | None:
+    """The kernel of a registered op's Circle builtin that has no kernel of its own (a new
+    built-in op of schema/ops.yaml, a user's op with ``circle={"builtin": ...}``): the op's
+    reference kernel, reading back what lowering.circle_ops writes for it from its contract
+    alone: the inputs in ``circle.inputs`` order (a non-tensor argument there is an int32
+    tensor), the other non-tensor arguments from the options (``option_fields``, through
+    ``option_values``), the schema's defaults for the rest. None if no registered op names
+    ``opcode`` as its builtin."""
+    spec = next((s for s in REGISTRY.values() if s.circle["form"] == "builtin" and s.circle["builtin"] == opcode),
+                None)
+    if spec is None:
+        return None
+    names = spec.circle.get("inputs") or spec.tensor_args
+    fields = {arg: field for field, arg in spec.circle["option_fields"].items()}
+
+    def run(op, inputs, ctx):
+        given = dict(zip(names, inputs))
+        args = []
+        for arg in spec.arguments:
+            if arg.name in given and arg.name not in spec.tensor_args:
+                values = ints(given[arg.name])
+                args.append(list(values) if isinstance(arg.type, torch.ListType) else values[0])
+            elif arg.name in given:
+                args.append(given[arg.name])
+            elif arg.name in fields and fields[arg.name] in op.options:
+                stored = {v: k for k, v in spec.circle.get("option_values", {}).get(arg.name, {}).items()}
+                value = op.options[fields[arg.name]]
+                args.append(_attribute(arg, stored.get(value, value)))
+            elif arg.has_default_value():
+                args.append(arg.default_value)
+            else:
+                raise KernelError(f"{opcode} ({spec.qualname}): no input or option gives its argument {arg.name!r}")
+        out = spec.reference(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    return run

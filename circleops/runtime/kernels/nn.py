@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -32,9 +32,28 @@ def check_matmul(a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.dt
     check_alloc([*batch, a_shape[-2], b_shape[-1]], dtype, what)
 
 
-def check_conv(xc: Tensor, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, out_channels: int,
-               dtype: torch.dtype, what: str) -> None:
+class Window(NamedTuple):
+    """A convolution's or pooling's window: kernel height and width, strides, dilations."""
+
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    dh: int = 1
+    dw: int = 1
+
+    @property
+    def stride(self) -> tuple[int, int]:
+        return self.sh, self.sw
+
+    @property
+    def dilation(self) -> tuple[int, int]:
+        return self.dh, self.dw
+
+
+def check_conv(xc: Tensor, window: Window, out_channels: int, dtype: torch.dtype, what: str) -> None:
     """Refuse a convolution of the padded NCHW ``xc`` whose output is over the limit."""
+    kh, kw, sh, sw, dh, dw = window
     oh = (xc.shape[2] - dh * (kh - 1) - 1) // sh + 1
     ow = (xc.shape[3] - dw * (kw - 1) - 1) // sw + 1
     if oh > 0 and ow > 0:
@@ -134,11 +153,11 @@ def _same_pad(size: int, kernel_size: int, stride: int, dilation: int) -> tuple[
     return total // 2, total - total // 2
 
 
-def pad_nchw(x: Tensor, op, kh: int, kw: int, sh: int, sw: int, dh: int = 1, dw: int = 1,
-             value: float = 0.0) -> Tensor:
-    """``x`` (NCHW) padded as the op's SAME/VALID padding says for a kh x kw window."""
+def pad_nchw(x: Tensor, op, window: Window, value: float = 0.0) -> Tensor:
+    """``x`` (NCHW) padded as the op's SAME/VALID padding says for ``window``."""
     if enum_value(option(op, "padding", default=0), _PADDING) == 1:  # VALID
         return x
+    kh, kw, sh, sw, dh, dw = window
     top, bottom = _same_pad(x.shape[2], kh, sh, dh)
     left, right = _same_pad(x.shape[3], kw, sw, dw)
     if top or bottom or left or right:
@@ -154,38 +173,43 @@ def conv_strides(op) -> tuple[int, int, int, int]:
             int(option(op, "dilationHFactor", default=1) or 1), int(option(op, "dilationWFactor", default=1) or 1))
 
 
-@kernel("CONV_2D")
-def _conv_2d(op, inputs, ctx):
+def conv_window(op, w: Tensor) -> Window:
+    """The window of a CONV_2D / DEPTHWISE_CONV_2D whose filter is ``w`` ([O or 1, KH, KW, I])."""
+    return Window(w.shape[1], w.shape[2], *conv_strides(op))
+
+
+def conv_layout(x: Tensor, w: Tensor, depthwise: bool) -> tuple[Tensor, int, int]:
+    """(the filter in torch's [O, I / groups, KH, KW] layout, groups, output channels) of a
+    CONV_2D (filter OHWI with I = C / groups) or DEPTHWISE_CONV_2D (filter [1, KH, KW, C·M]:
+    output channel c·M + m reads input channel c, torch's grouped-conv order with groups = C)."""
+    if depthwise:
+        return w.permute(3, 0, 1, 2), x.shape[3], w.shape[3]
+    return w.permute(0, 3, 1, 2), x.shape[3] // w.shape[3], w.shape[0]
+
+
+def _conv(op, inputs, depthwise: bool):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     if isinstance(w, BlockTensor):
         # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
         w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
     same_dtype(op, *(t for t in (x, w, b) if t is not None))
-    sh, sw, dh, dw = conv_strides(op)
-    groups = x.shape[3] // w.shape[3]  # filter OHWI with I = C / groups
-    xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
-    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[0], x.dtype, "CONV_2D")
-    y = F.conv2d(xc, w.permute(0, 3, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=groups)
+    window = conv_window(op, w)
+    filters, groups, out_channels = conv_layout(x, w, depthwise)
+    xc = pad_nchw(x.permute(0, 3, 1, 2), op, window)
+    check_conv(xc, window, out_channels, x.dtype, op.opcode)
+    y = F.conv2d(xc, filters, b, stride=window.stride, dilation=window.dilation, groups=groups)
     return [activation(y.permute(0, 2, 3, 1), op)]
+
+
+@kernel("CONV_2D")
+def _conv_2d(op, inputs, ctx):
+    return _conv(op, inputs, depthwise=False)
 
 
 @kernel("DEPTHWISE_CONV_2D")
 def _depthwise_conv_2d(op, inputs, ctx):
-    x, w = inputs[0], inputs[1]
-    b = inputs[2] if len(inputs) > 2 else None
-    if isinstance(w, BlockTensor):
-        # onert's GGML kernel: the input is quantized to Q8_0 blocks, then dotted with W.
-        w, x = w.dense(), quantize_q8_0_input(x.reshape(-1, w.shape[1]))
-    same_dtype(op, *(t for t in (x, w, b) if t is not None))
-    sh, sw, dh, dw = conv_strides(op)
-    c = x.shape[3]
-    # filter [1, KH, KW, C·M]: output channel c·M + m reads input channel c, which is
-    # torch's grouped-conv order with groups = C.
-    xc = pad_nchw(x.permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
-    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[3], x.dtype, "DEPTHWISE_CONV_2D")
-    y = F.conv2d(xc, w.permute(3, 0, 1, 2), b, stride=(sh, sw), dilation=(dh, dw), groups=c)
-    return [activation(y.permute(0, 2, 3, 1), op)]
+    return _conv(op, inputs, depthwise=True)
 
 
 @kernel("TRANSPOSE_CONV")
@@ -214,35 +238,37 @@ def _transpose_conv(op, inputs, ctx):
     return [activation(y, op)]
 
 
-def _pool_args(op) -> tuple[int, int, int, int]:
-    return (int(option(op, "filterHeight", default=1)), int(option(op, "filterWidth", default=1)),
-            int(option(op, "strideH", default=1)), int(option(op, "strideW", default=1)))
+def _pool_window(op) -> Window:
+    return Window(int(option(op, "filterHeight", default=1)), int(option(op, "filterWidth", default=1)),
+                  int(option(op, "strideH", default=1)), int(option(op, "strideW", default=1)))
 
 
 @kernel("MAX_POOL_2D")
 def _max_pool_2d(op, inputs, ctx):
-    kh, kw, sh, sw = _pool_args(op)
-    xc = pad_nchw(inputs[0].permute(0, 3, 1, 2), op, kh, kw, sh, sw, value=-math.inf)
-    return [activation(F.max_pool2d(xc, (kh, kw), (sh, sw)).permute(0, 2, 3, 1), op)]
+    window = _pool_window(op)
+    xc = pad_nchw(inputs[0].permute(0, 3, 1, 2), op, window, value=-math.inf)
+    return [activation(F.max_pool2d(xc, window[:2], window.stride).permute(0, 2, 3, 1), op)]
 
 
 @kernel("AVERAGE_POOL_2D")
 def _average_pool_2d(op, inputs, ctx):
-    kh, kw, sh, sw = _pool_args(op)
+    window = _pool_window(op)
     x = inputs[0].permute(0, 3, 1, 2)
     # TFLite averages over the valid pixels only: divide window sums by window counts.
-    total = F.avg_pool2d(pad_nchw(x, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    total = F.avg_pool2d(pad_nchw(x, op, window), window[:2], window.stride, divisor_override=1)
     ones = torch.ones((1, 1, x.shape[2], x.shape[3]), dtype=x.dtype)
-    count = F.avg_pool2d(pad_nchw(ones, op, kh, kw, sh, sw), (kh, kw), (sh, sw), divisor_override=1)
+    count = F.avg_pool2d(pad_nchw(ones, op, window), window[:2], window.stride, divisor_override=1)
     return [activation((total / count).permute(0, 2, 3, 1), op)]
 
 
-def _resize_size(inputs) -> tuple[int, int]:
+def _resize_args(op, inputs) -> tuple[Tensor, int, int, bool, bool]:
+    """(x, output height, output width, alignCorners, halfPixelCenters) of a RESIZE_* op."""
     size = ints(inputs[1])
     if len(size) != 2:
         raise KernelError(f"resize size must have 2 values, got {size}")
     check_alloc([inputs[0].shape[0], size[0], size[1], inputs[0].shape[-1]], inputs[0].dtype, "resize")
-    return size[0], size[1]
+    return (inputs[0], size[0], size[1], bool(option(op, "alignCorners", default=False)),
+            bool(option(op, "halfPixelCenters", default=False)))
 
 
 def _nearest_index(out_size: int, in_size: int, align: bool, half: bool) -> Tensor:
@@ -258,10 +284,7 @@ def _nearest_index(out_size: int, in_size: int, align: bool, half: bool) -> Tens
 
 @kernel("RESIZE_NEAREST_NEIGHBOR")
 def _resize_nearest(op, inputs, ctx):
-    x = inputs[0]
-    oh, ow = _resize_size(inputs)
-    align = bool(option(op, "alignCorners", default=False))
-    half = bool(option(op, "halfPixelCenters", default=False))
+    x, oh, ow, align, half = _resize_args(op, inputs)
     x = x.index_select(1, _nearest_index(oh, x.shape[1], align, half))
     return [x.index_select(2, _nearest_index(ow, x.shape[2], align, half))]
 
@@ -277,10 +300,7 @@ def _bilinear_weights(out_size: int, in_size: int, align: bool, half: bool):
 
 @kernel("RESIZE_BILINEAR")
 def _resize_bilinear(op, inputs, ctx):
-    x = inputs[0]
-    oh, ow = _resize_size(inputs)
-    align = bool(option(op, "alignCorners", default=False))
-    half = bool(option(op, "halfPixelCenters", default=False))
+    x, oh, ow, align, half = _resize_args(op, inputs)
     y0, y1, fy = _bilinear_weights(oh, x.shape[1], align, half)
     x0, x1, fx = _bilinear_weights(ow, x.shape[2], align, half)
     fy = fy.to(x.dtype).reshape(1, -1, 1, 1)

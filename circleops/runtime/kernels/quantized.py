@@ -223,21 +223,16 @@ def _blockwise_acc(xs: Tensor, w: Tensor, wt: ir.Tensor) -> Tensor:
 
 
 def _conv_common(op, inputs, ctx, depthwise: bool):
-    from circleops.runtime.kernels.nn import check_conv, conv_strides, pad_nchw
+    from circleops.runtime.kernels.nn import check_conv, conv_layout, conv_window, pad_nchw
 
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     xt, wt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
-    sh, sw, dh, dw = conv_strides(op)
-    xc = pad_nchw(_offsets(x, xt).permute(0, 3, 1, 2), op, w.shape[1], w.shape[2], sh, sw, dh, dw)
-    wq = _offsets(w, wt)
-    check_conv(xc, w.shape[1], w.shape[2], sh, sw, dh, dw, w.shape[3] if depthwise else w.shape[0], torch.int64,
-               op.opcode)
-    if depthwise:
-        acc = F.conv2d(xc, wq.permute(3, 0, 1, 2), _bias(b), stride=(sh, sw), dilation=(dh, dw), groups=x.shape[3])
-    else:
-        groups = x.shape[3] // w.shape[3]
-        acc = F.conv2d(xc, wq.permute(0, 3, 1, 2), _bias(b), stride=(sh, sw), dilation=(dh, dw), groups=groups)
+    window = conv_window(op, w)
+    xc = pad_nchw(_offsets(x, xt).permute(0, 3, 1, 2), op, window)
+    filters, groups, out_channels = conv_layout(x, _offsets(w, wt), depthwise)
+    check_conv(xc, window, out_channels, torch.int64, op.opcode)
+    acc = F.conv2d(xc, filters, _bias(b), stride=window.stride, dilation=window.dilation, groups=groups)
     acc = acc.permute(0, 2, 3, 1).round().to(torch.int64)
     return [_requantize_acc(acc, _out_scales(xt, wt, ot), ot, op, _wide(xt), 3)]
 

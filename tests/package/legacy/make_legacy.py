@@ -1,7 +1,8 @@
 """Writes the directories of tests/package/legacy with the circleops of commit 3222152 (the
 last to write format circleops-generate v2/v3 and circleops-speech v1), keeping only their
 manifest.json: the graph files are written byte for byte alike by the current package step
-(checked when these were made), so tests/package/test_legacy_manifests.py converts the same
+(checked when these were made; but the VLM's 8-row prefill, now lowered for the one thread it
+runs at), so tests/package/test_legacy_manifests.py converts the same
 tiny models again and puts these manifests beside the files, as that version left them.
 
     git archive 3222152 | tar -x -C /tmp/oldcode
