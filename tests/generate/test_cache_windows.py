@@ -102,7 +102,7 @@ def test_decode_windows_down_to_the_minimum(out):
     assert decode_windows((100,), "tflite", 512, "rows") == (100,)  # --cache-windows names them for both
     m = read_manifest(out)
     assert m.windowed_decodes == {"decode_c64": 64, "decode_c32": 32}
-    assert json.loads((out / "manifest.json").read_text())["decode_windows"] == {"decode_c64": 64, "decode_c32": 32}
+    assert manifest_json.read(out)["text"]["decode_windows"] == {"decode_c64": 64, "decode_c32": 32}
     gen = Generator(out)
     for w, session in gen.decode_windows:  # head-major k [1, Hkv, W, D], v [1, Hkv, D, W]
         assert session.inputs[2].shape[2] == w and session.inputs[-1].shape[3] == w
@@ -151,13 +151,10 @@ def test_bad_windows_are_refused(tmp_path, out):
     (bad / "model.tflite").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="prefill_windows"):
         read_manifest(bad)
-    data = json.loads((out / "manifest.json").read_text())
-    data["decode_windows"] = {"decode_c64": CACHE}  # a decode window as large as the cache
-    (bad / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"decode_windows": {"decode_c64": CACHE}}, to=bad)  # as large as the cache
     with pytest.raises(ModelLoadError, match="decode_windows"):
         read_manifest(bad)
-    data["decode_windows"] = {"decode_c99": 16}  # a graph the directory lacks
-    (bad / "manifest.json").write_text(json.dumps(data))
+    manifest_json.edit(out, {"decode_windows": {"decode_c99": 16}}, to=bad)  # a graph the directory lacks
     with pytest.raises(ModelLoadError, match="decode_windows"):
         read_manifest(bad)
 
