@@ -38,3 +38,6 @@ def test_every_block_runs(tmp_path, monkeypatch):
         ran += 1
     assert ran >= 8
     assert Path("t5-w8/manifest.json").is_file()
+    from circleops.serialize import read_model  # --quantize w8 for tflite: LiteRT's int8 weights
+
+    assert any(t.dtype == "INT8" for sub in read_model("t5-w8/model.tflite").subgraphs for t in sub.tensors)
