@@ -14,7 +14,7 @@ class ModelLoadError(CircleOpsError):
 
 
 class CorruptFileError(ModelLoadError):
-    """A Circle/TFLite file fails circleops' structural verification (offsets, vtables,
+    """A Circle/TFLite file fails circleops' integrity check (offsets, vtables,
     vectors, indices or buffer sizes out of place): a native runtime would read outside it."""
 
 
@@ -40,7 +40,7 @@ class RuntimeRunError(CircleOpsError):
 
 class RuntimeCrashError(RuntimeRunError):
     """A native runtime died of a signal (SIGSEGV, SIGBUS...) on a file that passed
-    circleops' verification; reported by the one-shot commands, which run it in a child."""
+    circleops' integrity check; reported by the one-shot commands, which run it in a child."""
 
 
 class HostCPUError(RuntimeRunError):

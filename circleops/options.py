@@ -128,7 +128,8 @@ class ConvertOptions:
     integer_io: bool = False  # an integer graph keeps integer inputs and outputs (no QUANTIZE/DEQUANTIZE)
     # the numeric comparison of the written file(s) with torch
     verify: bool | str = field(default=False, metadata=flag(
-        "--verify", "verify", "run the written file and report the max error against torch", kind="bool"))
+        "--verify", "verify", "compare the written file(s) with torch: run them on the same inputs and report the "
+        "max error (an error above --tolerance)", kind="bool"))
     runtime: str | None = field(default=None, metadata=flag(
         "--runtime", "verify", "runtime for --verify (default: onert for onert, litert for tflite, reference for "
         "circle and for fp16 tflite); implies --verify", choices="circleops.runtime:RUNTIMES"))

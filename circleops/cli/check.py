@@ -80,12 +80,7 @@ def main(args: argparse.Namespace) -> int:
         from circleops.numerics.report import pyplot
 
         pyplot()  # a missing matplotlib fails now, not after the run
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CircleOpsError(f"--threads must be at least 1, got {args.threads}.")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _torch_threads(args.threads)
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
     loaded = models.load(args.model, config=args.config, seed=args.seed)
@@ -115,9 +110,7 @@ def _quant_main(args: argparse.Namespace) -> int:
     from circleops.tools.quant_report import QuantCheckOptions, quant_check
     from circleops.quantize.recipe import recipe_from_args
 
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(max(1, args.threads))
+    _torch_threads(args.threads)
     progress = None if args.quiet else (lambda msg: print(f"circleops check: {msg}", file=sys.stderr, flush=True))
     t = time.perf_counter()
     recipe = recipe_from_args(args)  # the integer recipe, checked before the model loads
@@ -138,6 +131,13 @@ def _quant_main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(report.table())
     return 0
+
+
+def _torch_threads(threads: int | None) -> None:
+    if threads is not None:  # checked before torch sizes a pool with it
+        from circleops.pipeline.validate import validate_threads
+        import torch
+        validate_threads(threads, "--threads"), torch.set_num_threads(threads)
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         return generate_main(args, manifest, runtime, sampler_from_args(args, manifest.directory))
     if args.prompt is not None:
         tokenizer = load_tokenizer(manifest)
-        ids = encode_prompt(tokenizer, args.prompt, args.chat)
+        ids = encode_prompt(tokenizer, args.prompt, args.chat, max_tokens=manifest.max_cache_len)
         source = f"the prompt, as the tokenizer in {manifest.directory / str(manifest.tokenizer)} encodes it"
     else:
         ids = _parse_ids(args.token_ids)

@@ -33,7 +33,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     gen = VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None))
     gen.check_chat(args.chat)
     processor = saved_processor(manifest)
-    ids, pixels = prepare(processor, args.prompt, image, chat=args.chat)
+    ids, pixels = prepare(processor, args.prompt, image, chat=args.chat, max_tokens=manifest.max_cache_len)
     gen.check_fits(len(ids), args.max_new_tokens)
     if not args.chat:
         sys.stdout.write(args.prompt)

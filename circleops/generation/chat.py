@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 from circleops.inputs.chat_template import template_budget
 from circleops.generation.core import GenerationLimitError
 from circleops.generation.generator import Generator
+from circleops.generation.tokenizers import check_text_fits
 
 # end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3, plain text)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -63,6 +64,8 @@ class Chat:
             raise GenerationLimitError("this model's tokenizer has no chat template, so it cannot chat; use "
                                        "`circleops generate DIR --prompt ...` instead.")
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.generator.manifest.eos_token_ids)
+        if self.system:
+            check_text_fits(self.tokenizer, self.system, self.generator.manifest.max_cache_len, "the system message")
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +87,7 @@ class Chat:
         the new message itself does not fit."""
         gen = self.generator
         capacity = gen.manifest.max_cache_len
+        check_text_fits(self.tokenizer, text, capacity, "this message", error=CacheFullError)
         self.messages.append({"role": "user", "content": text})
         ids = self._render()
         cached = gen.history

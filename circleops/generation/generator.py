@@ -115,11 +115,13 @@ class Generator(GenerationCore):
         # length -> [(window W, session)], narrowest first: a chunk at pos <= W reads only slots < W
         for g, (n, w) in sorted(m.windowed_prefills.items(), key=lambda item: item[1][1]):
             self.window_sessions.setdefault(n, []).append((w, self.sessions[g]))
+        # the caches are checked against the decode graph before their shapes are listed (a
+        # manifest's num_layers of 10^12 would make that list itself a MemoryError)
+        _check_caches(m, self.sessions["decode"])
         self.start(m.prefill_graphs, "decode", CacheSpec(m.cache_shapes, m.max_cache_len, m.cache_layout,
                                                          m.cache_update), one_row=m.prefill_one_row)
         self.decode_windows = [(w, self.sessions[g]) for g, w in sorted(m.windowed_decodes.items(),
                                                                         key=lambda item: item[1])]
-        _check_caches(m, self.decode_session)
         _check_vocab(m, {**{g: self.prefill_sessions[n] for n, g in m.prefill_graphs.items()},
                          "decode": self.decode_session})
 
@@ -137,7 +139,7 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
     tokenizer = None
     if isinstance(prompt, str):
         tokenizer = load_tokenizer(gen.manifest)
-        ids = encode_prompt(tokenizer, prompt, chat)
+        ids = encode_prompt(tokenizer, prompt, chat, max_tokens=gen.manifest.max_cache_len)
     else:
         ids = [int(i) for i in prompt]
         if gen.manifest.tokenizer and stream is not None:

@@ -80,9 +80,10 @@ def graph_threads(manifest: Any, runtime: str, threads: int | Mapping[str, int] 
             raise TargetError(f"threads names graph {graph!r}, which {manifest.directory} does not have "
                               f"(it has {', '.join(graphs)}).")
     budget = None if isinstance(threads, Mapping) else threads
+    from circleops.pipeline.validate import validate_threads
+
     for count in ([budget] if budget is not None else []) + list(exact.values()):
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise TargetError(f"threads must be a whole number of 1 or more, got {count!r}.")
+        validate_threads(count)
     env = runtime_info(runtime).threads_env
     if budget is None and not (env and os.environ.get(env, "").strip()):
         budget = getattr(manifest, "num_threads", None)

@@ -28,6 +28,7 @@ from circleops.package.manifest import MANIFEST
 from circleops.package.speech_manifest import (SPEECH_GRAPHS, SpeechInputError, SpeechManifest, check_extractor,
                                                read_speech_manifest)
 from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.user_files import users_processor
 
 TASK_NAMES = ("transcribe", "translate")
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -166,7 +167,9 @@ class SpeechGenerator(GenerationCore):
             warn(f"the audio is {samples.size / extractor.sampling_rate:.1f} s long and the model hears windows of "
                  f"{extractor.n_samples / extractor.sampling_rate:.1f} s: only the first window is transcribed "
                  f"(long-form transcription is not implemented)")
-        feats = extractor(samples, sampling_rate=extractor.sampling_rate, return_tensors="np")["input_features"]
+        with users_processor("feature extractor", self.manifest.directory / (self.manifest.processor or ""),
+                             error=SpeechInputError):
+            feats = extractor(samples, sampling_rate=extractor.sampling_rate, return_tensors="np")["input_features"]
         return np.asarray(feats, dtype=np.float32)
 
     def transcribe(self, audio: str | os.PathLike | Any, *, language: str | None = None, task: str | None = None,

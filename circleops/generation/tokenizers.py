@@ -125,9 +125,42 @@ def _auto_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary
+    entry: a byte-level or SentencePiece piece is one character per byte or character)."""
+    cached = getattr(tokenizer, "_circleops_longest_token", None)
+    if cached is None:
+        vocab = (tokenizer.tokenizer if isinstance(tokenizer, FastTokenizer) else tokenizer).get_vocab()
+        cached = max((len(piece) for piece in vocab), default=1) or 1
+        try:
+            tokenizer._circleops_longest_token = cached
+        except AttributeError:
+            pass
+    return int(cached)
+
+
+def check_text_fits(tokenizer: Any, text: str, tokens: int, what: str = "the prompt", *,
+                    error: type[CircleOpsError] | None = None) -> None:
+    """An ``error`` (default: GenerationLimitError) when ``text`` is longer than ``tokens``
+    tokens could be even at the tokenizer's longest token: checked before tokenizing, which
+    costs hundreds of bytes per character (a pasted 30 MB text would take gigabytes to be
+    refused afterwards)."""
+    longest = longest_token_chars(tokenizer)
+    if len(text) > tokens * longest:
+        if error is None:
+            from circleops.generation.core import GenerationLimitError as error
+        raise error(
+            f"{what} is {len(text)} characters: more than the model's {tokens} cache slots can hold even at its "
+            f"longest token ({longest} characters). Shorten it, or convert again with a larger --max-cache-len.")
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
     """Token ids of ``prompt``, special tokens added as the tokenizer's post-processor says
-    (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn."""
+    (as ``tokenizer(prompt)`` does); with ``chat`` the chat template around one user turn.
+    ``max_tokens``: the cache's length, which a prompt longer than could ever fit is refused
+    against before tokenizing (check_text_fits)."""
+    if max_tokens is not None:
+        check_text_fits(tokenizer, prompt, max_tokens)
     if chat:
         if isinstance(tokenizer, FastTokenizer):
             tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers

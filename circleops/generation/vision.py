@@ -20,10 +20,11 @@ from circleops.errors import CircleOpsError, ModelLoadError
 from circleops.generation.core import Generation, GenerationLimitError
 from circleops.generation.generator import Generator
 from circleops.generation.sessions import open_graph
-from circleops.generation.tokenizers import TextStream
+from circleops.generation.tokenizers import TextStream, check_text_fits, check_tokenizer_dir
 from circleops.package.manifest import MANIFEST, Manifest
 from circleops.package.vision_manifest import VLM_GRAPH_NAMES, VisionSpec
 from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.user_files import users_processor
 
 
 class ImageInputError(CircleOpsError):
@@ -39,13 +40,18 @@ def load_processor(path: Path, *, required: bool = True) -> Any:
 
     refuse_remote_code(path)  # also when not required: a refusal is not "no processor"
     try:
+        if required:  # a damaged tokenizer.json or JSON file is named (tokenizers.check_tokenizer_dir)
+            check_tokenizer_dir(Path(path))
         with quiet_transformers():
             return AutoProcessor.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
+    except CircleOpsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers / tokenizers on a damaged or mistyped file
         if not required:
             return None
-        raise ModelLoadError(f"cannot load the processor saved in {path}: {str(err).strip()[:300]}. Convert again "
-                             f"from a model directory that holds its processor.") from None
+        raise ModelLoadError(f"cannot load the processor saved in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:300]}. Convert again from a model directory that holds "
+                             f"its processor.") from None
 
 
 # --------------------------------------------------------------------------- generate
@@ -196,10 +202,14 @@ def _user_content(text: str, image: bool) -> list[dict[str, str]]:
     return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
 
 
-def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False) -> tuple[list[int], Any]:
+def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False,
+            max_tokens: int | None = None) -> tuple[list[int], Any]:
     """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
     makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
-    prompt has one); with ``chat`` the prompt is one user turn of the processor's template."""
+    prompt has one); with ``chat`` the prompt is one user turn of the processor's template.
+    ``max_tokens``: the cache's length (a longer text is refused before it is tokenized)."""
+    if max_tokens is not None:
+        check_text_fits(processor.tokenizer, prompt, max_tokens)
     if chat:
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
@@ -214,10 +224,9 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     if image is None and "<image>" in text:
         raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
                               "or drop <image> from the prompt.")
-    try:
+    with users_processor("processor", getattr(processor, "name_or_path", None) or "the model's directory",
+                         error=ImageInputError):
         enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
-    except ValueError as err:
-        raise ImageInputError(f"the processor refused the prompt and image: {str(err).strip()[:300]}") from None
     return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
 
 
@@ -230,7 +239,8 @@ def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike
     gen = VisionGenerator(directory, runtime=runtime)
     gen.check_chat(chat)
     processor = saved_processor(gen.manifest)
-    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat)
+    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat,
+                          max_tokens=gen.manifest.max_cache_len)
     gen.check_fits(len(ids), max_new_tokens)
     streamer = TextStream(processor.tokenizer, stream) if stream is not None else None
     result = gen.generate_with_image(ids, pixels, max_new_tokens, on_token=streamer, sampler=sampler)

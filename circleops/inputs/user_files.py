@@ -359,9 +359,79 @@ def opened_image(path: str | os.PathLike, *, error: type[CircleOpsError] = Input
         Image.MAX_IMAGE_PIXELS = saved
 
 
+# what transformers' processors, tokenizers and feature extractors raise when their saved
+# configuration holds a value they cannot use ("image_mean": "", "n_fft": 0, "size": [1, 2])
+PROCESSOR_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+                    RuntimeError, AssertionError)
+
+
+@contextlib.contextmanager
+def users_processor(what: str, source: Any, *, error: type[CircleOpsError] = InputFileError) -> Iterator[None]:
+    """Inside, a processor, tokenizer or feature extractor that a user's files configure runs on
+    an input: what it raises on values of its configuration it cannot use becomes ``error``
+    naming ``what`` and where it was saved (``source``). Keep the block to the call itself."""
+    try:
+        yield
+    except CircleOpsError:
+        raise
+    except PROCESSOR_ERRORS as err:
+        raise _fail(error, f"the {what} saved in {source} failed on this input: {type(err).__name__}: "
+                           f"{_first_line(err)}. Its configuration holds values it cannot use: fix those files or "
+                           f"save the {what} again (save_pretrained).") from None
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return (text[0][:200] if text else type(err).__name__) or type(err).__name__
+
+
+# --------------------------------------------------------------------------- safetensors
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit (safetensors refuses larger headers)
+
+
+def read_safetensors_header(path: str | os.PathLike, *, error: type[CircleOpsError] = InputFileError
+                            ) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a .safetensors file's header (name -> {"dtype", "shape",
+    "data_offsets"}), from its first bytes only (no weight is read), each checked: a dtype
+    name, a shape of whole numbers >= 0, offsets [start, end] inside the data the file holds.
+    Anything else (a cut or damaged header, other types) is ``error`` naming the file."""
+    import json
+    import struct
+
+    path = Path(path)
+    fix = "The file is damaged or incomplete: download or save it again."
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(error, f"{path} is {size} bytes: too short for a safetensors file. {fix}")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+                raise _fail(error, f"{path}: its header claims {n} bytes and the file holds {size}. {fix}")
+            text = f.read(n)
+    except OSError as err:
+        raise _fail(error, f"cannot read {path}: {err.strerror or err}.") from None
+    header = parse_json(text, f"the header of {path}", error=error, fix=fix)
+    if not isinstance(header, dict):
+        raise _fail(error, f"the header of {path} is not a JSON object. {fix}")
+    body = size - 8 - n
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        whole = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        if not (isinstance(info.get("dtype") if isinstance(info, dict) else None, str) and isinstance(shape, list)
+                and all(map(whole, shape)) and isinstance(offsets, list) and len(offsets) == 2
+                and all(map(whole, offsets)) and offsets[0] <= offsets[1] <= body):
+            raise _fail(error, f"{path}: the header's entry for {str(name)[:80]!r} is not a tensor (a dtype, a shape "
+                               f"of whole numbers, data offsets inside the {body} bytes of data): "
+                               f"{json.dumps(info)[:160]}. {fix}")
+        entries[name] = info
+    return entries
 
 
 # --------------------------------------------------------------------------- .npy

@@ -26,7 +26,7 @@ from circleops.options import ConvertOptions
 from circleops.pipeline.stages import (INTEGER_TOLERANCE, QUANT_TOLERANCE, TOLERANCE, Calibration, format_tolerance, CausalLMLogits, Job,
                                 Options, Tracker, dense_experts, export, export_module, fused_counts,
                                 hf_export_settings, op_histogram, parameter_names, prepare_weights,
-                                pretrained_blocks, quantize_program, run, run_torch, target_profile, verify_file)
+                                pretrained_blocks, quantize_program, run, run_torch, target_profile, compare_file)
 from circleops.quantize import INTEGER_FORMATS
 from circleops.pipeline.report import Report
 from circleops.pipeline.validate import (integer_fuse, model_dtype, resolve_dtype, resolve_runtime, validate_output_path,
@@ -154,7 +154,7 @@ def _convert(model: Any, example_args: tuple, plan: _Plan, tokenizer: Any, track
         job = Job(plan.path, type(model).__name__, _count_params(model), example_args,
                   reference=lambda: run_torch(module, example_args, model), fusion_model=module, weights=weights,
                   output_names=["logits"] if isinstance(module, CausalLMLogits) else o.output_names,
-                  tracker=tracker, compare=verify_file, metadata=dict(o.metadata or {}))
+                  tracker=tracker, compare=compare_file, metadata=dict(o.metadata or {}))
         job.warnings.extend(plan.notes)
         with hf_export_settings(model), dense_experts(model), torch.no_grad():
             ep = export(module, example_args, adapters=opts.fuse in ("auto", "adapters"), warn_list=job.warnings)
@@ -232,7 +232,7 @@ def save(exported_program: Any, path: str | os.PathLike, options: ConvertOptions
     args = tuple(example_args or ())
     job = Job(plan.path, "ExportedProgram", _count_params(exported_program), args,
               reference=lambda: run_torch(exported_program.module(), args, None), tracker=Tracker(progress),
-              compare=verify_file)
+              compare=compare_file)
     job.warnings.extend(plan.notes)
     return run(exported_program, plan.opts, job)
 
@@ -310,4 +310,4 @@ check_threads = validate_threads
 
 __all__ = ["INTEGER_TOLERANCE", "QUANT_TOLERANCE", "TOLERANCE", "format_tolerance", "CausalLMLogits", "convert", "export",
            "export_module", "fused_counts", "hf_export_settings", "model_dtype", "op_histogram", "parameter_names",
-           "pretrained_blocks", "resolve_runtime", "save", "target_profile", "verify_file"]
+           "pretrained_blocks", "resolve_runtime", "save", "target_profile", "compare_file"]

@@ -442,7 +442,7 @@ class Job:
     weights: WeightInputs = field(default_factory=WeightInputs)
     tracker: Tracker = field(default_factory=Tracker)
     warnings: list[str] = field(default_factory=list)
-    compare: Callable[..., VerifyResult] | None = None  # runs the file and compares (default verify_file)
+    compare: Callable[..., VerifyResult] | None = None  # runs the file and compares (default compare_file)
     metadata: dict[str, bytes] = field(default_factory=dict)  # written into the file as it is (circleops.recipes.tasks)
 
 
@@ -491,7 +491,7 @@ def _run(ep: Any, opts: Options, job: Job) -> Report:
         with dequantized_sources(quant, job.fusion_model, opts.runtime):
             expected = job.reference()
         release_weights()
-        compare = job.compare or verify_file
+        compare = job.compare or compare_file
         report.verify = compare(tmp, opts.runtime, job.example_args, expected, opts.dtype, opts.verify_tolerance())
         verify_seconds[0] = time.perf_counter() - t
         if not report.verify.passed:
@@ -701,8 +701,8 @@ def run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Te
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
-def verify_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], expected: list[torch.Tensor],
-                dtype: torch.dtype, tolerance: float | None = None) -> VerifyResult:
+def compare_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], expected: list[torch.Tensor],
+                 dtype: torch.dtype, tolerance: float | None = None) -> VerifyResult:
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
     import numpy as np
 

@@ -30,10 +30,18 @@ def validate_target(target: str, fuse: str = "none") -> tuple[str, str, str]:
     return target, PROFILES[target].format, fuse
 
 
-def validate_threads(threads: int | None) -> None:
-    """``threads``: None or the NUM_THREADS a file will run with (1, 2, ...)."""
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise TargetError(f"threads={threads!r}: give the NUM_THREADS the file will run with (1, 2, ...)")
+# No CPU runtime's pool (torch's OpenMP, onert, XNNPACK) is run wider; each thread reserves a
+# stack, so a count past this is a typo that would exhaust memory (100000 threads: MemoryError).
+MAX_THREADS = 1024
+
+
+def validate_threads(threads: int | None, what: str = "threads") -> None:
+    """``threads``: None or a thread count (1 .. MAX_THREADS): the NUM_THREADS a file will run
+    with, or the threads a runtime / torch may use. ``what`` names it in the message."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise TargetError(f"{what}={threads!r}: give a thread count from 1 to {MAX_THREADS} (the NUM_THREADS the "
+                          f"file runs with; usually the device's core count).")
 
 
 def validate_quantize(quantize: str | None, target: str, int16: Sequence[str] = ()) -> str | None:

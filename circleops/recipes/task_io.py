@@ -19,7 +19,7 @@ import numpy as np
 
 from circleops.errors import RuntimeRunError
 from circleops.inputs.remote_code import refuse_remote_code
-from circleops.inputs.user_files import check_count
+from circleops.inputs.user_files import check_count, users_processor
 
 
 @dataclass
@@ -99,7 +99,8 @@ def _text(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, text
         raise RuntimeRunError(f"cannot load the tokenizer of {path}: {str(err).strip()[:200]}. Pass --model DIR "
                               "with the tokenizer files.") from None
     length = shapes["input_ids"][1]
-    enc = tokenizer(text, padding="max_length", truncation=True, max_length=length, return_tensors="np")
+    with users_processor("tokenizer", path, error=RuntimeRunError):
+        enc = tokenizer(text, padding="max_length", truncation=True, max_length=length, return_tensors="np")
     inputs = [np.asarray(enc[name], dtype=np.int64) for name in shapes]
     return Prepared(inputs, record, tokenizer, {"attention_mask": np.asarray(enc["attention_mask"])})
 
@@ -128,10 +129,11 @@ def _image(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, ima
                 check_count(side, f"the image processor's {key} in {path}", high=16384, error=RuntimeRunError,
                             fix="Fix preprocessor_config.json.")
     _, _, h, w = shapes["pixel_values"]
-    pixels = processor(images=picture, return_tensors="np")["pixel_values"]
-    if list(pixels.shape[2:]) != [h, w]:  # converted with --input-shape: the file's size wins
-        pixels = processor(images=picture, size={"height": h, "width": w}, do_center_crop=False,
-                           return_tensors="np")["pixel_values"]
+    with users_processor("image processor", path, error=RuntimeRunError):
+        pixels = processor(images=picture, return_tensors="np")["pixel_values"]
+        if list(pixels.shape[2:]) != [h, w]:  # converted with --input-shape: the file's size wins
+            pixels = processor(images=picture, size={"height": h, "width": w}, do_center_crop=False,
+                               return_tensors="np")["pixel_values"]
     return Prepared([_fit("pixel_values", np.asarray(pixels, dtype=np.float32), shapes["pixel_values"])], record)
 
 
@@ -156,7 +158,8 @@ def _audio(record: dict[str, Any], shapes: dict[str, list[int]], path: Path, aud
         raise RuntimeRunError(f"{audio} is sampled at {rate} Hz and the model hears {wanted} Hz: resample it "
                               f"first (e.g. sox {audio} -r {wanted} out.wav).")
     name = next(iter(shapes))
-    features = extractor(samples, sampling_rate=rate, return_tensors="np")[name]
+    with users_processor("feature extractor", path, error=RuntimeRunError):
+        features = extractor(samples, sampling_rate=rate, return_tensors="np")[name]
     tokenizer = None
     if record.get("task") == "automatic-speech-recognition":  # CTC: its characters, when it has a tokenizer
         from transformers import AutoTokenizer

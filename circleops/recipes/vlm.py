@@ -55,7 +55,6 @@ from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_up
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFIX_LEN, VISION_GRAPH, VLM_GRAPH_NAMES,
                                                VisionSpec)
 from circleops.adapters.vlm import FAMILIES, family_of
-from circleops.inputs.remote_code import refuse_remote_code
 
 # model_type of config.json -> what it is; the classes are transformers'
 VLM_MODEL_TYPES = {t: cls for fam in FAMILIES if fam.converted for t, cls in fam.classes.items()}
@@ -97,38 +96,23 @@ def _classes(model_type: str) -> Any:
     return getattr(transformers, VLM_MODEL_TYPES[model_type])
 
 
-def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None, seed: int = 0) -> tuple[Any, Any]:
+def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None, seed: int = 0,
+         allow_random_init: bool = False) -> tuple[Any, Any]:
     """(the model, its processor or None) from a directory (config.json + safetensors, as
-    ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json."""
-    import torch
-
-    from circleops.sources.models import check_model_size, quiet_transformers, read_config_dict
-    from circleops.inputs.user_files import check_json_files
+    ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json: the
+    one loader (circleops.sources.models.load: sizes, JSON files and remote code checked
+    first, every weight of the model in the files unless ``allow_random_init``) with the
+    family's transformers class."""
+    from circleops.sources import models
 
     kind = vlm_model_type(model, config)
     if kind is None:
         raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
                              f"{', '.join(VLM_MODEL_TYPES)}).")
-    # sizes bounded before anything is built; the directory's JSON files read by circleops first
-    check_model_size(read_config_dict(Path(config) if config else Path(model) / "config.json"), str(config or model))
-    if not config:
-        check_json_files(model, error=ModelLoadError, fix="The directory is damaged: download or save it again.")
-    cls = _classes(kind)
-    with quiet_transformers():
-        try:
-            if config:
-                cfg = cls.config_class.from_json_file(str(config))
-                torch.manual_seed(seed)
-                module = cls(cfg)
-            else:
-                refuse_remote_code(model)
-                module = cls.from_pretrained(str(model), dtype=torch.float32, trust_remote_code=False)
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            raise ModelLoadError(f"cannot load {config or model} as {cls.__name__}: {str(err).strip()[:300]}") from None
-        processor = None
-        if model and not config:
-            processor = load_processor(Path(model), required=False)
-    return module.eval(), processor
+    loaded = models.load(None if config else str(model), config=str(config) if config else None, seed=seed,
+                         allow_random_init=allow_random_init, model_class=lambda *_: _classes(kind))
+    processor = load_processor(Path(model), required=False) if model and not config else None
+    return loaded.module.eval(), processor
 
 
 def build_processor(tokenizer: Any, model: Any, *, do_image_splitting: bool = True, longest_edge: int | None = None,
@@ -266,7 +250,8 @@ class VLMRecipe(Recipe):
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "VLMRecipe":
-        module, processor = load(model, config=options.config, seed=options.seed)
+        module, processor = load(model, config=options.config, seed=options.seed,
+                                 allow_random_init=options.allow_random_init)
         return cls(module, options, processor=processor, source=str(options.config or model))
 
     def check(self, opts: Any) -> None:

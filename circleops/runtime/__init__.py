@@ -176,8 +176,8 @@ def runtime_module(runtime: str) -> ModuleType:
 def open_session(runtime: str, path: str | os.PathLike, signature: str | None = None, *,
                  isolated: bool = False) -> Session:
     """A prepared session of ``runtime`` on the file at ``path`` (``signature``: run that
-    signature instead of the main subgraph). Every runtime verifies the file first
-    (circleops.serialize.verify). ``isolated``: run a native runtime (onert, LiteRT) in a
+    signature instead of the main subgraph). Every runtime checks the file's integrity first
+    (circleops.serialize.integrity). ``isolated``: run a native runtime (onert, LiteRT) in a
     child process, so that a crash inside it becomes a RuntimeCrashError instead of killing
     this process (one-shot commands; generation keeps in-process sessions for speed)."""
     from circleops.errors import RuntimeRunError

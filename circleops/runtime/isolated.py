@@ -1,6 +1,6 @@
 """A native runtime's Session in a child process, for one-shot commands.
 
-circleops verifies every file before onert or LiteRT reads it (circleops.serialize.verify),
+circleops checks every file's integrity before onert or LiteRT reads it (circleops.serialize.integrity),
 but a runtime can still fault on a sound file: a kernel of onert reading past a tensor whose
 shape it did not expect, an op it half supports. In-process that kills the user's process
 with a signal, which no Python code can catch. ``circleops run``, ``convert --verify`` and
@@ -262,7 +262,7 @@ class IsolatedSession:
             return RuntimeCrashError(_killed_message(self.runtime, self.path, doing))
         return RuntimeCrashError(
             f"{self.runtime} crashed while {doing} {self.path}: its process {how}. The file passed circleops' "
-            f"structural verification, so this is a fault inside {self.runtime} on this file (an operator or "
+            f"integrity check, so this is a fault inside {self.runtime} on this file (an operator or "
             f"shape it does not handle); circleops ran it in a child process, so nothing else was affected. "
             f"Run the file with --runtime reference to check it, or convert it again for --target "
             f"{'onert' if self.runtime == 'onert' else 'tflite'}.")

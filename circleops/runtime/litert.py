@@ -23,7 +23,7 @@ from circleops.inputs.user_files import positive_whole_number
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs, in_order
 from circleops.runtime.isolated import WEIGHT_CACHE_ENV, note_in_process
-from circleops.serialize.verify import verify_file
+from circleops.serialize.integrity import check_file
 
 NUM_THREADS = 2  # when the NUM_THREADS environment variable is not set
 
@@ -265,7 +265,7 @@ class Session:
         self.signature = signature
         if not Path(path).is_file():
             raise RuntimeRunError(f"{path}: no such file")
-        verify_file(self.path)  # before any native code reads the file (issue 24)
+        check_file(self.path)  # before any native code reads the file (issue 24)
         note_in_process("litert")  # later isolated sessions must not fork from here
         self.num_threads = num_threads()
         try:

@@ -27,7 +27,7 @@ from circleops.errors import RuntimeRunError
 from circleops.runtime import TensorSpec
 from circleops.runtime.inputs import check_inputs
 from circleops.runtime.isolated import note_in_process
-from circleops.serialize.verify import verify_file
+from circleops.serialize.integrity import check_file
 
 
 from circleops.runtime.stderr import captured_stderr  # noqa: E402 - re-exported: onert's words on fd 2
@@ -134,16 +134,16 @@ class Session:
 
 def _checked(path: str) -> None:
     """The checks before onert reads ``path``: it exists, it is a well-formed flatbuffer (onert
-    reads it without verifying: a damaged or hostile file would make it read out of bounds in
+    reads it unchecked: a damaged or hostile file would make it read out of bounds in
     this process, issue 24), this CPU runs its weights, and no weight follows the flatbuffer."""
     if not os.path.isfile(path):
         raise RuntimeRunError(f"cannot run {path}: no such file")
-    verified = verify_file(path)
+    checked = check_file(path)
     note_in_process("onert")  # later isolated sessions must not fork from here
-    _check_host(path, verified.tensor_types)
-    if verified.offset_buffers:
+    _check_host(path, checked.tensor_types)
+    if checked.offset_buffers:
         raise RuntimeRunError(
-            f"onert cannot load {path}: {verified.offset_buffers} of its buffers keep their weights after the "
+            f"onert cannot load {path}: {checked.offset_buffers} of its buffers keep their weights after the "
             f"flatbuffer (Buffer.offset/size), and onert 0.1.0 crashes (SIGSEGV) on such files. Run it with "
             f"--runtime reference, or convert it again with circleops (--target onert writes weights inline).")
 

@@ -120,8 +120,10 @@ def load(spec: str | None, *, config: str | None = None, dtype: torch.dtype = to
             f"model not found: {spec}. MODEL is an HF directory (config.json + *.safetensors), a .gguf "
             f"file, a .pt2 ExportedProgram, or the name smollm2; --config config.json builds random weights.")
     if path.is_dir():
-        return LoadedModel(str(path), "hf", load_hf_dir(path, dtype=dtype, allow_random_init=allow_random_init,
-                                                        model_class=model_class))
+        module = load_hf_dir(path, dtype=dtype, allow_random_init=allow_random_init, model_class=model_class)
+        # a causal LM's tokenizer travels with it (convert --graphs saves it for generate --prompt,
+        # and an integer recipe calibrates on its text); a task model's processor is its task's business
+        return LoadedModel(str(path), "hf", module, tokenizer=directory_tokenizer(path) if model_class is None else None)
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"cannot read {spec}: permission denied.")
     suffix = path.suffix.lower()
@@ -476,6 +478,28 @@ def build_random(cls: type, config: Any, *, dtype: torch.dtype = torch.float32, 
         model.initialize_weights()
     model.tie_weights()
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def directory_tokenizer(path: str | os.PathLike | None) -> Any:
+    """The tokenizer saved with the HF model directory ``path`` (None when it holds none):
+    no code from the directory (an ``auto_map`` is refused first) and every JSON file read by
+    circleops' reader first; a tokenizer transformers cannot load is a ModelLoadError naming it."""
+    if path is None or not os.path.isdir(path) or not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    refuse_remote_code(path)
+    fix = "Save the tokenizer again (tokenizer.save_pretrained), or remove its files to convert without one."
+    check_json_files(path, error=ModelLoadError, fix=fix)
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - tokenizers/transformers raise many kinds on a damaged file
+        raise ModelLoadError(f"cannot load the tokenizer saved in {path}: {type(err).__name__}: "
+                             f"{_first_line(err)}. {fix}") from None
 
 
 # --------------------------------------------------------------------------- GGUF

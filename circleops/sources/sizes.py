@@ -13,15 +13,14 @@ This module reads JSON and the headers only: no torch unless a config must be bu
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.system.memory import machine_memory
+from circleops.inputs.user_files import read_json, read_safetensors_header
 
 
 # Bytes per weight of each stored form: GGML blocks (32 weights: 2 bytes of scale + 16 of
@@ -82,24 +81,13 @@ def safetensors_parameters(files: list[Path]) -> tuple[int, dict[str, int]]:
     (the 8-byte length and the JSON that follows it; no weight is read)."""
     total, by_dtype = 0, {}
     for path in files:
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > 100 * 2**20:
-                    raise ValueError("header larger than 100 MiB")
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as err:
-            raise ModelLoadError(f"{path}: not a readable safetensors file ({err}). The file is damaged or "
-                                 "incomplete: download it again.") from None
-        for key, info in header.items():
-            if key == "__metadata__" or not isinstance(info, dict):
-                continue
+        for info in read_safetensors_header(path, error=ModelLoadError).values():
             count = 1
-            for d in info.get("shape", []):
-                count *= int(d)
+            for d in info["shape"]:
+                count *= d
             total += count
-            start, end = info.get("data_offsets", (0, 0))
-            by_dtype[info.get("dtype", "?")] = by_dtype.get(info.get("dtype", "?"), 0) + int(end) - int(start)
+            start, end = info["data_offsets"]
+            by_dtype[info["dtype"]] = by_dtype.get(info["dtype"], 0) + end - start
     return total, by_dtype
 
 
@@ -107,9 +95,9 @@ def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError):
-            return sorted(path.glob("*.safetensors"))
+            names = sorted({str(n) for n in read_json(index, error=ModelLoadError)["weight_map"].values()})
+        except (ModelLoadError, KeyError, TypeError, AttributeError):
+            return sorted(path.glob("*.safetensors"))  # the loader names what is wrong with the index
         return [path / n for n in names]
     return sorted(path.glob("*.safetensors"))
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from circleops.dtypes import float_dtype, short_name
-from circleops.inputs.remote_code import refuse_remote_code
 
 DEFAULT_PROMPT = "Once upon a time,"
 DEFAULT_NEW_TOKENS = 32
@@ -204,19 +203,11 @@ def eos_ids(model: Any, tokenizer: Any = None) -> list[int]:
 
 
 def directory_tokenizer(model: str | None) -> Any:
-    """The tokenizer saved with an HF model directory, if there is one (else None)."""
-    if model is None or not os.path.isdir(model):
-        return None
-    if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
+    """The tokenizer saved with an HF model directory, if there is one (else None):
+    circleops.sources.models.directory_tokenizer."""
+    from circleops.sources.models import directory_tokenizer as load
 
-    from circleops.sources.models import quiet_transformers
-
-    refuse_remote_code(model)
-    with quiet_transformers():
-        return AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+    return load(model)
 
 
 # --------------------------------------------------------------------------- steps

@@ -438,7 +438,16 @@ def test_a_convert_option():
     assert len(re.findall(r'"circleops/[\w/]+\.py"', edits)) == claims()["a convert option"]
 
 
+def test_a_recipe():
+    """Checked by tests/package/test_recipe_interface.py, which declares a recipe in its own
+    module (a Recipe subclass over circleops' public names, no circleops file changed) and
+    writes, compares and publishes it for every target; here: that test's recipe is one module."""
+    text = (CONTRIBUTING.parent / "tests" / "package" / "test_recipe_interface.py").read_text()
+    assert len(re.findall(r"^class \w+\(Recipe\):", text, re.M)) == claims()["a recipe"] == 1
+    assert "from circleops.recipes.base import Graph, Recipe" in text
+
+
 CHECKED = {"an op": test_an_op, "a lowering": test_a_lowering, "a target": test_a_target, "a runtime": test_a_runtime,
            "a weight format": test_a_weight_format, "a model family": test_a_model_family,
            "a subcommand": test_a_subcommand_and_a_flag, "a CLI flag": test_a_subcommand_and_a_flag,
-           "a convert option": test_a_convert_option}
+           "a convert option": test_a_convert_option, "a recipe": test_a_recipe}

@@ -145,7 +145,7 @@ def test_command_quiet_and_policy_subset(config_json, tmp_path, capsys):
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
     (["--prompt-ids", "1,999"], "out of range for the model's vocabulary of 256"),
     (["--json", "/nonexistent/dir/r.json"], "cannot write --json"),
-    (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads=0: give a thread count from 1"),
 ])
 def test_user_errors(config_json, capsys, args, message):
     model = [] if args == [] else ["--config", str(config_json)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import circleops
-from circleops.pipeline.convert import verify_file
+from circleops.pipeline.convert import compare_file
 from circleops.errors import VerifyError
 
 
@@ -33,9 +33,9 @@ def test_an_infinity_does_not_widen_the_tolerance(tmp_path):
     circleops.convert(Log(), (X,), path, target="circle", verify=False)
     expected = [t.clone() for t in Log()(X)]
     expected[0][0, 2] += 1.0  # torch disagrees with the file at one finite value
-    result = verify_file(path, "reference", [X], expected, torch.float32)
+    result = compare_file(path, "reference", [X], expected, torch.float32)
     assert not result.passed and result.max_abs_error == pytest.approx(1.0, rel=1e-6)
     expected[0][0, 2] -= 1.0
     expected[0][0, 1] = 0.0  # the file's NaN where torch has a number
-    result = verify_file(path, "reference", [X], expected, torch.float32)
+    result = compare_file(path, "reference", [X], expected, torch.float32)
     assert not result.passed and np.isnan(result.max_abs_error)

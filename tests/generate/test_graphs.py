@@ -169,3 +169,28 @@ def test_bad_options(tmp_path):
     with pytest.raises(TargetError, match="comma-separated list of prefill, decode"):
         parse_graph_names("prefill,encode")
     assert parse_graph_names("decode, prefill") == ("prefill", "decode")
+
+
+def test_an_hf_directory_keeps_its_tokenizer(tmp_path, capsys):
+    """``convert DIR --graphs prefill,decode`` of an HF directory that holds a tokenizer saves it
+    beside the graphs, so ``generate --prompt`` (and --chat) work on the result as after
+    ``convert smollm2`` (it used to keep only the weights: "has no tokenizer")."""
+    from chat_fixtures import tiny_chat_tokenizer
+
+    from circleops.cli import main
+    from circleops.generation.generator import Generator
+
+    tokenizer = tiny_chat_tokenizer()
+    model_dir, out = tmp_path / "hf", tmp_path / "out"
+    BY_NAME["llama"].build(vocab_size=len(tokenizer), num_hidden_layers=1).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["convert", str(model_dir), "--graphs", "prefill,decode", "--target", "onert", "--seq-len", "8",
+                 "--max-cache-len", "32", "-q", "-o", str(out)]) == 0
+    assert read_manifest(out).tokenizer == "tokenizer"
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "hi there", "--chat", "-q", "--max-new-tokens", "4"]) == 0
+    text = capsys.readouterr().out
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    want = Generator(out).generate(list(ids), 4).tokens
+    assert text.strip("\n") == tokenizer.decode(want).strip("\n")

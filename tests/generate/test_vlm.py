@@ -202,6 +202,26 @@ def test_a_damaged_vision_entry_is_refused(tiny_vlm_onert, tmp_path, vision, mes
         vision_gen.VisionGenerator(out, runtime="reference")
 
 
+def test_a_damaged_saved_tokenizer_is_named(tiny_vlm_onert, tmp_path, capsys):
+    """A VLM directory whose tokenizer.json holds a value of the wrong type (a vocabulary id
+    0.5) is one paragraph naming the file, exit 2 (the CLI hold-out fuzz: an internal error
+    raised by the tokenizers library inside transformers' AutoProcessor)."""
+    import json
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_vlm_onert.out, out)
+    path = out / "tokenizer" / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab[next(iter(vocab))] = 0.5
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["generate", str(out), "--image", str(tiny_vlm_onert.photo), "--prompt", "hi", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is not a tokenizer the tokenizers library can load" in err and "internal error" not in err, err
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "w8"])
 def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert, tmp_path, fmt):
     """--quantize makes the prefill and decode graphs' weights q4_0 (GGML) or w8 (int8) and

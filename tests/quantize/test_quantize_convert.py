@@ -253,7 +253,7 @@ def test_quantized_graphs_record_one_thread(tmp_path, llama, monkeypatch):
     NUM_THREADS=1 (unless the user set it) and leaves the environment as it was."""
     import os
 
-    import circleops.generation.generator as rt
+    import circleops.generation.sessions as rt
     from circleops.generation.generator import open_graph
     from circleops.recipes.llm import convert_graphs
     from circleops.package.manifest import read_manifest

@@ -264,6 +264,22 @@ def test_cli_values(seeds, tmp_path, capsys, monkeypatch):
     assert "not UTF-8 text" in err and "internal error" not in err
 
 
+def test_thread_counts_are_bounded(seeds, tmp_path, capsys):
+    """A thread count past validate.MAX_THREADS is refused before any pool is made (the CLI
+    hold-out fuzz: check --threads 100000 ended in an internal MemoryError from torch)."""
+    from circleops.cli import main
+    from circleops.pipeline.validate import MAX_THREADS
+
+    config = tmp_path / "config.json"
+    shutil.copy(seeds.hf_dir / "config.json", config)
+    for argv in (["check", "--config", str(config), "-q", "--prompt-ids", "5,6", "-n", "1", "--policies", "fused"],
+                 ["generate", str(seeds.chat_dir), "--token-ids", "5,6", "-q", "--max-new-tokens", "1"],
+                 ["convert", "--config", str(config), "-o", str(tmp_path / "m.circle"), "--seq-len", "4"]):
+        assert main([*argv, "--threads", "100000"]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"from 1 to {MAX_THREADS}" in err and "internal error" not in err, err
+
+
 def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
     from circleops.package.manifest import read_manifest
 
@@ -339,3 +355,60 @@ def test_feature_extractor_window_must_be_the_encoders(seeds, tmp_path):
     for change in ({"n_samples": 16000 * 10 ** 9}, {"feature_size": 80}, {"hop_length": 0}, {"n_samples": "x"}):
         with pytest.raises(ModelLoadError, match="does not make the encoder's input of 20 mel bins x 100 frames"):
             check_extractor(SimpleNamespace(**{**vars(good), **change}), m)
+
+
+def test_text_longer_than_the_cache_could_hold_is_refused_before_tokenizing(seeds, tmp_path, capsys, monkeypatch):
+    """A prompt or chat message longer than the cache's slots times the longest token is
+    refused before the tokenizer sees it (the CLI hold-out fuzz: a 3 MB line on chat's stdin
+    made the tokenizers library abort on a failed allocation, SIGABRT, under a 6 GiB limit;
+    tokenizing costs hundreds of bytes per character)."""
+    from circleops.cli import main
+    from circleops.generation.core import GenerationLimitError
+    from circleops.generation.tokenizers import check_text_fits, load_tokenizer
+    from circleops.package.manifest import read_manifest
+
+    manifest = read_manifest(seeds.chat_dir)
+    tokenizer = load_tokenizer(manifest)
+    capacity = manifest.max_cache_len
+    check_text_fits(tokenizer, "x" * capacity, capacity)  # one character per token: fits
+    with pytest.raises(GenerationLimitError, match="cache slots can hold"):
+        check_text_fits(tokenizer, "x" * (capacity * 20), capacity)
+    big = "x" * 3_000_000
+    assert main(["generate", str(seeds.chat_dir), "--prompt", big, "-q", "--max-new-tokens", "2"]) == 2
+    assert "3000000 characters" in capsys.readouterr().err
+    with address_space_limit(256 << 20):  # refused without the gigabytes tokenizing would take
+        monkeypatch.setattr(sys, "stdin", io.StringIO(big + "\nhi\n"))
+        assert main(["chat", str(seeds.chat_dir), "-q", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "this message is 3000000 characters" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda h, n: h[n].update(shape=[[1, "a"]]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=["0", "8"]), "is not a tensor"),
+    (lambda h, n: h[n].update(data_offsets=[0, 2 ** 40]), "data offsets inside"),
+    (lambda h, n: h[n].update(shape=[True, 2]), "is not a tensor"),
+    (lambda h, n: h.update({n: [1, 2]}), "is not a tensor"),
+])
+def test_safetensors_header_entries_are_checked(seeds, tmp_path, capsys, change, message):
+    """The sizes read from a safetensors header before anything is built are checked by one
+    reader (user_files.read_safetensors_header; the CLI hold-out fuzz: a shape holding a list
+    ended in an internal TypeError in the size estimate)."""
+    from circleops.cli import main
+    from circleops.inputs.user_files import read_safetensors_header
+
+    d = tmp_path / "hf"
+    shutil.copytree(seeds.hf_dir, d)
+    (d / "model.safetensors.index.json").unlink()
+    data = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header, sorted(k for k in header if k != "__metadata__")[0])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(InputFileError, match=message):
+        read_safetensors_header(d / "model.safetensors")
+    assert main(["convert", str(d), "-o", str(tmp_path / "m.circle"), "--seq-len", "4", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err

@@ -251,3 +251,36 @@ def test_a_runtime_killed_for_memory_is_reported_as_such(graphs, monkeypatch):
     assert "fault inside" not in text and "GB resident of this machine's" in text
     peak = float(text.split("peaked at ")[1].split(" GB")[0])
     assert peak >= 0.2  # the child's own 200 MB at least
+
+
+def _mean_over(axes_constant: bool):
+    """MEAN(x [1, 4, 8], axes [1]) with the axes a constant or a graph input."""
+    from circleops import ir
+
+    axes = ir.Tensor("axes", (1,), "INT32", data=np.array([1], np.int32) if axes_constant else None)
+    tensors = [ir.Tensor("x", (1, 4, 8), "FLOAT32"), axes, ir.Tensor("y", (1, 1, 8), "FLOAT32")]
+    op = ir.Operator("MEAN", [0, 1], [2], "ReducerOptions", {"keepDims": True})
+    return ir.Model([ir.Subgraph("main", tensors, [op], [0] if axes_constant else [0, 1], [2])])
+
+
+def test_a_reduction_over_computed_axes_is_refused_for_onert(tmp_path):
+    """onert 0.1.0 reads a reduction's axes when it loads the file: axes that are a graph input
+    (or another op's output) kill it (SIGSEGV; found by the CLI hold-out fuzz on a damaged
+    Whisper prefill graph). The integrity check refuses them in a Circle file; constant axes run."""
+    from circleops.serialize import write_model
+    from circleops.serialize.integrity import check_file
+
+    good, bad = tmp_path / "good.circle", tmp_path / "bad.circle"
+    write_model(_mean_over(True), good, "circle")
+    write_model(_mean_over(False), bad, "circle")
+    check_file(good)
+    with pytest.raises(CorruptFileError, match="input 1 \\(the axes\\) is not a constant"):
+        check_file(bad)
+    probe = ("import sys, numpy as np, onert; s = onert.infer.session(sys.argv[1], 'cpu'); "
+             "s.infer([np.ones((1, 4, 8), np.float32)] + ([np.array([1], np.int32)] if 'bad' in sys.argv[1] else []))")
+    crashed = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, env=ENV, timeout=300)
+    assert crashed.returncode == -signal.SIGSEGV  # the premise: without the integrity check, onert dies
+    ran = subprocess.run([sys.executable, "-c", probe, str(good)], capture_output=True, env=ENV, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    r = _cli("run", str(bad), "--runtime", "onert", "-i", *_inputs(bad, tmp_path))
+    assert r.returncode == 2 and "is not a constant" in r.stderr and "Traceback" not in r.stderr, r.stderr

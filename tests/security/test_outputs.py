@@ -105,7 +105,7 @@ def test_failed_verify_keeps_the_previous_good_file_and_verifies_the_temporary(t
         assert Path(p).exists() and Path(p) != path
         return VerifyResult(runtime=runtime, max_abs_error=1.0, tolerance=1e-3, reference_max_abs=1.0, passed=False)
 
-    monkeypatch.setitem(conv_globals, "verify_file", failing)
+    monkeypatch.setitem(conv_globals, "compare_file", failing)
     with pytest.raises(VerifyError, match="nothing was written to"):
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).eval()

@@ -140,6 +140,29 @@ def test_run_input_errors(converted, tiny_dir, tmp_path, capsys):
     assert "records no task" in _error(capsys, "run", str(llama), "--text", "hi")
 
 
+@pytest.mark.parametrize("key,value", [("image_mean", ""), ("image_std", [0.5]), ("rescale_factor", "x"),
+                                       ("resample", 99)])
+def test_a_processor_config_it_cannot_use_is_named(converted, tmp_path, capsys, key, value):
+    """A preprocessor_config.json value the image processor cannot use (found by the CLI
+    hold-out fuzz: "image_mean": "" ended in an internal ValueError) is one paragraph naming
+    the processor and its directory, exit 2."""
+    import json
+    import shutil
+
+    from PIL import Image
+
+    model_dir, path = converted("vit")
+    bad = tmp_path / "vit"
+    shutil.copytree(model_dir, bad)
+    config = json.loads((bad / "preprocessor_config.json").read_text())
+    config[key] = value
+    (bad / "preprocessor_config.json").write_text(json.dumps(config))
+    image = tmp_path / "p.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    err = _error(capsys, "run", str(path), "--image", str(image), "--model", str(bad))
+    assert f"the image processor saved in {bad} failed on this input" in err and "internal error" not in err
+
+
 def test_inspect_shows_the_task(converted, capsys):
     model_dir, path = converted("vit")
     assert main(["inspect", str(path)]) == 0

@@ -23,12 +23,12 @@ from rounding import pt2e_rounding_depth
 from tflite_util import RESOLVERS, litert, opname, read
 
 # conftest.py's cross-check (LiteRT against the reference interpreter) compares these files
-# at INTEGER_TFLITE_CROSS_CHECK_ATOL: LiteRT's int16 table-lookup kernels.
+# within rounding.integer_output_bounds: per op one kernel deviation of its output scale.
 INTEGER_TYPES = {"INT8", "INT16", "INT32", "INT64"}
 # LiteRT vs the fake-quantized module, in output steps: per activation rounding on the graph's
 # deepest path (rounding.pt2e_rounding_depth) one kernel's deviation from torch's float
 # rounding: int8 kernels 0-1 step, LiteRT's int16 LOGISTIC/SOFTMAX/TANH/RSQRT table lookups
-# 1-3 steps (conftest's INTEGER_TFLITE_CROSS_CHECK_ATOL, the one-op files)
+# 1-3 steps (rounding.INTEGER_LUT_STEPS, the one-op files)
 STEPS_PER_ROUNDING = {"uint8": 1, "int16": 3}
 
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rounding import cpu_flags  # /proc/cpuinfo, read here and not through circleops.runtime.host (tests stub it)
+
 # LiteRT's kernels: with the default XNNPACK delegate, and the builtin kernels alone
 # (what runs a composite's decomposition subgraph, and what a runtime without XNNPACK has).
 RESOLVERS = ("xnnpack", "builtin")
@@ -41,19 +43,7 @@ def scale(want: np.ndarray) -> float:
 
 # ----------------------------------------------------------------------------- fp16 error bounds
 
-def _cpu_flags() -> frozenset[str]:
-    # read here, not through circleops.runtime.host: tests stub that one's answer
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
-# XNNPACK picks its fp16 kernels by CPU feature: with AVX512-FP16 (Intel Sapphire Rapids and
-# later) it computes fp16 ops in native fp16 arithmetic; without it (this AMD EPYC, any AVX2
-# CPU) it widens to fp32 with F16C, computes and rounds each op's result once, as torch does.
-NATIVE_FP16 = "avx512fp16" in _cpu_flags()
+NATIVE_FP16 = "avx512fp16" in cpu_flags()
 # fp16 ops that only move or select values: exact, no rounding
 _EXACT_FP16 = {"RESHAPE", "TRANSPOSE", "STRIDED_SLICE", "SLICE", "GATHER", "GATHER_ND", "CONCATENATION", "SELECT_V2",
                "SELECT", "NEG", "ABS", "SQUEEZE", "EXPAND_DIMS", "BROADCAST_TO", "TILE", "PAD", "PADV2", "MIRROR_PAD",

@@ -1,8 +1,9 @@
-"""Structural verification of a Circle / TFLite file before a native runtime reads it.
+"""The integrity check of a Circle / TFLite file before a native runtime reads it (structural:
+offsets, tables, indices and sizes; the numeric comparison with torch is ``--verify``).
 
 onert loads a Circle file with flatbuffers' C++ accessors and no verifier: an offset, a vector
 length or a tensor index that points outside the file makes it read out of bounds in the
-user's process (SIGSEGV / SIGBUS, issue 24). :func:`verify_file` checks, over the raw bytes
+user's process (SIGSEGV / SIGBUS, issue 24). :func:`check_file` checks, over the raw bytes
 of the memory-mapped file (no weight is copied or even read):
 
 * the root offset, the file identifier (``CIR0`` / ``TFL3``) and the schema version;
@@ -22,8 +23,8 @@ vtable slot and its kind (scalar of a type, string, table, union, vector of scal
 again), and flatbuffer offsets only point forward, so the walk ends, in time proportional
 to the file's structure: ~20 ms for SmolLM2's 540 MB decode graph (bench/README.md).
 
-    from circleops.serialize.verify import verify_file
-    verify_file("model.circle")          # CorruptFileError naming the file and what is wrong
+    from circleops.serialize.integrity import check_file
+    check_file("model.circle")          # CorruptFileError naming the file and what is wrong
 """
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ _INTEGER_OPERANDS = {"STRIDED_SLICE": (1, 2, 3), "SLICE": (1, 2), "RESHAPE": (1,
                      "REDUCE_MAX": (1,), "REDUCE_MIN": (1,), "REDUCE_PROD": (1,), "REDUCE_ANY": (1,),
                      "EXPAND_DIMS": (1,), "TILE": (1,), "BROADCAST_TO": (1,)}
 _INDEX_TYPES = ("INT32", "INT64")
+# operator -> input positions onert reads when it prepares the kernel, so they must be
+# constants in a Circle file: a reduction whose axes were a runtime input (a graph input or
+# another op's output) killed onert 0.1.0 (SIGSEGV: MEAN, SUM and REDUCE_MAX measured on
+# one-op files; LiteRT reads them at run time, so .tflite files may compute them)
+_CONSTANT_OPERANDS = {"MEAN": (1,), "SUM": (1,), "REDUCE_MAX": (1,), "REDUCE_MIN": (1,), "REDUCE_PROD": (1,),
+                      "REDUCE_ANY": (1,)}
 
 _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")
@@ -83,7 +90,7 @@ class Field:
 
 @dataclass(frozen=True)
 class TablePlan:
-    """What the verifier checks in one table type."""
+    """What the integrity check checks in one table type."""
 
     name: str
     fields: tuple[Field, ...]
@@ -118,7 +125,7 @@ def _top_level_block(text: str, header: str) -> str:
 def _class_source(schema: Schema, table: str) -> tuple[str, str]:
     """The source of the reader class ``table`` and of its object-API class ``tableT``, read
     from the generated module's file (inspect.getsource tokenizes: 10x slower, and this runs
-    on every first verification of a process)."""
+    on every first check of a process)."""
     module = schema.module_for("Model")
     if module.__name__.endswith(".Model"):  # circle_schema: one module per table, side by side
         path = os.path.join(os.path.dirname(module.__file__), f"{table}.py")
@@ -169,7 +176,7 @@ def _parse_plan(schema: Schema, table: str) -> TablePlan:
                 fmt = _FLAGS[get.group(1)]
                 fields[slot] = Field(name, slot, VEC_SCALAR, struct.calcsize(fmt), fmt, None, None)
             else:  # a vector of structs: neither schema has one today
-                raise LookupError(f"{schema.name}.{table}.{name}: a field kind the verifier does not know")
+                raise LookupError(f"{schema.name}.{table}.{name}: a field kind the integrity check does not know")
         elif "self._tab.String(o" in body:
             fields[slot] = Field(name, slot, STRING, 4, "", None, None)
         elif "Indirect(o" in body:
@@ -180,7 +187,7 @@ def _parse_plan(schema: Schema, table: str) -> TablePlan:
         else:
             get = _GET.search(body)
             if get is None or get.group(2) != "o":
-                raise LookupError(f"{schema.name}.{table}.{name}: a field kind the verifier does not know")
+                raise LookupError(f"{schema.name}.{table}.{name}: a field kind the integrity check does not know")
             fmt = _FLAGS[get.group(1)]
             returns = _RETURN.findall(body)  # the last one is the value when absent
             fields[slot] = Field(name, slot, SCALAR, struct.calcsize(fmt), "<" + fmt,
@@ -190,7 +197,7 @@ def _parse_plan(schema: Schema, table: str) -> TablePlan:
 
 @functools.lru_cache(maxsize=None)
 def table_plan(fmt: str, table: str) -> TablePlan:
-    """The verification plan of ``table`` in schema ``fmt`` (read from the bindings once)."""
+    """The integrity check's plan of ``table`` in schema ``fmt`` (read from the bindings once)."""
     return _parse_plan(get_schema(fmt), table)
 
 
@@ -351,8 +358,8 @@ def _ints(buf: Any, vec: tuple[int, int] | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class VerifiedFile:
-    """What verification learnt on the way (runtimes use it for their own refusals)."""
+class CheckedFile:
+    """What the integrity check learnt on the way (runtimes use it for their own refusals)."""
 
     path: str
     fmt: str  # "circle" or "tflite"
@@ -631,6 +638,11 @@ def _check_integer_operands(w: _Walker, where: str, name: str, inputs: tuple[int
         if p >= len(inputs) or inputs[p] < 0:
             continue
         t = tensors[inputs[p]]
+        if w.fmt == "circle" and p in _CONSTANT_OPERANDS.get(name, ()):
+            bi = t["Buffer"]
+            if not (0 < bi < len(extents) and extents[bi] is not None and extents[bi][0] > 0):
+                raise w.fail(where, f"input {p} (the axes) is not a constant; onert reads a {name}'s axes when it "
+                                    f"loads the file and needs them in it")
         dtype = type_names.get(t["Type"])
         allowed = _INDEX_TYPES + (("INT16",) if name.startswith("GATHER") else ())  # TFLite's int16 positions
         if dtype not in allowed:
@@ -663,8 +675,8 @@ def _check_quant(w: _Walker, where: str, q: dict[str, Any], shape: tuple[int, ..
 
 # ----------------------------------------------------------------------------------- entry point
 
-def verify_buffer(buf: Any, size: int, path: str, fmt: str) -> VerifiedFile:
-    """Verify the ``size`` bytes of ``buf`` (bytes, mmap or memoryview) as a ``fmt`` file.
+def check_buffer(buf: Any, size: int, path: str, fmt: str) -> CheckedFile:
+    """Check the integrity of the ``size`` bytes of ``buf`` (bytes, mmap or memoryview) as a ``fmt`` file.
     CorruptFileError when anything is out of place."""
     schema = get_schema(fmt)
     w = _Walker(fmt, buf, size, path)
@@ -680,10 +692,10 @@ def verify_buffer(buf: Any, size: int, path: str, fmt: str) -> VerifiedFile:
         types, offset_buffers = _check_model(w, model, schema)
     except RecursionError:
         raise w.fail("the model", "tables nested too deep") from None
-    return VerifiedFile(path, fmt, size, types, offset_buffers, len(w.seen))
+    return CheckedFile(path, fmt, size, types, offset_buffers, len(w.seen))
 
 
-def verify_file(path: str | os.PathLike) -> VerifiedFile:
+def check_file(path: str | os.PathLike) -> CheckedFile:
     """Check that the Circle or TFLite file at ``path`` is structurally sound, so that a native
     runtime can read it without reading out of bounds. Raises CorruptFileError (a
     ModelLoadError) naming the file and what is wrong; a ModelLoadError when it cannot be read
@@ -696,10 +708,10 @@ def verify_file(path: str | os.PathLike) -> VerifiedFile:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}") from None
     try:
-        return verify_buffer(buf, size, str(Path(path)), fmt)
+        return check_buffer(buf, size, str(Path(path)), fmt)
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
 
 
-__all__ = ["VerifiedFile", "verify_buffer", "verify_file", "table_plan", "union_members"]
+__all__ = ["CheckedFile", "check_buffer", "check_file", "table_plan", "union_members"]

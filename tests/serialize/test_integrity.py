@@ -1,4 +1,4 @@
-"""circleops.serialize.verify: every file circleops writes passes; every kind of damage
+"""circleops.serialize.integrity: every file circleops writes passes; every kind of damage
 that makes onert read outside the file (or outside a buffer) is a CorruptFileError naming
 the file and what is wrong; the verifier itself never raises anything else and never hangs."""
 from __future__ import annotations
@@ -16,8 +16,8 @@ from circleops import ir
 from circleops.errors import CircleOpsError, CorruptFileError, ModelLoadError
 from circleops.serialize import write_model
 from circleops.serialize.schema import get_schema
-from circleops.serialize.verify import (SCALAR, STRING, TABLE, UNION, VEC_SCALAR, VEC_TABLE, table_plan,
-                                        union_members, verify_file)
+from circleops.serialize.integrity import (SCALAR, STRING, TABLE, UNION, VEC_SCALAR, VEC_TABLE, table_plan,
+                                        union_members, check_file)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fuzz"))
 
@@ -94,18 +94,18 @@ def _ggml_model(last: int = 64, nbytes: int | None = None) -> ir.Model:
 
 def test_files_circleops_writes_pass(written, tmp_path):
     for target, path in written.items():
-        info = verify_file(path)
+        info = check_file(path)
         assert info.fmt == ("tflite" if target == "tflite" else "circle") and info.tables > 10
         assert "FLOAT32" in info.tensor_types and info.offset_buffers == 0
     ggml = tmp_path / "q4.circle"
     write_model(_ggml_model(), ggml, "circle")
-    assert "GGML_Q4_0" in verify_file(ggml).tensor_types
+    assert "GGML_Q4_0" in check_file(ggml).tensor_types
     # weights after the flatbuffer (Buffer.offset/size): sound, and reported
     from circleops.serialize import read_model
 
     after = tmp_path / "after.circle"
     write_model(read_model(written["onert"]), after, "circle", weights_after=True)
-    assert verify_file(after).offset_buffers > 0
+    assert check_file(after).offset_buffers > 0
 
 
 def test_composite_with_its_decomposition_subgraph_passes(written):
@@ -113,7 +113,7 @@ def test_composite_with_its_decomposition_subgraph_passes(written):
 
     m = read_model(written["tflite"])
     assert len(m.subgraphs) > 1  # the STABLEHLO_COMPOSITE's decomposition
-    verify_file(written["tflite"])
+    check_file(written["tflite"])
 
 
 # --------------------------------------------------------------------------- damage
@@ -187,7 +187,7 @@ def test_damage_is_a_clear_error_naming_file_and_place(written, tmp_path, what):
     edit, words = DAMAGE[what]
     path = _edit(written["onert"], tmp_path / "bad.circle", edit)
     with pytest.raises(CorruptFileError) as err:
-        verify_file(path)
+        check_file(path)
     message = str(err.value)
     assert str(path) in message and words in message and "not a valid circle file" in message, message
 
@@ -197,18 +197,18 @@ def test_signature_and_composite_indices_are_checked(written, tmp_path):
         m.signatureDefs[0].subgraphIndex = 42
 
     with pytest.raises(CorruptFileError, match="subgraph index 42"):
-        verify_file(_edit(written["tflite"], tmp_path / "sig.tflite", bad_signature, "tflite"))
+        check_file(_edit(written["tflite"], tmp_path / "sig.tflite", bad_signature, "tflite"))
 
     def bad_decomposition(m):
         op = next(op for op in m.subgraphs[0].operators if op.builtinOptions2 is not None)
         op.builtinOptions2.decompositionSubgraphIndex = 99
 
     with pytest.raises(CorruptFileError, match="DecompositionSubgraphIndex 99"):
-        verify_file(_edit(written["tflite"], tmp_path / "comp.tflite", bad_decomposition, "tflite"))
+        check_file(_edit(written["tflite"], tmp_path / "comp.tflite", bad_decomposition, "tflite"))
 
 
 def test_ggml_sizes_are_whole_blocks_of_the_last_dimension(tmp_path):
-    from circleops.serialize.verify import verify_buffer
+    from circleops.serialize.integrity import check_buffer
 
     for last, nbytes, words in ((64, 4 * 2 * 18 - 18, "needs 144 bytes"), (48, 4 * 2 * 18, "whole number")):
         good = tmp_path / "good.circle"
@@ -221,7 +221,7 @@ def test_ggml_sizes_are_whole_blocks_of_the_last_dimension(tmp_path):
 
         data = _edit(good, tmp_path / "q.circle", edit).read_bytes()
         with pytest.raises(CorruptFileError, match=words):
-            verify_buffer(data, len(data), "q.circle", "circle")
+            check_buffer(data, len(data), "q.circle", "circle")
         assert schema.identifier == data[4:8]
 
 
@@ -234,13 +234,13 @@ def test_header_damage(written, tmp_path):
         p = tmp_path / name
         p.write_bytes(blob)
         with pytest.raises(ModelLoadError):
-            verify_file(p)
+            check_file(p)
 
 
 def test_mutated_files_give_only_circleops_errors(written):
     """The fuzz harness's mutations, in process: the verifier raises a CircleOpsError or
     passes; anything else (IndexError, struct.error, RecursionError...) fails."""
-    from circleops.serialize.verify import verify_buffer
+    from circleops.serialize.integrity import check_buffer
     from fuzz import mutate
 
     rng = random.Random(24)
@@ -250,7 +250,7 @@ def test_mutated_files_give_only_circleops_errors(written):
         data, fmt = rng.choice(seeds)
         bad, _ = mutate(rng, data)
         try:
-            verify_buffer(bad, len(bad), "case", fmt)
+            check_buffer(bad, len(bad), "case", fmt)
             passed += 1
         except CircleOpsError:
             refused += 1
@@ -286,11 +286,11 @@ def _strided_slice_model(strides="const", begin_len: int = 2, stride_value: int 
 def test_index_operands_are_integers_of_the_input_rank(tmp_path, kwargs, words):
     good = tmp_path / "good.circle"
     write_model(_strided_slice_model(), good, "circle")
-    verify_file(good)
+    check_file(good)
     bad = tmp_path / "bad.circle"
     write_model(_strided_slice_model(**kwargs), bad, "circle")
     with pytest.raises(CorruptFileError, match="not a valid circle file") as err:
-        verify_file(bad)
+        check_file(bad)
     assert words in str(err.value) and "operator 0 (STRIDED_SLICE)" in str(err.value), str(err.value)
 
 
@@ -304,4 +304,4 @@ def test_gather_indices_are_integers(tmp_path):
     path = tmp_path / "gather.circle"
     write_model(ir.Model([sg]), path, "circle")
     with pytest.raises(CorruptFileError, match="input 1 is FLOAT32; GATHER reads it as integers"):
-        verify_file(path)
+        check_file(path)
