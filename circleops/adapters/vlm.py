@@ -86,7 +86,7 @@ PALIGEMMA = VLMFamily(
 GEMMA3 = VLMFamily(
     name="gemma3", classes={"gemma3": "Gemma3ForConditionalGeneration"}, vision="model.vision_tower",
     projector="model.multi_modal_projector", text="model.language_model", image_seq_len="config.mm_tokens_per_image",
-    image_blocks=True, converted=False)
+    image_blocks=True)
 QWEN2_VL = VLMFamily(
     name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
                               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},

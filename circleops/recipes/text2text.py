@@ -51,10 +51,11 @@ DEFAULT_DECODER_PREFILL = (8,)
 # --------------------------------------------------------------------------- which models, loading
 
 def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None,
-         seed: int = 0) -> tuple[Any, Any]:
+         seed: int = 0, allow_random_init: bool = False) -> tuple[Any, Any]:
     """(the model, its tokenizer or None) from a directory (config.json + safetensors, as
     ``save_pretrained`` writes it; its generation_config.json and tokenizer beside) or, with
-    ``config``, random weights from a config.json. The tokenizer is None when transformers
+    ``config``, random weights from a config.json: the one loader (circleops.sources.models.load,
+    every weight in the files unless ``allow_random_init``) with the family's class. The tokenizer is None when transformers
     cannot build it here (Marian's needs sentencepiece): generate then takes --token-ids."""
     import transformers
 
@@ -65,7 +66,8 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
         raise ModelLoadError(f"{config or model} is not a text-to-text model circleops knows (model_type "
                              f"{', '.join(TEXT2TEXT_MODEL_TYPES)}).")
     cls = getattr(transformers, TEXT2TEXT_MODEL_TYPES[kind])
-    loaded = models.load(None if config else str(model), config=config, seed=seed, model_class=lambda *a: cls)
+    loaded = models.load(None if config else str(model), config=str(config) if config else None, seed=seed,
+                         allow_random_init=allow_random_init, model_class=lambda *a: cls)
     module = loaded.module
     if not config and (Path(model) / "generation_config.json").is_file():  # the decoding rules live there
         module.generation_config = transformers.GenerationConfig.from_pretrained(str(model), trust_remote_code=False)
@@ -136,7 +138,8 @@ class Text2TextRecipe(Recipe):
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "Text2TextRecipe":
-        module, tokenizer = load(model, config=options.config, seed=options.seed)
+        module, tokenizer = load(model, config=options.config, seed=options.seed,
+                                 allow_random_init=options.allow_random_init)
         return cls(module, options, tokenizer=tokenizer, source=str(options.config or model))
 
     def dtype(self) -> Any:

@@ -83,7 +83,7 @@ def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path)
     model = copy.deepcopy(tiny_vlm.model)
     fam = family_of(model)
     if fam.converted:
-        pytest.skip("converted and run on every runtime by tests/generate/test_vlm.py")
+        pytest.skip("converted and run by tests/generate/test_vlm.py (Gemma 3: test_gemma3_graphs.py)")
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][0], tiny_vlm.images[:1])
     ids = inputs["input_ids"][0].tolist()[:16]
     step = DecoderWithCache(TextLM(model), 32, "rows")
@@ -138,7 +138,7 @@ def test_decode_runs_on_onert(tiny_vlm, tmp_path):
 
     model = copy.deepcopy(tiny_vlm.model)
     if family_of(model).converted:
-        pytest.skip("converted and run on every runtime by tests/generate/test_vlm.py")
+        pytest.skip("converted and run by tests/generate/test_vlm.py (Gemma 3: test_gemma3_graphs.py)")
     step = DecoderWithCache(TextLM(model), 32, "rows")
     g = torch.Generator().manual_seed(1)
     caches = [torch.randn(c.shape, generator=g) for c in step.empty_caches()]
