@@ -41,6 +41,8 @@ class GraphsReport:
     verify_runtime: str | None = None  # the runtime the written graphs were compared on (--verify)
     verify_note: str | None = None  # why that is not the target's own runtime
     tolerance: float | None = None
+    noise_floor: float | None = None  # the largest of the model's own noise floors verify measured (quantized)
+    quality: Any = None  # a quantized file against fp32 (circleops.quantize.quality.Quality), measured with --verify
     source: str = ""
     quantization: Any = None  # circleops.quantize.weights.QuantReport when quantize= was given
     attention: str | None = None  # which layers' attention is decomposed, and why (DecoderWithCache.attention_note)
@@ -57,7 +59,8 @@ class GraphsReport:
                 "graphs": {g: asdict(info) for g, info in self.graphs.items()},
                 "manifest": self.manifest.to_json() if self.manifest else None,
                 "attention": self.attention, "verify_runtime": self.verify_runtime, "verify_note": self.verify_note,
-                "tolerance": self.tolerance, "timings": {k: round(v, 3) for k, v in self.timings.items()}}
+                "tolerance": self.tolerance, "noise_floor": self.noise_floor,
+                "quality": self.quality.to_dict() if self.quality is not None else None, "timings": {k: round(v, 3) for k, v in self.timings.items()}}
 
     @property
     def one_file_per_graph(self) -> bool:
@@ -85,9 +88,13 @@ class GraphsReport:
             errs = ", ".join(f"{g.name} {g.max_abs_error:.3g}" for g in self.graphs.values() if g.max_abs_error is not None)
             what = f"max abs {self.compared} error" if self.compared else "max abs error"
             lines.append(f"  verify ({self.verify_runtime}, against the model's own forward): {what} "
-                         f"{errs} (tolerance {self.tolerance:.3g}): passed")
+                         f"{errs} (tolerance {self.tolerance:.3g}{self._floor_words()}): passed")
             if self.verify_note:
                 lines.append(f"  note: {self.verify_note}")
+        if self.quality is not None:
+            lines.append(f"  quality against fp32 (torch on the file's weights and {self.verify_runtime}'s input "
+                         f"rounding, the verify tokens; not a verify bound): {self.quality.line()}; perplexity on "
+                         f"text: circleops check MODEL --quantize {self.quantization.format}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
                      + f", total {sum(self.timings.values()):.1f} s")
         if self.next_args is not None:
@@ -95,6 +102,15 @@ class GraphsReport:
             lines.append(f"  next: circleops generate {self.directory} {self.next_args} (runtime "
                          f"{PROFILES[self.target].runtime}{hint})")
         return "\n".join(lines)
+
+    def _floor_words(self) -> str:
+        """How the noise floor entered the verify bound, or nothing when it was not measured."""
+        from circleops.quantize.weights import NOISE_FLOORS
+
+        if self.noise_floor is None:
+            return ""
+        return (f" relative, or {NOISE_FLOORS:g} x the model's own noise floor {self.noise_floor:.3g}: how far its "
+                f"outputs move when every input the runtime rounds moves by 16 fp32 ulps")
 
     def _file_lines(self) -> list[str]:
         parts = getattr(self.manifest, "parts", None)

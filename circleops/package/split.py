@@ -11,7 +11,8 @@ lm_head and returns the logits. Each part takes only its own layers' KV caches.
 The layer ranges are planned here from the weights' bytes in the file's format, before
 anything is exported (a model that cannot be split, one layer alone too large, is refused
 before any work). A tied embedding / lm_head table is stored twice, in the first part and
-in the last (1 GB in fp32 for a 128256 x 2048 table): each file must hold what its runtime
+in the last (and in one file too where the format stores the head at another type than the
+table: w8, q4_0) (1 GB in fp32 for a 128256 x 2048 table): each file must hold what its runtime
 reads, and no onert file can read another's buffers.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ class PartBytes:
     embedding: int
     layers: tuple[int, ...]
     head: int
-    tied: bool  # the lm_head is the embedding table (one copy when there is one part)
+    tied: bool  # the lm_head is the embedding table, stored once (when there is one part)
 
     @property
     def whole(self) -> int:
@@ -74,9 +75,12 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
                    for p in module.parameters())
 
     embed = base.embed_tokens.weight
-    embed_type = linear if fmt is not None and fmt.embedding else None
-    tied = head.weight is embed
+    embed_type = (fmt.table_type or linear) if fmt is not None and fmt.embedding else None
     head_type = (fmt.head_type or linear) if fmt is not None else None
+    # a tied head is one copy only where the table and the head are stored alike: w8 keeps
+    # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
+    # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
+    tied = head.weight is embed and embed_type == head_type
     return PartBytes(
         embedding=_tensor_bytes(embed.numel(), tuple(embed.shape), embed_type),
         layers=tuple(module_bytes(layer, linear) for layer in base.layers),

@@ -31,6 +31,8 @@ from typing import Any, Iterator
 
 import torch
 
+from circleops.system.snapshot import Snapshot
+
 FOLD_RTOL = 1e-3  # relative to max |logit|: float64 rotations, fp32 weights
 SEED = 0
 
@@ -142,7 +144,7 @@ def rotated(model: torch.nn.Module, tokenizer: Any = None, seed: int = SEED) -> 
     """Fold a Hadamard rotation of the residual stream into ``model`` (a Llama-shaped HF
     CausalLM, fp32) for the duration of the block; everything is restored on exit."""
     report = RotateReport()
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: list[tuple[torch.Tensor, Snapshot]] = []
     tie = parts = None
     try:
         parts = _llama_parts(model)
@@ -177,7 +179,7 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
 
     def keep(t: torch.Tensor) -> None:
         if not any(t is p for p, _ in saved):
-            saved.append((t, t.detach().clone()))
+            saved.append((t, Snapshot(t)))  # no clone of a weight its file still holds
 
     def reads(lin: torch.nn.Linear, gamma: torch.Tensor) -> None:  # W ← W · diag(gamma) · Q
         keep(lin.weight)
@@ -242,9 +244,8 @@ def _rotate_heads(v_proj: torch.nn.Linear, o_proj: torch.nn.Linear, qh: torch.Te
 
 
 def _restore(parts, saved, tie) -> None:
-    with torch.no_grad():
-        for param, original in saved:
-            param.copy_(original)
+    for param, original in saved:
+        original.restore(param)
     if tie is not None and parts is not None:
         parts["head"].weight = tie
 

@@ -37,6 +37,8 @@ from typing import Any, Iterator
 
 import torch
 
+from circleops.system.snapshot import Snapshot
+
 # measured on SmolLM2-135M (circleops check smollm2 --quantize w8), bench/README.md: perplexity
 # +1.25 % on the whole text (0.3: +1.36 %, no smoothing +3.68 %); 0.2-0.25 are worse than none
 ALPHA = 0.4
@@ -132,7 +134,7 @@ def smoothed(model: torch.nn.Module, example_args: Any = (), tokenizer: Any = No
     if alpha == "default":
         alpha = alpha_setting()
     report = SmoothReport(alpha)
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: list[tuple[torch.Tensor, Snapshot]] = []
     try:
         if alpha is None:
             report.skipped = "turned off (CIRCLEOPS_W8_SMOOTH=off)"
@@ -140,9 +142,8 @@ def smoothed(model: torch.nn.Module, example_args: Any = (), tokenizer: Any = No
             _apply(model, example_args, tokenizer, float(alpha), report, saved)
         yield report
     finally:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        for param, original in saved:
+            original.restore(param)
 
 
 def _apply(model, example_args, tokenizer, alpha, report, saved) -> None:
@@ -165,7 +166,7 @@ def _apply(model, example_args, tokenizer, alpha, report, saved) -> None:
 
     def keep(t: torch.Tensor) -> None:
         if not any(t is p for p, _ in saved):
-            saved.append((t, t.detach().clone()))
+            saved.append((t, Snapshot(t)))  # no clone of a weight its file still holds
 
     with torch.no_grad():
         for g in groups:
@@ -196,9 +197,8 @@ def _apply(model, example_args, tokenizer, alpha, report, saved) -> None:
     after = _logits(model, ids)
     err = float((after - before).abs().max()) / max(float(before.abs().max()), 1.0)
     if not err <= FOLD_RTOL:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        for param, original in saved:
+            original.restore(param)
         saved.clear()
         report.linears = report.layers = 0
         report.names.clear()

@@ -43,6 +43,7 @@ from circleops.quantize.linears import is_f32_const as _is_f32_const
 from circleops.quantize.linears import is_table as _is_table
 from circleops.quantize.linears import linear_weight as _linear_weight
 from circleops.quantize.linears import note_float_inputs
+from circleops.system.memory import Pager
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -183,6 +184,34 @@ def input_rounding(report: QuantReport | None, runtime: str | None) -> Callable[
     return None
 
 
+# How far another summation order moves a product's input: 16 fp32 ulps (sums of a few
+# hundred terms in two orders differ by ~sqrt(K) ulps), enough to flip a runtime's rounding of
+# that input one step the other way where it lies near a rounding boundary
+NUDGE = 2.0 ** -20
+
+
+# A quantized graph passes verify within its tolerance, or within this many times the model's
+# own noise floor (how far its outputs move under the nudge; circleops.package.step): the
+# runtime's summation order moves the inputs it rounds as the nudge does, so its error is
+# another draw of the same difference (the Llama-3.2-1B shape, q4_0: onert 1.36, nudges of 1
+# and 16 ulps 1.37-1.51; bench/results/31-scale-q4-depth.yaml)
+NOISE_FLOORS = 2.0
+
+
+def perturbed(rounding: Callable[[torch.Tensor], torch.Tensor], seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rounding`` of the input nudged first (each element times 1 + u NUDGE, u uniform in
+    [-1, 1], the same draws for a seed): verify's second reference. Where a model amplifies
+    the few input roundings such a nudge flips (a deep random model does: a 1B Llama's logits
+    move by 14 % of their range, as far as onert's own summation order moves them;
+    bench/q4_depth.py), the two references' difference is the model's own noise floor."""
+    g = torch.Generator().manual_seed(seed)
+
+    def moved(x: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(x.shape, generator=g, dtype=torch.float32).mul_(2 * NUDGE).sub_(NUDGE).add_(1.0)
+        return rounding(x * u)
+    return moved
+
+
 def _rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn`` over the rows [.., K] of ``x``, in x's shape and dtype."""
     return fn(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype)
@@ -216,6 +245,14 @@ class _RoundedInputs(torch.overrides.TorchFunctionMode):
                 with self:
                     return spec.reference(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _decoded(codec: Any, blocks: Any, dtype: str, shape2d: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The values of ``blocks`` in ``like``'s shape and dtype: written straight into a new
+    float32 tensor (no float temporaries of the whole weight), else decoded and cast."""
+    if like.dtype == torch.float32:
+        return codec.decode_into(blocks, dtype, torch.empty(like.shape, dtype=torch.float32))
+    return codec.decode(blocks, dtype, shape2d).reshape(like.shape).to(like.dtype)
 
 
 @contextlib.contextmanager
@@ -256,7 +293,12 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
             rest.append(entry)
             continue
         for m in chosen:
+            # decoded while its parent runs (a fused op reads its children's weights), but an
+            # embedding and a child of the model itself (the lm_head) while they run: the
+            # model's whole forward would hold their tables decoded (1B: 2 x 1.05 GB, issue 32)
             parent = parents.get(id(m), m)
+            if isinstance(m, torch.nn.Embedding) or parent is model:
+                parent = m
             groups.setdefault(id(parent), (parent, []))[1].append((m, entry, m.weight))
     rounded: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
     handles: list[Any] = []
@@ -265,7 +307,7 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
         def before(mod: torch.nn.Module, args: tuple) -> None:
             with torch.no_grad():
                 for m, (_, blocks, dtype, shape2d, _), original in members:
-                    values = codec.decode(blocks, dtype, shape2d).reshape(original.shape).to(original.dtype)
+                    values = _decoded(codec, blocks, dtype, shape2d, original)
                     m.weight = torch.nn.Parameter(values, requires_grad=False)
                     if rounding is not None and isinstance(m, torch.nn.Linear):
                         rounded[id(m.weight)] = rounding
@@ -294,11 +336,12 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
 
 @contextlib.contextmanager
 def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | None = None,
-                        runtime: str | None = None) -> Iterator[None]:
+                        runtime: str | None = None, perturb: int | None = None) -> Iterator[None]:
     """Inside: the torch weights the report quantized hold their dequantized values (what
     the file computes with), so torch is the reference for a quantized file; restored after.
     With ``runtime``, each quantized linear's input also goes through that runtime's
-    activation rounding (:func:`input_rounding`).
+    activation rounding (:func:`input_rounding`); with ``perturb`` (a seed), that input
+    nudged by a summation order's few ulps first (:func:`perturbed`).
 
     The weights of ``model``'s own Linear / Embedding modules are decoded as each module
     runs (no copy of the model's weights kept); any other source (a view a lowering made)
@@ -312,6 +355,8 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     entries = report.sources if report is not None else []
     codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
     rounding = input_rounding(report, runtime) if entries else None
+    if rounding is not None and perturb is not None:
+        rounding = perturbed(rounding, perturb)
     with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding) as rest:
         with _swapped_in_place(rest, report, model, codec):
             yield
@@ -414,6 +459,7 @@ class _Quantizer:
         self.importance = importance or {}
         self.tables: set[tuple] = set()  # source keys of the embedding tables (a tied head's too)
         self.pending: dict[tuple, Any] = {}  # (source key, dtype) -> Future of _make's result
+        self.pager = Pager()  # a mapped source weight leaves the resident set once encoded (issue 32)
 
     def fits(self, k: int) -> bool:
         """Whether a linear with inputs of length ``k`` can be stored in this format."""
@@ -453,6 +499,7 @@ class _Quantizer:
         if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
         blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp, **self.codec_options)
+        self.pager.release_tensor(data)
         return blocks, "quantized" if imp is None else "weighted", pre[0] if pre is not None else None
 
     def prefetch(self, jobs: Iterable[tuple[ir.Tensor, tuple[int, ...], str, str]], workers: int) -> None:

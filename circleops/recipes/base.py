@@ -31,6 +31,7 @@ from typing import Any, ContextManager, Sequence
 from circleops.errors import OutputError
 from circleops.options import ConvertOptions
 from circleops.package.step import Graph
+from circleops.quantize.quality import float_arrays
 
 __all__ = ["Graph", "Recipe", "eos_token_ids", "pad_token_id", "save_generation_config"]
 
@@ -159,6 +160,16 @@ class Recipe:
         return eos_token_ids(getattr(self.model, "generation_config", None), getattr(self.model, "config", None))
 
     # --------------------------------------------------------------- the comparison and the report
+
+    def noise(self, references: Any, moved: Any) -> dict[str, float] | float:
+        """How far the compared outputs move between two of this recipe's references, the
+        second with every input the runtime rounds nudged (the model's own noise floor, which
+        verify admits twice of: circleops.package.step): graph -> max abs difference at what
+        that graph is compared with, or one figure for every graph. Default: the max abs
+        difference over every float array of the two (a recipe comparing fewer rows may say
+        per graph)."""
+        return max((float(abs(b - a).max()) for a, b in zip(float_arrays(references), float_arrays(moved))
+                    if a.size), default=0.0)
 
     def compare(self, manifest: Any, runtime: str, references: Any) -> dict[str, tuple[float, float]]:
         """Run the written graphs on ``runtime`` against ``references``: graph -> (max abs

@@ -351,6 +351,16 @@ class LLMRecipe(Recipe):
     def compare(self, manifest: Manifest, runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
         return compare(manifest, list(self.named), runtime, refs)
 
+    def noise(self, refs: "References", moved: "References") -> dict[str, float]:
+        """Per graph, at the row :func:`compare` reads: a prefill graph of length L the row
+        p - 1 (p = :func:`checked_tokens` (L)), decode the row after the longest prefill's (or 0)."""
+        import numpy as np
+
+        rows = np.abs(moved.logits - refs.logits).max(axis=-1)
+        after = checked_tokens(self.lengths[0]) if "prefill" in self.names else 0
+        return {g: float(rows[checked_tokens(n) - 1 if kind == "prefill" else after])
+                for g, (kind, n) in self.named.items()}
+
     def describe(self, manifest: Manifest) -> dict[str, Any]:
         return {**text_lines(manifest, self.named), "attention": self.step.attention_note()}
 
@@ -439,11 +449,16 @@ def references(model: Any, lengths: Sequence[int]) -> References:
 
     from circleops.sources.models import example_token_ids
 
-    p = max(1, max(lengths) // 2)
+    p = checked_tokens(max(lengths))
     ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0].float().numpy()
     return References(ids, logits)
+
+
+def checked_tokens(length: int) -> int:
+    """The tokens a prefill graph of ``length`` is checked on: its first half (a right-padded chunk)."""
+    return max(1, length // 2)
 
 
 def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
@@ -468,7 +483,7 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
     for n, g in manifest.prefill_graphs.items():
         if g not in graphs:
             continue
-        p = max(1, n // 2)
+        p = checked_tokens(n)
         buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
         buf[0, :p] = ids[:p]
         caches = [z.copy() for z in zeros]
@@ -480,7 +495,7 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
     for g, (n, w) in manifest.windowed_prefills.items():  # the same chunk at pos 0, reading W slots
         if g not in graphs:
             continue
-        p = max(1, n // 2)
+        p = checked_tokens(n)
         buf = np.full((1, n), manifest.pad_token_id, dtype=np.int64)
         buf[0, :p] = ids[:p]
         caches = [np.ascontiguousarray(c) for c in cache_window(zeros, w, manifest.cache_layout)]

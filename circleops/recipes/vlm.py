@@ -333,6 +333,16 @@ class VLMRecipe(Recipe):
     def compare(self, manifest: Manifest, runtime: str, example: _Example) -> dict[str, tuple[float, float]]:
         return compare(manifest, runtime, example)
 
+    def noise(self, example: _Example, moved: _Example) -> dict[str, float]:
+        """At what :func:`compare` reads: the vision features (fp32: no floor), the prefills'
+        logits of the last prompt token, the decode step's of the next."""
+        import numpy as np
+
+        rows = np.abs(moved.logits - example.logits).max(axis=-1)
+        floors = {g: float(rows[-2]) for g in self.graph_list}
+        return {**floors, VISION_GRAPH: float(np.abs(moved.features - example.features).max()),
+                "decode": float(rows[-1])}
+
     def describe(self, manifest: Manifest) -> dict[str, Any]:
         lines = text_lines(manifest, self.graph_list)
         return {**lines, "next_args": '--image photo.png --prompt "..."' if lines["next_args"] else None}

@@ -241,6 +241,16 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
                                     max_cache_len=64, verify=True, quantize=fmt)
     m = read_manifest(out)
     assert m.quantize == fmt and report.quantization.format == fmt and report.verify_runtime == "onert"
+    # the one verify rule of the package step: onert rounds the text graphs' inputs, so the
+    # model's noise floor was measured (the vision graph's, fp32, is none); the quality
+    # against fp32 is over the text logits only: one row per prefix of the verify prompt (its
+    # image tokens and text), none from the pixels or the vision features it also holds
+    from circleops.recipes.vlm import PREFIX_TEXT, SUFFIX_TEXT
+
+    text = PREFIX_TEXT + SUFFIX_TEXT + 1 if m.vision["prefix_lm"] else max(2, min(lengths) // 2) + 2
+    q = report.quality
+    assert report.noise_floor is not None and q.positions == m.vision["image_seq_len"] + text, (q, m.vision)
+    assert 0 <= q.agreement <= q.positions and 0 < q.sqnr_db < float("inf") and q.max_abs > 0, q
     types = {g: {tensor.dtype for tensor in read_model(out / f).subgraphs[0].tensors} for g, f in m.files.items()}
     weight_type = "GGML_Q4_0" if fmt == "q4_0" else "INT8"
     assert weight_type not in types["vision"] and weight_type in types["prefill"] and weight_type in types["decode"]

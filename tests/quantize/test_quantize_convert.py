@@ -214,6 +214,26 @@ def test_graphs_quantized_generate(tmp_path, llama, fmt):
         logits = model(torch.tensor([[5, 17, 42, *gen.tokens]])).logits[0, 2:2 + len(gen.tokens)]
     gaps = [float(row.max() - row[t]) for row, t in zip(logits, gen.tokens)]
     assert max(gaps) <= 2 * err, f"{fmt}: tokens {gen.tokens} off torch's greedy by logit gaps {gaps} (error {err:.3g})"
+    _check_quality(report, model)
+
+
+def _check_quality(report, model):
+    """The report's quality against fp32 is torch's fp32 logits against torch's on the file's
+    weights and the runtime's input rounding, over the verify tokens (issue 32: a figure
+    beside verify): recomputed here from the model, SQNR and top-1 agreement."""
+    from circleops.recipes.llm import checked_tokens
+    from circleops.sources.models import example_token_ids
+
+    ids = example_token_ids(checked_tokens(8) + 1, model.config.vocab_size)
+    with torch.no_grad():
+        fp32 = model(ids).logits[0].double()
+        with dequantized_sources(report.quantization, model, report.verify_runtime):
+            quant = model(ids).logits[0].double()
+    q = report.quality
+    want_db = float(10 * torch.log10(fp32.square().sum() / (quant - fp32).square().sum()))
+    assert q is not None and q.positions == len(ids[0]) and abs(q.sqnr_db - want_db) <= 1e-3 * abs(want_db)
+    assert q.agreement == int((fp32.argmax(-1) == quant.argmax(-1)).sum())
+    assert "quality against fp32" in report.summary() and report.to_json()["quality"]["agreement"] == q.agreement
 
 
 def test_save_quantized(tmp_path, llama):

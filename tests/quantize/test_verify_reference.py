@@ -41,15 +41,17 @@ def test_quantized_file_matches_torch_on_its_own_rounding(llama, tmp_path, targe
     assert _verify(llama, tmp_path, target, fmt) <= FP32_REL
 
 
+def _codec_off(monkeypatch, factor):
+    """The GGML codec's two decoders (to a new tensor, into a given one) ``factor`` off."""
+    real, real_into = ggml.dequantize, ggml.dequantize_into
+    monkeypatch.setattr(ggml, "decode", lambda blocks, dtype, shape: real(blocks, dtype, shape) * factor)
+    monkeypatch.setattr(ggml, "decode_into", lambda blocks, dtype, out: real_into(blocks, dtype, out).mul_(factor))
+
+
 def test_a_wrong_codec_scale_is_seen(llama, tmp_path, monkeypatch):
     """Torch's side decodes the blocks with the codec; a codec whose scale is 2% off makes
     the reference differ from the file the interpreter runs far beyond fp32's tolerance."""
-    real = ggml.dequantize
-
-    def off(blocks, dtype, shape):
-        return real(blocks, dtype, shape) * 1.02
-
-    monkeypatch.setattr(ggml, "decode", off)
+    _codec_off(monkeypatch, 1.02)
     assert _verify(llama, tmp_path, "circle", "q4_0") > 10 * FP32_REL
 
 
@@ -73,3 +75,41 @@ def test_reference_keeps_no_copy_and_restores_the_weights(llama):
     hook.remove()
     assert lin.weight is w and torch.equal(w, before)
     np.testing.assert_array_equal(seen["w"].numpy(), ggml.dequantize(blocks, "GGML_Q8_0", tuple(w.shape)).numpy())
+
+
+# A deep tiny Llama whose input roundings the runtime's summation order flips (issue 32): 16
+# layers of std 0.2 weights carry a flipped Q8_0 rounding to the logits, as the 1B random
+# model does (bench/q4_depth.py). Its q4_0 graphs on onert measured errors 0.17 / 0.18 and a
+# noise floor of 0.13; no fixed tolerance a tiny model's verify needs covers that.
+@pytest.fixture(scope="module")
+def deep_llama():
+    return BY_NAME["llama"].build(num_hidden_layers=16, hidden_size=128, intermediate_size=256,
+                                  tie_word_embeddings=True)
+
+
+def _graphs(model, out, **kw):
+    from circleops.recipes.llm import convert_graphs
+
+    return convert_graphs(copy.deepcopy(model), out, target="onert", prefill_len=32, max_cache_len=64,
+                          verify=True, quantize="q4_0", **kw)
+
+
+def test_graphs_verify_admits_the_models_own_noise_floor(deep_llama, tmp_path):
+    """The q4_0 graphs are checked against torch on their weights and onert's Q8_0 input
+    rounding, and again with that rounding's inputs nudged 16 ulps: the two references'
+    difference (the model's noise floor) admits a runtime's own summation order even under a
+    tolerance of 1e-6, and the summary says it was measured."""
+    report = _graphs(deep_llama, tmp_path / "g", tolerance=1e-6)
+    errors = [info.max_abs_error for info in report.graphs.values()]
+    assert report.noise_floor is not None and max(errors) <= 2 * report.noise_floor
+    assert "noise floor" in report.summary()
+
+
+def test_graphs_verify_sees_a_wrong_scale_beyond_the_noise_floor(deep_llama, tmp_path, monkeypatch):
+    """The noise floor is no blanket: blocks decoded 2 % off in torch's reference (a file whose
+    scales are not what the reference computes with) fail the same verify."""
+    from circleops.errors import VerifyError
+
+    _codec_off(monkeypatch, 1.02)
+    with pytest.raises(VerifyError, match="noise floor|16 fp32 ulps"):
+        _graphs(deep_llama, tmp_path / "g", tolerance=1e-6)

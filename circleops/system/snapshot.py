@@ -1,0 +1,68 @@
+"""A tensor's values kept to be restored later, without a second copy where the file holds them.
+
+In-place passes over a model's weights (SmoothQuant's fold, the rotation, verify's swap of
+dequantized values) restore them afterwards. A clone of each doubles the weights' memory
+(the Llama-3.2-1B shape's w8 convert: 3.4 GB of clones beside 3.4 GB of written pages, issue
+32). A weight loaded from safetensors lives in a private (copy-on-write) file mapping: while
+none of its pages has been written, the file holds its values, so the snapshot keeps only
+the elements on the pages it shares with its neighbours, and restoring drops the written
+pages (MADV_DONTNEED: the mapping reads the file again) and copies those few elements back.
+Anything else (a model built in memory, a weight already written) is cloned.
+
+    snap = Snapshot(weight)
+    weight.mul_(m)          # in place
+    snap.restore(weight)    # bit for bit the values it had
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+from circleops.system import memory
+
+
+class Snapshot:
+    """The values of a contiguous CPU tensor now (see the module docstring)."""
+
+    def __init__(self, tensor: Any):
+        self.clone = None
+        self.inner: tuple[int, int] | None = None  # [start, stop) element indices of the whole pages the file holds
+        t = tensor.detach()
+        size = t.element_size()
+        start, length = t.data_ptr(), t.numel() * size
+        page = mmap.PAGESIZE
+        a, b = start + (-start) % page, (start + length) // page * page  # the whole pages inside
+        # the whole pages inside must be the file's; the two it shares with its neighbours
+        # (which a neighbour's own fold may have written) are kept as elements
+        if t.is_contiguous() and t.device.type == "cpu" and a < b and start % size == 0 \
+                and memory.unwritten_file_range(a, b - a):
+            flat = t.reshape(-1)
+            self.inner = ((a - start) // size, (b - start) // size)
+            self.head = flat[:self.inner[0]].clone()
+            self.tail = flat[self.inner[1]:].clone()
+            self.pages = (a, b - a)
+        else:
+            self.clone = t.clone()
+
+    @property
+    def from_file(self) -> bool:
+        """Whether the file holds its values (no clone of the whole tensor)."""
+        return self.inner is not None
+
+    def restore(self, tensor: Any) -> None:
+        """``tensor`` (the same one) holds the snapshot's values again."""
+        import torch
+
+        with torch.no_grad():
+            t = tensor.detach()
+            if self.inner is None:
+                t.copy_(self.clone)
+                return
+            if not memory.discard_written(*self.pages):
+                raise RuntimeError("internal: madvise(MADV_DONTNEED) refused a file mapping's pages")
+            flat = t.reshape(-1)
+            flat[:self.inner[0]].copy_(self.head)
+            flat[self.inner[1]:].copy_(self.tail)
+
+
+__all__ = ["Snapshot"]
