@@ -24,6 +24,9 @@ CACHE_UPDATES = ("full", "rows")
 SLOT_MAJOR = "[1, C, Hkv, D]"
 HEAD_MAJOR = "k [1, Hkv, C, D], v [1, Hkv, D, C]"
 CACHE_LAYOUTS = (SLOT_MAJOR, HEAD_MAJOR)
+# an encoder-decoder's self-attention caches (Whisper's and the text-to-text models' graphs:
+# circleops.adapters.seq2seq), always with "rows": k and v alike [1, H, C, D]
+HEADS_ROWS = "k, v [1, H, C, D]; rows [1, H, S, D]"
 
 # The prefill graphs' lengths, longest first: a prompt runs through them in chunks (the
 # Generator's plan): long prompts in runs of the longest, short ones (and the remainder) in
@@ -35,7 +38,7 @@ DEFAULT_MAX_CACHE_LEN = 512
 # input shapes and labels; circleops inspect and run read it
 TASK_METADATA_KEY = "circleops.task"
 
-__all__ = ["ConvertOptions", "Flag", "OPTION_GROUPS", "flag", "DEFAULT_PREFILL_LENS", "DEFAULT_MAX_CACHE_LEN", "TASK_METADATA_KEY", "FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS"]
+__all__ = ["ConvertOptions", "Flag", "OPTION_GROUPS", "flag", "DEFAULT_PREFILL_LENS", "DEFAULT_MAX_CACHE_LEN", "TASK_METADATA_KEY", "FUSE_MODES", "CONVERT_DTYPES", "CACHE_UPDATES", "SLOT_MAJOR", "HEAD_MAJOR", "CACHE_LAYOUTS", "HEADS_ROWS"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ class ConvertOptions:
         "--graphs", "graphs", "write generation graphs instead of one forward: prefill,decode (with a static KV "
         "cache; vision,prefill,decode for a vision-language model, docs/vlm.md) into the directory -o, with "
         "manifest.json and the tokenizer, for `circleops generate`. --seq-len: one prefill graph per length (default "
-        "{prefill_lens}). A Whisper directory: encoder,prefill,decode (generate --audio; docs/speech.md)",
+        "{prefill_lens}). A Whisper directory: encoder,prefill,decode (generate --audio; docs/speech.md); a T5, BART, "
+        "mBART or Marian directory too (generate --prompt; docs/text2text.md)",
         metavar="LIST"))
     seq_len: Any = field(default=None, metadata=flag(
         "--seq-len", "graphs", "sequence length of the exported graph (default: 64, or a .pt2's saved inputs); with "
@@ -174,7 +178,7 @@ class ConvertOptions:
         "architectures; docs/tasks.md)", choices="circleops.recipes.tasks:TASKS"))
     input_shape: Mapping[str, tuple[int, ...]] | None = field(default=None, metadata=flag(
         "--input-shape", "task", "with a task model: the shape of this input (default: from the config and "
-        "processor)", kind="list", metavar="NAME=1x3x224x224", parse="circleops.recipes.tasks:parse_input_shapes"))
+        "processor); with a text-to-text model's --graphs, input_ids=1xT: the longest source (default 128)", kind="list", metavar="NAME=1x3x224x224", parse="circleops.recipes.tasks:parse_input_shapes"))
     # where the model comes from
     config: str | None = field(default=None, metadata=flag(
         "--config", "load", "build the model from this HF config.json with random weights (seed 0)",

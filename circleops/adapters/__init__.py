@@ -44,6 +44,10 @@ from circleops.adapters.deepseek_v3 import (patched_deepseek_v3_attention, patch
                                             patched_deepseek_v3_rope)
 from circleops.adapters.gpt_oss import (patched_gpt_oss_attention, patched_gpt_oss_modules, patched_gpt_oss_rmsnorm,
                                         patched_gpt_oss_rope)
+from circleops.adapters.qwen2_vl import (patched_qwen2_vl_attention, patched_qwen2_vl_modules, patched_qwen2_vl_rmsnorm,
+                                         patched_qwen2_vl_rope)
+from circleops.adapters.qwen2_5_vl import (patched_qwen2_5_vl_attention, patched_qwen2_5_vl_modules,
+                                           patched_qwen2_5_vl_rmsnorm, patched_qwen2_5_vl_rope)
 
 register_when_imported()  # DynamicCache as a pytree node once transformers loads it
 
@@ -116,6 +120,7 @@ __all__ = [
     "DECISIONS", "attention_blockers", "dense_experts_implementation", "family_of", "fuse", "unfuse", "is_fused",
     "patched_modules", "patch_module", "patch_modules", "patch_function",
     *[f"patched_{f}_{k}" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
-                                   "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss")
+                                   "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v3", "gpt_oss",
+                                   "qwen2_vl", "qwen2_5_vl")
       for k in ("rmsnorm", "rope", "attention", "modules")],
 ]

@@ -76,6 +76,13 @@ def _decomposed_forward(fam: Family, forward: Callable[..., Any], *, rope: bool,
     return forward_
 
 
+def swap_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+    """Give ``module`` (this instance only) ``forward``; :func:`unfuse` restores its own. What
+    :func:`fuse` does to each matching submodule, for families outside the Family table
+    (circleops.adapters.seq2seq's T5 norms)."""
+    _swap(module, forward)
+
+
 def _swap(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
     if _SAVED not in module.__dict__:
         module.__dict__[_SAVED] = module.__dict__.get("forward", _MISSING)

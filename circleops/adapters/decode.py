@@ -171,13 +171,18 @@ class DecoderWithCache(torch.nn.Module):
 
     def run(self, input_ids: Tensor, pos: Tensor, caches: Sequence[Tensor],
              row: Tensor | None = None, inputs_embeds: Tensor | None = None,
-             prefix_len: Tensor | None = None) -> tuple[Tensor, ...]:
+             prefix_len: Tensor | None = None, *, blocks: Tensor | None = None,
+             rope_positions: Tensor | None = None) -> tuple[Tensor, ...]:
         """:meth:`forward`; with ``row`` (int64 [1], an index into the S new tokens) the
         logits of that row only, [1, 1, V]: the final norm and the lm_head run on one row.
         ``inputs_embeds`` [1, S, hidden]: the tokens' embeddings, given instead of looked up
         (a vision-language model's prefill merges image embeddings in: circleops.recipes.vlm).
         ``prefix_len`` (int64 [1]): a prefix-LM's mask (PaliGemma): the first ``prefix_len``
-        positions (image and prompt) see each other both ways, the rest causally; 0 is causal."""
+        positions (image and prompt) see each other both ways, the rest causally; 0 is causal.
+        ``blocks`` (int64 [S]): Gemma 3's image blocks: new tokens of one block id >= 0 see
+        each other both ways (the rest causally, every layer's sliding window still applying),
+        -1 a text token; a block lies within one run. ``rope_positions`` ([3, 1, S]): the
+        rotary positions when they are not the cache slots (Qwen2-VL's M-RoPE: t, h, w)."""
         n = self.num_layers
         if len(caches) != 2 * n:
             raise CircleOpsError(f"DecoderWithCache: expected {2 * n} caches ({n} k then {n} v), got {len(caches)}.")
@@ -185,12 +190,15 @@ class DecoderWithCache(torch.nn.Module):
         s = input_ids.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=input_ids.device)[None]  # [1, S]
         hidden = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.rope_types is None:
+        if rope_positions is not None:
+            rope = [base.rotary_emb(hidden, rope_positions)] * n
+        elif self.rope_types is None:
             rope = [base.rotary_emb(hidden, positions)] * n
         else:
             tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.rope_types)}
             rope = [tables[t] for t in self.rope_types]
-        masks = self._masks(pos, positions, hidden.dtype, prefix_len)
+        masks = self._masks(pos, positions, hidden.dtype, prefix_len) if blocks is None else \
+            self._block_masks(pos, positions, hidden.dtype, blocks)
         k_caches, v_caches = list(caches[:n]), list(caches[n:])
         if self.cache_layout == HEAD_MAJOR:
             # views in circle.attention's [1, C, Hkv, D]: the attention's own transposes to
@@ -240,6 +248,43 @@ class DecoderWithCache(torch.nn.Module):
                 made[key] = mask
             out.append(made[key])
         return out
+
+
+    def _block_masks(self, pos: Tensor, positions: Tensor, dtype: torch.dtype, blocks: Tensor) -> list[Tensor]:
+        """Each layer's additive mask with image blocks (transformers' Gemma 3 masks: full
+        layers causal OR same block; sliding layers that AND the window): "full" [1, 1, S, C]
+        over the cache slots (the new tokens are in slots pos .. pos+S-1); "rows" [1, 1, S,
+        C + S], the cache slots then the new tokens (every layer decomposed: circle.attention's
+        rows form keeps its own causal part)."""
+        if self.cache_update == "rows" and len(self.decomposed) != self.num_layers:
+            raise CircleOpsError("DecoderWithCache: image blocks (bidirectional attention over an image) need every "
+                                 "layer's attention decomposed; this model fuses some into circle.attention.")
+        s, c = positions.shape[1], self.max_len
+        q = positions[0]  # [S]
+        b = blocks.reshape(-1).to(torch.int64)
+        slots = torch.arange(c, device=q.device)
+        i = torch.arange(s, device=q.device)
+        p = pos.reshape(1).to(torch.int64)
+        if self.cache_update == "rows":  # over one index k: no bool CONCATENATION (onert has none)
+            k = torch.arange(c + s, device=q.device)
+            j = k - c  # < 0: cache slot k; else new token j
+            new = j >= 0
+            keys = torch.where(new, p + j, k)
+            key_blocks = torch.where(new, torch.index_select(b, 0, j.clamp(0, s - 1)), -2)
+            causal = (new[None, :] & (j[None, :] <= i[:, None])) | (~new & (k < p))[None, :]  # [S, C + S]
+        else:
+            keys, j = slots, slots - p
+            written = (j >= 0) & (j < s)
+            key_blocks = torch.where(written, torch.index_select(b, 0, j.clamp(0, s - 1)), -2)
+            causal = slots[None, :] <= q[:, None]  # [S, C]
+        both = causal | ((key_blocks[None, :] == b[:, None]) & (b[:, None] >= 0))
+        made: dict[int | None, Tensor] = {}
+        for window in self.windows:
+            if window not in made:
+                visible = both if window is None else both & (keys[None, :] > q[:, None] - window)
+                mask = torch.zeros(visible.shape, dtype=dtype, device=q.device)
+                made[window] = mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+        return [made[w] for w in self.windows]
 
 
 def _prefix_visible(visible: Tensor, slots: Tensor, positions: Tensor, prefix_len: Tensor,

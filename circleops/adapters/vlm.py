@@ -1,19 +1,25 @@
 """The torch modules a vision-language model's graphs are exported from (circleops.recipes.vlm),
 built from one declarative row per family (:class:`VLMFamily`): where its vision tower,
 projector and text model are, how many embeddings an image gives, and what its prefill
-mask is. Adding a family (Qwen2-VL next) is one row here, plus its processor in
-circleops.recipes.vlm.
+mask is. Rows: SmolVLM / Idefics3, PaliGemma, Gemma 3, Qwen2-VL / Qwen2.5-VL (the last two:
+the torch side; ``converted`` says which families circleops.recipes.vlm writes graphs for).
 
 * the vision graph: ``projector(vision(pixel_values).last_hidden_state)`` on one image
   (:class:`VisionTower`): SmolVLM's connector (pixel shuffle + linear), PaliGemma's linear
-  ``multi_modal_projector``;
+  ``multi_modal_projector``, Gemma 3's pooled, RMS-normed projection; Qwen's patch tower with
+  window attention and patch merger is adapters.qwen_vision's (``tower="qwen"``);
 * the merge (:class:`ImagePrefill`): each image token takes its image embedding instead of its
   token embedding, as both families' ``masked_scatter`` / ``inputs_merger`` do; the text tokens'
   embedding is the text model's own, with its scale (Gemma's ``sqrt(hidden)`` is inside its
   ``embed_tokens``: transformers 5 no longer divides PaliGemma's image features by it);
 * the prefill mask: causal (SmolVLM), or a prefix-LM (PaliGemma: the image and prompt tokens,
   ``token_type_ids == 0``, attend to each other both ways): the prefill graph then takes
-  ``prefix_len`` and builds the mask from it and ``pos`` (DecoderWithCache's ``prefix_len``).
+  ``prefix_len`` and builds the mask from it and ``pos`` (DecoderWithCache's ``prefix_len``);
+  or causal with each image block attended both ways (Gemma 3: the blocks come from the
+  image tokens in-graph, DecoderWithCache's ``blocks``);
+* positions: the cache slots, or (``mrope``) Qwen's 3-D t/h/w positions computed on the host
+  as transformers' get_rope_index does (adapters.qwen_vision.mrope_positions), an input of the
+  prefill; the decode step (:class:`MRopeDecode`) adds the prompt's delta to ``pos``.
 """
 from __future__ import annotations
 
@@ -34,15 +40,21 @@ class VLMFamily:
     vision: str  # the vision tower: (pixel_values=...) -> .last_hidden_state
     projector: str  # vision features -> text embeddings
     text: str  # the text body (embed_tokens, layers, norm, rotary_emb)
-    image_seq_len: str  # embeddings (image tokens) per image or tile
+    image_seq_len: str  # embeddings (image tokens) per image or tile; "": by the image's size (Qwen)
     prefix_lm: bool = False  # bidirectional over the prompt prefix: the prompt in one prefill run
     position_offset: int = 0  # the RoPE position of cache slot 0 (PaliGemma counts from 1)
+    image_blocks: bool = False  # each image's tokens attend to each other both ways (Gemma 3)
+    mrope: bool = False  # 3-D rotary positions (t, h, w) from the host: Qwen2-VL's M-RoPE
+    tower: str = "pooled"  # "pooled": VisionTower on a tile; "qwen": adapters.qwen_vision's patches tower
+    converted: bool = True  # circleops convert/generate take it (recipes.vlm); False: the torch side only so far
 
     def text_body(self, vlm: Any) -> torch.nn.Module:
         body = _path(vlm, self.text)
         return _ShiftedBody(body, self.position_offset) if self.position_offset else body
 
     def tokens_per_image(self, vlm: Any) -> int:
+        if not self.image_seq_len:
+            raise ValueError(f"{self.name}: the image tokens depend on each image's size (its grid)")
         return int(_path(vlm, self.image_seq_len))
 
     @contextlib.contextmanager
@@ -71,7 +83,16 @@ PALIGEMMA = VLMFamily(
     name="paligemma", classes={"paligemma": "PaliGemmaForConditionalGeneration"},
     vision="model.vision_tower", projector="model.multi_modal_projector", text="model.language_model",
     image_seq_len="config.text_config.num_image_tokens", prefix_lm=True, position_offset=1)
-FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA)
+GEMMA3 = VLMFamily(
+    name="gemma3", classes={"gemma3": "Gemma3ForConditionalGeneration"}, vision="model.vision_tower",
+    projector="model.multi_modal_projector", text="model.language_model", image_seq_len="config.mm_tokens_per_image",
+    image_blocks=True)
+QWEN2_VL = VLMFamily(
+    name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                              "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+    vision="model.visual", projector="model.visual.merger", text="model.language_model",
+    image_seq_len="", mrope=True, tower="qwen", converted=False)
+FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3, QWEN2_VL)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 
 
@@ -156,20 +177,50 @@ class ImagePrefill(torch.nn.Module):
     features), every other row its token embedding. Returns what the step's one-row prefill
     returns."""
 
-    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False):
+    def __init__(self, step: Any, image_token_id: int, *, prefix_lm: bool = False, image_blocks: bool = False,
+                 mrope: bool = False):
         super().__init__()
+        self.mrope = bool(mrope)
         self.model = step.model  # registered under the decode step's name: the same parameter names
         self._run = step.run
         self.image_token_id = int(image_token_id)
         self.prefix_lm = bool(prefix_lm)
+        self.image_blocks = bool(image_blocks)
         # an image token past the vocabulary (PaliGemma's may be) is looked up as token 0, as
         # the model does, before its row is replaced
         self._oov = self.image_token_id >= int(self.model.model.embed_tokens.num_embeddings)
 
     def forward(self, input_ids: Tensor, pos: Tensor, row: Tensor, image_embeds: Tensor, *rest: Tensor):
+        rope, rest = (rest[0], rest[1:]) if self.mrope else (None, rest)  # [3, 1, S]
         prefix_len, caches = (rest[0], rest[1:]) if self.prefix_lm else (None, rest)
         is_image = input_ids == self.image_token_id
         ids = torch.where(is_image, torch.zeros_like(input_ids), input_ids) if self._oov else input_ids
         embeds = self.model.model.embed_tokens(ids)
         embeds = torch.where(is_image.unsqueeze(-1), image_embeds.to(embeds.dtype), embeds)
-        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len)
+        blocks = image_blocks(is_image[0]) if self.image_blocks else None
+        return self._run(input_ids, pos, caches, row, inputs_embeds=embeds, prefix_len=prefix_len, blocks=blocks,
+                         rope_positions=rope)
+
+
+class MRopeDecode(torch.nn.Module):
+    """The decode step of an M-RoPE model: ``forward(input_ids [1, 1], pos [1], rope_delta [1],
+    *caches)``; the token's rotary position is ``pos + rope_delta`` on all three axes (after the
+    prompt, transformers counts on from the prompt's largest position: get_rope_index's delta)."""
+
+    def __init__(self, step: Any):
+        super().__init__()
+        self.model = step.model
+        self._run = step.run
+
+    def forward(self, input_ids: Tensor, pos: Tensor, rope_delta: Tensor, *caches: Tensor):
+        p = (pos.reshape(1, 1, 1) + rope_delta.reshape(1, 1, 1)).to(torch.int64) + torch.arange(input_ids.shape[1])
+        # three copies by concatenation: onert's BROADCAST_TO takes no int64
+        return self._run(input_ids, pos, caches, rope_positions=torch.cat([p, p, p]))
+
+
+def image_blocks(is_image: Tensor) -> Tensor:
+    """Each token's image block [S] (int64): -1 for a text token, else the count of text
+    tokens before it, shared by a run of image tokens (transformers' block_sequence_ids up to
+    numbering: one run of image tokens is one block)."""
+    text_before = torch.cumsum((~is_image).to(torch.int64), 0)
+    return torch.where(is_image, text_before, torch.full_like(text_before, -1))

@@ -41,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
     if options.graphs:
         return convert_graphs.main(args, options)
     vision.refuse_without_graphs(args)  # a vision-language model converts only into its --graphs
+    convert_graphs.refuse_text2text(args)  # so does a text-to-text model
     if task := convert_task.task_of(args):
         return convert_task.main(args, options.replace(task=task))
     if args.model is None and options.config is None:

@@ -1,7 +1,7 @@
 """``circleops convert MODEL --graphs LIST -o DIR``: a recipe's graphs instead of one forward
 (circleops.recipes: a causal LM's prefill,decode; a vision-language model's
-vision,prefill,decode; Whisper's encoder,prefill,decode), written by the package step; the
-options are circleops.cli.convert's, built once."""
+vision,prefill,decode; Whisper's and a text-to-text model's encoder,prefill,decode), written by
+the package step; the options are circleops.cli.convert's, built once."""
 from __future__ import annotations
 
 import argparse
@@ -13,17 +13,22 @@ from typing import Any
 
 # the recipe of each kind: module, class
 RECIPES = {"text": ("circleops.recipes.llm", "LLMRecipe"), "vision": ("circleops.recipes.vlm", "VLMRecipe"),
-           "speech": ("circleops.recipes.speech", "SpeechRecipe")}
+           "speech": ("circleops.recipes.speech", "SpeechRecipe"),
+           "text2text": ("circleops.recipes.text2text", "Text2TextRecipe")}
 
 
 def recipe_kind(model: str | None, options: Any) -> str:
-    """speech for --graphs naming the encoder or a Whisper directory (whose other --graphs lists
-    its recipe refuses, saying which it takes), vision for the vision graph or a VLM, else text."""
+    """text2text for a T5, BART, mBART or Marian directory (or config), speech for --graphs
+    naming the encoder or a Whisper directory (whose other --graphs lists its recipe refuses,
+    saying which it takes), vision for the vision graph or a VLM, else text."""
     from circleops.package.speech_manifest import speech_model_type
+    from circleops.package.text2text_manifest import text2text_model_type
     from circleops.package.vision_manifest import VISION_GRAPH
     from circleops.recipes.vlm import vlm_model_type
 
     names = {n.strip() for n in str(options.graphs).split(",")}
+    if text2text_model_type(model, options.config) is not None:
+        return "text2text"
     if "encoder" in names or (model is not None and speech_model_type(model) is not None):
         return "speech"
     if VISION_GRAPH in names or vlm_model_type(model, options.config) is not None:
@@ -76,3 +81,16 @@ def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
     validate_target_dtype(options.target, dtype, quantize)
     sizes.check(sizes.estimate(args.model, config=options.config, quantize=quantize, dtype=dtype), options.target,
                 max_cache_len=options.max_cache_len)
+
+
+def refuse_text2text(args: argparse.Namespace) -> None:
+    """A text-to-text model is not one forward: say to convert its generation graphs."""
+    from circleops.errors import TargetError
+    from circleops.package.text2text_manifest import TEXT2TEXT_GRAPHS, text2text_model_type
+
+    kind = text2text_model_type(args.model, args.config)
+    if kind is not None and not args.task:
+        raise TargetError(f"{args.config or args.model} is a text-to-text model ({kind}): it converts into its "
+                          f"generation graphs, `circleops convert {args.model or 'DIR'} --graphs "
+                          f"{','.join(TEXT2TEXT_GRAPHS)} --target onert -o OUT/`, then `circleops generate OUT/ "
+                          f"--prompt \"...\"`.")

@@ -89,11 +89,17 @@ def main(args: argparse.Namespace) -> int:
 
     if args.audio is not None:  # the sampling flags checked before any graph opens
         return generate_speech.main(args, sampler_from_args(args, args.directory))
-    generate_speech.check_text_arguments(args)
     manifest = read_manifest(args.directory)
+    if manifest.text2text is None:
+        generate_speech.check_text_arguments(args)
     runtime, note = choose_runtime(manifest, args.runtime)
     if note:
         print(f"circleops: {note}", file=sys.stderr)
+    if manifest.text2text is not None:  # T5, BART, mBART, Marian: the prompt is the source
+        from circleops.cli import generate_text2text
+
+        ids = _parse_ids(args.token_ids) if args.token_ids is not None else None
+        return generate_text2text.main(args, manifest, runtime, sampler_from_args(args, manifest.directory), ids)
     if args.image or manifest.vision is not None:
         from circleops.cli.vision import generate_main
 

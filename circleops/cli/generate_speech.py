@@ -15,13 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser, what: argparse._MutuallyExclu
     what.add_argument("--audio", metavar="WAV", help="transcribe this WAV file (PCM at the model's sampling rate) with "
                                                      "speech graphs (convert --graphs encoder,prefill,decode)")
     parser.add_argument("--language", metavar="LANG", help="with --audio: the spoken language (en, fr, english, ...; "
-                                                           "default: detected, for multilingual models)")
+                                                           "default: detected, for multilingual models); with a text-to-text "
+                                                           "model, the target-language token forced first (mBART's de_DE)")
     parser.add_argument("--task", choices=TASK_NAMES, default=None,
                         help="with --audio: transcribe, or translate into English (default: the model's)")
 
 
 def check_text_arguments(args: argparse.Namespace) -> None:
-    """--language and --task belong to --audio: refused with --prompt / --token-ids."""
+    """--language and --task belong to --audio (or --language to a text-to-text model):
+    refused with --prompt / --token-ids on a decoder-only model."""
     from circleops.errors import TargetError
 
     if args.language is not None or args.task is not None:

@@ -15,9 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
-from circleops.options import HEAD_MAJOR, SLOT_MAJOR
-
-HEADS_ROWS = "k, v [1, H, C, D]; rows [1, H, S, D]"
+from circleops.options import HEAD_MAJOR, HEADS_ROWS, SLOT_MAJOR
 
 
 def empty_caches(manifest: Any) -> list[Any]:

@@ -102,6 +102,10 @@ class Generator(GenerationCore):
         if missing:
             raise ModelLoadError(f"{m.directory} lacks the {' and '.join(missing)} graph: generation needs the "
                                  f"prefill and decode graphs. Convert with --graphs prefill,decode.")
+        if m.text2text is not None:
+            raise ModelLoadError(f"{m.directory} holds an encoder-decoder text model, whose decoder reads the "
+                                 f"encoder's output: run it with circleops.generation.text2text.Text2TextGenerator "
+                                 f"(circleops generate DIR --prompt TEXT).")
         if m.vision is not None and type(self).prefill_extras is Generator.prefill_extras:
             raise ModelLoadError(f"{m.directory} holds a vision-language model, whose prefill graphs also take image "
                                  f"embeddings: run it with circleops.generation.vision.VisionGenerator (circleops "

@@ -111,6 +111,8 @@ class VisionGenerator(Generator):
     def plan(self, start: int, end: int) -> list[tuple[int, int]]:
         """A prefix-LM's prefix in one run (chunking it would hide later prefix tokens from
         earlier ones), the rest as :meth:`Generator.plan` chunks it."""
+        if self.vision.image_blocks:
+            return self._block_plan(start, end)
         if not self.vision.prefix_lm or self.prefix_len <= start:
             return super().plan(start, end)
         if start > 0:
@@ -118,6 +120,25 @@ class VisionGenerator(Generator):
                                        f"the cache already: a prefix is fed from position 0 (start a new prompt).")
         first = self.check_prefix(self.prefix_len)
         return [(first, 0)] + (super().plan(first, end) if end > first else [])
+
+    def _block_plan(self, start: int, end: int, lengths: Sequence[int] = ()) -> list[tuple[int, int]]:
+        """Runs from ``start`` on, each as long as the graphs allow but ending before an image
+        block it would split (Gemma 3: a block's tokens attend to each other both ways, so
+        they are computed in one run; no run re-runs cached tokens either, as that would
+        recompute part of a block alone). GenerationLimitError for a block no graph holds."""
+        lengths, rows = sorted(lengths or self.prefill_sessions), self._has_image
+        runs, s = [], start
+        while s < end:
+            n = next((n for n in lengths if s + n >= end), lengths[-1])
+            e = min(s + n, end)
+            while s < e < end and rows[e] and rows[e - 1]:  # e splits a block: end the run before it
+                e -= 1
+            if e == s:
+                raise GenerationLimitError(f"an image block at position {s} is longer than the longest prefill "
+                                           f"graph ({lengths[-1]}): convert again with a longer --seq-len.")
+            runs.append((n, s))
+            s = e
+        return runs
 
     def image_features(self, pixel_values: Any) -> Any:
         """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
@@ -217,7 +238,8 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
             text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
                                                  add_generation_prompt=True, tokenize=False)
     else:
-        text = prompt if image is None or "<image>" in prompt else "<image>" + prompt
+        mark = getattr(processor, "boi_token", None) or "<image>"  # where the processor expands an image
+        text = prompt if image is None or mark in prompt else mark + prompt
     if image is None and type(processor).__name__ == "PaliGemmaProcessor":
         raise ImageInputError("PaliGemma generates from an image and a prompt (its processor takes no text alone): "
                               "pass the image (--image PATH).")

@@ -8,8 +8,9 @@ One schema for every kind of graphs (version 4): the keys every directory has at
 (``format``, ``version``, ``kind``, where the graphs are: ``files``, ``signatures``, ``parts``,
 ``signature_api``; what they are: ``source``, ``target``, ``dtype``, ``quantize``,
 ``num_threads``) and one section per kind: ``text`` (the prefill and decode graphs, their KV
-cache, the tokens), ``vision`` (a VLM's image side; kind "vision" has ``text`` too) and
-``speech`` (Whisper's encoder and decoder, its decoding rules). Directories written before it
+cache, the tokens), ``vision`` (a VLM's image side; kind "vision" has ``text`` too),
+``text2text`` (an encoder-decoder text model's encoder and decoding rules; kind "text2text" has
+``text`` too, its decoder's) and ``speech`` (Whisper's encoder and decoder, its decoding rules). Directories written before it
 still read: format ``circleops-generate`` versions 1-3 and ``circleops-speech`` version 1 were
 flat (:func:`manifest_fields` reads both).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from circleops.errors import ModelLoadError
-from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, SLOT_MAJOR
+from circleops.options import CACHE_LAYOUTS, CACHE_UPDATES, HEAD_MAJOR, HEADS_ROWS, SLOT_MAJOR
 from circleops.inputs.remote_code import refuse_remote_code
 from circleops.targets import PROFILES
 from circleops.inputs.token_ids import check_token_ids
@@ -47,7 +48,9 @@ MANIFEST_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 # the flat manifests of Whisper's graphs (before version 4)
 SPEECH_FORMAT = "circleops-speech"
-KINDS = ("text", "vision", "speech")
+KINDS = ("text", "vision", "speech", "text2text")
+# the kinds whose own section sits beside the text one (kept as one entry of the Manifest)
+TEXT_PLUS = ("vision", "text2text")
 # the keys at the top of a version-4 manifest, whatever its kind (and their defaults)
 COMMON_KEYS = {"source": "", "target": None, "dtype": None, "default_runtime": None, "files": None,
                "signatures": None, "one_file_per_graph": None, "quantize": None, "num_threads": None,
@@ -71,7 +74,7 @@ def prefill_graph_name(length: int, lengths: Sequence[int]) -> str:
 def manifest_json(kind: str, common: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
     """A version-4 manifest: the format, version and ``kind``, the ``common`` keys (those of
     :data:`COMMON_KEYS`; ``parts``, ``part_files`` and ``signature_api`` only when set), then
-    one section per kind (``text``, ``vision``, ``speech``)."""
+    one section per kind (``text``, ``vision``, ``text2text``, ``speech``)."""
     optional = ("parts", "part_files", "signature_api")
     top = {k: common.get(k, default) for k, default in COMMON_KEYS.items()
            if k not in optional or common.get(k) is not None}
@@ -79,7 +82,7 @@ def manifest_json(kind: str, common: dict[str, Any], sections: dict[str, Any]) -
 
 
 def manifest_kind(data: Any) -> str | None:
-    """The kind of a manifest's JSON: "text", "vision" or "speech" (any version), else None."""
+    """The kind of a manifest's JSON: one of :data:`KINDS` (any version), else None."""
     if not isinstance(data, dict):
         return None
     if data.get("format") == SPEECH_FORMAT:
@@ -93,8 +96,8 @@ def manifest_kind(data: Any) -> str | None:
 
 def manifest_fields(data: dict[str, Any]) -> dict[str, Any]:
     """A manifest's fields as one flat dict: a version-4 manifest's common keys and its
-    sections' keys together (a ``vision`` section stays one entry, as the text manifest holds
-    it); a flat manifest of an earlier version as it is. KeyError for a missing section."""
+    sections' keys together (a ``vision`` or ``text2text`` section stays one entry, as the text
+    manifest holds it); a flat manifest of an earlier version as it is. KeyError for a missing section."""
     if data.get("version") != MANIFEST_VERSION or data.get("format") != MANIFEST_FORMAT:
         return dict(data)
     kind = data.get("kind")
@@ -103,8 +106,8 @@ def manifest_fields(data: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(data[section], dict):
             raise TypeError(f"the {section} section is not a mapping")
         flat.update(data[section])
-    if kind == "vision":
-        flat["vision"] = data["vision"]
+    if kind in TEXT_PLUS:
+        flat[kind] = data[kind]
     return flat
 
 
@@ -167,6 +170,9 @@ class Manifest:
     # how the target's runtime selects a graph's signature where one file holds several:
     # "nnfw-c" (onert >= 0.2.0.dev's C API, nnfw_set_signature_run). None: the runtime's own way
     signature_api: str | None = None
+    # an encoder-decoder text model's encoder and decoding rules (circleops.package.text2text_manifest.Text2TextSpec
+    # .to_json): its encoder graph (a key of ``files``), source length and cross-attention K/V
+    text2text: dict[str, Any] | None = None
 
     @property
     def windowed_prefills(self) -> dict[str, tuple[int, int]]:
@@ -183,6 +189,8 @@ class Manifest:
     def cache_shapes(self) -> list[list[int]]:
         """The shape of each cache array the graphs take: the k caches, then the v caches."""
         _, c, h, d = self.cache_shape
+        if self.cache_layout == HEADS_ROWS:
+            return [[1, h, c, d]] * (2 * self.num_layers)
         k, v = ([1, h, c, d], [1, h, d, c]) if self.cache_layout == HEAD_MAJOR else (self.cache_shape, self.cache_shape)
         return [list(k)] * self.num_layers + [list(v)] * self.num_layers
 
@@ -212,8 +220,9 @@ class Manifest:
 
     @property
     def kind(self) -> str:
-        """The manifest's kind: "vision" for a vision-language model's graphs, else "text"."""
-        return "text" if self.vision is None else "vision"
+        """The manifest's kind: "vision" for a vision-language model's graphs, "text2text" for
+        an encoder-decoder text model's, else "text"."""
+        return "text2text" if self.text2text is not None else "text" if self.vision is None else "vision"
 
     def to_json(self) -> dict[str, Any]:
         common = {"source": self.source, "target": self.target, "dtype": self.dtype,
@@ -230,7 +239,8 @@ class Manifest:
             "tokenizer": self.tokenizer,
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
             **({"decode_windows": self.decode_windows} if self.decode_windows else {})}
-        return manifest_json(self.kind, common, {"text": text, **({"vision": self.vision} if self.vision else {})})
+        extra = {k: getattr(self, k) for k in TEXT_PLUS if getattr(self, k) is not None}
+        return manifest_json(self.kind, common, {"text": text, **extra})
 
     def write(self) -> Path:
         path = self.directory / MANIFEST
@@ -286,6 +296,7 @@ def _check_types(m: Manifest, path: Path) -> None:
         ("num_threads", m.num_threads is None or (isinstance(m.num_threads, int) and 1 <= m.num_threads <= 1024)),
         ("cache_update", isinstance(m.cache_update, str)), ("cache_layout", isinstance(m.cache_layout, str)),
         ("vision", m.vision is None or (isinstance(m.vision, dict) and all(isinstance(k, str) for k in m.vision))),
+        ("text2text", m.text2text is None or isinstance(m.text2text, dict)),
         ("prefill_windows", m.prefill_windows is None or (
             isinstance(m.prefill_windows, dict) and all(isinstance(k, str) and k in m.files and ints(v) and len(v) == 2
                                                         and 1 <= v[0] <= v[1] < m.max_cache_len
@@ -384,7 +395,8 @@ def _from_fields(d: Path, data: dict[str, Any]) -> Manifest:
                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
                     prefill_windows=data.get("prefill_windows"), decode_windows=data.get("decode_windows"),
                     parts=data.get("parts"),
-                    part_files=data.get("part_files"), signature_api=data.get("signature_api"))
+                    part_files=data.get("part_files"), signature_api=data.get("signature_api"),
+                    text2text=data.get("text2text"))
 
 
 def _check_values(m: Manifest, path: Path) -> None:
@@ -395,9 +407,10 @@ def _check_values(m: Manifest, path: Path) -> None:
     if m.cache_update not in CACHE_UPDATES:
         raise ModelLoadError(f"{path}: unknown cache_update {m.cache_update!r} (this circleops reads "
                              f"{', '.join(CACHE_UPDATES)}). Convert again with --graphs.")
-    if m.cache_layout not in CACHE_LAYOUTS or (m.cache_layout == HEAD_MAJOR and m.cache_update != "rows"):
+    layouts = (*CACHE_LAYOUTS, HEADS_ROWS) if m.text2text is not None else CACHE_LAYOUTS  # an encoder-decoder's
+    if m.cache_layout not in layouts or (m.cache_layout in (HEAD_MAJOR, HEADS_ROWS) and m.cache_update != "rows"):
         raise ModelLoadError(f"{path}: unknown cache_layout {m.cache_layout!r} (this circleops reads "
-                             f"{' or '.join(map(repr, CACHE_LAYOUTS))}). Convert again with --graphs.")
+                             f"{' or '.join(map(repr, layouts))}). Convert again with --graphs.")
     if m.target not in PROFILES:
         raise ModelLoadError(f"{path}: unknown target {m.target!r}. Convert again with --graphs.")
     sizes = [m.prefill_len, m.max_cache_len, m.num_layers, m.vocab_size, *m.prefill_graphs]
@@ -411,6 +424,10 @@ def _check_values(m: Manifest, path: Path) -> None:
     if isinstance(m.vision, dict) and "image_token_id" in m.vision:
         check_token_ids([m.vision["image_token_id"]], m.vocab_size, f"{path}: the vision entry's image_token_id",
                         fix=again)
+    if m.text2text is not None:  # every value checked (ModelLoadError) before any graph opens
+        from circleops.package.text2text_manifest import Text2TextSpec
+
+        Text2TextSpec.from_json(m.text2text, path, m.vocab_size)
     if m.cache_shape[1] != m.max_cache_len:  # the caches (checked against the graph) hold C slots, no more
         raise ModelLoadError(f"{path}: max_cache_len is {m.max_cache_len} but the caches (cache_shape "
                              f"{m.cache_shape}) hold {m.cache_shape[1]} slots; generating past them would write "

@@ -28,11 +28,13 @@ class VisionSpec:
     hidden_size: int  # the text model's: image_embeds rows
     family: str  # model_type
     prefix_lm: bool = False  # the prefill takes prefix_len: the prompt prefix attends both ways
+    image_blocks: bool = False  # each image's tokens attend both ways (Gemma 3): a block is never split in runs
 
     def to_json(self) -> dict[str, Any]:
         return {"graph": self.graph, "image_token_id": self.image_token_id, "image_seq_len": self.image_seq_len,
                 "tile_size": self.tile_size, "hidden_size": self.hidden_size, "family": self.family,
-                "prefill_input": IMAGE_EMBEDS, "prefix_lm": self.prefix_lm}
+                "prefill_input": IMAGE_EMBEDS, "prefix_lm": self.prefix_lm,
+                **({"image_blocks": True} if self.image_blocks else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: Path) -> "VisionSpec":
@@ -40,7 +42,8 @@ class VisionSpec:
             spec = cls(graph=str(data["graph"]), image_token_id=int(data["image_token_id"]),
                        image_seq_len=int(data["image_seq_len"]), tile_size=int(data["tile_size"]),
                        hidden_size=int(data["hidden_size"]), family=str(data.get("family", "")),
-                       prefix_lm=bool(data.get("prefix_lm", False)))
+                       prefix_lm=bool(data.get("prefix_lm", False)),
+                       image_blocks=bool(data.get("image_blocks", False)))
         except (KeyError, TypeError, ValueError) as err:
             raise ModelLoadError(f"{where}: the vision entry is incomplete ({type(err).__name__}: {err}). Convert "
                                  f"again with --graphs vision,prefill,decode.") from None

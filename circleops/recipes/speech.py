@@ -63,50 +63,13 @@ def parse_speech_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- the torch graphs
 
-def _heads(x: Any, heads: int) -> Any:
-    b, s, e = x.shape
-    return x.view(b, s, heads, e // heads).transpose(1, 2)
-
-
-def _merge(x: Any) -> Any:
-    b, h, s, d = x.shape
-    return x.transpose(1, 2).reshape(b, s, h * d)
-
-
-def _attend(q: Any, k: Any, v: Any, mask: Any = None) -> Any:
-    """softmax(q k^T + mask) v; q is already scaled, as in Whisper's attention."""
+def _torch_modules() -> tuple[Any, Any, Any]:
+    """The three graph modules' constructors (defined on first use: importing
+    circleops.recipes.speech does not import torch); the decoder graphs are the encoder-decoder
+    core's (circleops.adapters.seq2seq), Whisper one row of its family table."""
     import torch
 
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    if mask is not None:
-        scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def _decoder_layer(layer: Any, h: Any, past: tuple[Any, Any] | None, mask: Any, cross: tuple[Any, Any],
-                   heads: int) -> tuple[Any, Any, Any]:
-    """One WhisperDecoderLayer (pre-norm; eval: no dropout) over the new tokens ``h``; the
-    self-attention sees ``past`` (k, v) and the new tokens, masked by ``mask``. Returns
-    (h, the new tokens' k, v)."""
-    import torch
-
-    a = layer.self_attn
-    x = layer.self_attn_layer_norm(h)
-    q = _heads(a.q_proj(x) * a.scaling, heads)
-    k_new, v_new = _heads(a.k_proj(x), heads), _heads(a.v_proj(x), heads)
-    k, v = (torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2)) if past else (k_new, v_new)
-    h = h + a.out_proj(_merge(_attend(q, k, v, mask)))
-    c = layer.encoder_attn
-    x = layer.encoder_attn_layer_norm(h)
-    h = h + c.out_proj(_merge(_attend(_heads(c.q_proj(x) * c.scaling, heads), *cross)))
-    x = layer.final_layer_norm(h)
-    return h + layer.fc2(layer.activation_fn(layer.fc1(x))), k_new, v_new
-
-
-def _torch_modules() -> tuple[type, type, type]:
-    """The three graph modules (defined on first use: importing circleops.recipes.speech does not
-    import torch)."""
-    import torch
+    from circleops.adapters.seq2seq import CrossFromStates, Seq2SeqDecoderStep
 
     class WhisperEncoderGraph(torch.nn.Module):
         """input_features -> the encoder's last hidden state."""
@@ -118,57 +81,18 @@ def _torch_modules() -> tuple[type, type, type]:
         def forward(self, input_features: Any) -> Any:
             return self.encoder(input_features=input_features, return_dict=True).last_hidden_state
 
-    class WhisperPrefill(torch.nn.Module):
+    def whisper_prefill(model: Any) -> Any:
         """The forced start tokens from slot 0: one row's logits, the tokens' self-attention
-        rows, and every layer's cross-attention K/V from the encoder states."""
+        rows, and every layer's cross-attention K/V from the encoder states (Whisper's row of
+        circleops.adapters.seq2seq)."""
+        return CrossFromStates(Seq2SeqDecoderStep(model, int(model.config.max_target_positions), source_mask=False))
 
-        def __init__(self, model: Any):
-            super().__init__()
-            self.decoder, self.proj_out = model.get_decoder(), model.proj_out
-            self.heads = model.config.decoder_attention_heads
-
-        def forward(self, input_ids: Any, logits_row: Any, encoder_hidden_states: Any) -> tuple[Any, ...]:
-            dec, p = self.decoder, input_ids.shape[1]
-            h = dec.embed_tokens(input_ids) + dec.embed_positions.weight[:p][None]
-            neg = torch.finfo(h.dtype).min
-            mask = torch.triu(torch.full((p, p), neg, dtype=h.dtype), diagonal=1)
-            ks, vs, cks, cvs = [], [], [], []
-            for layer in dec.layers:
-                c = layer.encoder_attn
-                cross = (_heads(c.k_proj(encoder_hidden_states), self.heads),
-                         _heads(c.v_proj(encoder_hidden_states), self.heads))
-                h, k, v = _decoder_layer(layer, h, None, mask, cross, self.heads)
-                ks.append(k), vs.append(v), cks.append(cross[0]), cvs.append(cross[1])
-            row = torch.index_select(h, 1, logits_row)
-            return (self.proj_out(dec.layer_norm(row)), *ks, *vs, *cks, *cvs)
-
-    class WhisperDecode(torch.nn.Module):
+    def whisper_decode(model: Any) -> Any:
         """One token at ``pos``: its logits and its self-attention k/v rows; the caches and
         the cross-attention K/V are inputs."""
+        return Seq2SeqDecoderStep(model, int(model.config.max_target_positions), source_mask=False)
 
-        def __init__(self, model: Any):
-            super().__init__()
-            self.decoder, self.proj_out = model.get_decoder(), model.proj_out
-            self.heads = model.config.decoder_attention_heads
-            self.num_layers = len(self.decoder.layers)
-
-        def forward(self, input_ids: Any, pos: Any, *caches: Any) -> tuple[Any, ...]:
-            dec, n = self.decoder, self.num_layers
-            h = dec.embed_tokens(input_ids) + torch.index_select(dec.embed_positions.weight, 0, pos)[None]
-            k_caches, v_caches, cks, cvs = (caches[i * n:(i + 1) * n] for i in range(4))
-            slots = torch.arange(k_caches[0].shape[2])
-            # slot c of the caches is visible iff c < pos; the token sees itself (the last column)
-            # (the masks are concatenated as floats: onert's CONCATENATION takes no booleans)
-            hidden = torch.zeros(slots.shape, dtype=h.dtype).masked_fill(slots >= pos.to(torch.int64),
-                                                                          torch.finfo(h.dtype).min)
-            mask = torch.cat([hidden, torch.zeros(1, dtype=h.dtype)])
-            ks, vs = [], []
-            for i, layer in enumerate(dec.layers):
-                h, k, v = _decoder_layer(layer, h, (k_caches[i], v_caches[i]), mask, (cks[i], cvs[i]), self.heads)
-                ks.append(k), vs.append(v)
-            return (self.proj_out(dec.layer_norm(h)), *ks, *vs)
-
-    return WhisperEncoderGraph, WhisperPrefill, WhisperDecode
+    return WhisperEncoderGraph, whisper_prefill, whisper_decode
 
 
 @dataclass
@@ -385,7 +309,7 @@ def references(modules: dict[str, Any], args: dict[str, tuple], decoding: dict[s
              *list(decoding["task_to_id"].values())[:1]]
     ids = torch.tensor([(first + [decoding["eos_token_ids"][0]] * PREFILL_LEN)[:PREFILL_LEN]])
     features = args["encoder"][0]
-    n = len(modules["decode"].decoder.layers)
+    n = modules["decode"].decoder_layers
     with torch.no_grad():
         states = modules["encoder"](features)
         pre = modules["prefill"](ids, torch.tensor([PREFILL_LEN - 1]), states)

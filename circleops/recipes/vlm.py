@@ -57,7 +57,7 @@ from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFI
 from circleops.adapters.vlm import FAMILIES, family_of
 
 # model_type of config.json -> what it is; the classes are transformers'
-VLM_MODEL_TYPES = {t: cls for fam in FAMILIES for t, cls in fam.classes.items()}
+VLM_MODEL_TYPES = {t: cls for fam in FAMILIES if fam.converted for t, cls in fam.classes.items()}
 # SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct): "User:<image>text<end_of_utterance>\nAssistant:"
 SMOLVLM_CHAT_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -154,7 +154,8 @@ def vision_spec(model: Any) -> VisionSpec:
     fam = family_of(model)
     return VisionSpec(graph=VISION_GRAPH, image_token_id=int(cfg.image_token_id),
                       image_seq_len=fam.tokens_per_image(model), tile_size=int(cfg.vision_config.image_size),
-                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type), prefix_lm=fam.prefix_lm)
+                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type), prefix_lm=fam.prefix_lm,
+                      image_blocks=fam.image_blocks)
 
 
 def parse_vlm_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -203,11 +204,14 @@ def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
         text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
         ids, prefix = torch.cat([text[:2], image, text[2:]]), 0
     pixels = torch.rand((1, 3, spec.tile_size, spec.tile_size), generator=g) * 2 - 1
-    # PaliGemma's pixel_values are [B, 3, S, S]; Idefics3's [B, tiles, 3, S, S]
-    pv = pixels if spec.prefix_lm else pixels[None]
+    # PaliGemma's and Gemma 3's pixel_values are [B, 3, S, S]; Idefics3's [B, tiles, 3, S, S]
+    fam = family_of(model)
+    pv = pixels if spec.prefix_lm or fam.image_blocks else pixels[None]
     kinds = {}
     if spec.prefix_lm:
         kinds = {"token_type_ids": (torch.arange(len(ids)) >= prefix).long()[None]}
+    elif fam.image_blocks:  # Gemma 3: its image block attended both ways (transformers reads it from these)
+        kinds = {"token_type_ids": (ids == spec.image_token_id).long()[None]}
     p = len(ids) - 1
     with torch.no_grad():
         logits = model(input_ids=ids[None, :p], pixel_values=pv, use_cache=False,
@@ -296,7 +300,8 @@ class VLMRecipe(Recipe):
                         quantize=False)]  # the vision graph stays fp32
         self.step = step = decoder_step(TextLM(model), o.max_cache_len, self.cache_update)
         self.names = names = _io(step.num_layers, self.cache_update, spec.prefix_lm)
-        prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm)
+        prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm,
+                               image_blocks=family_of(self.model).image_blocks)
         for n in self.lengths:
             extra = (torch.tensor([n]),) if spec.prefix_lm else ()
             args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
@@ -396,6 +401,8 @@ def compare(manifest: Manifest, runtime: str, example: _Example) -> dict[str, tu
         # a prefix-LM's prefix in one run (of this graph if it holds it), the causal rest in runs of n
         first = [(n if n >= p else longest, 0)] if p else []
         gen.plan = lambda start, end, n=n, first=first: first + [(n, s) for s in range(max(start, p), end, n)]
+        if gen.vision.image_blocks:  # runs of n that keep each image block whole (Gemma 3)
+            gen.plan = lambda start, end, n=n: gen._block_plan(start, end, (n,))
         logits = gen.feed(ids[:-1])
         errors[g], wants[g] = float(np.abs(logits - example.logits[-2]).max()), example.logits[-2]
     step = gen.decode(ids[-1])

@@ -32,6 +32,7 @@ RUN_ELSEWHERE = {
     "tasks.md": "tests/tasks/test_docs_tasks.py runs its blocks on the tiny task models it saves",
     "speech.md": "tests/speech/test_docs_speech.py runs its blocks in order in one directory (the model, the graphs)",
     "vlm.md": "tests/generate/test_docs_vlm.py runs its blocks in order on the tiny SmolVLM its first block saves",
+    "text2text.md": "tests/seq2seq/test_docs_text2text.py runs its blocks in order in one directory (the model, the graphs)",
 }
 PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in RUN_ELSEWHERE)]
 
