@@ -259,10 +259,13 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
     assert len(tokens) == 8 or tokens[-1] in m.eos_token_ids
     if fmt == "w8":
         return
-    err = max(info.max_abs_error for info in report.graphs.values())
+    # torch on the file's weights with onert's activation rounding (GGML's q8_0 of each linear's
+    # input), as verify compares; a near-tie may still go either way within the files' verify
+    # error or the model's own noise floor (an input rounding flipped by a summation order)
+    err = max(max(info.max_abs_error for info in report.graphs.values()), report.noise_floor)
     kw = {} if t.family != "paligemma" else {
         "token_type_ids": torch.tensor([[0] * len(ids) + [1] * len(tokens)])}  # generated tokens: the suffix
-    with dequantized_sources(report.quantization, TextLM(model)), torch.no_grad():
+    with dequantized_sources(report.quantization, TextLM(model), runtime="onert"), torch.no_grad():
         logits = model(input_ids=torch.tensor([ids + tokens]), pixel_values=torch.as_tensor(pixels),
                        **kw).logits[0, len(ids) - 1:len(ids) - 1 + len(tokens)]
     gaps = [float(row.max() - row[x]) for row, x in zip(logits, tokens)]

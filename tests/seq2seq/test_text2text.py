@@ -95,8 +95,6 @@ def test_decoder_prefix_in_several_prefill_runs(converted):
     """An 11-token decoder prefix goes through the prefill graph of 4 in three runs; the
     tokens after it are transformers' with that decoder_input_ids."""
     t = converted.tiny
-    if converted.target != next(iter(CASES[converted.family])):
-        pytest.skip("the decoder prefix is the same computation on the family's other target")
     ids = t.source_ids("summarize: the cat sees the dog and the green river walks quickly.")
     prefix = (_hf(t, ids, 10) + list(range(5, 16)))[:11]
     result = Text2TextGenerator(converted.out, runtime=converted.runtimes[0]).generate(ids, 6, decoder_prefix=prefix)
@@ -105,8 +103,6 @@ def test_decoder_prefix_in_several_prefill_runs(converted):
 
 
 def test_a_source_longer_than_the_encoder_is_refused(converted):
-    if converted.family != "t5" or converted.target != "onert":
-        pytest.skip("one family shows the message")
     gen = Text2TextGenerator(converted.out)
     with pytest.raises(GenerationLimitError, match=r"the source is 129 tokens .* --input-shape input_ids=1x129"):
         gen.generate([5] * (SOURCE_LEN + 1), 4)
@@ -143,8 +139,6 @@ def test_a_damaged_text2text_section_is_refused(converted, tmp_path):
     from circleops.errors import ModelLoadError
     from circleops.package.manifest import read_manifest
 
-    if converted.family != "t5" or converted.target != "onert":
-        pytest.skip("one family shows the checks")
     for key, value, message in (("decoder_start_token_id", 10 ** 6, "outside the model's vocabulary"),
                                 ("cross_shape", [1, 4, 7, 8], "must be \\[1, H, source_len, D\\]"),
                                 ("forced_bos_token_id", "de_DE", "incomplete")):

@@ -72,7 +72,7 @@ def _vision_graph(model, inputs):
     return tower, (torch.cat([px, px.new_zeros(MAX_PATCHES - index.patches, px.shape[1])]), *index.inputs())
 
 
-def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path):
+def test_vision_and_prefill_run_on_the_reference_interpreter(torch_side_vlm, tmp_path):
     """The vision module and the image prefill (with its image blocks or 3-D positions)
     export with static shapes and give torch's outputs on the reference interpreter."""
     from circleops.adapters.decode import DecoderWithCache
@@ -80,10 +80,9 @@ def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path)
     from circleops.pipeline import stages as pipeline
     from circleops.runtime import open_session
 
+    tiny_vlm = torch_side_vlm
     model = copy.deepcopy(tiny_vlm.model)
     fam = family_of(model)
-    if fam.converted:
-        pytest.skip("converted and run by tests/generate/test_vlm.py (Gemma 3: test_gemma3_graphs.py)")
     inputs = tiny_vlm.inputs(PROMPTS[tiny_vlm.family][0], tiny_vlm.images[:1])
     ids = inputs["input_ids"][0].tolist()[:16]
     step = DecoderWithCache(TextLM(model), 32, "rows")
@@ -111,14 +110,11 @@ def test_vision_and_prefill_run_on_the_reference_interpreter(tiny_vlm, tmp_path)
             assert np.abs(got - w.numpy()).max() <= 1e-5 * max(1.0, float(w.abs().max())), name
 
 
-def test_mrope_positions_are_get_rope_index(tiny_vlm):
+def test_mrope_positions_are_get_rope_index(mrope_vlm):
     """The prompt's 3-D positions and decode delta, computed without the model, equal
     transformers' get_rope_index for one and two images of different sizes."""
     from circleops.adapters.qwen_vision import mrope_positions
-    from circleops.adapters.vlm import family_of
-
-    if not family_of(tiny_vlm.model).mrope:
-        pytest.skip("1-D positions: no M-RoPE in this family")
+    tiny_vlm = mrope_vlm
     for images, text in ((1, PROMPTS[tiny_vlm.family][0]), (2, PROMPTS[tiny_vlm.family][1])):
         inputs = tiny_vlm.inputs(text, tiny_vlm.images[:images])
         want, delta = tiny_vlm.model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
@@ -128,7 +124,7 @@ def test_mrope_positions_are_get_rope_index(tiny_vlm):
         assert got == want[:, 0].tolist() and got_delta == int(delta)
 
 
-def test_decode_runs_on_onert(tiny_vlm, tmp_path):
+def test_decode_runs_on_onert(torch_side_vlm, tmp_path):
     """The decode graph (M-RoPE: with its pos + delta positions, made without an int64
     BROADCAST_TO, which onert cannot run) written for target onert gives torch's outputs."""
     from circleops.adapters.decode import DecoderWithCache
@@ -136,9 +132,7 @@ def test_decode_runs_on_onert(tiny_vlm, tmp_path):
     from circleops.pipeline import stages as pipeline
     from circleops.runtime import open_session
 
-    model = copy.deepcopy(tiny_vlm.model)
-    if family_of(model).converted:
-        pytest.skip("converted and run by tests/generate/test_vlm.py (Gemma 3: test_gemma3_graphs.py)")
+    model = copy.deepcopy(torch_side_vlm.model)
     step = DecoderWithCache(TextLM(model), 32, "rows")
     g = torch.Generator().manual_seed(1)
     caches = [torch.randn(c.shape, generator=g) for c in step.empty_caches()]
