@@ -105,8 +105,7 @@ def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: An
 
 def quantize_mixed(module: torch.nn.Module, example_args: Sequence[Any], make_quantizer: Callable[..., Any],
                    samples: Sequence[Sequence[Any]], *, exported: Any = None, progress: bool = False,
-                   min_db: float | None = None, budget: float | None = None,
-                   export_fn: Callable[[torch.nn.Module, tuple], Any] | None = None) -> tuple[Any, Any, Any]:
+                   min_db: float | None = None, budget: float | None = None) -> tuple[Any, Any, Any]:
     """Mixed precision chosen by measurement: calibrate with ``make_quantizer()`` (uint8),
     score every activation's uint8 rounding (circleops.quantize.sensitivity), then prepare
     and calibrate again with ``make_quantizer(node_names)`` giving the chosen ops int16.
@@ -128,7 +127,7 @@ def quantize_mixed(module: torch.nn.Module, example_args: Sequence[Any], make_qu
                           budget=AUTO_BUDGET if budget is None else budget, known=known)
     del prepared
     converted, qep = quantize(module, example_args, make_quantizer(report.int16_ops), samples, exported=ep,
-                              progress=progress, export_fn=export_fn)
+                              progress=progress)
     return converted, qep, report
 
 

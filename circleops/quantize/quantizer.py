@@ -216,15 +216,7 @@ def _make_class() -> type:
                     continue
                 scheme = self._scheme(node)
                 _annotate(node, scheme)
-            unmatched = [n for n in self.module_names if n not in self._matched]
-            # a name and its "*.name" form (circleops.quantize.pt2e.int16_parts) need one match
-            unmatched = [n for n in unmatched
-                         if not ({"*." + n, n[2:] if n.startswith("*.") else n} & self._matched)]
-            if unmatched:
-                raise QuantizeConfigError(
-                    f"set_module_name: no op of the model lies in a module named {', '.join(map(repr, unmatched))}; "
-                    "give a qualified submodule name as model.named_modules() lists it (or a glob such as "
-                    "'*.mlp.down_proj')")
+            _check_matched(self.module_names, self._matched)
             return model
 
         def validate(self, model: GraphModule) -> None:
@@ -249,6 +241,19 @@ def _make_class() -> type:
     CircleQuantizer.__module__ = __name__
     CircleQuantizer.__qualname__ = "CircleQuantizer"
     return CircleQuantizer
+
+
+def _check_matched(module_names: Any, matched: set[str]) -> None:
+    """Every set_module_name name matched an op of the model (a typo is an error, not a
+    silently global scheme)."""
+    unmatched = [n for n in module_names if n not in matched]
+    # a name and its "*.name" form (circleops.quantize.pt2e.int16_parts) need one match
+    unmatched = [n for n in unmatched if not ({"*." + n, n[2:] if n.startswith("*.") else n} & matched)]
+    if unmatched:
+        raise QuantizeConfigError(
+            f"set_module_name: no op of the model lies in a module named {', '.join(map(repr, unmatched))}; "
+            "give a qualified submodule name as model.named_modules() lists it (or a glob such as "
+            "'*.mlp.down_proj')")
 
 
 def _module_paths(node: Node) -> list[str]:

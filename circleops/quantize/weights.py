@@ -613,96 +613,111 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
                        kept: dict[str, tuple]) -> None:
     """Rewrite the subgraph's linears and (q4_0) embedding; the replaced weights stay as
     unused tensors until prune."""
-    new_ops: list[ir.Operator] = []
-    # weight tensor index -> its GGML tensor index (one per weight, however many users)
-    converted: dict[tuple[int, str, tuple], int] = {}
-
-    def ggml_tensor(index: int, shape2d: tuple[int, int], dtype: str, role: str = "linear") -> int:
-        key = (index, dtype, shape2d)
-        if key not in converted:
-            t = sg.tensors[index]
-            blocks = q.blocks(t, shape2d, dtype, role)
-            name = q.name(t)
-            if source_key(t.data) in q.tables and dtype != q.dtype:  # a tied head beside its 4-bit table
-                name = f"{name}_{dtype[5:].lower()}"
-            converted[key] = sg.add_tensor(ir.Tensor(name, shape2d, dtype, blocks))
-        return converted[key]
-
-    def int8_tensors(index: int, shape2d: tuple[int, int]) -> tuple[int, int]:
-        """(the INT8 weight with scale [1.0], the FLOAT32 [N] scales of the MUL after it)."""
-        key = (index, q.dtype, shape2d)
-        if key not in converted:
-            t = sg.tensors[index]
-            packed = q.blocks(t, shape2d, q.dtype)
-            name = q.name(t) + ("_int8" if source_key(t.data) in q.tables else "")  # a tied head beside its fp32 table
-            wi = sg.add_tensor(ir.Tensor(name, shape2d, q.dtype, packed.q, ir.QuantParams(
-                np.ones(1, np.float32), np.zeros(1, np.int64))))
-            converted[key] = wi
-            converted[(index, "scale", shape2d)] = sg.add_tensor(
-                ir.Tensor(f"{name}_scale", (shape2d[0],), "FLOAT32", packed.scale))
-        return converted[key], converted[(index, "scale", shape2d)]
-
-    def int8_per_channel(index: int, shape2d: tuple[int, int]) -> int:
-        """The INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero
-        points 0): TFLite's dynamic-range FULLY_CONNECTED, as LiteRT's own quantizer writes it."""
-        key = (index, "per_channel", shape2d)
-        if key not in converted:
-            t = sg.tensors[index]
-            packed = q.blocks(t, shape2d, q.dtype)
-            name = q.name(t) + ("_int8" if source_key(t.data) in q.tables else "")  # a tied head beside its fp32 table
-            converted[key] = sg.add_tensor(ir.Tensor(name, shape2d, q.dtype, packed.q, ir.QuantParams(
-                np.asarray(packed.scale, np.float32), np.zeros(shape2d[0], np.int64), 0)))
-        return converted[key]
-
-    def new_tensor(like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
-        return sg.add_tensor(ir.Tensor(f"{like.name}_{suffix}", tuple(shape), dtype or like.dtype))
-
-    def reshape(src: int, shape: tuple[int, ...], out: int | None = None) -> tuple[ir.Operator, int]:
-        shape_t = sg.add_tensor(ir.Tensor(f"{sg.tensors[src].name}_shape{len(sg.tensors)}", (len(shape),), "INT32",
-                                          np.array(shape, dtype=np.int32)))
-        if out is None:
-            out = new_tensor(sg.tensors[src], shape, "2d")
-        return ir.Operator("RESHAPE", [src, shape_t], [out], "ReshapeOptions", {"newShape": list(shape)}), out
-
     if q.blockwise:
         from circleops.quantize import int4_tflite
 
         int4_tflite.rewrite_subgraph(sg, q, is_param, kept)
         return
+    rw = _Rewrite(sg, q)
+    new_ops: list[ir.Operator] = []
     for op in sg.operators:
         if op.opcode == "GATHER" and q.format.embedding:
-            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=ggml_tensor, new_tensor=new_tensor))
+            new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=rw.ggml_tensor, new_tensor=rw.new_tensor))
             continue
         lin = _linear_weight(sg, op)
         if lin is None:
             note_float_inputs(sg, op, is_param, kept)
             new_ops.append(op)
             continue
+        new_ops.extend(rw.linear(op, lin, kept))
+    sg.operators = new_ops
+
+
+class _Rewrite:
+    """One subgraph's weight tensors in the format (each written once, however many ops
+    use it) and its linears rewritten over them."""
+
+    def __init__(self, sg: ir.Subgraph, q: _Quantizer):
+        self.sg, self.q = sg, q
+        # (weight tensor index, dtype or kind, 2-D shape) -> its new tensor's index
+        self.converted: dict[tuple[int, str, tuple], int] = {}
+
+    def _tied_suffix(self, t: ir.Tensor, suffix: str) -> str:
+        # a tied head beside its table (4-bit or fp32) gets a name of its own
+        return suffix if source_key(t.data) in self.q.tables else ""
+
+    def ggml_tensor(self, index: int, shape2d: tuple[int, int], dtype: str, role: str = "linear") -> int:
+        key = (index, dtype, shape2d)
+        if key not in self.converted:
+            t = self.sg.tensors[index]
+            blocks = self.q.blocks(t, shape2d, dtype, role)
+            name = self.q.name(t)
+            if dtype != self.q.dtype:
+                name += self._tied_suffix(t, f"_{dtype[5:].lower()}")
+            self.converted[key] = self.sg.add_tensor(ir.Tensor(name, shape2d, dtype, blocks))
+        return self.converted[key]
+
+    def int8_tensors(self, index: int, shape2d: tuple[int, int]) -> tuple[int, int]:
+        """(the INT8 weight with scale [1.0], the FLOAT32 [N] scales of the MUL after it)."""
+        key = (index, self.q.dtype, shape2d)
+        if key not in self.converted:
+            t = self.sg.tensors[index]
+            packed = self.q.blocks(t, shape2d, self.q.dtype)
+            name = self.q.name(t) + self._tied_suffix(t, "_int8")
+            self.converted[key] = self.sg.add_tensor(ir.Tensor(name, shape2d, self.q.dtype, packed.q, ir.QuantParams(
+                np.ones(1, np.float32), np.zeros(1, np.int64))))
+            self.converted[(index, "scale", shape2d)] = self.sg.add_tensor(
+                ir.Tensor(f"{name}_scale", (shape2d[0],), "FLOAT32", packed.scale))
+        return self.converted[key], self.converted[(index, "scale", shape2d)]
+
+    def int8_per_channel(self, index: int, shape2d: tuple[int, int]) -> int:
+        """The INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero
+        points 0): TFLite's dynamic-range FULLY_CONNECTED, as LiteRT's own quantizer writes it."""
+        key = (index, "per_channel", shape2d)
+        if key not in self.converted:
+            t = self.sg.tensors[index]
+            packed = self.q.blocks(t, shape2d, self.q.dtype)
+            name = self.q.name(t) + self._tied_suffix(t, "_int8")
+            self.converted[key] = self.sg.add_tensor(ir.Tensor(name, shape2d, self.q.dtype, packed.q, ir.QuantParams(
+                np.asarray(packed.scale, np.float32), np.zeros(shape2d[0], np.int64), 0)))
+        return self.converted[key]
+
+    def new_tensor(self, like: ir.Tensor, shape: tuple[int, ...], suffix: str, dtype: str | None = None) -> int:
+        return self.sg.add_tensor(ir.Tensor(f"{like.name}_{suffix}", tuple(shape), dtype or like.dtype))
+
+    def reshape(self, src: int, shape: tuple[int, ...], out: int | None = None) -> tuple[ir.Operator, int]:
+        sg = self.sg
+        shape_t = sg.add_tensor(ir.Tensor(f"{sg.tensors[src].name}_shape{len(sg.tensors)}", (len(shape),), "INT32",
+                                          np.array(shape, dtype=np.int32)))
+        if out is None:
+            out = self.new_tensor(sg.tensors[src], shape, "2d")
+        return ir.Operator("RESHAPE", [src, shape_t], [out], "ReshapeOptions", {"newShape": list(shape)}), out
+
+    def linear(self, op: ir.Operator, lin: tuple[int, int, int], kept: dict[str, tuple]) -> list[ir.Operator]:
+        """The ops that replace the linear ``op`` (its weight ``lin`` = (N, K, tensor index)):
+        the op itself where the format does not apply (recorded in ``kept``)."""
+        sg, q = self.sg, self.q
         n, k, wi = lin
         w = sg.tensors[wi]
         if not q.fits(k):
             kept[w.name] = ((n, k), f"K={k} is not a multiple of {q.block}")
-            new_ops.append(op)
-            continue
-        dtype = q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype
+            return [op]
         if q.per_channel and n == 1:  # one scale would read as onert's form (the interpreter's hybrid kernel)
             kept[w.name] = ((n, k), "one output channel")
-            new_ops.append(op)
-            continue
+            return [op]
         if q.per_channel:  # TFLite's dynamic-range FULLY_CONNECTED: the op as it was, its weight int8
-            new_ops.append(ir.Operator(op.opcode, [op.inputs[0], int8_per_channel(wi, (n, k)), *op.inputs[2:]],
-                                       list(op.outputs), op.options_type, dict(op.options), max(op.version, 5)))
-            continue
+            return [ir.Operator(op.opcode, [op.inputs[0], self.int8_per_channel(wi, (n, k)), *op.inputs[2:]],
+                                list(op.outputs), op.options_type, dict(op.options), max(op.version, 5))]
         if q.hybrid:
-            qi, scale_i = int8_tensors(wi, (n, k))
+            qi, scale_i = self.int8_tensors(wi, (n, k))
         else:
-            qi, scale_i = ggml_tensor(wi, (n, k), dtype), -1
+            qi, scale_i = self.ggml_tensor(wi, (n, k), q.head_dtype if q.head_dtype and q.is_head(w) else q.dtype), -1
         x_i, out_i = op.inputs[0], op.outputs[0]
         x, out = sg.tensors[x_i], sg.tensors[out_i]
         rows = int(np.prod(x.shape, dtype=np.int64)) // k
         pre: list[ir.Operator] = []
         if len(x.shape) != 2:
-            r, x_i = reshape(x_i, (rows, k))
+            r, x_i = self.reshape(x_i, (rows, k))
             pre.append(r)
         bias = op.inputs[2] if len(op.inputs) > 2 else -1
         if bias >= 0 and sg.tensors[bias].data is not None and not np.any(_numpy(sg.tensors[bias].data)):
@@ -710,29 +725,35 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
         act = op.options.get("fusedActivationFunction", 0) or 0
         act = _ACTIVATION_NAMES.get(act.upper(), act) if isinstance(act, str) else int(act)
         last = len(out.shape) == 2 and bias < 0 and not act  # the next op may write the output
-        fc_out = out_i if last and scale_i < 0 else new_tensor(out, (rows, n), "fc")
+        fc_out = out_i if last and scale_i < 0 else self.new_tensor(out, (rows, n), "fc")
+        fc = ir.Operator("FULLY_CONNECTED", [x_i, qi, -1], [fc_out], "FullyConnectedOptions",
+                         {"fusedActivationFunction": 0, "keepNumDims": False})
+        return [*pre, fc, *self._after(fc_out, op, (rows, n), scale_i, bias, act)]
+
+    def _after(self, y: int, op: ir.Operator, shape2d: tuple[int, int], scale_i: int, bias: int,
+               act: int) -> list[ir.Operator]:
+        """What follows the FULLY_CONNECTED: w8's scales, the bias, the activation, the
+        reshape back to the op's output shape, each into the output when it is the last."""
+        out_i = op.outputs[0]
+        out = self.sg.tensors[out_i]
         post: list[ir.Operator] = []
-        y = fc_out
         if scale_i >= 0:  # w8: the per-channel scales, which onert's hybrid FC cannot apply
-            z = out_i if last else new_tensor(out, (rows, n), "scaled")
+            z = out_i if len(out.shape) == 2 and bias < 0 and not act else self.new_tensor(out, shape2d, "scaled")
             post.append(ir.Operator("MUL", [y, scale_i], [z], "MulOptions", {"fusedActivationFunction": 0}))
             y = z
         if bias >= 0:
-            z = out_i if (len(out.shape) == 2 and not act) else new_tensor(out, (rows, n), "bias")
+            z = out_i if (len(out.shape) == 2 and not act) else self.new_tensor(out, shape2d, "bias")
             post.append(ir.Operator("ADD", [y, bias], [z], "AddOptions", {"fusedActivationFunction": 0}))
             y = z
         if act:
             if act not in _ACTIVATION_OPS:
                 raise TargetError(f"{op.opcode} {out.name!r}: fused activation {act} has no separate op")
-            z = out_i if len(out.shape) == 2 else new_tensor(out, (rows, n), "act")
+            z = out_i if len(out.shape) == 2 else self.new_tensor(out, shape2d, "act")
             post.append(ir.Operator(_ACTIVATION_OPS[act], [y], [z]))
             y = z
         if y != out_i:
-            post.append(reshape(y, tuple(out.shape), out_i)[0])
-        fc = ir.Operator("FULLY_CONNECTED", [x_i, qi, -1], [fc_out], "FullyConnectedOptions",
-                         {"fusedActivationFunction": 0, "keepNumDims": False})
-        new_ops.extend([*pre, fc, *post])
-    sg.operators = new_ops
+            post.append(self.reshape(y, tuple(out.shape), out_i)[0])
+        return post
 
 
 def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:
