@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: onert for --target onert files, litert for "
                              "tflite, reference for circle)")
-    parser.add_argument("--image", metavar="PATH", help="an image for a vision-language model (converted with "
-                                                        "--graphs vision,prefill,decode), placed before the prompt")
+    parser.add_argument("--image", metavar="PATH", action="append",
+                        help="an image for a vision-language model (converted with --graphs vision,prefill,decode), "
+                             "placed before the prompt; repeat it for several images, in order (a prompt that has "
+                             "the model's image marker, e.g. <image>, once per image places them itself)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template "
                                                             "(for a conversation: circleops chat DIR)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no timing line on stderr")

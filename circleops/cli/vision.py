@@ -29,11 +29,11 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     if args.prompt is None:
         raise TargetError("a vision-language model generates from --prompt TEXT (with --image PATH); --token-ids "
                           "cannot place an image.")
-    image = read_image(args.image) if args.image else None  # before any graph is opened
+    images = [read_image(path) for path in args.image or ()]  # before any graph is opened
     gen = VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None))
     gen.check_chat(args.chat)
     processor = saved_processor(manifest)
-    ids, pixels = prepare(processor, args.prompt, image, chat=args.chat, max_tokens=manifest.max_cache_len)
+    ids, pixels = prepare(processor, args.prompt, images, chat=args.chat, max_tokens=manifest.max_cache_len)
     gen.check_fits(len(ids), args.max_new_tokens)
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -43,7 +43,8 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     stream.close()
     if not args.quiet:
         tiles = 0 if pixels is None else int((pixels.reshape(-1, *pixels.shape[-3:]) != 0).any(axis=(1, 2, 3)).sum())
-        print(f"{result.timing_line(manifest.prefill_len)}; image: {tiles} tile(s) through the vision graph",
+        print(f"{result.timing_line(manifest.prefill_len)}; {len(images)} image(s): {tiles} tile(s) through the "
+              f"vision graph",
               file=sys.stderr)
     return 0
 

@@ -219,49 +219,63 @@ def read_image(path: str | os.PathLike) -> Any:
         return ImageOps.exif_transpose(picture).convert("RGB")
 
 
-def _user_content(text: str, image: bool) -> list[dict[str, str]]:
-    return ([{"type": "image"}] if image else []) + [{"type": "text", "text": text}]
+def _user_content(text: str, images: int) -> list[dict[str, str]]:
+    return [{"type": "image"}] * int(images) + [{"type": "text", "text": text}]
+
+
+def _image_list(image: Any) -> list[Any]:
+    """``image``: None, one image, or a list of them (in the prompt's order)."""
+    if image is None:
+        return []
+    return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
 def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = False,
             max_tokens: int | None = None) -> tuple[list[int], Any]:
     """(the prompt's token ids, pixel_values [1, tiles, 3, S, S] or None) as the processor
-    makes them. Without ``chat`` an image goes before the prompt (``<image>`` added unless the
-    prompt has one); with ``chat`` the prompt is one user turn of the processor's template.
-    ``max_tokens``: the cache's length (a longer text is refused before it is tokenized)."""
+    makes them. ``image``: one image or a list of them. Without ``chat`` the images go before
+    the prompt (one image marker each, ``<image>`` or the processor's ``boi_token``) unless
+    the prompt places them with its own markers; with ``chat`` the prompt is one user turn
+    of the processor's template, the images first. ``max_tokens``: the cache's length (a
+    longer text is refused before it is tokenized)."""
+    images = _image_list(image)
+    mark = getattr(processor, "boi_token", None) or "<image>"  # where the processor expands an image
     if max_tokens is not None:
         check_text_fits(processor.tokenizer, prompt, max_tokens)
     if chat:
         if not getattr(processor, "chat_template", None):
             raise ModelLoadError("--chat: the processor saved with this model has no chat template; drop --chat.")
         with template_budget(processor):  # a model's template is someone else's program
-            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, image is not None)}],
+            text = processor.apply_chat_template([{"role": "user", "content": _user_content(prompt, len(images))}],
                                                  add_generation_prompt=True, tokenize=False)
     else:
-        mark = getattr(processor, "boi_token", None) or "<image>"  # where the processor expands an image
-        text = prompt if image is None or mark in prompt else mark + prompt
-    if image is None and type(processor).__name__ == "PaliGemmaProcessor":
+        text = prompt if not images or mark in prompt else mark * len(images) + prompt
+    if images and not chat and 0 < text.count(mark) != len(images):
+        raise ImageInputError(f"the prompt places {text.count(mark)} image(s) ({mark}) and {len(images)} were given "
+                              f"(--image): give one {mark} per image, or none to put every image before the prompt.")
+    if not images and type(processor).__name__ == "PaliGemmaProcessor":
         raise ImageInputError("PaliGemma generates from an image and a prompt (its processor takes no text alone): "
                               "pass the image (--image PATH).")
-    if image is None and "<image>" in text:
+    if not images and "<image>" in text:
         raise ImageInputError("the prompt has image tokens (<image>) with no image: pass the image (--image PATH), "
                               "or drop <image> from the prompt.")
     with users_processor("processor", getattr(processor, "name_or_path", None) or "the model's directory",
                          error=ImageInputError):
-        enc = processor(text=[text], images=None if image is None else [[image]], return_tensors="np")
-    return [int(i) for i in enc["input_ids"][0]], None if image is None else enc["pixel_values"]
+        enc = processor(text=[text], images=[images] if images else None, return_tensors="np")
+    return [int(i) for i in enc["input_ids"][0]], enc["pixel_values"] if images else None
 
 
-def generate(directory: str | os.PathLike, prompt: str, image: str | os.PathLike | None = None,
+def generate(directory: str | os.PathLike, prompt: str, image: Any = None,
              max_new_tokens: int = 64, *, runtime: str | None = None, chat: bool = False, stream: Any = None,
              sampler: Any = None) -> Generation:
-    """Generation from ``prompt`` and the image at ``image`` with the graphs in
-    ``directory`` (``convert --graphs vision,prefill,decode``); ``result.text`` holds the
-    new text, which ``stream`` (a file) also receives as it is produced."""
+    """Generation from ``prompt`` and the image at ``image`` (a path, or a list of paths:
+    several images, in the prompt's order) with the graphs in ``directory`` (``convert
+    --graphs vision,prefill,decode``); ``result.text`` holds the new text, which ``stream``
+    (a file) also receives as it is produced."""
     gen = VisionGenerator(directory, runtime=runtime)
     gen.check_chat(chat)
     processor = saved_processor(gen.manifest)
-    ids, pixels = prepare(processor, prompt, read_image(image) if image is not None else None, chat=chat,
+    ids, pixels = prepare(processor, prompt, [read_image(p) for p in _image_list(image)], chat=chat,
                           max_tokens=gen.manifest.max_cache_len)
     gen.check_fits(len(ids), max_new_tokens)
     streamer = TextStream(processor.tokenizer, stream) if stream is not None else None

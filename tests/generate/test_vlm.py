@@ -40,6 +40,33 @@ def test_generate_with_image_equals_transformers(tiny_vlm_onert, runtime, prompt
     assert result.prefill_runs == 1 if t.family == "paligemma" else result.prefill_runs > 1
 
 
+def test_several_images_equal_transformers(tiny_vlm_onert, capsys):
+    """`generate --image a --image b`: both images go before the prompt in the order given
+    (one image marker each, as the processor expands them), and the tokens are transformers'
+    greedy ones on the same inputs; the other order is another prompt."""
+    t = tiny_vlm_onert
+    prompt = "Describe them"
+    ids, pixels = vision_gen.prepare(t.processor, prompt, [vision_gen.read_image(p) for p in (t.photo, t.other)])
+    one, _ = _inputs(t, prompt, t.photo)
+    image = t.model.config.image_token_id
+    assert ids.count(image) > one.count(image) > 0  # the second image's tokens are in the prompt
+    swapped = vision_gen.prepare(t.processor, prompt, [vision_gen.read_image(p) for p in (t.other, t.photo)])[1]
+    assert swapped.shape != pixels.shape or not np.array_equal(swapped, pixels)  # the order is kept
+    want = t.hf_greedy(ids, pixels)
+    got = vision_gen.generate(t.out, prompt, [t.photo, t.other], VLM_NEW)
+    assert got.prompt_ids == ids and got.tokens == want
+    capsys.readouterr()
+    assert main(["generate", str(t.out), "--image", str(t.photo), "--image", str(t.other), "--prompt", prompt,
+                 "--max-new-tokens", str(VLM_NEW)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt + got.text) and "2 image(s)" in err, (out, err)
+    # a prompt that places one image marker for two images is refused, naming both counts
+    mark = getattr(t.processor, "boi_token", None) or "<image>"
+    assert main(["generate", str(t.out), "--image", str(t.photo), "--image", str(t.other), "--prompt",
+                 f"{mark} {prompt}"]) == 2
+    assert "places 1 image(s)" in capsys.readouterr().err
+
+
 def test_the_image_decides_the_tokens(tiny_vlm_onert):
     """Another image gives transformers' tokens for that image, which differ: the graphs see it."""
     t = tiny_vlm_onert

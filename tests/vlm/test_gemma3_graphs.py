@@ -62,15 +62,18 @@ def test_graphs_equal_transformers(converted, images):
             assert np.abs(g - w.numpy()).max() <= LOGIT_TOL * max(1.0, float(w.abs().max())), (runtime, i)
 
 
-def test_generate_image_prints_transformers_text(converted, capsys):
-    """The CLI: the processor saved with the graphs expands the image where the prompt's
-    <start_of_image> is; the new text is transformers' greedy tokens decoded."""
+@pytest.mark.parametrize("images", [1, 2])
+def test_generate_image_prints_transformers_text(converted, capsys, images):
+    """The CLI (--image once per image): the processor saved with the graphs expands each
+    image where the prompt's <start_of_image> is; the new text is transformers' greedy
+    tokens decoded."""
     tiny, out = converted
-    inputs = tiny.inputs(PROMPTS[0], tiny.images[:1])
+    inputs = tiny.inputs(PROMPTS[images - 1], tiny.images[:images])
     want = tiny.processor.tokenizer.decode(tiny.hf_greedy(inputs, NEW)[0], skip_special_tokens=True)
-    assert main(["generate", str(out), "--image", str(tiny.images[0]), "--prompt", PROMPTS[0],
+    given = [arg for path in tiny.images[:images] for arg in ("--image", str(path))]
+    assert main(["generate", str(out), *given, "--prompt", PROMPTS[images - 1],
                  "--max-new-tokens", str(NEW), "--runtime", "onert"]) == 0
-    assert capsys.readouterr().out == PROMPTS[0] + want + "\n"  # without --chat the prompt is echoed first
+    assert capsys.readouterr().out == PROMPTS[images - 1] + want + "\n"  # without --chat the prompt is echoed first
 
 
 def test_the_image_changes_the_logits(converted):
