@@ -52,14 +52,12 @@ def test_several_images_equal_transformers(tiny_vlm_onert, capsys):
     assert ids.count(image) > one.count(image) > 0  # the second image's tokens are in the prompt
     swapped = vision_gen.prepare(t.processor, prompt, [vision_gen.read_image(p) for p in (t.other, t.photo)])[1]
     assert swapped.shape != pixels.shape or not np.array_equal(swapped, pixels)  # the order is kept
-    want = t.hf_greedy(ids, pixels)
-    got = vision_gen.generate(t.out, prompt, [t.photo, t.other], VLM_NEW)
-    assert got.prompt_ids == ids and got.tokens == want
+    want = t.processor.tokenizer.decode(t.hf_greedy(ids, pixels), skip_special_tokens=True)
     capsys.readouterr()
     assert main(["generate", str(t.out), "--image", str(t.photo), "--image", str(t.other), "--prompt", prompt,
                  "--max-new-tokens", str(VLM_NEW)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith(prompt + got.text) and "2 image(s)" in err, (out, err)
+    assert out == prompt + want + "\n" and "2 image(s)" in err, (out, want, err)
     # a prompt that places one image marker for two images is refused, naming both counts
     mark = getattr(t.processor, "boi_token", None) or "<image>"
     assert main(["generate", str(t.out), "--image", str(t.photo), "--image", str(t.other), "--prompt",
