@@ -28,12 +28,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any, ContextManager, Sequence
 
-from circleops.errors import OutputError
+from circleops.errors import OutputError, TargetError
 from circleops.options import ConvertOptions
 from circleops.package.step import Graph
 from circleops.quantize.quality import float_arrays
 
-__all__ = ["Graph", "Recipe", "eos_token_ids", "pad_token_id", "save_generation_config"]
+__all__ = ["Graph", "Recipe", "eos_token_ids", "pad_token_id", "refuse_float_dtype", "save_generation_config"]
 
 
 def eos_token_ids(*configs: Any) -> list[int]:
@@ -64,6 +64,13 @@ def save_generation_config(model: Any, directory: Path) -> None:
         config.to_json_file(str(directory / "generation_config.json"))
     except OSError as err:
         raise OutputError(f"cannot write {directory / 'generation_config.json'}: {err}.") from None
+
+
+def refuse_float_dtype(options: ConvertOptions, what: str, hint: str) -> None:
+    """Refuse ``--dtype`` other than fp32 for a recipe whose graphs compute in fp32 only
+    (``what``: the model kind, ``hint``: what makes the file smaller instead)."""
+    if options.dtype not in (None, "fp32") and str(options.dtype) != "torch.float32":
+        raise TargetError(f"--dtype {options.dtype}: {what}'s graphs compute in fp32 so far ({hint}); drop --dtype.")
 
 
 class Recipe:

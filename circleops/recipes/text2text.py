@@ -41,7 +41,7 @@ from circleops.package.step import Graph
 from circleops.package.text2text_manifest import (ENCODER_GRAPH, SOURCE_IDS, TEXT2TEXT_GRAPHS,
                                                   TEXT2TEXT_MODEL_TYPES, Text2TextSpec, io_names,
                                                   text2text_model_type)
-from circleops.recipes.base import Recipe, pad_token_id, save_generation_config
+from circleops.recipes.base import Recipe, pad_token_id, refuse_float_dtype, save_generation_config
 
 DEFAULT_SOURCE_LEN = 128
 # a decoder prompt is the start token (a prefix of a few more at most): one short prefill graph
@@ -132,9 +132,7 @@ class Text2TextRecipe(Recipe):
     def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
         """What no model can give, before the model loads: the graph names, fp32."""
         parse_graphs(options.graphs)
-        if options.dtype not in (None, "fp32") and str(options.dtype) != "torch.float32":
-            raise TargetError(f"--dtype {options.dtype}: a text-to-text model's graphs compute in fp32 so far "
-                              f"(--quantize makes the decoder's weights smaller); drop --dtype.")
+        refuse_float_dtype(options, "a text-to-text model", "--quantize makes the decoder's weights smaller")
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "Text2TextRecipe":

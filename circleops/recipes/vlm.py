@@ -49,7 +49,7 @@ from circleops.package import step as package_step
 from circleops.package.manifest import Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
 from circleops.package.step import Graph
-from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, save_generation_config
+from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, refuse_float_dtype, save_generation_config
 from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_update, example_args, io_names,
                                   prefill_lengths, save_tokenizer, text_lines)
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFIX_LEN, VISION_GRAPH, VLM_GRAPH_NAMES,
@@ -248,9 +248,8 @@ class VLMRecipe(Recipe):
             raise TargetError(f"--graphs {options.graphs}: the vision graph is for vision-language models (model_type "
                               f"{', '.join(VLM_MODEL_TYPES)}); {options.config or source} is not one. Use --graphs "
                               f"prefill,decode for a causal LM.")
-        if options.dtype not in (None, "fp32") and str(options.dtype) != "torch.float32":
-            raise TargetError(f"--dtype {options.dtype}: a vision-language model's graphs compute in fp32 so far "
-                              f"(--quantize q4_0, q8_0 or w8 makes its text graphs' weights smaller); drop --dtype.")
+        refuse_float_dtype(options, "a vision-language model",
+                           "--quantize q4_0, q8_0 or w8 makes its text graphs' weights smaller")
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "VLMRecipe":

@@ -149,3 +149,14 @@ def test_a_damaged_text2text_section_is_refused(converted, tmp_path):
         (copy / "manifest.json").write_text(json.dumps(data))
         with pytest.raises(ModelLoadError, match=message):
             read_manifest(copy)
+
+
+def test_dtype_other_than_fp32_is_refused_before_loading():
+    """The graphs compute in fp32: --dtype fp16 is one clear refusal before any model loads."""
+    from circleops.errors import TargetError
+    from circleops.options import ConvertOptions
+    from circleops.recipes.text2text import Text2TextRecipe
+
+    with pytest.raises(TargetError, match="--dtype fp16: a text-to-text model's graphs compute in fp32"):
+        Text2TextRecipe.check_options(ConvertOptions(dtype="fp16", graphs="encoder,prefill,decode"))
+    Text2TextRecipe.check_options(ConvertOptions(dtype="fp32", graphs="encoder,prefill,decode"))
