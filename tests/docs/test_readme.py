@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import readme_fixture as fx
+from zygote import ForkServer
 
 LANGS = {"python", "shell", "console", "text"}
 
@@ -207,6 +208,8 @@ def shell_run(tmp_path_factory):
     template = tmp_path_factory.mktemp("readme_sh")
     fx.prepare_shell_dir(template)
     env = fx.shell_env(tmp_path_factory.mktemp("bin"))
+    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"))
+    env = server.client_env(tmp_path_factory.mktemp("bin_forked"), env)
     dirs: dict[str, Path] = {}
     done: dict[int, subprocess.CompletedProcess] = {}  # id() of a FAST command -> its result
 
@@ -222,7 +225,8 @@ def shell_run(tmp_path_factory):
                 return done[id(c)]
         raise AssertionError(f"{c.cmd} is not one of {page}'s commands")
 
-    return run
+    yield run
+    server.close()
 
 
 def _run(c: Command, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -267,8 +271,10 @@ def test_real_smollm2_commands_run(tmp_path_factory):
     shown twice runs once): convert, generate the guide's text, the cache error."""
     cwd = tmp_path_factory.mktemp("readme_smollm2")
     env = fx.shell_env(tmp_path_factory.mktemp("bin_smollm2"))
-    done: dict[str, subprocess.CompletedProcess] = {}
-    for c in SLOW:
-        p = done.get(c.cmd) or _run(c, cwd, env)
-        done[c.cmd] = p
-        _check(c, p)
+    with ForkServer(env, tmp_path_factory.mktemp("fork_server_smollm2")) as server:
+        env = server.client_env(tmp_path_factory.mktemp("bin_smollm2_forked"), env)
+        done: dict[str, subprocess.CompletedProcess] = {}
+        for c in SLOW:
+            p = done.get(c.cmd) or _run(c, cwd, env)
+            done[c.cmd] = p
+            _check(c, p)
