@@ -121,6 +121,28 @@ def tensor_types(path: str | os.PathLike) -> set[str]:
     return {names.get(t, f"UNKNOWN_{t}") for t in types}
 
 
+def io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Subgraph 0's input and output tensor names, through the zero-copy accessors (a
+    runtime that knows no names asks; read_model would decode every table for them)."""
+    fmt = detect_format(path)
+    schema = get_schema(fmt)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        sg = schema.reader_cls("Model").GetRootAs(buf, 0).Subgraphs(0)
+
+        def name(i: int) -> str:
+            raw = sg.Tensors(i).Name()
+            return raw.decode("utf-8", "replace") if raw is not None else ""
+
+        return ([name(sg.Inputs(j)) for j in range(sg.InputsLength())],
+                [name(sg.Outputs(j)) for j in range(sg.OutputsLength())])
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({type(err).__name__}: "
+                             f"{_short(err)}); the file is truncated or corrupt") from None
+
+
 def _short(err: BaseException, limit: int = 200) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
