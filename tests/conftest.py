@@ -12,6 +12,8 @@ if os.environ.get("CIRCLEOPS_MUTANT"):
 
     mutants.apply(os.environ["CIRCLEOPS_MUTANT"])
 
+from readme_llm import readme_llm_out  # noqa: E402,F401  (the README's out/, converted once: a session fixture)
+
 # Under pytest-xdist every worker is its own process; with torch's default of one thread
 # per core the workers oversubscribe the 2 cores and small ops crawl (measured: a tiny
 # decode step 146 ms instead of 4 ms). One intra-op thread per worker.
