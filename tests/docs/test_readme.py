@@ -16,7 +16,6 @@ from the code.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
