@@ -91,7 +91,7 @@ QWEN2_VL = VLMFamily(
     name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
                               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
     vision="model.visual", projector="model.visual.merger", text="model.language_model",
-    image_seq_len="", mrope=True, tower="qwen", converted=False)
+    image_seq_len="", mrope=True, tower="qwen")
 FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3, QWEN2_VL)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 
