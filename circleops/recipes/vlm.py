@@ -16,6 +16,11 @@ text model are, what the prefill mask is):
 * PaliGemma (``PaliGemmaForConditionalGeneration``): a SigLIP vision tower, a linear projector
   and a Gemma text model whose prefill attends both ways over the prefix (the image tokens,
   BOS, the prompt and "\n", as PaliGemmaProcessor lays them out) and causally after it.
+* Gemma 3 (``Gemma3ForConditionalGeneration``): each image's tokens attended both ways.
+* Qwen2-VL / Qwen2.5-VL: a patch tower (adapters.qwen_vision) over one image resized to the
+  directory's fixed size (circleops.generation.patch_images), its integer inputs from the
+  host; the prefill takes the 3-D M-RoPE positions (``rope_positions [3, 1, N]``), the decode
+  ``rope_delta``.
 
 * ``vision``: one image tile ``pixel_values [1, 3, S, S]`` -> ``image_embeds [1, T, H]``, the
   projected embeddings that replace the tile's T ``<image>`` tokens (T = the model's
