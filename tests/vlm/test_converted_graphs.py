@@ -134,17 +134,42 @@ def test_the_image_changes_the_logits(converted):
     assert float(np.abs(a - b).max()) > 1e-2
 
 
-@pytest.mark.parametrize("target", ["circle", "tflite"])
-def test_one_file_targets_generate_transformers_tokens(mrope_vlm, tmp_path, target):
+# each Qwen family as one file for one of the one-file targets (both families run on onert and
+# the reference interpreter above; one target each keeps the suite's time down)
+ONE_FILE = {"qwen2_vl": "tflite", "qwen2_5_vl": "circle"}
+
+
+def test_one_file_targets_generate_transformers_tokens(mrope_vlm, tmp_path):
     """Qwen2-VL / Qwen2.5-VL as one file (a signature per graph): target circle (ATTENTION
     updating whole caches, the reference interpreter) and tflite (LiteRT) give transformers'
     greedy tokens with two images."""
     from circleops.generation import vision as vision_gen
 
     tiny, out = mrope_vlm, tmp_path / "out"
+    target = ONE_FILE[tiny.family]
     assert main(["convert", str(tiny.directory), "--graphs", "vision,prefill,decode", "--target", target, "-q",
                  "--seq-len", "8", "--max-cache-len", "80", "-o", str(out)]) == 0
     want = tiny.hf_greedy(_hf_inputs(tiny, out, 2), NEW)[0]
     result = vision_gen.generate(out, _prompt(tiny, 2), [str(p) for p in tiny.images], NEW)
     assert result.runtime == {"circle": "reference", "tflite": "litert"}[target]
     assert result.tokens == want and result.prefill_runs > 2
+
+
+def test_a_damaged_patch_grid_is_refused(converted, tmp_path):
+    """A manifest whose patch grid is not the vision graph's, or not whole merge units, is
+    one ModelLoadError naming the entry (never an array of the damaged size)."""
+    import shutil
+
+    import manifest_json
+    from circleops.errors import ModelLoadError
+    from circleops.generation.vision import VisionGenerator
+
+    vision = manifest_json.read(converted.out)["vision"]
+    # a pooled tower's (Gemma 3: tiles) gets one: its vision graph takes no patches either
+    patches = vision.get("patches") or {"grid": [1, 4, 4], "patch_dim": 384, "merge_size": 2, "patch_size": 8}
+    for grid, message in (([1, 10 ** 6, 10 ** 6], "the vision graph takes"), ([1, 3, 3], "not a grid of whole")):
+        out = tmp_path / f"out{grid[1]}"
+        shutil.copytree(converted.out, out)
+        manifest_json.edit(out, {"vision": {**vision, "patches": {**patches, "grid": grid}}})
+        with pytest.raises(ModelLoadError, match=message):
+            VisionGenerator(out, runtime="reference")
