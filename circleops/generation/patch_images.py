@@ -100,12 +100,18 @@ def load_patch_processor(path: Path, side: int | None = None) -> PatchImagesProc
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from circleops.errors import ModelLoadError
     from circleops.sources.models import quiet_transformers
 
-    with quiet_transformers():
-        images = Qwen2VLImageProcessorPil.from_pretrained(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    return PatchImagesProcessor(images, tokenizer, fixed_side(images) if side is None else side)
+    try:
+        with quiet_transformers():
+            images = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        return PatchImagesProcessor(images, tokenizer, fixed_side(images) if side is None else side)
+    except Exception as err:  # noqa: BLE001 - transformers / tokenizers on a damaged or missing file
+        raise ModelLoadError(f"cannot load the image processor and tokenizer saved in {path}: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:300]}. Convert again from a model directory that holds "
+                             f"its preprocessor_config.json and tokenizer.") from None
 
 
 def graph_index(patches: dict[str, Any]) -> Any:

@@ -59,6 +59,9 @@ class VisionSpec:
                                  f"again with --graphs vision,prefill,decode.") from None
         if min(spec.image_seq_len, spec.tile_size, spec.hidden_size) < 1 or spec.image_token_id < 0:
             raise ModelLoadError(f"{where}: the vision entry's sizes must be positive. Convert again.")
+        if spec.mrope and not spec.patches:
+            raise ModelLoadError(f"{where}: the vision entry has 3-D positions (mrope) and no patch grid (patches): "
+                                 f"convert again.")
         return spec
 
 

@@ -156,8 +156,9 @@ def test_one_file_targets_generate_transformers_tokens(mrope_vlm, tmp_path):
 
 
 def test_a_damaged_patch_grid_is_refused(converted, tmp_path):
-    """A manifest whose patch grid is not the vision graph's, or not whole merge units, is
-    one ModelLoadError naming the entry (never an array of the damaged size)."""
+    """A manifest whose patch grid is not the vision graph's, or not whole merge units, or
+    that has M-RoPE positions and no grid, is one ModelLoadError naming the entry (never an
+    array of the damaged size)."""
     import shutil
 
     import manifest_json
@@ -173,3 +174,8 @@ def test_a_damaged_patch_grid_is_refused(converted, tmp_path):
         manifest_json.edit(out, {"vision": {**vision, "patches": {**patches, "grid": grid}}})
         with pytest.raises(ModelLoadError, match=message):
             VisionGenerator(out, runtime="reference")
+    out = tmp_path / "no_grid"
+    shutil.copytree(converted.out, out)
+    manifest_json.edit(out, {"vision": {**{k: v for k, v in vision.items() if k != "patches"}, "mrope": True}})
+    with pytest.raises(ModelLoadError, match=r"3-D positions \(mrope\) and no patch grid"):
+        VisionGenerator(out, runtime="reference")
