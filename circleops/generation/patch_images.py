@@ -32,8 +32,11 @@ def fixed_side(image_processor: Any) -> int:
     min_pixels / max_pixels), as close to :data:`DEFAULT_SIDE` as they allow."""
     factor = int(image_processor.patch_size) * int(image_processor.merge_size)
     size = image_processor.size
-    lo = int(_get(size, "shortest_edge") or factor * factor)
-    hi = int(_get(size, "longest_edge") or DEFAULT_SIDE * DEFAULT_SIDE)
+    # the pixel bounds: size's shortest/longest_edge (transformers 5), or min/max_pixels (older configs)
+    lo = int(_get(size, "shortest_edge") or _get(size, "min_pixels") or getattr(image_processor, "min_pixels", None)
+             or factor * factor)
+    hi = int(_get(size, "longest_edge") or _get(size, "max_pixels") or getattr(image_processor, "max_pixels", None)
+             or DEFAULT_SIDE * DEFAULT_SIDE)
     side = max(factor, math.isqrt(min(max(DEFAULT_SIDE ** 2, lo), hi)) // factor * factor)
     while side * side < lo:
         side += factor

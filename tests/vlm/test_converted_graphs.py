@@ -179,3 +179,22 @@ def test_a_damaged_patch_grid_is_refused(converted, tmp_path):
     manifest_json.edit(out, {"vision": {**{k: v for k, v in vision.items() if k != "patches"}, "mrope": True}})
     with pytest.raises(ModelLoadError, match=r"3-D positions \(mrope\) and no patch grid"):
         VisionGenerator(out, runtime="reference")
+
+
+@pytest.mark.parametrize("bounds, side", [
+    ({}, 448),  # the released processors' 3136 .. 12845056 pixels
+    ({"min_pixels": 3136, "max_pixels": 200 * 200}, 196),  # the largest multiple of 28 px whose square fits
+    ({"min_pixels": 600 * 600, "max_pixels": 10 ** 7}, 616),  # the smallest whose square reaches min_pixels
+])
+def test_the_fixed_image_side(bounds, side):
+    """docs/vlm.md's rule: 448 px where the processor's pixel bounds allow, else the nearest
+    multiple of patch x merge (28 px) within them; the processor's own resize keeps it."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from circleops.generation.patch_images import fixed_side
+
+    processor = Qwen2VLImageProcessorPil(**bounds)
+    assert fixed_side(processor) == side
+    grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="np")["image_grid_thw"]
+    assert grid.tolist() == [[1, side // 14, side // 14]]
