@@ -42,7 +42,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     result = gen.generate_with_image(ids, pixels, args.max_new_tokens, on_token=stream, sampler=sampler)
     stream.close()
     if not args.quiet:
-        tiles = 0 if pixels is None else int((pixels.reshape(-1, *pixels.shape[-3:]) != 0).any(axis=(1, 2, 3)).sum())
+        tiles = gen.vision_runs(pixels)
         print(f"{result.timing_line(manifest.prefill_len)}; {len(images)} image(s): {tiles} tile(s) through the "
               f"vision graph",
               file=sys.stderr)

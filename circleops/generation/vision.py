@@ -79,6 +79,24 @@ class VisionGenerator(Generator):
         # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
         # graphs take it, and the prefix must go through one run (see plan)
         self.prefix_len = 0
+        self._patch_index = self._check_patches() if self.vision.patches else None
+        if self.vision.mrope:  # each slot's t/h/w rotary position (padding rows past the cache too)
+            self._rope = np.zeros((3, m.max_cache_len + max(self.prefill_sessions)), dtype=np.int64)
+            self.step_extras = [np.zeros(1, dtype=np.int64)]  # the decode's rope_delta
+
+    def _check_patches(self) -> Any:
+        """The patch tower's integer inputs on the manifest's grid (patch_images.graph_index);
+        ModelLoadError unless the vision graph takes that many patches."""
+        from circleops.generation.patch_images import graph_index
+
+        p = self.vision.patches
+        n = p["grid"][0] * p["grid"][1] * p["grid"][2]
+        shape = list(self.vision_session.inputs[0].shape) if self.vision_session.inputs else []
+        if shape != [n, p["patch_dim"]]:
+            raise ModelLoadError(f"{self.manifest.directory}/{MANIFEST}: the vision entry's grid {p['grid']} is {n} "
+                                 f"patches of {p['patch_dim']} values, and the vision graph takes {shape}. Convert "
+                                 f"again.")
+        return [x.numpy() for x in graph_index(p).inputs()]
 
     def reset(self) -> None:
         super().reset()
@@ -140,11 +158,41 @@ class VisionGenerator(Generator):
             s = e
         return runs
 
-    def image_features(self, pixel_values: Any) -> Any:
-        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
-        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does."""
+    def vision_runs(self, pixel_values: Any) -> int:
+        """How many runs of the vision graph ``pixel_values`` (the processor's) takes: its
+        non-padding tiles, or a patch tower's images."""
         import numpy as np
 
+        if pixel_values is None:
+            return 0
+        px = np.asarray(pixel_values)
+        if self.vision.patches:
+            return int(px.size // (self._patch_index[0].shape[0] * self.vision.patches["patch_dim"]))
+        return int((px.reshape(-1, *px.shape[-3:]) != 0).any(axis=(1, 2, 3)).sum())
+
+    def _patch_features(self, pixel_values: Any) -> Any:
+        """A patch tower's image embeddings [images x T, H]: ``pixel_values`` [images x N,
+        C*T*P*P] (the processor's, each image on the fixed grid), one image per run."""
+        import numpy as np
+
+        n, d = self._patch_index[0].shape[0], self.vision.patches["patch_dim"]
+        px = np.asarray(pixel_values, dtype=np.float32)
+        if px.size % (n * d) or px.shape[-1] != d:
+            raise ImageInputError(f"the processor made {list(px.shape)} patch values and the vision graph takes "
+                                  f"images of {n} patches of {d} values ({self.vision.tile_size} x "
+                                  f"{self.vision.tile_size} pixels): the processor saved with the model does not "
+                                  f"match it. Convert again with the model's own processor.")
+        px = px.reshape(-1, n, d)
+        return np.concatenate([self.vision_session.run([image, *self._patch_index])[0] for image in px])
+
+    def image_features(self, pixel_values: Any) -> Any:
+        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
+        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does.
+        A patch tower's: :meth:`_patch_features`."""
+        import numpy as np
+
+        if self.vision.patches:
+            return self._patch_features(pixel_values)
         s = self.vision.tile_size
         tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
         if tiles.shape[-2:] != (s, s):
@@ -180,7 +228,28 @@ class VisionGenerator(Generator):
         if orphans and (len(token_ids) > 1 or start == 0):
             raise ImageInputError(f"the prompt has {len(orphans)} image token(s) (<image>) with no image: pass the "
                                   f"image (--image PATH).")
+        if self.vision.mrope and (len(token_ids) > 1 or start == 0):
+            self._mrope_positions([*self.history, *(int(t) for t in token_ids)])
         return super().feed(token_ids)
+
+    def _mrope_positions(self, ids: Sequence[int]) -> None:
+        """The 3-D rotary positions of ``ids`` (the whole conversation: transformers'
+        get_rope_index, every image on the manifest's grid) into the slots, the padding after
+        them counting on, and the decode's delta."""
+        import numpy as np
+
+        from circleops.adapters.qwen_vision import mrope_positions
+
+        p = self.vision.patches
+        images = sum(int(t) == self.vision.image_token_id for t in ids) // max(1, self.vision.image_seq_len) + 1
+        rope, delta = mrope_positions(ids, self.vision.image_token_id, [p["grid"]] * images, p["merge_size"])
+        if len(rope[0]) != len(ids):
+            raise ImageInputError(f"the prompt's image tokens do not come in runs of {self.vision.image_seq_len} "
+                                  f"(one image on the fixed grid): the prompt was not made by the model's processor.")
+        n = len(ids)
+        self._rope[:, :n] = rope
+        self._rope[:, n:] = self._rope[:, n - 1:n] + np.arange(1, self._rope.shape[1] - n + 1)
+        self.step_extras = [np.array([delta], dtype=np.int64)]
 
     def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
         import numpy as np
@@ -189,9 +258,12 @@ class VisionGenerator(Generator):
         rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
         take = max(0, min(n, self.manifest.max_cache_len - pos))
         rows[0, :take] = self._rows[pos:pos + take]
+        extras = [rows]
+        if self.vision.mrope:
+            extras.append(self._rope[:, None, pos:pos + n])
         if self.vision.prefix_lm:
-            return [rows, np.array([self.prefix_len], dtype=np.int64)]
-        return [rows]
+            extras.append(np.array([self.prefix_len], dtype=np.int64))
+        return extras
 
     def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
                             max_new_tokens: int, **kwargs: Any) -> Generation:
@@ -239,7 +311,8 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     of the processor's template, the images first. ``max_tokens``: the cache's length (a
     longer text is refused before it is tokenized)."""
     images = _image_list(image)
-    mark = getattr(processor, "boi_token", None) or "<image>"  # where the processor expands an image
+    # where the processor expands an image
+    mark = getattr(processor, "image_marker", None) or getattr(processor, "boi_token", None) or "<image>"
     if max_tokens is not None:
         check_text_fits(processor.tokenizer, prompt, max_tokens)
     if chat:
@@ -292,7 +365,15 @@ def saved_processor(manifest: Manifest) -> Any:
     if not manifest.tokenizer:
         raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
                              f"convert the model directory, with its processor, to generate from an image.")
-    return load_processor(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
+    path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
+    spec = VisionSpec.from_json(manifest.vision, manifest.directory / MANIFEST) if manifest.vision else None
+    if spec is not None and spec.patches:  # a patch tower: its images resized to the directory's one size
+        from circleops.generation.patch_images import load_patch_processor
+
+        refuse_remote_code(path)
+        check_tokenizer_dir(Path(path))
+        return load_patch_processor(path, side=spec.tile_size)
+    return load_processor(path)
 
 
 class VisionChat(Chat):
