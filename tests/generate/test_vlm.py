@@ -98,22 +98,24 @@ def test_cli_generate_prints_transformers_text(tiny_vlm_onert, capsys):
     assert f"{t.tiles} tile(s) through the vision graph" in err
 
 
-def _rendered(t, texts_and_replies, image):
+def _rendered(t, texts_and_replies, images):
     """The ids and pixel_values of a conversation (user, assistant, ..., user) rendered by the
-    processor's template with the image in the first user message."""
+    processor's template, ``images[i]`` (a list) in message i, as transformers takes it."""
     messages = [{"role": "user" if i % 2 == 0 else "assistant",
-                 "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": text}]}
+                 "content": [{"type": "image"}] * len(images.get(i, [])) + [{"type": "text", "text": text}]}
                 for i, text in enumerate(texts_and_replies)]
     rendered = t.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return vision_gen.prepare(t.processor, rendered, image)
+    return vision_gen.prepare(t.processor, rendered, [x for i in sorted(images) if i < len(messages) for x in images[i]] or None)
 
 
 def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys):
     """Each reply is transformers' greedy continuation of the whole conversation rendered by
-    the processor's template with the image; the second turn feeds only its own tokens.
-    PaliGemma (no chat template) refuses to chat in one paragraph."""
+    the processor's template, each image in the turn that brought it (the first message's
+    --image, a later turn's /image); a later turn feeds only its own tokens. A turn whose
+    images do not fit the cache is refused, the conversation kept. PaliGemma (no chat
+    template) refuses to chat in one paragraph."""
     t = tiny_vlm_onert
-    image = vision_gen.read_image(t.photo)
+    image, other = vision_gen.read_image(t.photo), vision_gen.read_image(t.other)
     if not t.chat:
         assert main(["chat", str(t.out), "--image", str(t.photo)]) == 2
         err = capsys.readouterr().err
@@ -123,18 +125,32 @@ def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys
         return
     chat = vision_gen.VisionChat(vision_gen.VisionGenerator(t.out), t.processor, image)
     said: list[str] = []
-    for text in ["Describe it", "And the colours?"]:
-        ids, pixels = _rendered(t, [*said, text], image)
+    images = {0: [image]}
+    for text, added in [("Describe it", None), ("And this one?", other)]:
+        if added is not None:
+            chat.add_image(added)
+            images[len(said)] = [added]
+        ids, pixels = _rendered(t, [*said, text], images)
+        first = first if said else len(ids)
         reply = chat.turn(text, 8)
         assert reply.tokens == t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids)
         said += [text, reply.text]
-    assert reply.fed < len(ids) // 2  # the image and the first turn stay in the cache
+    assert ids.count(t.model.config.image_token_id) == 2 * t.tiles * t.image_tokens  # both images' tokens
+    assert len(ids) - reply.fed >= first  # the first turn's prompt and image stay in the cache
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Describe it\n"))
+    # the CLI: a second turn that adds an image (/image), then images past the 128-slot cache
+    said, images = [], {0: [image], 2: [other]}
+    for text in ["Describe it", "And this one?"]:
+        ids, pixels = _rendered(t, [*said, text], images)
+        want = [x for x in t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids) if x not in chat.stop_ids]
+        said += [text, t.processor.tokenizer.decode(want, skip_special_tokens=True)]
+    more = f"/image {t.photo}\n" * 4
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Describe it\n/image {t.other}\nAnd this one?\n{more}Too many\n"))
+    capsys.readouterr()
     assert main(["chat", str(t.out), "--image", str(t.photo), "--max-new-tokens", "8", "-q"]) == 0
-    ids, pixels = _rendered(t, ["Describe it"], image)
-    want = [x for x in t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids) if x not in chat.stop_ids]
-    assert capsys.readouterr().out == t.processor.tokenizer.decode(want, skip_special_tokens=True) + "\n"
+    out, err = capsys.readouterr()
+    assert out == said[1] + "\n" + said[3] + "\n", (out, said)
+    assert "the KV cache is full" in err and "Traceback" not in err, err
 
 
 def test_manifest_lists_the_vision_graph_and_the_text_part_stays_fused(tiny_vlm_onert):
