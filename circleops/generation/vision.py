@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from circleops.generation.caches import float_dtype
 from circleops.generation.chat import Chat
 from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError
@@ -74,7 +75,9 @@ class VisionGenerator(Generator):
                                  f"{','.join(VLM_GRAPH_NAMES)}.")
         self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
         self.vision_session = open_graph(m, self.vision.graph, self.runtime)
-        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
+        # the graphs' float type (float16 for --dtype fp16): the pixels and image embeddings they take
+        self.float_dtype = np.dtype(float_dtype(m))
+        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=self.float_dtype)
         self._has_image = np.zeros(m.max_cache_len, dtype=bool)
         # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
         # graphs take it, and the prefix must go through one run (see plan)
@@ -146,13 +149,13 @@ class VisionGenerator(Generator):
         import numpy as np
 
         s = self.vision.tile_size
-        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
+        tiles = np.asarray(pixel_values, dtype=self.float_dtype).reshape(-1, 3, *np.shape(pixel_values)[-2:])
         if tiles.shape[-2:] != (s, s):
             raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
                                   f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
                                   f"again with the model's own processor.")
         out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
-        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
+        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), self.float_dtype)
 
     def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
         """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
@@ -169,7 +172,7 @@ class VisionGenerator(Generator):
                                        f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
                                        f"larger --max-cache-len.")
         if where:
-            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._rows[where] = np.asarray(features, dtype=self.float_dtype)
             self._has_image[where] = True
 
     def feed(self, token_ids: Sequence[int]) -> Any:
@@ -186,7 +189,7 @@ class VisionGenerator(Generator):
         import numpy as np
 
         n = ids.shape[1]
-        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
+        rows = np.zeros((1, n, self.vision.hidden_size), dtype=self.float_dtype)
         take = max(0, min(n, self.manifest.max_cache_len - pos))
         rows[0, :take] = self._rows[pos:pos + take]
         if self.vision.prefix_lm:

@@ -5,6 +5,7 @@ interpreter, and the one-file targets circle and tflite) give transformers' gree
 ``tiny_vlm_onert`` is parametrized over the families (vlm_fixtures.py)."""
 from __future__ import annotations
 
+import copy
 import io
 import sys
 
@@ -210,20 +211,58 @@ def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
     assert "the vision graph is for vision-language models" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("target", ["circle", "tflite"])
-def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target):
+@pytest.mark.parametrize("target, dtype", [("circle", "fp32"), ("tflite", "fp32"), ("tflite", "fp16")])
+def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target, dtype):
     """Target circle (ATTENTION updating whole caches, the reference interpreter) and tflite
-    (LiteRT): one file, a signature per graph, the vision graph among them."""
+    (LiteRT): one file, a signature per graph, the vision graph among them. fp16 (`convert
+    --dtype fp16`, the CLI: the model loaded in fp16): every graph takes and returns fp16, as
+    the LLM recipe's, and generates torch fp16's greedy tokens (_check_fp16_tokens)."""
     t = tiny_vlm_onert
-    model, processor = vlm.load(t.model_dir)
     lengths = tuple(int(n) for n in t.prefill.split(","))
-    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=lengths,
-                                    max_cache_len=64)
-    assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
+    out = tmp_path / "out"
+    if dtype == "fp16":
+        assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", "--target", target, "--dtype",
+                     dtype, "-q", "--seq-len", t.prefill, "--max-cache-len", "64", "-o", str(out)]) == 0
+    else:
+        model, processor = vlm.load(t.model_dir)
+        vlm.convert_vlm_graphs(model, out, processor=processor, target=target, prefill_len=lengths, max_cache_len=64)
+    m = read_manifest(out)
+    assert set(m.files.values()) == {f"model.{'tflite' if target == 'tflite' else 'circle'}"} and m.dtype == dtype
     ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
     # 8 tokens: PaliGemma's causal-prefill tokens part from the prefix-LM's at the 5th
-    got = vision_gen.generate(tmp_path / "out", "Describe it", t.photo, 8, chat=t.chat).tokens
-    assert got == t.hf_greedy(ids, pixels, 8)
+    got = vision_gen.generate(out, "Describe it", t.photo, 8, chat=t.chat).tokens
+    if dtype == "fp32":
+        assert got == t.hf_greedy(ids, pixels, 8)
+    else:
+        _check_fp16_tokens(t, read_model(out / m.files["vision"]), ids, pixels, got)
+
+
+def _check_fp16_tokens(t, model_file, ids, pixels, tokens):
+    """An fp16 file's signatures take and return fp16 (pixels, image embeddings, caches,
+    logits), and each token it generated is torch fp16's greedy choice (the model cast to
+    fp16, teacher-forced on the prompt and the tokens) up to the fp16 roundings of the path
+    to the logits: the vision graph's, then the prefill's that reads its embeddings, then the
+    decode step's that reads the prefill's caches (tests/rounding.py; two computations, each
+    within that bound, may swap two logits twice as close)."""
+    from rounding import fp16_error_bound, fp16_roundings, native_fp16
+
+    for sig in model_file.signatures:
+        sub = model_file.subgraphs[sig.subgraph_index]
+        floats = {name: sub.tensors[sub.inputs[i]].dtype for i, name in enumerate(sig.inputs)
+                  if name not in ("input_ids", "pos", "logits_row", "prefix_len")}
+        floats.update({name: sub.tensors[i].dtype for name, i in sig.outputs.items()})
+        assert set(floats.values()) == {"FLOAT16"}, (sig.key, floats)
+    model = copy.deepcopy(t.model).half()
+    kw = {} if t.family != "paligemma" else {  # the generated tokens: PaliGemma's causal suffix
+        "token_type_ids": torch.tensor([[0] * len(ids) + [1] * len(tokens)])}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens]), pixel_values=torch.as_tensor(pixels).half(),
+                       **kw).logits[0, len(ids) - 1:len(ids) - 1 + len(tokens)].float()
+    index = {sig.key: sig.subgraph_index for sig in model_file.signatures}
+    roundings = sum(fp16_roundings(model_file, index[g], native_fp16())[0] for g in ("vision", "prefill", "decode"))
+    bound = fp16_error_bound(roundings) * max(1.0, float(logits.abs().max()))
+    gaps = [float(row.max() - row[x]) for row, x in zip(logits, tokens)]
+    assert max(gaps) <= 2 * bound, f"fp16 tokens {tokens} off torch fp16's greedy by logit gaps {gaps} ({bound=:.3g})"
 
 
 @pytest.mark.parametrize("vision, message", [("oops", "vision has the wrong type"),
@@ -317,8 +356,14 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
     assert vision_gen.generate(tmp_path / "cli", "Describe it", t.photo, 8, chat=t.chat).tokens == tokens
 
 
-def test_dtype_is_refused_for_a_vlm(tiny_vlm_onert, tmp_path, capsys):
-    assert main(["convert", str(tiny_vlm_onert.model_dir), "--graphs", "vision,prefill,decode", "--target", "circle",
-                 "--dtype", "fp16", "-o", str(tmp_path / "o")]) == 2
-    assert "--dtype fp16: a vision-language model's graphs compute in fp32" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+def test_fp16_is_refused_where_it_cannot_run(tiny_vlm_onert, tmp_path, capsys):
+    """fp16 graphs are for circle and tflite, as the LLM recipe's: onert refuses fp16 tensors,
+    and a weight format stores weights for fp32 graphs; one paragraph each, nothing written."""
+    t = tiny_vlm_onert
+    for extra, message in [(["--target", "onert"], "target onert is fp32 only"),
+                           (["--target", "circle", "--quantize", "q8_0"], "use dtype fp32 with quantize")]:
+        assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", *extra, "--dtype", "fp16",
+                     "-o", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+        assert not (tmp_path / "o").exists()
