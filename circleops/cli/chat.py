@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
             chat.reset()
             print("circleops chat: new conversation (cache emptied)", file=sys.stderr)
             continue
-        if text.strip().startswith("/image"):
+        if text.strip().split(maxsplit=1)[0] == "/image":
             _add_image(chat, text.strip()[len("/image"):].strip())
             continue
         stream = TextStream(tokenizer, sys.stdout)

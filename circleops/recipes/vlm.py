@@ -364,7 +364,8 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertO
     ``seq_len`` (or ``prefill_len``) and ``max_cache_len`` as for
     :func:`circleops.recipes.llm.convert_graphs`; ``quantize``: a weight-only format (q4_0, q8_0,
     w8) for the text graphs (prefill and decode share one set of blocks), the vision graph
-    stays fp32; ``threads`` as for convert_graphs.
+    stays fp32; ``threads`` as for convert_graphs. A model in float16 (``model.half()``;
+    ``circleops convert --dtype fp16`` loads it so) writes fp16 graphs, targets circle and tflite.
 
     ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
     of text and one image tile, against the model's own forward with ``pixel_values``: the

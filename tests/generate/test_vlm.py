@@ -211,12 +211,13 @@ def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
     assert "the vision graph is for vision-language models" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("target, dtype", [("circle", "fp32"), ("tflite", "fp32"), ("tflite", "fp16")])
+@pytest.mark.parametrize("target, dtype", [("circle", "fp32"), ("tflite", "fp32"), ("circle", "fp16")])
 def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target, dtype):
     """Target circle (ATTENTION updating whole caches, the reference interpreter) and tflite
     (LiteRT): one file, a signature per graph, the vision graph among them. fp16 (`convert
     --dtype fp16`, the CLI: the model loaded in fp16): every graph takes and returns fp16, as
-    the LLM recipe's, and generates torch fp16's greedy tokens (_check_fp16_tokens)."""
+    the LLM recipe's, and generates torch fp16's greedy tokens (_check_fp16_tokens); target
+    tflite's fp16 files run in docs/vlm.md's blocks (tests/generate/test_docs_vlm.py)."""
     t = tiny_vlm_onert
     lengths = tuple(int(n) for n in t.prefill.split(","))
     out = tmp_path / "out"
