@@ -50,9 +50,10 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
 
 
 def vision_chat(args: argparse.Namespace, manifest: Any, runtime: str) -> Any:
-    """The VisionChat of ``circleops chat DIR --image PATH`` (the image in the first message)."""
+    """The VisionChat of ``circleops chat DIR --image PATH`` (the images in the first message;
+    ``/image PATH`` adds one to a later one)."""
     from circleops.generation.vision import VisionChat, VisionGenerator, read_image, saved_processor
 
-    image = read_image(args.image) if args.image else None
-    return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)), saved_processor(manifest), image,
-                      system=args.system)
+    images = [read_image(path) for path in args.image or ()]  # before any graph is opened
+    return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)),
+                      saved_processor(manifest), images or None, system=args.system)

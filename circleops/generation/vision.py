@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from circleops.generation.caches import float_dtype
 from circleops.generation.chat import Chat
 from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError
@@ -74,7 +75,9 @@ class VisionGenerator(Generator):
                                  f"{','.join(VLM_GRAPH_NAMES)}.")
         self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
         self.vision_session = open_graph(m, self.vision.graph, self.runtime)
-        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
+        # the graphs' float type (float16 for --dtype fp16): the pixels and image embeddings they take
+        self.float_dtype = np.dtype(float_dtype(m))
+        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=self.float_dtype)
         self._has_image = np.zeros(m.max_cache_len, dtype=bool)
         # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
         # graphs take it, and the prefix must go through one run (see plan)
@@ -194,13 +197,13 @@ class VisionGenerator(Generator):
         if self.vision.patches:
             return self._patch_features(pixel_values)
         s = self.vision.tile_size
-        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
+        tiles = np.asarray(pixel_values, dtype=self.float_dtype).reshape(-1, 3, *np.shape(pixel_values)[-2:])
         if tiles.shape[-2:] != (s, s):
             raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
                                   f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
                                   f"again with the model's own processor.")
         out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
-        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
+        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), self.float_dtype)
 
     def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
         """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
@@ -217,7 +220,7 @@ class VisionGenerator(Generator):
                                        f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
                                        f"larger --max-cache-len.")
         if where:
-            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._rows[where] = np.asarray(features, dtype=self.float_dtype)
             self._has_image[where] = True
 
     def feed(self, token_ids: Sequence[int]) -> Any:
@@ -255,7 +258,7 @@ class VisionGenerator(Generator):
         import numpy as np
 
         n = ids.shape[1]
-        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
+        rows = np.zeros((1, n, self.vision.hidden_size), dtype=self.float_dtype)
         take = max(0, min(n, self.manifest.max_cache_len - pos))
         rows[0, :take] = self._rows[pos:pos + take]
         extras = [rows]
@@ -377,9 +380,12 @@ def saved_processor(manifest: Manifest) -> Any:
 
 
 class VisionChat(Chat):
-    """:class:`~circleops.generation.chat.Chat` with an image in the first user message: the
-    conversation is rendered with the processor's chat template, the image's embeddings are
-    computed once and placed at its ``<image>`` tokens."""
+    """:class:`~circleops.generation.chat.Chat` over a vision-language model: ``image`` (one
+    image or a list) goes in the first user message, and :meth:`add_image` adds images to
+    the next one (``/image PATH`` in ``circleops chat``), so any turn may bring images. Each
+    turn renders the whole conversation with the processor's chat template, every image in
+    its own turn (as transformers' processor takes the conversation); each image's
+    embeddings are computed once and placed at its ``<image>`` tokens."""
 
     def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
         generator.check_chat(True)
@@ -388,18 +394,62 @@ class VisionChat(Chat):
                                  "`circleops generate DIR --image ... --prompt ...`.")
         self.processor = processor
         self.image = image
-        self._features = None
+        self.pending: list[Any] = []  # images for the next user message (add_image)
+        self.turn_images: dict[int, list[Any]] = {}  # message index -> the images add_image gave it
+        self._features: dict[int, Any] = {}  # id(image) -> its embeddings (the images are held above)
         super().__init__(generator, processor.tokenizer, system=system)
 
+    def reset(self) -> None:
+        """A new conversation: the images added by :meth:`add_image` go; ``image`` stays in
+        the first message."""
+        super().reset()
+        self.pending, self.turn_images = [], {}
+        first = {id(i) for i in _image_list(self.image)}
+        self._features = {k: v for k, v in self._features.items() if k in first}
+
+    def add_image(self, image: Any) -> None:
+        """Put ``image`` (PIL, e.g. :func:`read_image`'s) in the next user message, after any
+        added before it; the message's turn raises, and drops them, if they do not fit."""
+        self.pending.append(image)
+
+    def turn(self, text: str, max_new_tokens: int = 256, **kwargs: Any) -> Any:
+        index = len(self.messages)
+        if self.pending:
+            self.turn_images[index] = self.pending
+        self.pending = []
+        try:
+            return super().turn(text, max_new_tokens, **kwargs)
+        except BaseException:
+            del self.messages[index:]  # the conversation as it was, without this message's images
+            self.turn_images.pop(index, None)
+            raise
+
+    def _images_of(self, index: int, first_user: int | None) -> list[Any]:
+        first = _image_list(self.image) if index == first_user else []
+        return first + self.turn_images.get(index, [])
+
+    def _image_features(self, image: Any) -> Any:
+        """One image's embeddings, computed once: the processor makes each image's tiles
+        alone (the tiles of several images are the images' own, in order)."""
+        if id(image) not in self._features:
+            mark = getattr(self.processor, "boi_token", None) or "<image>"
+            pixels = prepare(self.processor, mark, [image])[1]
+            self._features[id(image)] = self.generator.image_features(pixels)
+        return self._features[id(image)]
+
     def _render(self) -> list[int]:
+        import numpy as np
+
         first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
-        messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
+        per_message = [self._images_of(i, first_user) for i in range(len(self.messages))]
+        messages = [{"role": m["role"], "content": _user_content(m["content"], len(per_message[i]))}
                     for i, m in enumerate(self.messages)]
         with template_budget(self.processor):
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
-        if pixels is not None:
-            if self._features is None:
-                self._features = self.generator.image_features(pixels)
-            self.generator.attach_images(ids, 0, self._features)
+        images = [image for group in per_message for image in group]
+        ids, _ = prepare(self.processor, text, images or None)
+        # Chat.turn refuses a conversation longer than the cache before any image is computed
+        if images and len(ids) < self.generator.manifest.max_cache_len:
+            features = np.concatenate([self._image_features(image) for image in images])
+            self.generator.attach_images(ids, 0, features)
         return ids

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
 from circleops.generation.patch_images import fixed_side, load_patch_processor
 from circleops.generation.vision import VisionGenerator, load_processor
@@ -55,7 +56,7 @@ from circleops.package import step as package_step
 from circleops.package.manifest import Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
 from circleops.package.step import Graph
-from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, refuse_float_dtype, save_generation_config
+from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, save_generation_config
 from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_update, example_args, io_names,
                                   prefill_lengths, save_tokenizer, text_lines)
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PATCH_INDEX, PIXEL_VALUES, PREFIX_LEN, ROPE_DELTA,
@@ -103,12 +104,12 @@ def _classes(model_type: str) -> Any:
 
 
 def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None, seed: int = 0,
-         allow_random_init: bool = False) -> tuple[Any, Any]:
+         allow_random_init: bool = False, dtype: Any = None) -> tuple[Any, Any]:
     """(the model, its processor or None) from a directory (config.json + safetensors, as
     ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json: the
     one loader (circleops.sources.models.load: sizes, JSON files and remote code checked
     first, every weight of the model in the files unless ``allow_random_init``) with the
-    family's transformers class."""
+    family's transformers class, in ``dtype`` (a torch dtype; default float32)."""
     from circleops.sources import models
 
     kind = vlm_model_type(model, config)
@@ -116,7 +117,8 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
         raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
                              f"{', '.join(VLM_MODEL_TYPES)}).")
     loaded = models.load(None if config else str(model), config=str(config) if config else None, seed=seed,
-                         allow_random_init=allow_random_init, model_class=lambda *_: _classes(kind))
+                         allow_random_init=allow_random_init, model_class=lambda *_: _classes(kind),
+                         **({"dtype": dtype} if dtype is not None else {}))
     processor = None
     if model and not config:
         processor = load_processor(Path(model), required=False)
@@ -271,7 +273,7 @@ def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
     pixels = torch.rand((1, 3, spec.tile_size, spec.tile_size), generator=g) * 2 - 1
     # PaliGemma's and Gemma 3's pixel_values are [B, 3, S, S]; Idefics3's [B, tiles, 3, S, S]
     fam = family_of(model)
-    pv = pixels if spec.prefix_lm or fam.image_blocks else pixels[None]
+    pv = (pixels if spec.prefix_lm or fam.image_blocks else pixels[None]).to(model.dtype)  # fp16: the tower's
     kinds = {}
     if spec.prefix_lm:
         kinds = {"token_type_ids": (torch.arange(len(ids)) >= prefix).long()[None]}
@@ -283,8 +285,8 @@ def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
                        **{k: v[:, :p] for k, v in kinds.items()}).logits[0]
         # the last token after the prompt (the decode check): the same forward, one longer
         last = model(input_ids=ids[None], pixel_values=pv, use_cache=False, **kinds).logits[0, -1:]
-        features = VisionTower(model)(pixels)[0]
-    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy(), prefix)
+        features = VisionTower(model)(pixels.to(model.dtype))[0]
+    return _Example(ids, pixels, features.float().numpy(), torch.cat([logits, last]).float().numpy(), prefix)
 
 
 class VLMRecipe(Recipe):
@@ -302,9 +304,11 @@ class VLMRecipe(Recipe):
         self.processor = processor
 
     def dtype(self) -> Any:
+        """fp16 for a model in float16 (--dtype fp16 loads it so: every graph fp16, as the LLM
+        recipe's; targets circle and tflite), else fp32."""
         import torch
 
-        return torch.float32
+        return torch.float16 if getattr(self.model, "dtype", None) == torch.float16 else torch.float32
 
     @classmethod
     def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
@@ -313,16 +317,18 @@ class VLMRecipe(Recipe):
             raise TargetError(f"--graphs {options.graphs}: the vision graph is for vision-language models (model_type "
                               f"{', '.join(VLM_MODEL_TYPES)}); {options.config or source} is not one. Use --graphs "
                               f"prefill,decode for a causal LM.")
-        refuse_float_dtype(options, "a vision-language model",
-                           "--quantize q4_0, q8_0 or w8 makes its text graphs' weights smaller")
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "VLMRecipe":
+        from circleops.pipeline.validate import resolve_dtype
+
         module, processor = load(model, config=options.config, seed=options.seed,
-                                 allow_random_init=options.allow_random_init)
+                                 allow_random_init=options.allow_random_init, dtype=resolve_dtype(options.dtype, None))
         return cls(module, options, processor=processor, source=str(options.config or model))
 
     def check(self, opts: Any) -> None:
+        import torch
+
         o, model = self.options, self.model
         parse_vlm_graphs(o.graphs if o.graphs is not None else VLM_GRAPH_NAMES)
         if type(model).__name__ not in VLM_MODEL_TYPES.values():
@@ -334,6 +340,11 @@ class VLMRecipe(Recipe):
         check_lengths(lengths[0], o.max_cache_len, limit, source)
         check_lengths(lengths[-1], o.max_cache_len, None, source)
         self.spec = spec = vision_spec(model, self.processor)
+        if spec.patches and self.dtype() != torch.float32:
+            # the patch tower's host side (generation.patch_images) feeds fp32 patches: not built for fp16 yet
+            raise TargetError(f"--dtype fp16: {source} ({spec.family}) converts in fp32 only so far (its patch "
+                              f"tower's fp16 graphs are not built); drop --dtype fp16, or use --quantize for the "
+                              f"text graphs.")
         if spec.prefix_lm and lengths[0] < spec.image_seq_len + PREFIX_TEXT:
             raise TargetError(f"--seq-len {','.join(map(str, lengths))}: {source} ({spec.family}) attends both ways "
                               f"over its prompt prefix (the image's {spec.image_seq_len} tokens, BOS, the prompt and "
@@ -361,7 +372,7 @@ class VLMRecipe(Recipe):
         from circleops.adapters.vlm import ImagePrefill, MRopeDecode, TextLM
 
         spec, model, o = self.spec, self.model, self.options
-        graphs = [_vision_graph(model, spec)]
+        graphs = [_vision_graph(model, spec, self.dtype())]
         self.step = step = decoder_step(TextLM(model), o.max_cache_len, self.cache_update)
         self.names = names = _io(step.num_layers, self.cache_update, spec.prefix_lm, spec.mrope)
         prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm,
@@ -371,7 +382,7 @@ class VLMRecipe(Recipe):
             extra = ((torch.arange(n).expand(3, 1, n).clone(),) if spec.mrope else ()) + \
                 ((torch.tensor([n]),) if spec.prefix_lm else ())
             args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
-                    torch.zeros((1, n, spec.hidden_size)), *extra, *step.empty_caches())
+                    torch.zeros((1, n, spec.hidden_size), dtype=self.dtype()), *extra, *step.empty_caches())
             graphs.append(Graph(prefill_graph_name(n, self.lengths), prefill, args, *names["prefill"], rows=n))
         args = example_args(step, "decode", self.lengths[0])
         decode, args = (MRopeDecode(step), (*args[:2], torch.tensor([0]), *args[2:])) if spec.mrope else (step, args)
@@ -389,7 +400,7 @@ class VLMRecipe(Recipe):
         eos = eos_token_ids(getattr(text, "generation_config", None), getattr(text, "config", None))
         k_names, outs = self.names["decode"]
         return Manifest(
-            directory=directory, target=opts.target, dtype="fp32", files=files, quantize=opts.quantize,
+            directory=directory, target=opts.target, dtype=short_name(opts.dtype), files=files, quantize=opts.quantize,
             num_threads=opts.threads, signatures={g: infos[g].signature for g in files},
             prefill_len=self.lengths[0], prefill_lens=list(self.lengths), prefill_inputs=self.names["prefill"][0],
             max_cache_len=self.options.max_cache_len, num_layers=step.num_layers, cache_shape=list(step.cache_shape),
@@ -429,7 +440,8 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertO
     ``seq_len`` (or ``prefill_len``) and ``max_cache_len`` as for
     :func:`circleops.recipes.llm.convert_graphs`; ``quantize``: a weight-only format (q4_0, q8_0,
     w8) for the text graphs (prefill and decode share one set of blocks), the vision graph
-    stays fp32; ``threads`` as for convert_graphs.
+    stays fp32; ``threads`` as for convert_graphs. A model in float16 (``model.half()``;
+    ``circleops convert --dtype fp16`` loads it so) writes fp16 graphs, targets circle and tflite.
 
     ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
     of text and one image tile, against the model's own forward with ``pixel_values``: the
@@ -442,8 +454,8 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertO
     return package_step.run(VLMRecipe(model, opts, processor=processor, source=source), out_dir, progress)
 
 
-def _vision_graph(model: Any, spec: VisionSpec) -> Graph:
-    """The vision graph, fp32 whatever --quantize says: one tile ``pixel_values [1, 3, S, S]``
+def _vision_graph(model: Any, spec: VisionSpec, dtype: Any) -> Graph:
+    """The vision graph in the model's float type (never --quantize'd): one tile ``pixel_values [1, 3, S, S]``
     (VisionTower), or a patch tower's one image on the fixed grid ``pixel_values [N, C*T*P*P]``
     and its integer inputs (QwenVisionTower, circleops.generation.patch_images.graph_index)."""
     import torch
@@ -458,7 +470,7 @@ def _vision_graph(model: Any, spec: VisionSpec) -> Graph:
         args = (torch.zeros((index.patches, spec.patches["patch_dim"])), *index.inputs())
         return Graph(VISION_GRAPH, QwenVisionTower(model).eval(), args, [PIXEL_VALUES, *PATCH_INDEX], [IMAGE_EMBEDS],
                      quantize=False)
-    tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size))
+    tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size), dtype=dtype)
     return Graph(VISION_GRAPH, VisionTower(model).eval(), (tile,), [PIXEL_VALUES], [IMAGE_EMBEDS], quantize=False)
 
 

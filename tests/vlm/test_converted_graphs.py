@@ -198,3 +198,16 @@ def test_the_fixed_image_side(bounds, side):
     assert fixed_side(processor) == side
     grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="np")["image_grid_thw"]
     assert grid.tolist() == [[1, side // 14, side // 14]]
+
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if BY_MODEL_TYPE[f].tower == "qwen"])
+def test_fp16_of_a_patch_tower_is_refused(family, tmp_path, capsys):
+    """--dtype fp16 of a family whose vision graph takes patches (Qwen) is one clear refusal,
+    exit 2, nothing written (its host side feeds fp32 patches; the pooled towers' fp16 is
+    tests/generate/test_vlm.py's)."""
+    tiny = save_tiny(family, tmp_path)
+    out = tmp_path / "fp16"
+    assert main(["convert", str(tiny.directory), "--graphs", "vision,prefill,decode", "--target", "circle",
+                 "--dtype", "fp16", "--seq-len", "8", "--max-cache-len", "80", "-o", str(out)]) == 2
+    assert "converts in fp32 only so far" in capsys.readouterr().err and not out.exists()
