@@ -113,6 +113,7 @@ def resolve(recipe: Any) -> tuple[Any, str | None]:
     opts = stages.Options(target, dtype, quantize=quantize, threads=threads, runtime=runtime, tolerance=o.tolerance,
                           functionalize=False, given=o)
     recipe.check(opts)
+    recipe.check_token_ids()
     return opts, note
 
 

@@ -28,7 +28,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, ContextManager, Sequence
 
-from circleops.errors import OutputError, TargetError
+from circleops.errors import ModelLoadError, OutputError, TargetError
 from circleops.options import ConvertOptions
 from circleops.package.step import Graph
 from circleops.quantize.quality import float_arrays
@@ -165,6 +165,27 @@ class Recipe:
     def eos_token_ids(self) -> list[int]:
         """The model's EOS ids by the one rule (:func:`eos_token_ids`)."""
         return eos_token_ids(getattr(self.model, "generation_config", None), getattr(self.model, "config", None))
+
+    def check_token_ids(self) -> None:
+        """The EOS and pad ids the manifest will record are ids of the model's vocabulary,
+        checked before any work: ``circleops generate`` refuses a directory whose are not (an id
+        the model can never produce would never stop a generation)."""
+        config = getattr(self.model, "config", None)
+        text = getattr(config, "text_config", None) or config
+        vocab = getattr(text, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab <= 0:
+            return
+        ids = {"eos_token_id": self.eos_token_ids()}
+        pad = getattr(text, "pad_token_id", None)
+        if isinstance(pad, int):
+            ids["pad_token_id"] = [pad]
+        for name, values in ids.items():
+            bad = [i for i in values if not 0 <= i < vocab]
+            if bad:
+                raise ModelLoadError(
+                    f"{self.source or 'the model'}: its {name} {bad[0]} is outside its vocabulary of {vocab} tokens "
+                    f"(ids 0 to {vocab - 1}): a generation could never produce or stop at it. Fix {name} in its "
+                    f"config.json / generation_config.json (the tokenizer's id for that token).")
 
     # --------------------------------------------------------------- the comparison and the report
 

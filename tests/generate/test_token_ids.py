@@ -113,3 +113,41 @@ def test_a_tokenizer_mapping_a_piece_past_the_vocabulary(capsys, tiny_onert, tmp
     err = _error(capsys, "generate", str(out), "--prompt", "hello evil")
     assert f"the prompt, as the tokenizer in {out / 'tokenizer'} encodes it: token id 1000000 outside" in err
     assert f"vocabulary of {v} tokens" in err
+
+
+
+@pytest.mark.parametrize("field, value", [("eos_token_id", 10 ** 6), ("eos_token_id", -1), ("pad_token_id", 256)])
+def test_convert_refuses_special_ids_outside_the_vocabulary(tmp_path, field, value):
+    """A model whose config names an EOS or pad id its vocabulary does not have is refused
+    before any work, nothing written, not written into a manifest that generate then refuses."""
+    from families import BY_NAME
+
+    from circleops.recipes.llm import convert_graphs
+
+    model = BY_NAME["llama"].build()
+    setattr(model.config, field, value)
+    if field == "eos_token_id":
+        model.generation_config.eos_token_id = value
+    with pytest.raises(ModelLoadError, match=f"its {field} {value} is outside its vocabulary of "
+                                             f"{model.config.vocab_size} tokens"):
+        convert_graphs(model, tmp_path / "out", target="circle", prefill_len=8, max_cache_len=32)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_refuses_an_eos_id_outside_the_vocabulary(tmp_path):
+    """The same through the CLI, in a process of its own: one line, exit 2."""
+    import subprocess
+    import sys
+
+    from families import BY_NAME
+
+    model = BY_NAME["llama"].build()
+    model.config.eos_token_id = model.generation_config.eos_token_id = 10 ** 6
+    model.save_pretrained(tmp_path / "hf")
+    proc = subprocess.run([sys.executable, "-m", "circleops.cli", "convert", str(tmp_path / "hf"), "--graphs",
+                           "prefill,decode", "--target", "circle", "--seq-len", "8", "--max-cache-len", "32", "-q", "-o",
+                           str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "its eos_token_id 1000000 is outside its vocabulary of 256 tokens" in proc.stderr
+    assert not (tmp_path / "out").exists()
