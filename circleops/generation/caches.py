@@ -20,14 +20,21 @@ from circleops.options import HEAD_MAJOR, HEADS_ROWS, SLOT_MAJOR
 
 def empty_caches(manifest: Any) -> list[Any]:
     """Zero caches for the manifest's graphs (k caches then v caches, in its cache_layout)."""
-    return zero_caches(manifest.cache_shapes)
+    return zero_caches(manifest.cache_shapes, cache_dtype(manifest))
 
 
-def zero_caches(shapes: Sequence[Sequence[int]]) -> list[Any]:
-    """One float32 array of zeros per shape."""
+def cache_dtype(manifest: Any) -> str:
+    """The numpy dtype of the manifest's caches: its graphs compute in its ``dtype``, so an
+    fp16 directory's graphs take and return float16 caches; any other (fp32, and the weight
+    formats, which compute in fp32) float32."""
+    return "float16" if getattr(manifest, "dtype", None) == "fp16" else "float32"
+
+
+def zero_caches(shapes: Sequence[Sequence[int]], dtype: str = "float32") -> list[Any]:
+    """One array of zeros of ``dtype`` per shape."""
     import numpy as np
 
-    return [np.zeros(shape, dtype=np.float32) for shape in shapes]
+    return [np.zeros(shape, dtype=dtype) for shape in shapes]
 
 
 def _slot_axis(layout: str, i: int, half: int) -> int:

@@ -102,6 +102,7 @@ class CacheSpec:
     slots: int
     layout: str
     update: str  # "rows" or "full"
+    dtype: str = "float32"  # their numpy dtype (an fp16 directory's: float16, caches.cache_dtype)
 
 
 class GenerationCore:
@@ -197,7 +198,7 @@ class GenerationCore:
         """Zero caches when there are none (a new conversation). With rows outputs they are
         the arrays every step reads and the core writes each step's rows into."""
         if not self.caches:
-            self.caches = zero_caches(self.cache.shapes)
+            self.caches = zero_caches(self.cache.shapes, self.cache.dtype)
 
     # ------------------------------------------------------------------ hooks
 

@@ -175,3 +175,21 @@ def test_w8_graphs_never_hold_the_folded_weights_beside_the_references(small_dir
     assert seen["references"][0]  # the fp32 references: before the fold
     assert seen["write"] == [True]  # every folded linear restored as it was quantized
     assert all(_file_holds(w) for w in linears)
+
+
+def test_a_mapped_model_loaded_in_fp16_never_holds_its_fp32_file(model_dir):
+    """--dtype fp16 from fp32 safetensors (issue 32: the 1B shape's load peaked at 1.56x its fp32
+    weights): converted a module at a time, each mapped weight's pages given back once read,
+    so the load's peak is the fp16 copy and one module's fp32 pages, not the whole file
+    beside it (the peak resident set, reset before the load: /proc/self/clear_refs)."""
+    from circleops.sources import models
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM = VmRSS now
+    before = _rss("VmRSS")
+    model = models.load(str(model_dir), dtype=torch.float16).module
+    grew = _rss("VmHWM") - before
+    half = sum(p.numel() * 2 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied: one copy
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert grew < half + half, (grew / MB, half / MB)  # the fp16 copy and under as much again; the file: 2x
