@@ -22,6 +22,7 @@ from circleops.runtime import TensorSpec
 
 # ops between the lm_head's product and the logits output that only reshape
 _RESHAPES = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS")
+_PRODUCTS = ("FULLY_CONNECTED", "CONV_2D")
 
 
 class HeadEmbedding:
@@ -40,12 +41,15 @@ class HeadEmbedding:
         while t in made and made[t].opcode in _RESHAPES:
             t = made[t].inputs[0]
         op = made.get(t)
-        w = sub.tensors[op.inputs[1]] if op is not None and op.opcode == "FULLY_CONNECTED" else None
-        if w is None or w.data is None or w.dtype != "FLOAT32" or len(w.shape) != 2:
+        # FULLY_CONNECTED [vocab, hidden], or the 1x1 CONV_2D [vocab, 1, 1, hidden] onert's
+        # profile writes a widening linear as (circleops.targets.Conv1x1Rule)
+        w = sub.tensors[op.inputs[1]] if op is not None and op.opcode in _PRODUCTS else None
+        if w is None or w.data is None or w.dtype != "FLOAT32" or len(w.shape) not in (2, 4) \
+                or tuple(w.shape[1:-1]) not in ((), (1, 1)):
             raise ModelLoadError(f"{path} should compute its logits with the tied lm_head, an fp32 [vocab, hidden] "
                                  f"weight whose rows are the first part's embeddings; it does not. The directory is "
                                  f"damaged: convert again.")
-        self.table = w.data.reshape(tuple(w.shape))  # float32 view of the mapped file
+        self.table = w.data.reshape(w.shape[0], w.shape[-1])  # float32 view of the mapped file
 
     def __call__(self, ids: Any) -> Any:
         import numpy as np
