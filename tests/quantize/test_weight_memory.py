@@ -169,7 +169,7 @@ def test_w8_graphs_never_hold_the_folded_weights_beside_the_references(small_dir
 
     monkeypatch.setattr(LLMRecipe, "references", spy_references)
     monkeypatch.setattr(step, "write_files", spy_write)
-    report = convert_graphs(model, tmp_path / "g", target="tflite", prefill_len=8, max_cache_len=32, verify=True,
+    report = convert_graphs(model, tmp_path / "g", target="tflite", graphs="decode", prefill_len=8, max_cache_len=16, verify=True,
                             quantize="w8")
     assert report.quantization.smoothing.startswith("SmoothQuant")
     assert seen["references"][0]  # the fp32 references: before the fold
