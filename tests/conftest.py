@@ -12,6 +12,8 @@ if os.environ.get("CIRCLEOPS_MUTANT"):
 
     mutants.apply(os.environ["CIRCLEOPS_MUTANT"])
 
+from readme_llm import readme_llm_out  # noqa: E402,F401  (the README's out/, converted once: a session fixture)
+
 # Under pytest-xdist every worker is its own process; with torch's default of one thread
 # per core the workers oversubscribe the 2 cores and small ops crawl (measured: a tiny
 # decode step 146 ms instead of 4 ms). One intra-op thread per worker.
@@ -53,46 +55,29 @@ INPUT_ROUNDING_CROSS_CHECK_ATOL = 16 * 2.0 ** -7
 FP16_CROSS_CHECK_STEPS = 16
 
 
-def _has_ggml_weights(path) -> bool:
+def _has_ggml_weights(model) -> bool:
     from circleops import ir
-    from circleops.serialize import read_model
 
-    try:
-        return any(t.dtype in ir.GGML_BLOCKS for sg in read_model(str(path)).subgraphs for t in sg.tensors)
-    except Exception:  # noqa: BLE001 - not a readable file: the runtimes report that
-        return False
+    return any(t.dtype in ir.GGML_BLOCKS for sg in model.subgraphs for t in sg.tensors)
 
 
-def _has_hybrid_int8_weights(path) -> bool:
+def _has_hybrid_int8_weights(model) -> bool:
     """A FULLY_CONNECTED with float input and int8 weights (w8): onert's hybrid kernel."""
-    from circleops.serialize import read_model
-
-    try:
-        return any(op.opcode == "FULLY_CONNECTED" and len(op.inputs) > 1 and sg.tensors[op.inputs[0]].dtype == "FLOAT32"
-                   and sg.tensors[op.inputs[1]].dtype == "INT8"
-                   for sg in read_model(str(path)).subgraphs for op in sg.operators)
-    except Exception:  # noqa: BLE001 - not a readable file: the runtimes report that
-        return False
+    return any(op.opcode == "FULLY_CONNECTED" and len(op.inputs) > 1 and sg.tensors[op.inputs[0]].dtype == "FLOAT32"
+               and sg.tensors[op.inputs[1]].dtype == "INT8"
+               for sg in model.subgraphs for op in sg.operators)
 
 
-def _is_integer_tflite(path) -> bool:
-    from circleops.serialize import read_model
-
-    try:
-        return ".tflite" in os.path.basename(str(path)) and any(
-            t.quant is not None and t.dtype in ("INT8", "INT16") and t.data is None
-            for t in read_model(str(path)).subgraphs[0].tensors)
-    except Exception:  # noqa: BLE001 - not a readable file: the runtimes report that
-        return False
+def _is_integer_tflite(path, model) -> bool:
+    return ".tflite" in os.path.basename(str(path)) and any(
+        t.quant is not None and t.dtype in ("INT8", "INT16") and t.data is None for t in model.subgraphs[0].tensors)
 
 
-def _integer_bounds(path, signature) -> list[float]:
+def _integer_bounds(model, signature) -> list[float]:
     """Per output of an integer file: how far LiteRT and the interpreter may end apart
     (rounding.integer_output_bounds); a signature's outputs all get its subgraph's largest."""
-    from circleops.serialize import read_model
     from rounding import integer_output_bounds
 
-    model = read_model(str(path))
     if signature is None:
         return integer_output_bounds(model, 0)
     index = next((s.subgraph_index for s in model.signatures if s.key == signature), 0)
@@ -110,11 +95,15 @@ def _cross_checked(session_class, runtime_name, atol=CROSS_CHECK_ATOL):
             from circleops.runtime import reference
 
             if getattr(self, "_reference", None) is None:
-                self._reference = reference.Session(self.path, self.signature)
-                rounds_inputs = _has_ggml_weights(self.path) or _has_hybrid_int8_weights(self.path)
+                from circleops.serialize import read_model
+
+                model = read_model(str(self.path))  # once: the interpreter's and the bounds' (a decode per read)
+                self._reference = reference.Session(model, self.signature)
+                self._reference.path = self._reference.interpreter.source = str(self.path)  # for its messages
+                rounds_inputs = _has_ggml_weights(model) or _has_hybrid_int8_weights(model)
                 self._atol = max(atol, INPUT_ROUNDING_CROSS_CHECK_ATOL) if rounds_inputs else atol
-                self._integer_bounds = _integer_bounds(self.path, self.signature) \
-                    if _is_integer_tflite(self.path) else None
+                self._integer_bounds = _integer_bounds(model, self.signature) \
+                    if _is_integer_tflite(self.path, model) else None
             if isinstance(inputs, dict):
                 inputs = {k: np.asarray(v) for k, v in inputs.items()}
             else:

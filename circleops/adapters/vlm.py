@@ -1,8 +1,8 @@
 """The torch modules a vision-language model's graphs are exported from (circleops.recipes.vlm),
 built from one declarative row per family (:class:`VLMFamily`): where its vision tower,
 projector and text model are, how many embeddings an image gives, and what its prefill
-mask is. Rows: SmolVLM / Idefics3, PaliGemma, Gemma 3, Qwen2-VL / Qwen2.5-VL (the last two:
-the torch side; ``converted`` says which families circleops.recipes.vlm writes graphs for).
+mask is. Rows: SmolVLM / Idefics3, PaliGemma, Gemma 3, Qwen2-VL / Qwen2.5-VL (``converted``
+says which families circleops.recipes.vlm writes graphs for: all four rows).
 
 * the vision graph: ``projector(vision(pixel_values).last_hidden_state)`` on one image
   (:class:`VisionTower`): SmolVLM's connector (pixel shuffle + linear), PaliGemma's linear
@@ -91,7 +91,7 @@ QWEN2_VL = VLMFamily(
     name="qwen2_vl", classes={"qwen2_vl": "Qwen2VLForConditionalGeneration",
                               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
     vision="model.visual", projector="model.visual.merger", text="model.language_model",
-    image_seq_len="", mrope=True, tower="qwen", converted=False)
+    image_seq_len="", mrope=True, tower="qwen")
 FAMILIES: tuple[VLMFamily, ...] = (SMOLVLM, PALIGEMMA, GEMMA3, QWEN2_VL)
 BY_MODEL_TYPE: dict[str, VLMFamily] = {t: f for f in FAMILIES for t in f.classes}
 

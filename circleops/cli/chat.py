@@ -3,7 +3,8 @@
 
 One user message per line of stdin; each reply streams to stdout and ends with a newline.
 The KV cache is kept between turns, so a turn costs only its own tokens. `/reset` starts a
-new conversation; end of input (Ctrl-D) ends the chat.
+new conversation; `/image PATH` (a vision-language model) puts an image in the next message;
+end of input (Ctrl-D) ends the chat.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "template)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                         help="tokens per reply at most (default 256); a reply ends at the end-of-turn token")
-    parser.add_argument("--image", metavar="PATH", help="an image in the first message (a vision-language model "
-                                                        "converted with --graphs vision,prefill,decode)")
+    parser.add_argument("--image", metavar="PATH", action="append",
+                        help="an image in the first message (a vision-language model converted with --graphs "
+                             "vision,prefill,decode); repeat it for several; `/image PATH` at the prompt adds one to "
+                             "the next message")
     parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     parser.add_argument("--runtime", choices=RUNTIMES, default=None,
                         help="onert, reference or litert (default: the one the files were converted for)")
@@ -49,8 +52,33 @@ def _read_line() -> str | UnicodeError | None:
         return err
 
 
+def _add_image(chat: object, path: str) -> None:
+    """``/image PATH``: the image goes in the next message (a vision-language model's chat);
+    anything else is one line on stderr, and the conversation goes on."""
+    from circleops.errors import CircleOpsError
+    from circleops.generation.vision import VisionChat, read_image
+
+    if not isinstance(chat, VisionChat):
+        print("circleops chat: /image: this directory holds a text model (no vision graph), so it takes no image; "
+              "convert a vision-language model with --graphs vision,prefill,decode to chat about images.",
+              file=sys.stderr)
+        return
+    if not path:
+        print("circleops chat: /image needs a path: /image photo.png (the image goes in your next message).",
+              file=sys.stderr)
+        return
+    try:
+        chat.add_image(read_image(path))
+    except CircleOpsError as err:
+        print(f"circleops chat: {err}", file=sys.stderr)
+        return
+    print(f"circleops chat: {path} goes in your next message ({len(chat.pending)} image(s) so far)", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
-    from circleops.generation.chat import Chat, CacheFullError
+    from circleops.generation.chat import Chat
+    from circleops.generation.core import GenerationLimitError
+    from circleops.generation.vision import ImageInputError
     from circleops.generation.generator import Generator, TextStream, hf_tokenizer, choose_runtime
     from circleops.package.manifest import MANIFEST, confined_tokenizer, read_manifest
 
@@ -76,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"circleops chat: {manifest.directory} on {runtime}, {manifest.max_cache_len} cache slots; "
-              f"/reset starts over, Ctrl-D ends.", file=sys.stderr)
+              f"/reset starts over, /image PATH adds an image to your next message, Ctrl-D ends.", file=sys.stderr)
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
@@ -94,11 +122,14 @@ def main(args: argparse.Namespace) -> int:
             chat.reset()
             print("circleops chat: new conversation (cache emptied)", file=sys.stderr)
             continue
+        if text.strip().split(maxsplit=1)[0] == "/image":
+            _add_image(chat, text.strip()[len("/image"):].strip())
+            continue
         stream = TextStream(tokenizer, sys.stdout)
         try:
             reply = chat.turn(text, args.max_new_tokens, on_token=lambda t: None if t in chat.stop_ids else stream(t),
                               sampler=sampler)
-        except CacheFullError as err:
+        except (GenerationLimitError, ImageInputError) as err:  # the cache is full: the conversation is kept
             print(f"circleops chat: {err}", file=sys.stderr)
             continue
         stream.close()

@@ -42,7 +42,7 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
     result = gen.generate_with_image(ids, pixels, args.max_new_tokens, on_token=stream, sampler=sampler)
     stream.close()
     if not args.quiet:
-        tiles = 0 if pixels is None else int((pixels.reshape(-1, *pixels.shape[-3:]) != 0).any(axis=(1, 2, 3)).sum())
+        tiles = gen.vision_runs(pixels)
         print(f"{result.timing_line(manifest.prefill_len)}; {len(images)} image(s): {tiles} tile(s) through the "
               f"vision graph",
               file=sys.stderr)
@@ -50,9 +50,10 @@ def generate_main(args: argparse.Namespace, manifest: Any, runtime: str, sampler
 
 
 def vision_chat(args: argparse.Namespace, manifest: Any, runtime: str) -> Any:
-    """The VisionChat of ``circleops chat DIR --image PATH`` (the image in the first message)."""
+    """The VisionChat of ``circleops chat DIR --image PATH`` (the images in the first message;
+    ``/image PATH`` adds one to a later one)."""
     from circleops.generation.vision import VisionChat, VisionGenerator, read_image, saved_processor
 
-    image = read_image(args.image) if args.image else None
-    return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)), saved_processor(manifest), image,
-                      system=args.system)
+    images = [read_image(path) for path in args.image or ()]  # before any graph is opened
+    return VisionChat(VisionGenerator(manifest, runtime=runtime, threads=getattr(args, 'threads', None)),
+                      saved_processor(manifest), images or None, system=args.system)

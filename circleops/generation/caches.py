@@ -19,19 +19,20 @@ from circleops.options import HEAD_MAJOR, HEADS_ROWS, SLOT_MAJOR
 
 
 def empty_caches(manifest: Any) -> list[Any]:
-    """Zero caches for the manifest's graphs (k caches then v caches, in its cache_layout)."""
-    return zero_caches(manifest.cache_shapes, cache_dtype(manifest))
+    """Zero caches for the manifest's graphs (k caches then v caches, in its cache_layout and
+    float type: :func:`float_dtype`)."""
+    return zero_caches(manifest.cache_shapes, float_dtype(manifest))
 
 
-def cache_dtype(manifest: Any) -> str:
-    """The numpy dtype of the manifest's caches: its graphs compute in its ``dtype``, so an
-    fp16 directory's graphs take and return float16 caches; any other (fp32, and the weight
-    formats, which compute in fp32) float32."""
+def float_dtype(manifest: Any) -> str:
+    """The numpy dtype of the float inputs the manifest's graphs take (caches, image
+    embeddings): float16 for files converted with --dtype fp16 (they compute in fp16, the
+    caches included), else float32 (fp32 and the weight formats, whose activations are fp32)."""
     return "float16" if getattr(manifest, "dtype", None) == "fp16" else "float32"
 
 
 def zero_caches(shapes: Sequence[Sequence[int]], dtype: str = "float32") -> list[Any]:
-    """One array of zeros of ``dtype`` per shape."""
+    """One array of zeros per shape (float32, or ``dtype``)."""
     import numpy as np
 
     return [np.zeros(shape, dtype=dtype) for shape in shapes]

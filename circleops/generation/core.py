@@ -102,7 +102,7 @@ class CacheSpec:
     slots: int
     layout: str
     update: str  # "rows" or "full"
-    dtype: str = "float32"  # their numpy dtype (an fp16 directory's: float16, caches.cache_dtype)
+    dtype: str = "float32"  # the caches' numpy dtype: the graphs' float type (float16 for --dtype fp16)
 
 
 class GenerationCore:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from circleops.errors import ModelLoadError
-from circleops.generation.caches import cache_dtype, cache_window, clear_slots, empty_caches, store_caches
+from circleops.generation.caches import cache_window, clear_slots, empty_caches, float_dtype, store_caches
 from circleops.generation.chunks import (GGML_RUN_OVERHEAD, ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
                                          plan_chunks)
 from circleops.generation.core import (DEFAULT_MAX_NEW_TOKENS, CacheSpec, Generation, GenerationCore,
@@ -119,7 +119,7 @@ class Generator(GenerationCore):
         # manifest's num_layers of 10^12 would make that list itself a MemoryError)
         _check_caches(m, self.sessions["decode"])
         self.start(m.prefill_graphs, "decode", CacheSpec(m.cache_shapes, m.max_cache_len, m.cache_layout,
-                                                         m.cache_update, cache_dtype(m)), one_row=m.prefill_one_row)
+                                                         m.cache_update, float_dtype(m)), one_row=m.prefill_one_row)
         self.decode_windows = [(w, self.sessions[g]) for g, w in sorted(m.windowed_decodes.items(),
                                                                         key=lambda item: item[1])]
         _check_vocab(m, {**{g: self.prefill_sessions[n] for n, g in m.prefill_graphs.items()},

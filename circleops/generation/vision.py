@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from circleops.generation.caches import float_dtype
 from circleops.generation.chat import Chat
 from circleops.inputs.chat_template import template_budget
 from circleops.errors import CircleOpsError, ModelLoadError
@@ -74,11 +75,31 @@ class VisionGenerator(Generator):
                                  f"{','.join(VLM_GRAPH_NAMES)}.")
         self.vision = VisionSpec.from_json(m.vision, m.directory / MANIFEST)
         self.vision_session = open_graph(m, self.vision.graph, self.runtime)
-        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=np.float32)
+        # the graphs' float type (float16 for --dtype fp16): the pixels and image embeddings they take
+        self.float_dtype = np.dtype(float_dtype(m))
+        self._rows = np.zeros((m.max_cache_len, self.vision.hidden_size), dtype=self.float_dtype)
         self._has_image = np.zeros(m.max_cache_len, dtype=bool)
         # a prefix-LM (PaliGemma): the first prefix_len positions attend both ways; the prefill
         # graphs take it, and the prefix must go through one run (see plan)
         self.prefix_len = 0
+        self._patch_index = self._check_patches() if self.vision.patches else None
+        if self.vision.mrope:  # each slot's t/h/w rotary position (padding rows past the cache too)
+            self._rope = np.zeros((3, m.max_cache_len + max(self.prefill_sessions)), dtype=np.int64)
+            self.step_extras = [np.zeros(1, dtype=np.int64)]  # the decode's rope_delta
+
+    def _check_patches(self) -> Any:
+        """The patch tower's integer inputs on the manifest's grid (patch_images.graph_index);
+        ModelLoadError unless the vision graph takes that many patches."""
+        from circleops.generation.patch_images import graph_index
+
+        p = self.vision.patches
+        n = p["grid"][0] * p["grid"][1] * p["grid"][2]
+        shape = list(self.vision_session.inputs[0].shape) if self.vision_session.inputs else []
+        if shape != [n, p["patch_dim"]]:
+            raise ModelLoadError(f"{self.manifest.directory}/{MANIFEST}: the vision entry's grid {p['grid']} is {n} "
+                                 f"patches of {p['patch_dim']} values, and the vision graph takes {shape}. Convert "
+                                 f"again.")
+        return [x.numpy() for x in graph_index(p).inputs()]
 
     def reset(self) -> None:
         super().reset()
@@ -140,19 +161,49 @@ class VisionGenerator(Generator):
             s = e
         return runs
 
-    def image_features(self, pixel_values: Any) -> Any:
-        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
-        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does."""
+    def vision_runs(self, pixel_values: Any) -> int:
+        """How many runs of the vision graph ``pixel_values`` (the processor's) takes: its
+        non-padding tiles, or a patch tower's images."""
         import numpy as np
 
+        if pixel_values is None:
+            return 0
+        px = np.asarray(pixel_values)
+        if self.vision.patches:
+            return int(px.size // (self._patch_index[0].shape[0] * self.vision.patches["patch_dim"]))
+        return int((px.reshape(-1, *px.shape[-3:]) != 0).any(axis=(1, 2, 3)).sum())
+
+    def _patch_features(self, pixel_values: Any) -> Any:
+        """A patch tower's image embeddings [images x T, H]: ``pixel_values`` [images x N,
+        C*T*P*P] (the processor's, each image on the fixed grid), one image per run."""
+        import numpy as np
+
+        n, d = self._patch_index[0].shape[0], self.vision.patches["patch_dim"]
+        px = np.asarray(pixel_values, dtype=np.float32)
+        if px.size % (n * d) or px.shape[-1] != d:
+            raise ImageInputError(f"the processor made {list(px.shape)} patch values and the vision graph takes "
+                                  f"images of {n} patches of {d} values ({self.vision.tile_size} x "
+                                  f"{self.vision.tile_size} pixels): the processor saved with the model does not "
+                                  f"match it. Convert again with the model's own processor.")
+        px = px.reshape(-1, n, d)
+        return np.concatenate([self.vision_session.run([image, *self._patch_index])[0] for image in px])
+
+    def image_features(self, pixel_values: Any) -> Any:
+        """The image embeddings [tiles x T, H] of ``pixel_values`` [1, tiles, 3, S, S] (the
+        processor's), tile by tile; all-zero tiles are padding and skipped, as the model does.
+        A patch tower's: :meth:`_patch_features`."""
+        import numpy as np
+
+        if self.vision.patches:
+            return self._patch_features(pixel_values)
         s = self.vision.tile_size
-        tiles = np.asarray(pixel_values, dtype=np.float32).reshape(-1, 3, *np.shape(pixel_values)[-2:])
+        tiles = np.asarray(pixel_values, dtype=self.float_dtype).reshape(-1, 3, *np.shape(pixel_values)[-2:])
         if tiles.shape[-2:] != (s, s):
             raise ImageInputError(f"the processor made tiles of {list(tiles.shape[-2:])} pixels and the vision graph "
                                   f"takes {s} x {s}: the processor saved with the model does not match it. Convert "
                                   f"again with the model's own processor.")
         out = [self.vision_session.run([tile[None]])[0][0] for tile in tiles if np.any(tile != 0)]
-        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), np.float32)
+        return np.concatenate(out) if out else np.zeros((0, self.vision.hidden_size), self.float_dtype)
 
     def attach_images(self, ids: Sequence[int], start: int, features: Any) -> None:
         """The ``<image>`` tokens of ``ids`` (to be fed from position ``start``) take the rows
@@ -169,7 +220,7 @@ class VisionGenerator(Generator):
                                        f"{self.manifest.max_cache_len} slots of the KV cache: convert again with a "
                                        f"larger --max-cache-len.")
         if where:
-            self._rows[where] = np.asarray(features, dtype=np.float32)
+            self._rows[where] = np.asarray(features, dtype=self.float_dtype)
             self._has_image[where] = True
 
     def feed(self, token_ids: Sequence[int]) -> Any:
@@ -180,18 +231,42 @@ class VisionGenerator(Generator):
         if orphans and (len(token_ids) > 1 or start == 0):
             raise ImageInputError(f"the prompt has {len(orphans)} image token(s) (<image>) with no image: pass the "
                                   f"image (--image PATH).")
+        if self.vision.mrope and (len(token_ids) > 1 or start == 0):
+            self._mrope_positions([*self.history, *(int(t) for t in token_ids)])
         return super().feed(token_ids)
+
+    def _mrope_positions(self, ids: Sequence[int]) -> None:
+        """The 3-D rotary positions of ``ids`` (the whole conversation: transformers'
+        get_rope_index, every image on the manifest's grid) into the slots, the padding after
+        them counting on, and the decode's delta."""
+        import numpy as np
+
+        from circleops.adapters.qwen_vision import mrope_positions
+
+        p = self.vision.patches
+        images = sum(int(t) == self.vision.image_token_id for t in ids) // max(1, self.vision.image_seq_len) + 1
+        rope, delta = mrope_positions(ids, self.vision.image_token_id, [p["grid"]] * images, p["merge_size"])
+        if len(rope[0]) != len(ids):
+            raise ImageInputError(f"the prompt's image tokens do not come in runs of {self.vision.image_seq_len} "
+                                  f"(one image on the fixed grid): the prompt was not made by the model's processor.")
+        n = len(ids)
+        self._rope[:, :n] = rope
+        self._rope[:, n:] = self._rope[:, n - 1:n] + np.arange(1, self._rope.shape[1] - n + 1)
+        self.step_extras = [np.array([delta], dtype=np.int64)]
 
     def prefill_extras(self, ids: Any, pos: int) -> list[Any]:
         import numpy as np
 
         n = ids.shape[1]
-        rows = np.zeros((1, n, self.vision.hidden_size), dtype=np.float32)
+        rows = np.zeros((1, n, self.vision.hidden_size), dtype=self.float_dtype)
         take = max(0, min(n, self.manifest.max_cache_len - pos))
         rows[0, :take] = self._rows[pos:pos + take]
+        extras = [rows]
+        if self.vision.mrope:
+            extras.append(self._rope[:, None, pos:pos + n])
         if self.vision.prefix_lm:
-            return [rows, np.array([self.prefix_len], dtype=np.int64)]
-        return [rows]
+            extras.append(np.array([self.prefix_len], dtype=np.int64))
+        return extras
 
     def generate_with_image(self, prompt_ids: Sequence[int], pixel_values: Any,
                             max_new_tokens: int, **kwargs: Any) -> Generation:
@@ -239,7 +314,8 @@ def prepare(processor: Any, prompt: str, image: Any = None, *, chat: bool = Fals
     of the processor's template, the images first. ``max_tokens``: the cache's length (a
     longer text is refused before it is tokenized)."""
     images = _image_list(image)
-    mark = getattr(processor, "boi_token", None) or "<image>"  # where the processor expands an image
+    # where the processor expands an image
+    mark = getattr(processor, "image_marker", None) or getattr(processor, "boi_token", None) or "<image>"
     if max_tokens is not None:
         check_text_fits(processor.tokenizer, prompt, max_tokens)
     if chat:
@@ -292,13 +368,24 @@ def saved_processor(manifest: Manifest) -> Any:
     if not manifest.tokenizer:
         raise ModelLoadError(f"{manifest.directory} was converted without a processor (e.g. from --config): "
                              f"convert the model directory, with its processor, to generate from an image.")
-    return load_processor(confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST))
+    path = confined_tokenizer(manifest.directory, manifest.tokenizer, manifest.directory / MANIFEST)
+    spec = VisionSpec.from_json(manifest.vision, manifest.directory / MANIFEST) if manifest.vision else None
+    if spec is not None and spec.patches:  # a patch tower: its images resized to the directory's one size
+        from circleops.generation.patch_images import load_patch_processor
+
+        refuse_remote_code(path)
+        check_tokenizer_dir(Path(path))
+        return load_patch_processor(path, side=spec.tile_size)
+    return load_processor(path)
 
 
 class VisionChat(Chat):
-    """:class:`~circleops.generation.chat.Chat` with an image in the first user message: the
-    conversation is rendered with the processor's chat template, the image's embeddings are
-    computed once and placed at its ``<image>`` tokens."""
+    """:class:`~circleops.generation.chat.Chat` over a vision-language model: ``image`` (one
+    image or a list) goes in the first user message, and :meth:`add_image` adds images to
+    the next one (``/image PATH`` in ``circleops chat``), so any turn may bring images. Each
+    turn renders the whole conversation with the processor's chat template, every image in
+    its own turn (as transformers' processor takes the conversation); each image's
+    embeddings are computed once and placed at its ``<image>`` tokens."""
 
     def __init__(self, generator: VisionGenerator, processor: Any, image: Any = None, system: str | None = None):
         generator.check_chat(True)
@@ -307,18 +394,62 @@ class VisionChat(Chat):
                                  "`circleops generate DIR --image ... --prompt ...`.")
         self.processor = processor
         self.image = image
-        self._features = None
+        self.pending: list[Any] = []  # images for the next user message (add_image)
+        self.turn_images: dict[int, list[Any]] = {}  # message index -> the images add_image gave it
+        self._features: dict[int, Any] = {}  # id(image) -> its embeddings (the images are held above)
         super().__init__(generator, processor.tokenizer, system=system)
 
+    def reset(self) -> None:
+        """A new conversation: the images added by :meth:`add_image` go; ``image`` stays in
+        the first message."""
+        super().reset()
+        self.pending, self.turn_images = [], {}
+        first = {id(i) for i in _image_list(self.image)}
+        self._features = {k: v for k, v in self._features.items() if k in first}
+
+    def add_image(self, image: Any) -> None:
+        """Put ``image`` (PIL, e.g. :func:`read_image`'s) in the next user message, after any
+        added before it; the message's turn raises, and drops them, if they do not fit."""
+        self.pending.append(image)
+
+    def turn(self, text: str, max_new_tokens: int = 256, **kwargs: Any) -> Any:
+        index = len(self.messages)
+        if self.pending:
+            self.turn_images[index] = self.pending
+        self.pending = []
+        try:
+            return super().turn(text, max_new_tokens, **kwargs)
+        except BaseException:
+            del self.messages[index:]  # the conversation as it was, without this message's images
+            self.turn_images.pop(index, None)
+            raise
+
+    def _images_of(self, index: int, first_user: int | None) -> list[Any]:
+        first = _image_list(self.image) if index == first_user else []
+        return first + self.turn_images.get(index, [])
+
+    def _image_features(self, image: Any) -> Any:
+        """One image's embeddings, computed once: the processor makes each image's tiles
+        alone (the tiles of several images are the images' own, in order)."""
+        if id(image) not in self._features:
+            mark = getattr(self.processor, "boi_token", None) or "<image>"
+            pixels = prepare(self.processor, mark, [image])[1]
+            self._features[id(image)] = self.generator.image_features(pixels)
+        return self._features[id(image)]
+
     def _render(self) -> list[int]:
+        import numpy as np
+
         first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), None)
-        messages = [{"role": m["role"], "content": _user_content(m["content"], self.image is not None and i == first_user)}
+        per_message = [self._images_of(i, first_user) for i in range(len(self.messages))]
+        messages = [{"role": m["role"], "content": _user_content(m["content"], len(per_message[i]))}
                     for i, m in enumerate(self.messages)]
         with template_budget(self.processor):
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids, pixels = prepare(self.processor, text, self.image if first_user is not None else None)
-        if pixels is not None:
-            if self._features is None:
-                self._features = self.generator.image_features(pixels)
-            self.generator.attach_images(ids, 0, self._features)
+        images = [image for group in per_message for image in group]
+        ids, _ = prepare(self.processor, text, images or None)
+        # Chat.turn refuses a conversation longer than the cache before any image is computed
+        if images and len(ids) < self.generator.manifest.max_cache_len:
+            features = np.concatenate([self._image_features(image) for image in images])
+            self.generator.attach_images(ids, 0, features)
         return ids

@@ -626,14 +626,23 @@ def export(module: torch.nn.Module, example_args: tuple, *, adapters: bool = Tru
 def _quiet_torch_logs() -> Iterator[None]:
     """torch's loggers below ERROR off while exporting (guard and symbol chatter)."""
     names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
-    saved = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.ERROR)
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.level for lg in loggers]
+    _set_levels(loggers, [logging.ERROR] * len(loggers))
     try:
         yield
     finally:
-        for n, level in saved.items():
-            logging.getLogger(n).setLevel(level)
+        _set_levels(loggers, saved)
+
+
+def _set_levels(loggers: list[logging.Logger], levels: list[int]) -> None:
+    """Each logger's level, and the loggers' cached is-enabled answers cleared once.
+    ``Logger.setLevel`` clears the cache of every logger in the process on each call: over
+    torch's ~260 loggers that was O(loggers^2), 0.09 s per export (a third of a tiny model's)."""
+    for lg, level in zip(loggers, levels):
+        lg.level = level
+    if loggers:
+        loggers[0].setLevel(levels[0])  # the one call that clears every logger's cache
 
 
 def _export_message(module: torch.nn.Module, err: BaseException) -> str:

@@ -16,6 +16,11 @@ text model are, what the prefill mask is):
 * PaliGemma (``PaliGemmaForConditionalGeneration``): a SigLIP vision tower, a linear projector
   and a Gemma text model whose prefill attends both ways over the prefix (the image tokens,
   BOS, the prompt and "\n", as PaliGemmaProcessor lays them out) and causally after it.
+* Gemma 3 (``Gemma3ForConditionalGeneration``): each image's tokens attended both ways.
+* Qwen2-VL / Qwen2.5-VL: a patch tower (adapters.qwen_vision) over one image resized to the
+  directory's fixed size (circleops.generation.patch_images), its integer inputs from the
+  host; the prefill takes the 3-D M-RoPE positions (``rope_positions [3, 1, N]``), the decode
+  ``rope_delta``.
 
 * ``vision``: one image tile ``pixel_values [1, 3, S, S]`` -> ``image_embeds [1, T, H]``, the
   projected embeddings that replace the tile's T ``<image>`` tokens (T = the model's
@@ -42,19 +47,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from circleops.dtypes import short_name
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.generation.patch_images import fixed_side, load_patch_processor
 from circleops.generation.vision import VisionGenerator, load_processor
 from circleops.options import DEFAULT_PREFILL_LENS, ConvertOptions
 from circleops.package import step as package_step
 from circleops.package.manifest import Manifest, prefill_graph_name
 from circleops.package.report import GraphsReport
 from circleops.package.step import Graph
-from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, refuse_float_dtype, save_generation_config
+from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, save_generation_config
 from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_update, example_args, io_names,
                                   prefill_lengths, save_tokenizer, text_lines)
-from circleops.package.vision_manifest import (IMAGE_EMBEDS, PIXEL_VALUES, PREFIX_LEN, VISION_GRAPH, VLM_GRAPH_NAMES,
-                                               VisionSpec)
-from circleops.adapters.vlm import FAMILIES, family_of
+from circleops.package.vision_manifest import (IMAGE_EMBEDS, PATCH_INDEX, PIXEL_VALUES, PREFIX_LEN, ROPE_DELTA,
+                                               ROPE_POSITIONS, VISION_GRAPH, VLM_GRAPH_NAMES, VisionSpec)
+from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
 
 # model_type of config.json -> what it is; the classes are transformers'
 VLM_MODEL_TYPES = {t: cls for fam in FAMILIES if fam.converted for t, cls in fam.classes.items()}
@@ -97,12 +104,12 @@ def _classes(model_type: str) -> Any:
 
 
 def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None, seed: int = 0,
-         allow_random_init: bool = False) -> tuple[Any, Any]:
+         allow_random_init: bool = False, dtype: Any = None) -> tuple[Any, Any]:
     """(the model, its processor or None) from a directory (config.json + safetensors, as
     ``save_pretrained`` writes it) or, with ``config``, random weights from a config.json: the
     one loader (circleops.sources.models.load: sizes, JSON files and remote code checked
     first, every weight of the model in the files unless ``allow_random_init``) with the
-    family's transformers class."""
+    family's transformers class, in ``dtype`` (a torch dtype; default float32)."""
     from circleops.sources import models
 
     kind = vlm_model_type(model, config)
@@ -110,8 +117,13 @@ def load(model: str | os.PathLike | None, *, config: str | os.PathLike | None = 
         raise ModelLoadError(f"{config or model} is not a vision-language model circleops knows (model_type "
                              f"{', '.join(VLM_MODEL_TYPES)}).")
     loaded = models.load(None if config else str(model), config=str(config) if config else None, seed=seed,
-                         allow_random_init=allow_random_init, model_class=lambda *_: _classes(kind))
-    processor = load_processor(Path(model), required=False) if model and not config else None
+                         allow_random_init=allow_random_init, model_class=lambda *_: _classes(kind),
+                         **({"dtype": dtype} if dtype is not None else {}))
+    processor = None
+    if model and not config:
+        processor = load_processor(Path(model), required=False)
+        if BY_MODEL_TYPE[kind].tower == "qwen":  # its own processor (Qwen2VLProcessor needs torchvision)
+            processor = load_patch_processor(Path(model))
     return loaded.module.eval(), processor
 
 
@@ -149,13 +161,42 @@ def paligemma_processor(tokenizer: Any, *, image_size: int, image_seq_len: int) 
     return PaliGemmaProcessor(images, tokenizer)
 
 
-def vision_spec(model: Any) -> VisionSpec:
+def vision_spec(model: Any, processor: Any = None) -> VisionSpec:
+    """The manifest's vision entry of ``model``; a patch tower's (Qwen) from ``processor``'s
+    fixed image size too (:func:`patch_geometry`)."""
     cfg = model.config
     fam = family_of(model)
-    return VisionSpec(graph=VISION_GRAPH, image_token_id=int(cfg.image_token_id),
-                      image_seq_len=fam.tokens_per_image(model), tile_size=int(cfg.vision_config.image_size),
-                      hidden_size=int(cfg.text_config.hidden_size), family=str(cfg.model_type), prefix_lm=fam.prefix_lm,
-                      image_blocks=fam.image_blocks)
+    common = dict(graph=VISION_GRAPH, image_token_id=int(cfg.image_token_id), hidden_size=int(cfg.text_config.hidden_size),
+                  family=str(cfg.model_type), prefix_lm=fam.prefix_lm, image_blocks=fam.image_blocks, mrope=fam.mrope)
+    if fam.tower == "qwen":
+        return VisionSpec(**common, **patch_geometry(model, processor))
+    return VisionSpec(**common, image_seq_len=fam.tokens_per_image(model), tile_size=int(cfg.vision_config.image_size))
+
+
+def patch_geometry(model: Any, processor: Any = None) -> dict[str, Any]:
+    """A patch tower's fixed image (circleops.generation.patch_images): every image resized to
+    one square, so one grid of patches and one count of image tokens. Its side is the
+    processor's (or, without one, what the model's default image processor allows); the
+    processor's patches must be the model's."""
+    vc = model.config.vision_config
+    patch, merge, frames = int(vc.patch_size), int(vc.spatial_merge_size), int(vc.temporal_patch_size)
+    if processor is not None:
+        ip = processor.image_processor
+        theirs = (int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size))
+        if theirs != (patch, merge, frames):
+            raise TargetError(f"the processor saved with {model.config.model_type} cuts patches of (patch, merge, "
+                              f"frames) {theirs} and the model takes {(patch, merge, frames)}: save the model's own "
+                              f"processor with it.")
+        side = int(processor.side)
+    else:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        side = fixed_side(Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=frames))
+    per = side // patch
+    windowed = getattr(vc, "fullatt_block_indexes", None) is not None  # Qwen2.5: window attention
+    patches = {"grid": [1, per, per], "patch_dim": int(getattr(vc, "in_channels", 3)) * frames * patch * patch,
+               "merge_size": merge, "patch_size": patch, "window_size": int(vc.window_size) if windowed else 0}
+    return {"image_seq_len": (per // merge) ** 2, "tile_size": side, "patches": patches}
 
 
 def parse_vlm_graphs(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -184,6 +225,32 @@ class _Example:
 PREFIX_TEXT, SUFFIX_TEXT = 3, 2
 
 
+def _patch_example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
+    """A patch tower's (Qwen) verify prompt: text, one image's tokens on the fixed grid, text,
+    through the model's own forward (its vision tower on random patches, its merge and its
+    M-RoPE positions, get_rope_index's)."""
+    import torch
+
+    from circleops.adapters.qwen_vision import QwenVisionTower
+    from circleops.generation.patch_images import graph_index
+
+    vocab = int(model.config.text_config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, vocab, (max(2, min(lengths) // 2) + 2,), generator=g)
+    text = torch.where(text == spec.image_token_id, (text + 1) % vocab, text)
+    ids = torch.cat([text[:2], torch.full((spec.image_seq_len,), spec.image_token_id), text[2:]])
+    index = graph_index(spec.patches)
+    pixels = torch.rand((index.patches, spec.patches["patch_dim"]), generator=g) * 2 - 1
+    kw = {"pixel_values": pixels, "image_grid_thw": torch.tensor([spec.patches["grid"]])}
+    kinds = (ids == spec.image_token_id).to(torch.int32)[None]
+    p = len(ids) - 1
+    with torch.no_grad():
+        logits = model(input_ids=ids[None, :p], mm_token_type_ids=kinds[:, :p], use_cache=False, **kw).logits[0]
+        last = model(input_ids=ids[None], mm_token_type_ids=kinds, use_cache=False, **kw).logits[0, -1:]
+        features = QwenVisionTower(model)(pixels, *index.inputs())
+    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy())
+
+
 def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
     """A prompt of text, one tile's <image> tokens and text, through the model's own forward
     (with pixel_values: its vision tower and merge), before anything is fused. A prefix-LM's
@@ -206,7 +273,7 @@ def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
     pixels = torch.rand((1, 3, spec.tile_size, spec.tile_size), generator=g) * 2 - 1
     # PaliGemma's and Gemma 3's pixel_values are [B, 3, S, S]; Idefics3's [B, tiles, 3, S, S]
     fam = family_of(model)
-    pv = pixels if spec.prefix_lm or fam.image_blocks else pixels[None]
+    pv = (pixels if spec.prefix_lm or fam.image_blocks else pixels[None]).to(model.dtype)  # fp16: the tower's
     kinds = {}
     if spec.prefix_lm:
         kinds = {"token_type_ids": (torch.arange(len(ids)) >= prefix).long()[None]}
@@ -218,8 +285,8 @@ def _example(model: Any, spec: VisionSpec, lengths: Sequence[int]) -> _Example:
                        **{k: v[:, :p] for k, v in kinds.items()}).logits[0]
         # the last token after the prompt (the decode check): the same forward, one longer
         last = model(input_ids=ids[None], pixel_values=pv, use_cache=False, **kinds).logits[0, -1:]
-        features = VisionTower(model)(pixels)[0]
-    return _Example(ids, pixels, features.numpy(), torch.cat([logits, last]).float().numpy(), prefix)
+        features = VisionTower(model)(pixels.to(model.dtype))[0]
+    return _Example(ids, pixels, features.float().numpy(), torch.cat([logits, last]).float().numpy(), prefix)
 
 
 class VLMRecipe(Recipe):
@@ -237,9 +304,11 @@ class VLMRecipe(Recipe):
         self.processor = processor
 
     def dtype(self) -> Any:
+        """fp16 for a model in float16 (--dtype fp16 loads it so: every graph fp16, as the LLM
+        recipe's; targets circle and tflite), else fp32."""
         import torch
 
-        return torch.float32
+        return torch.float16 if getattr(self.model, "dtype", None) == torch.float16 else torch.float32
 
     @classmethod
     def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
@@ -248,16 +317,18 @@ class VLMRecipe(Recipe):
             raise TargetError(f"--graphs {options.graphs}: the vision graph is for vision-language models (model_type "
                               f"{', '.join(VLM_MODEL_TYPES)}); {options.config or source} is not one. Use --graphs "
                               f"prefill,decode for a causal LM.")
-        refuse_float_dtype(options, "a vision-language model",
-                           "--quantize q4_0, q8_0 or w8 makes its text graphs' weights smaller")
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "VLMRecipe":
+        from circleops.pipeline.validate import resolve_dtype
+
         module, processor = load(model, config=options.config, seed=options.seed,
-                                 allow_random_init=options.allow_random_init)
+                                 allow_random_init=options.allow_random_init, dtype=resolve_dtype(options.dtype, None))
         return cls(module, options, processor=processor, source=str(options.config or model))
 
     def check(self, opts: Any) -> None:
+        import torch
+
         o, model = self.options, self.model
         parse_vlm_graphs(o.graphs if o.graphs is not None else VLM_GRAPH_NAMES)
         if type(model).__name__ not in VLM_MODEL_TYPES.values():
@@ -268,7 +339,12 @@ class VLMRecipe(Recipe):
         limit = getattr(model.config.text_config, "max_position_embeddings", None)
         check_lengths(lengths[0], o.max_cache_len, limit, source)
         check_lengths(lengths[-1], o.max_cache_len, None, source)
-        self.spec = spec = vision_spec(model)
+        self.spec = spec = vision_spec(model, self.processor)
+        if spec.patches and self.dtype() != torch.float32:
+            # the patch tower's host side (generation.patch_images) feeds fp32 patches: not built for fp16 yet
+            raise TargetError(f"--dtype fp16: {source} ({spec.family}) converts in fp32 only so far (its patch "
+                              f"tower's fp16 graphs are not built); drop --dtype fp16, or use --quantize for the "
+                              f"text graphs.")
         if spec.prefix_lm and lengths[0] < spec.image_seq_len + PREFIX_TEXT:
             raise TargetError(f"--seq-len {','.join(map(str, lengths))}: {source} ({spec.family}) attends both ways "
                               f"over its prompt prefix (the image's {spec.image_seq_len} tokens, BOS, the prompt and "
@@ -283,6 +359,8 @@ class VLMRecipe(Recipe):
         return TextLM(self.model.eval())
 
     def references(self) -> _Example:
+        if self.spec.patches:
+            return _patch_example(self.model, self.spec, self.lengths)
         return _example(self.model, self.spec, self.lengths)
 
     def exporting(self) -> Any:
@@ -291,22 +369,24 @@ class VLMRecipe(Recipe):
     def graphs(self, opts: Any, parts: Sequence[tuple[int, int]]) -> list[Graph]:
         import torch
 
-        from circleops.adapters.vlm import ImagePrefill, TextLM, VisionTower
+        from circleops.adapters.vlm import ImagePrefill, MRopeDecode, TextLM
 
         spec, model, o = self.spec, self.model, self.options
-        tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size))
-        graphs = [Graph(VISION_GRAPH, VisionTower(model).eval(), (tile,), [PIXEL_VALUES], [IMAGE_EMBEDS],
-                        quantize=False)]  # the vision graph stays fp32
+        graphs = [_vision_graph(model, spec, self.dtype())]
         self.step = step = decoder_step(TextLM(model), o.max_cache_len, self.cache_update)
-        self.names = names = _io(step.num_layers, self.cache_update, spec.prefix_lm)
+        self.names = names = _io(step.num_layers, self.cache_update, spec.prefix_lm, spec.mrope)
         prefill = ImagePrefill(step, spec.image_token_id, prefix_lm=spec.prefix_lm,
-                               image_blocks=family_of(self.model).image_blocks)
+                               image_blocks=family_of(self.model).image_blocks, mrope=spec.mrope)
         for n in self.lengths:
-            extra = (torch.tensor([n]),) if spec.prefix_lm else ()
+            # M-RoPE: the rows' t/h/w positions [3, 1, n]; a prefix-LM: prefix_len
+            extra = ((torch.arange(n).expand(3, 1, n).clone(),) if spec.mrope else ()) + \
+                ((torch.tensor([n]),) if spec.prefix_lm else ())
             args = (torch.zeros((1, n), dtype=torch.int64), torch.tensor([0]), torch.tensor([n - 1]),
-                    torch.zeros((1, n, spec.hidden_size)), *extra, *step.empty_caches())
+                    torch.zeros((1, n, spec.hidden_size), dtype=self.dtype()), *extra, *step.empty_caches())
             graphs.append(Graph(prefill_graph_name(n, self.lengths), prefill, args, *names["prefill"], rows=n))
-        graphs.append(Graph("decode", step, example_args(step, "decode", self.lengths[0]), *names["decode"], rows=1))
+        args = example_args(step, "decode", self.lengths[0])
+        decode, args = (MRopeDecode(step), (*args[:2], torch.tensor([0]), *args[2:])) if spec.mrope else (step, args)
+        graphs.append(Graph("decode", decode, args, *names["decode"], rows=1))
         self.graph_list = [g.name for g in graphs]
         return graphs
 
@@ -318,9 +398,9 @@ class VLMRecipe(Recipe):
         save_generation_config(self.model, directory)
         text = TextLM(self.model)
         eos = eos_token_ids(getattr(text, "generation_config", None), getattr(text, "config", None))
-        k_names, outs = io_names(step.num_layers, "decode", self.cache_update)
+        k_names, outs = self.names["decode"]
         return Manifest(
-            directory=directory, target=opts.target, dtype="fp32", files=files, quantize=opts.quantize,
+            directory=directory, target=opts.target, dtype=short_name(opts.dtype), files=files, quantize=opts.quantize,
             num_threads=opts.threads, signatures={g: infos[g].signature for g in files},
             prefill_len=self.lengths[0], prefill_lens=list(self.lengths), prefill_inputs=self.names["prefill"][0],
             max_cache_len=self.options.max_cache_len, num_layers=step.num_layers, cache_shape=list(step.cache_shape),
@@ -360,7 +440,8 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertO
     ``seq_len`` (or ``prefill_len``) and ``max_cache_len`` as for
     :func:`circleops.recipes.llm.convert_graphs`; ``quantize``: a weight-only format (q4_0, q8_0,
     w8) for the text graphs (prefill and decode share one set of blocks), the vision graph
-    stays fp32; ``threads`` as for convert_graphs.
+    stays fp32; ``threads`` as for convert_graphs. A model in float16 (``model.half()``;
+    ``circleops convert --dtype fp16`` loads it so) writes fp16 graphs, targets circle and tflite.
 
     ``verify``: run the written graphs (True: the target's runtime, or name one) on a prompt
     of text and one image tile, against the model's own forward with ``pixel_values``: the
@@ -373,13 +454,38 @@ def convert_vlm_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertO
     return package_step.run(VLMRecipe(model, opts, processor=processor, source=source), out_dir, progress)
 
 
-def _io(num_layers: int, cache_update: str, prefix_lm: bool = False) -> dict[str, tuple[list[str], list[str]]]:
-    """Input and output names per graph kind: the prefill's image_embeds (and a prefix-LM's
-    prefix_len) after logits_row."""
+def _vision_graph(model: Any, spec: VisionSpec, dtype: Any) -> Graph:
+    """The vision graph in the model's float type (never --quantize'd): one tile ``pixel_values [1, 3, S, S]``
+    (VisionTower), or a patch tower's one image on the fixed grid ``pixel_values [N, C*T*P*P]``
+    and its integer inputs (QwenVisionTower, circleops.generation.patch_images.graph_index)."""
+    import torch
+
+    from circleops.adapters.vlm import VisionTower
+
+    if spec.patches:
+        from circleops.adapters.qwen_vision import QwenVisionTower
+        from circleops.generation.patch_images import graph_index
+
+        index = graph_index(spec.patches)
+        args = (torch.zeros((index.patches, spec.patches["patch_dim"])), *index.inputs())
+        return Graph(VISION_GRAPH, QwenVisionTower(model).eval(), args, [PIXEL_VALUES, *PATCH_INDEX], [IMAGE_EMBEDS],
+                     quantize=False)
+    tile = torch.zeros((1, 3, spec.tile_size, spec.tile_size), dtype=dtype)
+    return Graph(VISION_GRAPH, VisionTower(model).eval(), (tile,), [PIXEL_VALUES], [IMAGE_EMBEDS], quantize=False)
+
+
+def _io(num_layers: int, cache_update: str, prefix_lm: bool = False,
+        mrope: bool = False) -> dict[str, tuple[list[str], list[str]]]:
+    """Input and output names per graph kind: the prefill's image_embeds (then M-RoPE's
+    rope_positions, a prefix-LM's prefix_len) after logits_row; M-RoPE's decode takes
+    rope_delta after pos."""
     ins, outs = io_names(num_layers, "prefill", cache_update)
-    prefill_ins = [*ins[:3], IMAGE_EMBEDS, *([PREFIX_LEN] if prefix_lm else []), *ins[3:]]
+    prefill_ins = [*ins[:3], IMAGE_EMBEDS, *([ROPE_POSITIONS] if mrope else []), *([PREFIX_LEN] if prefix_lm else []),
+                   *ins[3:]]
+    d_ins, d_outs = io_names(num_layers, "decode", cache_update)
+    decode_ins = [*d_ins[:2], ROPE_DELTA, *d_ins[2:]] if mrope else d_ins
     return {VISION_GRAPH: ([PIXEL_VALUES], [IMAGE_EMBEDS]), "prefill": (prefill_ins, outs),
-            "decode": io_names(num_layers, "decode", cache_update)}
+            "decode": (decode_ins, d_outs)}
 
 
 def compare(manifest: Manifest, runtime: str, example: _Example) -> dict[str, tuple[float, float]]:

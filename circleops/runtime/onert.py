@@ -158,7 +158,7 @@ def _check_host(path: str, types: frozenset[str]) -> None:
     refusal = onert_ggml_refusal(path, {t for t in types if t in ir.GGML_BLOCKS})
     if refusal:
         raise HostCPUError(refusal)
-    refusal = integer_refusal(path)
+    refusal = integer_refusal(path, types)
     if refusal:
         raise RuntimeRunError(refusal)
 
@@ -168,12 +168,21 @@ ONERT_INTEGER_TYPES = frozenset({"UINT8", "INT8", "INT32"})
 ONERT_NO_UINT8_KERNEL = frozenset({"RMS_NORM", "BATCH_MATMUL", "STRIDED_SLICE", "ATTENTION"})
 
 
-def integer_refusal(path: str) -> str | None:
+# A quantized tensor has one of these types (its int32 biases come with them): a file with
+# none of them is float (or GGML) and needs no full read to be cleared.
+_QUANTIZED_TYPES = frozenset({"UINT8", "INT8", "INT16", "INT4", "UINT4"})
+
+
+def integer_refusal(path: str, types: frozenset[str] | None = None) -> str | None:
     """Why onert 0.1.0 cannot run the integer graph in ``path`` (int16 / int4 tensors, a
-    quantized op it has no kernel for), naming the runtime that can; None when it can."""
+    quantized op it has no kernel for), naming the runtime that can; None when it can.
+    ``types``: the file's tensor types when known (the integrity check's): a float file is
+    then cleared without decoding every table (seconds on a 1B model's file)."""
     from circleops.errors import CircleOpsError
     from circleops.serialize import read_model
 
+    if types is not None and not types & _QUANTIZED_TYPES:
+        return None
     try:
         sg = read_model(path).subgraphs[0]
     except CircleOpsError:
@@ -208,10 +217,9 @@ def _raise_or_echo(failure: Exception | None, text: list[str], stage: str, path:
 def _io_names(path: str) -> tuple[list[str], list[str]]:
     """Input and output tensor names of subgraph 0 (best effort: empty when unreadable)."""
     try:
-        from circleops.serialize import read_model
+        from circleops.serialize.reader import io_names
 
-        sg = read_model(path).subgraphs[0]
-        return [sg.tensors[j].name for j in sg.inputs], [sg.tensors[j].name for j in sg.outputs]
+        return io_names(path)
     except Exception:  # noqa: BLE001 - names are cosmetic
         return [], []
 

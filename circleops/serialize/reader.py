@@ -83,13 +83,19 @@ def opcode_name(schema: Schema, oc: Any) -> str:
     return schema.opnames.get(code, f"UNKNOWN_{code}")
 
 
-def read_model(path: str | os.PathLike) -> ir.Model:
-    """Read a Circle or TFLite file into an ir.Model (constants as read-only mmap views)."""
+def _mapped(path: str | os.PathLike) -> tuple[str, Any, Any, int]:
+    """(format, schema, the file mapped read-only, its size): what every reader starts from."""
     fmt = detect_format(path)
     schema = get_schema(fmt)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    return fmt, schema, buf, size
+
+
+def read_model(path: str | os.PathLike) -> ir.Model:
+    """Read a Circle or TFLite file into an ir.Model (constants as read-only mmap views)."""
+    fmt, schema, buf, size = _mapped(path)
     try:
         m = decode_model(schema, buf, size, str(path))
         return _to_ir(m, schema, buf, size, str(path))
@@ -103,12 +109,8 @@ def read_model(path: str | os.PathLike) -> ir.Model:
 def tensor_types(path: str | os.PathLike) -> set[str]:
     """The TensorType names of every tensor in the file, read through the zero-copy
     accessors (milliseconds on a 500 MB model, where read_model decodes every table)."""
-    fmt = detect_format(path)
-    schema = get_schema(fmt)
+    fmt, schema, buf, size = _mapped(path)
     names = schema.tensor_type_names
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     try:
         m = schema.reader_cls("Model").GetRootAs(buf, 0)
         types: set[int] = set()
@@ -119,6 +121,24 @@ def tensor_types(path: str | os.PathLike) -> set[str]:
         raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({type(err).__name__}: "
                              f"{_short(err)}); the file is truncated or corrupt") from None
     return {names.get(t, f"UNKNOWN_{t}") for t in types}
+
+
+def io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Subgraph 0's input and output tensor names, through the zero-copy accessors (a
+    runtime that knows no names asks; read_model would decode every table for them)."""
+    fmt, schema, buf, size = _mapped(path)
+    try:
+        sg = schema.reader_cls("Model").GetRootAs(buf, 0).Subgraphs(0)
+
+        def name(i: int) -> str:
+            raw = sg.Tensors(i).Name()
+            return raw.decode("utf-8", "replace") if raw is not None else ""
+
+        return ([name(sg.Inputs(j)) for j in range(sg.InputsLength())],
+                [name(sg.Outputs(j)) for j in range(sg.OutputsLength())])
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - a broken file
+        raise ModelLoadError(f"{path}: the {fmt} flatbuffer cannot be decoded ({type(err).__name__}: "
+                             f"{_short(err)}); the file is truncated or corrupt") from None
 
 
 def _short(err: BaseException, limit: int = 200) -> str:
@@ -309,11 +329,7 @@ def _to_ir(m: Any, schema: Schema, buf: Any, size: int, path: str) -> ir.Model:
 
 def read_signatures(path: str | os.PathLike) -> list[ir.Signature]:
     """Only the signatures, in file order, without decoding the rest (fast on big files)."""
-    fmt = detect_format(path)
-    schema = get_schema(fmt)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    fmt, schema, buf, size = _mapped(path)
     try:
         budget = Budget(size, str(path))
         root = schema.reader_cls("Model").GetRootAs(buf, 0)

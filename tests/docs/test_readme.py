@@ -16,7 +16,6 @@ from the code.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ from pathlib import Path
 import pytest
 
 import readme_fixture as fx
+import readme_llm
+from zygote import ForkServer
 
 LANGS = {"python", "shell", "console", "text"}
 
@@ -207,6 +208,8 @@ def shell_run(tmp_path_factory):
     template = tmp_path_factory.mktemp("readme_sh")
     fx.prepare_shell_dir(template)
     env = fx.shell_env(tmp_path_factory.mktemp("bin"))
+    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"))
+    env = server.client_env(tmp_path_factory.mktemp("bin_forked"), env)
     dirs: dict[str, Path] = {}
     done: dict[int, subprocess.CompletedProcess] = {}  # id() of a FAST command -> its result
 
@@ -222,7 +225,8 @@ def shell_run(tmp_path_factory):
                 return done[id(c)]
         raise AssertionError(f"{c.cmd} is not one of {page}'s commands")
 
-    return run
+    yield run
+    server.close()
 
 
 def _run(c: Command, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -261,14 +265,18 @@ def test_command_runs(c, shell_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("readme_smollm2")  # no fixture shared with the module: a unit of its own (minutes)
-def test_real_smollm2_commands_run(tmp_path_factory):
+@pytest.mark.xdist_group(readme_llm.GROUP)  # with tests/generate/test_smollm2.py: out/ is converted once
+def test_real_smollm2_commands_run(tmp_path_factory, readme_llm_out):
     """The LLM guide's commands on the real SmolLM2 (docs/llm.md), in page order (a command
-    shown twice runs once): convert, generate the guide's text, the cache error."""
-    cwd = tmp_path_factory.mktemp("readme_smollm2")
+    shown twice runs once): convert (tests/readme_llm.py runs it, in a fresh process),
+    generate the guide's text, the cache error."""
+    assert readme_llm.CONVERT in [c.cmd for c in SLOW], "tests/readme_llm.py must run the guide's own convert"
+    cwd = readme_llm_out.cwd
     env = fx.shell_env(tmp_path_factory.mktemp("bin_smollm2"))
-    done: dict[str, subprocess.CompletedProcess] = {}
-    for c in SLOW:
-        p = done.get(c.cmd) or _run(c, cwd, env)
-        done[c.cmd] = p
-        _check(c, p)
+    with ForkServer(env, tmp_path_factory.mktemp("fork_server_smollm2")) as server:
+        env = server.client_env(tmp_path_factory.mktemp("bin_smollm2_forked"), env)
+        done: dict[str, subprocess.CompletedProcess] = {readme_llm.CONVERT: readme_llm_out.proc}
+        for c in SLOW:
+            p = done.get(c.cmd) or _run(c, cwd, env)
+            done[c.cmd] = p
+            _check(c, p)

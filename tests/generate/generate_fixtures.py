@@ -17,8 +17,9 @@ from families import BY_NAME
 
 TINY_PREFILL, TINY_CACHE, TINY_NEW = 8, 32, 16
 TINY_PROMPTS = [[5, 17, 42, 99, 3], [1, 200, 7], [9, 8, 7, 6, 5, 4, 3, 250]]  # the last fills the prefill
-SMOL_PREFILL, SMOL_CACHE, SMOL_NEW = 32, 336, 32
-SMOL_LONG, SMOL_LONG_NEW = 300, 16  # a prompt of 300 tokens: ten prefill chunks
+# the README's out/: convert's default prefill lengths (64 and 8) and cache length
+SMOL_PREFILL, SMOL_PREFILL_SHORT, SMOL_CACHE, SMOL_NEW = 64, 8, 512, 32
+SMOL_LONG, SMOL_LONG_NEW = 300, 16  # a prompt of 300 tokens: five prefill chunks
 SMOL_PROMPTS = ["Once upon a time,", "The capital of France is", "def fibonacci(n):"]
 
 
@@ -98,20 +99,16 @@ def _long_text() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> SmolLM2:
-    """SmolLM2-135M converted once as a newcomer does (the CLI, --verify on onert)."""
-    from circleops.cli import main
+def smollm2(readme_llm_out) -> SmolLM2:
+    """SmolLM2-135M converted once as a newcomer does: the README's own command (the CLI,
+    --verify on onert, default lengths; tests/readme_llm.py), and transformers' tokens."""
     from circleops.sources.models import load_smollm2
 
+    assert readme_llm_out.proc.returncode == 0, readme_llm_out.proc.stderr[-3000:]
     model, tokenizer = load_smollm2()
     prompts = {p: [int(i) for i in tokenizer(p)["input_ids"]] for p in SMOL_PROMPTS}
     expected = {p: hf_greedy(model, ids, SMOL_NEW) for p, ids in prompts.items()}
     long_prompt = [int(i) for i in tokenizer(_long_text())["input_ids"]][:SMOL_LONG]
     long_expected = hf_greedy(model, long_prompt, SMOL_LONG_NEW)
     del model
-    out = tmp_path_factory.mktemp("smollm2") / "out"
-    with one_torch_thread():
-        rc = main(["convert", "smollm2", "--graphs", "prefill,decode", "--target", "onert", "--verify", "-q",
-                   "--seq-len", str(SMOL_PREFILL), "--max-cache-len", str(SMOL_CACHE), "-o", str(out)])
-    assert rc == 0
-    return SmolLM2(out, prompts, expected, tokenizer, long_prompt, long_expected)
+    return SmolLM2(readme_llm_out.directory, prompts, expected, tokenizer, long_prompt, long_expected)

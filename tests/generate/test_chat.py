@@ -82,12 +82,13 @@ def test_full_cache_is_said_clearly(chat_dir, tokenizer):
 
 
 def test_cli_chat_from_stdin(chat_dir, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\nagain\n/reset\n" + "z" * CACHE + "\nhi\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\nagain\n/reset\n" + "z" * CACHE + "\n/image a.png\nhi\n"))
     code = main(["chat", str(chat_dir), "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert len(out.rstrip("\n").split("\n")) == 3  # three replies (the over-long message gets none)
     assert "new conversation" in err and "KV cache is full" in err and "Type /reset" in err
+    assert "/image: this directory holds a text model (no vision graph)" in err  # a text model takes no image
     assert err.count("new tokens fed") == 3
 
 

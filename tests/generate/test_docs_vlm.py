@@ -55,8 +55,10 @@ def test_every_block_runs(tmp_path, monkeypatch):
                     assert line in err.splitlines(), (command, line, err)
             if lang in ran:
                 ran[lang] += 1
-    assert ran == {"python": 3, "shell": 6, "console": 3}
+    assert ran == {"python": 4, "shell": 8, "console": 3}
     assert (tmp_path / "smolvlm-out" / "vision.circle").is_file()
     assert (tmp_path / "paligemma-out" / "prefill.circle").is_file()
+    assert manifest_json.read(tmp_path / "qwen-out")["vision"]["patches"]["grid"] == [1, 8, 8]  # 64 px, 8 px patches
+    assert manifest_json.read(tmp_path / "smolvlm-fp16")["dtype"] == "fp16"
     assert manifest_json.read(tmp_path / "paligemma-q4")["quantize"] == "q4_0"
     assert not (tmp_path / "paligemma-short").exists()

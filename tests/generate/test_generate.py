@@ -194,6 +194,26 @@ def test_cli_convert_graphs_with_verify(tmp_path, tiny_model):
     assert [int(t) for t in proc.stdout.split()] == expected
 
 
+def test_fp16_graphs_verify_and_generate(tmp_path, tiny_model, tiny_expected):
+    """--dtype fp16 (the model in fp16) writes fp16 graphs whose caches are fp16: verify and
+    generate feed them fp16 caches (they fed fp32 ones, which the runtime refused), and the
+    tokens are fp32 transformers' on this sharp tiny Llama (its logits move by 5-9, fp16's
+    error is ~1e-2: tests/convert/test_format_accuracy.py asks the same of its fp16 file)."""
+    import copy
+
+    import torch
+
+    from circleops.recipes.llm import convert_graphs
+
+    out = tmp_path / "fp16"
+    report = convert_graphs(copy.deepcopy(tiny_model).to(torch.float16), out, target="circle",
+                            prefill_len=TINY_PREFILL, max_cache_len=TINY_CACHE, verify=True)
+    assert report.verify_runtime == "reference" and report.dtype == "fp16"  # verify raises unless it passed
+    assert all(g.max_abs_error <= report.tolerance for g in report.graphs.values())
+    prompt = TINY_PROMPTS[0]
+    assert Generator(out).generate(prompt, TINY_NEW).tokens == tiny_expected[tuple(prompt)]
+
+
 def test_cli_convert_graphs_refuses_a_file_output(capsys, tmp_path, tiny_model):
     cfg = tmp_path / "config.json"
     tiny_model.config.to_json_file(cfg)

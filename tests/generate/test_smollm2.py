@@ -1,5 +1,6 @@
-"""The real SmolLM2-135M-Instruct: written once with the CLI (onert, --verify), then greedy
-generation on onert equals transformers' fp32 greedy generate token for token."""
+"""The real SmolLM2-135M-Instruct: the README's out/ (its own convert command, onert,
+--verify; tests/readme_llm.py), then greedy generation on onert equals transformers' fp32
+greedy generate token for token."""
 from __future__ import annotations
 
 import subprocess
@@ -8,13 +9,16 @@ from collections import Counter
 
 import pytest
 
-from generate_fixtures import SMOL_CACHE, SMOL_LONG, SMOL_LONG_NEW, SMOL_NEW, SMOL_PREFILL, SMOL_PROMPTS
+from generate_fixtures import (SMOL_CACHE, SMOL_LONG, SMOL_LONG_NEW, SMOL_NEW, SMOL_PREFILL, SMOL_PREFILL_SHORT,
+                               SMOL_PROMPTS)
+import readme_llm
 
 from circleops.generation.generator import Generator
 from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
 
-pytestmark = pytest.mark.slow
+# one worker converts the README's out/ for this module and tests/docs/test_readme.py
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(readme_llm.GROUP)]
 
 # onert against the reference interpreter on the real 30-layer model (tests/conftest.py):
 # measured 1.04e-5 and 1.1e-5 of the output's scale on cache values (prefill over a 336-slot
@@ -45,6 +49,7 @@ def test_decode_graph_structure(smollm2):
 def test_manifest_and_tokenizer(smollm2):
     m = read_manifest(smollm2.directory)
     assert (m.prefill_len, m.max_cache_len, m.num_layers) == (SMOL_PREFILL, SMOL_CACHE, LAYERS)
+    assert m.prefill_lens == [SMOL_PREFILL, SMOL_PREFILL_SHORT]
     assert m.cache_shape == [1, SMOL_CACHE, 3, 64] and m.vocab_size == 49152
     assert m.eos_token_ids == [2] and m.tokenizer == "tokenizer"
     assert (smollm2.directory / "tokenizer" / "tokenizer.json").is_file()
@@ -59,12 +64,12 @@ def test_cli_streams_text_and_reports_speed(smollm2):
     assert proc.returncode == 0, proc.stderr
     expected = smollm2.tokenizer.decode(smollm2.expected[prompt], skip_special_tokens=True)
     assert proc.stdout == prompt + expected + "\n"
-    assert "prefill 5-token prompt (graph length 32)" in proc.stderr
+    assert f"prefill 5-token prompt (graph length {SMOL_PREFILL_SHORT})" in proc.stderr
     assert f"decode {SMOL_NEW - 1} tokens" in proc.stderr and "tokens/s" in proc.stderr
 
 
 def test_prompt_of_300_tokens_in_chunks_equals_transformers(smollm2):
-    """Ten runs of the 32-token prefill graph (the last one end-aligned), then decode."""
+    """Runs of the 64-token prefill graph (the last one end-aligned), then decode."""
     from circleops.generation.generator import Generator
 
     assert len(smollm2.long_prompt) == SMOL_LONG

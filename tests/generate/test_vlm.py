@@ -5,6 +5,7 @@ interpreter, and the one-file targets circle and tflite) give transformers' gree
 ``tiny_vlm_onert`` is parametrized over the families (vlm_fixtures.py)."""
 from __future__ import annotations
 
+import copy
 import io
 import sys
 
@@ -98,22 +99,24 @@ def test_cli_generate_prints_transformers_text(tiny_vlm_onert, capsys):
     assert f"{t.tiles} tile(s) through the vision graph" in err
 
 
-def _rendered(t, texts_and_replies, image):
+def _rendered(t, texts_and_replies, images):
     """The ids and pixel_values of a conversation (user, assistant, ..., user) rendered by the
-    processor's template with the image in the first user message."""
+    processor's template, ``images[i]`` (a list) in message i, as transformers takes it."""
     messages = [{"role": "user" if i % 2 == 0 else "assistant",
-                 "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": text}]}
+                 "content": [{"type": "image"}] * len(images.get(i, [])) + [{"type": "text", "text": text}]}
                 for i, text in enumerate(texts_and_replies)]
     rendered = t.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return vision_gen.prepare(t.processor, rendered, image)
+    return vision_gen.prepare(t.processor, rendered, [x for i in sorted(images) if i < len(messages) for x in images[i]] or None)
 
 
 def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys):
     """Each reply is transformers' greedy continuation of the whole conversation rendered by
-    the processor's template with the image; the second turn feeds only its own tokens.
-    PaliGemma (no chat template) refuses to chat in one paragraph."""
+    the processor's template, each image in the turn that brought it (the first message's
+    --image, a later turn's /image); a later turn feeds only its own tokens. A turn whose
+    images do not fit the cache is refused, the conversation kept. PaliGemma (no chat
+    template) refuses to chat in one paragraph."""
     t = tiny_vlm_onert
-    image = vision_gen.read_image(t.photo)
+    image, other = vision_gen.read_image(t.photo), vision_gen.read_image(t.other)
     if not t.chat:
         assert main(["chat", str(t.out), "--image", str(t.photo)]) == 2
         err = capsys.readouterr().err
@@ -123,18 +126,32 @@ def test_chat_with_image_equals_transformers(tiny_vlm_onert, monkeypatch, capsys
         return
     chat = vision_gen.VisionChat(vision_gen.VisionGenerator(t.out), t.processor, image)
     said: list[str] = []
-    for text in ["Describe it", "And the colours?"]:
-        ids, pixels = _rendered(t, [*said, text], image)
+    images = {0: [image]}
+    for text, added in [("Describe it", None), ("And this one?", other)]:
+        if added is not None:
+            chat.add_image(added)
+            images[len(said)] = [added]
+        ids, pixels = _rendered(t, [*said, text], images)
+        first = first if said else len(ids)
         reply = chat.turn(text, 8)
         assert reply.tokens == t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids)
         said += [text, reply.text]
-    assert reply.fed < len(ids) // 2  # the image and the first turn stay in the cache
+    assert ids.count(t.model.config.image_token_id) == 2 * t.tiles * t.image_tokens  # both images' tokens
+    assert len(ids) - reply.fed >= first  # the first turn's prompt and image stay in the cache
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Describe it\n"))
+    # the CLI: a second turn that adds an image (/image), then images past the 128-slot cache
+    said, images = [], {0: [image], 2: [other]}
+    for text in ["Describe it", "And this one?"]:
+        ids, pixels = _rendered(t, [*said, text], images)
+        want = [x for x in t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids) if x not in chat.stop_ids]
+        said += [text, t.processor.tokenizer.decode(want, skip_special_tokens=True)]
+    more = f"/image {t.photo}\n" * 4
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Describe it\n/image {t.other}\nAnd this one?\n{more}Too many\n"))
+    capsys.readouterr()
     assert main(["chat", str(t.out), "--image", str(t.photo), "--max-new-tokens", "8", "-q"]) == 0
-    ids, pixels = _rendered(t, ["Describe it"], image)
-    want = [x for x in t.hf_greedy(ids, pixels, 8, eos=chat.stop_ids) if x not in chat.stop_ids]
-    assert capsys.readouterr().out == t.processor.tokenizer.decode(want, skip_special_tokens=True) + "\n"
+    out, err = capsys.readouterr()
+    assert out == said[1] + "\n" + said[3] + "\n", (out, said)
+    assert "the KV cache is full" in err and "Traceback" not in err, err
 
 
 def test_manifest_lists_the_vision_graph_and_the_text_part_stays_fused(tiny_vlm_onert):
@@ -194,20 +211,59 @@ def test_a_text_model_is_refused_the_vision_graph(tmp_path, capsys):
     assert "the vision graph is for vision-language models" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("target", ["circle", "tflite"])
-def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target):
+@pytest.mark.parametrize("target, dtype", [("circle", "fp32"), ("tflite", "fp32"), ("circle", "fp16")])
+def test_one_file_targets_generate_transformers_tokens(tiny_vlm_onert, tmp_path, target, dtype):
     """Target circle (ATTENTION updating whole caches, the reference interpreter) and tflite
-    (LiteRT): one file, a signature per graph, the vision graph among them."""
+    (LiteRT): one file, a signature per graph, the vision graph among them. fp16 (`convert
+    --dtype fp16`, the CLI: the model loaded in fp16): every graph takes and returns fp16, as
+    the LLM recipe's, and generates torch fp16's greedy tokens (_check_fp16_tokens); target
+    tflite's fp16 files run in docs/vlm.md's blocks (tests/generate/test_docs_vlm.py)."""
     t = tiny_vlm_onert
-    model, processor = vlm.load(t.model_dir)
     lengths = tuple(int(n) for n in t.prefill.split(","))
-    report = vlm.convert_vlm_graphs(model, tmp_path / "out", processor=processor, target=target, prefill_len=lengths,
-                                    max_cache_len=64)
-    assert {g.file for g in report.graphs.values()} == {f"model.{'tflite' if target == 'tflite' else 'circle'}"}
+    out = tmp_path / "out"
+    if dtype == "fp16":
+        assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", "--target", target, "--dtype",
+                     dtype, "-q", "--seq-len", t.prefill, "--max-cache-len", "64", "-o", str(out)]) == 0
+    else:
+        model, processor = vlm.load(t.model_dir)
+        vlm.convert_vlm_graphs(model, out, processor=processor, target=target, prefill_len=lengths, max_cache_len=64)
+    m = read_manifest(out)
+    assert set(m.files.values()) == {f"model.{'tflite' if target == 'tflite' else 'circle'}"} and m.dtype == dtype
     ids, pixels = _inputs(t, "Describe it", t.photo, t.chat)
     # 8 tokens: PaliGemma's causal-prefill tokens part from the prefix-LM's at the 5th
-    got = vision_gen.generate(tmp_path / "out", "Describe it", t.photo, 8, chat=t.chat).tokens
-    assert got == t.hf_greedy(ids, pixels, 8)
+    got = vision_gen.generate(out, "Describe it", t.photo, 8, chat=t.chat).tokens
+    if dtype == "fp32":
+        assert got == t.hf_greedy(ids, pixels, 8)
+    else:
+        _check_fp16_tokens(t, read_model(out / m.files["vision"]), ids, pixels, got)
+
+
+def _check_fp16_tokens(t, model_file, ids, pixels, tokens):
+    """An fp16 file's signatures take and return fp16 (pixels, image embeddings, caches,
+    logits), and each token it generated is torch fp16's greedy choice (the model cast to
+    fp16, teacher-forced on the prompt and the tokens) up to the fp16 roundings of the path
+    to the logits: the vision graph's, then the prefill's that reads its embeddings, then the
+    decode step's that reads the prefill's caches (tests/rounding.py; two computations, each
+    within that bound, may swap two logits twice as close)."""
+    from rounding import fp16_error_bound, fp16_roundings, native_fp16
+
+    for sig in model_file.signatures:
+        sub = model_file.subgraphs[sig.subgraph_index]
+        floats = {name: sub.tensors[sub.inputs[i]].dtype for i, name in enumerate(sig.inputs)
+                  if name not in ("input_ids", "pos", "logits_row", "prefix_len")}
+        floats.update({name: sub.tensors[i].dtype for name, i in sig.outputs.items()})
+        assert set(floats.values()) == {"FLOAT16"}, (sig.key, floats)
+    model = copy.deepcopy(t.model).half()
+    kw = {} if t.family != "paligemma" else {  # the generated tokens: PaliGemma's causal suffix
+        "token_type_ids": torch.tensor([[0] * len(ids) + [1] * len(tokens)])}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens]), pixel_values=torch.as_tensor(pixels).half(),
+                       **kw).logits[0, len(ids) - 1:len(ids) - 1 + len(tokens)].float()
+    index = {sig.key: sig.subgraph_index for sig in model_file.signatures}
+    roundings = sum(fp16_roundings(model_file, index[g], native_fp16())[0] for g in ("vision", "prefill", "decode"))
+    bound = fp16_error_bound(roundings) * max(1.0, float(logits.abs().max()))
+    gaps = [float(row.max() - row[x]) for row, x in zip(logits, tokens)]
+    assert max(gaps) <= 2 * bound, f"fp16 tokens {tokens} off torch fp16's greedy by logit gaps {gaps} ({bound=:.3g})"
 
 
 @pytest.mark.parametrize("vision, message", [("oops", "vision has the wrong type"),
@@ -301,8 +357,14 @@ def test_quantized_text_graphs_keep_torch_greedy_on_their_weights(tiny_vlm_onert
     assert vision_gen.generate(tmp_path / "cli", "Describe it", t.photo, 8, chat=t.chat).tokens == tokens
 
 
-def test_dtype_is_refused_for_a_vlm(tiny_vlm_onert, tmp_path, capsys):
-    assert main(["convert", str(tiny_vlm_onert.model_dir), "--graphs", "vision,prefill,decode", "--target", "circle",
-                 "--dtype", "fp16", "-o", str(tmp_path / "o")]) == 2
-    assert "--dtype fp16: a vision-language model's graphs compute in fp32" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+def test_fp16_is_refused_where_it_cannot_run(tiny_vlm_onert, tmp_path, capsys):
+    """fp16 graphs are for circle and tflite, as the LLM recipe's: onert refuses fp16 tensors,
+    and a weight format stores weights for fp32 graphs; one paragraph each, nothing written."""
+    t = tiny_vlm_onert
+    for extra, message in [(["--target", "onert"], "target onert is fp32 only"),
+                           (["--target", "circle", "--quantize", "q8_0"], "use dtype fp32 with quantize")]:
+        assert main(["convert", str(t.model_dir), "--graphs", "vision,prefill,decode", *extra, "--dtype", "fp16",
+                     "-o", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+        assert not (tmp_path / "o").exists()

@@ -29,13 +29,6 @@ def tiny_vlm(request, tmp_path_factory):
     return _tiny(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=_rows(lambda row: not row.converted))
-def torch_side_vlm(request, tmp_path_factory):
-    """The families convert does not take yet (the torch side only): their graphs are run
-    here; the converted ones are run by tests/generate/test_vlm.py and test_gemma3_graphs.py."""
-    return _tiny(request.param, tmp_path_factory)
-
-
 @pytest.fixture(scope="module", params=_rows(lambda row: row.mrope))
 def mrope_vlm(request, tmp_path_factory):
     """The families with 3-D (M-RoPE) positions."""

@@ -193,10 +193,14 @@ class TinyVLM:
     processor: Any
     images: list[Path]
 
-    def inputs(self, text: str, images: list[Path]) -> dict[str, torch.Tensor]:
+    def inputs(self, text: str, images: list[Path], side: int | None = None) -> dict[str, torch.Tensor]:
+        """The processor's inputs; ``side``: each image resized to side x side pixels first (a
+        converted patch tower's fixed size)."""
         from PIL import Image
 
         pics = [Image.open(p).convert("RGB") for p in images]
+        if side is not None:
+            pics = [p.resize((side, side), Image.BICUBIC) for p in pics]
         out = dict(self.processor(images=[pics] if pics else None, text=[text], return_tensors="pt"))
         out.pop("labels", None)  # PaliGemma's processor returns them for training
         return out
