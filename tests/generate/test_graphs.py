@@ -194,4 +194,3 @@ def test_an_hf_directory_keeps_its_tokenizer(tmp_path, capsys):
                                         tokenize=True, return_dict=False)
     want = Generator(out).generate(list(ids), 4).tokens
     assert text.strip("\n") == tokenizer.decode(want).strip("\n")
-
