@@ -2,9 +2,11 @@
 
     python bench/scale_tokens.py --hf /work/models/llama-3.2-1b-shape --new 16 --save /tmp/1b-hf.json
     python bench/scale_tokens.py --dir /out/1b-tflite --runtime litert --new 16 --against /tmp/1b-hf.json
+    python bench/scale_tokens.py --hf /work/models/llama-3.2-1b-shape --round-weights fp16 --save /tmp/1b-hf16.json
 
 The first form runs transformers (fp32, `generate(do_sample=False)`) on the prompt ids and
-saves its new tokens; the second runs circleops' Generator on a converted directory with the
+saves its new tokens (``--round-weights fp16``: on the weights an fp16 file holds, each
+rounded to fp16 and computed in fp32: torch running the file's own weights); the second runs circleops' Generator on a converted directory with the
 same ids and prints whether its tokens are the same, with decode ms/token, CPU seconds and
 peak RSS. Separate processes: each holds one copy of a 1B model's weights.
 """
@@ -20,11 +22,15 @@ from pathlib import Path
 IDS = [128000, 791, 6864, 315, 9822, 374, 12366, 13]  # any ids below every vocabulary here
 
 
-def hf_tokens(path: str, ids: list[int], new: int) -> list[int]:
+def hf_tokens(path: str, ids: list[int], new: int, round_weights: str | None = None) -> list[int]:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if round_weights == "fp16":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.float16).to(torch.float32))
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
@@ -38,14 +44,16 @@ def main() -> int:
     ap.add_argument("--runtime", default=None)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--ids", default=",".join(map(str, IDS)))
+    ap.add_argument("--round-weights", choices=["fp16"], default=None)
     ap.add_argument("--save")
     ap.add_argument("--against")
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
     t, c = time.perf_counter(), time.process_time()
     if args.hf:
-        tokens = hf_tokens(args.hf, ids, args.new)
-        info = {"source": "transformers", "tokens": tokens}
+        tokens = hf_tokens(args.hf, ids, args.new, args.round_weights)
+        info = {"source": "transformers" + (f" on {args.round_weights} weights" if args.round_weights else ""),
+                "tokens": tokens}
     else:
         from circleops.generation.generator import Generator
 

@@ -329,13 +329,15 @@ class DecoderPart(torch.nn.Module):
     split into consecutive files (circleops.package.split; onert reads no file past 2 GiB).
 
     ``forward(x, pos, [row,] *caches)``: ``x`` is the token ids [1, S] in the first part
-    (which looks up the embeddings), else the hidden state [1, S, hidden] the previous part
+    (which looks up the embeddings; ``embedded``: their embeddings, looked up by the caller),
+    else the hidden state [1, S, hidden] the previous part
     returned; ``caches`` are the k caches then the v caches of this part's layers only. It
     returns ``(y, *k_rows_or_caches, *v_...)``: ``y`` the hidden state after ``stop - 1``, or,
     in the last part, the logits (of row ``row`` only when the part takes ``one_row``).
     Each part computes its own masks and RoPE tables from ``pos`` (a few kB of work)."""
 
-    def __init__(self, step: DecoderWithCache, start: int, stop: int, *, one_row: bool = False):
+    def __init__(self, step: DecoderWithCache, start: int, stop: int, *, one_row: bool = False,
+                 embedded: bool = False):
         super().__init__()
         if not 0 <= start < stop <= step.num_layers:
             raise CircleOpsError(f"DecoderPart: layers {start}..{stop - 1} are not a range of the model's "
@@ -345,6 +347,9 @@ class DecoderPart(torch.nn.Module):
         self.start, self.stop = int(start), int(stop)
         self.first, self.last = start == 0, stop == step.num_layers
         self.one_row = bool(one_row and self.last)
+        # the first part takes the embeddings (the generator looks them up in the tied lm_head
+        # of the last part: the table stored once, circleops.package.split)
+        self.embedded = bool(embedded)
 
     def forward(self, x: Tensor, pos: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         step, n = self._step, self.stop - self.start
@@ -354,7 +359,7 @@ class DecoderPart(torch.nn.Module):
         base, lm_head = _parts(step.model)
         s = x.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=x.device)[None]
-        hidden = base.embed_tokens(x) if self.first else x
+        hidden = base.embed_tokens(x) if self.first and not self.embedded else x
         layers = range(self.start, self.stop)
         if step.rope_types is None:
             table = base.rotary_emb(hidden, positions)

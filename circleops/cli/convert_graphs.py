@@ -79,8 +79,10 @@ def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
     dtype = resolve_dtype(options.dtype, None)
     quantize = validate_quantize(options.quantize, options.target)
     validate_target_dtype(options.target, dtype, quantize)
+    # no file-size refusal: past the target's file limit the graphs are split into layer-range
+    # files (circleops.package.split, whose plan refuses a layer too large alone before any work)
     sizes.check(sizes.estimate(args.model, config=options.config, quantize=quantize, dtype=dtype), options.target,
-                max_cache_len=options.max_cache_len)
+                max_cache_len=options.max_cache_len, file_limit=False)
 
 
 def refuse_text2text(args: argparse.Namespace) -> None:

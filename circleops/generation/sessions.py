@@ -120,10 +120,13 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
                              f"Convert with --graphs prefill,decode.")
     files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
     if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.package.split)
-        from circleops.runtime.chain import ChainSession
+        from circleops.runtime.chain import ChainSession, HeadEmbedding
 
         sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
-        return ChainSession(sessions, manifest.parts, one_row=graph != "decode" and manifest.prefill_one_row)
+        embed = (HeadEmbedding(manifest.directory / files[-1], manifest.signatures.get(graph))
+                 if getattr(manifest, "part_embedding", None) == "head" else None)
+        return ChainSession(sessions, manifest.parts, one_row=graph != "decode" and manifest.prefill_one_row,
+                            embed=embed)
     return _open_file(manifest, graph, files[0], runtime, isolated, threads)
 
 

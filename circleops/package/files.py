@@ -143,6 +143,12 @@ def _info(graph: Any, models: list[Any], plan: FilePlan, written: Mapping[str, i
         sub = model.subgraphs[0]
         for name, i in [*zip(part.inputs, sub.inputs), *zip(part.outputs, sub.outputs)]:
             found.setdefault(name, io_entry(name, sub.tensors[i]))
+    if graph.parts and graph.inputs[0] not in found:  # the generator embeds the ids (split.HeadEmbedding)
+        from circleops import ir
+
+        first = models[0].subgraphs[0]
+        hidden = first.tensors[first.inputs[0]]
+        found[graph.inputs[0]] = io_entry(graph.inputs[0], ir.Tensor(graph.inputs[0], tuple(hidden.shape[:2]), "INT64"))
     files = [plan.file(graph.name, j if graph.parts else None) for j in range(len(models))]
     return GraphInfo(name=graph.name, file=files[0], signature=plan.signature(graph.name), ops=dict(ops),
                      file_size=sum(written[f] for f in dict.fromkeys(files)),

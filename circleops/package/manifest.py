@@ -54,12 +54,15 @@ TEXT_PLUS = ("vision", "text2text")
 # the keys at the top of a version-4 manifest, whatever its kind (and their defaults)
 COMMON_KEYS = {"source": "", "target": None, "dtype": None, "default_runtime": None, "files": None,
                "signatures": None, "one_file_per_graph": None, "quantize": None, "num_threads": None,
-               "parts": None, "part_files": None, "signature_api": None}
+               "parts": None, "part_files": None, "part_embedding": None, "signature_api": None}
 # How the graphs hand back the KV cache (circle::attention's cache_update):
 #   full: every cache output is the whole updated cache [1, C, Hkv, D]; it is the next input
 #   rows: every cache output is the step's new rows [1, S, Hkv, D]; the caller writes them
 #         into its caches at slots pos..pos+S-1 (in place: no cache is copied per step)
 TOKENIZER_DIR = "tokenizer"
+# where a split model's first part gets its embeddings: None, its own table; "head", the
+# generator looks them up in the tied lm_head of the last part (circleops.package.split)
+PART_EMBEDDINGS = (None, "head")
 # the prefill input naming the one row of the chunk whose logits it computes (absent in
 # manifests written before it: those prefills compute the logits of every row)
 LOGITS_ROW = "logits_row"
@@ -75,7 +78,7 @@ def manifest_json(kind: str, common: dict[str, Any], sections: dict[str, Any]) -
     """A version-4 manifest: the format, version and ``kind``, the ``common`` keys (those of
     :data:`COMMON_KEYS`; ``parts``, ``part_files`` and ``signature_api`` only when set), then
     one section per kind (``text``, ``vision``, ``text2text``, ``speech``)."""
-    optional = ("parts", "part_files", "signature_api")
+    optional = ("parts", "part_files", "part_embedding", "signature_api")
     top = {k: common.get(k, default) for k, default in COMMON_KEYS.items()
            if k not in optional or common.get(k) is not None}
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "kind": kind, **top, **sections}
@@ -167,6 +170,10 @@ class Manifest:
     # order (files[g] is the first). None: every graph is one file.
     parts: list[list[int]] | None = None
     part_files: dict[str, list[str]] | None = None
+    # "head": a split model's first part takes the embeddings, which the generator looks up in
+    # the tied lm_head weight of the graph's last part (the table stored once). None: the
+    # first part takes the token ids
+    part_embedding: str | None = None
     # how the target's runtime selects a graph's signature where one file holds several:
     # "nnfw-c" (onert >= 0.2.0.dev's C API, nnfw_set_signature_run). None: the runtime's own way
     signature_api: str | None = None
@@ -229,7 +236,8 @@ class Manifest:
                   "default_runtime": self.default_runtime, "files": self.files, "signatures": self.signatures,
                   "one_file_per_graph": len(set(self.files.values())) > 1, "quantize": self.quantize,
                   "num_threads": self.num_threads, "parts": self.parts or None,
-                  "part_files": self.part_files if self.parts else None, "signature_api": self.signature_api}
+                  "part_files": self.part_files if self.parts else None,
+                  "part_embedding": self.part_embedding if self.parts else None, "signature_api": self.signature_api}
         text = {
             "prefill_len": self.prefill_len, "prefill_lens": list(self.prefill_graphs),
             "prefill_inputs": self.prefill_inputs or self.inputs, "max_cache_len": self.max_cache_len,
@@ -321,6 +329,9 @@ def _check_parts(m: Manifest, path: Path) -> None:
     if m.signature_api is not None and m.signature_api not in SIGNATURE_APIS:
         raise ModelLoadError(f"{path}: unknown signature_api {m.signature_api!r} (this circleops knows "
                              f"{', '.join(SIGNATURE_APIS)}). Convert again with --graphs.")
+    if m.part_embedding not in PART_EMBEDDINGS or (m.part_embedding is not None and m.parts is None):
+        raise ModelLoadError(f"{path}: unknown part_embedding {m.part_embedding!r} (this circleops knows \"head\", "
+                             f"with parts). Convert again with --graphs.")
     if m.parts is None and m.part_files is None:
         return
     ok = isinstance(m.parts, list) and len(m.parts) >= 2 and isinstance(m.part_files, dict)
@@ -395,7 +406,8 @@ def _from_fields(d: Path, data: dict[str, Any]) -> Manifest:
                     cache_layout=data.get("cache_layout") or SLOT_MAJOR, vision=data.get("vision"),
                     prefill_windows=data.get("prefill_windows"), decode_windows=data.get("decode_windows"),
                     parts=data.get("parts"),
-                    part_files=data.get("part_files"), signature_api=data.get("signature_api"),
+                    part_files=data.get("part_files"), part_embedding=data.get("part_embedding"),
+                    signature_api=data.get("signature_api"),
                     text2text=data.get("text2text"))
 
 

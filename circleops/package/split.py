@@ -10,10 +10,14 @@ lm_head and returns the logits. Each part takes only its own layers' KV caches.
 
 The layer ranges are planned here from the weights' bytes in the file's format, before
 anything is exported (a model that cannot be split, one layer alone too large, is refused
-before any work). A tied embedding / lm_head table is stored twice, in the first part and
-in the last (and in one file too where the format stores the head at another type than the
-table: w8, q4_0) (1 GB in fp32 for a 128256 x 2048 table): each file must hold what its runtime
-reads, and no onert file can read another's buffers.
+before any work). No onert file can read another's buffers, so a tied embedding / lm_head
+table (1 GB in fp32 for a 128256 x 2048 table) would be stored twice, in the first part and
+in the last. Where the head stores the table's own values (fp32, a plain ``nn.Embedding``:
+:attr:`PartBytes.host_table`), it is stored once, as the last part's lm_head: the first part
+takes the embeddings [1, S, hidden] and the generator looks the token ids' rows up in that
+weight (circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
+Where the format stores the head at another type than the table (w8, q4_0), both are
+written (in one file too).
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ class PartBytes:
     layers: tuple[int, ...]
     head: int
     tied: bool  # the lm_head is the embedding table, stored once (when there is one part)
+    # a split model's first part looks up no table: the lm_head holds the table's values
+    # (tied, fp32, a plain nn.Embedding) and the generator reads the rows from it
+    host_table: bool = False
 
     @property
     def whole(self) -> int:
@@ -64,6 +71,8 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     from the parameters' shapes (no weight is read); the writer checks each file exactly."""
     from circleops.quantize import formats
 
+    import torch
+
     fmt = formats.get(quantize) if quantize else None
     if fmt is not None and fmt.kind != formats.WEIGHTS:
         fmt = None  # integer graphs are not written as generation graphs
@@ -81,11 +90,12 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
     # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
     tied = head.weight is embed and embed_type == head_type
+    plain = type(base.embed_tokens) is torch.nn.Embedding  # no scale (Gemma's) or padding rule on the rows
     return PartBytes(
         embedding=_tensor_bytes(embed.numel(), tuple(embed.shape), embed_type),
         layers=tuple(module_bytes(layer, linear) for layer in base.layers),
         head=module_bytes(base.norm, None) + _tensor_bytes(head.weight.numel(), tuple(head.weight.shape), head_type),
-        tied=tied)
+        tied=tied, host_table=tied and embed_type is None and plain)
 
 
 def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
@@ -98,7 +108,7 @@ def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
     if budget is None or sizes.whole <= budget:
         return [(0, n)]
     ranges: list[tuple[int, int]] = []
-    start, used = 0, sizes.embedding
+    start, used = 0, 0 if sizes.host_table else sizes.embedding
     for i, layer in enumerate(sizes.layers):
         tail = sizes.head if i == n - 1 else 0
         if used + layer + tail > budget and i > start:
@@ -140,13 +150,14 @@ def part_file_name(graph: str, part: int, fmt: str, one_file_per_graph: bool) ->
 
 
 def part_io_names(graph_kind: str, start: int, stop: int, num_layers: int,
-                  cache_update: str = "rows") -> tuple[list[str], list[str]]:
+                  cache_update: str = "rows", host_table: bool = False) -> tuple[list[str], list[str]]:
     """Inputs and outputs of the part of layers start..stop-1 of a ``graph_kind`` ("prefill"
-    or "decode") graph: ``input_ids`` (first part) or ``hidden_in``, ``pos``, ``logits_row``
-    (a prefill's last part), the part's caches; ``logits`` (last part) or ``hidden``, the
-    part's new cache rows (or whole caches for cache_update "full")."""
+    or "decode") graph: ``input_ids`` (first part, unless ``host_table``: the embeddings,
+    ``hidden_in``) or ``hidden_in``, ``pos``, ``logits_row`` (a prefill's last part), the
+    part's caches; ``logits`` (last part) or ``hidden``, the part's new cache rows (or whole
+    caches for cache_update "full")."""
     layers = range(start, stop)
-    ins = ["input_ids" if start == 0 else "hidden_in", "pos"]
+    ins = ["input_ids" if start == 0 and not host_table else "hidden_in", "pos"]
     if graph_kind == "prefill" and stop == num_layers:
         ins.append("logits_row")
     ins += [f"k_cache_{i}" for i in layers] + [f"v_cache_{i}" for i in layers]
@@ -157,23 +168,25 @@ def part_io_names(graph_kind: str, start: int, stop: int, num_layers: int,
     return ins, ["logits" if stop == num_layers else "hidden", *rows]
 
 
-def part_module(step: Any, graph_kind: str, start: int, stop: int) -> Any:
-    """The torch module of one part (a prefill's last part computes one row's logits)."""
+def part_module(step: Any, graph_kind: str, start: int, stop: int, host_table: bool = False) -> Any:
+    """The torch module of one part (a prefill's last part computes one row's logits;
+    ``host_table``: the first part takes the embeddings)."""
     from circleops.adapters.decode import DecoderPart
 
-    return DecoderPart(step, start, stop, one_row=graph_kind == "prefill")
+    return DecoderPart(step, start, stop, one_row=graph_kind == "prefill", embedded=host_table)
 
 
-def part_example_args(step: Any, graph_kind: str, length: int, start: int, stop: int) -> tuple:
-    """Export inputs of a part: token ids or a zero hidden state, pos, (a prefill's last part:
-    the logits row,) the part's zero caches."""
+def part_example_args(step: Any, graph_kind: str, length: int, start: int, stop: int,
+                      host_table: bool = False) -> tuple:
+    """Export inputs of a part: token ids (the first part, unless ``host_table``) or a zero
+    hidden state, pos, (a prefill's last part: the logits row,) the part's zero caches."""
     import torch
 
     s = length if graph_kind == "prefill" else 1
     caches = step.empty_caches()
     n = step.num_layers
     mine = caches[start:stop] + caches[n + start:n + stop]
-    if start == 0:
+    if start == 0 and not host_table:
         x = torch.zeros((1, s), dtype=torch.int64)
     else:
         hidden = int(step.model.config.hidden_size)

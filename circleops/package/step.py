@@ -10,8 +10,9 @@ written graphs are compared with torch. This step does the rest, in this order:
 1. the options checked (:func:`resolve`) and the files planned (circleops.package.files:
    a file per graph, one with a signature per graph, onert's C-API signatures, a split
    model's layer-range parts), before any work;
-2. the weight format's steps on the torch model (SmoothQuant, importances, GGUF blocks);
-3. the torch references (the model's own forward, before its modules are fused);
+2. the torch references (the model's own forward, before its weights are changed or its
+   modules fused);
+3. the weight format's steps on the torch model (SmoothQuant, importances, GGUF blocks);
 4. each graph exported, then ``circleops.pipeline.stages.build`` (fuse, lower, quantize);
 5. the files written into a staging directory beside the output, the assets, the manifest;
 6. the numeric comparison of the written graphs with torch (``--verify``), one rule for all;
@@ -130,10 +131,11 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
     staging = staging_dir(out)
     tracker = stages.Tracker(progress)
     try:
+        references = _references(recipe, opts, tracker)
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
             weights = stages.prepare_weights(recipe.weights_module(), opts, restore, tokenizer=recipe.tokenizer,
                                              tracker=tracker)
-            report = _package(recipe, Package(opts, plan, staging, out, tracker, restore), weights)
+            report = _package(recipe, Package(opts, plan, staging, out, tracker, restore), weights, references)
         report.verify_note = note
         publish(staging, out)
     except BaseException:
@@ -143,17 +145,27 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
     return report
 
 
-def _package(recipe: Any, pkg: Package, weights: Any) -> GraphsReport:
-    """The step's work into the staging directory: references, export, build, write, compare."""
+def _references(recipe: Any, opts: Any, tracker: Any) -> "References | None":
+    """The model's own forward (None without verify), before the weight format's steps change
+    its weights in place (w8's SmoothQuant fold) and before its modules are fused: a
+    quantized file's fp32 references come from the mapped weights alone, never beside a
+    folded copy of them (the 1B shape's w8 convert peaked there at 1.39x its weights, issue 32)."""
+    from circleops.pipeline import stages
+
+    if opts.runtime is None:
+        return None
+    with tracker.stage("torch reference logits", "verify", enter=False):
+        references = References(recipe.references())
+    if opts.quantize:  # its mapped weights are read next one at a time, as each is smoothed or quantized
+        stages.release_weights()
+    return references
+
+
+def _package(recipe: Any, pkg: Package, weights: Any, references: "References | None") -> GraphsReport:
+    """The step's work into the staging directory: export, build, write, compare."""
     from circleops.pipeline import stages
 
     opts, tracker = pkg.opts, pkg.tracker
-    references = None
-    if opts.runtime is not None:  # the model's own forward, before its modules are fused (quantized: fp32's)
-        with tracker.stage("torch reference logits", "verify", enter=False):
-            references = References(recipe.references())
-        if opts.quantize:  # its mapped weights are read next one at a time, as each is quantized
-            stages.release_weights()
     with tracker.stage("export"), recipe.exporting():  # the recipe's settings hold while its graphs are built
         graphs = recipe.graphs(opts, pkg.plan.parts)
         programs = {name: g for graph in graphs for name, g in graph.programs().items()}

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
-from circleops.system.snapshot import Snapshot
+from circleops.system.snapshot import Snapshot, restored_once_read
 
 # measured on SmolLM2-135M (circleops check smollm2 --quantize w8), bench/README.md: perplexity
 # +1.25 % on the whole text (0.3: +1.36 %, no smoothing +3.68 %); 0.2-0.25 are worse than none
@@ -130,7 +130,12 @@ def smoothed(model: torch.nn.Module, example_args: Any = (), tokenizer: Any = No
              alpha: float | None | str = "default") -> Iterator[SmoothReport]:
     """Fold SmoothQuant scales into ``model``'s weights (in place, same storage: the export and
     the graph point at them) for the duration of the block; the weights are restored bit for
-    bit on exit. Yields the SmoothReport (``linears == 0``: nothing was changed)."""
+    bit on exit. Yields the SmoothReport (``linears == 0``: nothing was changed).
+
+    Inside, each folded linear weight is restored as soon as the quantizer has its blocks
+    (circleops.system.snapshot.restore_read): the file holds the blocks, and the reference
+    on the file's weights decodes them, so no one reads the folded fp32 values again (the
+    norms' folded gammas stay: the graph holds them as they are)."""
     if alpha == "default":
         alpha = alpha_setting()
     report = SmoothReport(alpha)
@@ -140,10 +145,12 @@ def smoothed(model: torch.nn.Module, example_args: Any = (), tokenizer: Any = No
             report.skipped = "turned off (CIRCLEOPS_W8_SMOOTH=off)"
         else:
             _apply(model, example_args, tokenizer, float(alpha), report, saved)
-        yield report
+        with restored_once_read((t, snap) for t, snap in saved if t.dim() == 2):
+            yield report
     finally:
         for param, original in saved:
-            original.restore(param)
+            if not original.done:
+                original.restore(param)
 
 
 def _apply(model, example_args, tokenizer, alpha, report, saved) -> None:

@@ -44,6 +44,7 @@ from circleops.quantize.linears import is_table as _is_table
 from circleops.quantize.linears import linear_weight as _linear_weight
 from circleops.quantize.linears import note_float_inputs
 from circleops.system.memory import Pager
+from circleops.system.snapshot import restore_read
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
@@ -532,6 +533,9 @@ class _Quantizer:
             self.report.requantized[pair] = self.report.requantized.get(pair, 0) + 1
         if key is not None:
             self.cache[(key, dtype)] = blocks
+        # the blocks are the file's: a weight SmoothQuant folded in place takes its own values
+        # back now (its written pages given back), not when the whole fold is undone
+        restore_read(t.data)
         self.report.weights.append(QuantizedWeight(self.name(t), tuple(shape2d), dtype, origin, int(blocks.nbytes)))
         if key is None or key not in self.report._counted:
             self.report.fp32_bytes += int(np.prod(shape2d)) * 4

@@ -249,6 +249,7 @@ class LLMRecipe(Recipe):
 
     kind = "text"
     graph_names = GRAPH_NAMES
+    part_embedding: str | None = None  # the manifest's: set by graphs() (circleops.package.split)
 
     @classmethod
     def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
@@ -314,14 +315,18 @@ class LLMRecipe(Recipe):
         from circleops.adapters.decode import OneRowPrefill
 
         self.step = step = decoder_step(self.model, self.max_cache_len, self.cache_update)
+        # split with a tied fp32 table: stored once, as the last part's lm_head (circleops.package.split)
+        host = len(parts) > 1 and split.part_bytes(self.model, opts.quantize).host_table
+        self.part_embedding = "head" if host else None
         graphs = []
         for g, (kind, n) in self.named.items():
             module = windowed_step(step, self.windows[g]) if g in self.windows else step
             rows = n if kind == "prefill" else 1
             graph = Graph(g, OneRowPrefill(module) if kind == "prefill" else module, example_args(module, kind, n),
                           *io_names(step.num_layers, kind, self.cache_update), rows=rows)
-            graph.parts = [Graph(g, split.part_module(module, kind, a, b), split.part_example_args(module, kind, n, a, b),
-                                 *split.part_io_names(kind, a, b, step.num_layers, self.cache_update), rows=rows,
+            graph.parts = [Graph(g, split.part_module(module, kind, a, b, host),
+                                 split.part_example_args(module, kind, n, a, b, host),
+                                 *split.part_io_names(kind, a, b, step.num_layers, self.cache_update, host), rows=rows,
                                  layers=(a, b)) for a, b in parts]
             graphs.append(graph)
         return graphs
@@ -346,7 +351,8 @@ class LLMRecipe(Recipe):
                              if self.named[g][0] == "prefill"} or None,
             decode_windows={g: w for g, w in self.windows.items() if self.named[g][0] == "decode"} or None,
             parts=[list(r) for r in plan.parts] or None, signature_api=plan.signature_api,
-            part_files={g: infos[g].part_files for g in graphs} if plan.parts else None)
+            part_files={g: infos[g].part_files for g in graphs} if plan.parts else None,
+            part_embedding=self.part_embedding)
 
     def compare(self, manifest: Manifest, runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
         return compare(manifest, list(self.named), runtime, refs)

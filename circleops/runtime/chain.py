@@ -7,6 +7,10 @@ only its own layers' caches and returns their new rows (or whole caches). A
 :class:`ChainSession` presents the chain as the one graph it replaces: the inputs
 ``ids, pos, [logits_row,] *k_caches, *v_caches`` of every layer and the outputs
 ``logits, *k_rows, *v_rows``, so generation and verify run a split graph unchanged.
+
+Where the first part takes the embeddings (the manifest's ``part_embedding`` "head": a tied
+fp32 table stored once, as the last part's lm_head), :class:`HeadEmbedding` looks the token
+ids' rows up in that weight, read from the last part's file where it lies (mapped, not copied).
 """
 from __future__ import annotations
 
@@ -16,17 +20,57 @@ from circleops.errors import ModelLoadError
 from circleops.runtime import TensorSpec
 
 
+# ops between the lm_head's product and the logits output that only reshape
+_RESHAPES = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS")
+_PRODUCTS = ("FULLY_CONNECTED", "CONV_2D")
+
+
+class HeadEmbedding:
+    """The embeddings of token ids: rows of the tied lm_head weight [vocab, hidden] of a split
+    graph's last part ``path`` (the FULLY_CONNECTED that computes its ``logits`` output, in
+    the subgraph of ``signature``, or the first), a view of the file's mapped bytes."""
+
+    def __init__(self, path: str | Any, signature: str | None = None):
+        from circleops.serialize import read_model
+
+        model = read_model(str(path))
+        index = next((s.subgraph_index for s in model.signatures if s.key == signature), 0) if signature else 0
+        sub = model.subgraphs[index]
+        made = {o: op for op in sub.operators for o in op.outputs}
+        t, op = sub.outputs[0] if sub.outputs else -1, None
+        while t in made and made[t].opcode in _RESHAPES:
+            t = made[t].inputs[0]
+        op = made.get(t)
+        # FULLY_CONNECTED [vocab, hidden], or the 1x1 CONV_2D [vocab, 1, 1, hidden] onert's
+        # profile writes a widening linear as (circleops.targets.Conv1x1Rule)
+        w = sub.tensors[op.inputs[1]] if op is not None and op.opcode in _PRODUCTS else None
+        if w is None or w.data is None or w.dtype != "FLOAT32" or len(w.shape) not in (2, 4) \
+                or tuple(w.shape[1:-1]) not in ((), (1, 1)):
+            raise ModelLoadError(f"{path} should compute its logits with the tied lm_head, an fp32 [vocab, hidden] "
+                                 f"weight whose rows are the first part's embeddings; it does not. The directory is "
+                                 f"damaged: convert again.")
+        self.table = w.data.reshape(w.shape[0], w.shape[-1])  # float32 view of the mapped file
+
+    def __call__(self, ids: Any) -> Any:
+        import numpy as np
+
+        return self.table[np.asarray(ids, dtype=np.int64)]  # [1, S] -> [1, S, hidden]
+
+
 class ChainSession:
     """``sessions[j]`` runs layers ``ranges[j]`` (start, stop); ``one_row``: the graph takes a
-    ``logits_row`` input after ``pos`` (the prefill), which only the last part reads."""
+    ``logits_row`` input after ``pos`` (the prefill), which only the last part reads;
+    ``embed``: the first part takes embeddings, ``embed(ids)`` (a :class:`HeadEmbedding`)."""
 
-    def __init__(self, sessions: Sequence[Any], ranges: Sequence[Sequence[int]], *, one_row: bool = False):
+    def __init__(self, sessions: Sequence[Any], ranges: Sequence[Sequence[int]], *, one_row: bool = False,
+                 embed: Any = None):
         if not sessions or len(sessions) != len(ranges):
             raise ModelLoadError(f"a split graph needs one file per layer range; got {len(sessions)} files for "
                                  f"{len(ranges)} ranges. Convert again.")
         self.sessions = list(sessions)
         self.ranges = [(int(a), int(b)) for a, b in ranges]
         self.one_row = one_row
+        self.embed = embed
         self.num_layers = self.ranges[-1][1]
         self.path = self.sessions[0].path
         self.signature = getattr(self.sessions[0], "signature", None)
@@ -41,7 +85,8 @@ class ChainSession:
     @property
     def inputs(self) -> list[TensorSpec]:
         first, last = self.sessions[0].inputs, self.sessions[-1].inputs
-        head = list(first[:2]) + ([last[2]] if self.one_row else [])
+        ids = TensorSpec("input_ids", tuple(first[0].shape[:2]), "int64") if self.embed is not None else first[0]
+        head = [ids, first[1]] + ([last[2]] if self.one_row else [])
         ks, vs = [], []
         for j, (s, (a, b)) in enumerate(zip(self.sessions, self.ranges)):
             skip = 3 if self.one_row and j == len(self.sessions) - 1 else 2
@@ -65,7 +110,7 @@ class ChainSession:
         head = 3 if self.one_row else 2
         if len(inputs) != head + 2 * n:
             raise ModelLoadError(f"{self.path}: the split graph takes {head + 2 * n} inputs, got {len(inputs)}.")
-        x, pos = inputs[0], inputs[1]
+        x, pos = (inputs[0] if self.embed is None else self.embed(inputs[0])), inputs[1]
         row = inputs[2] if self.one_row else None
         k_caches, v_caches = inputs[head:head + n], inputs[head + n:]
         k_out: list[Any] = []

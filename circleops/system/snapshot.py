@@ -12,11 +12,19 @@ Anything else (a model built in memory, a weight already written) is cloned.
     snap = Snapshot(weight)
     weight.mul_(m)          # in place
     snap.restore(weight)    # bit for bit the values it had
+
+A pass whose changed weights are read once more and then no longer (SmoothQuant's fold:
+each folded linear is quantized, and the file holds its blocks) registers them with
+:func:`restored_once_read`; :func:`restore_read` then gives each its values back as soon
+as its last reader is done, so the changed pages of the whole model are never resident at
+once (the 1B shape's w8 convert: 3.6 GB of folded linears beside their int8 blocks, issue 32).
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
-from typing import Any
+import threading
+from typing import Any, Iterable, Iterator
 
 from circleops.system import memory
 
@@ -26,6 +34,7 @@ class Snapshot:
 
     def __init__(self, tensor: Any):
         self.clone = None
+        self.done = False  # restored once (restore_read): the owner's own restore skips it
         self.inner: tuple[int, int] | None = None  # [start, stop) element indices of the whole pages the file holds
         t = tensor.detach()
         size = t.element_size()
@@ -53,6 +62,7 @@ class Snapshot:
         """``tensor`` (the same one) holds the snapshot's values again."""
         import torch
 
+        self.done = True
         with torch.no_grad():
             t = tensor.detach()
             if self.inner is None:
@@ -65,4 +75,44 @@ class Snapshot:
             flat[self.inner[1]:].copy_(self.tail)
 
 
-__all__ = ["Snapshot"]
+# (data_ptr, numel) -> (tensor, its Snapshot): the changed weights restore_read may restore
+_ONCE_READ: dict[tuple[int, int], tuple[Any, Snapshot]] = {}
+_LOCK = threading.Lock()
+
+
+def _key(tensor: Any) -> tuple[int, int]:
+    return int(tensor.data_ptr()), int(tensor.numel())
+
+
+@contextlib.contextmanager
+def restored_once_read(pairs: Iterable[tuple[Any, Snapshot]]) -> Iterator[None]:
+    """Inside, :func:`restore_read` of one of ``pairs``' tensors restores it from its snapshot
+    at once (its owner restores the others on its way out: a restored snapshot is ``done``)."""
+    keys = []
+    with _LOCK:
+        for tensor, snap in pairs:
+            keys.append(_key(tensor))
+            _ONCE_READ[keys[-1]] = (tensor, snap)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for key in keys:
+                _ONCE_READ.pop(key, None)
+
+
+def restore_read(tensor: Any) -> bool:
+    """``tensor`` (a registered weight, or any view of its whole memory) has been read for the
+    last time in its changed form: its snapshot's values again now, its written pages given
+    back. Whether it was registered (and not restored before)."""
+    if not _ONCE_READ or not hasattr(tensor, "data_ptr"):
+        return False
+    with _LOCK:
+        found = _ONCE_READ.pop(_key(tensor), None)
+    if found is None:
+        return False
+    found[1].restore(found[0])
+    return True
+
+
+__all__ = ["Snapshot", "restored_once_read", "restore_read"]

@@ -168,7 +168,8 @@ def test_fp16_for_onert(capsys, tmp_path, llama_dir):
 @pytest.mark.parametrize("graphs", [False, True], ids=["file", "graphs"])
 def test_onert_past_2_gib(graphs, capsys, tmp_path, llama_dir, monkeypatch):
     """A model whose file would pass 2 GiB (a lowered limit stands for it): target onert
-    refuses, since onert cannot read weights stored after the flatbuffer; nothing is written."""
+    refuses one file, since onert cannot read weights stored after the flatbuffer, and the
+    graphs when one layer alone cannot fit a file; nothing is written."""
     from circleops.serialize import writer
 
     monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", 64 * 1024)  # the tiny Llama's weights are ~1 MB
@@ -178,14 +179,32 @@ def test_onert_past_2_gib(graphs, capsys, tmp_path, llama_dir, monkeypatch):
     assert code == 2, (stdout, err)
     assert "Traceback" not in err
     err = err.splitlines()[-1]  # --graphs names its stages on stderr before the error, one paragraph
+    if graphs:  # refused from the sizes before -o is made (circleops.package.split), or made and left empty
+        assert err.startswith("circleops convert: error: the model cannot be split into files of at most 65536 bytes")
+        assert not out.exists() or list(out.iterdir()) == []
+        return
     assert err.startswith("circleops convert: error: the model needs ")
     assert "bytes (> 2 GiB) for target onert" in err
     assert "onert 0.1.0 cannot read weights stored after the flatbuffer (it crashes)" in err
     assert "--target circle for NPU compilers, or --target tflite for LiteRT" in err and "--dtype fp16" in err
-    if graphs:  # refused from the sizes before -o is made (circleops.sources.sizes), or made and left empty
-        assert not out.exists() or list(out.iterdir()) == []
-    else:
-        assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_onert_graphs_past_2_gib_are_split(capsys, tmp_path, llama_dir, monkeypatch):
+    """--graphs of an HF directory past onert's file limit (a lowered limit stands for 2 GiB):
+    written as layer-range files, not refused from its sizes (issue 32: the Llama-3.2-1B
+    shape in fp32 was refused by the CLI before the split could run)."""
+    from circleops.package.manifest import read_manifest
+    from circleops.serialize import writer
+    from circleops.sources import sizes
+
+    whole = sizes.estimate(str(llama_dir)).file_bytes
+    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", int(whole * 0.75))
+    out = tmp_path / "out"
+    code, stdout, err = convert(capsys, str(llama_dir), "-o", str(out), "--target", "onert", "--seq-len", "8",
+                                "--graphs", "decode", "--max-cache-len", "16")
+    assert code == 0, (stdout, err)
+    assert len(read_manifest(out).parts) >= 2
 
 
 def test_no_model(capsys, tmp_path):

@@ -2,9 +2,10 @@
 
 onert reads no weights after the flatbuffer, so no onert file passes 2 GiB (a 1B model in
 fp32 is 4.9 GB). The limit is lowered here (max_file_bytes) so that a 4-layer tiny Llama
-with a tied embedding splits into four parts: first (embedding + layer 0), two middle
-ones, last (layer 3 + the lm_head, the tied table's second copy). Generation through the
-parts must give transformers' greedy tokens on onert and on the reference interpreter.
+with a tied embedding splits into four parts: first (layer 0, taking the embeddings), two
+middle ones, last (layer 3 + the lm_head, the tied table stored once: the generator looks the
+first part's embeddings up in it). Generation through the parts must give transformers'
+greedy tokens on onert and on the reference interpreter.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ LAYERS, NEW = 4, 12
 
 @pytest.fixture(scope="module")
 def tied_model():
-    return BY_NAME["llama"].build(num_hidden_layers=LAYERS, tie_word_embeddings=True)
+    # vocab 8x hidden: onert's lm_head is the 1x1 CONV_2D a 1B model's is (targets.Conv1x1Rule)
+    return BY_NAME["llama"].build(num_hidden_layers=LAYERS, tie_word_embeddings=True, vocab_size=512)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def split_onert(tmp_path_factory, tied_model, limit):
 
 def test_plan_fills_each_file_from_the_first_layer(tied_model, limit):
     sizes = part_bytes(tied_model)
-    assert sizes.tied and sizes.whole == sizes.embedding + sum(sizes.layers)
+    assert sizes.tied and sizes.host_table and sizes.whole == sizes.embedding + sum(sizes.layers)
     assert plan_parts(sizes, limit) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert plan_parts(sizes, None) == [(0, LAYERS)]
     assert plan_parts(sizes, 2 * sizes.whole) == [(0, LAYERS)]
@@ -87,18 +89,19 @@ def test_split_files_and_manifest(split_onert, limit):
     assert data["parts"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert data["part_files"]["decode"] == [f"decode.part{j}.circle" for j in range(4)]
     assert data["files"]["decode"] == "decode.part0.circle"
+    assert data["part_embedding"] == "head"
     for graph, files in data["part_files"].items():
         for j, name in enumerate(files):
             assert (out / name).stat().st_size <= limit, name
             sub = read_model(str(out / name)).subgraphs[0]
             ins = [sub.tensors[i] for i in sub.inputs]
-            # the [vocab, hidden] table read by a GATHER in the first part (the embedding), by
-            # the products in the last (the tied lm_head, its second copy), nowhere between
-            readers = Counter(op.opcode for op in sub.operators for i in op.inputs
-                              if i >= 0 and sub.tensors[i].data is not None and tuple(sub.tensors[i].shape) == (256, 64))
-            assert ("GATHER" in readers) == (j == 0), (name, readers)
-            assert (set(readers) - {"GATHER"} != set()) == (j == 3), (name, readers)
-            assert ins[0].name == ("input_ids" if j == 0 else "hidden_in")
+            # the tied [vocab, hidden] table stored once: the lm_head of the last part, whose
+            # rows the generator looks up for the first part (which takes the embeddings)
+            readers = Counter(op.opcode for op in sub.operators for i in op.inputs if i >= 0 and sub.tensors[i].data
+                              is not None and tuple(sub.tensors[i].shape) in ((512, 64), (512, 1, 1, 64)))
+            assert "GATHER" not in readers, (name, readers)
+            assert set(readers) == ({"CONV_2D"} if j == 3 else set()), (name, readers)
+            assert ins[0].name == "hidden_in"
             assert len([t for t in ins if "cache" in t.name]) == 2  # this part's layer only
             outs = [sub.tensors[i].name for i in sub.outputs]
             assert outs[0] == ("logits" if j == 3 else "hidden")
@@ -129,7 +132,8 @@ def test_damaged_parts_are_refused(split_onert, tmp_path):
     data = manifest_json.fields(out)
     for broken in ({"parts": [[0, 1], [2, 4]]}, {"parts": [[0, 1], [1, 2], [2, 3], [3, 5]]},
                    {"part_files": {**data["part_files"], "decode": data["part_files"]["decode"][:3]}},
-                   {"part_files": {**data["part_files"], "decode": ["decode.part0.circle", "../x", "y", "z"]}}):
+                   {"part_files": {**data["part_files"], "decode": ["decode.part0.circle", "../x", "y", "z"]}},
+                   {"part_embedding": "tail"}):
         d = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
         d.mkdir()
         manifest_json.edit(out, broken, to=d)

@@ -130,3 +130,66 @@ def test_a_copy_of_the_model_is_restored_from_its_clones(model_dir):
     with smoothed(model, (), None, alpha=0.5) as report:
         assert report.linears == 4 * 6
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                   max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("mapped") / "small"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def test_w8_graphs_never_hold_the_folded_weights_beside_the_references(small_dir, tmp_path, monkeypatch):
+    """convert --graphs --quantize w8 --verify of a mapped model (issue 32: the 1B shape peaked
+    at 1.39x its fp32 weights): the fp32 references run before SmoothQuant folds anything
+    (on the file's pages alone), and each folded linear is the file's again once quantized,
+    so by the write no folded copy is resident; the written files still pass verify."""
+    from circleops.package import step
+    from circleops.recipes.llm import LLMRecipe, convert_graphs
+
+    model = _load(small_dir).eval()
+    linears = [m.weight for n, m in model.named_modules() if n.split(".")[-1] in
+               ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")]
+    seen: dict[str, list[bool]] = {"references": [], "write": []}
+    references, write_files = LLMRecipe.references, step.write_files
+
+    def spy_references(self):
+        seen["references"].append(all(_file_holds(w) for w in linears))
+        return references(self)
+
+    def spy_write(*args, **kwargs):
+        seen["write"].append(all(_file_holds(w) for w in linears))
+        return write_files(*args, **kwargs)
+
+    monkeypatch.setattr(LLMRecipe, "references", spy_references)
+    monkeypatch.setattr(step, "write_files", spy_write)
+    report = convert_graphs(model, tmp_path / "g", target="tflite", graphs="decode", prefill_len=8, max_cache_len=16, verify=True,
+                            quantize="w8")
+    assert report.quantization.smoothing.startswith("SmoothQuant")
+    assert seen["references"][0]  # the fp32 references: before the fold
+    assert seen["write"] == [True]  # every folded linear restored as it was quantized
+    assert all(_file_holds(w) for w in linears)
+
+
+def test_a_mapped_model_loaded_in_fp16_never_holds_its_fp32_file(model_dir):
+    """--dtype fp16 from fp32 safetensors (issue 32: the 1B shape's load peaked at 1.56x its fp32
+    weights): converted a module at a time, each mapped weight's pages given back once read,
+    so the load's peak is the fp16 copy and one module's fp32 pages, not the whole file
+    beside it (the peak resident set, reset before the load: /proc/self/clear_refs)."""
+    from circleops.sources import models
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM = VmRSS now
+    before = _rss("VmRSS")
+    model = models.load(str(model_dir), dtype=torch.float16).module
+    grew = _rss("VmHWM") - before
+    half = sum(p.numel() * 2 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied: one copy
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert grew < half + half, (grew / MB, half / MB)  # the fp16 copy and under as much again; the file: 2x
