@@ -127,6 +127,13 @@ class ConvertOptions:
     gptq: bool | None = field(default=None, metadata=flag(
         "--gptq", "integer", _W + "GPTQ rounding of the weights on the calibration samples (default: on for an "
         "LLM's 4-bit weights; --no-gptq: round to nearest)", kind="switch"))
+    act_order: bool | None = field(default=None, metadata=flag(
+        "--act-order", "integer", "with --gptq and grouped 4-bit weights: the group scales fixed first, the columns "
+        "rounded in order of decreasing Hessian diagonal (default: on for an LLM; --no-act-order: column order)",
+        kind="switch"))
+    clip_search: bool | None = field(default=None, metadata=flag(
+        "--clip-search", "integer", "with --gptq and grouped 4-bit weights: each group's scale by a clipping search "
+        "weighted by the Hessian's diagonal (default: on for an LLM; --no-clip-search: min-max)", kind="switch"))
     rotate: str = field(default="auto", metadata=flag(
         "--rotate", "integer", _W + "fold a Hadamard rotation of an LLM's residual stream into its weights (auto: "
         "Llama-shaped LLMs)", choices="circleops.quantize.recipe:ROTATE_MODES"))
