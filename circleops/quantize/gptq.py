@@ -192,8 +192,7 @@ def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], sample
 @contextlib.contextmanager
 def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
                  *, forward: Any = None, progress: bool = False, group: int = 0,
-                 int8: Sequence[str] = (), act_order: bool = False, clip_search: bool = False
-                 ) -> Iterator[GPTQReport]:
+                 act_order: bool = False, clip_search: bool = False) -> Iterator[GPTQReport]:
     """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
     restored on exit). ``bits``: per module name (names missing are left alone) or one for
     all; ``forward``: the module to run ``samples`` through (default ``model``); ``group``:
@@ -229,10 +228,7 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
                     saved.append((lin.weight, lin.weight.detach().clone()))
-                    if group and name in int8:  # measured too sensitive for 4 bits: int8 per channel
-                        q, scale = gptq(lin.weight, hs.pop(name), 8)
-                        lin.weight.copy_(record(report.grouped, name, lin, q, scale, None))
-                    elif group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
+                    if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
                         q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
                                                           clip_search=clip_search)
                         lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
