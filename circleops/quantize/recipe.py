@@ -178,8 +178,8 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     llm = is_causal_lm(model)
     chosen = []
     # 8-bit weights unless asked: the 4-bit NPU recipe (16a4w with GPTQ and the measured int8
-    # linears) scores 13.5 dB and 23/32 top-1 on SmolLM2's hold-out text, below USABLE_DB
-    # (bench/results/35-npu-defaults.yaml), so it is not yet what `--quantize int16` writes
+    # linears) scores 16.4 dB but 25/32 top-1 on SmolLM2's hold-out text, below USABLE_AGREEMENT
+    # (bench/results/36-npu-16a4w.yaml), so it is not yet what `--quantize int16` writes
     bits = 8 if o.weight_bits is None else o.weight_bits
     group = group_size_for(bits, o.group_size)
     gptq = o.gptq
