@@ -49,7 +49,7 @@ def options_of(name: str) -> tuple[str, list[str], str, dict]:
     for token in name.split("+"):
         if "=" in token:
             k, v = token.split("=", 1)
-            options[k] = int(v) if v.lstrip("-").isdigit() else v
+            options[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
             label += f", {k}={v}"
     return scheme, parts, label, options
 

@@ -16,7 +16,7 @@ def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def gptq_group_rule(w: torch.Tensor, h: torch.Tensor, group: int, clips=(1.0,), damp: float = G.DAMP,
-                    act_order: bool = False, static_clips=Q.CLIPS) -> torch.Tensor:
+                    act_order: bool = False, static_clips=Q.CLIPS, weighted: bool = False) -> torch.Tensor:
     """GPTQ on the grouped grid; the group rule's scale by a clipping search over ``clips``.
     act_order: static groups (clipping search ``static_clips``), columns by decreasing diag(H)."""
     w = w.detach().to(torch.float32)
@@ -24,7 +24,8 @@ def gptq_group_rule(w: torch.Tensor, h: torch.Tensor, group: int, clips=(1.0,), 
     s_r = Q.row_scales(w, 4)
     block = max(G.BLOCK // group, 1) * group
     if act_order:
-        mult = Q.search_mult(w.reshape(rows, cols // group, group), s_r, 4, static_clips)
+        imp = torch.diagonal(h).reshape(cols // group, group) if weighted else None
+        mult = Q.search_mult(w.reshape(rows, cols // group, group), s_r, 4, static_clips, imp)
         static = (s_r[:, None] * mult).repeat_interleave(group, dim=1)
     else:
         mult = torch.zeros(rows, cols // group, dtype=torch.int64)
@@ -63,12 +64,18 @@ def rounded_weight(method: str, w: torch.Tensor, h: torch.Tensor | None, group: 
         return gptq_group_rule(w, h, group, clips=Q.CLIPS)
     if base == "gptq-act":
         return gptq_group_rule(w, h, group, act_order=True)
+    if base == "gptq-act-h":
+        return gptq_group_rule(w, h, group, act_order=True, weighted=True)
+    if base == "gptq-act-hf":
+        return gptq_group_rule(w, h, group, act_order=True, weighted=True, static_clips=FINE)
     if base == "gptq-act-mm":
         return gptq_group_rule(w, h, group, act_order=True, static_clips=(1.0,))
     if base == "gptq-d1":
         return gptq_group_rule(w, h, group, damp=0.1)
     raise ValueError(method)
 
+
+FINE = tuple(1.0 - 0.025 * k for k in range(17))  # 1.0 .. 0.6
 
 CAP = [0.0]  # > 0: each token's squared norm capped at CAP x the median token's (per sample) in the Hessians
 
@@ -192,7 +199,10 @@ def with_int8(model: torch.nn.Module, samples: Sequence[Sequence[Any]], budget: 
         with torch.no_grad():
             for n, m in linears.items():
                 m.weight.copy_(rounded_now[n])
-    chosen = choose_by_gain(gains, sizes, budget)
+    if how == "rtnabs":  # the committed rule until issue 34: the largest errors first (grouped.choose_int8)
+        chosen = Q.choose_int8(gains, sizes, target=0.15, budget=budget)
+    else:
+        chosen = choose_by_gain(gains, sizes, budget)
     saved = {n: linears[n].weight.detach().clone() for n in chosen}
     try:
         with torch.no_grad():

@@ -118,8 +118,8 @@ def main() -> int:
     p.add_argument("--norot", action="store_true")
     p.add_argument("--cap", type=float, default=0.0, help="Hessians: each token's squared norm capped at CAP x the "
                    "median token's (0: as is)")
-    p.add_argument("--int8", default="", help="BUDGET[:gain|rtn]: keep int8 the linears measured to gain most, "
-                   "within BUDGET (a fraction) of the decoder linears' weights")
+    p.add_argument("--int8", default="", help="BUDGET[:gain|rtn],...: keep int8 the linears measured to gain most, "
+                   "within BUDGET (a fraction) of the decoder linears' weights (each spec scored in turn)")
     p.add_argument("--int16", action="store_true", help="score the int16 fake-quantized module (PT2E), not fp32 "
                    "activations; calibrated on 8 windows of 32 tokens as convert does")
     args = p.parse_args()
@@ -154,15 +154,20 @@ def main() -> int:
         for group in (int(g) for g in args.groups.split(",")):
             for method in args.methods.split(","):
                 t = time.process_time()
-                with rounding.rounded(model, samples, method, group), contextlib.ExitStack() as i8:
-                    if args.int8:
-                        budget, how = (args.int8.split(":") + ["gain"])[:2]
-                        chosen = i8.enter_context(rounding.with_int8(model, sens_samples, float(budget), how))
-                        print(f"    int8 ({how}, {budget}): {len(chosen)} linears: {', '.join(chosen)}", flush=True)
-                    got = int16_logits(model, batch, pt2e_samples) if args.int16 else logits(model, batch)
-                r = score(ref, got)
-                print(f"| {method} | {group} | {r['db0']:.1f} dB | {r['agree0']}/32 | {r['db']:.2f} dB | "
-                      f"{r['agree']:.1%} | {r['kl']:.4f} | {time.process_time() - t:.0f} |", flush=True)
+                with rounding.rounded(model, samples, method, group):
+                    for spec in args.int8.split(",") if args.int8 else [""]:
+                        with contextlib.ExitStack() as i8:
+                            label = method
+                            if spec:
+                                budget, how = (spec.split(":") + ["gain"])[:2]
+                                chosen = i8.enter_context(rounding.with_int8(model, sens_samples, float(budget), how))
+                                label += f" + int8 {how} {budget}"
+                                print(f"    int8 ({how}, {budget}): {len(chosen)} linears: {', '.join(chosen)}",
+                                      flush=True)
+                            got = int16_logits(model, batch, pt2e_samples) if args.int16 else logits(model, batch)
+                        r = score(ref, got)
+                        print(f"| {label} | {group} | {r['db0']:.1f} dB | {r['agree0']}/32 | {r['db']:.2f} dB | "
+                              f"{r['agree']:.1%} | {r['kl']:.4f} | {time.process_time() - t:.0f} |", flush=True)
     return 0
 
 

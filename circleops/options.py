@@ -121,12 +121,19 @@ class ConvertOptions:
         "Circle BlockwiseQuantization); 0: one scale per output channel (default 32, measured best on SmolLM2: "
         "docs/integer-llm.md)", kind="int", metavar="N"))
     int8_weights: str | None = field(default=None, metadata=flag(
-        "--int8-weights", "integer", "with --weight-bits 4: auto: the linears whose int4 rounding measures worst in "
-        "the logits stay int8 per channel (at most a quarter of the weights; the default for an LLM's grouped "
-        "4-bit weights); none: every linear int4", choices=("auto", "none")))
+        "--int8-weights", "integer", "with --weight-bits 4: auto: after the 4-bit rounding, the linears whose int8 "
+        "weights measure the most gain in the logits per weight stay int8 per channel (at most a tenth of the "
+        "weights; the default for an LLM's grouped 4-bit weights); none: every linear int4", choices=("auto", "none")))
     gptq: bool | None = field(default=None, metadata=flag(
         "--gptq", "integer", _W + "GPTQ rounding of the weights on the calibration samples (default: on for an "
         "LLM's 4-bit weights; --no-gptq: round to nearest)", kind="switch"))
+    act_order: bool | None = field(default=None, metadata=flag(
+        "--act-order", "integer", "with --gptq and grouped 4-bit weights: the group scales fixed first, the columns "
+        "rounded in order of decreasing Hessian diagonal (default: on for an LLM; --no-act-order: column order)",
+        kind="switch"))
+    clip_search: bool | None = field(default=None, metadata=flag(
+        "--clip-search", "integer", "with --gptq and grouped 4-bit weights: each group's scale by a clipping search "
+        "weighted by the Hessian's diagonal (default: on for an LLM; --no-clip-search: min-max)", kind="switch"))
     rotate: str = field(default="auto", metadata=flag(
         "--rotate", "integer", _W + "fold a Hadamard rotation of an LLM's residual stream into its weights (auto: "
         "Llama-shaped LLMs)", choices="circleops.quantize.recipe:ROTATE_MODES"))

@@ -41,17 +41,18 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, dam
 
 
 def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP,
-                 act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 act_order: bool = False, clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ on the per-group grid of circleops.quantize.grouped: each group's scale s_r · m[r, g]
     (m an integer in [1, 255]) comes from its weights as the error compensation has left them
     when the algorithm reaches it, in column order (GPTQ's group rule). ``act_order``: the
-    group scales are fixed first (static groups, the clipping search of
-    grouped.search_mult) and the columns go in the order of decreasing Hessian diagonal. On
-    SmolLM2 act order gave each linear's output +2..12 dB but the whole model's logits less
-    (8.5 dB against 10.9, bench/results/12-integer-llm.yaml): off by default.
+    group scales are fixed first (static groups) and the columns go in the order of
+    decreasing Hessian diagonal. ``clip_search``: each group's scale is the clipping ratio
+    (grouped.CLIP_GRID) of least squared rounding error weighted by the Hessian's diagonal
+    (the output error, not the weight's); without it, min-max. Measured on SmolLM2
+    (bench/results/36-npu-16a4w.yaml): act order with the weighted search is the better pair.
     (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
-    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order)
+    q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order, clip_search=clip_search)
     return q, row_scale, mult
 
 
@@ -92,8 +93,8 @@ def compensate(w: torch.Tensor, h: torch.Tensor, level: Callable[..., tuple[torc
 
 
 def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, damp: float, *,
-          act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    from circleops.quantize.grouped import group_scale, row_scales, search_mult  # noqa: F811
+          act_order: bool = False, clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    from circleops.quantize.grouped import CLIP_GRID, row_scales, search_mult  # noqa: F811
 
     w = w.detach().to(torch.float32)
     rows, cols = w.shape
@@ -101,10 +102,13 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
     mult = None
     static = None  # act order: every column's scale [rows, cols], fixed before
     row_scale = None
+    clips = CLIP_GRID if clip_search else (1.0,)
+    diag = torch.diagonal(h).detach().to(torch.float32)  # E[x²] of each input column, up to a factor
     if group:
         row_scale = row_scales(w, bits)
         if act_order:
-            mult = search_mult(w.reshape(rows, cols // group, group), row_scale, bits)
+            mult = search_mult(w.reshape(rows, cols // group, group), row_scale, bits, clips,
+                               diag.reshape(cols // group, group))
             static = (row_scale[:, None] * mult).repeat_interleave(group, dim=1)
         else:
             mult = torch.zeros(rows, cols // group, dtype=torch.int64)
@@ -119,7 +123,7 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
         if static is not None:
             current[0] = static[:, j]
         elif group and j % group == 0:  # a new group: its scale from the weights as they are now
-            m = group_scale(w1[:, i:i + group], row_scale, bits, search=False)
+            m = search_mult(w1[:, None, i:i + group], row_scale, bits, clips, diag[None, j:j + group])[:, 0]
             mult[:, j // group] = m
             current[0] = row_scale * m
         qc = torch.clamp(torch.round(col / current[0]), -qmax, qmax)
@@ -188,12 +192,13 @@ def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], sample
 @contextlib.contextmanager
 def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
                  *, forward: Any = None, progress: bool = False, group: int = 0,
-                 int8: Sequence[str] = ()) -> Iterator[GPTQReport]:
+                 act_order: bool = False, clip_search: bool = False) -> Iterator[GPTQReport]:
     """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
     restored on exit). ``bits``: per module name (names missing are left alone) or one for
     all; ``forward``: the module to run ``samples`` through (default ``model``); ``group``:
     4-bit linears get per-group scales (circleops.quantize.grouped), recorded in the
-    report's ``grouped`` for the lowering."""
+    report's ``grouped`` for the lowering; ``act_order`` / ``clip_search``: as
+    :func:`gptq_grouped` takes them, for those."""
     from circleops.quantize.grouped import GroupedReport, record
     linears = eligible_linears(model)
     if isinstance(bits, int):
@@ -202,7 +207,8 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
     report = GPTQReport(bits=min(bits.values()) if bits else 0)
     report.wider = sorted(n for n, b in bits.items() if b > report.bits)
     if group:
-        report.grouped = GroupedReport(4, group, "GPTQ")
+        how = " and ".join(w for w, on in (("act order", act_order), ("clipping search", clip_search)) if on)
+        report.grouped = GroupedReport(4, group, f"GPTQ, {how}" if how else "GPTQ")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         if not linears:
@@ -222,11 +228,9 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
                     saved.append((lin.weight, lin.weight.detach().clone()))
-                    if group and name in int8:  # measured too sensitive for 4 bits: int8 per channel
-                        q, scale = gptq(lin.weight, hs.pop(name), 8)
-                        lin.weight.copy_(record(report.grouped, name, lin, q, scale, None))
-                    elif group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
-                        q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group)
+                    if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
+                        q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
+                                                          clip_search=clip_search)
                         lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
                     else:
                         q, scale = gptq(lin.weight, hs.pop(name), bits[name])

@@ -71,25 +71,25 @@ def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # group ranges tried, as fractions of max|W_r,g|
+# GPTQ's clipping search (gptq.gptq_grouped clip_search): 1.0 down to 0.6 in steps of 0.025,
+# finer than CLIPS (SmolLM2, act order: 74.9 % top-1 against 72.7 %, bench/results/36-npu-16a4w.yaml)
+CLIP_GRID = tuple(round(1.0 - 0.025 * k, 3) for k in range(17))
 
 
-def group_scale(cols: torch.Tensor, row_scale: torch.Tensor, bits: int, search: bool = True) -> torch.Tensor:
-    """m [rows] of one group of columns [rows, G]: the multiplier round(c · max|W_r,g| / qmax /
-    s_r) in [1, 255] whose rounding of the group has the least squared error, over the
-    clipping ratios c of CLIPS (clipping the largest weight a little buys the others a finer
-    step); ``search=False``: c = 1 (min-max)."""
-    return search_mult(cols[:, None, :], row_scale, bits, CLIPS if search else (1.0,))[:, 0]
-
-
-def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips: tuple = CLIPS) -> torch.Tensor:
-    """m [rows, n] for weights [rows, n, G]: per group, the ``clips`` ratio of least rounding error."""
+def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips: tuple = CLIPS,
+                importance: torch.Tensor | None = None) -> torch.Tensor:
+    """m [rows, n] for weights [rows, n, G]: per group, the ``clips`` ratio of least rounding
+    error; ``importance`` [n, G] (e.g. the GPTQ Hessian's diagonal, E[x²] of each input
+    column) weights each column's squared error: the output error, not the weight's."""
     qmax = 2 ** (bits - 1) - 1
     amax = groups.abs().amax(2)  # [rows, n]
+    weight = None if importance is None else importance.to(torch.float32)[None]
     best, best_err = None, None
     for c in clips:
         m = torch.clamp(torch.round(c * amax / qmax / row_scale[:, None]), 1, MULT_MAX)
         s = (row_scale[:, None] * m)[:, :, None]
-        err = (groups - torch.clamp(torch.round(groups / s), -qmax, qmax) * s).pow(2).sum(2)
+        err = (groups - torch.clamp(torch.round(groups / s), -qmax, qmax) * s).pow(2)
+        err = (err if weight is None else err * weight).sum(2)
         if best is None:
             best, best_err = m, err
         else:
@@ -183,25 +183,19 @@ def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tens
 
 
 @contextlib.contextmanager
-def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int,
-                int8: Sequence[str] = ()) -> Iterator[GroupedReport]:
-    """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid, and
-    those in ``int8`` to int8 per channel (in place, restored on exit); the others are left
-    to PT2E."""
+def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Iterator[GroupedReport]:
+    """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid (in
+    place, restored on exit); the others are left to PT2E."""
     report = GroupedReport(4, group, "round to nearest")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     t = time.perf_counter()
     try:
         with torch.no_grad():
             for name, lin in eligible_linears(model).items():
-                if name in int8:
-                    q, s = rtn(lin.weight.detach().to(torch.float32), 8)
-                    w = record(report, name, lin, q, s, None)
-                elif bits.get(name) != 4 or lin.weight.shape[1] % group:
+                if bits.get(name) != 4 or lin.weight.shape[1] % group:
                     continue
-                else:
-                    q, s_r, m = rtn_grouped(lin.weight, 4, group)
-                    w = record(report, name, lin, q, s_r, m)
+                q, s_r, m = rtn_grouped(lin.weight, 4, group)
+                w = record(report, name, lin, q, s_r, m)
                 saved.append((lin.weight, lin.weight.detach().clone()))
                 lin.weight.copy_(w)
         report.seconds = time.perf_counter() - t
@@ -227,6 +221,8 @@ def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any
     return gw.q.numpy().astype(np.int8), "INT4", ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
 
 
+# the int8 rule before issue 34 (each linear's RTN int4 rounding alone, the worst first), kept for
+# bench/npu_weights.py's comparison: convert measures the gain after the rounding (int8_chosen_by_gain)
 INT8_TARGET = 0.15  # keep int8 the linears carrying the most measured error until this share is left
 INT8_BUDGET = 0.25  # of the linear weights at most (SmolLM2: the file stays under 0.3x fp32)
 
@@ -293,7 +289,10 @@ class _Replay:
         self.names = dict(model.named_modules())
 
     def _full(self, args) -> torch.Tensor:
-        out = self.model(*args)
+        return self._logits(self.model(*args))
+
+    @staticmethod
+    def _logits(out: Any) -> torch.Tensor:
         return (out.logits if hasattr(out, "logits") else out[0]).detach().to(torch.float64)
 
     def logits(self, name: str) -> list[torch.Tensor]:
@@ -325,6 +324,92 @@ def choose_int8(noise: dict[str, float], sizes: dict[str, int], *, target: float
         left -= noise[name]
         size += sizes[name]
     return chosen
+
+
+INT8_SHARE = 0.10  # measured int8 linears after GPTQ: at most this share of the 4-bit linears' weights
+
+
+def logits_of(model: torch.nn.Module, samples: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+    """The model's logits (float64) on each sample: the reference :func:`int8_gains` measures against."""
+    with torch.no_grad():
+        return [_Replay._logits(model(*args)) for args in samples]
+
+
+def int8_rounding(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per output channel, round to nearest: (integers as int8 [rows, cols], scale [rows])."""
+    q, s = rtn(w.detach().to(torch.float32), 8)
+    return q.to(torch.int8), s
+
+
+def int8_gains(model: torch.nn.Module, samples: Sequence[Sequence[Any]], reference: Sequence[torch.Tensor],
+               int8: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """For each linear of ``int8`` (name -> its int8 rounding, :func:`int8_rounding`): how much the squared error of the
+    model's logits against ``reference`` (the fp32 logits of ``samples``) falls when that
+    linear alone takes its int8 weight instead of its present (4-bit) one, relative to
+    Σ reference². The model's other weights stay as they are, so what is measured is what
+    keeping the linear at 8 bits buys in the rounded model (each rerun from its layer on)."""
+    from circleops.quantize.ggml import one_thread
+
+    linears = eligible_linears(model)
+    gains = {}
+    with one_thread(), torch.no_grad():
+        replay = _Replay(model, samples)
+        energy = sum(float(r.pow(2).sum()) for r in reference)
+        base = sum(float((b - r).pow(2).sum()) for b, r in zip(replay.base, reference)) / energy
+        for name, (q, scale) in int8.items():
+            lin = linears[name]
+            present = lin.weight.detach().clone()
+            lin.weight.copy_((q.to(torch.float32) * scale[:, None]).to(present.dtype))
+            try:
+                err = sum(float((got - r).pow(2).sum()) for got, r in zip(replay.logits(name), reference)) / energy
+            finally:
+                lin.weight.copy_(present)
+            gains[name] = base - err
+    return gains
+
+
+def choose_by_gain(gains: dict[str, float], sizes: dict[str, int], share: float = INT8_SHARE) -> list[str]:
+    """The linears to keep int8: the largest measured gain per weight first, while their
+    weights stay within ``share`` of all of ``sizes``' (a linear that does not fit is passed
+    over for smaller ones); none whose gain is not positive."""
+    total = sum(sizes.values())
+    chosen, used = [], 0
+    for name in sorted(gains, key=lambda n: gains[n] / sizes[n], reverse=True):
+        if gains[name] <= 0:
+            break
+        if used + sizes[name] <= share * total:
+            chosen.append(name)
+            used += sizes[name]
+    return chosen
+
+
+@contextlib.contextmanager
+def int8_chosen_by_gain(model: torch.nn.Module, report: GroupedReport, samples: Sequence[Sequence[Any]],
+                        reference: Sequence[torch.Tensor], int8: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                        share: float = INT8_SHARE) -> Iterator[list[str]]:
+    """After the 4-bit rounding of ``report``: the linears (of ``int8``, name -> the int8
+    rounding of its weight before the 4-bit one) whose int8 weights gain the logits most per
+    weight (:func:`int8_gains`), within ``share`` of their weights, set to int8 (in place,
+    restored on exit) and recorded as such in ``report``."""
+    linears = eligible_linears(model)
+    gains = int8_gains(model, samples, reference, int8)
+    chosen = choose_by_gain(gains, {n: q.numel() for n, (q, _) in int8.items()}, share)
+    saved = []
+    try:
+        with torch.no_grad():
+            for name in chosen:
+                lin = linears[name]
+                report.weights.pop(key(lin.weight), None)
+                report.names.remove(name)
+                report.int4_params -= lin.weight.numel()
+                saved.append((lin.weight, lin.weight.detach().clone()))
+                q, s = int8[name]
+                lin.weight.copy_(record(report, name, lin, q, s, None))
+        yield chosen
+    finally:
+        with torch.no_grad():
+            for param, value in saved:
+                param.copy_(value)
 
 
 _ACTIVE: contextvars.ContextVar[dict[tuple, GroupedWeight] | None] = contextvars.ContextVar(

@@ -23,7 +23,6 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
     recipe asks; each step's summary goes to ``recipe.lines``. ``tracker``: circleops.pipeline.stages's
     Tracker (its ``stage`` times each step, its ``progress.bar`` shows GPTQ's progress). The
     per-group rounding stays registered for the integer lowering until ``restore`` closes."""
-    from circleops.quantize import pt2e
     from circleops.quantize.gptq import eligible_linears, gptq_applied
     from circleops.quantize.rotate import rotated
 
@@ -40,41 +39,76 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
     head = model.get_output_embeddings() if is_llm else None
     bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
     grouped = None
-    samples = None
-    int8: list[str] = []
-    how = ""
+    gain_probe = None
     if recipe.int8_weights == "auto" and recipe.group_size:
-        from circleops.quantize.grouped import INT8_BUDGET, INT8_TARGET, choose_int8, linear_sensitivity
-
         with tracker.stage("sensitivity", enter=False):
-            samples = pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
-                                               vocab_size=getattr(config, "vocab_size", None))
-            linears = eligible_linears(model)
-            names = [n for n, b in bits.items() if b == 4 and linears[n].weight.shape[1] % recipe.group_size == 0]
-            noise = linear_sensitivity(model, samples[:2], names, recipe.group_size)
-            int8 = choose_int8(noise, {n: linears[n].weight.numel() for n in names})
-            how = (f"measured: each linear's int4 rounding alone in the logits over {min(2, len(samples))} windows, "
-                   f"the worst until {INT8_TARGET:.0%} of the error is left, within {INT8_BUDGET:.0%} of the weights")
+            gain_probe = _int8_probe(model, bits, recipe, gptq_samples(model, example_args, recipe, data, tokenizer))
     if recipe.gptq:
         with tracker.stage("gptq", enter=False):
-            samples = samples or pt2e.calibration_samples(example_args, recipe.calibrate, data=data,
-                                                          tokenizer=tokenizer,
-                                                          vocab_size=getattr(config, "vocab_size", None))
-            report = restore.enter_context(gptq_applied(model, samples, bits, group=recipe.group_size, int8=int8,
-                                                        progress=getattr(tracker.progress, "bar", None) is not None))
+            report = restore.enter_context(gptq_applied(
+                model, gptq_samples(model, example_args, recipe, data, tokenizer), bits, group=recipe.group_size,
+                act_order=recipe.act_order, clip_search=recipe.clip_search,
+                progress=getattr(tracker.progress, "bar", None) is not None))
         recipe.lines.append(report.summary_line())
         grouped = report.grouped
     elif recipe.group_size:
         from circleops.quantize.grouped import rtn_applied
 
-        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size, int8=int8))
-    if grouped is not None:
-        grouped.sensitivity = how
+        grouped = restore.enter_context(rtn_applied(model, bits, recipe.group_size))
+    if grouped is not None and gain_probe is not None:
+        from circleops.quantize.grouped import INT8_SHARE, int8_chosen_by_gain
+
+        samples, reference, originals = gain_probe
+        with tracker.stage("sensitivity", enter=False):
+            restore.enter_context(int8_chosen_by_gain(model, grouped, samples, reference, originals))
+        grouped.sensitivity = (f"measured after the 4-bit rounding: what each linear's int8 weights gain the logits "
+                               f"over {len(samples)} calibration windows, the most per weight first, within "
+                               f"{INT8_SHARE:.0%} of the 4-bit linears' weights")
     if grouped is not None:
         from circleops.quantize.grouped import written_as_blockwise
 
         recipe.lines.append(grouped.summary_line())
         restore.enter_context(written_as_blockwise(grouped.weights))
+
+
+def _int8_probe(model: Any, bits: dict[str, int], recipe: IntegerRecipe, samples: list[tuple]) -> tuple:
+    """What the int8 choice after the 4-bit rounding needs, taken before it: (the samples it
+    measures on: two of GPTQ's windows, their fp32 logits, the int8 rounding of each grouped
+    4-bit linear's weight)."""
+    from circleops.quantize.grouped import eligible_linears, int8_rounding, logits_of
+
+    linears = eligible_linears(model)
+    originals = {n: int8_rounding(linears[n].weight) for n, b in bits.items()
+                 if b == 4 and linears[n].weight.shape[1] % recipe.group_size == 0}
+    samples = samples[:2]
+    return samples, logits_of(model, samples), originals
+
+
+# GPTQ's Hessians of an LLM: the calibration text in windows of this many tokens (all of it,
+# 513 tokens, where the example's length would give calibrate x S: 256 for 8 windows of 32;
+# SmolLM2 16a4w act order, weights only, 24 hold-out windows: 13.8 dB and 75.3 % top-1 against 13.3 dB and 71.6 %,
+# bench/results/36-npu-16a4w.yaml). Hessians of down_proj (1536 inputs) need the tokens.
+GPTQ_WINDOW = 128
+GPTQ_TOKENS = 512
+
+
+def gptq_samples(model: Any, example_args: tuple, recipe: IntegerRecipe, data: Any, tokenizer: Any) -> list[tuple]:
+    """GPTQ's calibration inputs: the user's (``data``), or for an LLM taking [1, S] token ids
+    the calibration text in windows of GPTQ_WINDOW tokens (GPTQ_TOKENS in all, within the
+    model's context), else the PT2E samples of the example's shape."""
+    from circleops.quantize import pt2e
+
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    ids = example_args[0] if len(example_args) == 1 else None
+    if data is None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 \
+            and not ids.is_floating_point() and vocab is not None:
+        length = min(GPTQ_WINDOW, getattr(config, "max_position_embeddings", None) or GPTQ_WINDOW)
+        if length > ids.shape[1]:
+            return pt2e.calibration_samples((torch.zeros(1, length, dtype=ids.dtype),), GPTQ_TOKENS // length,
+                                            tokenizer=tokenizer, vocab_size=vocab)
+    return pt2e.calibration_samples(example_args, recipe.calibrate, data=data, tokenizer=tokenizer,
+                                    vocab_size=vocab)
 
 
 # What an integer LLM file must score on the hold-out text to be called usable (issue 22's

@@ -49,6 +49,8 @@ class IntegerRecipe:
     lines: list[str] = field(default_factory=list)  # what each step reported
     rotation: Any = None  # the residual stream's Q while the rotation is folded in (h_rotated = h · Q)
     int8_weights: str = ""  # "auto": the 4-bit linears measured most sensitive stay int8 per channel
+    act_order: bool = False  # GPTQ on groups: static group scales, columns by decreasing Hessian diagonal
+    clip_search: bool = False  # GPTQ on groups: each group's scale by a Hessian-weighted clipping search
     defaults: str = ""  # what the defaults for an LLM chose (resolve_recipe), for the summary
 
     @property
@@ -72,7 +74,8 @@ class IntegerRecipe:
     def to_dict(self) -> dict[str, Any]:
         return {"activations": self.scheme, "weights": self.weight, "weight_bits": self.weight_bits,
                 "group_size": self.group_size, "int8_weights": self.int8_weights, "rotate": self.rotate,
-                "gptq": self.gptq, "int16": list(self.int16), "calibrate": self.calibrate,
+                "gptq": self.gptq, "act_order": self.act_order, "clip_search": self.clip_search,
+                "int16": list(self.int16), "calibrate": self.calibrate,
                 "defaults": self.defaults, "steps": list(self.lines)}
 
     def metadata(self) -> bytes:
@@ -140,6 +143,8 @@ class RecipeOptions:
     int16: tuple[str, ...] | None = None
     calibrate: int = 8
     int8_weights: str | None = None
+    act_order: bool | None = None
+    clip_search: bool | None = None
 
 
 def is_causal_lm(model: Any) -> bool:
@@ -168,12 +173,13 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     o = options
     check_recipe(scheme, target, o.weight_bits, o.gptq, o.rotate, o.group_size, int8_weights=o.int8_weights)
     if scheme not in INTEGER_FORMATS:
+        _gptq_choices(o, False, False, [])  # refuses act order / clipping search asked for
         return None
     llm = is_causal_lm(model)
     chosen = []
     # 8-bit weights unless asked: the 4-bit NPU recipe (16a4w with GPTQ and the measured int8
-    # linears) scores 13.5 dB and 23/32 top-1 on SmolLM2's hold-out text, below USABLE_DB
-    # (bench/results/35-npu-defaults.yaml), so it is not yet what `--quantize int16` writes
+    # linears) scores 16.4 dB but 25/32 top-1 on SmolLM2's hold-out text, below USABLE_AGREEMENT
+    # (bench/results/36-npu-16a4w.yaml), so it is not yet what `--quantize int16` writes
     bits = 8 if o.weight_bits is None else o.weight_bits
     group = group_size_for(bits, o.group_size)
     gptq = o.gptq
@@ -186,19 +192,38 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
         int8 = "auto" if bits == 4 and group and llm else ""
         if int8:
             chosen.append("--int8-weights auto")
+    act_order, clip_search = _gptq_choices(o, bool(gptq and bits == 4 and group), llm, chosen)
     int16 = tuple(p.strip() for p in o.int16 if p.strip() and p.strip() != "none") if o.int16 is not None else None
     if int16 is None:
         int16 = ("auto",) if scheme == "uint8" and llm and target == "circle" else ()
         if int16:
             chosen.append("--int16 auto")
     check_recipe(scheme, target, bits, gptq, o.rotate, group, int8_weights=int8)
-    recipe = IntegerRecipe(scheme, bits, o.rotate, gptq, int16, o.calibrate, group, int8_weights=int8)
+    recipe = IntegerRecipe(scheme, bits, o.rotate, gptq, int16, o.calibrate, group, int8_weights=int8,
+                           act_order=act_order, clip_search=clip_search)
     if chosen:
         undo = {"GPTQ": "--no-gptq", "--int8-weights auto": "--int8-weights none",
-                "--int16 auto": "--int16 none"}
+                "--int16 auto": "--int16 none", "act order": "--no-act-order", "clipping search": "--no-clip-search"}
         recipe.defaults = (f"the measured recipe for an LLM (default): {', '.join(chosen)} (to leave out: "
                            f"{', '.join(undo[c] for c in chosen)}; docs/integer-llm.md)")
     return recipe
+
+
+def _gptq_choices(o: RecipeOptions, grouped_gptq: bool, llm: bool, chosen: list[str]) -> tuple[bool, bool]:
+    """(act order, clipping search) of GPTQ on grouped 4-bit weights: as given, else on for an
+    LLM (measured: bench/results/36-npu-16a4w.yaml), each default named in ``chosen``."""
+    out = []
+    for name, value, label in (("--act-order", o.act_order, "act order"),
+                               ("--clip-search", o.clip_search, "clipping search")):
+        if value and not grouped_gptq:
+            raise TargetError(f"{name} is a choice of GPTQ on grouped 4-bit weights: add --weight-bits 4 (with a "
+                              "group size) and --gptq, or leave it out")
+        if value is None:
+            value = grouped_gptq and llm
+            if value:
+                chosen.append(label)
+        out.append(bool(value))
+    return out[0], out[1]
 
 
 def recipe_options(scheme: str | None, options: RecipeOptions, *, tico: bool = False,
@@ -225,5 +250,6 @@ def recipe_from_args(args: Any) -> RecipeOptions | None:
     from circleops.options import int16_parts
 
     options = RecipeOptions(args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
-                            int16_parts(args.int16), args.calibrate, args.int8_weights)
+                            int16_parts(args.int16), args.calibrate, args.int8_weights, args.act_order,
+                            args.clip_search)
     return recipe_options(args.quantize, options, tico=args.tico, calibration_data=args.calibration_data)

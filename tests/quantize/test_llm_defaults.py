@@ -43,14 +43,28 @@ def test_an_llm_left_to_the_defaults_gets_the_measured_recipe(llama, scheme, tar
 
 @pytest.mark.parametrize("options,want", [
     (RecipeOptions(weight_bits=8), dict(weight_bits=8, gptq=False, int8_weights="")),
-    (RecipeOptions(weight_bits=4), dict(weight_bits=4, gptq=True, int8_weights="auto", group_size=32)),
-    (RecipeOptions(weight_bits=4, gptq=False), dict(weight_bits=4, gptq=False, int8_weights="auto")),
+    (RecipeOptions(weight_bits=4), dict(weight_bits=4, gptq=True, int8_weights="auto", group_size=32,
+                                        act_order=True, clip_search=True)),
+    (RecipeOptions(weight_bits=4, act_order=False), dict(gptq=True, act_order=False, clip_search=True)),
+    (RecipeOptions(weight_bits=4, clip_search=False), dict(gptq=True, act_order=True, clip_search=False)),
+    (RecipeOptions(weight_bits=4, gptq=False), dict(weight_bits=4, gptq=False, int8_weights="auto",
+                                                    act_order=False, clip_search=False)),
     (RecipeOptions(weight_bits=4, int8_weights="none"), dict(weight_bits=4, gptq=True, int8_weights="")),
     (RecipeOptions(weight_bits=4, group_size=0), dict(weight_bits=4, gptq=True, int8_weights="", group_size=0)),
 ])
 def test_what_is_given_is_taken_as_given(llama, options, want):
     recipe = resolve_recipe("int16", "circle", llama, options)
     assert {k: getattr(recipe, k) for k in want} == want
+
+
+@pytest.mark.parametrize("options", [RecipeOptions(act_order=True), RecipeOptions(weight_bits=4, gptq=False,
+                                                                                     clip_search=True),
+                                     RecipeOptions(weight_bits=4, group_size=0, act_order=True)])
+def test_act_order_and_clip_search_need_grouped_gptq(llama, options):
+    from circleops.errors import TargetError
+
+    with pytest.raises(TargetError, match="GPTQ on grouped 4-bit weights"):
+        resolve_recipe("int16", "circle", llama, options)
 
 
 def test_other_models_keep_int8_weights_and_uint8_throughout():
@@ -78,7 +92,9 @@ def test_cli_weight_bits_4_of_an_llm_writes_the_npu_recipe(capsys, tmp_path, lla
     model = read_model(str(out))
     recipe = json.loads(model.metadata[METADATA_KEY])
     assert (recipe["weight_bits"], recipe["gptq"], recipe["int8_weights"], recipe["group_size"]) == (4, True, "auto", 32)
-    assert "the measured recipe for an LLM (default): GPTQ, --int8-weights auto" in text and "--no-gptq" in text
+    assert (recipe["act_order"], recipe["clip_search"]) == (True, True)
+    assert "the measured recipe for an LLM (default): GPTQ, --int8-weights auto, act order, clipping search" in text
+    assert "--no-gptq" in text and "--no-act-order" in text and "--no-clip-search" in text
     sg = model.subgraphs[0]
     weights = {t.dtype for t in sg.tensors if t.quant is not None and t.data is not None and len(t.shape) == 2}
     assert "INT4" in weights
