@@ -12,8 +12,6 @@ if os.environ.get("CIRCLEOPS_MUTANT"):
 
     mutants.apply(os.environ["CIRCLEOPS_MUTANT"])
 
-from readme_llm import readme_llm_out  # noqa: E402,F401  (the README's out/, converted once: a session fixture)
-
 # Under pytest-xdist every worker is its own process; with torch's default of one thread
 # per core the workers oversubscribe the 2 cores and small ops crawl (measured: a tiny
 # decode step 146 ms instead of 4 ms). One intra-op thread per worker.
@@ -235,3 +233,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if next(item.iter_markers("xdist_group"), None) is None:
             item.add_marker(pytest.mark.xdist_group(modules[item.nodeid.split("::", 1)[0]]))
+
+
+@pytest.fixture(scope="session")
+def readme_llm_out(tmp_path_factory):
+    """The README's out/ (tests/readme_llm.py), converted once per test process."""
+    import readme_llm  # imported here: pytester sessions run a copy of this file without it
+
+    return readme_llm.convert(tmp_path_factory.mktemp("readme_smollm2"))

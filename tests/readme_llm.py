@@ -16,8 +16,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 CONVERT = "circleops convert smollm2 --graphs prefill,decode --target onert --verify -o out/"
 GROUP = "readme_smollm2"
@@ -33,9 +31,8 @@ class ReadmeOut:
         return self.cwd / "out"
 
 
-@pytest.fixture(scope="session")
-def readme_llm_out(tmp_path_factory) -> ReadmeOut:
-    cwd = tmp_path_factory.mktemp("readme_smollm2")
+def convert(cwd: Path) -> ReadmeOut:
+    """Run CONVERT in ``cwd`` (tests/conftest.py's session fixture ``readme_llm_out``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     argv = [sys.executable, "-m", "circleops.cli", *shlex.split(CONVERT)[1:]]

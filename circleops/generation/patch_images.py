@@ -108,7 +108,7 @@ def load_patch_processor(path: Path, side: int | None = None) -> PatchImagesProc
 
     try:
         with quiet_transformers():
-            images = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+            images = Qwen2VLImageProcessorPil.from_pretrained(str(path), trust_remote_code=False)
             tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         return PatchImagesProcessor(images, tokenizer, fixed_side(images) if side is None else side)
     except Exception as err:  # noqa: BLE001 - transformers / tokenizers on a damaged or missing file
