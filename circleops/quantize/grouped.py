@@ -390,22 +390,32 @@ def int8_chosen_by_gain(model: torch.nn.Module, report: GroupedReport, samples: 
     """After the 4-bit rounding of ``report``: the linears (of ``int8``, name -> the int8
     rounding of its weight before the 4-bit one) whose int8 weights gain the logits most per
     weight (:func:`int8_gains`), within ``share`` of their weights, set to int8 (in place,
-    restored on exit) and recorded as such in ``report``."""
-    linears = eligible_linears(model)
+    restored on exit) and recorded as such in ``report``. (bench/npu_weights.py's
+    alternative: convert chooses by :func:`linear_sensitivity`, which measured better.)"""
     gains = int8_gains(model, samples, reference, int8)
     chosen = choose_by_gain(gains, {n: q.numel() for n, (q, _) in int8.items()}, share)
+    with int8_kept(model, report, {n: int8[n] for n in chosen}):
+        yield chosen
+
+
+@contextlib.contextmanager
+def int8_kept(model: torch.nn.Module, report: GroupedReport,
+              int8: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[list[str]]:
+    """After the 4-bit rounding of ``report``: the linears of ``int8`` (name -> the int8
+    rounding of its weight before the 4-bit one) set to those int8 weights (in place,
+    restored on exit) and recorded as int8 in ``report``."""
+    linears = eligible_linears(model)
     saved = []
     try:
         with torch.no_grad():
-            for name in chosen:
+            for name, (q, s) in int8.items():
                 lin = linears[name]
                 report.weights.pop(key(lin.weight), None)
                 report.names.remove(name)
                 report.int4_params -= lin.weight.numel()
                 saved.append((lin.weight, lin.weight.detach().clone()))
-                q, s = int8[name]
                 lin.weight.copy_(record(report, name, lin, q, s, None))
-        yield chosen
+        yield list(int8)
     finally:
         with torch.no_grad():
             for param, value in saved:
