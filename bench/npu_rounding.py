@@ -170,16 +170,9 @@ ORIGINAL: dict[str, torch.Tensor] = {}
 
 
 def choose_by_gain(gains: dict[str, float], sizes: dict[str, int], budget: float) -> list[str]:
-    """The largest gains per weight first, within ``budget`` of all the weights."""
-    total = sum(sizes.values())
-    chosen, used = [], 0
-    for name in sorted(gains, key=lambda n: gains[n] / sizes[n], reverse=True):
-        if gains[name] <= 0:
-            break
-        if used + sizes[name] <= budget * total:
-            chosen.append(name)
-            used += sizes[name]
-    return chosen
+    """The largest gains per weight first, within ``budget`` of all the weights (convert's rule
+    while issue 34 measured it: circleops.quantize.grouped.choose_by_gain)."""
+    return Q.choose_by_gain(gains, sizes, budget)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,17 +29,21 @@ def _rss(kind: str) -> int:
     raise AssertionError(f"no {kind} in /proc/self/status")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def _saved_llama(tmp_path_factory, name: str, **shape) -> Path:
+    """A random tied Llama of ``shape`` saved as safetensors (what a mapped load reads)."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True,
-                                   max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("mapped") / "llama"
+    cfg = transformers.LlamaConfig(tie_word_embeddings=True, **shape)
+    path = tmp_path_factory.mktemp("mapped") / name
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _saved_llama(tmp_path_factory, "llama", vocab_size=4096, hidden_size=512, intermediate_size=2048,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
 
 
 def _load(path):
@@ -134,15 +139,8 @@ def test_a_copy_of_the_model_is_restored_from_its_clones(model_dir):
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                   max_position_embeddings=64)
-    path = tmp_path_factory.mktemp("mapped") / "small"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
-    return path
+    return _saved_llama(tmp_path_factory, "small", vocab_size=1024, hidden_size=256, intermediate_size=1024,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 def test_w8_graphs_never_hold_the_folded_weights_beside_the_references(small_dir, tmp_path, monkeypatch):
