@@ -38,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
 
     args.model = resolve_model(args.model) if args.model else args.model  # a hub id: its cached/downloaded copy
     options = options_of(args)  # built once: every path below takes it as it is
+    _check_output(args.output, options)  # before the model loads: seconds of imports and reading
     if options.graphs:
         return convert_graphs.main(args, options)
     vision.refuse_without_graphs(args)  # a vision-language model converts only into its --graphs
@@ -48,6 +49,21 @@ def main(args: argparse.Namespace) -> int:
         raise TargetError("no model given: pass MODEL (an HF directory or hub id, a .gguf file, smollm2 or a .pt2 "
                           "file), or --config config.json for random weights.")
     return _convert_one(args, options)
+
+
+def _check_output(output: str, options: Any) -> None:
+    """Refuse an -o that cannot be written, with light modules only (no torch): a directory
+    for --graphs, else a file of the target's format (an unknown --target is refused here too)."""
+    from pathlib import Path
+
+    from circleops.package.output import check_dir
+    from circleops.pipeline.validate import validate_output_path, validate_target
+    from circleops.targets import PROFILES
+
+    if options.graphs:
+        check_dir(Path(output))
+    else:
+        validate_output_path(output, PROFILES[validate_target(options.target)[0]].format)
 
 
 def _convert_one(args: argparse.Namespace, options: Any) -> int:

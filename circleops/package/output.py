@@ -14,14 +14,26 @@ from circleops.errors import OutputError
 from circleops.package.manifest import MANIFEST
 
 
-def prepare_dir(out_dir: Path) -> None:
-    """``out_dir`` exists (made if its parent does) and is writable; OutputError otherwise."""
+def check_dir(out_dir: Path) -> None:
+    """Refuse an output directory that cannot be made or written, changing nothing: the CLI
+    asks this before it loads a model (seconds of imports and reading for a request that
+    must fail)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"-o {out_dir} is a file; with --graphs, -o names a directory (e.g. -o out/).")
     parent = out_dir.parent if str(out_dir.parent) else Path(".")
     if not out_dir.exists():
         if not parent.is_dir():
             raise OutputError(f"cannot create {out_dir}: the directory {parent} does not exist. Create it first.")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OutputError(f"cannot create {out_dir}: permission denied. Choose a directory you can write.")
+    elif not os.access(out_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write into {out_dir}: permission denied. Choose a directory you can write.")
+
+
+def prepare_dir(out_dir: Path) -> None:
+    """``out_dir`` exists (made if its parent does) and is writable; OutputError otherwise."""
+    check_dir(out_dir)
+    if not out_dir.exists():
         try:
             out_dir.mkdir()
         except OSError as err:

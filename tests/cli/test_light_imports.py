@@ -81,3 +81,17 @@ def test_a_torchao_checkpoint_still_sees_torchao(tmp_path):
         proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split("\n")[:2] == [inside, "True"], (path, proc.stdout)
+
+
+@pytest.mark.parametrize("graphs", [[], ["--graphs", "prefill,decode"]])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(llama_dir, tmp_path, graphs):
+    """-o in a directory that does not exist: exit 2 from light modules only (was ~7 s of
+    imports and model loading before the same refusal)."""
+    out = tmp_path / "missing" / ("out" if graphs else "m.circle")
+    code = ("import contextlib, io\nfrom circleops.cli import main\nerr = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err):\n"
+            f"    rc = main(['convert', {str(llama_dir)!r}, '-o', {str(out)!r}, *{graphs!r}])\n"
+            "assert rc == 2 and 'does not exist. Create it first' in err.getvalue(), (rc, err.getvalue())\n")
+    loaded = _modules_after(code)
+    assert not loaded & set(RUNTIMES_AND_READERS + HEAVY), sorted(loaded & set(RUNTIMES_AND_READERS + HEAVY))
+    assert not out.parent.exists()
