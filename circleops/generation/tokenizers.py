@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from circleops.errors import CircleOpsError, ModelLoadError
 from circleops.inputs.chat_template import template_budget
 from circleops.inputs.remote_code import refuse_remote_code
+from circleops.inputs.tokenizer_json import MAX_NORMALIZER_GROWTH, normalizer_growth
 from circleops.package.manifest import MANIFEST, confined_tokenizer
 
 
@@ -51,8 +52,14 @@ def check_tokenizer_dir(directory: Path) -> Any:
     from circleops.inputs.user_files import check_json_files
 
     fix = "The tokenizer is damaged: convert the model again."
-    check_json_files(directory, error=ModelLoadError, fix=fix)
+    saved = check_json_files(directory, error=ModelLoadError, fix=fix)
     path = directory / "tokenizer.json"
+    if isinstance(saved.get(path.name), dict):
+        growth = normalizer_growth(saved[path.name].get("normalizer"))
+        if growth > MAX_NORMALIZER_GROWTH:
+            raise ModelLoadError(f"{path}: its normalizer can make each character of a prompt up to {growth:.0f} "
+                                 f"characters (a Replace whose content is far longer than its pattern), so a short "
+                                 f"prompt would exhaust the memory. {fix}")
     if path.is_file():
         try:
             from tokenizers import Tokenizer

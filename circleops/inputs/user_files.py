@@ -107,16 +107,14 @@ def read_json(path: str | os.PathLike, *, error: type[CircleOpsError] = InputFil
 
 
 def check_json_files(directory: str | os.PathLike, *, error: type[CircleOpsError] = InputFileError,
-                     fix: str = "") -> None:
+                     fix: str = "") -> dict[str, Any]:
     """Read every ``*.json`` directly in ``directory`` with :func:`read_json`: run before a
     library (transformers, tokenizers) reads the directory, so that a damaged, binary or
-    nested-bomb file is named here instead of failing inside it."""
+    nested-bomb file is named here instead of failing inside it. Returns the values by file name."""
     d = Path(directory)
     if not d.is_dir():
-        return
-    for path in sorted(d.glob("*.json")):
-        if path.is_file():
-            read_json(path, error=error, fix=fix)
+        return {}
+    return {path.name: read_json(path, error=error, fix=fix) for path in sorted(d.glob("*.json")) if path.is_file()}
 
 
 def json_object(value: Any, source: str, *, error: type[CircleOpsError] = InputFileError, fix: str = "") -> dict:
@@ -374,7 +372,11 @@ def users_processor(what: str, source: Any, *, error: type[CircleOpsError] = Inp
         yield
     except CircleOpsError:
         raise
-    except PROCESSOR_ERRORS as err:
+    except Exception as err:
+        # the Rust tokenizers library raises a bare Exception ("WordPiece error: Missing [UNK]
+        # token from the vocabulary" for an empty vocab.txt): that is the files' fault too
+        if not isinstance(err, PROCESSOR_ERRORS) and type(err) is not Exception:
+            raise
         raise _fail(error, f"the {what} saved in {source} failed on this input: {type(err).__name__}: "
                            f"{_first_line(err)}. Its configuration holds values it cannot use: fix those files or "
                            f"save the {what} again (save_pretrained).") from None

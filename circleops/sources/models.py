@@ -180,6 +180,13 @@ def _read_config(path: Path) -> dict[str, Any]:
     cfg = read_json(path, error=ModelLoadError)
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise ModelLoadError(f"{path} is not a Hugging Face model config: it has no model_type.")
+    if not isinstance(cfg["model_type"], str):
+        raise ModelLoadError(f"{path}: model_type is {cfg['model_type']!r}, not a name (such as \"llama\"). "
+                             "Fix config.json or save the model again (save_pretrained).")
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{path}: architectures is {str(archs)[:80]!r}, not a list of class names (such as "
+                             "[\"LlamaForCausalLM\"]). Fix config.json or save the model again (save_pretrained).")
     return cfg
 
 

@@ -292,6 +292,55 @@ def test_manifest_cache_slots_must_match_the_caches(seeds, tmp_path):
         read_manifest(d)
 
 
+@pytest.mark.parametrize("normalizer", [
+    {"type": "Replace", "pattern": {"String": "h"}, "content": "h" * 100000},
+    {"type": "Sequence", "normalizers": [{"type": "Replace", "pattern": {"Regex": "a?"}, "content": "bb"}] * 6},
+])
+def test_a_normalizer_that_multiplies_the_text_is_refused_before_it_runs(seeds, tmp_path, normalizer):
+    """CLI fuzz run 2, case 15: a Replace of "h" by 100000 h's made a 100-character prompt a
+    1.7 GB allocation that aborted the process inside the Rust library."""
+    from circleops.generation.generator import load_tokenizer
+    from circleops.package.manifest import read_manifest
+
+    d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
+    path = d / "tokenizer" / "tokenizer.json"
+    saved = json.loads(path.read_bytes())
+    load_tokenizer(read_manifest(d))  # the seed's own normalizer passes
+    path.write_text(json.dumps({**saved, "normalizer": normalizer}))
+    with pytest.raises(ModelLoadError, match="its normalizer can make each character of a prompt up to"):
+        load_tokenizer(read_manifest(d))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": 3}, "model_type is 3, not a name"),
+    ({"architectures": 0.5}, "architectures is '0.5', not a list of class names"),
+    ({"architectures": ["LlamaForCausalLM", 7]}, "not a list of class names"),
+])
+def test_config_names_of_the_wrong_type(seeds, tmp_path, change, message):
+    """CLI fuzz run 2, case 81: a float architectures ended in TypeError inside task inference."""
+    from circleops.recipes.tasks import task_of
+
+    cfg = {**json.loads((seeds.hf_dir / "config.json").read_text()), **change}
+    path = _file(tmp_path, "config.json", json.dumps(cfg).encode())
+    with pytest.raises(ModelLoadError, match=message):
+        task_of(None, str(path))
+
+
+def test_the_tokenizers_librarys_own_errors_are_the_files_fault(tmp_path):
+    """CLI fuzz run 2, case 260: an empty WordPiece vocab.txt raises the Rust library's bare
+    Exception on the first text; it is refused naming the tokenizer, not an internal error."""
+    from tokenizers import Tokenizer, models
+
+    from circleops.inputs.user_files import users_processor
+
+    tok = Tokenizer(models.WordPiece({}, unk_token="[UNK]"))
+    with pytest.raises(InputFileError, match=r"the tokenizer saved in sst failed on this input: Exception: WordPiece"):
+        with users_processor("tokenizer", "sst"):
+            tok.encode("the cat")
+    with pytest.raises(KeyboardInterrupt), users_processor("tokenizer", "sst"):
+        raise KeyboardInterrupt  # only the library's errors are turned into a refusal
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_hidden_layers": 10 ** 6}, "asks for 1000000 layers"),
     ({"hidden_size": 10 ** 7, "intermediate_size": 10 ** 7}, "parameters, which in fp32 would need"),
