@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from circleops.inputs.chat_template import template_budget
 from circleops.generation.core import GenerationLimitError
 from circleops.generation.generator import Generator
-from circleops.generation.tokenizers import check_text_fits
+from circleops.generation.tokenizers import check_text_fits, tokenizing
 
 # end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3, plain text)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -74,7 +74,8 @@ class Chat:
         self.generator.reset()
 
     def _render(self) -> list[int]:
-        with template_budget(self.tokenizer):  # a model's template is someone else's program
+        with tokenizing(getattr(self.tokenizer, "name_or_path", "the model")), template_budget(self.tokenizer):
+            # a model's template is someone else's program, its tokenizer.json someone else's data
             ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]

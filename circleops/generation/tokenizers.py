@@ -4,9 +4,12 @@ the prompt's ids (:func:`encode_prompt`, with the chat template) and the text of
 as they arrive (:class:`TextStream`)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from circleops.errors import CircleOpsError, ModelLoadError
 from circleops.inputs.chat_template import template_budget
@@ -84,10 +87,49 @@ class FastTokenizer:
         self.tokenizer = check_tokenizer_dir(directory)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+        with tokenizing(self.directory):
+            return list(self.tokenizer.encode(text).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@contextlib.contextmanager
+def tokenizing(directory: Any) -> Iterator[None]:
+    """Around a saved tokenizer's run on a text: what the library raises on values of the
+    files it cannot use (a catastrophic pre-tokenizer regex, an empty vocabulary) becomes a
+    ModelLoadError naming the directory, and a Rust panic's own report (the panic hook writes
+    it to fd 2, with a backtrace under RUST_BACKTRACE=1) is dropped: the error says it once."""
+    from circleops.inputs.user_files import users_processor
+
+    with users_processor("tokenizer", directory, error=ModelLoadError), _native_stderr_held():
+        yield
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """fd 2 into a temporary file while the block runs, written back unless a Rust panic ended
+    it (what the library printed for a prompt it tokenized is kept)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (an embedding application): nothing to hold
+        yield
+        return
+    panicked = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as err:
+            panicked = type(err).__name__ == "PanicException"
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not panicked and held.tell():
+                held.seek(0)
+                os.write(2, held.read())
 
 
 def load_tokenizer(manifest: Any) -> Any:
@@ -173,7 +215,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, max_tokens: i
             tokenizer = hf_tokenizer(tokenizer.directory)  # templates are rendered by transformers
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("--chat: this tokenizer has no chat template; drop --chat.")
-        with template_budget(tokenizer):  # a model's template is someone else's program
+        with tokenizing(tokenizer.name_or_path), template_budget(tokenizer):  # the template: someone else's program
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True)
         if hasattr(ids, "keys"):
@@ -181,6 +223,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, max_tokens: i
         return [int(i) for i in ids]
     if isinstance(tokenizer, FastTokenizer):
         return tokenizer.encode(prompt)
-    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+    with tokenizing(getattr(tokenizer, "name_or_path", "the model's directory")):
+        return [int(i) for i in tokenizer(prompt)["input_ids"]]
 
 

@@ -376,7 +376,23 @@ def saved_processor(manifest: Manifest) -> Any:
         refuse_remote_code(path)
         check_tokenizer_dir(Path(path))
         return load_patch_processor(path, side=spec.tile_size)
-    return load_processor(path)
+    processor = load_processor(path)
+    if spec is not None:
+        _check_image_tokens(processor, spec.image_seq_len, path)
+    return processor
+
+
+def _check_image_tokens(processor: Any, expected: int, path: Any) -> None:
+    """The processor's image tokens per image (tile) must be the vision graph's rows: a saved
+    value of 2^31 made a 2^31-token prompt (MemoryError); any other value a prompt the graphs
+    cannot place."""
+    for owner in (processor, getattr(processor, "image_processor", None)):
+        for name in ("image_seq_len", "image_seq_length"):
+            value = getattr(owner, name, None)
+            if value is not None and value != expected:
+                raise ModelLoadError(f"the processor saved in {path} makes {str(value)[:40]} image tokens per image "
+                                     f"({name}), and the vision graph gives {expected}: the processor's files were "
+                                     f"changed after the conversion. Convert the model again.")
 
 
 class VisionChat(Chat):

@@ -372,10 +372,12 @@ def users_processor(what: str, source: Any, *, error: type[CircleOpsError] = Inp
         yield
     except CircleOpsError:
         raise
-    except Exception as err:
+    except BaseException as err:
         # the Rust tokenizers library raises a bare Exception ("WordPiece error: Missing [UNK]
-        # token from the vocabulary" for an empty vocab.txt): that is the files' fault too
-        if not isinstance(err, PROCESSOR_ERRORS) and type(err) is not Exception:
+        # token from the vocabulary" for an empty vocab.txt) or, through pyo3, a PanicException
+        # (a BaseException: "Onig: Regex search error: retry-limit-in-match over" for a
+        # catastrophic pre-tokenizer regex): the files' fault too
+        if not (isinstance(err, PROCESSOR_ERRORS) or type(err) is Exception or type(err).__name__ == "PanicException"):
             raise
         raise _fail(error, f"the {what} saved in {source} failed on this input: {type(err).__name__}: "
                            f"{_first_line(err)}. Its configuration holds values it cannot use: fix those files or "

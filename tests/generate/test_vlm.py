@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import manifest_json
+from bounds import address_space_limit
 from circleops.cli import main
 from circleops.package.manifest import read_manifest
 from circleops.serialize import read_model
@@ -301,6 +302,34 @@ def test_a_damaged_saved_tokenizer_is_named(tiny_vlm_onert, tmp_path, capsys):
     assert main(["generate", str(out), "--image", str(tiny_vlm_onert.photo), "--prompt", "hi", "-q"]) == 2
     err = capsys.readouterr().err
     assert f"{path} is not a tokenizer the tokenizers library can load" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("value", [2 ** 31, 3])
+def test_a_processor_whose_image_tokens_are_not_the_graphs_is_refused(tiny_vlm_onert, tmp_path, capsys, value):
+    """The CLI hold-out fuzz, run 3: a processor_config.json image_seq_len of 2^31 made a
+    2^31-token prompt (MemoryError); any value but the vision graph's rows is refused."""
+    import json
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_vlm_onert.out, out)
+    paths = [p for p in (out / "tokenizer").glob("*.json") if "image_seq_len" in json.loads(p.read_text())]
+    if not paths:  # a processor keeping its count in the image processor (PaliGemma's image_seq_length)
+        paths = [p for p in (out / "tokenizer").glob("*.json") if "image_seq_length" in p.read_text()]
+    assert paths, "the saved processor names its image tokens"
+    for path in paths:
+        data = json.loads(path.read_text())
+        for key in ("image_seq_len", "image_seq_length"):
+            if key in data:
+                data[key] = value
+            if isinstance(data.get("image_processor"), dict) and key in data["image_processor"]:
+                data["image_processor"][key] = value
+        path.write_text(json.dumps(data))
+    capsys.readouterr()
+    with address_space_limit(2 << 30):  # without the check: a MemoryError here, not the machine's memory
+        assert main(["generate", str(out), "--image", str(tiny_vlm_onert.photo), "--prompt", "hi", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"makes {value} image tokens per image" in err and "Convert the model again" in err, err
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "w8"])

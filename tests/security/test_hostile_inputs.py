@@ -311,6 +311,27 @@ def test_a_normalizer_that_multiplies_the_text_is_refused_before_it_runs(seeds, 
         load_tokenizer(read_manifest(d))
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_catastrophic_pre_tokenizer_regex_is_refused_in_one_paragraph(seeds, tmp_path, capfd, chat):
+    """CLI fuzz run 3: the pre-tokenizer (a+)+$ on 30 a's and a "!" exhausts the regex
+    engine's retry limit; the Rust library panics (pyo3's PanicException, a BaseException,
+    and the panic hook's report on fd 2). One ModelLoadError, nothing else on stderr."""
+    from circleops.generation.generator import encode_prompt, load_tokenizer
+    from circleops.package.manifest import read_manifest
+
+    d = shutil.copytree(seeds.chat_dir, tmp_path / "chat")
+    path = d / "tokenizer" / "tokenizer.json"
+    saved = json.loads(path.read_bytes())
+    path.write_text(json.dumps({**saved, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(a+)+$"},
+                                                            "behavior": "Isolated", "invert": False}}))
+    tokenizer = load_tokenizer(read_manifest(d))
+    assert encode_prompt(tokenizer, "hello", chat=chat)  # a text the regex handles
+    capfd.readouterr()
+    with pytest.raises(ModelLoadError, match="failed on this input: PanicException: Onig"):
+        encode_prompt(tokenizer, "a" * 30 + "!", chat=chat)
+    assert "panicked" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": 3}, "model_type is 3, not a name"),
     ({"architectures": 0.5}, "architectures is '0.5', not a list of class names"),
