@@ -3,6 +3,7 @@
 session per graph (:func:`open_graph`; a split graph's files run as one chain)."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Mapping
 
@@ -111,7 +112,9 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
                threads: int | None = None) -> Session:
     """A prepared runtime session on ``graph`` of the manifest's files: ``session.run`` takes
     numpy inputs in the manifest's input order and returns outputs in its output order.
-    ``isolated``: a native runtime in a child process (open_session), for one-shot checks.
+    ``isolated``: a native runtime in a child process (open_session), for one-shot checks; a
+    split graph's parts are then opened one at a time, each closed before the next opens
+    (ChainSession ``lazy``: one part's weights in memory at once).
     ``threads``: the session's thread count (the runtime's NUM_THREADS while it is created);
     None: the environment's NUM_THREADS if set, else the manifest's ``num_threads``."""
     check_runtime(manifest, runtime)
@@ -122,11 +125,15 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
     if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.package.split)
         from circleops.runtime.chain import ChainSession, HeadEmbedding
 
-        sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
         embed = (HeadEmbedding(manifest.directory / files[-1], manifest.signatures.get(graph))
                  if getattr(manifest, "part_embedding", None) == "head" else None)
-        return ChainSession(sessions, manifest.parts, one_row=graph != "decode" and manifest.prefill_one_row,
-                            embed=embed)
+        one_row = graph != "decode" and manifest.prefill_one_row
+        if isolated:
+            openers = [functools.partial(_open_file, manifest, graph, f, runtime, isolated, threads) for f in files]
+            return ChainSession(openers, manifest.parts, one_row=one_row, embed=embed, lazy=True,
+                                paths=[str(manifest.directory / f) for f in files])
+        sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
+        return ChainSession(sessions, manifest.parts, one_row=one_row, embed=embed)
     return _open_file(manifest, graph, files[0], runtime, isolated, threads)
 
 

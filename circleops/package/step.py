@@ -126,6 +126,8 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
     opts, note = resolve(recipe)
     o = recipe.options
     plan = plan_files(opts.profile, o.onert_signatures, o.max_file_bytes, recipe.layer_bytes(opts.quantize))
+    if plan.signature_api is not None:  # one onert file's graphs share its weights: no CONV_2D filter copies
+        opts = dataclasses.replace(opts, shared_weights=True)
     out = Path(out_dir)
     prepare_dir(out)
     staging = staging_dir(out)

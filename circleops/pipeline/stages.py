@@ -75,6 +75,7 @@ class Options:
     runtime: str | None = None  # the verify runtime; None: no verify
     tolerance: float | None = None  # verify's, relative to max(1, max|output|); None: by dtype and format
     functionalize: bool = True  # in-place ops out before the pattern pass (a program exported as given)
+    shared_weights: bool = False  # the graphs share their weights as signatures of one onert file (target_profile)
     # the options as the user gave them (circleops.options.ConvertOptions): a stage reads an
     # option that needs no resolving here, so a new option is its field and its use
     given: Any = None
@@ -85,7 +86,7 @@ class Options:
 
     @property
     def profile(self) -> TargetProfile:
-        return target_profile(self.target, self.threads)
+        return target_profile(self.target, self.threads, self.shared_weights)
 
     @property
     def weight_format(self) -> formats.WeightFormat | None:
@@ -110,15 +111,25 @@ class Options:
         return None
 
 
-def target_profile(target: str | TargetProfile, threads: int | None = None) -> TargetProfile:
+def target_profile(target: str | TargetProfile, threads: int | None = None,
+                   shared_weights: bool = False) -> TargetProfile:
     """The lowering profile of ``target`` for a file run with ``threads`` threads.
 
     Measured (bench/README.md, bench/onert_matmul.py): onert's 1x1 CONV_2D is a blocked
     GEMM that beats FULLY_CONNECTED for 4+ rows only with a second idle core; on one
     thread it is 1.2-3x slower for SmolLM2's 64-row linears, while a one-row lm_head (8x
     wider output) stays faster as a CONV_2D (21 vs 48 ms). So one thread keeps the latter.
+
+    ``shared_weights``: the file's graphs are signatures of one onert file sharing every
+    weight (onert 0.2.0.dev's C API). onert's CPU backend copies each constant CONV_2D filter
+    (transposed, in every subgraph that uses it) while FULLY_CONNECTED reads the loaded
+    weight itself: the 1B shape's fp32 split files held ~2.4x their weights once prepared
+    (the prefill's 1x1 CONV_2D linears and the three lm_heads copied, bench/results/39). So
+    such a file writes no linear as CONV_2D: its weights are in memory once.
     """
     p = profile(target)
+    if shared_weights and p.linear_as_conv is not None:
+        return replace(p, linear_as_conv=None)
     if threads == 1 and p.linear_as_conv is not None:
         p = replace(p, linear_as_conv=replace(p.linear_as_conv, min_rows=sys.maxsize))
     return p

@@ -60,49 +60,101 @@ class HeadEmbedding:
 class ChainSession:
     """``sessions[j]`` runs layers ``ranges[j]`` (start, stop); ``one_row``: the graph takes a
     ``logits_row`` input after ``pos`` (the prefill), which only the last part reads;
-    ``embed``: the first part takes embeddings, ``embed(ids)`` (a :class:`HeadEmbedding`)."""
+    ``embed``: the first part takes embeddings, ``embed(ids)`` (a :class:`HeadEmbedding`).
+
+    ``lazy``: ``sessions`` are callables that open each part's session; a run opens part j,
+    runs it and closes it before part j + 1 opens, so one part's weights are in memory at a
+    time (a one-shot check's way: the 1B shape's fp32 verify held every part's onert child at
+    once, bench/results/39). ``paths``: the parts' files then (for messages)."""
 
     def __init__(self, sessions: Sequence[Any], ranges: Sequence[Sequence[int]], *, one_row: bool = False,
-                 embed: Any = None):
+                 embed: Any = None, lazy: bool = False, paths: Sequence[str] = ()):
         if not sessions or len(sessions) != len(ranges):
             raise ModelLoadError(f"a split graph needs one file per layer range; got {len(sessions)} files for "
                                  f"{len(ranges)} ranges. Convert again.")
+        self.lazy = lazy
         self.sessions = list(sessions)
         self.ranges = [(int(a), int(b)) for a, b in ranges]
         self.one_row = one_row
         self.embed = embed
         self.num_layers = self.ranges[-1][1]
+        self._specs: tuple[list[TensorSpec], list[TensorSpec]] | None = None
+        if lazy:
+            self.path = str(paths[0]) if paths else "a split graph"
+            self.signature = None
+            return
         self.path = self.sessions[0].path
         self.signature = getattr(self.sessions[0], "signature", None)
-        for j, (s, (a, b)) in enumerate(zip(self.sessions, self.ranges)):
-            want = 2 + (1 if one_row and j == len(self.sessions) - 1 else 0) + 2 * (b - a)
-            got = len(s.inputs)
-            if got != want or len(s.outputs) != 1 + 2 * (b - a):
-                raise ModelLoadError(f"{s.path} is part {j} of a split graph (layers {a}..{b - 1}) and should take "
-                                     f"{want} inputs and give {1 + 2 * (b - a)} outputs; it takes {got} and gives "
-                                     f"{len(s.outputs)}. The directory is damaged: convert again.")
+        for j, s in enumerate(self.sessions):
+            self._check(j, s)
+
+    def _check(self, j: int, s: Any) -> None:
+        """ModelLoadError unless part ``j``'s session takes and gives what its layer range needs."""
+        a, b = self.ranges[j]
+        want = 2 + (1 if self.one_row and j == len(self.ranges) - 1 else 0) + 2 * (b - a)
+        got = len(s.inputs)
+        if got != want or len(s.outputs) != 1 + 2 * (b - a):
+            raise ModelLoadError(f"{s.path} is part {j} of a split graph (layers {a}..{b - 1}) and should take "
+                                 f"{want} inputs and give {1 + 2 * (b - a)} outputs; it takes {got} and gives "
+                                 f"{len(s.outputs)}. The directory is damaged: convert again.")
+
+    def _part(self, j: int) -> Any:
+        """Part ``j``'s session: the open one, or (lazy) a new one, checked."""
+        if not self.lazy:
+            return self.sessions[j]
+        s = self.sessions[j]()
+        try:
+            self._check(j, s)
+        except ModelLoadError:
+            _close(s)
+            raise
+        return s
+
+    def _done(self, s: Any) -> None:
+        if self.lazy:
+            _close(s)
+
+    def _part_specs(self) -> tuple[list[list[TensorSpec]], list[list[TensorSpec]]]:
+        """Each part's input and output specs (lazy: each part opened and closed in turn)."""
+        ins, outs = [], []
+        for j in range(len(self.ranges)):
+            s = self._part(j)
+            ins.append(list(s.inputs))
+            outs.append(list(s.outputs))
+            self._done(s)
+        return ins, outs
 
     @property
     def inputs(self) -> list[TensorSpec]:
-        first, last = self.sessions[0].inputs, self.sessions[-1].inputs
-        ids = TensorSpec("input_ids", tuple(first[0].shape[:2]), "int64") if self.embed is not None else first[0]
-        head = [ids, first[1]] + ([last[2]] if self.one_row else [])
-        ks, vs = [], []
-        for j, (s, (a, b)) in enumerate(zip(self.sessions, self.ranges)):
-            skip = 3 if self.one_row and j == len(self.sessions) - 1 else 2
-            specs = s.inputs[skip:]
-            ks += specs[:b - a]
-            vs += specs[b - a:]
-        return head + ks + vs
+        if not self.lazy:  # the sessions' own, now (a runtime may report shapes after a run)
+            return self._io()[0]
+        if self._specs is None:  # opening each part costs its load: once
+            self._specs = self._io()
+        return self._specs[0]
 
     @property
     def outputs(self) -> list[TensorSpec]:
-        ks, vs = [], []
-        for s, (a, b) in zip(self.sessions, self.ranges):
-            specs = s.outputs[1:]
+        if not self.lazy:  # the sessions' own, now (a runtime may report shapes after a run)
+            return self._io()[1]
+        if self._specs is None:  # opening each part costs its load: once
+            self._specs = self._io()
+        return self._specs[1]
+
+    def _io(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The inputs and outputs of the one graph the parts replace."""
+        part_ins, part_outs = self._part_specs()
+        first, last = part_ins[0], part_ins[-1]
+        ids = TensorSpec("input_ids", tuple(first[0].shape[:2]), "int64") if self.embed is not None else first[0]
+        head = [ids, first[1]] + ([last[2]] if self.one_row else [])
+        ks, vs, ko, vo = [], [], [], []
+        for j, (a, b) in enumerate(self.ranges):
+            skip = 3 if self.one_row and j == len(self.ranges) - 1 else 2
+            specs = part_ins[j][skip:]
             ks += specs[:b - a]
             vs += specs[b - a:]
-        return [self.sessions[-1].outputs[0], *ks, *vs]
+            ko += part_outs[j][1:1 + b - a]
+            vo += part_outs[j][1 + b - a:]
+        return head + ks + vs, [part_outs[-1][0], *ko, *vo]
 
     def run(self, inputs: Sequence[Any]) -> list[Any]:
         """The inputs and outputs of the unsplit graph; the hidden state goes from part to part."""
@@ -115,11 +167,22 @@ class ChainSession:
         k_caches, v_caches = inputs[head:head + n], inputs[head + n:]
         k_out: list[Any] = []
         v_out: list[Any] = []
-        last = len(self.sessions) - 1
-        for j, (s, (a, b)) in enumerate(zip(self.sessions, self.ranges)):
+        last = len(self.ranges) - 1
+        for j, (a, b) in enumerate(self.ranges):
             extra = [row] if row is not None and j == last else []
-            outs = s.run([x, pos, *extra, *k_caches[a:b], *v_caches[a:b]])
+            s = self._part(j)
+            try:
+                outs = s.run([x, pos, *extra, *k_caches[a:b], *v_caches[a:b]])
+            finally:
+                self._done(s)
             x = outs[0]
             k_out += outs[1:1 + b - a]
             v_out += outs[1 + b - a:]
         return [x, *k_out, *v_out]
+
+
+def _close(session: Any) -> None:
+    """End ``session`` now (an isolated one's child exits), not when it is collected."""
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()

@@ -23,6 +23,7 @@ from circleops.generation.generator import Generator
 from circleops.package.files import signature_files
 from circleops.recipes.llm import convert_graphs
 from circleops.runtime import onert_c, selects_signatures
+from circleops.serialize import read_model
 from circleops.targets import PROFILES
 
 C_API = onert_c.available()
@@ -54,11 +55,30 @@ def test_the_file_layout_follows_the_installed_onert():
     assert signature_files(PROFILES["tflite"], True) is False  # LiteRT selects signatures anyway
 
 
+def _opcodes(path):
+    return {op.opcode for sub in read_model(str(path)).subgraphs for op in sub.operators}
+
+
 def test_a_file_per_graph_when_asked(model, tmp_path):
     _convert(model, tmp_path / "out", onert_signatures=False)
     data = manifest_json.read(tmp_path / "out")
     assert data["files"] == {g: f"{g}.circle" for g in ("prefill", "decode")}
     assert set(data["signatures"].values()) == {None} and "signature_api" not in data and data["version"] == 4
+
+
+def test_a_file_shared_by_signatures_holds_its_weights_once_in_onert(tmp_path):
+    """onert's CPU backend copies a constant CONV_2D filter (transposed) in every subgraph
+    that uses it, while FULLY_CONNECTED reads the loaded weight: the 1B shape's fp32 split
+    files with three signatures held ~2.4x their weights in onert (generate 11.7 GB,
+    bench/results/39). So a file whose graphs share the weights writes every linear as
+    FULLY_CONNECTED (pipeline.stages.target_profile ``shared_weights``); a file of its own
+    keeps the faster 1x1 CONV_2D (here the lm_head, 8x wider than the hidden state)."""
+    wide = BY_NAME["llama"].build(num_hidden_layers=1, tie_word_embeddings=True, vocab_size=512)
+    for signatures, want in ((False, "decode.circle"), (True, "model.circle")):
+        convert_graphs(copy.deepcopy(wide), tmp_path / str(signatures), target="onert", graphs="decode",
+                       prefill_len=4, max_cache_len=TINY_CACHE, onert_signatures=signatures)
+        ops = _opcodes(tmp_path / str(signatures) / want)
+        assert ("CONV_2D" in ops) is not signatures and "FULLY_CONNECTED" in ops, (signatures, ops)
 
 
 @pytest.mark.skipif(C_API, reason="the refusal of onert 0.1.0")

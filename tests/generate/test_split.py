@@ -127,6 +127,45 @@ def test_split_generation_gives_transformers_tokens(split_onert, expected, runti
         assert gen.generate(list(prompt), NEW).tokens == expected[prompt], (runtime, prompt)
 
 
+def test_a_one_shot_check_holds_one_part_at_a_time(split_onert, monkeypatch):
+    """verify opens a split graph isolated: each part's runtime is opened, run and closed before
+    the next opens (the 1B shape's fp32 verify held every part's onert child at once: 12.8 GB
+    of Pss, bench/results/39); its outputs are the chain's held open."""
+    import numpy as np
+
+    from circleops.generation import sessions as sessions_mod
+    from circleops.generation.caches import empty_caches
+
+    out, _ = split_onert
+    manifest = read_manifest(out)
+    live, peak = set(), [0]
+
+    class Counted:
+        def __init__(self, inner):
+            self.inner = inner
+            live.add(id(self))
+            peak[0] = max(peak[0], len(live))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def close(self):
+            live.discard(id(self))
+            getattr(self.inner, "close", lambda: None)()
+
+    opened = sessions_mod.open_session
+    monkeypatch.setattr(sessions_mod, "open_session", lambda *a, **k: Counted(opened(*a, **k)))
+    inputs = [np.array([[5]], np.int64), np.array([0], np.int64), *empty_caches(manifest)]
+    lazy = sessions_mod.open_graph(manifest, "decode", "onert", isolated=True)
+    got = lazy.run(inputs)
+    assert peak[0] == 1 and not live, peak
+    assert [s.shape for s in lazy.inputs] == [tuple(np.shape(a)) for a in inputs] and not live
+    want = sessions_mod.open_graph(manifest, "decode", "onert").run(inputs)
+    assert peak[0] == 4  # held open: every part at once, as generation keeps them
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_damaged_parts_are_refused(split_onert, tmp_path):
     out, _ = split_onert
     data = manifest_json.fields(out)
