@@ -81,6 +81,7 @@ class TargetProfile:
     quantized_float_islands: bool  # an op with no integer kernel may stay float inside an integer graph
     integer_fused_ops: bool  # integer graphs keep the fused ops (else PT2E quantizes the unfused model)
     fuse_linear_dtypes: frozenset[str]  # weight TensorTypes whose sibling linears become one FC + split
+    fuse_split_v: bool  # unequal parts of a fused linear split by one SPLIT_V (else one STRIDED_SLICE each)
     one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
     quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
     graph_inline_ops: frozenset[str]  # circle ops generation graphs (--graphs) write inline, decomposed, not fused
@@ -170,6 +171,7 @@ CIRCLE = TargetProfile(
     quantized_float_islands=True,
     integer_fused_ops=True,  # RMS_NORM, ROPE, ATTENTION take and give integer tensors
     fuse_linear_dtypes=frozenset(),  # NPU compilers see the model's own linears
+    fuse_split_v=False,
     one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
     quantized_threads=None,
     graph_inline_ops=frozenset(),  # ATTENTION builtin: NPU compilers take it whole
@@ -254,6 +256,7 @@ ONERT = TargetProfile(
     # workers per call (~66 us at 2 threads): q/k/v and gate/up as one call each
     # (circleops.passes.fuse_linears; bench/README.md). fp32 linears measured no faster fused.
     fuse_linear_dtypes=frozenset({"GGML_Q4_0", "GGML_Q8_0"}),
+    fuse_split_v=False,  # onert 0.1.0's SPLIT_V is silently wrong (missing_builtins)
     # onert 0.1.0 runs subgraph 0 of a file and its Python API cannot select a signature; one
     # file with a dynamic sequence dimension does not work either (bench/onert_dynamic_seq.py:
     # every layout fails to prepare, returns the first run's shape, or crashes)
@@ -308,7 +311,11 @@ TFLITE = TargetProfile(
     # no integer composite: RMSNorm, RoPE and attention are quantized op by op (every
     # intermediate observed in calibration) and written as LiteRT's integer builtins
     integer_fused_ops=False,
-    fuse_linear_dtypes=frozenset(),  # no GGML weights in TFLite
+    # the int4 / w8 hybrid linears (float input, INT4 blockwise or INT8 per-channel weight):
+    # q/k/v and gate/up as one FULLY_CONNECTED each, so XNNPACK quantizes the shared input
+    # to int8 once and runs 4 products a layer instead of 7 (bench/results/42-int4-decode.yaml)
+    fuse_linear_dtypes=frozenset({"INT4", "INT8"}),
+    fuse_split_v=False,  # STRIDED_SLICE, which XNNPACK delegates, keeps the partition whole
     one_file_per_graph=False,  # LiteRT runs any signature
     quantized_threads=None,
     # LiteRT's XNNPACK delegate takes the ops of a signature's own subgraph but never a

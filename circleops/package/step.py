@@ -264,8 +264,14 @@ def lower_graph(ep: Any, graph: Graph, opts: Any) -> Any:
     name its subgraph, inputs, outputs and signature after ``graph``."""
     from circleops.pipeline import stages
 
-    stages.inline_fused_ops(ep, opts.profile.graph_inline_ops)
+    stages.inline_fused_ops(ep, graph_inline_ops(opts))
     return name_graph(stages.lower(ep, opts), graph.name, graph.inputs, graph.outputs)
+
+
+def graph_inline_ops(opts: Any) -> frozenset[str]:
+    """The circle ops a generation graph writes inline: the target's, and its weight format's."""
+    fmt = opts.weight_format
+    return frozenset(opts.profile.graph_inline_ops) | (fmt.graph_inline_ops if fmt is not None else frozenset())
 
 
 def name_graph(model: Any, name: str, inputs: Sequence[str], outputs: Sequence[str]) -> Any:

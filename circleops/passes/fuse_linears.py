@@ -56,7 +56,8 @@ def fuse_for_target(model: ir.Model, target: Any, cache: dict[tuple, Any] | None
     p = profile(target)
     if not p.fuse_linear_dtypes:
         return FusedLinears()
-    return fuse_sibling_linears(model, p.fuse_linear_dtypes, split_v=p.runs("SPLIT_V"), cache=cache)
+    return fuse_sibling_linears(model, p.fuse_linear_dtypes, split_v=p.fuse_split_v and p.runs("SPLIT_V"),
+                                cache=cache)
 
 
 def fuse_sibling_linears(model: ir.Model, dtypes: Iterable[str] = GGML_DTYPES, *, split_v: bool = False,
@@ -106,7 +107,10 @@ def _candidate(sg: ir.Subgraph, op: ir.Operator, dtypes: frozenset[str], readers
         return None
     x, wi = op.inputs[0], op.inputs[1]
     w, out = sg.tensors[wi], sg.tensors[op.outputs[0]]
-    if w.data is None or w.quant is not None or w.dtype not in dtypes or readers.get(wi, 0) != 1:
+    if w.data is None or w.dtype not in dtypes or readers.get(wi, 0) != 1:
+        return None
+    quant = _weight_quant_key(sg, op, w)
+    if quant is None:
         return None
     if op.opcode == "CONV_2D":
         ones = all(int(op.options.get(k, 1) or 1) == 1
@@ -121,7 +125,28 @@ def _candidate(sg: ir.Subgraph, op: ir.Operator, dtypes: frozenset[str], readers
     if not out.shape or out.shape[-1] != w.shape[0]:
         return None
     return (x, op.opcode, repr(sorted(op.options.items())), w.dtype, w.shape[-1], tuple(out.shape[:-1]), out.dtype,
-            sg.tensors[bias].dtype if bias >= 0 else None)
+            sg.tensors[bias].dtype if bias >= 0 else None, quant)
+
+
+def _weight_quant_key(sg: ir.Subgraph, op: ir.Operator, w: ir.Tensor) -> tuple | None:
+    """What a fused weight's quantization must share, () for a plain weight; None when the
+    linear cannot be fused: only a hybrid linear (float input and output) whose weight has
+    one scale per output row (per channel along dimension 0, zero points 0) or per row and
+    block (Blockwise: scales [N, K / B]) qualifies, since then each output row depends on its
+    own weight row and scales alone and the rows concatenate. An integer linear's output
+    parameters are its own, so it stays apart."""
+    q = w.quant
+    if q is None:
+        return ()
+    io = [sg.tensors[op.inputs[0]], sg.tensors[op.outputs[0]]]
+    if any(t.quant is not None or not t.dtype.startswith("FLOAT") for t in io) or q.quantized_dimension != 0:
+        return None
+    if np.any(np.asarray(q.zero_point) != 0):
+        return None
+    if q.blockwise is not None:
+        s = q.blockwise.scales
+        return ("blockwise", q.blockwise.block_size, s.dtype) if s.data is not None else None
+    return ("per-channel",) if len(q.scale) == w.shape[0] else None
 
 
 def _fuse_subgraph(sg: ir.Subgraph, dtypes: frozenset[str], split_v: bool, cache: dict, report: FusedLinears) -> bool:
@@ -165,7 +190,8 @@ def _fuse(sg: ir.Subgraph, x: int, ops: list[ir.Operator], split_v: bool, cache:
     name = fused_name(names)
     report.groups.append((name, names))
     w0, out0 = weights[0], sg.tensors[outs[0]]
-    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), *w0.shape[1:]), w0.dtype, _concat(weights, cache)))
+    wi = sg.add_tensor(ir.Tensor(name, (sum(sizes), *w0.shape[1:]), w0.dtype, _concat(weights, cache),
+                                 _concat_quant(name, weights, cache)))
     y = sg.add_tensor(ir.Tensor(f"{out0.name}_fused", (*out0.shape[:-1], sum(sizes)), out0.dtype))
     bias = -1
     if len(ops[0].inputs) > 2 and ops[0].inputs[2] >= 0:
@@ -204,6 +230,23 @@ def fused_name(names: list[str]) -> str:
     if not all(middles):
         return "+".join(names)
     return f"{prefix}{{{','.join(middles)}}}{suffix}"
+
+
+def _concat_quant(name: str, weights: list[ir.Tensor], cache: dict) -> ir.QuantParams | None:
+    """The fused weight's quantization: the parts' per-row scales (and block scales) one
+    after the other (:func:`_weight_quant_key` checked they are per row and alike)."""
+    q0 = weights[0].quant
+    if q0 is None:
+        return None
+    scale = np.concatenate([np.asarray(w.quant.scale, np.float32).reshape(-1) for w in weights])
+    zero = np.zeros(scale.shape, np.int64)
+    blockwise = None
+    if q0.blockwise is not None:
+        parts = [w.quant.blockwise.scales for w in weights]
+        data = _concat(parts, cache)
+        blockwise = ir.Blockwise(q0.blockwise.block_size,
+                                 ir.Tensor(f"{name}_scales", tuple(data.shape), parts[0].dtype, data))
+    return ir.QuantParams(scale, zero, 0, blockwise)
 
 
 def _key(data: Any) -> tuple:

@@ -72,6 +72,9 @@ class WeightFormat:
     rotation: bool = False  # an LLM's Hadamard rotation folded into the weights first (quantize.rotate)
     gptq: bool = False  # GPTQ rounding of the linears on the calibration text (quantize.int4_gptq)
     gguf_type: str | None = None  # the GGUF tensor type carried over as it is (a GGUF model's blocks)
+    # circle ops its generation graphs (--graphs) write inline as well as the target's own
+    # (TargetProfile.graph_inline_ops): int4 decodes faster with no composite splitting XNNPACK's graph
+    graph_inline_ops: frozenset[str] = frozenset()
     activations: str | None = None  # INTEGER: the activation scheme ("uint8", "int16")
     file_formats: frozenset[str] = frozenset()  # file formats whose schema holds its weights (WEIGHTS)
     target_refusal: str = ""  # why a target writing another file format cannot (the end of the error message)
@@ -206,6 +209,10 @@ for _name, _block, _what in (("int4", 32, "blocks of 32 (an fp16 scale each: 4.5
         "qd8 FULLY_CONNECTED); embedding and lm_head int8 per row, sharing one table; target tflite", WEIGHTS,
         "INT4", "circleops.quantize.int4", form=BLOCKWISE, head_type="INT8", table_type="INT8", embedding=True,
         importance=True, block_size=_block, file_formats=frozenset({"tflite"}), target_refusal=_INT4_REFUSAL,
-        runtimes=frozenset({"litert", "reference"}), step=_INT4_STEP))
+        runtimes=frozenset({"litert", "reference"}), step=_INT4_STEP,
+        # odml.rms_norm inline too: its 61 composites split XNNPACK's decode graph into 62
+        # partitions, each norm on LiteRT's builtin kernels; inline, a SmolLM2 decode step
+        # spends ~5 % less CPU (bench/results/42-int4-decode.yaml)
+        graph_inline_ops=frozenset({"rms_norm"})))
 
 __all__ = ["BLOCKS", "BLOCKWISE", "FORMATS", "FORMS", "HYBRID", "PER_CHANNEL", "INTEGER", "ONERT_GGML_CPU_FLAGS", "WEIGHTS", "Codec", "WeightFormat", "get", "host_flags", "names", "register", "tensor_host_flags", "unregister"]

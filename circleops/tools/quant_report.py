@@ -488,7 +488,9 @@ def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example,
     recipe; the quantization summary lines."""
     from circleops.pipeline import stages as pipeline
 
-    pipeline.inline_fused_ops(ep, opts.profile.graph_inline_ops)  # as the target's generation graphs write them
+    from circleops.package.step import graph_inline_ops
+
+    pipeline.inline_fused_ops(ep, graph_inline_ops(opts))  # as the target's generation graphs write them
     lines = None
     if opts.integer_format is not None:
         recipe, data, head = calibration

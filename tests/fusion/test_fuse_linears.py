@@ -248,3 +248,75 @@ def test_shared_fused_weight_between_graphs(tmp_path, llama):
     prefill, decode = seen
     assert prefill.keys() == decode.keys() and prefill
     assert all(prefill[k] is decode[k] for k in prefill)
+
+
+# ----------------------------------------------------------------------------- LiteRT's hybrid linears
+def _hybrid_siblings() -> ir.Model:
+    """x [3, 64] read by INT4 blockwise (blocks of 32) linears q [64], k [32], v [32] (unequal:
+    STRIDED_SLICE), INT8 per-channel g, u [48] (equal: SPLIT), an INT4 one in blocks of 64 (its
+    own group) and one INT4 linear of another input: what `--target tflite --quantize int4|w8`
+    writes for a Llama block's q/k/v and gate/up."""
+    from circleops.quantize import int4, int8
+    from circleops.quantize.int4_tflite import weight_tensor
+
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (3, 64), "FLOAT32"))
+    y = sg.add_tensor(ir.Tensor("y", (3, 64), "FLOAT32"))
+    outs = []
+    for name, src, n, form in [("q", x, 64, 32), ("g", x, 48, "int8"), ("k", x, 32, 32), ("v", x, 32, 32),
+                               ("u", x, 48, "int8"), ("b64", x, 16, 64), ("other", y, 32, 32)]:
+        w = rng.standard_normal((n, 64)).astype(np.float32) * rng.uniform(0.3, 3.0, (n, 1)).astype(np.float32)
+        packed = int8.quantize_per_channel(w) if form == "int8" else int4.quantize(w, form)
+        wi = sg.add_tensor(weight_tensor(f"layer.{name}_proj.weight", (n, 64), packed))
+        outs.append(sg.add_tensor(ir.Tensor(name, (3, n), "FLOAT32")))
+        sg.operators.append(ir.Operator("FULLY_CONNECTED", [src, wi, -1], [outs[-1]], "FullyConnectedOptions",
+                                        {"fusedActivationFunction": 0, "keepNumDims": False},
+                                        5 if form == "int8" else 13))
+    sg.inputs, sg.outputs = [x, y], outs
+    return ir.Model([sg], [ir.Signature("serving_default", 0, {"x": x, "y": y},
+                                        {sg.tensors[o].name: o for o in outs})])
+
+
+def test_fuses_litert_hybrid_siblings(tmp_path):
+    """INT4 blockwise and INT8 per-channel weights of linears reading one float input become
+    one FULLY_CONNECTED each (rows, per-row scales and block scales concatenated) for target
+    tflite, and LiteRT (XNNPACK) and the reference interpreter compute the same outputs as
+    before: each output row reads its own weight row and scales, and the input's dynamic int8
+    rounding is per input row, the same for every part."""
+    from circleops.runtime import litert
+
+    model = _hybrid_siblings()
+    inputs = [rng.standard_normal((3, 64)).astype(np.float32) * 2 for _ in range(2)]
+    write_model(model, tmp_path / "before.tflite", "tflite")
+    report = fuse_for_target(model, "tflite")
+    assert sorted(parts for _, parts in report.groups) == [
+        ["layer.g_proj.weight", "layer.u_proj.weight"],
+        ["layer.q_proj.weight", "layer.k_proj.weight", "layer.v_proj.weight"]]
+    sg = model.subgraphs[0]
+    ops = [op.opcode for op in sg.operators]
+    assert ops.count("FULLY_CONNECTED") == 4 and ops.count("SPLIT") == 1 and ops.count("STRIDED_SLICE") == 3
+    fused = {sg.tensors[op.inputs[1]].name: sg.tensors[op.inputs[1]] for op in sg.operators
+             if op.opcode == "FULLY_CONNECTED"}
+    qkv = fused["layer.{q,k,v}_proj.weight"]
+    assert qkv.dtype == "INT4" and qkv.shape == (128, 64)
+    assert qkv.quant.blockwise.block_size == 32 and qkv.quant.blockwise.scales.shape == (128, 2)
+    assert fused["layer.{g,u}_proj.weight"].quant.scale.shape == (96,)
+    write_model(model, tmp_path / "after.tflite", "tflite")
+    for runtime in (litert, reference):
+        before, after = (runtime.run(tmp_path / f"{n}.tflite", inputs) for n in ("before", "after"))
+        for want, got in zip(before, after):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, float(np.abs(want).max())))
+
+
+def test_integer_linears_stay_apart():
+    """An integer FULLY_CONNECTED (quantized input and output: its output parameters are its
+    own) is not a hybrid linear: two reading one input stay two."""
+    model = _hybrid_siblings()
+    sg = model.subgraphs[0]
+    x = sg.tensors[sg.inputs[0]]
+    x.dtype, x.quant = "INT8", ir.QuantParams(np.array([0.05], np.float32), np.array([0]), 0)
+    for op in sg.operators:
+        if op.inputs[0] == sg.inputs[0]:
+            out = sg.tensors[op.outputs[0]]
+            out.dtype, out.quant = "INT8", ir.QuantParams(np.array([0.1], np.float32), np.array([0]), 0)
+    assert fuse_for_target(model, "tflite").removed == 0

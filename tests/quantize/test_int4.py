@@ -271,6 +271,20 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     downs = sorted(w.name for w in q.weights if "down_proj" in w.name and w.dtype == "INT8")
     assert len(downs) == 2 and all(n.endswith(f"layers.{i}.mlp.down_proj.weight") for i, n in enumerate(downs))
     assert any("kept INT8 per channel by measurement" in line for line in q.summary_lines())
+    # XNNPACK's decode graph whole: RMSNorm inline (WeightFormat.graph_inline_ops), no composite;
+    # q/k/v and gate/up one FULLY_CONNECTED each (TargetProfile.fuse_linear_dtypes): per layer
+    # q/k/v, o, gate/up, down; and the lm_head
+    from collections import Counter
+
+    from circleops.serialize import read_model
+
+    m = read_model(str(out / "model.tflite"))
+    for sig in m.signatures:
+        sg = m.subgraphs[sig.subgraph_index]
+        ops = Counter(op.opcode for op in sg.operators)
+        assert ops["STABLEHLO_COMPOSITE"] == 0 and ops["FULLY_CONNECTED"] == 4 * 2 + 1, (sig.key, ops)
+        fused = {sg.tensors[op.inputs[1]].name for op in sg.operators if op.opcode == "FULLY_CONNECTED"}
+        assert sum("{q,k,v}_proj" in n or "{gate,up}_proj" in n for n in fused) == 2 * 2, (sig.key, fused)
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
     err = max(info.max_abs_error for info in report.graphs.values())

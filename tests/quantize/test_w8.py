@@ -398,7 +398,7 @@ def test_convert_w8_tflite_runs_in_litert(tmp_path, llama):
     assert report.verify.passed and report.verify.runtime == "litert"
     # gate, up, down per layer and lm_head; the circle.attention composite takes wq/wk/wv/wo as
     # float inputs (its interface): kept FLOAT32 and named (generation graphs write attention inline)
-    assert _check_w8_tflite_layout(path) == 2 * 3 + 1
+    assert _check_w8_tflite_layout(path) == 2 * 2 + 1  # per layer gate/up fused (passes.fuse_linears), down; head
     q = report.quantization
     assert q.form == "per_channel" and len(q.weights) == 2 * 3 + 1 and all(w.dtype == "INT8" for w in q.weights)
     assert len(q.kept_fp32) == 2 * 4 and all("circle.attention composite" in why for _, _, why in q.kept_fp32)
@@ -436,7 +436,8 @@ def test_graphs_w8_tflite_generate(tmp_path, llama):
     assert manifest.quantize == "w8" and manifest.files == {g: "model.tflite" for g in ("prefill", "prefill_c16", "decode")}
     path = manifest.path("decode")
     subgraphs = [s.subgraph_index for s in read_signatures(str(path))]
-    assert _check_w8_tflite_layout(path, subgraphs) == 3 * (2 * 7 + 1)
+    # per layer q/k/v and gate/up fused (passes.fuse_linears), o, down; the head
+    assert _check_w8_tflite_layout(path, subgraphs) == 3 * (2 * 4 + 1)
     assert len(report.quantization.weights) == 2 * 7 + 1  # the signatures share one set of int8 weights
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
