@@ -62,7 +62,13 @@ def main() -> int:
     p.add_argument("--calibrate", type=int, default=8)
     p.add_argument("--windows", type=int, default=24)
     p.add_argument("--out", default=None)
+    p.add_argument("--refine", type=int, default=0, help="passes of coordinate descent after GPTQ "
+                   "(circleops.quantize.llm.GPTQ_REFINE; convert's default 0)")
     args = p.parse_args()
+    if args.refine:
+        from circleops.quantize import llm
+
+        llm.GPTQ_REFINE = args.refine
 
     import circleops
     from circleops.sources import models

@@ -41,7 +41,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, *, block: int = BLOCK, dam
 
 
 def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, damp: float = DAMP,
-                 act_order: bool = False, clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 act_order: bool = False, clip_search: bool = False, refine: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ on the per-group grid of circleops.quantize.grouped: each group's scale s_r · m[r, g]
     (m an integer in [1, 255]) comes from its weights as the error compensation has left them
     when the algorithm reaches it, in column order (GPTQ's group rule). ``act_order``: the
@@ -50,9 +51,12 @@ def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, dam
     (grouped.CLIP_GRID) of least squared rounding error weighted by the Hessian's diagonal
     (the output error, not the weight's); without it, min-max. Measured on SmolLM2
     (bench/results/36-npu-16a4w.yaml): act order with the weighted search is the better pair.
+    ``refine``: that many passes of :func:`refine_grouped` after (4-bit only).
     (integers [rows, cols] as float, row scale s_r [rows], m [rows, groups])."""
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
     q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order, clip_search=clip_search)
+    if refine and bits == 4:
+        q = refine_grouped(w, h, q, row_scale, mult, group, passes=refine, damp=damp)
     return q, row_scale, mult
 
 
@@ -135,6 +139,36 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
     return q, (row_scale if group else scale), mult
 
 
+def refine_grouped(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor,
+                   mult: torch.Tensor, group: int, *, passes: int = 2, damp: float = DAMP) -> torch.Tensor:
+    """Coordinate descent after GPTQ on the per-group grid: GPTQ rounds each column once, in
+    one order, so a later column's rounding can leave an earlier choice no longer the best.
+    Each pass visits every column and moves its integers (all rows at once) to the level that
+    minimises the layer's output error (w - ŵ) H (w - ŵ)ᵀ given the other columns (H damped as
+    GPTQ damps it); the error never rises. The scales stay; the new integers [rows, cols]."""
+    from circleops.quantize.grouped import qmax_for
+
+    w = w.detach().to(torch.float32)
+    qmax = qmax_for(4)
+    h = h.detach().to(torch.float32).clone()
+    cols = w.shape[1]
+    h += damp * torch.diagonal(h).mean().clamp_min(1e-12) * torch.eye(cols)
+    diag = torch.diagonal(h).clone()
+    scale = (row_scale[:, None].to(torch.float32) * mult.to(torch.float32)).repeat_interleave(group, dim=1)
+    q = q.detach().to(torch.float32).clone()
+    g = (w - q * scale) @ h  # the gradient's half: (residual) · H, kept up to date column by column
+    for _ in range(passes):
+        for j in torch.argsort(diag, descending=True).tolist():
+            s = scale[:, j]
+            step = torch.round(g[:, j] / (s * diag[j]))
+            step = torch.clamp(q[:, j] + step, -qmax, qmax) - q[:, j]
+            if not bool(step.any()):
+                continue
+            q[:, j] += step
+            g -= (s * step)[:, None] * h[j][None, :]
+    return q
+
+
 @dataclass
 class GPTQReport:
     bits: int
@@ -191,14 +225,13 @@ def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], sample
 
 @contextlib.contextmanager
 def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits: dict[str, int] | int,
-                 *, forward: Any = None, progress: bool = False, group: int = 0,
-                 act_order: bool = False, clip_search: bool = False) -> Iterator[GPTQReport]:
+                 *, progress: bool = False, group: int = 0, act_order: bool = False,
+                 clip_search: bool = False, refine: int = 0) -> Iterator[GPTQReport]:
     """Replace each linear's weight of ``model`` by its GPTQ rounding scale · q (in place,
     restored on exit). ``bits``: per module name (names missing are left alone) or one for
-    all; ``forward``: the module to run ``samples`` through (default ``model``); ``group``:
-    4-bit linears get per-group scales (circleops.quantize.grouped), recorded in the
-    report's ``grouped`` for the lowering; ``act_order`` / ``clip_search``: as
-    :func:`gptq_grouped` takes them, for those."""
+    all; ``group``: 4-bit linears get per-group scales (circleops.quantize.grouped), recorded
+    in the report's ``grouped`` for the lowering; ``act_order`` / ``clip_search`` / ``refine``:
+    as :func:`gptq_grouped` takes them, for those."""
     from circleops.quantize.grouped import GroupedReport, record
     linears = eligible_linears(model)
     if isinstance(bits, int):
@@ -207,7 +240,8 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
     report = GPTQReport(bits=min(bits.values()) if bits else 0)
     report.wider = sorted(n for n, b in bits.items() if b > report.bits)
     if group:
-        how = " and ".join(w for w, on in (("act order", act_order), ("clipping search", clip_search)) if on)
+        how = ", ".join(w for w, on in (("act order", act_order), ("clipping search", clip_search),
+                                        (f"{refine} passes of coordinate descent", refine)) if on)
         report.grouped = GroupedReport(4, group, f"GPTQ, {how}" if how else "GPTQ")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
@@ -220,7 +254,7 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
             # many small ops: on busy cores a second torch thread makes them ~40x slower (measured:
             # SmolLM2's GPTQ had done 14 of 30 layers after 45 min at load 18 on two threads)
             with one_thread(), torch.no_grad():
-                hs, report.tokens = hessians(forward or model, linears, samples)
+                hs, report.tokens = hessians(model, linears, samples)
                 items = [(n, m) for n, m in linears.items() if n in hs]
                 if progress:
                     from tqdm import tqdm
@@ -230,7 +264,7 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                     saved.append((lin.weight, lin.weight.detach().clone()))
                     if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
                         q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
-                                                          clip_search=clip_search)
+                                                          clip_search=clip_search, refine=refine)
                         lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
                     else:
                         q, scale = gptq(lin.weight, hs.pop(name), bits[name])
