@@ -124,16 +124,17 @@ def resolve(recipe: Any) -> tuple[Any, str | None]:
 
 def check_integer(recipe: Any, target: str, quantize: str, weight_only: Sequence[str]) -> None:
     """Refuse integer (PT2E) graphs that ``recipe`` or ``target`` cannot have: the recipe needs
-    its integer hooks (``integer_graphs``), and the target must keep attention whole as an
-    integer builtin (``integer_fused_ops``), which reads and writes the integer KV caches."""
-    from circleops.targets import PROFILES
+    its integer hooks (``integer_graphs``), and the target must write attention as its
+    builtin with integer kernels (``integer_fused_ops``): the op that reads and writes the
+    integer KV caches in place."""
+    from circleops.targets import BUILTIN, PROFILES
 
     p = PROFILES[target]
     if not getattr(recipe, "integer_graphs", False):
         raise TargetError(f"quantize={quantize!r} makes integer graphs, which --graphs does not write for a "
                           f"{recipe.kind} model yet: use one of {', '.join(weight_only)} (weight-only), or "
                           f"circleops convert for an integer file")
-    if not p.integer_fused_ops:
+    if not (p.integer_fused_ops and p.fused_form("ATTENTION") == BUILTIN):
         float_only = ", ".join(sorted(p.quantized_float_only)) or "none"
         raise TargetError(
             f"--graphs --quantize {quantize} --target {target}: {p.runtime} has no integer ATTENTION (the op that "

@@ -263,6 +263,10 @@ class LLMRecipe(Recipe):
                               f"lives in circle.attention); --fuse {options.fuse} cannot apply. Drop --fuse.")
         lengths = prefill_lengths(DEFAULT_PREFILL_LENS if options.seq_len is None else options.seq_len)
         check_lengths(lengths[0], options.max_cache_len, None, source or "the model")
+        from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
+
+        if options.quantize in INTEGER_FORMATS and options.target in PROFILES:  # before the model loads
+            package_step.check_integer(cls, options.target, options.quantize, WEIGHT_ONLY_FORMATS)
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "LLMRecipe":
