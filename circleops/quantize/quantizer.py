@@ -169,11 +169,8 @@ def _make_class() -> type:
     _, q = torchao_pt2e()
 
     class CircleQuantizer(q.Quantizer):
-        """PT2E quantizer for Circle integer graphs (see the module docstring).
-
-        ``activation``: "uint8" (asymmetric) or "int16" (symmetric) for every annotated op;
-        ``weight``: "int8" (symmetric, per output channel) or "uint8" (asymmetric, per tensor).
-        """
+        """PT2E quantizer for Circle integer graphs (see the module docstring). ``activation``: "uint8"
+        (asymmetric) or "int16" (symmetric); ``weight``: "int8" (symmetric per channel) or "uint8" (per tensor)."""
 
         def __init__(self, activation: str = "uint8", weight: str = "int8"):
             super().__init__()
@@ -181,7 +178,7 @@ def _make_class() -> type:
             self.module_names: dict[str, Scheme] = {}
             self.operator_types: dict[Any, Scheme] = {}
             self.node_names: dict[str, Scheme] = {}
-            self.fixed_inputs: dict[str, Any] = {}  # graph input (placeholder) name -> its fixed spec
+            self.fixed_inputs: dict[str, Any] = {}  # graph input name -> its fixed spec
             self._matched: set[str] = set()  # module names that matched an op (annotate checks)
 
         def set_module_name(self, name: str, activation: str, weight: str | None = None) -> "CircleQuantizer":
@@ -204,12 +201,9 @@ def _make_class() -> type:
             self.node_names[name] = Scheme(activation, weight or self.global_scheme.weight)
             return self
 
-        def set_fixed_input(self, name: str, low: float, high: float, activation: str | None = None) -> "CircleQuantizer":
-            """Quantize the graph input (placeholder) ``name``, where a fused op's contract
-            takes it as a ``cache``, with parameters fixed from the range [low, high] (not
-            observed): a KV cache that several graphs read and write must keep one scale
-            (:func:`fixed_spec`); ``activation`` defaults to the global scheme's."""
-            self.fixed_inputs[name] = fixed_spec(activation or self.global_scheme.activation, low, high)
+        def set_fixed_input(self, name: str, low: float, high: float) -> "CircleQuantizer":
+            """Graph input ``name`` (a fused op's ``cache``) at parameters fixed from [low, high]."""
+            self.fixed_inputs[name] = fixed_spec(self.global_scheme.activation, low, high)
             return self
 
         # ---------------------------------------------------------------- pt2e hooks
@@ -279,7 +273,8 @@ def fixed_spec(activation: str, low: float, high: float) -> Any:
     symmetric) covering [low, high] (widened to hold 0 exactly: an empty cache is zeros)."""
     _, q = torchao_pt2e()
     if activation not in ACTIVATIONS:
-        raise QuantizeConfigError(f"activation scheme {activation!r} is not offered: choose one of {', '.join(ACTIVATIONS)}")
+        raise QuantizeConfigError(f"activation scheme {activation!r} is not offered: choose one of "
+                                  f"{', '.join(ACTIVATIONS)}")
     low, high = min(float(low), 0.0), max(float(high), 0.0)
     if activation == "int16":
         scale = max(abs(low), abs(high), 2 ** -30) / 32767

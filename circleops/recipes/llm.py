@@ -407,7 +407,7 @@ class LLMRecipe(Recipe):
         from circleops.recipes.llm_integer import quantized_references
 
         pad = pad_token_id(self.model.config, self.eos_token_ids())
-        return quantized_references(references, converted, self.named, self.step, pad)
+        return quantized_references(references, converted, self.named, self.step, pad, checked_tokens)
 
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
         from circleops.recipes.llm_integer import quality

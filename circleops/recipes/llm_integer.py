@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 # decode steps per calibration window: the decode graph's calibration inputs (after the
 # prefill chunks of that window), each on the caches the steps before it wrote
@@ -150,16 +150,14 @@ def torch_generator(directory: Any, converted: Mapping[str, Any]) -> Any:
 
 
 def quantized_references(references: Any, converted: Mapping[str, Any], named: Mapping[str, tuple[str, int]],
-                         step: Any, pad_id: int) -> Any:
+                         step: Any, pad_id: int, checked_tokens: Callable[[int], int]) -> Any:
     """``references`` (circleops.recipes.llm.References: the model's fp32 logits of every prefix
     of its ids) with the rows the comparison reads replaced by the converted modules' logits,
     computed as the comparison runs the files: each prefill graph of length L on its first
-    ``checked_tokens(L)`` tokens (right-padded with ``pad_id``) from pos 0 on empty caches, then one decode step on the caches the
-    longest prefill wrote (or, without a prefill, the first token on empty caches)."""
+    ``checked_tokens(L)`` tokens (right-padded with ``pad_id``) from pos 0 on empty caches, then
+    one decode step on the caches the longest prefill wrote (or, without a prefill, the first token on empty caches)."""
     import numpy as np
     import torch
-
-    from circleops.recipes.llm import checked_tokens
 
     ids, logits = references.ids, np.array(references.logits, copy=True)
     after, zeros = None, list(step.empty_caches())
