@@ -466,7 +466,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertOptio
     default 1 with ``quantize``), recorded in the manifest: ``generate`` runs onert with it.
     ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
     share one set of blocks, and verify compares with the model running those weights
-    dequantized.
+    dequantized. "int16" / "uint8" (target circle, with the integer recipe's options): integer
+    graphs, each calibrated on its own, the KV caches at one fixed scale per layer's K and V
+    (circleops.recipes.llm_integer); verify compares with torch running the converted
+    (fake-quantized) graphs, and the report's ``quality`` is theirs against fp32.
     ``cache_update``: "rows" (the graphs return only the new k/v rows; the Generator writes
     them into its caches) or "full" (the whole updated caches); default
     :func:`default_cache_update` of the target.
