@@ -131,9 +131,10 @@ def check_integer(recipe: Any, target: str, quantize: str, weight_only: Sequence
 
     p = PROFILES[target]
     if not getattr(recipe, "integer_graphs", False):
-        raise TargetError(f"quantize={quantize!r} makes integer graphs, which --graphs does not write for a "
-                          f"{recipe.kind} model yet: use one of {', '.join(weight_only)} (weight-only), or "
-                          f"circleops convert for an integer file")
+        name = recipe.__name__ if isinstance(recipe, type) else type(recipe).__name__
+        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write for "
+                          f"{name} yet (only the decoder LLM's prefill and decode graphs): use one of "
+                          f"{', '.join(weight_only)} (weight-only), or circleops convert for an integer file")
     if not (p.integer_fused_ops and p.fused_form("ATTENTION") == BUILTIN):
         float_only = ", ".join(sorted(p.quantized_float_only)) or "none"
         raise TargetError(
