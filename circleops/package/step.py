@@ -230,8 +230,10 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
     if converted is not None:
         quantization = pkg.integer
         if opts.runtime is not None:  # torch running the same quantized computation; fp32 is reported
-            references = References(recipe.integer_references(converted, references.own),
-                                    quality=recipe.integer_quality(converted, pkg.probe))
+            with tracker.stage("torch reference logits", "verify", enter=False):
+                own = recipe.integer_references(converted, references.own)
+            with tracker.stage("quality against fp32", "quality", enter=False):
+                references = References(own, quality=recipe.integer_quality(converted, pkg.probe))
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
