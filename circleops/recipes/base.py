@@ -223,6 +223,11 @@ class Recipe:
         integer graphs are compared with."""
         raise NotImplementedError
 
+    def integer_rounding(self, converted: dict[str, Any]) -> ContextManager[Any]:
+        """A context in which the converted graphs round every activation one integer step off
+        (their noise floor: :meth:`noise` of the two references); default: no floor."""
+        return contextlib.nullcontext()
+
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
         """The quantized graphs against fp32 (circleops.quantize.quality.Quality), or None."""
         return None

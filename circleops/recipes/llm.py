@@ -409,6 +409,11 @@ class LLMRecipe(Recipe):
         pad = pad_token_id(self.model.config, self.eos_token_ids())
         return quantized_references(references, converted, self.named, self.step, pad, checked_tokens)
 
+    def integer_rounding(self, converted: dict[str, Any]) -> Any:
+        from circleops.recipes.llm_integer import floor_rounding
+
+        return floor_rounding(converted)
+
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
         from circleops.recipes.llm_integer import quality
 

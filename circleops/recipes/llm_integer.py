@@ -38,9 +38,10 @@ prefill and decode) is reported beside it, never a bound.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # decode steps per calibration window: the decode graph's calibration inputs (after the
 # prefill chunks of that window), each on the caches the steps before it wrote
@@ -222,3 +223,31 @@ def quality(fp32: Any, ids: Any, converted: Mapping[str, Any], longest: str, n: 
     db = math.inf if noise == 0 else 10 * math.log10(float(want.pow(2).sum()) / noise)
     return Quality(sqnr_db=db, agreement=int((q.argmax(-1) == want.argmax(-1)).sum()), positions=len(got),
                    max_abs=float((q - want).abs().max()))
+
+
+@contextlib.contextmanager
+def floor_rounding(converted: Mapping[str, Any]) -> Iterator[None]:
+    """Every activation quantize of the converted modules rounds down instead of to nearest:
+    a change of at most one integer step at every quantized op, what integer kernels (TFLite's
+    fixed-point requantization) and torch's float fake-quant may differ by. How far the logits
+    move then is the model's own noise floor at its depth (the package step admits
+    circleops.quantize.weights.NOISE_FLOORS of it), derived from the integer steps."""
+    import torch
+
+    def floor_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
+        return torch.clamp(torch.floor(x / scale) + zero_point, quant_min, quant_max).to(dtype)
+
+    changed = []
+    for module in converted.values():
+        for node in module.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("quantized_decomposed.quantize_per_tensor"):
+                changed.append((node, node.target))
+                node.target = floor_quantize
+        module.recompile()
+    try:
+        yield
+    finally:
+        for node, target in changed:
+            node.target = target
+        for module in converted.values():
+            module.recompile()
