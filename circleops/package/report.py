@@ -50,6 +50,9 @@ class GraphsReport:
     manifest_line: str = ""  # what manifest.json records, in the recipe's words
     next_args: str | None = None  # the arguments of the `circleops generate DIR ...` that runs the graphs
     compared: str = "logit"  # what the comparison measures ("logit" error; "" for any output)
+    # integer graphs: graph -> the converted (fake-quantized) torch module the file was verified
+    # against (circleops.recipes.llm_integer.torch_generator generates with them); not serialized
+    converted: Any = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (``circleops convert --graphs --report``)."""
@@ -91,7 +94,10 @@ class GraphsReport:
                          f"{errs} (tolerance {self.tolerance:.3g}{self._floor_words()}): passed")
             if self.verify_note:
                 lines.append(f"  note: {self.verify_note}")
-        if self.quality is not None:
+        if self.quality is not None and self.converted is not None:
+            lines.append(f"  quality against fp32 (torch's quantized prefill and decode, teacher-forced on a hold-out "
+                         f"text; not a verify bound): {self.quality.line()}")
+        elif self.quality is not None:
             lines.append(f"  quality against fp32 (torch on the file's weights and {self.verify_runtime}'s input "
                          f"rounding, the verify tokens; not a verify bound): {self.quality.line()}; perplexity on "
                          f"text: circleops check MODEL --quantize {self.quantization.format}")
@@ -109,8 +115,10 @@ class GraphsReport:
 
         if self.noise_floor is None:
             return ""
+        how = ("every integer op rounds down instead of to nearest (one step)" if self.converted is not None else
+               "every input the runtime rounds moves by 16 fp32 ulps")
         return (f" relative, or {NOISE_FLOORS:g} x the model's own noise floor {self.noise_floor:.3g}: how far its "
-                f"outputs move when every input the runtime rounds moves by 16 fp32 ulps")
+                f"outputs move when {how}")
 
     def _file_lines(self) -> list[str]:
         parts = getattr(self.manifest, "parts", None)

@@ -75,6 +75,10 @@ class Package:
     # are written, before verify's runtime loads them (the folded weights' written pages are
     # dropped, the file's again: 4.5 GB of the 1B shape's anonymous memory, issue 32)
     restore: contextlib.ExitStack | None = None
+    # an integer format's recipe (circleops.quantize.recipe.IntegerRecipe), and the fp32 outputs
+    # its quality is measured against (the recipe's integer_probe, before the weights change)
+    integer: Any = None
+    probe: Any = None
 
 
 def verify_runtime(verify: bool | str, target: str, quantize: str | None) -> tuple[str | None, str | None]:
@@ -101,10 +105,10 @@ def resolve(recipe: Any) -> tuple[Any, str | None]:
     o = recipe.options
     target = validate_target(o.target)[0]
     dtype = recipe.dtype()
-    quantize = validate_quantize(o.quantize, target)
+    int16 = None if o.int16 is None else tuple(p.strip() for p in o.int16 if p.strip())
+    quantize = validate_quantize(o.quantize, target, int16)
     if quantize in INTEGER_FORMATS:
-        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write: use one of "
-                          f"{', '.join(WEIGHT_ONLY_FORMATS)} (weight-only), or circleops convert for an integer file")
+        check_integer(recipe, target, quantize, WEIGHT_ONLY_FORMATS)
     validate_target_dtype(target, dtype, quantize)
     validate_threads(o.threads)
     threads = o.threads
@@ -118,6 +122,43 @@ def resolve(recipe: Any) -> tuple[Any, str | None]:
     return opts, note
 
 
+def check_integer(recipe: Any, target: str, quantize: str, weight_only: Sequence[str]) -> None:
+    """Refuse integer (PT2E) graphs that ``recipe`` or ``target`` cannot have: the recipe needs
+    its integer hooks (``integer_graphs``), and the target must write attention as its
+    builtin with integer kernels (``integer_fused_ops``): the op that reads and writes the
+    integer KV caches in place."""
+    from circleops.targets import BUILTIN, PROFILES
+
+    p = PROFILES[target]
+    if not getattr(recipe, "integer_graphs", False):
+        name = recipe.__name__ if isinstance(recipe, type) else type(recipe).__name__
+        raise TargetError(f"quantize={quantize!r} makes an integer graph, which --graphs does not write for "
+                          f"{name} yet (only the decoder LLM's prefill and decode graphs): use one of "
+                          f"{', '.join(weight_only)} (weight-only), or circleops convert for an integer file")
+    if not (p.integer_fused_ops and p.fused_form("ATTENTION") == BUILTIN):
+        float_only = ", ".join(sorted(p.quantized_float_only)) or "none"
+        raise TargetError(
+            f"--graphs --quantize {quantize} --target {target}: {p.runtime} has no integer ATTENTION (the op that "
+            f"reads and writes the integer KV caches in place: {target} writes attention decomposed, and its "
+            f"integer kernels lack {float_only}), so these graphs' caches cannot stay integer there. Write integer "
+            f"generation graphs with --target circle (circleops generate OUT --runtime reference runs them), or "
+            f"use a weight-only format for {target}: --quantize {' / '.join(weight_only)}.")
+
+
+def integer_recipe(recipe: Any, opts: Any) -> Any:
+    """The integer recipe of ``recipe.options`` (circleops.quantize.recipe.resolve_recipe: the
+    measured defaults for an LLM), checked; None for a float or weight-only conversion."""
+    from circleops.quantize.recipe import RecipeOptions, resolve_recipe
+
+    if opts.integer_format is None:
+        return None
+    o = recipe.options
+    int16 = None if o.int16 is None else tuple(p.strip() for p in o.int16 if p.strip())
+    return resolve_recipe(opts.quantize, opts.target, recipe.weights_module(), RecipeOptions(
+        o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int16, o.calibrate, o.int8_weights, o.act_order,
+        o.clip_search))
+
+
 def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = None) -> GraphsReport:
     """Write ``recipe``'s graphs, assets and manifest into ``out_dir`` (see the module's
     docstring); nothing in ``out_dir`` changes unless every graph was written (and compared)."""
@@ -125,19 +166,28 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
 
     opts, note = resolve(recipe)
     o = recipe.options
+    integer = integer_recipe(recipe, opts)
     plan = plan_files(opts.profile, o.onert_signatures, o.max_file_bytes, recipe.layer_bytes(opts.quantize))
     if plan.signature_api is not None:  # one onert file's graphs share its weights: no CONV_2D filter copies
         opts = dataclasses.replace(opts, shared_weights=True)
+    if integer is not None and plan.parts:
+        raise TargetError(f"--quantize {opts.quantize} --graphs writes one file of every layer: this model's "
+                          f"weights pass --max-file-bytes {o.max_file_bytes}; raise it (target {opts.target} has no "
+                          f"size limit of its own).")
     out = Path(out_dir)
     prepare_dir(out)
     staging = staging_dir(out)
     tracker = stages.Tracker(progress)
     try:
         references = _references(recipe, opts, tracker)
+        probe = recipe.integer_probe() if integer is not None and opts.runtime is not None else None
         with contextlib.ExitStack() as restore:  # w8's SmoothQuant weights live until the files are written
             weights = stages.prepare_weights(recipe.weights_module(), opts, restore, tokenizer=recipe.tokenizer,
                                              tracker=tracker)
-            report = _package(recipe, Package(opts, plan, staging, out, tracker, restore), weights, references)
+            if integer is not None:  # rotation and GPTQ change the weights until the files are written
+                _prepare_integer(recipe, integer, restore, tracker)
+            report = _package(recipe, Package(opts, plan, staging, out, tracker, restore, integer, probe), weights,
+                              references)
         report.verify_note = note
         publish(staging, out)
     except BaseException:
@@ -172,10 +222,22 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
         graphs = recipe.graphs(opts, pkg.plan.parts)
         programs = {name: g for graph in graphs for name, g in graph.programs().items()}
         eps = _export(programs)
+    converted = None
+    if pkg.integer is not None:  # PT2E per graph: calibrated, converted, exported again
+        eps, converted = _quantize_graphs(recipe, programs, eps, pkg)
     lowered, quantization = _build(recipe, programs, eps, opts, weights, tracker)
     del eps
     if opts.runtime is not None and quantization is not None:
         references = _quantized_references(recipe, quantization, opts.runtime, tracker, references.own)
+    if converted is not None:
+        quantization = pkg.integer
+        if opts.runtime is not None:  # torch running the same quantized computation; fp32 is reported
+            with tracker.stage("torch reference logits", "verify", enter=False):
+                own = recipe.integer_references(converted, references.own)
+                with recipe.integer_rounding(converted):  # every integer op one step off: the noise floor
+                    noise = recipe.noise(own, recipe.integer_references(converted, references.own))
+            with tracker.stage("quality against fp32", "quality", enter=False):
+                references = References(own, noise, quality=recipe.integer_quality(converted, pkg.probe))
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
@@ -183,7 +245,7 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
     report = GraphsReport(directory=str(pkg.out_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
                           manifest=manifest, timings=tracker.timings, source=recipe.source,
                           quantization=quantization, kind=recipe.kind, compared=recipe.compared,
-                          **recipe.describe(manifest))
+                          converted=converted, **recipe.describe(manifest))
     if opts.runtime is not None:
         _compare(recipe, manifest, references, report, pkg)
     manifest.write()
@@ -221,6 +283,48 @@ def _quantized_references(recipe: Any, quantization: Any, runtime: str, tracker:
                 dequantized_sources(quantization, module, runtime, perturb=0):
             refs.noise = recipe.noise(refs.own, recipe.references())
     return refs
+
+
+def _prepare_integer(recipe: Any, integer: Any, restore: contextlib.ExitStack, tracker: Any) -> None:
+    """The integer recipe's weight steps (rotation, GPTQ / per-group rounding) on the model,
+    before export (circleops.quantize.llm.prepare_llm), in place until ``restore`` closes."""
+    import torch
+
+    from circleops.pipeline.stages import hf_export_settings
+    from circleops.quantize.llm import prepare_llm
+
+    model = recipe.weights_module()
+    example = (torch.zeros(1, 1, dtype=torch.int64),)  # an LLM's GPTQ windows come from the calibration text
+    with hf_export_settings(model), torch.no_grad():
+        prepare_llm(model, example, integer, restore, (recipe.options.calibration_data, recipe.tokenizer), tracker)
+
+
+def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, Any],
+                     pkg: Package) -> tuple[dict[str, Any], dict[str, Any]]:
+    """PT2E on every graph (circleops.pipeline.stages.quantize_program) with the recipe's
+    calibration inputs, its inputs of fixed range (the KV caches) quantized with fixed
+    parameters; (the converted programs, the converted modules the files are verified against)."""
+    import torch
+
+    from circleops.pipeline import stages
+
+    opts, integer = pkg.opts, pkg.integer
+    model = recipe.weights_module()
+    head_module = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    qeps, converted = {}, {}
+    with pkg.tracker.stage("calibrate"), torch.no_grad():
+        cal = recipe.integer_calibration(integer.calibrate)
+        for name, ep in eps.items():
+            g = programs[name]
+            holders = dict(zip(g.inputs, ep.graph_signature.user_inputs))  # input name -> placeholder
+            fixed = {holders[n]: r for n, r in cal.ranges.items() if n in holders}
+            head = tuple(n for n, m in g.module.named_modules() if head_module is not None and m is head_module)
+            calibration = stages.Calibration(
+                tuple(g.example_args), integer.calibrate, None, recipe.tokenizer, None, tuple(integer.int16),
+                getattr(pkg.tracker.progress, "bar", None) is not None, integer, head, samples=cal.samples[name],
+                fixed=fixed)
+            converted[name], qeps[name] = stages.quantize_program(ep, g.module, opts, calibration)
+    return qeps, converted
 
 
 def _export(programs: Mapping[str, Graph]) -> dict[str, Any]:
@@ -320,7 +424,8 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
         if not (err <= tol * scale or (floor is not None and err <= NOISE_FLOORS * floor)):
             bound = f"tolerance {tol:.3g} x {scale:.3g}" + (
                 "" if floor is None else f", or {NOISE_FLOORS:g} x {floor:.3g}, the model's own noise floor: how far "
-                "its outputs move when every input the runtime rounds moves by 16 fp32 ulps")
+                "its outputs move when every input the runtime rounds moves by 16 fp32 ulps, or, integer graphs, "
+                "when every integer op rounds one step down")
             raise VerifyError(
                 f"the written {g} graph does not match the model: {opts.runtime} gives {what} {err:.3g} "
                 f"({bound}); nothing was written (an earlier output there is unchanged). "

@@ -243,6 +243,8 @@ class Calibration:
     progress_bar: bool = False
     recipe: Any = None  # the integer recipe (circleops.quantize.recipe.IntegerRecipe): weight bits, int16 auto
     head: tuple[str, ...] = ()  # the output head's module name: int8 weights when the others are int4
+    samples: Sequence[tuple] | None = None  # the calibration inputs themselves (None: made from the above)
+    fixed: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # graph input -> (min, max): fixed params
 
 
 def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibration) -> tuple[Any, Any]:
@@ -255,8 +257,9 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
         from circleops.quantize.integer.masks import finite_masks
 
         finite_masks(ep)
-    samples = pt2e.calibration_samples(calibration.example_args, calibration.count, data=calibration.data,
-                                       tokenizer=calibration.tokenizer, vocab_size=calibration.vocab_size)
+    samples = calibration.samples if calibration.samples is not None else pt2e.calibration_samples(
+        calibration.example_args, calibration.count, data=calibration.data, tokenizer=calibration.tokenizer,
+        vocab_size=calibration.vocab_size)
     recipe = calibration.recipe
     weight = integer_weight_dtype(opts.target)
     if recipe is not None and weight == "int8":
@@ -272,6 +275,8 @@ def quantize_program(ep: Any, module: Any, opts: Options, calibration: Calibrati
                 q.set_module_name(name, opts.quantize, "int8")
         for name in node_names:
             q.set_node_name(name, "int16")
+        for name, (low, high) in calibration.fixed.items():  # a KV cache several graphs share
+            q.set_fixed_input(name, low, high)
         return q
 
     if recipe is not None and recipe.auto_mixed:

@@ -98,9 +98,17 @@ def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: An
         for args in _progress(samples, progress):
             prepared(*args)
     converted = convert_pt2e(prepared)
-    pt2e.move_exported_model_to_eval(converted)
+    if _has_mode_ops(converted):  # torchao's rewrite traces its patterns each call: 2-4 s of CPU per graph
+        pt2e.move_exported_model_to_eval(converted)
     export_fn = export_fn or (lambda m, a: torch.export.export(m, a, strict=False))
     return converted, export_fn(converted, example_args)
+
+
+def _has_mode_ops(module: torch.fx.GraphModule) -> bool:
+    """Whether the graph holds an op whose train and eval forms differ (dropout, batch norm):
+    the only ops torchao's move_exported_model_to_eval rewrites."""
+    return any(n.op == "call_function" and ("dropout" in str(n.target) or "batch_norm" in str(n.target))
+               for n in module.graph.nodes)
 
 
 def quantize_mixed(module: torch.nn.Module, example_args: Sequence[Any], make_quantizer: Callable[..., Any],

@@ -169,11 +169,8 @@ def _make_class() -> type:
     _, q = torchao_pt2e()
 
     class CircleQuantizer(q.Quantizer):
-        """PT2E quantizer for Circle integer graphs (see the module docstring).
-
-        ``activation``: "uint8" (asymmetric) or "int16" (symmetric) for every annotated op;
-        ``weight``: "int8" (symmetric, per output channel) or "uint8" (asymmetric, per tensor).
-        """
+        """PT2E quantizer for Circle integer graphs (see the module docstring). ``activation``: "uint8"
+        (asymmetric) or "int16" (symmetric); ``weight``: "int8" (symmetric per channel) or "uint8" (per tensor)."""
 
         def __init__(self, activation: str = "uint8", weight: str = "int8"):
             super().__init__()
@@ -181,6 +178,7 @@ def _make_class() -> type:
             self.module_names: dict[str, Scheme] = {}
             self.operator_types: dict[Any, Scheme] = {}
             self.node_names: dict[str, Scheme] = {}
+            self.fixed_inputs: dict[str, Any] = {}  # graph input name -> its fixed spec
             self._matched: set[str] = set()  # module names that matched an op (annotate checks)
 
         def set_module_name(self, name: str, activation: str, weight: str | None = None) -> "CircleQuantizer":
@@ -203,6 +201,11 @@ def _make_class() -> type:
             self.node_names[name] = Scheme(activation, weight or self.global_scheme.weight)
             return self
 
+        def set_fixed_input(self, name: str, low: float, high: float) -> "CircleQuantizer":
+            """Graph input ``name`` (a fused op's ``cache``) at parameters fixed from [low, high]."""
+            self.fixed_inputs[name] = fixed_spec(self.global_scheme.activation, low, high)
+            return self
+
         # ---------------------------------------------------------------- pt2e hooks
         def transform_for_annotation(self, model: GraphModule) -> GraphModule:
             """Python scalars of add/sub/mul/div become constant tensors, so that they are
@@ -215,7 +218,7 @@ def _make_class() -> type:
                 if node.op != "call_function":
                     continue
                 scheme = self._scheme(node)
-                _annotate(node, scheme)
+                _annotate(node, scheme, self.fixed_inputs)
             _check_matched(self.module_names, self._matched)
             return model
 
@@ -265,7 +268,23 @@ def _module_paths(node: Node) -> list[str]:
     return paths
 
 
-def _annotate(node: Node, scheme: Scheme) -> None:
+def fixed_spec(activation: str, low: float, high: float) -> Any:
+    """torchao's FixedQParamsQuantizationSpec of ``activation`` ("uint8" asymmetric, "int16"
+    symmetric) covering [low, high] (widened to hold 0 exactly: an empty cache is zeros)."""
+    _, q = torchao_pt2e()
+    if activation not in ACTIVATIONS:
+        raise QuantizeConfigError(f"activation scheme {activation!r} is not offered: choose one of "
+                                  f"{', '.join(ACTIVATIONS)}")
+    low, high = min(float(low), 0.0), max(float(high), 0.0)
+    if activation == "int16":
+        scale = max(abs(low), abs(high), 2 ** -30) / 32767
+        return q.FixedQParamsQuantizationSpec(torch.int16, scale, 0, -32767, 32767, torch.per_tensor_symmetric)
+    scale = max(high - low, 2 ** -20) / 255
+    zero = int(min(255, max(0, round(-low / scale))))
+    return q.FixedQParamsQuantizationSpec(torch.uint8, scale, zero, 0, 255, torch.per_tensor_affine)
+
+
+def _annotate(node: Node, scheme: Scheme, fixed: dict[str, Any] | None = None) -> None:
     _, q = torchao_pt2e()
     target = node.target
     if "quantization_annotation" in node.meta:
@@ -319,18 +338,26 @@ def _annotate(node: Node, scheme: Scheme) -> None:
         names = [a.name for a in by_overload(target).overload._schema.arguments]
         bound = dict(zip(names, node.args))
         bound.update(node.kwargs)
+        fixed = fixed or {}
         for name, kind in contract["inputs"].items():
             arg = bound.get(name)
             if _is_float_node(arg):
+                if kind == "cache":  # fixed parameters when given (generation graphs), else float
+                    if arg.op == "placeholder" and arg.name in fixed:
+                        inputs[arg] = fixed[arg.name]
+                    continue
                 if kind == "weight" and scheme.weight == "int4-grouped" and arg.meta["val"].dim() == 2:
                     continue  # rounded per group before PT2E, written by the lowering (as for linears)
                 inputs[arg] = _param_spec(scheme, arg) if kind == "weight" else act
         if isinstance(node.meta.get("val"), (tuple, list)):
             # multi-output (attention): the quantized outputs are its getitem users
+            written = {index: inputs.get(bound.get(name)) for name, index in contract.get("in_place", {}).items()}
             for user in node.users:
-                if user.target.__name__ == "getitem" and user.args[1] in contract["outputs"] \
-                        and "quantization_annotation" not in user.meta:
-                    user.meta["quantization_annotation"] = q.QuantizationAnnotation(output_qspec=act, _annotated=True)
+                if user.target.__name__ != "getitem" or "quantization_annotation" in user.meta:
+                    continue
+                spec = act if user.args[1] in contract["outputs"] else written.get(user.args[1])
+                if spec is not None:  # an in-place cache output: its input's fixed parameters
+                    user.meta["quantization_annotation"] = q.QuantizationAnnotation(output_qspec=spec, _annotated=True)
         elif _is_float_node(node):
             output = act
     node.meta["quantization_annotation"] = q.QuantizationAnnotation(

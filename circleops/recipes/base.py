@@ -204,6 +204,34 @@ class Recipe:
         error, max |reference|). The package step applies the tolerance."""
         raise NotImplementedError
 
+    # --------------------------------------------------------------- integer (PT2E) graphs
+
+    integer_graphs = False  # it writes integer graphs (--quantize uint8 / int16): it has the hooks below
+
+    def integer_calibration(self, count: int) -> Any:
+        """After :meth:`graphs`: an object with ``samples`` (graph -> its calibration inputs,
+        ``count`` windows) and ``ranges`` (graph input name -> (min, max): inputs quantized
+        with fixed parameters, a KV cache shared by several graphs)."""
+        raise NotImplementedError
+
+    def integer_probe(self) -> Any:
+        """Before the weights change: what :meth:`integer_quality` compares with (fp32), or None."""
+        return None
+
+    def integer_references(self, converted: dict[str, Any], references: Any) -> Any:
+        """``references`` as the converted (fake-quantized) graphs compute them: what the written
+        integer graphs are compared with."""
+        raise NotImplementedError
+
+    def integer_rounding(self, converted: dict[str, Any]) -> ContextManager[Any]:
+        """A context in which the converted graphs round every activation one integer step off
+        (their noise floor: :meth:`noise` of the two references); default: no floor."""
+        return contextlib.nullcontext()
+
+    def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
+        """The quantized graphs against fp32 (circleops.quantize.quality.Quality), or None."""
+        return None
+
     def describe(self, manifest: Any) -> dict[str, Any]:
         """The report's recipe lines (circleops.package.report.GraphsReport fields):
         ``manifest_line``, ``next_args``, ``attention``."""

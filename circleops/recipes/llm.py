@@ -263,6 +263,10 @@ class LLMRecipe(Recipe):
                               f"lives in circle.attention); --fuse {options.fuse} cannot apply. Drop --fuse.")
         lengths = prefill_lengths(DEFAULT_PREFILL_LENS if options.seq_len is None else options.seq_len)
         check_lengths(lengths[0], options.max_cache_len, None, source or "the model")
+        from circleops.quantize import INTEGER_FORMATS, WEIGHT_ONLY_FORMATS
+
+        if options.quantize in INTEGER_FORMATS and options.target in PROFILES:  # before the model loads
+            package_step.check_integer(cls, options.target, options.quantize, WEIGHT_ONLY_FORMATS)
 
     @classmethod
     def from_source(cls, model: str | None, options: ConvertOptions) -> "LLMRecipe":
@@ -304,6 +308,10 @@ class LLMRecipe(Recipe):
                 self.windows[f"decode_c{w}"] = w
                 named[f"decode_c{w}"] = ("decode", lengths[0])
         self.named = named
+        if opts.integer_format is not None and (self.cache_update != "full" or self.windows):
+            raise TargetError(f"--quantize {opts.quantize} --graphs writes integer graphs whose attention updates "
+                              f"its integer caches in place (cache_update 'full', no cache windows); drop "
+                              f"--cache-update {self.cache_update} and --cache-windows.")
 
     def layer_bytes(self, quantize: str | None) -> Any:
         return split.part_bytes(self.model, quantize)
@@ -370,6 +378,50 @@ class LLMRecipe(Recipe):
     def describe(self, manifest: Manifest) -> dict[str, Any]:
         return {**text_lines(manifest, self.named), "attention": self.step.attention_note()}
 
+    # integer (PT2E) graphs: circleops.recipes.llm_integer (the caches' fixed scales, and why)
+    integer_graphs = True
+
+    def integer_calibration(self, count: int) -> Any:
+        """Each graph's calibration inputs and the caches' fixed ranges, from the fp32 step over
+        ``count`` windows of the calibration text (llm_integer.calibrate)."""
+        from circleops.recipes import llm_integer
+
+        n = self.lengths[0] if "prefill" in self.names else 0
+        length = min(self.max_cache_len, 2 * n + llm_integer.CALIBRATION_DECODE_STEPS)
+        windows = llm_integer.calibration_windows(self.model, self.tokenizer, count, length)
+        caches = io_names(self.step.num_layers, "decode", self.cache_update)[0][2:]
+        return llm_integer.calibrate(self.step, self.named, windows, caches, self.max_cache_len)
+
+    def integer_probe(self) -> Any:
+        """(hold-out ids, the model's fp32 logits of them), before the recipe changes its
+        weights: what the quality against fp32 is measured on; None without prefill and decode."""
+        from circleops.recipes import llm_integer
+
+        if "prefill" not in self.names or "decode" not in self.names:
+            return None
+        length = min(self.max_cache_len, self.lengths[0] + llm_integer.QUALITY_DECODE_STEPS)
+        ids = llm_integer.hold_out_ids(self.model, self.tokenizer, length)
+        return ids, llm_integer.fp32_logits(self.model, ids)
+
+    def integer_references(self, converted: dict[str, Any], references: "References") -> "References":
+        from circleops.recipes.llm_integer import quantized_references
+
+        pad = pad_token_id(self.model.config, self.eos_token_ids())
+        return quantized_references(references, converted, self.named, self.step, pad, checked_tokens)
+
+    def integer_rounding(self, converted: dict[str, Any]) -> Any:
+        from circleops.recipes.llm_integer import floor_rounding
+
+        return floor_rounding(converted)
+
+    def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
+        from circleops.recipes.llm_integer import quality
+
+        if probe is None:
+            return None
+        longest = prefill_graph_name(self.lengths[0], self.lengths)
+        return quality(probe[1], probe[0], converted, longest, self.lengths[0], self.step)
+
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> str | None:
     """The tokenizer (or a processor) saved in ``directory/tokenizer``; its name there, or None."""
@@ -419,7 +471,10 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertOptio
     default 1 with ``quantize``), recorded in the manifest: ``generate`` runs onert with it.
     ``quantize``: "q4_0" / "q8_0" GGML weights, as for :func:`circleops.convert`; the graphs
     share one set of blocks, and verify compares with the model running those weights
-    dequantized.
+    dequantized. "int16" / "uint8" (target circle, with the integer recipe's options): integer
+    graphs, each calibrated on its own, the KV caches at one fixed scale per layer's K and V
+    (circleops.recipes.llm_integer); verify compares with torch running the converted
+    (fake-quantized) graphs, and the report's ``quality`` is theirs against fp32.
     ``cache_update``: "rows" (the graphs return only the new k/v rows; the Generator writes
     them into its caches) or "full" (the whole updated caches); default
     :func:`default_cache_update` of the target.

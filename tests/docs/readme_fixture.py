@@ -41,6 +41,11 @@ SHELL_PLACEHOLDERS = {"MODEL": "hf_dir"}
 
 # commands not run, with why (exact command text, comments stripped)
 NOT_RUN = {
+    "circleops convert smollm2 --graphs prefill,decode --target circle --quantize int16 --verify -o smollm2-int16/":
+        "a conversion of the real model (~25 min of CPU); tests/generate/test_integer_graphs.py converts, verifies "
+        "and generates integer graphs of the tiny Llama, int16 and uint8",
+    'circleops generate smollm2-int16/ --runtime reference --prompt "Once upon a time," --max-new-tokens 16':
+        "needs smollm2-int16/ from the command above",
     "circleops run damaged.circle --runtime onert -i x.npy":
         "damaged files through run --runtime onert/litert are tests/security/test_native_runtime_files.py's and the "
         "fuzz's subject",

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from circleops import ir
-from circleops.runtime.kernels import KERNELS, KernelContext, KernelError, check_alloc, enum_value, kernel, option
+from circleops.runtime.kernels import IN_PLACE, KERNELS, KernelContext, KernelError, check_alloc, enum_value, kernel, option
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 _RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127), torch.int16: (-32768, 32767),
@@ -317,7 +317,11 @@ def _generic(float_kernel):
         xs = [dequantize(x, t) if (x is not None and t is not None and t.quant is not None) else x
               for x, t in zip(inputs, ctx.inputs)]
         ys = float_kernel(op, xs, ctx)
-        outs = list(ctx.outputs) + [None] * (len(ys) - len(ctx.outputs))
+        # results past the declared outputs are written in place into inputs (ATTENTION's
+        # caches): requantized with those inputs' parameters (a cache of fixed scale)
+        written = [ctx.inputs[p] for p in IN_PLACE.get(op.opcode, ())] if len(ys) > len(ctx.outputs) else []
+        outs = list(ctx.outputs) + written
+        outs += [None] * (len(ys) - len(outs))
         return [quantize(y, t) if t is not None and t.quant is not None else y for y, t in zip(ys, outs)]
     return run
 
