@@ -11,6 +11,7 @@ Loading is where most of a conversion's wall time and memory goes, so:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -415,12 +416,20 @@ def quiet_transformers() -> Iterator[None]:
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # transformers >= 5.2x de-quantizes a GGUF under tqdm.auto's own bar, which
+    # disable_progress_bar does not reach: that module's tqdm is a disabled one while inside
+    gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(gguf, "tqdm", None)
+    if bar is not None:
+        gguf.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+        if bar is not None:
+            gguf.tqdm = bar
 
 
 def _finish(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -542,6 +551,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     returns the tokenizer stored in the file."""
     path = Path(path)
     try:
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401 - loaded first: quiet_transformers quiets its bar
         from transformers import AutoModelForCausalLM
 
         with quiet_transformers():
