@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from npu_weights import holdout_batch, logits, score, int16_logits  # noqa: E402
+from npu_weights import holdout_batch, logits, score, int16_logits, smollm2_reference  # noqa: E402
 
 SENS_CACHE = "/tmp/npu_ideas_sensitivity_g{group}.pt"
 
@@ -126,18 +126,13 @@ def main() -> int:
     p.add_argument("--int16", action="store_true")
     args = p.parse_args()
 
-    from circleops.sources import models
     from circleops.quantize import grouped as Q
     from circleops.quantize import pt2e
     from circleops.quantize.ggml import one_thread
     from circleops.quantize.llm import GPTQ_TOKENS, GPTQ_WINDOW
     from circleops.quantize.rotate import rotated
 
-    model, tok = models.load_smollm2()
-    model.eval()
-    batch = holdout_batch(tok)
-    with torch.no_grad():
-        ref = logits(model, batch)
+    model, tok, batch, ref = smollm2_reference()
     text = pt2e.calibration_samples((torch.zeros(1, GPTQ_WINDOW, dtype=torch.long),), GPTQ_TOKENS // GPTQ_WINDOW,
                                     tokenizer=tok)
     pt2e_samples = pt2e.calibration_samples((torch.zeros(1, 32, dtype=torch.long),), 8, tokenizer=tok)

@@ -39,6 +39,18 @@ def holdout_batch(tok, tokens: int = 32, windows: int = WINDOWS) -> torch.Tensor
     return torch.tensor([ids[o:o + tokens] for o in range(0, len(ids) - tokens + 1, tokens)][:windows])
 
 
+def smollm2_reference() -> tuple:
+    """(SmolLM2 in eval mode, its tokenizer, the hold-out batch, fp32's logits on it)."""
+    from circleops.sources import models
+
+    model, tok = models.load_smollm2()
+    model.eval()
+    batch = holdout_batch(tok)
+    with torch.no_grad():
+        ref = logits(model, batch)
+    return model, tok, batch, ref
+
+
 def logits(model, batch: torch.Tensor) -> torch.Tensor:
     return torch.cat([model(batch[k:k + 8]).logits for k in range(0, batch.shape[0], 8)])
 
@@ -126,17 +138,12 @@ def main() -> int:
 
     import contextlib
 
-    from circleops.sources import models
     from circleops.quantize.ggml import one_thread
     from circleops.quantize.rotate import rotated
 
     import npu_rounding as rounding
 
-    model, tok = models.load_smollm2()
-    model.eval()
-    batch = holdout_batch(tok)
-    with torch.no_grad():
-        ref = logits(model, batch)
+    model, tok, batch, ref = smollm2_reference()
     rounding.CAP[0] = args.cap
     n, length, *gen = (int(x) for x in args.calib.replace("+", "x").split("x"))
     samples = calib_samples(tok, n, length, model, gen[0] if gen else 0)
