@@ -7,6 +7,7 @@ import moved into a function to dodge a cycle is still an arrow of the graph.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -24,6 +25,12 @@ def _module_name(path: Path) -> str:
 MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """The module at ``path``, parsed once for all the rules (each read them all: ~1 s each on a slow CPU)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _is_package(name: str) -> bool:
     return MODULES.get(name, Path()).name == "__init__.py"
 
@@ -38,9 +45,10 @@ def _resolve(module: str | None, level: int, importer: str) -> str | None:
     return f"{base}.{module}" if module else base
 
 
+@functools.lru_cache(maxsize=None)
 def _imports(name: str) -> list[tuple[str, str | None, int]]:
     """(imported circleops module, imported name or None, line) for every import in ``name``."""
-    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    tree = _tree(MODULES[name])
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -127,7 +135,7 @@ def _private_uses(name: str) -> list[str]:
         if imported is None and leaf.startswith("_") and not leaf.startswith("__") \
                 and not (name == package or name.startswith(package + ".")):
             bad.append(f"{name}:{line} imports the private module {module}")
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _tree(MODULES[name])
     aliases = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
@@ -256,7 +264,7 @@ def test_no_function_takes_more_than_six_positional_parameters():
     for name, path in MODULES.items():
         if name.startswith(POSITIONAL_EXEMPT):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
                 if len(positional) > MAX_POSITIONAL:
@@ -297,7 +305,7 @@ def _functions(path: Path):
             else:
                 yield from walk(child, prefix)
 
-    yield from walk(ast.parse(path.read_text(), str(path)), "")
+    yield from walk(_tree(path), "")
 
 
 def _parameters(node) -> int:
