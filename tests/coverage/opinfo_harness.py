@@ -27,7 +27,7 @@ import os
 import re
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -228,7 +228,6 @@ class Outcome:
     status: str
     detail: str = ""
     samples: int = 0
-    opcodes: set[str] = field(default_factory=set)
 
 
 _RANK = {"pass": 0, "decomposed": 1, "refused": 2, "n/a": 3, "export": 3, "runtime": 4, "wrong": 5, "crash": 6}
@@ -293,12 +292,6 @@ def _run(target: str, path: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
     return reference.run(path, inputs)
 
 
-def _op_codes(path: str) -> set[str]:
-    from circleops.serialize import read_model
-
-    return {op.opcode for sg in read_model(path).subgraphs for op in sg.operators}
-
-
 def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None = None,
                dtype: torch.dtype = torch.float32) -> dict[str, Outcome]:
     """One sample exported once, converted to each target, run and compared with torch."""
@@ -338,8 +331,7 @@ def run_sample(opinfo, sample, consts: str, targets=TARGETS, workdir: str | None
             if why:
                 result[target] = Outcome("wrong", why)
             else:
-                result[target] = Outcome("decomposed" if decomposed else "pass", ", ".join(sorted(decomposed)),
-                                         opcodes=_op_codes(path))
+                result[target] = Outcome("decomposed" if decomposed else "pass", ", ".join(sorted(decomposed)))
     return result
 
 
@@ -362,10 +354,7 @@ def run_op(name: str, count: int = 2, targets=TARGETS, dtype: torch.dtype = torc
         for t, o in outcome.items():
             prev = worst.get(t)
             if prev is None or _RANK[o.status] > _RANK[prev.status]:
-                o.opcodes |= prev.opcodes if prev else set()
                 worst[t] = o
-            else:
-                prev.opcodes |= o.opcodes
     for o in worst.values():
         o.samples = exported
     return worst

@@ -22,7 +22,10 @@ def test_every_op_has_a_recorded_outcome():
         f"stale records {sorted(set(EXPECTED) - set(h.OPS))}")
 
 
-@pytest.mark.parametrize("name", list(h.OPS))
+# No fixtures are shared: the ops spread over four xdist groups, so both workers take them
+# (one group per module would put the suite's largest module on one worker).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"opinfo-{i % 4}"))
+                                  for i, n in enumerate(h.OPS)])
 def test_opinfo_op(name):
     got = h.run_op(name, h.SAMPLES)
     want = EXPECTED.get(name, {})
