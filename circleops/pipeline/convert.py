@@ -123,9 +123,7 @@ def _resolve(o: ConvertOptions, model: Any, path: str | os.PathLike) -> _Plan:
     quantize = validate_quantize(o.quantize, target, int16)
     fuse = integer_fuse(target, quantize, fuse)
     # the options left out (None) take the recipe measured usable for an LLM
-    recipe = resolve_recipe(quantize, target, model, RecipeOptions(
-        o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int16, o.calibrate, o.int8_weights, o.act_order,
-        o.clip_search))
+    recipe = resolve_recipe(quantize, target, model, RecipeOptions.of(o))
     validate_threads(o.threads)
     verify = o.verify_runtime
     if o.integer_io and (quantize not in INTEGER_FORMATS or verify):
