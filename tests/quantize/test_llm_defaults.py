@@ -175,7 +175,7 @@ def test_the_score_is_of_the_file_recipe(llama, tmp_path):
     assert "logits SQNR" in line
 
 
-def test_cli_flags_override_the_llm_default():
+def test_cli_flags_override_the_llm_default(llama):
     """convert's flags reach the recipe (parsed only: no model): each overrides its part of the
     16a4w default and leaves the others to it."""
     import argparse
@@ -188,6 +188,6 @@ def test_cli_flags_override_the_llm_default():
                               "--weight-group-size", "32", "--no-act-order"])
     options = RecipeOptions.of(options_of(args))
     assert (options.refine, options.group_size, options.act_order, options.clip_search) == (0, 32, False, None)
-    recipe = resolve_recipe("int16", "circle", BY_NAME["llama"].build(), options)
+    recipe = resolve_recipe("int16", "circle", llama, options)
     assert (recipe.refine, recipe.group_size, recipe.act_order, recipe.clip_search, recipe.int8_weights) == \
         (0, 32, False, True, "auto")
