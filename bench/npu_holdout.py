@@ -13,7 +13,9 @@ position); then the same over ``--windows`` consecutive windows of the text (the
 included: 24 x 32 = 768 positions, a steadier figure than one window's 32); the file's size
 against fp32's 4 bytes per parameter (tied table once), the convert time and its stages,
 and the load average. Recipe names as bench/pt2e.py's, plus
-"+NAME=VALUE" convert options (e.g. "+int8_weights=auto").
+"+NAME=VALUE" convert options (e.g. "+int8_weights=auto", "+gptq_refine=0"). "int16+w4+gptq" is
+the 16a4w default for an LLM (groups of 16, act order, clipping search, 2 refinement passes,
+--int8-weights auto); the preset before it: "int16+w4+gptq+g32+gptq_refine=0".
 """
 from __future__ import annotations
 
@@ -62,13 +64,7 @@ def main() -> int:
     p.add_argument("--calibrate", type=int, default=8)
     p.add_argument("--windows", type=int, default=24)
     p.add_argument("--out", default=None)
-    p.add_argument("--refine", type=int, default=0, help="passes of coordinate descent after GPTQ "
-                   "(circleops.quantize.llm.GPTQ_REFINE; convert's default 0)")
     args = p.parse_args()
-    if args.refine:
-        from circleops.quantize import llm
-
-        llm.GPTQ_REFINE = args.refine
 
     import circleops
     from circleops.sources import models

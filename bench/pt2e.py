@@ -68,7 +68,7 @@ def recipe(name: str) -> tuple[str, list[str], str, dict]:
     label = f"{scheme} activations" if not parts else f"uint8 + int16 {'+'.join(parts)} (`--int16 {','.join(parts)}`)"
     from circleops.quantize.recipe import group_size_for
 
-    group = group_size_for(options["weight_bits"], options.get("weight_group_size"))
+    group = group_size_for(options["weight_bits"], options.get("weight_group_size"), llm=True)  # SmolLM2's
     label += f", int{options['weight_bits']} weights" + (f" in groups of {group}" if group else "") + \
         (", the most sensitive linears int8 (`--int8-weights auto`)" if "int8_weights" in options else "") + \
         (", GPTQ" if options["gptq"] else "") + (", no rotation" if options["rotate"] == "off" else ", rotated")

@@ -152,11 +152,7 @@ def integer_recipe(recipe: Any, opts: Any) -> Any:
 
     if opts.integer_format is None:
         return None
-    o = recipe.options
-    int16 = None if o.int16 is None else tuple(p.strip() for p in o.int16 if p.strip())
-    return resolve_recipe(opts.quantize, opts.target, recipe.weights_module(), RecipeOptions(
-        o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int16, o.calibrate, o.int8_weights, o.act_order,
-        o.clip_search))
+    return resolve_recipe(opts.quantize, opts.target, recipe.weights_module(), RecipeOptions.of(recipe.options))
 
 
 def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = None) -> GraphsReport:

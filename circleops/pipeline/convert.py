@@ -80,14 +80,16 @@ def convert(model: torch.nn.Module, example_args: Sequence[Any], path: str | os.
         around the activations whose uint8 rounding measures worst (circleops.quantize.sensitivity).
         ``weight_bits`` 8 / 4: int8 per-channel or int4 (Circle INT4, target circle) weights; an
         LLM's lm_head stays int8. ``weight_group_size`` (4-bit): the input columns sharing a
-        scale (None: 32; 0: per channel), rounded before PT2E and written as Circle
+        scale (None: 16 for an LLM, 32 otherwise; 0: per channel), rounded before PT2E and written as Circle
         BlockwiseQuantization (circleops.quantize.grouped). ``int8_weights`` "auto": the 4-bit
         linears whose rounding measures worst in the logits stay int8 per channel ("none":
-        none). ``gptq``: GPTQ rounding of the weights on the calibration samples. ``rotate``
+        none). ``gptq``: GPTQ rounding of the weights on the calibration samples (grouped:
+        ``act_order``, ``clip_search``, ``gptq_refine`` passes of coordinate descent). ``rotate``
         ("auto" / "on" / "off"): a Hadamard rotation of an LLM's residual stream folded into
         its weights (auto: Llama-shaped LLMs). Left out (None), the options take the recipes
         measured usable for an LLM (circleops.quantize.recipe.resolve_recipe: uint8 on target
-        circle: int16 "auto"; 4-bit weights: GPTQ and int8_weights "auto"), else int8 weights
+        circle: int16 "auto"; 4-bit weights: the 16a4w NPU recipe, groups of 16, GPTQ with act
+        order, clipping search and 2 refinement passes, int8_weights "auto"), else int8 weights
         and uint8 throughout. An LLM's summary says what the file scores on a hold-out text
         (a warning with the flags that fix it when it is not usable). The recipe is recorded
         in the file's metadata ("circleops.quantization"); see docs/integer-llm.md.
@@ -123,9 +125,7 @@ def _resolve(o: ConvertOptions, model: Any, path: str | os.PathLike) -> _Plan:
     quantize = validate_quantize(o.quantize, target, int16)
     fuse = integer_fuse(target, quantize, fuse)
     # the options left out (None) take the recipe measured usable for an LLM
-    recipe = resolve_recipe(quantize, target, model, RecipeOptions(
-        o.weight_bits, o.gptq, o.rotate, o.weight_group_size, int16, o.calibrate, o.int8_weights, o.act_order,
-        o.clip_search))
+    recipe = resolve_recipe(quantize, target, model, RecipeOptions.of(o))
     validate_threads(o.threads)
     verify = o.verify_runtime
     if o.integer_io and (quantize not in INTEGER_FORMATS or verify):

@@ -47,7 +47,7 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
         with tracker.stage("gptq", enter=False):
             report = restore.enter_context(gptq_applied(
                 model, gptq_samples(model, example_args, recipe, data, tokenizer), bits, group=recipe.group_size,
-                act_order=recipe.act_order, clip_search=recipe.clip_search, refine=GPTQ_REFINE,
+                act_order=recipe.act_order, clip_search=recipe.clip_search, refine=recipe.refine,
                 progress=getattr(tracker.progress, "bar", None) is not None))
         recipe.lines.append(report.summary_line())
         grouped = report.grouped
@@ -92,11 +92,6 @@ def _int8_linears(model: Any, bits: dict[str, int], recipe: IntegerRecipe, sampl
 # bench/results/36-npu-16a4w.yaml). Hessians of down_proj (1536 inputs) need the tokens.
 GPTQ_WINDOW = 128
 GPTQ_TOKENS = 512
-# Passes of coordinate descent after GPTQ (gptq.refine_grouped); off: with groups of 16 two passes
-# moved the int16 fake-quantized module from 27/32 to 28/32 on the hold-out window but not the
-# steadier figures (24 windows weights-only 16.14 dB / 80.6 % against 16.15 dB / 80.5 %), for 3.5x
-# GPTQ's CPU (bench/results/41-npu-16a4w-ideas.yaml). bench/npu_holdout.py --refine K sets it.
-GPTQ_REFINE = 0
 
 
 def gptq_samples(model: Any, example_args: tuple, recipe: IntegerRecipe, data: Any, tokenizer: Any) -> list[tuple]:

