@@ -12,10 +12,11 @@ The layer ranges are planned here from the weights' bytes in the file's format, 
 anything is exported (a model that cannot be split, one layer alone too large, is refused
 before any work). No onert file can read another's buffers, so a tied embedding / lm_head
 table (1 GB in fp32 for a 128256 x 2048 table) would be stored twice, in the first part and
-in the last. Where the head stores the table's own values (fp32, a plain ``nn.Embedding``:
-:attr:`PartBytes.host_table`), it is stored once, as the last part's lm_head: the first part
-takes the embeddings [1, S, hidden] and the generator looks the token ids' rows up in that
-weight (circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
+in the last. Where the head stores the table's own values (fp32, an ``nn.Embedding`` or Gemma's, whose
+rows are scaled by sqrt(hidden): :attr:`PartBytes.host_table`), it is stored once, as the last
+part's lm_head: the first part takes the table's rows [1, S, hidden] (and scales them, Gemma's
+rows) and the generator looks the token ids' rows up in that weight
+(circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
 Where the format stores the head at another type than the table (w8, q4_0), both are
 written (in one file too).
 """
@@ -42,7 +43,8 @@ class PartBytes:
     head: int
     tied: bool  # the lm_head is the embedding table, stored once (when there is one part)
     # a split model's first part looks up no table: the lm_head holds the table's values
-    # (tied, fp32, a plain nn.Embedding) and the generator reads the rows from it
+    # (tied, fp32, rows_embedding: the rows, or Gemma's scaled by the part) and the generator
+    # reads the rows from it
     host_table: bool = False
 
     @property
@@ -69,9 +71,8 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     (2-D weights of a layer) at the format's tensor type, the embedding table too when the
     format stores it so, the lm_head at the format's head type; the rest fp32. An estimate
     from the parameters' shapes (no weight is read); the writer checks each file exactly."""
+    from circleops.adapters.decode import rows_embedding
     from circleops.quantize import formats
-
-    import torch
 
     fmt = formats.get(quantize) if quantize else None
     if fmt is not None and fmt.kind != formats.WEIGHTS:
@@ -90,7 +91,8 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
     # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
     tied = head.weight is embed and embed_type == head_type
-    plain = type(base.embed_tokens) is torch.nn.Embedding  # no scale (Gemma's) or padding rule on the rows
+    # the rows, or the rows times a scalar (Gemma's sqrt(hidden), which the first part applies)
+    plain = rows_embedding(base.embed_tokens)
     return PartBytes(
         embedding=_tensor_bytes(embed.numel(), tuple(embed.shape), embed_type),
         layers=tuple(module_bytes(layer, linear) for layer in base.layers),
@@ -116,7 +118,7 @@ def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
             start, used = i, 0
         used += layer
         if used + tail > budget:
-            what = ("the embedding table and layer 0" if i == 0 else
+            what = ("the embedding table and layer 0" if i == 0 and not sizes.host_table else
                     "layer {0} with the lm_head".format(i) if tail else f"layer {i}")
             raise TargetError(f"the model cannot be split into files of at most {limit} bytes: {what} alone take "
                               f"{used + tail} bytes of weights. Quantize it (--quantize q4_0, q8_0 or w8), or use "
