@@ -23,8 +23,7 @@ def recipe_kind(model: str | None, options: Any) -> str:
     saying which it takes), vision for the vision graph or a VLM, else text."""
     from circleops.package.speech_manifest import speech_model_type
     from circleops.package.text2text_manifest import text2text_model_type
-    from circleops.package.vision_manifest import VISION_GRAPH
-    from circleops.recipes.vlm import vlm_model_type
+    from circleops.package.vision_manifest import VISION_GRAPH, vlm_model_type
 
     names = {n.strip() for n in str(options.graphs).split(",")}
     if text2text_model_type(model, options.config) is not None:
@@ -70,19 +69,22 @@ def main(args: argparse.Namespace, options: Any) -> int:
 
 
 def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
-    """A causal LM's sizes refused from its headers or config before any work (circleops.sources.sizes)."""
+    """A causal LM's sizes refused from its headers or config before any work and before torch's
+    import (circleops.sources.sizes); then the dtype checks, which import torch."""
     if recipe != "LLMRecipe":
         return
+    from circleops.package.files import refuse_plan_from_sizes
     from circleops.pipeline.validate import resolve_dtype, validate_quantize, validate_target_dtype
     from circleops.sources import sizes
 
-    dtype = resolve_dtype(options.dtype, None)
     quantize = validate_quantize(options.quantize, options.target)
-    validate_target_dtype(options.target, dtype, quantize)
     # no file-size refusal: past the target's file limit the graphs are split into layer-range
-    # files (circleops.package.split, whose plan refuses a layer too large alone before any work)
-    sizes.check(sizes.estimate(args.model, config=options.config, quantize=quantize, dtype=dtype), options.target,
-                max_cache_len=options.max_cache_len, file_limit=False)
+    # files (circleops.package.split), whose plan refuses a layer too large alone: from the
+    # headers here, before the model loads
+    sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=quantize,
+                        max_cache_len=options.max_cache_len, file_limit=False)
+    refuse_plan_from_sizes(args.model, options.config, options.target, quantize, options.max_file_bytes)
+    validate_target_dtype(options.target, resolve_dtype(options.dtype, None), quantize)
 
 
 def refuse_text2text(args: argparse.Namespace) -> None:
