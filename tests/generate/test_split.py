@@ -108,6 +108,7 @@ def test_split_files_and_manifest(split_onert, limit):
             assert outs[1:] == [f"k_new_{j}", f"v_new_{j}"]
     assert report.graphs["decode"].part_files == data["part_files"]["decode"]
     assert "split: 4 consecutive files per graph" in report.summary()
+    assert "the tied table stored once" in report.summary()
 
 
 # 5 tokens: one 8-row chunk, padded; 11 tokens: an 8-row chunk, then a 4-row one
