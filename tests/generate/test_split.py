@@ -189,8 +189,8 @@ GEMMA_VOCAB, GEMMA_LAYERS = 4096, 2
 def test_gemma3_scaled_table_is_stored_once(tmp_path):
     """A tied Gemma 3 split in two files stores its [vocab, hidden] table once, as the last
     part's lm_head: the first part takes the rows the generator looks up and scales them by
-    sqrt(hidden) itself (a scaled copy of the table in the first file doubled its bytes, a
-    1B model's 1.2 GB). Greedy tokens through the parts are transformers'."""
+    sqrt(hidden) itself (the table kept in the first file too, for Gemma's scaled embedding,
+    doubled its bytes: a Gemma-3-1B's 1.2 GB). Greedy tokens through the parts are transformers'."""
     model = BY_NAME["gemma3"].build(num_hidden_layers=GEMMA_LAYERS, tie_word_embeddings=True, vocab_size=GEMMA_VOCAB)
     sizes = part_bytes(model)
     table = GEMMA_VOCAB * model.config.hidden_size
