@@ -45,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
     convert_graphs.refuse_text2text(args)  # so does a text-to-text model
     from circleops.sources import sizes  # refusals by sizes (any task) before the task's transformers import
 
-    sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=options.quantize)
+    sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=options.quantize,
+                        build=False)  # a task model's config is not a causal LM's: not built here
     if task := convert_task.task_of(args):
         return convert_task.main(args, options.replace(task=task))
     if args.model is None and options.config is None:

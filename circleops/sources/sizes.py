@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.sources.config_json import read_config_dict
 from circleops.system.memory import machine_memory
 from circleops.inputs.user_files import read_json, read_safetensors_header
 
@@ -205,8 +206,6 @@ def estimate(model: str | os.PathLike | None, *, config: str | os.PathLike | Non
     cfg_path = Path(config) if config is not None else (Path(model) / "config.json" if model is not None else None)
     if cfg_path is None or not cfg_path.is_file():
         return None
-    from circleops.sources.config_json import read_config_dict
-
     cfg = read_config_dict(cfg_path)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     files = safetensors_files(Path(model)) if config is None and model is not None else []
@@ -234,16 +233,27 @@ def option_dtype(value: Any) -> str | None:
 
 def check_request(model: str | os.PathLike | None, config: str | os.PathLike | None, target: str, *,
                   dtype: Any = None, quantize: str | None = None, max_cache_len: int | None = None,
-                  file_limit: bool = True) -> None:
+                  file_limit: bool = True, build: bool = True) -> None:
     """:func:`check` of the model at ``model`` (or ``config``) converted as asked (--dtype,
     --quantize as given), with the standard library only: a command's refusals that sizes
     decide come before torch's import (seconds: most of such a refusal's time). A dtype or
-    format it does not know is left to the command's own checks (nothing refused here)."""
+    format it does not know is left to the command's own checks (nothing refused here), and
+    so is a ``config`` not of a dense family unless ``build`` (its causal LM built on meta:
+    torch, and only for a config that is a causal LM's)."""
     name = option_dtype(dtype)
     if name is None or (quantize is not None and quantize not in FORMAT_BYTES):
         return
+    if not build and config is not None and not (Path(config).is_file() and _causal_dense(read_config_dict(config))):
+        return
     check(estimate(model, config=config, quantize=quantize, dtype=name), target, max_cache_len=max_cache_len,
           file_limit=file_limit)
+
+
+def _causal_dense(cfg: dict[str, Any]) -> bool:
+    """Whether ``cfg`` is a dense family's causal LM (its architectures, if it names any, all
+    ...ForCausalLM: the model --config builds), whose parameters dense_shapes counts exactly."""
+    archs = cfg.get("architectures") or []
+    return dense_parameters(cfg) is not None and all(str(a).endswith("ForCausalLM") for a in archs)
 
 
 def too_large_message(needed: int, target: str, estimated: bool = False) -> str:
