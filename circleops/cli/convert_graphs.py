@@ -41,10 +41,12 @@ def main(args: argparse.Namespace, options: Any) -> int:
     from circleops.package import step
 
     module, name = RECIPES[recipe_kind(args.model, options)]
-    recipe = getattr(importlib.import_module(module), name)
     if args.model is None and options.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "
                           "config.json for random weights.")
+    if name == "VLMRecipe":
+        _check_vlm_sizes(args, options)  # before the recipe's import (torch)
+    recipe = getattr(importlib.import_module(module), name)
     recipe.check_options(options, args.model)  # what no model can give is refused before the model loads
     out = Path(args.output)
     if out.suffix.lower() in (".circle", ".tflite"):
@@ -85,6 +87,20 @@ def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
                         max_cache_len=options.max_cache_len, file_limit=False)
     refuse_plan_from_sizes(args.model, options.config, options.target, quantize, options.max_file_bytes)
     validate_target_dtype(options.target, resolve_dtype(options.dtype, None), quantize)
+
+
+def _check_vlm_sizes(args: argparse.Namespace, options: Any) -> None:
+    """A vision-language model's sizes (its cache against the text model's positions, the
+    memory) from config.json and the headers, before its recipe imports torch; nothing for a
+    text model asked for the vision graph (its recipe says what is wrong)."""
+    from circleops.package.vision_manifest import vlm_model_type
+    from circleops.pipeline.validate import validate_quantize
+    from circleops.sources import sizes
+
+    if vlm_model_type(args.model, options.config) is not None:
+        sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, build=False,
+                            quantize=validate_quantize(options.quantize, options.target),
+                            max_cache_len=options.max_cache_len, file_limit=False)
 
 
 def refuse_text2text(args: argparse.Namespace) -> None:

@@ -175,3 +175,24 @@ def test_split_sizes_from_headers_are_the_models(family, tied, tmp_path):
         want = split.part_bytes(model, quantize)
         assert split.named_part_bytes(headers, tied, quantize) == want, quantize
         assert split.named_part_bytes(sizes.dense_shapes(cfg), tied, quantize) == want, quantize
+
+
+def test_vlm_cache_length_refused_before_torch(tmp_path):
+    """A vision-language model's cache longer than its text model's positions, from config.json
+    and the headers in a fresh CLI process that imports no torch (the VLM recipe's module does)."""
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "idefics3", "architectures": [
+        "Idefics3ForConditionalGeneration"], "text_config": {"model_type": "llama", "max_position_embeddings": 128}}))
+    blob = json.dumps({"model.text_model.norm.weight": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}).encode()
+    (vlm / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(32))
+    out = str(tmp_path / "out")
+    code = ("import contextlib, io, json, sys\nfrom circleops.cli import main\nerr = io.StringIO()\n"
+            f"with contextlib.redirect_stderr(err):\n    code = main(['convert', {str(vlm)!r}, '-o', {out!r}, "
+            "'--graphs', 'vision,prefill,decode', '--max-cache-len', '200'])\n"
+            "print(json.dumps([code, err.getvalue(), sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, err, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status == 2 and "--max-cache-len 200 is more than" in err and "max_position_embeddings 128" in err, err
+    assert heavy == [], heavy
