@@ -13,6 +13,14 @@ FLOAT_NAMES: dict[str, str] = {
     "fp16": "float16", "float16": "float16", "half": "float16",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
 }
+# GGML block formats (Circle TensorType -2/-4): a tensor's shape counts elements, its data is
+# the packed blocks row by row (np.uint8), exactly what gguf.quants.quantize writes.
+# name -> (elements per block, bytes per block)
+# (here, not in circleops.ir, so that sizes are estimated without torch)
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "GGML_Q4_0": (32, 18),
+    "GGML_Q8_0": (32, 34),
+}
 # torch dtype attribute -> the short name of reports, manifests and --dtype
 SHORT_NAMES: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

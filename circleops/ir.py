@@ -13,6 +13,9 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+# GGML block formats (name -> elements, bytes per block), defined with the dtype names
+from circleops.dtypes import GGML_BLOCKS
+
 # Schema TensorType name <-> torch dtype. bf16 has no numpy dtype: its data is stored as
 # the raw 16-bit pattern.
 TORCH_TO_TYPE: dict[torch.dtype, str] = {
@@ -37,14 +40,6 @@ PACKED_4BIT: dict[str, tuple[int, int]] = {"INT4": (-8, 7), "UINT4": (0, 15)}
 TYPE_TO_TORCH.update({"INT4": torch.int8, "UINT4": torch.uint8})
 
 ConstData = Union[np.ndarray, torch.Tensor]
-
-# GGML block formats (Circle TensorType -2/-4): a tensor's shape counts elements, its data is
-# the packed blocks row by row (np.uint8), exactly what gguf.quants.quantize writes.
-# name -> (elements per block, bytes per block)
-GGML_BLOCKS: dict[str, tuple[int, int]] = {
-    "GGML_Q4_0": (32, 18),
-    "GGML_Q8_0": (32, 34),
-}
 
 
 @dataclass

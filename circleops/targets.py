@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 from circleops.errors import TargetError
 
+FLATBUFFER_LIMIT = 2**31 - 1  # flatbuffers' 2 GiB maximum: a file past it needs weights after the flatbuffer
+
 # How a fused circle op (schema/ops.yaml) is written:
 BUILTIN = "builtin"        # the Circle builtin (RMS_NORM, ROPE, ATTENTION, INSTANCE_NORM)
 DECOMPOSED = "decomposed"  # the op's reference kernel, lowered op by op

@@ -324,12 +324,35 @@ class OneRowPrefill(torch.nn.Module):
         return self._run(input_ids, pos, caches, row)
 
 
+# transformers' embeddings whose forward is nn.Embedding's (the table's rows) times the scalar
+# buffer ``embed_scale`` (Gemma 1/2/3: sqrt(hidden)); read by name, as the forward is theirs
+SCALED_EMBEDDINGS = ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding",
+                     "Gemma3TextScaledWordEmbedding")
+
+
+def rows_embedding(embed: torch.nn.Module) -> bool:
+    """Whether ``embed``'s output is its weight's rows, or those times a scalar
+    (:data:`SCALED_EMBEDDINGS`): a split model's first part can then take the rows, looked up
+    by the generator in the tied lm_head (circleops.package.split), and scale them itself."""
+    kind = type(embed)
+    return kind is torch.nn.Embedding or (kind.__name__ in SCALED_EMBEDDINGS and kind.__bases__ == (torch.nn.Embedding,)
+                                          and isinstance(getattr(embed, "embed_scale", None), Tensor))
+
+
+def scale_rows(embed: torch.nn.Module, rows: Tensor) -> Tensor:
+    """``embed``'s output for the token ids whose table rows are ``rows``: the rows, times its
+    ``embed_scale`` in the table's dtype as transformers' scaled embeddings compute it."""
+    scale = getattr(embed, "embed_scale", None) if type(embed) is not torch.nn.Embedding else None
+    return rows if scale is None else rows * scale.to(embed.weight.dtype)
+
+
 class DecoderPart(torch.nn.Module):
     """Layers ``start..stop-1`` of ``step`` (a :class:`DecoderWithCache`): one file of a model
     split into consecutive files (circleops.package.split; onert reads no file past 2 GiB).
 
     ``forward(x, pos, [row,] *caches)``: ``x`` is the token ids [1, S] in the first part
-    (which looks up the embeddings; ``embedded``: their embeddings, looked up by the caller),
+    (which looks up the embeddings; ``embedded``: the table's rows of the ids, looked up by the
+    caller, which the part scales as the model's embedding does: :func:`scale_rows`),
     else the hidden state [1, S, hidden] the previous part
     returned; ``caches`` are the k caches then the v caches of this part's layers only. It
     returns ``(y, *k_rows_or_caches, *v_...)``: ``y`` the hidden state after ``stop - 1``, or,
@@ -359,7 +382,10 @@ class DecoderPart(torch.nn.Module):
         base, lm_head = _parts(step.model)
         s = x.shape[1]
         positions = pos.reshape(1, 1).to(torch.int64) + torch.arange(s, device=x.device)[None]
-        hidden = base.embed_tokens(x) if self.first and not self.embedded else x
+        if self.first:  # ids, or (embedded) the table's rows: Gemma's sqrt(hidden) applied here
+            hidden = scale_rows(base.embed_tokens, x) if self.embedded else base.embed_tokens(x)
+        else:
+            hidden = x
         layers = range(self.start, self.stop)
         if step.rope_types is None:
             table = base.rotary_emb(hidden, positions)

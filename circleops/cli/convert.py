@@ -43,6 +43,10 @@ def main(args: argparse.Namespace) -> int:
         return convert_graphs.main(args, options)
     vision.refuse_without_graphs(args)  # a vision-language model converts only into its --graphs
     convert_graphs.refuse_text2text(args)  # so does a text-to-text model
+    from circleops.sources import sizes  # refusals by sizes (any task) before the task's transformers import
+
+    sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=options.quantize,
+                        build=False)  # a task model's config is not a causal LM's: not built here
     if task := convert_task.task_of(args):
         return convert_task.main(args, options.replace(task=task))
     if args.model is None and options.config is None:
@@ -73,7 +77,7 @@ def _convert_one(args: argparse.Namespace, options: Any) -> int:
     from circleops.cli.common import ProgressBar, convert_stages, one_length, scipy_hidden, write_report, writable
     from circleops.errors import OutputError
     from circleops.pipeline import convert as api
-    from circleops.sources import models, sizes
+    from circleops.sources import sizes
     from circleops.targets import PROFILES
 
     dtype = api.resolve_dtype(options.dtype, None)
@@ -87,6 +91,8 @@ def _convert_one(args: argparse.Namespace, options: Any) -> int:
                           f"or the path is a directory. Choose another --report path.")
     options = options.replace(seq_len=one_length(options.seq_len, args.model or options.config))
     sizes.check(sizes.estimate(args.model, config=options.config, quantize=quantize, dtype=dtype), options.target)
+    from circleops.sources import models  # torch: after every refusal the sizes decide
+
     if options.verify_runtime:
         api.resolve_runtime(options.verify_runtime, options.target, dtype)
     stages = convert_stages(args.model, options.fuse, bool(quantize), bool(options.verify_runtime))

@@ -23,8 +23,7 @@ def recipe_kind(model: str | None, options: Any) -> str:
     saying which it takes), vision for the vision graph or a VLM, else text."""
     from circleops.package.speech_manifest import speech_model_type
     from circleops.package.text2text_manifest import text2text_model_type
-    from circleops.package.vision_manifest import VISION_GRAPH
-    from circleops.recipes.vlm import vlm_model_type
+    from circleops.package.vision_manifest import VISION_GRAPH, vlm_model_type
 
     names = {n.strip() for n in str(options.graphs).split(",")}
     if text2text_model_type(model, options.config) is not None:
@@ -42,10 +41,12 @@ def main(args: argparse.Namespace, options: Any) -> int:
     from circleops.package import step
 
     module, name = RECIPES[recipe_kind(args.model, options)]
-    recipe = getattr(importlib.import_module(module), name)
     if args.model is None and options.config is None:
         raise TargetError("no model given: pass MODEL (an HF directory, a .gguf file or smollm2), or --config "
                           "config.json for random weights.")
+    if name == "VLMRecipe":
+        _check_vlm_sizes(args, options)  # before the recipe's import (torch)
+    recipe = getattr(importlib.import_module(module), name)
     recipe.check_options(options, args.model)  # what no model can give is refused before the model loads
     out = Path(args.output)
     if out.suffix.lower() in (".circle", ".tflite"):
@@ -70,19 +71,36 @@ def main(args: argparse.Namespace, options: Any) -> int:
 
 
 def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
-    """A causal LM's sizes refused from its headers or config before any work (circleops.sources.sizes)."""
+    """A causal LM's sizes refused from its headers or config before any work and before torch's
+    import (circleops.sources.sizes); then the dtype checks, which import torch."""
     if recipe != "LLMRecipe":
         return
+    from circleops.package.files import refuse_plan_from_sizes
     from circleops.pipeline.validate import resolve_dtype, validate_quantize, validate_target_dtype
     from circleops.sources import sizes
 
-    dtype = resolve_dtype(options.dtype, None)
     quantize = validate_quantize(options.quantize, options.target)
-    validate_target_dtype(options.target, dtype, quantize)
     # no file-size refusal: past the target's file limit the graphs are split into layer-range
-    # files (circleops.package.split, whose plan refuses a layer too large alone before any work)
-    sizes.check(sizes.estimate(args.model, config=options.config, quantize=quantize, dtype=dtype), options.target,
-                max_cache_len=options.max_cache_len, file_limit=False)
+    # files (circleops.package.split), whose plan refuses a layer too large alone: from the
+    # headers here, before the model loads
+    sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=quantize,
+                        max_cache_len=options.max_cache_len, file_limit=False)
+    refuse_plan_from_sizes(args.model, options.config, options.target, quantize, options.max_file_bytes)
+    validate_target_dtype(options.target, resolve_dtype(options.dtype, None), quantize)
+
+
+def _check_vlm_sizes(args: argparse.Namespace, options: Any) -> None:
+    """A vision-language model's sizes (its cache against the text model's positions, the
+    memory) from config.json and the headers, before its recipe imports torch; nothing for a
+    text model asked for the vision graph (its recipe says what is wrong)."""
+    from circleops.package.vision_manifest import vlm_model_type
+    from circleops.pipeline.validate import validate_quantize
+    from circleops.sources import sizes
+
+    if vlm_model_type(args.model, options.config) is not None:
+        sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, build=False,
+                            quantize=validate_quantize(options.quantize, options.target),
+                            max_cache_len=options.max_cache_len, file_limit=False)
 
 
 def refuse_text2text(args: argparse.Namespace) -> None:

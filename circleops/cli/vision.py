@@ -10,7 +10,7 @@ from typing import Any
 def refuse_without_graphs(args: argparse.Namespace) -> None:
     """A vision-language model is not one forward: say to convert its generation graphs."""
     from circleops.errors import TargetError
-    from circleops.recipes.vlm import VLM_GRAPH_NAMES, vlm_model_type
+    from circleops.package.vision_manifest import VLM_GRAPH_NAMES, vlm_model_type
 
     kind = vlm_model_type(args.model, args.config)
     if kind is not None:

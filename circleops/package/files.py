@@ -48,7 +48,7 @@ class FilePlan:
 def file_limit(profile: Any, max_file_bytes: int | None) -> int | None:
     """The most one file may hold: ``max_file_bytes``, else 2 GiB where the target's runtime
     reads no weights after the flatbuffer (onert), else no limit (None)."""
-    from circleops.serialize.writer import FLATBUFFER_LIMIT
+    from circleops.targets import FLATBUFFER_LIMIT
 
     if max_file_bytes is None:
         return None if profile.weights_after_flatbuffer else FLATBUFFER_LIMIT
@@ -81,6 +81,51 @@ def plan_files(profile: Any, onert_signatures: bool | None, max_file_bytes: int 
     return FilePlan(profile.format, per_graph,
                     "nnfw-c" if profile.one_file_per_graph and not per_graph else None,
                     tuple(parts) if len(parts) > 1 else (), limit)
+
+
+def integer_parts_message(quantize: str, target: str, max_file_bytes: int | None) -> str:
+    """The refusal of integer --graphs (one file of every layer) past the file limit."""
+    return (f"--quantize {quantize} --graphs writes one file of every layer: this model's weights pass "
+            f"--max-file-bytes {max_file_bytes}; raise it (target {target} has no size limit of its own).")
+
+
+def refuse_plan_from_sizes(model: str | None, config: str | None, target: str, quantize: str | None,
+                           max_file_bytes: int | None) -> None:
+    """The split plan's refusals (a layer too large for one file; integer graphs past the
+    limit), decided from an HF directory's safetensors headers or a dense ``config``'s sizes
+    (circleops.sources.sizes.dense_shapes) before the model is loaded or anything imports
+    torch: milliseconds, where the plan on the loaded model came after the load (and, from
+    the CLI, torch's import). Nothing is refused that the plan on the model would accept
+    (split.named_part_bytes is its lower bound); what this cannot read is left to it."""
+    from circleops.errors import ModelLoadError
+    from circleops.inputs.user_files import read_safetensors_header
+    from circleops.quantize import INTEGER_FORMATS
+    from circleops.sources import sizes
+    from circleops.sources.config_json import read_config_dict
+    from circleops.targets import PROFILES
+
+    limit = file_limit(PROFILES[target], max_file_bytes)
+    path = Path(config) if config is not None else Path(model) / "config.json" if model is not None else None
+    if limit is None or path is None or not path.is_file():
+        return
+    cfg = read_config_dict(path)
+    if isinstance(cfg.get("text_config"), dict):
+        return  # a VLM: its recipe is never split
+    if config is not None:
+        shapes = sizes.dense_shapes(cfg)
+    else:
+        shapes = {name: info["shape"] for f in sizes.safetensors_files(Path(model))
+                  for name, info in read_safetensors_header(f, error=ModelLoadError).items()
+                  if "rotary_emb." not in name}  # RoPE buffers some checkpoints hold: no parameter
+    if not shapes:
+        return
+    tied = "lm_head.weight" not in shapes or bool(cfg.get("tie_word_embeddings", sizes.tied_default(cfg)))
+    part_sizes = split.named_part_bytes(shapes, tied, quantize)
+    if part_sizes is None:
+        return
+    parts = split.plan_parts(part_sizes, limit)
+    if quantize in INTEGER_FORMATS and len(parts) > 1:
+        raise TargetError(integer_parts_message(quantize, target, max_file_bytes))
 
 
 def merge_models(models: Mapping[str, Any]) -> Any:

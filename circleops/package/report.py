@@ -124,9 +124,13 @@ class GraphsReport:
         parts = getattr(self.manifest, "parts", None)
         lines = []
         if parts:
+            # "head": the tied table is the last file's lm_head only (circleops.package.split)
+            table = ("the last holds the lm_head, whose rows are the first's embeddings (the tied table stored once)"
+                     if getattr(self.manifest, "part_embedding", None) == "head" else
+                     "the first holds the embedding table, the last the lm_head")
             lines.append(f"  split: {len(parts)} consecutive files per graph (layers "
-                         f"{', '.join(f'{a}-{b - 1}' for a, b in parts)}): each within the target's file limit; the "
-                         f"first holds the embedding table, the last the lm_head, the generator passes the hidden state")
+                         f"{', '.join(f'{a}-{b - 1}' for a, b in parts)}): each within the target's file limit; "
+                         f"{table}; the generator passes the hidden state")
         if self.one_file_per_graph:
             lines.append("  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
                          "signature, so the weights are stored in each file")

@@ -12,17 +12,19 @@ The layer ranges are planned here from the weights' bytes in the file's format, 
 anything is exported (a model that cannot be split, one layer alone too large, is refused
 before any work). No onert file can read another's buffers, so a tied embedding / lm_head
 table (1 GB in fp32 for a 128256 x 2048 table) would be stored twice, in the first part and
-in the last. Where the head stores the table's own values (fp32, a plain ``nn.Embedding``:
-:attr:`PartBytes.host_table`), it is stored once, as the last part's lm_head: the first part
-takes the embeddings [1, S, hidden] and the generator looks the token ids' rows up in that
-weight (circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
+in the last. Where the head stores the table's own values (fp32, an ``nn.Embedding`` or Gemma's, whose
+rows are scaled by sqrt(hidden): :attr:`PartBytes.host_table`), it is stored once, as the last
+part's lm_head: the first part takes the table's rows [1, S, hidden] (and scales them, Gemma's
+rows) and the generator looks the token ids' rows up in that weight
+(circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
 Where the format stores the head at another type than the table (w8, q4_0), both are
 written (in one file too).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from circleops.errors import TargetError
 
@@ -42,7 +44,8 @@ class PartBytes:
     head: int
     tied: bool  # the lm_head is the embedding table, stored once (when there is one part)
     # a split model's first part looks up no table: the lm_head holds the table's values
-    # (tied, fp32, a plain nn.Embedding) and the generator reads the rows from it
+    # (tied, fp32, rows_embedding: the rows, or Gemma's scaled by the part) and the generator
+    # reads the rows from it
     host_table: bool = False
 
     @property
@@ -52,10 +55,10 @@ class PartBytes:
 
 def _tensor_bytes(numel: int, shape: Sequence[int], tensor_type: str | None) -> int:
     """Bytes of a weight of ``shape`` stored as ``tensor_type`` (None: fp32)."""
-    from circleops import ir
+    from circleops.dtypes import GGML_BLOCKS
 
-    if tensor_type in ir.GGML_BLOCKS:
-        per_block, block_bytes = ir.GGML_BLOCKS[tensor_type]
+    if tensor_type in GGML_BLOCKS:
+        per_block, block_bytes = GGML_BLOCKS[tensor_type]
         if shape and shape[-1] % per_block == 0:
             return -(-numel // per_block) * block_bytes
         return 4 * numel
@@ -64,38 +67,81 @@ def _tensor_bytes(numel: int, shape: Sequence[int], tensor_type: str | None) -> 
     return 4 * numel
 
 
+def _format_types(quantize: str | None) -> tuple[str | None, str | None, str | None]:
+    """(linear, embedding table, lm_head) tensor types of format ``quantize`` (None: fp32)."""
+    from circleops.quantize import formats
+
+    fmt = formats.get(quantize) if quantize else None
+    if fmt is None or fmt.kind != formats.WEIGHTS:
+        return None, None, None  # fp32; integer graphs are not written as generation graphs
+    linear = fmt.tensor_type
+    return linear, (fmt.table_type or linear) if fmt.embedding else None, fmt.head_type or linear
+
+
+def _sizes(embed: tuple[int, ...], layers: Sequence[Sequence[tuple[int, ...]]], norm: Sequence[tuple[int, ...]],
+           head: tuple[int, ...], *, one_table: bool, rows: bool, quantize: str | None) -> PartBytes:
+    """The PartBytes of weights of these shapes: ``one_table``, the lm_head is the embedding
+    table; ``rows``, the embedding is the table's rows (scaled or not: rows_embedding)."""
+    linear, embed_type, head_type = _format_types(quantize)
+
+    def shape_bytes(shape: tuple[int, ...], two_d: str | None) -> int:
+        numel = 1
+        for d in shape:
+            numel *= d
+        return _tensor_bytes(numel, shape, two_d if len(shape) == 2 else None)
+
+    # a tied head is one copy only where the table and the head are stored alike: w8 keeps
+    # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
+    # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
+    tied = one_table and embed_type == head_type
+    return PartBytes(
+        embedding=shape_bytes(embed, embed_type),
+        layers=tuple(sum(shape_bytes(p, linear) for p in layer) for layer in layers),
+        head=sum(shape_bytes(p, None) for p in norm) + shape_bytes(head, head_type),
+        tied=tied, host_table=tied and embed_type is None and rows)
+
+
 def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     """The weight bytes of ``model``'s parts in format ``quantize`` (None: fp32): linears
     (2-D weights of a layer) at the format's tensor type, the embedding table too when the
     format stores it so, the lm_head at the format's head type; the rest fp32. An estimate
     from the parameters' shapes (no weight is read); the writer checks each file exactly."""
-    from circleops.quantize import formats
+    from circleops.adapters.decode import rows_embedding
 
-    import torch
-
-    fmt = formats.get(quantize) if quantize else None
-    if fmt is not None and fmt.kind != formats.WEIGHTS:
-        fmt = None  # integer graphs are not written as generation graphs
-    linear = fmt.tensor_type if fmt is not None else None
     base, head = model.model, model.lm_head
-
-    def module_bytes(module: Any, two_d: str | None) -> int:
-        return sum(_tensor_bytes(p.numel(), tuple(p.shape), two_d if p.dim() == 2 else None)
-                   for p in module.parameters())
-
     embed = base.embed_tokens.weight
-    embed_type = (fmt.table_type or linear) if fmt is not None and fmt.embedding else None
-    head_type = (fmt.head_type or linear) if fmt is not None else None
-    # a tied head is one copy only where the table and the head are stored alike: w8 keeps
-    # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
-    # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
-    tied = head.weight is embed and embed_type == head_type
-    plain = type(base.embed_tokens) is torch.nn.Embedding  # no scale (Gemma's) or padding rule on the rows
-    return PartBytes(
-        embedding=_tensor_bytes(embed.numel(), tuple(embed.shape), embed_type),
-        layers=tuple(module_bytes(layer, linear) for layer in base.layers),
-        head=module_bytes(base.norm, None) + _tensor_bytes(head.weight.numel(), tuple(head.weight.shape), head_type),
-        tied=tied, host_table=tied and embed_type is None and plain)
+    # the rows, or the rows times a scalar (Gemma's sqrt(hidden), which the first part applies)
+    return _sizes(tuple(embed.shape), [[tuple(p.shape) for p in layer.parameters()] for layer in base.layers],
+                  [tuple(p.shape) for p in base.norm.parameters()], tuple(head.weight.shape),
+                  one_table=head.weight is embed, rows=rows_embedding(base.embed_tokens), quantize=quantize)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer's parameter, by transformers' name
+
+
+def named_part_bytes(shapes: Mapping[str, Sequence[int]], tied: bool, quantize: str | None = None
+                     ) -> PartBytes | None:
+    """The weight bytes of the parts of a causal LM whose parameters have these ``shapes``
+    (transformers' names: ``model.embed_tokens.weight``, ``model.layers.N.*``,
+    ``model.norm.*``, ``lm_head.weight`` unless ``tied``), before the model exists: the
+    safetensors headers, or circleops.sources.sizes.dense_shapes of a config. A lower bound
+    of :func:`part_bytes` (the first part counted without the table wherever it may be), so a
+    plan it cannot make is refused rightly before any work. None where the names are not a
+    decoder's (a VLM's, a MoE checkpoint's own layout: the plan on the loaded model decides)."""
+    layers: dict[int, list[tuple[int, ...]]] = {}
+    norm: list[tuple[int, ...]] = []
+    embed = shapes.get("model.embed_tokens.weight")
+    for name, shape in shapes.items():
+        m = _LAYER.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), []).append(tuple(int(d) for d in shape))
+        elif name.startswith("model.norm."):
+            norm.append(tuple(int(d) for d in shape))
+    head = embed if tied else shapes.get("lm_head.weight")
+    if embed is None or head is None or not layers or sorted(layers) != list(range(len(layers))):
+        return None
+    return _sizes(tuple(embed), [layers[i] for i in range(len(layers))], norm, tuple(head), one_table=tied,
+                  rows=True, quantize=quantize)
 
 
 def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
@@ -116,7 +162,7 @@ def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
             start, used = i, 0
         used += layer
         if used + tail > budget:
-            what = ("the embedding table and layer 0" if i == 0 else
+            what = ("the embedding table and layer 0" if i == 0 and not sizes.host_table else
                     "layer {0} with the lm_head".format(i) if tail else f"layer {i}")
             raise TargetError(f"the model cannot be split into files of at most {limit} bytes: {what} alone take "
                               f"{used + tail} bytes of weights. Quantize it (--quantize q4_0, q8_0 or w8), or use "

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from circleops.errors import CircleOpsError, TargetError, VerifyError
 from circleops.package import split
-from circleops.package.files import FilePlan, plan_files, write_files
+from circleops.package.files import FilePlan, integer_parts_message, plan_files, write_files
 from circleops.package.manifest import graph_runtimes
 from circleops.package.output import prepare_dir, publish, staging_dir
 from circleops.package.report import GraphsReport
@@ -167,9 +167,7 @@ def run(recipe: Any, out_dir: str | os.PathLike, progress: Progress | None = Non
     if plan.signature_api is not None:  # one onert file's graphs share its weights: no CONV_2D filter copies
         opts = dataclasses.replace(opts, shared_weights=True)
     if integer is not None and plan.parts:
-        raise TargetError(f"--quantize {opts.quantize} --graphs writes one file of every layer: this model's "
-                          f"weights pass --max-file-bytes {o.max_file_bytes}; raise it (target {opts.target} has no "
-                          f"size limit of its own).")
+        raise TargetError(integer_parts_message(opts.quantize, opts.target, o.max_file_bytes))
     out = Path(out_dir)
     prepare_dir(out)
     staging = staging_dir(out)

@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from circleops.errors import ModelLoadError
+from circleops.errors import CircleOpsError, ModelLoadError
 
 VISION_GRAPH = "vision"
 VLM_GRAPH_NAMES = (VISION_GRAPH, "prefill", "decode")
@@ -17,6 +18,11 @@ PIXEL_VALUES = "pixel_values"
 PREFIX_LEN = "prefix_len"  # a prefix-LM's prefill input: the prompt positions that attend both ways
 ROPE_POSITIONS = "rope_positions"  # an M-RoPE prefill's input [3, 1, N]: each row's t/h/w rotary position
 ROPE_DELTA = "rope_delta"  # an M-RoPE decode's input [1]: the prompt's rotary position less its length
+# the config model_types circleops converts with --graphs vision,prefill,decode: the keys of
+# circleops.recipes.vlm.VLM_MODEL_TYPES (the converted rows of circleops.adapters.vlm), named
+# here so that telling a VLM directory from an LLM's imports no torch (a convert's refusals
+# come before torch's import: tests/cli/test_light_imports.py checks the two agree)
+VLM_MODEL_TYPE_NAMES = ("idefics3", "smolvlm", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl")
 # a patch tower's vision graph inputs after pixel_values (adapters.qwen_vision.VisionIndex.inputs)
 PATCH_INDEX = ("vision_rope", "window_index", "reverse_index", "full_segment", "window_segment")
 
@@ -77,3 +83,19 @@ def _patches(data: Any) -> dict[str, Any] | None:
             grid[1] % merge or grid[2] % merge or out["window_size"] < 0:
         raise ValueError(f"patches {data} is not a grid of whole merge units")
     return out
+
+
+def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.PathLike | None = None) -> str | None:
+    """The model_type of a vision-language model directory (or config.json) circleops
+    converts with ``--graphs vision,prefill,decode``; None for anything else (no torch)."""
+    path = Path(config) if config else Path(model) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return None
+    from circleops.inputs.user_files import read_json
+
+    try:
+        cfg = read_json(path)
+    except CircleOpsError:  # not JSON, or damaged: not a VLM directory (read again, with the error, later)
+        return None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return kind if kind in VLM_MODEL_TYPE_NAMES else None

@@ -31,6 +31,7 @@ from circleops.errors import (REPORT_BUG, CircleOpsError, ExportError, InternalE
                               VerifyError)
 from circleops.quantize import formats
 from circleops.pipeline.report import Report, VerifyResult
+from circleops import targets
 from circleops.targets import PROFILES, TargetProfile, profile
 
 # Verify tolerances, relative to max(1, max|torch output|), derived from the format: fp32
@@ -417,7 +418,7 @@ def check_size(ir_model: Any, target: str | TargetProfile) -> None:
     from circleops.serialize import writer
 
     needed = writer.constant_bytes(ir_model)
-    if needed > writer.FLATBUFFER_LIMIT:
+    if needed > targets.FLATBUFFER_LIMIT:
         raise TargetError(too_large_message(needed, p))
 
 

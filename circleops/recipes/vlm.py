@@ -60,7 +60,8 @@ from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, save_gen
 from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_update, example_args, io_names,
                                   prefill_lengths, save_tokenizer, text_lines)
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PATCH_INDEX, PIXEL_VALUES, PREFIX_LEN, ROPE_DELTA,
-                                               ROPE_POSITIONS, VISION_GRAPH, VLM_GRAPH_NAMES, VisionSpec)
+                                               ROPE_POSITIONS, VISION_GRAPH, VLM_GRAPH_NAMES, VisionSpec,
+                                               vlm_model_type)
 from circleops.adapters.vlm import BY_MODEL_TYPE, FAMILIES, family_of
 
 # model_type of config.json -> what it is; the classes are transformers'
@@ -80,22 +81,6 @@ Progress = Callable[[str], None]
 
 
 # --------------------------------------------------------------------------- the model
-
-def vlm_model_type(model: str | os.PathLike | None = None, config: str | os.PathLike | None = None) -> str | None:
-    """The model_type of a vision-language model directory (or config.json) circleops
-    converts with ``--graphs vision,prefill,decode``; None for anything else."""
-    path = Path(config) if config else Path(model) / "config.json" if model else None
-    if path is None or not path.is_file():
-        return None
-    from circleops.inputs.user_files import read_json
-
-    try:
-        cfg = read_json(path)
-    except CircleOpsError:  # not JSON, or damaged: not a VLM directory (read again, with the error, later)
-        return None
-    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-    return kind if kind in VLM_MODEL_TYPES else None
-
 
 def _classes(model_type: str) -> Any:
     import transformers

@@ -10,7 +10,8 @@ only its own layers' caches and returns their new rows (or whole caches). A
 
 Where the first part takes the embeddings (the manifest's ``part_embedding`` "head": a tied
 fp32 table stored once, as the last part's lm_head), :class:`HeadEmbedding` looks the token
-ids' rows up in that weight, read from the last part's file where it lies (mapped, not copied).
+ids' rows up in that weight, read from the last part's file where it lies (mapped, not copied);
+the first part scales them where the model's embedding does (Gemma's sqrt(hidden)).
 """
 from __future__ import annotations
 

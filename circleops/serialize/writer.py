@@ -31,9 +31,9 @@ from circleops.errors import OutputError, TargetError, UnsupportedOpError
 from circleops.serialize.buffers import BufferTable, identity_key, data_nbytes, materialize
 from circleops.serialize.composite import encode_attributes
 from circleops.serialize.schema import FormatRules, Schema, get_schema
+from circleops import targets
 
 ALIGN = 16
-FLATBUFFER_LIMIT = 2**31 - 1  # flatbuffers' 2 GiB maximum
 _COMPOSITE_OPTIONS = "StableHLOCompositeOptions"
 
 
@@ -403,10 +403,10 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
     if not weights_after:
         tail = _layout_inline(placed)
         # Past the limit the inline offsets would not even fit 32 bits: do not pack them.
-        head = bytes(_pack(m, schema.identifier)) if tail <= FLATBUFFER_LIMIT else b""
+        head = bytes(_pack(m, schema.identifier)) if tail <= targets.FLATBUFFER_LIMIT else b""
         total = _align(len(head) + tail)
-        if total <= FLATBUFFER_LIMIT or weights_after is False:
-            if total > FLATBUFFER_LIMIT:
+        if total <= targets.FLATBUFFER_LIMIT or weights_after is False:
+            if total > targets.FLATBUFFER_LIMIT:
                 if too_large is not None:
                     raise TargetError(too_large(total))
                 raise TargetError(
@@ -421,7 +421,7 @@ def _plan(m: Any, placed: list[_Placed], schema: Schema, weights_after: bool | N
     end = _layout_offset(placed, _align(size))
     head = bytes(_pack(m, schema.identifier))
     assert len(head) == size, "flatbuffer size changed between layout passes"
-    if len(head) > FLATBUFFER_LIMIT:
+    if len(head) > targets.FLATBUFFER_LIMIT:
         raise TargetError(f"the graph alone takes {len(head)} bytes, past the 2 GiB flatbuffer limit")
     return _FileLayout(head, "offset", end)
 

@@ -26,6 +26,7 @@ from circleops.system.cache_dir import cache_dir, cached_dir  # noqa: F401  (mod
 from circleops.errors import ModelLoadError
 from circleops.inputs.remote_code import refuse_remote_code
 from circleops.inputs.user_files import check_bytes, check_json_files, json_object, outside_reason, read_json
+from circleops.sources.config_json import read_config_dict  # noqa: F401  (models.read_config_dict, as before)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SEQ_LEN = 64
@@ -177,28 +178,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    cfg = read_json(path, error=ModelLoadError)
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise ModelLoadError(f"{path} is not a Hugging Face model config: it has no model_type.")
-    if not isinstance(cfg["model_type"], str):
-        raise ModelLoadError(f"{path}: model_type is {cfg['model_type']!r}, not a name (such as \"llama\"). "
-                             "Fix config.json or save the model again (save_pretrained).")
-    archs = cfg.get("architectures")
-    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise ModelLoadError(f"{path}: architectures is {str(archs)[:80]!r}, not a list of class names (such as "
-                             "[\"LlamaForCausalLM\"]). Fix config.json or save the model again (save_pretrained).")
-    return cfg
-
-
-def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """config.json as a dict, checked to be a Hugging Face config (a ModelLoadError if not)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path} not found: a Hugging Face model directory holds config.json.")
-    return _read_config(path)
-
-
 # Sizes a model is built from: anything but a positive integer builds nonsense or crashes deep
 # inside torch (nn.Linear(-16, ...)).
 _POSITIVE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -324,7 +303,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"{path} is a directory without config.json, so it is not a Hugging Face model directory. "
             f"Pass the directory that holds config.json and the *.safetensors weights.")
     refuse_remote_code(path)
-    cfg = _read_config(cfg_path)
+    cfg = read_config_dict(cfg_path)
     # every JSON file transformers may read here (generation_config.json, tokenizer_config.json,
     # the index...) is read once by circleops' reader first: a damaged one is named, not a traceback
     check_json_files(path, error=ModelLoadError, fix="The directory is damaged: download or save the model again.")
@@ -482,7 +461,7 @@ def load_config(config_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     if not path.exists():
         raise ModelLoadError(f"config not found: {config_path}. --config takes a Hugging Face config.json.")
     refuse_remote_code(path)  # its stock class in place of the custom one would be another model
-    cfg = _read_config(path)
+    cfg = read_config_dict(path)
     config = _build_config(cfg, str(path))
     cls = (model_class or _model_class)(config, cfg, str(path))
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from circleops.errors import CircleOpsError, ModelLoadError, TargetError
+from circleops.sources.config_json import read_config_dict
 from circleops.system.memory import machine_memory
 from circleops.inputs.user_files import read_json, read_safetensors_header
 
@@ -91,7 +92,8 @@ def safetensors_parameters(files: list[Path]) -> tuple[int, dict[str, int]]:
     return total, by_dtype
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of HF directory ``path`` (its index's, else every one in it)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -111,9 +113,18 @@ _DENSE = {"llama": (False, 2, None, False), "mistral": (False, 2, None, False), 
           "gemma2": (False, 4, None, True), "gemma3_text": (False, 4, "head", True)}
 
 
-def dense_parameters(cfg: dict[str, Any]) -> int | None:
-    """The parameter count of a dense decoder config of a family in :data:`_DENSE`, from its
-    sizes alone (no torch: milliseconds); None for any other config."""
+def tied_default(cfg: dict[str, Any]) -> bool:
+    """Whether transformers ties the lm_head of ``cfg``'s family to the embedding table when
+    the config does not say (a dense family's default; True where unknown, the smaller model)."""
+    family = _DENSE.get(cfg.get("model_type"))
+    return True if family is None else family[3]
+
+
+def dense_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The parameters' shapes of a dense decoder config of a family in :data:`_DENSE`, named as
+    transformers names them under ``model.`` (``model.embed_tokens.weight``,
+    ``model.layers.N.*``, ``model.norm.weight``, ``lm_head.weight`` unless tied), from its sizes
+    alone (no torch: milliseconds); None for any other config."""
     family = _DENSE.get(cfg.get("model_type"))
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     if family is None or any(not isinstance(cfg.get(k), int) for k in keys) or \
@@ -125,10 +136,39 @@ def dense_parameters(cfg: dict[str, Any]) -> int | None:
     hd = int(cfg.get("head_dim") or h // heads)
     q, kv = heads * hd, kv_heads * hd
     bias = bias or bool(cfg.get("attention_bias"))
-    layer = h * q + 2 * h * kv + q * h + (q + 2 * kv if bias else 0) + 3 * h * inter + norms * h
-    layer += {"head": 2 * hd, "proj": q + kv}.get(qk, 0)
-    tied = cfg.get("tie_word_embeddings", tied_default)
-    return v * h * (1 if tied else 2) + h + layers * layer
+    layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter)}
+    if bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    norm_names = (("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm") if cfg["model_type"] != "olmo2" else
+                  ("post_attention_layernorm", "post_feedforward_layernorm"))
+    layer.update({f"{name}.weight": (h,) for name in norm_names[:norms]})
+    if qk is not None:
+        layer.update({"self_attn.q_norm.weight": (hd if qk == "head" else q,),
+                      "self_attn.k_norm.weight": (hd if qk == "head" else kv,)})
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    shapes.update({f"model.layers.{i}.{name}": shape for i in range(layers) for name, shape in layer.items()})
+    if not cfg.get("tie_word_embeddings", tied_default):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def dense_parameters(cfg: dict[str, Any]) -> int | None:
+    """The parameter count of a dense decoder config of a family in :data:`_DENSE`
+    (:func:`dense_shapes`); None for any other config."""
+    shapes = dense_shapes(cfg)
+    if shapes is None:
+        return None
+    total = 0
+    for shape in shapes.values():
+        count = 1
+        for d in shape:
+            count *= d
+        total += count
+    return total
 
 
 def config_parameters(cfg: dict[str, Any], source: str) -> int:
@@ -166,11 +206,9 @@ def estimate(model: str | os.PathLike | None, *, config: str | os.PathLike | Non
     cfg_path = Path(config) if config is not None else (Path(model) / "config.json" if model is not None else None)
     if cfg_path is None or not cfg_path.is_file():
         return None
-    from circleops.sources.models import read_config_dict
-
     cfg = read_config_dict(cfg_path)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    files = _safetensors_files(Path(model)) if config is None and model is not None else []
+    files = safetensors_files(Path(model)) if config is None and model is not None else []
     if files:
         params, _ = safetensors_parameters(files)
     elif config is not None:
@@ -183,6 +221,39 @@ def estimate(model: str | os.PathLike | None, *, config: str | os.PathLike | Non
                         quantize=quantize, max_positions=positions if isinstance(positions, int) else None,
                         tied_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                         vocab_size=text.get("vocab_size"), hidden_size=text.get("hidden_size"))
+
+
+def option_dtype(value: Any) -> str | None:
+    """The float dtype name ("float32", "float16", ...) a --dtype value names (None: float32;
+    a torch dtype too), read without torch; None for a value that names none."""
+    from circleops.dtypes import FLOAT_NAMES
+
+    return "float32" if value is None else FLOAT_NAMES.get(str(value).lower().removeprefix("torch."))
+
+
+def check_request(model: str | os.PathLike | None, config: str | os.PathLike | None, target: str, *,
+                  dtype: Any = None, quantize: str | None = None, max_cache_len: int | None = None,
+                  file_limit: bool = True, build: bool = True) -> None:
+    """:func:`check` of the model at ``model`` (or ``config``) converted as asked (--dtype,
+    --quantize as given), with the standard library only: a command's refusals that sizes
+    decide come before torch's import (seconds: most of such a refusal's time). A dtype or
+    format it does not know is left to the command's own checks (nothing refused here), and
+    so is a ``config`` not of a dense family unless ``build`` (its causal LM built on meta:
+    torch, and only for a config that is a causal LM's)."""
+    name = option_dtype(dtype)
+    if name is None or (quantize is not None and quantize not in FORMAT_BYTES):
+        return
+    if not build and config is not None and not (Path(config).is_file() and _causal_dense(read_config_dict(config))):
+        return
+    check(estimate(model, config=config, quantize=quantize, dtype=name), target, max_cache_len=max_cache_len,
+          file_limit=file_limit)
+
+
+def _causal_dense(cfg: dict[str, Any]) -> bool:
+    """Whether ``cfg`` is a dense family's causal LM (its architectures, if it names any, all
+    ...ForCausalLM: the model --config builds), whose parameters dense_shapes counts exactly."""
+    archs = cfg.get("architectures") or []
+    return dense_parameters(cfg) is not None and all(str(a).endswith("ForCausalLM") for a in archs)
 
 
 def too_large_message(needed: int, target: str, estimated: bool = False) -> str:
@@ -200,7 +271,7 @@ def too_large_message(needed: int, target: str, estimated: bool = False) -> str:
 
 def exceeds_file_limit(est: SizeEstimate, target: str) -> bool:
     """Whether one file of every weight cannot be read by ``target`` (onert: past 2 GiB)."""
-    from circleops.serialize.writer import FLATBUFFER_LIMIT
+    from circleops.targets import FLATBUFFER_LIMIT
     from circleops.targets import profile
 
     return not profile(target).weights_after_flatbuffer and est.file_bytes > FLATBUFFER_LIMIT
@@ -227,5 +298,6 @@ def check(est: SizeEstimate | None, target: str, *, max_cache_len: int | None = 
                           f"memory, or a smaller model.")
 
 
-__all__ = ["CONVERT_PEAK", "SizeEstimate", "bytes_per_weight", "check", "estimate",
-           "exceeds_file_limit", "machine_memory", "safetensors_parameters", "too_large_message", "weight_bytes"]
+__all__ = ["CONVERT_PEAK", "SizeEstimate", "bytes_per_weight", "check", "check_request", "dense_parameters", "dense_shapes", "estimate",
+           "exceeds_file_limit", "machine_memory", "option_dtype", "safetensors_files", "safetensors_parameters", "tied_default", "too_large_message",
+           "weight_bytes"]

@@ -170,9 +170,9 @@ def test_onert_past_2_gib(graphs, capsys, tmp_path, llama_dir, monkeypatch):
     """A model whose file would pass 2 GiB (a lowered limit stands for it): target onert
     refuses one file, since onert cannot read weights stored after the flatbuffer, and the
     graphs when one layer alone cannot fit a file; nothing is written."""
-    from circleops.serialize import writer
+    from circleops import targets
 
-    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", 64 * 1024)  # the tiny Llama's weights are ~1 MB
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", 64 * 1024)  # the tiny Llama's weights are ~1 MB
     out = tmp_path / ("out" if graphs else "m.circle")
     extra = ["--graphs", "prefill,decode", "--max-cache-len", "16"] if graphs else []
     code, stdout, err = convert(capsys, str(llama_dir), "-o", str(out), "--target", "onert", "--seq-len", "8", *extra)
@@ -195,11 +195,11 @@ def test_onert_graphs_past_2_gib_are_split(capsys, tmp_path, llama_dir, monkeypa
     written as layer-range files, not refused from its sizes (issue 32: the Llama-3.2-1B
     shape in fp32 was refused by the CLI before the split could run)."""
     from circleops.package.manifest import read_manifest
-    from circleops.serialize import writer
+    from circleops import targets
     from circleops.sources import sizes
 
     whole = sizes.estimate(str(llama_dir)).file_bytes
-    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", int(whole * 0.75))
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", int(whole * 0.75))
     out = tmp_path / "out"
     code, stdout, err = convert(capsys, str(llama_dir), "-o", str(out), "--target", "onert", "--seq-len", "8",
                                 "--graphs", "decode", "--max-cache-len", "16")

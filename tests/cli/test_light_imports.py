@@ -95,3 +95,12 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(llam
     loaded = _modules_after(code)
     assert not loaded & set(RUNTIMES_AND_READERS + HEAVY), sorted(loaded & set(RUNTIMES_AND_READERS + HEAVY))
     assert not out.parent.exists()
+
+
+def test_vlm_model_types_named_without_torch_are_the_recipes():
+    """convert tells a VLM directory from an LLM's by the names vision_manifest keeps without
+    torch; they must be the converted rows' model_types (a new VLM row adds its name there)."""
+    from circleops.package.vision_manifest import VLM_MODEL_TYPE_NAMES
+    from circleops.recipes.vlm import VLM_MODEL_TYPES
+
+    assert sorted(VLM_MODEL_TYPE_NAMES) == sorted(VLM_MODEL_TYPES)

@@ -5,10 +5,17 @@ The model is never loaded: ``models.load`` raises if it is called."""
 from __future__ import annotations
 
 import json
+import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from families import BY_NAME
+
+from circleops.inputs.user_files import read_safetensors_header
+from circleops.package import split
 from circleops.sources import models
 from circleops.sources import sizes
 from circleops.cli import main
@@ -94,3 +101,98 @@ def test_machine_memory_refused_before_loading(capsys, tmp_path, config_1b, no_l
     err = _error(capsys, "--config", str(config_1b), "--target", "tflite", "--graphs", "prefill,decode",
                  "-o", str(tmp_path / "out"))
     assert "1.24 B parameters" in err and "needs about 6.4 GB of memory" in err and "has 4.3 GB" in err
+
+
+def _header_only_dir(path, cfg):
+    """An HF directory of ``cfg`` (a dense family's) whose model.safetensors is its header and a
+    hole of the weights' bytes (a sparse file: nothing written, nothing loadable worth reading):
+    what a 1B model's sizes say, on any disk."""
+    header, offset = {}, 0
+    for name, shape in sizes.dense_shapes(cfg).items():
+        n = 4
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    return path
+
+
+@pytest.fixture
+def dir_1b(tmp_path):
+    return _header_only_dir(tmp_path / "llama-1b", LLAMA_1B)
+
+
+# each refusal the sizes decide, as the CLI is asked for it: (argv after MODEL -o OUT, the error)
+REFUSALS = {
+    "onert-file": (["--target", "onert"], "bytes (> 2 GiB) for target onert"),
+    "cache-length": (["--graphs", "prefill,decode", "--max-cache-len", "200000"], "max_position_embeddings 131072"),
+    "unsplittable": (["--graphs", "prefill,decode", "--target", "onert", "--max-file-bytes", "100000000"],
+                     "cannot be split into files of at most 100000000 bytes: layer 0 alone take 243286016 bytes"),
+    "integer-split": (["--graphs", "prefill,decode", "--target", "circle", "--quantize", "uint8",
+                       "--max-file-bytes", str(3 * 10**9)], "--quantize uint8 --graphs writes one file of every layer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+@pytest.mark.parametrize("source", ["headers", "config"])
+def test_refusals_come_before_torch(case, source, dir_1b, tmp_path):
+    """Each refusal the sizes decide, from the safetensors headers or the config alone, in a fresh
+    CLI process that never imports torch or transformers (importing them was 4-10 s of CPU and
+    30-48 s of wall time of such a refusal on a loaded machine; the refusal itself is ms)."""
+    argv, message = REFUSALS[case]
+    if case == "onert-file":
+        out = str(tmp_path / "m.circle")
+    else:
+        out = str(tmp_path / "out")
+    model = [str(dir_1b)] if source == "headers" else ["--config", str(dir_1b / "config.json")]
+    code = ("import contextlib, io, json, sys\nfrom circleops.cli import main\nerr = io.StringIO()\n"
+            f"with contextlib.redirect_stderr(err):\n    code = main(['convert', *{model!r}, '-o', {out!r}, *{argv!r}])\n"
+            "print(json.dumps([code, err.getvalue(), sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, err, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status == 2 and message in err and "Traceback" not in err, err
+    assert heavy == [], heavy
+
+
+@pytest.mark.parametrize("family, tied", [("llama", True), ("llama", False), ("gemma3", True)])
+def test_split_sizes_from_headers_are_the_models(family, tied, tmp_path):
+    """The split plan's sizes from the safetensors headers (and from a dense config's sizes) are
+    the loaded model's (split.part_bytes) in each format's bytes, so the refusal from the
+    headers is the plan's own."""
+    model = BY_NAME[family].build(tie_word_embeddings=tied, vocab_size=512)
+    model.save_pretrained(tmp_path)
+    headers = {n: i["shape"] for n, i in read_safetensors_header(tmp_path / "model.safetensors").items()}
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for quantize in (None, "q4_0", "w8"):
+        want = split.part_bytes(model, quantize)
+        assert split.named_part_bytes(headers, tied, quantize) == want, quantize
+        assert split.named_part_bytes(sizes.dense_shapes(cfg), tied, quantize) == want, quantize
+
+
+def test_vlm_cache_length_refused_before_torch(tmp_path):
+    """A vision-language model's cache longer than its text model's positions, from config.json
+    and the headers in a fresh CLI process that imports no torch (the VLM recipe's module does)."""
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "idefics3", "architectures": [
+        "Idefics3ForConditionalGeneration"], "text_config": {"model_type": "llama", "max_position_embeddings": 128}}))
+    blob = json.dumps({"model.text_model.norm.weight": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}).encode()
+    (vlm / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(32))
+    out = str(tmp_path / "out")
+    code = ("import contextlib, io, json, sys\nfrom circleops.cli import main\nerr = io.StringIO()\n"
+            f"with contextlib.redirect_stderr(err):\n    code = main(['convert', {str(vlm)!r}, '-o', {out!r}, "
+            "'--graphs', 'vision,prefill,decode', '--max-cache-len', '200'])\n"
+            "print(json.dumps([code, err.getvalue(), sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, err, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status == 2 and "--max-cache-len 200 is more than" in err and "max_position_embeddings 128" in err, err
+    assert heavy == [], heavy

@@ -115,12 +115,13 @@ def test_onert_refuses_a_model_past_2_gib_before_writing(llama, tmp_path, monkey
     that layout. A lowered limit stands for 2 GiB (writing 2 GiB would take minutes)."""
     import re
 
+    from circleops import targets
     from circleops.serialize import writer
 
     fits = tmp_path / "fits.circle"
     circleops.convert(llama, (example_ids(SEQ),), fits, target="onert")
     limit = fits.stat().st_size // 2
-    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", limit)
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", limit)
     real_write = writer.write_model
     monkeypatch.setattr(writer, "write_model", lambda *a, **k: pytest.fail("the writer ran"))
     out = tmp_path / "m.circle"

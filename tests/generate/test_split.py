@@ -108,6 +108,7 @@ def test_split_files_and_manifest(split_onert, limit):
             assert outs[1:] == [f"k_new_{j}", f"v_new_{j}"]
     assert report.graphs["decode"].part_files == data["part_files"]["decode"]
     assert "split: 4 consecutive files per graph" in report.summary()
+    assert "the tied table stored once" in report.summary()
 
 
 # 5 tokens: one 8-row chunk, padded; 11 tokens: an 8-row chunk, then a 4-row one
@@ -178,3 +179,35 @@ def test_damaged_parts_are_refused(split_onert, tmp_path):
         manifest_json.edit(out, broken, to=d)
         with pytest.raises(ModelLoadError):
             read_manifest(d)
+
+
+# Gemma's embeddings are the table's rows times sqrt(hidden) (transformers' *ScaledWordEmbedding);
+# a vocab 64x the hidden size makes the tied table most of the weights, as in a 1B Gemma 3
+GEMMA_VOCAB, GEMMA_LAYERS = 4096, 2
+
+
+def test_gemma3_scaled_table_is_stored_once(tmp_path):
+    """A tied Gemma 3 split in two files stores its [vocab, hidden] table once, as the last
+    part's lm_head: the first part takes the rows the generator looks up and scales them by
+    sqrt(hidden) itself (the table kept in the first file too, for Gemma's scaled embedding,
+    doubled its bytes: a Gemma-3-1B's 1.2 GB). Greedy tokens through the parts are transformers'."""
+    model = BY_NAME["gemma3"].build(num_hidden_layers=GEMMA_LAYERS, tie_word_embeddings=True, vocab_size=GEMMA_VOCAB)
+    sizes = part_bytes(model)
+    table = GEMMA_VOCAB * model.config.hidden_size
+    # room for the table and one layer, not two layers: two parts however the table is counted
+    limit = int((sizes.embedding + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096
+    convert_graphs(copy.deepcopy(model), tmp_path, target="onert", prefill_len=8, max_cache_len=TINY_CACHE,
+                   max_file_bytes=limit, source="tiny tied gemma3")
+    data = manifest_json.fields(tmp_path)
+    assert data["parts"] == [[0, 1], [1, 2]]
+    files = sorted({f for names in data["part_files"].values() for f in names})
+    # every [vocab, hidden] constant (the table, scaled or not) of every file: the lm_head of
+    # each graph's last part only (onert keeps a file per graph: one per graph)
+    tables = [(f, t.name) for f in files for sub in read_model(str(tmp_path / f)).subgraphs for t in sub.tensors
+              if t.data is not None and t.data.size == table]
+    assert len(tables) == len(data["part_files"]) and all(".part1." in f for f, _ in tables), tables
+    assert data.get("part_embedding") == "head"
+    assert sum((tmp_path / f).stat().st_size for f in files) < 4 * table * (1 + 1 / 2) * len(data["part_files"])
+    gen = Generator(tmp_path, runtime="onert")
+    for prompt in PROMPTS:
+        assert gen.generate(list(prompt), NEW).tokens == hf_greedy(model, list(prompt), NEW), prompt

@@ -89,9 +89,9 @@ def test_a_registered_target_writes_graphs_one_file_each_and_generates(tmp_path,
 
 
 def test_a_registered_targets_size_rule_holds(tmp_path, registered, monkeypatch):
-    from circleops.serialize import writer
+    from circleops import targets as target_facts
 
-    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", 4096)  # the graph fits, its 16 KB of weights do not
+    monkeypatch.setattr(target_facts, "FLATBUFFER_LIMIT", 4096)  # the graph fits, its 16 KB of weights do not
     model = torch.nn.Linear(64, 64)
     with pytest.raises(TargetError, match=f"for target {TARGET}; {RUNTIME} 0.1.0 cannot read weights"):
         circleops.convert(model, (torch.randn(1, 64),), tmp_path / "m.circle", target=TARGET)

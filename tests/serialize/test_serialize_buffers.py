@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from circleops import ir
+from circleops import ir, targets
 from circleops.errors import OutputError, TargetError
 from circleops.serialize import read_model, write_model
 from circleops.serialize import writer as writer_mod
@@ -102,7 +102,7 @@ def test_switches_to_offset_layout_past_the_limit(tmp_path, monkeypatch):
     inline = write_model(model, tmp_path / "m.tflite", "tflite")
     assert inline.layout == "inline"
     # a limit just below this file's size stands for 2 GiB
-    monkeypatch.setattr(writer_mod, "FLATBUFFER_LIMIT", inline.file_bytes - 1)
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", inline.file_bytes - 1)
     info = write_model(model, tmp_path / "m.tflite", "tflite")
     assert info.layout == "offset" and info.flatbuffer_bytes < inline.file_bytes
     from circleops.runtime import litert
@@ -179,7 +179,7 @@ def test_inline_only_past_the_limit_uses_the_callers_message(tmp_path, monkeypat
     model, _ = tiny_models.fc_add()
     fits = write_model(model, tmp_path / "m.circle", weights_after=False)
     assert fits.layout == "inline"
-    monkeypatch.setattr(writer_mod, "FLATBUFFER_LIMIT", fits.file_bytes - 1)
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", fits.file_bytes - 1)
     with pytest.raises(TargetError, match=rf"^onert cannot: {fits.file_bytes}$"):
         write_model(model, tmp_path / "n.circle", weights_after=False, too_large=lambda n: f"onert cannot: {n}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.circle"]  # no file, no temp file

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import circleops
-from circleops.serialize import writer
+from circleops import targets
 from families import BY_NAME, example_ids
 from tflite_util import litert, read
 
@@ -28,7 +28,7 @@ def test_past_the_limit_weights_go_after_the_flatbuffer(tmp_path, monkeypatch):
     assert inline > 0 and after == 0
 
     # a limit the graph fits under but graph + weights do not: what a 2 GiB model meets
-    monkeypatch.setattr(writer, "FLATBUFFER_LIMIT", small.stat().st_size // 2)
+    monkeypatch.setattr(targets, "FLATBUFFER_LIMIT", small.stat().st_size // 2)
     big = tmp_path / "offset.tflite"
     report = circleops.convert(model, (ids,), big, target="tflite", verify=True)
     assert report.verify.runtime == "litert" and report.verify.passed
