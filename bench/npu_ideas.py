@@ -111,7 +111,7 @@ def rounded(model, samples, o: dict):
                 q, s_r, m = G.gptq_grouped(lin.weight, h, 4, o["group"], damp=o["damp"], act_order=True,
                                            clip_search=True)
                 if o["refine"]:
-                    q = G.refine_grouped(lin.weight, h, q, s_r, m, o["group"], passes=o["refine"])
+                    q = G.refine_grouped(lin.weight, h, q, s_r[:, None] * m, o["group"], passes=o["refine"])
                 lin.weight.copy_(Q.record(report, name, lin, q, s_r, m))
         yield report
     finally:

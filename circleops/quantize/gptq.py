@@ -56,7 +56,7 @@ def gptq_grouped(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, *, dam
     block = max(BLOCK // group, 1) * group  # a group never straddles two blocks
     q, row_scale, mult = _gptq(w, h, bits, group, block, damp, act_order=act_order, clip_search=clip_search)
     if refine and bits == 4:
-        q = refine_grouped(w, h, q, row_scale, mult, group, passes=refine, damp=damp)
+        q = refine_grouped(w, h, q, row_scale[:, None] * mult, group, passes=refine, damp=damp)
     return q, row_scale, mult
 
 
@@ -139,15 +139,14 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, block: int, d
     return q, (row_scale if group else scale), mult
 
 
-def refine_grouped(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor,
-                   mult: torch.Tensor, group: int, *, passes: int = 2, damp: float = DAMP,
-                   block: int = BLOCK) -> torch.Tensor:
+def refine_grouped(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, *,
+                   passes: int = 2, damp: float = DAMP, block: int = BLOCK) -> torch.Tensor:
     """Coordinate descent after GPTQ on the per-group grid: GPTQ rounds each column once, in
     one order, so a later column's rounding can leave an earlier choice no longer the best.
     Each pass visits every column (by decreasing Hessian diagonal) and moves its integers (all
     rows at once) to the level that minimises the layer's output error (w - ŵ) H (w - ŵ)ᵀ given
-    the other columns (H damped as GPTQ damps it); the error never rises. The scales stay; the
-    new integers [rows, cols].
+    the other columns (H damped as GPTQ damps it); the error never rises. ``scales`` [rows,
+    cols / group] (a row's scale times the group's multiplier) stay; the new integers [rows, cols].
 
     The gradient (w - ŵ)·H is kept blockwise, as GPTQ keeps its error: within a block of
     ``block`` columns each move updates only the block's columns, and the block's moves reach
@@ -168,7 +167,7 @@ def refine_grouped(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, row_scale:
     perm = torch.argsort(torch.diagonal(h), descending=True)
     h = h[perm][:, perm]
     diag = torch.diagonal(h).clone()
-    scale = (row_scale[:, None].to(torch.float32) * mult.to(torch.float32)).repeat_interleave(group, dim=1)
+    scale = scales.to(torch.float32).repeat_interleave(group, dim=1)
     scale = scale[:, perm].T.contiguous()
     q = q.detach().to(torch.float32)[:, perm].T.contiguous()
     g = h @ (w[:, perm].T - q * scale)  # the gradient's half, transposed: H · (residual)ᵀ (H symmetric)

@@ -174,8 +174,8 @@ def test_coordinate_descent_after_gptq_lowers_the_output_error():
         return float(torch.einsum("ri,ij,rj->", e, damped, e))
 
     before = objective(q)
-    one = refine_grouped(w, h, q, s_r, m, 32, passes=1)
-    two = refine_grouped(w, h, q, s_r, m, 32, passes=2)
+    one = refine_grouped(w, h, q, s_r[:, None] * m, 32, passes=1)
+    two = refine_grouped(w, h, q, s_r[:, None] * m, 32, passes=2)
     assert one.abs().max() <= 7 and torch.equal(one, one.round())
     assert objective(two) <= objective(one) <= before
     assert err(grouped.dequantize(two, s_r, m, 32)) < 0.9 * err(grouped.dequantize(q, s_r, m, 32))  # 0.84 measured
@@ -213,7 +213,7 @@ def test_blockwise_refinement_equals_the_per_column_definition(block):
     q, s_r, m = gptq_grouped(w, h, 4, 16)
     want = _refine_per_column(w, h, q, s_r, m, 16, 2, DAMP)
     assert int((want != q).sum()) > 20  # the refinement moves integers: the comparison is not vacuous
-    assert torch.equal(refine_grouped(w, h, q, s_r, m, 16, passes=2, block=block), want)
+    assert torch.equal(refine_grouped(w, h, q, s_r[:, None] * m, 16, passes=2, block=block), want)
 
 
 def test_int16_grouped_int4_llm_end_to_end(tmp_path):
