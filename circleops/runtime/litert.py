@@ -416,7 +416,7 @@ class Session:
         arrays = [np.asarray(x) for x in in_order(self.inputs, inputs, where)]
         # against the shape signature: only a dynamic (-1) dimension may be resized, any other
         # difference ends in an XNNPACK error or outputs of another shape
-        check_inputs(self._signature_specs, arrays, where)
+        check_inputs(self._signature_specs, arrays, where, getattr(self, "_views", None) or ())
         # a 0-d input passes for [1] (check_inputs); not np.ascontiguousarray: it would turn
         # a 0-d input into shape (1,) silently
         arrays = [x.reshape(1) if x.ndim == 0 and shape == (1,) else x for x, shape in zip(arrays, self._shapes)]
