@@ -10,8 +10,8 @@
     python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-int4 circleops-tflite-int4-b128 \
         circleops-tflite-int4-pc --threads 1 2 --rounds 3 --results bench/results/22-int4-tflite.yaml --write  # issue 34
     python bench/llm_speed.py --engines circleops-tflite-int4 circleops-tflite-int4-copied circleops-tflite-w8 \
-        circleops-tflite-w8-copied --decode-after 5 300 --results bench/results/44-litert-caches-in-place.yaml --write
-        # issue 34: the decode caches read in place against the copying path, same files, interleaved
+        circleops-tflite-w8-copied --decode-after 5 300   # issue 34: caches in place against copied, same files
+        # (bench/int4_decode_inplace.py measures it interleaved inside one process: bench/results/44-*)
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generation.generator.Generator) against ik_llama.cpp
