@@ -297,7 +297,9 @@ class _SignatureRunner:
         the order of its inputs; None unless every input has one. An input given to :meth:`run`
         as the very array returned here is not copied: it is already where the run reads it."""
         with delegate_banner_hidden(_SETUP_LOG):  # a buffer's first use may set up LiteRT's environment
-            views = [host_view(self._in_buffers[n], d["dtype"], d["shape"], self) for n, d in zip(self._ins, self.in_details)]
+            # each array keeps its TensorBuffer alive (not this runner: the runner holds the
+            # arrays, and a cycle would keep the buffers past the session until a gc pass)
+            views = [host_view(self._in_buffers[n], d["dtype"], d["shape"]) for n, d in zip(self._ins, self.in_details)]
         if any(v is None for v in views):
             return None
         self._views = views
