@@ -9,6 +9,9 @@
         --threads 1 2 --rounds 3 --fresh --results bench/results/18-w8-tflite.yaml --write   # the w8 rows alone
     python bench/llm_speed.py --engines circleops-tflite-w8 circleops-tflite-int4 circleops-tflite-int4-b128 \
         circleops-tflite-int4-pc --threads 1 2 --rounds 3 --results bench/results/22-int4-tflite.yaml --write  # issue 34
+    python bench/llm_speed.py --engines circleops-tflite-int4 circleops-tflite-int4-copied circleops-tflite-w8 \
+        circleops-tflite-w8-copied --decode-after 5 300   # issue 34: caches in place against copied, same files
+        # (bench/int4_decode_inplace.py measures it interleaved inside one process: bench/results/44-*)
 
 The onert table: circleops on onert (`circleops convert smollm2 --graphs prefill,decode
 --target onert [--quantize q4_0]`, run by circleops.generation.generator.Generator) against ik_llama.cpp
@@ -78,6 +81,12 @@ ENGINES = {
     # the int4 file without cache windows (every decode step and prefill chunk over all C slots)
     "circleops-tflite-int4-nowindow": ("litert", "circleops --target tflite --quantize int4 --cache-windows none",
                                        "int4", "circleops-litert"),
+    # the same files with every decode step copying its cache windows into LiteRT's input buffers
+    # (Generator.caches_in_place False: circleops before the in-place caches, issue 34)
+    "circleops-tflite-w8-copied": ("litert", "circleops --target tflite --quantize w8 on LiteRT, caches copied per step",
+                                   "w8", "circleops-litert"),
+    "circleops-tflite-int4-copied": ("litert", "circleops --target tflite --quantize int4 on LiteRT, caches copied per "
+                                     "step", "int4", "circleops-litert"),
     # issue 34's anchors: ExecuTorch's 8da4w export (optimum-executorch, XNNPACK; its own venv,
     # --executorch-python) and litert-torch's fp32 export quantized by ai-edge-quantizer's int4 recipes
     "executorch-8da4w": ("litert", "ExecuTorch 1.5.1 8da4w + 8-bit embedding (optimum-executorch, XNNPACK)", "8da4w",
@@ -98,6 +107,8 @@ ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32":
 # a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
 SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
                                                      "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow")}
+# a third ratio column: the in-place caches against the same file's copying path (issue 34)
+BEFORE = {"circleops-tflite-w8": "circleops-tflite-w8-copied", "circleops-tflite-int4": "circleops-tflite-int4-copied"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
 CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
                  "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
@@ -127,12 +138,13 @@ def _timed(fn):
 class _Circleops:
     """circleops' Generator on a converted directory (onert or LiteRT)."""
 
-    def __init__(self, artifact: str, threads: int, runtime: str, exact: bool = False):
+    def __init__(self, artifact: str, threads: int, runtime: str, exact: bool = False, copied: bool = False):
         from circleops.generation.generator import Generator
 
         # as `circleops generate --threads N` runs: N is the budget, each graph at its own count
         # (onert's decode at 1); exact: NUM_THREADS=N for every graph (the environment's)
         self.gen = Generator(artifact, runtime=runtime, threads=None if exact else threads)
+        self.gen.caches_in_place = not copied  # copied: every decode step writes its whole cache windows
         self.threads = self.gen.threads
 
     def ttft(self, ids: list[int]) -> int:
@@ -324,7 +336,7 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
     if kind == "circleops":
         runner = _Circleops(artifact, threads, "onert", spec.get("exact_threads", False))
     elif kind == "circleops-litert":
-        runner = _Circleops(artifact, threads, "litert", spec.get("exact_threads", False))
+        runner = _Circleops(artifact, threads, "litert", spec.get("exact_threads", False), engine.endswith("-copied"))
     elif kind == "torch":
         runner = _Torch(artifact, threads)
     elif kind == "litert-torch":
@@ -348,10 +360,16 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
     runner.decode(short, 2)  # warm-up of the decode path
     wall, cpu = runner.decode(short, spec["decode_steps"])
     out["decode_ms"], out["decode_cpu_ms"] = 1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]
+    for n in spec.get("decode_after", []):  # decode after longer prompts: wider cache windows
+        if n != min(spec["prompts"], key=int):
+            runner.decode(spec["prompts"][n], 2)  # warm-up: the steps past this prompt run a wider window's graph
+            wall, cpu = runner.decode(spec["prompts"][n], spec["decode_steps"])
+            out.setdefault("decode_after", {})[n] = [1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]]
     if kind == "ik":
         out["flash_attn"] = runner.flash_attn
     if kind.startswith("circleops"):
         out["graph_threads"] = runner.threads
+        out["cache_io"] = getattr(runner.gen, "cache_io", "")
     return out
 
 
@@ -474,6 +492,8 @@ def summarise(runs: list[dict]) -> dict[tuple[str, int], dict]:
                "ttft_cpu": {n: statistics.median(r["ttft_cpu"][n] for r in rs) for n in rs[0]["ttft"]},
                "decode_ms": statistics.median(r["decode_ms"] for r in rs),
                "decode_cpu_ms": statistics.median(r["decode_cpu_ms"] for r in rs),
+               "decode_after": {n: [statistics.median(r["decode_after"][n][i] for r in rs) for i in (0, 1)]
+                                for n in rs[0].get("decode_after", {})},
                "first_token": rs[0]["first_token"]}
         out[key] = med
     return out
@@ -488,6 +508,14 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
     second = any(e in SECOND_ANCHOR and ENGINES[e][0] == which for e in engines)
     if second:
         columns.append("decode / circleops w8: wall (CPU)")
+    before = any(e in BEFORE and BEFORE[e] in engines and ENGINES[e][0] == which for e in engines)
+    after = sorted({n for (e, _), s in summary.items() if ENGINES[e][0] == which for n in s.get("decode_after", {})},
+                   key=int)
+    for n in after:
+        columns += [f"decode after {n} tokens ms/token", f"decode after {n} tokens CPU ms/token"]
+    if before:
+        columns += ["decode / caches copied: wall (CPU)"] + [f"decode after {n} / caches copied: wall (CPU)"
+                                                            for n in after]
     rows = []
     for t in threads:
         for e in engines:
@@ -507,6 +535,16 @@ def table(summary: dict, engines: list[str], threads: list[int], lengths: list[i
                 b = summary.get((SECOND_ANCHOR.get(e, ""), t))
                 row.append(f"{s['decode_ms'] / b['decode_ms']:.2f} ({s['decode_cpu_ms'] / b['decode_cpu_ms']:.2f})"
                            if b else "")
+            for n in after:
+                d = s.get("decode_after", {}).get(n)
+                row += [f"{d[0]:.1f}", f"{d[1]:.1f}"] if d else ["", ""]
+            if before:
+                c = summary.get((BEFORE.get(e, ""), t))
+                row.append(f"{s['decode_ms'] / c['decode_ms']:.2f} ({s['decode_cpu_ms'] / c['decode_cpu_ms']:.2f})"
+                           if c else "")
+                for n in after:
+                    d, b = s.get("decode_after", {}).get(n), (c or {}).get("decode_after", {}).get(n)
+                    row.append(f"{d[0] / b[0]:.2f} ({d[1] / b[1]:.2f})" if d and b else "")
             rows.append(row)
     return {"columns": columns, "align": ["left"] + ["right"] * (len(columns) - 1), "rows": rows}
 
@@ -529,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, nargs="+", default=[5, 300], help="prompt lengths (tokens) for TTFT")
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--decode-after", type=int, nargs="+", default=[],
+                    help="also measure decode after these prompt lengths (of --prompts; the shortest always)")
     ap.add_argument("--reps", type=int, default=1, help="TTFT measurements per child (their median)")
     ap.add_argument("--exact-threads", action="store_true",
                     help="circleops: NUM_THREADS=N for every graph, not N as the budget (Generator threads=N)")
@@ -571,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = prepare(work, engines, ik_python, litert_python, fresh=args.fresh, litert_torch_dir=args.litert_torch_dir,
                         executorch_python=et_python)
     spec = {"prompts": prompt_ids(args.prompts), "decode_steps": args.decode_steps, "reps": args.reps,
-            "exact_threads": args.exact_threads}
+            "exact_threads": args.exact_threads, "decode_after": [str(n) for n in args.decode_after]}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     flags = cpu_flags()

@@ -77,6 +77,14 @@ def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_upda
     if cache_update != "rows":
         return list(outputs)  # the next run's input check (check_inputs) sees their shapes
     check_cache_outputs(caches, outputs, cache_layout)
+    write_rows(caches, outputs, pos, cache_layout)
+    return caches
+
+
+def write_rows(caches: list[Any], outputs: Sequence[Any], pos: int, cache_layout: str = SLOT_MAJOR) -> None:
+    """Write each of ``outputs``' S new rows into ``caches`` at slots pos..pos+S-1 in place, in
+    ``cache_layout`` (slots past a cache's end are dropped: a cache window takes only its own);
+    the outputs are taken as checked (:func:`check_cache_outputs`)."""
     half = len(caches) // 2
     for i, (cache, rows) in enumerate(zip(caches, outputs)):
         if cache_layout == HEAD_MAJOR:
@@ -92,7 +100,6 @@ def store_caches(caches: list[Any], outputs: Sequence[Any], pos: int, cache_upda
         else:
             n = min(rows.shape[1], cache.shape[1] - pos)
             cache[:, pos:pos + n] = rows[:, :n]
-    return caches
 
 
 def clear_slots(caches: list[Any], n: int, cache_layout: str = SLOT_MAJOR) -> None:
@@ -115,3 +122,87 @@ def cache_window(caches: list[Any], window: int, cache_layout: str = SLOT_MAJOR)
         index[_slot_axis(cache_layout, i, half)] = slice(0, window)
         views.append(cache[tuple(index)])
     return views
+
+
+IN_PLACE, COPIED = "in place", "copied"  # WindowStore.path: how a session's cache inputs reached it
+
+
+class WindowStore:
+    """The decode sessions' cache inputs kept in the runtime's own input memory, so that a
+    decode step writes only its new rows there instead of its whole cache window (issue 34).
+
+    LiteRT's Session gives writable arrays over the input buffers its run reads
+    (``input_views``, circleops.runtime.litert). A session's views are made equal to the
+    caches' window once (:meth:`inputs`: a copy of the window, as every step did before); from
+    then on each step's rows go into them (:meth:`stored`) beside the caches, so they stay
+    equal to the window the copying path would write. Any other change of the caches (a
+    prefill, a reset, new arrays) makes every session copy its window again on its next step
+    (:meth:`changed`). A session without views (onert, the reference interpreter, a split
+    model's chain, LiteRT without the C API symbols or with non-host buffers) gets ``None``
+    from :meth:`inputs`: the caller passes the window as before.
+    """
+
+    def __init__(self, layout: str):
+        self.layout = layout
+        self._views: dict[int, tuple[Any, list[Any] | None]] = {}  # id(session) -> (session, its cache views)
+        self._current: int | None = None  # id of the session whose views equal the window, if any
+        self._master: list[Any] | None = None  # the caches (list) they equal
+        self.path: str = ""  # how the last step's caches reached its session: IN_PLACE, COPIED or "" (no views asked)
+
+    def changed(self) -> None:
+        """The caches changed other than through :meth:`stored`: no session's views are current."""
+        self._current = None
+
+    def _bind(self, session: Any, first: int, windows: list[Any]) -> list[Any] | None:
+        """``session``'s views of its cache inputs first..first+len(windows)-1, if it gives
+        views of their shapes and dtypes, else None (made once per session)."""
+        key = id(session)
+        bound = self._views.get(key)
+        if bound is None or bound[0] is not session:
+            ask = getattr(session, "input_views", None)
+            views = ask() if ask is not None else None
+            if views is not None:
+                views = views[first:first + len(windows)]
+                if len(views) != len(windows) or any(v.shape != w.shape or v.dtype != w.dtype
+                                                     for v, w in zip(views, windows)):
+                    views = None
+            self._views[key] = bound = (session, views)
+            self.path = IN_PLACE if views is not None else COPIED if ask is not None else ""
+        return bound[1]
+
+    def inputs(self, session: Any, first: int, caches: list[Any], width: int, in_place: bool = True) -> list[Any] | None:
+        """The cache inputs to give ``session`` (whose caches start at input ``first`` and span
+        ``width`` slots of ``caches``): its own input memory, equal to the caches' first
+        ``width`` slots (copied there when it is not already), or None where it has none (or
+        not ``in_place``: the caller copies the window, as runtimes without views do)."""
+        if not in_place:
+            self._current = None
+            self.path = COPIED if getattr(session, "input_views", None) is not None else ""
+            return None
+        bound = self._views.get(id(session))
+        if bound is not None and bound[0] is session and self._current == id(session) and self._master is caches:
+            self.path = IN_PLACE
+            return bound[1]
+        windows = cache_window(caches, width, self.layout) if width < _slots(caches, self.layout) else caches
+        views = self._bind(session, first, windows)
+        if views is None:
+            self.path = COPIED if getattr(session, "input_views", None) is not None else ""
+            return None
+        for view, window in zip(views, windows):
+            view[...] = window
+        self._current, self._master, self.path = id(session), caches, IN_PLACE
+        return views
+
+    def stored(self, session: Any, outputs: Sequence[Any], pos: int) -> None:
+        """A step of ``session`` at ``pos`` returned the rows ``outputs``, already written into
+        the caches: write them into its views too (the other sessions' views are now stale)."""
+        bound = self._views.get(id(session))
+        if bound is None or bound[1] is None or self._current != id(session):
+            self._current = None
+            return
+        write_rows(bound[1], outputs, pos, self.layout)
+
+
+def _slots(caches: list[Any], layout: str) -> int:
+    """How many slots ``caches`` hold."""
+    return caches[0].shape[_slot_axis(layout, 0, len(caches) // 2)] if caches else 0

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from circleops.errors import CircleOpsError
-from circleops.generation.caches import store_caches, clear_slots, cache_window, zero_caches
+from circleops.generation.caches import WindowStore, store_caches, clear_slots, cache_window, zero_caches
 from circleops.generation.chunks import (GGML_RUN_OVERHEAD, ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
                                          plan_chunks)
 from circleops.generation.sessions import choose_runtime, graph_threads, open_graph
@@ -67,6 +67,7 @@ class Generation:
     prefill_chunks: list[int] = field(default_factory=list)  # the length of each prefill run
     stopped_at_eos: bool = False
     runtime: str = ""
+    cache_io: str = ""  # how the decode steps' caches reached the runtime: "in place", "copied", "" (GenerationCore.cache_io)
     text: str | None = None
 
     @property
@@ -86,7 +87,7 @@ class Generation:
         if self.decode_steps:
             line += (f"decode {self.decode_steps} tokens in {self.decode_seconds:.2f} s = "
                      f"{self.decode_tokens_per_second:.1f} tokens/s ({1000 * self.decode_seconds / self.decode_steps:.1f} "
-                     f"ms/token)")
+                     f"ms/token{f', KV caches {self.cache_io}' if self.cache_io else ''})")
         else:
             line += "no decode steps"
         return line + (f"; stopped at EOS after {len(self.tokens)} new tokens" if self.stopped_at_eos else "")
@@ -112,6 +113,10 @@ class GenerationCore:
     already in it (``history``), so a chat turn costs only its new tokens."""
 
     keep_stop_token = True  # the stop token is one of the output tokens (transformers' text generate)
+    # decode steps write their new cache rows straight into the runtime's input memory where
+    # it gives it (LiteRT: WindowStore); False: every step copies its cache window (the path
+    # runtimes without it take), kept to compare the two
+    caches_in_place = True
     manifest: Any
     runtime: str
     runtime_note: str | None
@@ -151,6 +156,8 @@ class GenerationCore:
         self.caches: list[Any] = []
         self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
         self._written = 0  # cache slots 0.._written-1 may be non-zero (padding rows included)
+        # the decode sessions' input memory holding the caches' window (cache_update "rows" only)
+        self._store = WindowStore(cache.layout) if cache.update == "rows" else None
         self.prefill_runs = 0  # runs of the prefill graphs so far (chunks)
         self.chunks: list[int] = []  # the length of each of those runs
 
@@ -175,6 +182,22 @@ class GenerationCore:
         else:
             self.caches = []
         self._written = 0
+        self._caches_changed()
+
+    def _caches_changed(self) -> None:
+        """The caches were written other than by a decode step (a prefill, a reset): the
+        decode sessions' own copies of them are stale (:class:`WindowStore`)."""
+        if getattr(self, "_store", None) is not None:
+            self._store.changed()
+
+    @property
+    def cache_io(self) -> str:
+        """How the last decode step's caches reached the runtime: "in place" (written a step's
+        rows at a time into the runtime's own input memory: LiteRT), "copied" (the window
+        copied in every step: LiteRT without host-memory buffers, or ``caches_in_place``
+        False), or "" (a runtime that takes the caches as arrays each run: onert, reference)."""
+        store = getattr(self, "_store", None)
+        return store.path if store is not None else ""
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """GenerationLimitError unless prompt + new tokens fit the cache (after the tokens
@@ -264,6 +287,7 @@ class GenerationCore:
             session, caches = window[1], cache_window(self.caches, window[0], self.cache.layout)
         outs = session.run(self.prefill_inputs(buf, pos, row, caches))
         self.caches = store_caches(self.caches, self.prefill_outputs(outs), pos, self.cache.update, self.cache.layout)
+        self._caches_changed()
         self._written = max(self._written, min(pos + length, self.max_cache_len))
         self.prefill_runs += 1
         self.chunks.append(length)
@@ -311,12 +335,19 @@ class GenerationCore:
         self._ids[0, 0] = token
         self._pos[0] = self.position
         self._ensure_caches()
-        session, caches = self.decode_session, self.caches
+        session, width = self.decode_session, self.max_cache_len
         window = next(((w, s) for w, s in self.decode_windows if self.position <= w), None)
         if window is not None:  # the slots before the position are all this step attends to
-            session, caches = window[1], cache_window(self.caches, window[0], self.cache.layout)
+            width, session = window
+        store = self._store
+        caches = (store.inputs(session, 2 + len(self.step_extras), self.caches, width, self.caches_in_place)
+                  if store is not None else None)
+        if caches is None:  # the window copied into the run (a view: the runtime copies it)
+            caches = self.caches if window is None else cache_window(self.caches, width, self.cache.layout)
         outs = session.run([self._ids, self._pos, *self.step_extras, *caches, *self.constants])
         self.caches = store_caches(self.caches, outs[1:], self.position, self.cache.update, self.cache.layout)
+        if self._store is not None:  # the session's own copy gets the rows too (or goes stale)
+            self._store.stored(session, outs[1:], self.position)
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))
         return outs[0][0, 0]
@@ -360,6 +391,7 @@ class GenerationCore:
         t = time.perf_counter()
         self._decode_loop(result, token, budget, eos, on_token, sampler)
         result.decode_seconds = time.perf_counter() - t
+        result.cache_io = self.cache_io if result.decode_steps else ""
         return result
 
     def _decode_loop(self, result: Generation, token: int, budget: int, eos: set[int],

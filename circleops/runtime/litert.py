@@ -203,6 +203,67 @@ def _interpreter(path: str, threads: int, shared: bool) -> Any:
     return it
 
 
+# LiteRT's C API for a TensorBuffer's host memory: the Python TensorBuffer only copies in
+# (write) and out (read). A generation's decode step wrote its whole cache window into the
+# input buffers every step (60 windows for SmolLM2, store_caches/window copies beside
+# CompiledModel.run_by_index in every step's profile, issue 34); with the buffers' memory as
+# numpy arrays the generator writes only a step's new rows there (circleops.generation.caches.
+# WindowStore). The symbols are those of the wheel's own libLiteRt.so (same build as its
+# Python wrappers, whose LiteRtTensorBuffer objects they read); absent ones mean no views.
+_HOST_MEMORY_TYPE = 1  # kLiteRtTensorBufferTypeHostMemory
+_C_API: list[Any] = []  # [the ctypes library, or None where it cannot be loaded]; filled once
+
+
+def _c_api() -> Any:
+    """The wheel's libLiteRt.so through ctypes with the three buffer functions typed, or None
+    (no such file, or it lacks a symbol: the Python API's copies are used then)."""
+    if not _C_API:
+        import ctypes
+
+        lib = None
+        try:
+            import ai_edge_litert
+
+            lib = ctypes.CDLL(str(Path(ai_edge_litert.__file__).parent / "libLiteRt.so"))
+            for name, out in (("LiteRtGetTensorBufferType", ctypes.c_int), ("LiteRtGetTensorBufferSize", ctypes.c_size_t),
+                              ("LiteRtGetTensorBufferHostMemory", ctypes.c_void_p)):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.POINTER(out)], ctypes.c_int
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.argtypes, get.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+        except (ImportError, OSError, AttributeError):
+            lib = None
+        _C_API.append(lib)
+    return _C_API[0]
+
+
+def host_view(buffer: Any, dtype: Any, shape: Sequence[int], owner: Any = None) -> np.ndarray | None:
+    """The host memory of the LiteRT TensorBuffer ``buffer`` as a writable numpy array of
+    ``dtype`` and ``shape`` (what a run reads from, or wrote to, that buffer), or None where
+    it cannot be had: no C API symbol, a buffer that is not plain host memory (a GPU or NPU
+    buffer), or one whose size is not the array's. ``owner`` is kept alive by the array (the
+    object whose buffers these are: their memory goes with it)."""
+    import ctypes
+
+    lib = _c_api()
+    if lib is None:
+        return None
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        handle = ctypes.pythonapi.PyCapsule_GetPointer(buffer.capsule, b"LiteRtTensorBuffer")
+    except (AttributeError, ValueError):  # another wrapper, or a destroyed buffer
+        return None
+    kind, size, addr = ctypes.c_int(-1), ctypes.c_size_t(0), ctypes.c_void_p()
+    if (lib.LiteRtGetTensorBufferType(handle, ctypes.byref(kind)) != 0 or kind.value != _HOST_MEMORY_TYPE
+            or lib.LiteRtGetTensorBufferSize(handle, ctypes.byref(size)) != 0 or size.value != nbytes
+            or lib.LiteRtGetTensorBufferHostMemory(handle, ctypes.byref(addr)) != 0 or not addr.value):
+        return None
+    memory = (ctypes.c_byte * nbytes).from_address(addr.value)
+    memory.circleops_owner = (buffer, owner)  # the array's base holds the buffer (and its runner)
+    return np.frombuffer(memory, dtype=dtype).reshape(tuple(shape))
+
+
 class _SignatureRunner:
     """One signature of a :class:`_Compiled` model: its input and output TensorBuffers,
     written and read by name. TensorBuffers take no int64: those go in as int32 pairs."""
@@ -229,6 +290,20 @@ class _SignatureRunner:
         self._out_list = list(self._out_buffers.values())
         self._writes = [(self._in_buffers[n], np.dtype(d["dtype"])) for n, d in zip(self._ins, self.in_details)]
         self._reads = [_read_plan(self._out_buffers[n], d) for n, d in zip(self._outs, self.out_details)]
+        self._views: list[Any] = [None] * len(self._ins)  # input_views(), once asked for
+
+    def input_views(self) -> list[np.ndarray] | None:
+        """The host memory of this signature's input buffers as arrays (:func:`host_view`), in
+        the order of its inputs; None unless every input has one. An input given to :meth:`run`
+        as the very array returned here is not copied: it is already where the run reads it."""
+        with delegate_banner_hidden(_SETUP_LOG):  # a buffer's first use may set up LiteRT's environment
+            # each array keeps its TensorBuffer alive (not this runner: the runner holds the
+            # arrays, and a cycle would keep the buffers past the session until a gc pass)
+            views = [host_view(self._in_buffers[n], d["dtype"], d["shape"]) for n, d in zip(self._ins, self.in_details)]
+        if any(v is None for v in views):
+            return None
+        self._views = views
+        return list(views)
 
     def __del__(self) -> None:
         _quietly_drop(self, "_in_buffers", "_out_buffers", "_cm")
@@ -238,7 +313,9 @@ class _SignatureRunner:
             self._first = False
             with delegate_banner_hidden(_SETUP_LOG):
                 return self.run(arrays)
-        for (buffer, dtype), x in zip(self._writes, arrays):
+        for (buffer, dtype), x, view in zip(self._writes, arrays, self._views):
+            if x is view:  # the buffer's own memory, written by the caller (input_views)
+                continue
             x = np.asarray(x, dtype=dtype)
             buffer.write(x.view(np.int32) if dtype == np.int64 else x)
         self._cm.run_by_index(self._index, self._in_list, self._out_list)
@@ -317,6 +394,18 @@ class Session:
             self._shapes = [tuple(int(n) for n in d["shape"]) for d in self._in_details]
         return list(self._inputs)
 
+    def input_views(self) -> list[np.ndarray] | None:
+        """Writable arrays over the memory LiteRT's run reads each input from (in
+        :attr:`inputs` order), or None where LiteRT gives none (an Interpreter session, or a
+        buffer that is not host memory: :func:`host_view`). Data written into them is what the
+        next :meth:`run` reads; passing one of them to :meth:`run` as that input skips its copy.
+        Made once per session; the caller owns their contents between runs."""
+        if self._compiled is None:
+            return None
+        if getattr(self, "_views", None) is None:
+            self._views = self._compiled.input_views() or []
+        return list(self._views) or None
+
     @property
     def outputs(self) -> list[TensorSpec]:
         return [_spec(n, d) for n, d in zip(self._out_names, self._out_details)]
@@ -329,7 +418,7 @@ class Session:
         arrays = [np.asarray(x) for x in in_order(self.inputs, inputs, where)]
         # against the shape signature: only a dynamic (-1) dimension may be resized, any other
         # difference ends in an XNNPACK error or outputs of another shape
-        check_inputs(self._signature_specs, arrays, where)
+        check_inputs(self._signature_specs, arrays, where, getattr(self, "_views", None) or ())
         # a 0-d input passes for [1] (check_inputs); not np.ascontiguousarray: it would turn
         # a 0-d input into shape (1,) silently
         arrays = [x.reshape(1) if x.ndim == 0 and shape == (1,) else x for x, shape in zip(arrays, self._shapes)]

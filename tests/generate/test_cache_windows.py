@@ -206,3 +206,60 @@ def test_generators_on_one_file_in_threads(out):
     for t in threads:
         t.join()
     assert got == {i: [alone[i]] * 4 for i in (0, 1)}
+
+
+def _windows_in_place(gen) -> dict[int, bool]:
+    """Window -> whether that decode session's own input memory equals the caches' first W slots."""
+    views = {id(s): v for s, v in gen._store._views.values()}
+    out = {}
+    for w, session in [*gen.decode_windows, (CACHE, gen.decode_session)]:
+        mine = views.get(id(session))
+        if mine is not None:
+            out[w] = all(np.array_equal(v, c) for v, c in zip(mine, cache_window(gen.caches, w, gen.cache.layout)))
+    return out
+
+
+def test_caches_read_in_place_stay_current(out):
+    """LiteRT's decode steps write only their new rows into the session's own input buffers
+    (WindowStore, issue 34): over steps through the 32- and 64-slot windows and the full
+    cache, a chunk fed between them (a prefill: the buffers go stale and are copied again) and
+    a new prompt, each step's logits and the caches equal the copying path's bit for bit, and
+    the buffer the step read equals the caches' window. Not writing the rows into the buffer
+    makes the next step read a stale window (logits off by ~1 on this model)."""
+    from circleops.runtime import litert
+
+    if litert._c_api() is None:
+        pytest.skip("this LiteRT wheel has no LiteRtGetTensorBufferHostMemory: generation copies its caches")
+    in_place, copied = Generator(out), Generator(out)
+    copied.caches_in_place = False
+    prompt = _prompt(90)
+    for gen in (in_place, copied):
+        gen.prefill(prompt[:20])
+    for i, t in enumerate(prompt[20:]):
+        if i == 50:  # pos 70: a 6-token chunk through the prefill graph between decode steps
+            got, want = in_place.feed(prompt[70:76]), copied.feed(prompt[70:76])
+            assert np.array_equal(got, want)
+        if 50 <= i < 56:
+            continue
+        got, want = in_place.decode(t), copied.decode(t)
+        assert np.array_equal(got, want), f"step {i} at pos {in_place.position - 1}"
+        assert in_place.cache_io == "in place" and copied.cache_io == "copied"
+        ran = next(w for w in (32, 64, CACHE) if in_place.position - 1 <= w)  # the step's window
+        assert _windows_in_place(in_place)[ran]  # the buffer it read, written a row a step, is the window
+    assert all(np.array_equal(a, b) for a, b in zip(in_place.caches, copied.caches))
+    again = [g.generate(prompt[:10], NEW, stop_at_eos=False) for g in (in_place, copied)]
+    assert again[0].tokens == again[1].tokens and again[0].cache_io == "in place"
+    assert "KV caches in place" in again[0].timing_line()
+
+
+def test_caches_copied_where_litert_gives_no_views(out, monkeypatch):
+    """Without LiteRT's host-memory symbol (an older or foreign wheel) the caches go in by copy,
+    with the same tokens, and the generation says so."""
+    from circleops.runtime import litert
+
+    prompt = _prompt(40)
+    want = Generator(out).generate(prompt, NEW, stop_at_eos=False).tokens
+    monkeypatch.setattr(litert, "_C_API", [None])
+    result = Generator(out).generate(prompt, NEW, stop_at_eos=False)
+    assert result.tokens == want and result.cache_io == "copied"
+    assert "KV caches copied" in result.timing_line()
