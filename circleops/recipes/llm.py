@@ -417,9 +417,9 @@ class LLMRecipe(Recipe):
         return quantized_references(references, converted, self.named, self.step, pad, checked_tokens)
 
     def integer_rounding(self, converted: dict[str, Any]) -> Any:
-        from circleops.recipes.llm_integer import floor_rounding
+        from circleops.recipes.llm_integer import stochastic_rounding
 
-        return floor_rounding(converted)
+        return stochastic_rounding(converted)
 
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
         from circleops.recipes.llm_integer import quality

@@ -226,23 +226,30 @@ def quality(fp32: Any, ids: Any, converted: Mapping[str, Any], longest: str, n: 
 
 
 @contextlib.contextmanager
-def floor_rounding(converted: Mapping[str, Any]) -> Iterator[None]:
-    """Every activation quantize of the converted modules rounds down instead of to nearest:
-    a change of at most one integer step at every quantized op, what integer kernels (TFLite's
-    fixed-point requantization) and torch's float fake-quant may differ by. How far the logits
-    move then is the model's own noise floor at its depth (the package step admits
-    circleops.quantize.weights.NOISE_FLOORS of it), derived from the integer steps."""
+def stochastic_rounding(converted: Mapping[str, Any], seed: int = 0) -> Iterator[None]:
+    """Every activation quantize of the converted modules rounds stochastically instead of to
+    nearest: x/scale goes to floor(x/scale + u), u uniform in [0, 1) (seeded), so each
+    integer moves by at most one step, and by none on average. That is what integer kernels
+    (TFLite's fixed-point requantization) and torch's float fake-quant differ by: a last-step
+    rounding either way, unbiased. How far the logits move then is the model's own noise floor
+    at its depth (the package step admits circleops.quantize.weights.NOISE_FLOORS of it).
+    Rounding every op down instead (this floor's first form) moved each integer by half a step
+    on average, always the same way: an offset that accumulates with the depth, so the floor
+    measured a bias the kernels do not have, not their rounding."""
     import torch
 
-    def floor_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
-        return torch.clamp(torch.floor(x / scale) + zero_point, quant_min, quant_max).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def stochastic_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
+        u = torch.rand(x.shape, generator=gen, dtype=torch.float32).to(x.dtype)
+        return torch.clamp(torch.floor(x / scale + u) + zero_point, quant_min, quant_max).to(dtype)
 
     changed = []
     for module in converted.values():
         for node in module.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("quantized_decomposed.quantize_per_tensor"):
                 changed.append((node, node.target))
-                node.target = floor_quantize
+                node.target = stochastic_quantize
         module.recompile()
     try:
         yield
