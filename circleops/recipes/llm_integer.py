@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # decode steps per calibration window: the decode graph's calibration inputs (after the
-# prefill chunks of that window), each on the caches the steps before it wrote
-CALIBRATION_DECODE_STEPS = 4
+# prefill chunks of that window), each on the caches the steps before it wrote. 32, not 4:
+# the decode graph's activation ranges come from these steps alone, and 8 windows x 4 steps
+# were 32 tokens of text for every decode scale (and the positions only up to 2n + 4)
+CALIBRATION_DECODE_STEPS = 32
 # positions the quality is measured over after the longest prefill (teacher-forced decode steps)
 QUALITY_DECODE_STEPS = 32
 
@@ -92,7 +94,8 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
     with torch.no_grad():
         for ids in windows:
             caches, pos = list(step.empty_caches()), 0
-            for chunk in range(2 if 2 * n + CALIBRATION_DECODE_STEPS <= max_cache_len else 1 if n else 0):
+            # a second chunk (a prefill at pos n) whenever it leaves a slot for a decode step
+            for chunk in range(2 if 2 * n < max_cache_len else 1 if n else 0):
                 for g, (kind, m) in named.items():
                     if kind == "prefill" and pos + m <= max_cache_len:
                         cal.samples[g].append(_prefill_args(ids[:, pos:pos + m], pos, caches))
