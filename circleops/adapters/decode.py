@@ -9,7 +9,8 @@
 
 Every attention layer circle.attention can express becomes one circle.attention taking its
 caches in ONE's layout [1, C, Hkv, D] (C = max_len) and returning them updated; the additive
-mask and the RoPE cos/sin are computed inside from ``pos``, so the exported graph's inputs are
+mask and the RoPE cos/sin are computed inside from ``pos`` (integer graphs: gathered by ``pos``
+from constant tables, ``rope_tables``), so the exported graph's inputs are
 just the token ids, the position and the caches. A layer the Circle ATTENTION contract cannot
 express (q/k/v biases, q/k norms, soft-capping, sliding windows, another score scale, partial
 rotary: Qwen2/2.5, Qwen3, OLMo2, Gemma 2/3) computes its attention decomposed over the same
