@@ -83,9 +83,10 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
               max_cache_len: int) -> IntegerCalibration:
     """The calibration inputs of each graph (``named``: graph -> (kind, length)) and the caches'
     ranges, from the fp32 ``step`` (a DecoderWithCache, "full" caches) over ``windows``: the
-    longest prefill at pos 0, again at pos n after it when the cache holds both, each shorter
-    prefill at pos 0 and after the first chunk, then CALIBRATION_DECODE_STEPS decode steps on
-    the caches those chunks wrote (each on the caches the steps before it wrote)."""
+    longest prefill at pos 0, again at pos n after it when the cache holds both and a slot
+    more, each shorter prefill at pos 0 and after the first chunk, then up to
+    CALIBRATION_DECODE_STEPS decode steps (as far as the window and the cache reach) on the
+    caches those chunks wrote (each on the caches the steps before it wrote)."""
     import torch
 
     cal = IntegerCalibration({g: [] for g in named})
