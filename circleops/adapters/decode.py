@@ -9,7 +9,8 @@
 
 Every attention layer circle.attention can express becomes one circle.attention taking its
 caches in ONE's layout [1, C, Hkv, D] (C = max_len) and returning them updated; the additive
-mask and the RoPE cos/sin are computed inside from ``pos``, so the exported graph's inputs are
+mask and the RoPE cos/sin are computed inside from ``pos`` (integer graphs: gathered by ``pos``
+from constant tables, ``rope_tables``), so the exported graph's inputs are
 just the token ids, the position and the caches. A layer the Circle ATTENTION contract cannot
 express (q/k/v biases, q/k norms, soft-capping, sliding windows, another score scale, partial
 rotary: Qwen2/2.5, Qwen3, OLMo2, Gemma 2/3) computes its attention decomposed over the same
@@ -70,10 +71,17 @@ class DecoderWithCache(torch.nn.Module):
 
     The model's modules are fused in place (as :func:`circleops.fuse` does; undo with
     :func:`circleops.unfuse`); run HF's own ``generate`` on it still works, decomposed.
+
+    ``rope_tables``: the RoPE cos/sin are rows of constant tables (one row per cache slot,
+    computed here by the model's own rotary embedding) gathered by position, instead of
+    computed in the graph from ``pos``. What an integer (PT2E) graph needs: computed in the
+    graph, the positions and the angles are activations that calibration gives a range, and a
+    position past the calibrated ones saturates (wrong cos/sin); a gathered table row is the
+    exact cos/sin of its slot, quantized in [-1, 1] whatever the position.
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, cache_update: str = "full",
-                 cache_layout: str = SLOT_MAJOR):
+                 cache_layout: str = SLOT_MAJOR, rope_tables: bool = False):
         super().__init__()
         base, _ = _parts(model)
         config = model.config
@@ -123,11 +131,30 @@ class DecoderWithCache(torch.nn.Module):
         types = getattr(config, "layer_types", None)
         per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
         self.rope_types = list(types[:self.num_layers]) if per_type and types else None
+        # type -> (cos, sin) [C, R] of every cache slot, gathered by position (rope_tables)
+        self.rope_table = _rope_table(base, self.max_len, self.rope_types) if rope_tables else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         attn = base.layers[0].self_attn
         _, wk, _ = projection_weights(attn)
         self.head_dim = int(attn.head_dim)
         self.kv_heads = int(wk.shape[0]) // self.head_dim
+
+    def _rope(self, base: torch.nn.Module, hidden: Tensor, positions: Tensor, layers: range) -> list:
+        """The (cos, sin) of each of ``layers`` (indexed from 0 by layer), [1, S, R] each:
+        the rows of the tables at ``positions`` (``rope_tables``), else the model's rotary
+        embedding computed from them."""
+        if self.rope_table is not None:
+            used = dict.fromkeys(None if self.rope_types is None else self.rope_types[i] for i in layers)
+            # in the model's dtype already: no cast between the GATHER and its consumer
+            gathered = {t: tuple(torch.nn.functional.embedding(positions, table) for table in self.rope_table[t])
+                        for t in used}
+            return [gathered[None if self.rope_types is None else self.rope_types[i]] if i in layers else None
+                    for i in range(layers.stop)]
+        if self.rope_types is None:
+            return [base.rotary_emb(hidden, positions)] * layers.stop
+        tables = {t: base.rotary_emb(hidden, positions, t)
+                  for t in dict.fromkeys(self.rope_types[i] for i in layers)}
+        return [tables[self.rope_types[i]] if i in layers else None for i in range(layers.stop)]
 
     def attention_note(self) -> str | None:
         """One line saying which layers' attention is decomposed, and why; None when every
@@ -192,11 +219,8 @@ class DecoderWithCache(torch.nn.Module):
         hidden = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if rope_positions is not None:
             rope = [base.rotary_emb(hidden, rope_positions)] * n
-        elif self.rope_types is None:
-            rope = [base.rotary_emb(hidden, positions)] * n
         else:
-            tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.rope_types)}
-            rope = [tables[t] for t in self.rope_types]
+            rope = self._rope(base, hidden, positions, range(n))
         masks = self._masks(pos, positions, hidden.dtype, prefix_len) if blocks is None else \
             self._block_masks(pos, positions, hidden.dtype, blocks)
         k_caches, v_caches = list(caches[:n]), list(caches[n:])
@@ -285,6 +309,21 @@ class DecoderWithCache(torch.nn.Module):
                 mask = torch.zeros(visible.shape, dtype=dtype, device=q.device)
                 made[window] = mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
         return [made[w] for w in self.windows]
+
+
+def _rope_table(base: torch.nn.Module, max_len: int, types: Sequence[str] | None) -> dict:
+    """type (None without per-layer types) -> (cos, sin) [C, R] of positions 0 .. C-1, as the
+    model's rotary embedding computes them (elementwise per position: the same values a step
+    computes from its own positions)."""
+    ref = next(base.parameters())
+    positions = torch.arange(max_len, device=ref.device)[None]
+    x = torch.zeros(1, 1, 1, dtype=ref.dtype, device=ref.device)  # the rotary embedding reads its dtype
+    out = {}
+    with torch.no_grad():
+        for t in (dict.fromkeys(types) if types is not None else [None]):
+            cos, sin = base.rotary_emb(x, positions) if t is None else base.rotary_emb(x, positions, t)
+            out[t] = (cos[0].contiguous(), sin[0].contiguous())
+    return out
 
 
 def _prefix_visible(visible: Tensor, slots: Tensor, positions: Tensor, prefix_len: Tensor,
@@ -387,12 +426,7 @@ class DecoderPart(torch.nn.Module):
         else:
             hidden = x
         layers = range(self.start, self.stop)
-        if step.rope_types is None:
-            table = base.rotary_emb(hidden, positions)
-            rope = {i: table for i in layers}
-        else:
-            tables = {t: base.rotary_emb(hidden, positions, t) for t in dict.fromkeys(step.rope_types[i] for i in layers)}
-            rope = {i: tables[step.rope_types[i]] for i in layers}
+        rope = step._rope(base, hidden, positions, layers)
         masks = step._masks(pos, positions, hidden.dtype)
         k_caches: list = [None] * step.num_layers
         v_caches: list = [None] * step.num_layers

@@ -115,7 +115,7 @@ class GraphsReport:
 
         if self.noise_floor is None:
             return ""
-        how = ("every integer op rounds down instead of to nearest (one step)" if self.converted is not None else
+        how = ("every integer op rounds stochastically instead of to nearest (unbiased, at most one step)" if self.converted is not None else
                "every input the runtime rounds moves by 16 fp32 ulps")
         return (f" relative, or {NOISE_FLOORS:g} x the model's own noise floor {self.noise_floor:.3g}: how far its "
                 f"outputs move when {how}")

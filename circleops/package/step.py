@@ -228,7 +228,7 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
         if opts.runtime is not None:  # torch running the same quantized computation; fp32 is reported
             with tracker.stage("torch reference logits", "verify", enter=False):
                 own = recipe.integer_references(converted, references.own)
-                with recipe.integer_rounding(converted):  # every integer op one step off: the noise floor
+                with recipe.integer_rounding(converted):  # every integer op rounded stochastically: the noise floor
                     noise = recipe.noise(own, recipe.integer_references(converted, references.own))
             with tracker.stage("quality against fp32", "quality", enter=False):
                 references = References(own, noise, quality=recipe.integer_quality(converted, pkg.probe))
@@ -419,7 +419,7 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
             bound = f"tolerance {tol:.3g} x {scale:.3g}" + (
                 "" if floor is None else f", or {NOISE_FLOORS:g} x {floor:.3g}, the model's own noise floor: how far "
                 "its outputs move when every input the runtime rounds moves by 16 fp32 ulps, or, integer graphs, "
-                "when every integer op rounds one step down")
+                "when every integer op rounds stochastically (unbiased, at most one step)")
             raise VerifyError(
                 f"the written {g} graph does not match the model: {opts.runtime} gives {what} {err:.3g} "
                 f"({bound}); nothing was written (an earlier output there is unchanged). "

@@ -224,8 +224,9 @@ class Recipe:
         raise NotImplementedError
 
     def integer_rounding(self, converted: dict[str, Any]) -> ContextManager[Any]:
-        """A context in which the converted graphs round every activation one integer step off
-        (their noise floor: :meth:`noise` of the two references); default: no floor."""
+        """A context in which the converted graphs round every activation stochastically
+        (unbiased, at most one integer step off: their noise floor, :meth:`noise` of the two
+        references); default: no floor."""
         return contextlib.nullcontext()
 
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:

@@ -104,15 +104,19 @@ def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | Non
 
 # --------------------------------------------------------------------------- build, export, lower
 
-def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full", cache_layout: str | None = None) -> Any:
+def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full", cache_layout: str | None = None,
+                 rope_tables: bool = False) -> Any:
     """The model as a :class:`DecoderWithCache` (fuses the model's modules in place); the
     cache layout defaults to head-major for "rows" (the caller owns the caches, so they can
-    be kept in the layout the attention's products read without a copy)."""
+    be kept in the layout the attention's products read without a copy). ``rope_tables``:
+    cos/sin gathered by position from tables of every cache slot (the integer graphs': no
+    position or angle is quantized with a calibrated range)."""
     from circleops.adapters.decode import DecoderWithCache
 
     if cache_layout is None:
         cache_layout = HEAD_MAJOR if cache_update == "rows" else SLOT_MAJOR
-    return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update, cache_layout=cache_layout)
+    return DecoderWithCache(model, max_len=max_cache_len, cache_update=cache_update, cache_layout=cache_layout,
+                            rope_tables=rope_tables)
 
 
 def default_cache_windows(target: str, prefill_len: int, max_cache_len: int, cache_update: str) -> tuple[int, ...]:
@@ -322,7 +326,10 @@ class LLMRecipe(Recipe):
     def graphs(self, opts: Any, parts: Sequence[tuple[int, int]]) -> list[Graph]:
         from circleops.adapters.decode import OneRowPrefill
 
-        self.step = step = decoder_step(self.model, self.max_cache_len, self.cache_update)
+        # integer graphs gather cos/sin from tables: a position past the calibrated ones would
+        # saturate an in-graph angle (fp32 graphs compute them, the tables' exact values too)
+        self.step = step = decoder_step(self.model, self.max_cache_len, self.cache_update,
+                                        rope_tables=opts.integer_format is not None)
         # split with a tied fp32 table: stored once, as the last part's lm_head (circleops.package.split)
         host = len(parts) > 1 and split.part_bytes(self.model, opts.quantize).host_table
         self.part_embedding = "head" if host else None
@@ -410,9 +417,9 @@ class LLMRecipe(Recipe):
         return quantized_references(references, converted, self.named, self.step, pad, checked_tokens)
 
     def integer_rounding(self, converted: dict[str, Any]) -> Any:
-        from circleops.recipes.llm_integer import floor_rounding
+        from circleops.recipes.llm_integer import stochastic_rounding
 
-        return floor_rounding(converted)
+        return stochastic_rounding(converted)
 
     def integer_quality(self, converted: dict[str, Any], probe: Any) -> Any:
         from circleops.recipes.llm_integer import quality

@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # decode steps per calibration window: the decode graph's calibration inputs (after the
-# prefill chunks of that window), each on the caches the steps before it wrote
-CALIBRATION_DECODE_STEPS = 4
+# prefill chunks of that window), each on the caches the steps before it wrote. 32, not 4:
+# the decode graph's activation ranges come from these steps alone, and 8 windows x 4 steps
+# were 32 tokens of text for every decode scale (and the positions only up to 2n + 4)
+CALIBRATION_DECODE_STEPS = 32
 # positions the quality is measured over after the longest prefill (teacher-forced decode steps)
 QUALITY_DECODE_STEPS = 32
 
@@ -81,9 +83,10 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
               max_cache_len: int) -> IntegerCalibration:
     """The calibration inputs of each graph (``named``: graph -> (kind, length)) and the caches'
     ranges, from the fp32 ``step`` (a DecoderWithCache, "full" caches) over ``windows``: the
-    longest prefill at pos 0, again at pos n after it when the cache holds both, each shorter
-    prefill at pos 0 and after the first chunk, then CALIBRATION_DECODE_STEPS decode steps on
-    the caches those chunks wrote (each on the caches the steps before it wrote)."""
+    longest prefill at pos 0, again at pos n after it when the cache holds both and a slot
+    more, each shorter prefill at pos 0 and after the first chunk, then up to
+    CALIBRATION_DECODE_STEPS decode steps (as far as the window and the cache reach) on the
+    caches those chunks wrote (each on the caches the steps before it wrote)."""
     import torch
 
     cal = IntegerCalibration({g: [] for g in named})
@@ -92,7 +95,8 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
     with torch.no_grad():
         for ids in windows:
             caches, pos = list(step.empty_caches()), 0
-            for chunk in range(2 if 2 * n + CALIBRATION_DECODE_STEPS <= max_cache_len else 1 if n else 0):
+            # a second chunk (a prefill at pos n) whenever it leaves a slot for a decode step
+            for chunk in range(2 if 2 * n < max_cache_len else 1 if n else 0):
                 for g, (kind, m) in named.items():
                     if kind == "prefill" and pos + m <= max_cache_len:
                         cal.samples[g].append(_prefill_args(ids[:, pos:pos + m], pos, caches))
@@ -226,23 +230,30 @@ def quality(fp32: Any, ids: Any, converted: Mapping[str, Any], longest: str, n: 
 
 
 @contextlib.contextmanager
-def floor_rounding(converted: Mapping[str, Any]) -> Iterator[None]:
-    """Every activation quantize of the converted modules rounds down instead of to nearest:
-    a change of at most one integer step at every quantized op, what integer kernels (TFLite's
-    fixed-point requantization) and torch's float fake-quant may differ by. How far the logits
-    move then is the model's own noise floor at its depth (the package step admits
-    circleops.quantize.weights.NOISE_FLOORS of it), derived from the integer steps."""
+def stochastic_rounding(converted: Mapping[str, Any], seed: int = 0) -> Iterator[None]:
+    """Every activation quantize of the converted modules rounds stochastically instead of to
+    nearest: x/scale goes to floor(x/scale + u), u uniform in [0, 1) (seeded), so each
+    integer moves by at most one step, and by none on average. That is what integer kernels
+    (TFLite's fixed-point requantization) and torch's float fake-quant differ by: a last-step
+    rounding either way, unbiased. How far the logits move then is the model's own noise floor
+    at its depth (the package step admits circleops.quantize.weights.NOISE_FLOORS of it).
+    Rounding every op down instead (this floor's first form) moved each integer by half a step
+    on average, always the same way: an offset that accumulates with the depth, so the floor
+    measured a bias the kernels do not have, not their rounding."""
     import torch
 
-    def floor_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
-        return torch.clamp(torch.floor(x / scale) + zero_point, quant_min, quant_max).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def stochastic_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
+        u = torch.rand(x.shape, generator=gen, dtype=torch.float32).to(x.dtype)
+        return torch.clamp(torch.floor(x / scale + u) + zero_point, quant_min, quant_max).to(dtype)
 
     changed = []
     for module in converted.values():
         for node in module.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("quantized_decomposed.quantize_per_tensor"):
                 changed.append((node, node.target))
-                node.target = floor_quantize
+                node.target = stochastic_quantize
         module.recompile()
     try:
         yield

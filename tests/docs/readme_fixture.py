@@ -42,7 +42,7 @@ SHELL_PLACEHOLDERS = {"MODEL": "hf_dir"}
 # commands not run, with why (exact command text, comments stripped)
 NOT_RUN = {
     "circleops convert smollm2 --graphs prefill,decode --target circle --quantize int16 --verify -o smollm2-int16/":
-        "a conversion of the real model (~25 min of CPU); tests/generate/test_integer_graphs.py converts, verifies "
+        "a conversion of the real model (~22 min of CPU: docs/integer-llm.md); tests/generate/test_integer_graphs.py converts, verifies "
         "and generates integer graphs of the tiny Llama, int16 and uint8",
     'circleops generate smollm2-int16/ --runtime reference --prompt "Once upon a time," --max-new-tokens 16':
         "needs smollm2-int16/ from the command above",

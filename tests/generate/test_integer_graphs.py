@@ -9,12 +9,14 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 
 from circleops.errors import TargetError
 from circleops.generation.generator import Generator
 from circleops.recipes.llm import convert_graphs
 from circleops.quantize.weights import NOISE_FLOORS
-from circleops.recipes.llm_integer import torch_generator
+from circleops.recipes.llm import decoder_step
+from circleops.recipes.llm_integer import CALIBRATION_DECODE_STEPS, QUALITY_DECODE_STEPS, torch_generator
 from circleops.serialize import read_model
 
 from generate_fixtures import TINY_PROMPTS, one_torch_thread
@@ -34,15 +36,23 @@ class Forced:
         return self.tokens[len(self.scores) - 1]
 
 
+PREFILL, CACHE = 8, 128
+# positions the graphs are calibrated at: two prefill chunks, then the decode steps after them
+CALIBRATED = 2 * PREFILL + CALIBRATION_DECODE_STEPS
+
+
 @pytest.fixture(scope="module", params=["int16", "uint8"])
 def integer_graphs(request, tmp_path_factory, tiny_model):
     out = tmp_path_factory.mktemp(f"int_graphs_{request.param}")
     with one_torch_thread():
         # one calibration window, no rotation and (uint8) no measured int16 parts: the test's CPU
-        # budget; the recipes' defaults are measured on SmolLM2 (docs/integer-llm.md)
+        # budget; the recipes' defaults are measured on SmolLM2 (docs/integer-llm.md). The cache
+        # is longer than the calibration window, so that positions past it can be decoded.
         report = convert_graphs(copy.deepcopy(tiny_model), out, target="circle", quantize=request.param,
-                                prefill_len=8, max_cache_len=32, verify="reference", calibrate=1, rotate="off",
-                                int16=["none"] if request.param == "uint8" else None, source="tiny llama")
+                                prefill_len=PREFILL, max_cache_len=CACHE, verify="reference", calibrate=1,
+                                rotate="off", int16=["none"] if request.param == "uint8" else None,
+                                source="tiny llama")
+    assert CALIBRATED < CACHE // 2
     return request.param, out, report
 
 
@@ -65,7 +75,7 @@ def test_written_integer_with_integer_caches(integer_graphs):
     assert scales[0] == scales[1]  # prefill and decode: one integer form of each cache
     assert report.verify_runtime == "reference" and all(g.max_abs_error is not None for g in report.graphs.values())
     q = report.quality
-    assert q is not None and q.positions == 32 - 8 + 1 and "quality against fp32" in report.summary()
+    assert q is not None and q.positions == QUALITY_DECODE_STEPS + 1 and "quality against fp32" in report.summary()
 
 
 def test_generate_matches_torch_quantized(integer_graphs):
@@ -88,6 +98,46 @@ def test_generate_matches_torch_quantized(integer_graphs):
                     f"{int(scores.argmax())} scores {scores.max():.3g} (bound {bound:.3g})"
                 same += int(token == int(scores.argmax()))
     assert same > 0
+
+
+def test_decode_past_its_calibrated_positions(integer_graphs, tiny_model):
+    """A decode step far past every position calibration saw is as close to fp32 as one at a
+    calibrated position. The RoPE cos/sin are rows of exact tables gathered by position; an
+    angle computed in the graph (position x inv_freq) would be an activation quantized with the
+    calibrated positions' range, saturating past them: cos/sin of the wrong angle, logits off
+    by their own size. The same eight tokens are prefilled at pos P, then one token decoded at
+    P + 8, by the written file and by the fp32 step: the rotation keeps every activation's
+    range, so far past calibration the file's difference from fp32 is another draw of the
+    same rounding as at the calibrated P = 0 and 8 (twice their larger difference bounds it);
+    and the file is torch's quantized step there within verify's bound."""
+    scheme, out, report = integer_graphs
+    step = decoder_step(copy.deepcopy(tiny_model), CACHE)
+    session = Generator(out, runtime="reference")
+    prefill, decode = session.prefill_sessions[PREFILL], session.decode_session
+    tokens, token = np.array([TINY_PROMPTS[2]], np.int64), np.array([[11]], np.int64)
+
+    def difference(p: int) -> tuple[float, float, float]:
+        """(max |file - fp32|, max |file - torch's quantized step|, max |fp32|) of the logits
+        of the token decoded at p + PREFILL after the prefill at p."""
+        empty = [c.numpy() for c in step.empty_caches()]
+        caches = prefill.run([tokens, np.array([p]), np.array([PREFILL - 1]), *empty])[1:]
+        got = decode.run([token, np.array([p + PREFILL]), *caches])[0].reshape(-1).astype(np.float64)
+        with torch.no_grad():
+            t = [torch.from_numpy(a) for a in (tokens, token)]
+            want = step(t[0], torch.tensor([p]), *step.empty_caches())
+            want = step(t[1], torch.tensor([p + PREFILL]), *want[1:])[0].reshape(-1).double().numpy()
+            q = report.converted["prefill"](t[0], torch.tensor([p]), torch.tensor([PREFILL - 1]),
+                                            *step.empty_caches())
+            q = report.converted["decode"](t[1], torch.tensor([p + PREFILL]), *q[1:])[0].reshape(-1).double().numpy()
+        return float(np.abs(got - want).max()), float(np.abs(got - q).max()), float(np.abs(want).max())
+
+    with one_torch_thread():
+        near = max(difference(p)[0] for p in (0, PREFILL))  # the decode step calibrated at 16 .. CALIBRATED - 1
+        far, own, top = difference(CACHE - PREFILL - 1)  # decoded at the last slot, far past CALIBRATED
+    assert far <= 2 * near, f"{scheme}: decoded at {CACHE - 1} the file is {far:.3g} from fp32 (logits up to " \
+        f"{top:.3g}), at calibrated positions {near:.3g}"
+    bound = max(report.tolerance * max(1.0, top), NOISE_FLOORS * (report.noise_floor or 0.0))
+    assert own <= bound, f"{scheme}: decoded at {CACHE - 1} the file is {own:.3g} from torch's quantized step"
 
 
 def test_onert_refused_before_loading():
