@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from header_only import header_only_dir  # noqa: E402 - tests/header_only.py, shared with the refusal tests
 
 LLAMA_1B = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
                 intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -44,27 +45,6 @@ CASES = {
     "integer graphs > limit": ["--graphs", "prefill,decode", "--target", "circle", "--quantize", "uint8",
                                "--max-file-bytes", str(3 * 10**9)],
 }
-
-
-def header_only_dir(path: Path, cfg: dict) -> Path:
-    """config.json and a sparse model.safetensors of ``cfg``'s shapes (header + a hole)."""
-    from circleops.sources.sizes import dense_shapes
-
-    header, offset = {}, 0
-    for name, shape in dense_shapes(cfg).items():
-        n = 4
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        f.truncate(8 + len(blob) + offset)
-    return path
 
 
 def run(tree: Path, model: Path, argv: list[str], out: Path) -> tuple[float, float, float, str]:

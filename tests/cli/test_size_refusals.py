@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from families import BY_NAME
+from header_only import header_only_dir
 
 from circleops.inputs.user_files import read_safetensors_header
 from circleops.package import split
@@ -103,30 +104,9 @@ def test_machine_memory_refused_before_loading(capsys, tmp_path, config_1b, no_l
     assert "1.24 B parameters" in err and "needs about 6.4 GB of memory" in err and "has 4.3 GB" in err
 
 
-def _header_only_dir(path, cfg):
-    """An HF directory of ``cfg`` (a dense family's) whose model.safetensors is its header and a
-    hole of the weights' bytes (a sparse file: nothing written, nothing loadable worth reading):
-    what a 1B model's sizes say, on any disk."""
-    header, offset = {}, 0
-    for name, shape in sizes.dense_shapes(cfg).items():
-        n = 4
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(cfg))
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        f.truncate(8 + len(blob) + offset)
-    return path
-
-
 @pytest.fixture
 def dir_1b(tmp_path):
-    return _header_only_dir(tmp_path / "llama-1b", LLAMA_1B)
+    return header_only_dir(tmp_path / "llama-1b", LLAMA_1B)
 
 
 # each refusal the sizes decide, as the CLI is asked for it: (argv after MODEL -o OUT, the error)
