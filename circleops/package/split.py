@@ -47,6 +47,7 @@ class PartBytes:
     # (tied, fp32, rows_embedding: the rows, or Gemma's scaled by the part) and the generator
     # reads the rows from it
     host_table: bool = False
+    quantize: str | None = None  # the format the bytes are of (None: fp32)
 
     @property
     def whole(self) -> int:
@@ -98,7 +99,7 @@ def _sizes(embed: tuple[int, ...], layers: Sequence[Sequence[tuple[int, ...]]], 
         embedding=shape_bytes(embed, embed_type),
         layers=tuple(sum(shape_bytes(p, linear) for p in layer) for layer in layers),
         head=sum(shape_bytes(p, None) for p in norm) + shape_bytes(head, head_type),
-        tied=tied, host_table=tied and embed_type is None and rows)
+        tied=tied, host_table=tied and embed_type is None and rows, quantize=quantize)
 
 
 def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
@@ -164,9 +165,13 @@ def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:
         if used + tail > budget:
             what = ("the embedding table and layer 0" if i == 0 and not sizes.host_table else
                     "layer {0} with the lm_head".format(i) if tail else f"layer {i}")
+            smaller = ("Quantize it (--quantize q4_0, q8_0 or w8)" if sizes.quantize is None else
+                       f"Already {sizes.quantize}: use a smaller format (q4_0 is the smallest onert runs)"
+                       if sizes.quantize != "q4_0" else "Already q4_0, the smallest format onert runs: raise "
+                       "--max-file-bytes (onert's limit is 2 GiB)")
             raise TargetError(f"the model cannot be split into files of at most {limit} bytes: {what} alone take "
-                              f"{used + tail} bytes of weights. Quantize it (--quantize q4_0, q8_0 or w8), or use "
-                              f"--target circle or tflite, whose files may pass 2 GiB.")
+                              f"{used + tail} bytes of weights. {smaller}, or use --target circle or tflite, whose "
+                              f"files may pass 2 GiB.")
     ranges.append((start, n))
     return ranges
 

@@ -82,6 +82,14 @@ def test_a_part_that_cannot_fit_is_refused_before_any_work(tied_model, tmp_path)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.parametrize("fmt, hint", [(None, "Quantize it"), ("w8", "Already w8: use a smaller format"),
+                                       ("q4_0", "Already q4_0, the smallest format onert runs: raise --max-file-bytes")])
+def test_the_refusal_of_a_part_too_large_names_what_is_left_to_do(tied_model, fmt, hint):
+    """A model already quantized is not told to quantize (from the sizes alone: no work)."""
+    with pytest.raises(TargetError, match=hint):
+        plan_parts(part_bytes(tied_model, fmt), 1000)
+
+
 def test_split_files_and_manifest(split_onert, limit):
     out, report = split_onert
     data = manifest_json.fields(out)
