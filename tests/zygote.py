@@ -74,6 +74,11 @@ def _child(conn: socket.socket, server: socket.socket, req: dict, fds: list[int]
     except BaseException:  # noqa: BLE001 - what the interpreter would print, then exit 1
         traceback.print_exc()
     finally:
+        # what the console script's exit runs (circleops.cli.process.exit_without_teardown):
+        # the command's own cleanups, e.g. the XNNPACK scratch directory of its LiteRT children
+        import atexit
+
+        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
