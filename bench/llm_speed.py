@@ -66,6 +66,10 @@ ENGINES = {
     "ik-F32": ("onert", "ik_llama.cpp F32", "fp32", "ik"),
     "circleops-q4_0": ("onert", "circleops q4_0 on onert", "q4_0", "circleops"),
     "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
+    # issue 32's sizes benchmark (bench/scale_speed.py): onert's hybrid int8 (runs on AVX2) and
+    # ik_llama.cpp's Q8_0 of the same weights
+    "circleops-w8": ("onert", "circleops w8 on onert", "w8", "circleops"),
+    "ik-Q8_0": ("onert", "ik_llama.cpp Q8_0", "q8_0", "ik"),
     "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
     "circleops-tflite-w8": ("litert", "circleops --target tflite --quantize w8 on LiteRT", "w8", "circleops-litert"),
     # the w8 file as before issue 26's cache windows: every prefill chunk attends over all C slots
@@ -365,6 +369,9 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
             runner.decode(spec["prompts"][n], 2)  # warm-up: the steps past this prompt run a wider window's graph
             wall, cpu = runner.decode(spec["prompts"][n], spec["decode_steps"])
             out.setdefault("decode_after", {})[n] = [1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]]
+    import resource
+
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux: the run's memory
     if kind == "ik":
         out["flash_attn"] = runner.flash_attn
     if kind.startswith("circleops"):
