@@ -369,9 +369,11 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
             runner.decode(spec["prompts"][n], 2)  # warm-up: the steps past this prompt run a wider window's graph
             wall, cpu = runner.decode(spec["prompts"][n], spec["decode_steps"])
             out.setdefault("decode_after", {})[n] = [1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]]
-    import resource
-
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux: the run's memory
+    # the run's memory: VmHWM (this process's own peak; ru_maxrss would carry the parent's across exec)
+    status = Path("/proc/self/status")
+    hwm = [line.split()[1] for line in status.read_text().splitlines() if line.startswith("VmHWM:")] if status.exists() else []
+    if hwm:
+        out["peak_rss_mb"] = int(hwm[0]) / 1024
     if kind == "ik":
         out["flash_attn"] = runner.flash_attn
     if kind.startswith("circleops"):

@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--run", action="append", default=[], metavar="LABEL=ENGINE:ARTIFACT[@PYTHON]")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--first-round", type=int, default=1, help="the first round's number (a later pass appending to --json)")
     ap.add_argument("--prompts", type=int, nargs="+", default=[8, 300])
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--vocab", type=int, required=True)
@@ -112,7 +113,7 @@ def main() -> int:
     for run in runs:
         groups.setdefault(run[0].split()[0], []).append(run)
     for size, group in groups.items():
-        for rnd in range(args.rounds):
+        for rnd in range(args.first_round - 1, args.first_round - 1 + args.rounds):
             gbps = onert_scale.streaming_read_gbps()
             print(f"{size} round {rnd + 1}: streaming read {gbps:.1f} GB/s, load {os.getloadavg()[0]:.1f}", flush=True)
             for threads in args.threads:
