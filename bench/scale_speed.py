@@ -92,11 +92,12 @@ def main() -> int:
                     help="with --yaml: a table of LOGS/SIZE-TARGET-FORMAT.time (/usr/bin/time -v) and OUTS/SIZE-TARGET-FORMAT")
     ap.add_argument("--model", action="append", default=[], metavar="SIZE=DIR",
                     help="with --converts: each size's HF directory (its fp32 weight bytes)")
+    ap.add_argument("--heading", default=HEADING, help="with --yaml: the section's heading")
     args = ap.parse_args()
     if args.yaml:
         models = {m.split("=", 1)[0]: Path(m.split("=", 1)[1]) for m in args.model}
         converts = convert_rows(*args.converts, models) if args.converts else None
-        write_yaml(json.loads(args.json.read_text()), args.yaml, args.note, converts)
+        write_yaml(json.loads(args.json.read_text()), args.yaml, args.note, converts, args.heading)
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
     spec = spec_file(args.work, args.vocab, args.prompts, args.decode_steps)
@@ -127,6 +128,8 @@ def speed_rows(results: list[dict]) -> list[list[str]]:
     """One row per (label, threads, round): TTFT of the longest prompt, decode, floor, peak RSS."""
     rows = []
     for r in results:
+        if r.get("engine", "").startswith("ik-") and "greedy" not in r and "ttft" in r:
+            r = dict(r, label=r["label"] + " (wrapper sample)")  # before the in-place argmax (llm_speed._Ik.greedy)
         if "error" in r:
             rows.append([r["label"], str(r["threads"]), str(r["round"]), "failed: " + " ".join(r["error"])[-120:],
                          "", "", "", "", "", "", f"{r['load']:.1f}"])
@@ -167,15 +170,22 @@ def convert_rows(logs: Path, outs: Path, models: dict[str, Path]) -> list[list[s
             name = f.name[:-len(".time")]
             _, target, fmt = name.split("-", 2)
             t = parse_time_v(f)
+            if "status" not in t:  # time -v writes its file at the end: a convert still running (or killed)
+                rows.append([size, target, fmt, "unfinished", "", "", ""])
+                continue
             written = sum(x.stat().st_size for x in (outs / name).rglob("*") if x.is_file()) if (outs / name).exists() else 0
             ok = t.get("status", 1) == 0 and written
             rows.append([size, target, fmt, f"{t.get('wall', 0):.0f} s", f"{t.get('cpu', 0):.0f} s",
                          f"{t.get('peak', 0) / 1e9:.2f} GB ({t.get('peak', 0) / fp32:.2f}x)",
-                         f"{written / 1e9:.3f} GB ({written / fp32:.2f}x)" if ok else f"failed (exit {t.get('status', '?'):.0f})"])
+                         f"{written / 1e9:.3f} GB ({written / fp32:.2f}x)" if ok else f"failed (exit {t['status']:.0f})"])
     return rows
 
 
-def write_yaml(results: list[dict], path: Path, note: str, converts: list[list[str]] | None = None) -> None:
+HEADING = "bench/scale_speed.py — TTFT and decode over model sizes beside ik_llama.cpp (issue 32)"
+
+
+def write_yaml(results: list[dict], path: Path, note: str, converts: list[list[str]] | None = None,
+               heading: str = HEADING) -> None:
     """The runs as a bench/report.py results file (and the converts' table when given)."""
     import yaml
 
@@ -189,8 +199,7 @@ def write_yaml(results: list[dict], path: Path, note: str, converts: list[list[s
                                          "decode ms/token", "decode CPU ms/token", "MB read per token",
                                          "floor ms (decode / floor)", "peak RSS GB", "load"],
                              "align": ["left"] + ["right"] * 10, "rows": speed_rows(results)}})
-    data = {"heading": "bench/scale_speed.py — TTFT and decode over model sizes beside ik_llama.cpp (issue 32)",
-            "blocks": blocks}
+    data = {"heading": heading, "blocks": blocks}
     path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110))
 
 
