@@ -93,11 +93,12 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], metavar="SIZE=DIR",
                     help="with --converts: each size's HF directory (its fp32 weight bytes)")
     ap.add_argument("--heading", default=HEADING, help="with --yaml: the section's heading")
+    ap.add_argument("--after", default="", help="with --yaml: text after the tables (their reading)")
     args = ap.parse_args()
     if args.yaml:
         models = {m.split("=", 1)[0]: Path(m.split("=", 1)[1]) for m in args.model}
         converts = convert_rows(*args.converts, models) if args.converts else None
-        write_yaml(json.loads(args.json.read_text()), args.yaml, args.note, converts, args.heading)
+        write_yaml(json.loads(args.json.read_text()), args.yaml, args.note, converts, args.heading, args.after)
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
     spec = spec_file(args.work, args.vocab, args.prompts, args.decode_steps)
@@ -174,6 +175,8 @@ def convert_rows(logs: Path, outs: Path, models: dict[str, Path]) -> list[list[s
                 rows.append([size, target, fmt, "unfinished", "", "", ""])
                 continue
             written = sum(x.stat().st_size for x in (outs / name).rglob("*") if x.is_file()) if (outs / name).exists() else 0
+            if not written and (logs / f"{name}.bytes").exists():  # the directory measured, then removed (disk)
+                written = int((logs / f"{name}.bytes").read_text())
             ok = t.get("status", 1) == 0 and written
             rows.append([size, target, fmt, f"{t.get('wall', 0):.0f} s", f"{t.get('cpu', 0):.0f} s",
                          f"{t.get('peak', 0) / 1e9:.2f} GB ({t.get('peak', 0) / fp32:.2f}x)",
@@ -185,7 +188,7 @@ HEADING = "bench/scale_speed.py — TTFT and decode over model sizes beside ik_l
 
 
 def write_yaml(results: list[dict], path: Path, note: str, converts: list[list[str]] | None = None,
-               heading: str = HEADING) -> None:
+               heading: str = HEADING, after: str = "") -> None:
     """The runs as a bench/report.py results file (and the converts' table when given)."""
     import yaml
 
@@ -199,6 +202,8 @@ def write_yaml(results: list[dict], path: Path, note: str, converts: list[list[s
                                          "decode ms/token", "decode CPU ms/token", "MB read per token",
                                          "floor ms (decode / floor)", "peak RSS GB", "load"],
                              "align": ["left"] + ["right"] * 10, "rows": speed_rows(results)}})
+    if after:  # the reading of the tables
+        blocks.append({"text": after + "\n"})
     data = {"heading": heading, "blocks": blocks}
     path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110))
 
