@@ -1,6 +1,7 @@
 """A GGUF holding the very blocks of a circleops q4_0 onert file, for ik_llama.cpp (issue 32).
 
     python bench/gguf_same_weights.py OUT_DIR MODEL_DIR out.gguf
+    python bench/gguf_same_weights.py --f32 MODEL_DIR out-f32.gguf   # then llama-quantize it
 
 OUT_DIR: `circleops convert MODEL_DIR --graphs prefill,decode --target onert --quantize q4_0`
 (any graph file of it: every file holds every weight); MODEL_DIR: the HF directory (config and
@@ -11,6 +12,10 @@ move whole blocks), the Q8_0 output head likewise, q and k rows permuted as llam
 convert_hf_to_gguf permutes them (its RoPE pairs neighbours, HF's halves), llama3's RoPE
 factors as rope_freqs. The vocabulary is placeholder text (the benchmark feeds token ids),
 with the byte tokens llama.cpp's SentencePiece loader looks up.
+
+--f32 writes the HF directory's own fp32 weights instead (memory-mapped, not copied; q and k
+permuted alike), for ik_llama.cpp's F32 row and for its llama-quantize to make Q4_0 / Q8_0 of
+the same weights where no circleops q4_0 file exists (its onert q4_0 kernels need AVX-512).
 """
 from __future__ import annotations
 
@@ -70,19 +75,9 @@ def rope_factors(cfg: dict) -> np.ndarray | None:
     return np.asarray(out, dtype=np.float32)
 
 
-def main(argv: list[str]) -> int:
-    import gguf
-    from safetensors import safe_open
-
-    if len(argv) != 3:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    out_dir, model_dir, path = Path(argv[0]), Path(argv[1]), argv[2]
-    cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("model_type") not in ("llama", "qwen2"):
-        raise SystemExit(f"only llama and qwen2 shapes: {cfg.get('model_type')}")
+def new_writer(gguf, path: str, cfg: dict, file_type: int):
+    """A GGUFWriter with llama.cpp's hyperparameters of ``cfg`` and a placeholder vocabulary."""
     arch = cfg["model_type"]
-    w = circle_weights(out_dir)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     layers, hidden, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
@@ -97,7 +92,7 @@ def main(argv: list[str]) -> int:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(file_type)
     writer.add_vocab_size(vocab)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"t{i}" for i in range(len(tokens), vocab)]
@@ -109,6 +104,84 @@ def main(argv: list[str]) -> int:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    return writer
+
+
+def mapped_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every fp32 tensor of the HF directory's safetensors as a read-only memmap view (no copy:
+    a 1.5B model's 6 GB stay file pages the kernel can drop)."""
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            if t["dtype"] != "F32":
+                raise SystemExit(f"{f}: {name} is {t['dtype']}; --f32 reads fp32 checkpoints only")
+            a, b = t["data_offsets"]
+            out[name] = mm[8 + n + a:8 + n + b].view(np.float32).reshape(t["shape"])
+    return out
+
+
+def write_f32(model_dir: Path, path: str) -> int:
+    """An F32 GGUF of the HF directory's own fp32 weights (llama-quantize makes Q4_0 / Q8_0 of it)."""
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") not in ("llama", "qwen2"):
+        raise SystemExit(f"only llama and qwen2 shapes: {cfg.get('model_type')}")
+    st = mapped_tensors(model_dir)
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = new_writer(gguf, path, cfg, gguf.LlamaFileType.ALL_F32)
+    factors = rope_factors(cfg)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
+    writer.add_tensor("token_embd.weight", st["model.embed_tokens.weight"])
+    if "lm_head.weight" in st and not cfg.get("tie_word_embeddings", False):
+        writer.add_tensor("output.weight", st["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", st["model.norm.weight"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, short in names.items():
+            for kind in ("weight", "bias"):
+                t = st.get(f"model.layers.{i}.{hf}.{kind}")
+                if t is None:
+                    continue
+                if cfg["model_type"] == "llama" and short in ("attn_q", "attn_k"):
+                    t = permute(t, n_head if short == "attn_q" else n_kv)
+                writer.add_tensor(f"blk.{i}.{short}.{kind}", t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {path}: {Path(path).stat().st_size / 1e9:.3f} GB")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    import gguf
+    from safetensors import safe_open
+
+    if len(argv) == 3 and argv[0] == "--f32":
+        return write_f32(Path(argv[1]), argv[2])
+    if len(argv) != 3:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    out_dir, model_dir, path = Path(argv[0]), Path(argv[1]), argv[2]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") not in ("llama", "qwen2"):
+        raise SystemExit(f"only llama and qwen2 shapes: {cfg.get('model_type')}")
+    arch = cfg["model_type"]
+    w = circle_weights(out_dir)
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    layers, hidden, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    writer = new_writer(gguf, path, cfg, gguf.LlamaFileType.MOSTLY_Q4_0)
     q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
 
     def add(name: str, rows: np.ndarray, cols: int, dtype: str) -> None:

@@ -66,6 +66,10 @@ ENGINES = {
     "ik-F32": ("onert", "ik_llama.cpp F32", "fp32", "ik"),
     "circleops-q4_0": ("onert", "circleops q4_0 on onert", "q4_0", "circleops"),
     "ik-Q4_0": ("onert", "ik_llama.cpp Q4_0", "q4_0", "ik"),
+    # issue 32's sizes benchmark (bench/scale_speed.py): onert's hybrid int8 (runs on AVX2) and
+    # ik_llama.cpp's Q8_0 of the same weights
+    "circleops-w8": ("onert", "circleops w8 on onert", "w8", "circleops"),
+    "ik-Q8_0": ("onert", "ik_llama.cpp Q8_0", "q8_0", "ik"),
     "circleops-tflite-fp32": ("litert", "circleops --target tflite fp32 on LiteRT", "fp32", "circleops-litert"),
     "circleops-tflite-w8": ("litert", "circleops --target tflite --quantize w8 on LiteRT", "w8", "circleops-litert"),
     # the w8 file as before issue 26's cache windows: every prefill chunk attends over all C slots
@@ -308,7 +312,17 @@ class _Ik:
             self.C.llama_batch_free(batch)
             if ret != 0:
                 raise RuntimeError(f"llama_decode failed: {ret}")
-        return ctx.sample(-1, temperature=0.0)
+        return self.greedy()
+
+    def greedy(self) -> int:
+        """The argmax of the last logits, read in place. The wrapper's ``sample(temperature=0)``
+        fills llama_token_data in a Python loop over the vocabulary (~100 ms per token at
+        Qwen's 151936 on an EPYC core: more than a 0.5B model's decode itself), a cost of the
+        binding, not of ik_llama.cpp; llama.cpp's own greedy sampler is this argmax."""
+        import numpy as np
+
+        n = self.ctx._model.n_vocab
+        return int(np.ctypeslib.as_array(self.C.llama_get_logits_ith(self.ctx._ctx, -1), shape=(n,)).argmax())
 
     def ttft(self, ids: list[int]) -> int:
         return self._prefill(ids)
@@ -324,7 +338,7 @@ class _Ik:
                 self.C.llama_batch_free(batch)
                 if ret != 0:
                     raise RuntimeError(f"llama_decode failed: {ret}")
-                token, pos = self.ctx.sample(-1, temperature=0.0), pos + 1
+                token, pos = self.greedy(), pos + 1
         wall, cpu, _ = _timed(run)
         return wall, cpu
 
@@ -365,8 +379,14 @@ def child(engine: str, artifact: str, threads: int, spec: dict) -> dict:
             runner.decode(spec["prompts"][n], 2)  # warm-up: the steps past this prompt run a wider window's graph
             wall, cpu = runner.decode(spec["prompts"][n], spec["decode_steps"])
             out.setdefault("decode_after", {})[n] = [1000 * wall / spec["decode_steps"], 1000 * cpu / spec["decode_steps"]]
+    # the run's memory: VmHWM (this process's own peak; ru_maxrss would carry the parent's across exec)
+    status = Path("/proc/self/status")
+    hwm = [line.split()[1] for line in status.read_text().splitlines() if line.startswith("VmHWM:")] if status.exists() else []
+    if hwm:
+        out["peak_rss_mb"] = int(hwm[0]) / 1024
     if kind == "ik":
         out["flash_attn"] = runner.flash_attn
+        out["greedy"] = "argmax in place"  # not the wrapper's Python-loop sample (rows before 2026-12-07 03:00)
     if kind.startswith("circleops"):
         out["graph_threads"] = runner.threads
         out["cache_io"] = getattr(runner.gen, "cache_io", "")
