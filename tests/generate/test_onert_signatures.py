@@ -9,8 +9,10 @@ onert 0.1.0, where they are skipped and the fallback tests run).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
+import os
 
 import pytest
 
@@ -105,7 +107,7 @@ def test_one_file_shared_by_every_graph_gives_transformers_tokens(model, expecte
 
 
 @needs_c_api
-def test_split_parts_with_signatures(model, expected, tmp_path):
+def test_split_parts_with_signatures(model, expected, tmp_path, monkeypatch):
     """A split model on onert 0.2: one file per layer range, each with every graph's signature."""
     from circleops.package.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes
 
@@ -117,6 +119,43 @@ def test_split_parts_with_signatures(model, expected, tmp_path):
     assert data["parts"] == [[0, 1], [1, 2], [2, 3]]
     assert data["part_files"]["decode"] == data["part_files"]["prefill"] == ["part0.circle", "part1.circle",
                                                                              "part2.circle"]
+    loads = _count_loads(monkeypatch)
     gen = Generator(out, runtime="onert")
     for prompt, want in expected.items():
         assert gen.generate(list(prompt), NEW).tokens == want
+    # each part loaded once, its three signatures switched on that one session: a part opened
+    # per graph held the 1B shape's weights 3x (bench/results/48)
+    parts = sorted(str(out / f) for f in set(data["part_files"]["decode"]))
+    assert sorted(loads) == parts and set(loads.values()) == {1}, loads
+    assert all(os.path.realpath(p) in _mapped_files() for p in parts)  # the weights are the files' pages (weights_mapped)
+
+
+def _count_loads(monkeypatch):
+    """{file: times onert's C API loaded it} from now on."""
+    loads = collections.Counter()
+    init = onert_c._Native.__init__
+
+    def counted(self, path, *args, **kw):
+        loads[str(path)] += 1
+        init(self, path, *args, **kw)
+
+    monkeypatch.setattr(onert_c._Native, "__init__", counted)
+    return loads
+
+
+def _mapped_files():
+    """The files this process maps now (/proc/self/maps)."""
+    return {line.split(None, 5)[5].strip() for line in open("/proc/self/maps") if len(line.split(None, 5)) == 6}
+
+
+@pytest.mark.skipif(not onert_c.library_path(), reason="needs onert")
+def test_onert_keeps_a_file_per_graph_mapped_not_copied(model, expected, tmp_path):
+    """onert 0.1.0's Python API (a file per graph) loads with USE_MMAPED_DATA as the C API
+    does: the constants stay pages of the file, so the files are in this process's maps after
+    the load (onert unmaps a file whose constants it copied: the heap held them)."""
+    out = tmp_path / "out"
+    _convert(model, out, onert_signatures=False)
+    gen = Generator(out, runtime="onert")
+    assert all(os.path.realpath(out / f) in _mapped_files() for f in ("prefill.circle", "decode.circle"))
+    prompt, want = next(iter(expected.items()))
+    assert gen.generate(list(prompt), NEW).tokens == want
