@@ -30,7 +30,7 @@ def memory_gb() -> dict[str, float]:
         for line in Path(f"/proc/self/{source}").read_text().splitlines():
             key = line.split(":")[0]
             if key in keys:
-                out[key] = round(int(line.split()[1]) / 1048576, 3)
+                out[key] = round(int(line.split()[1]) * 1024 / 1e9, 3)  # kB (KiB) -> GB
     return out
 
 
