@@ -130,8 +130,8 @@ def test_split_parts_with_signatures(model, expected, tmp_path, monkeypatch):
     gen = Generator(out, runtime="onert")
     for prompt, want in expected.items():
         assert gen.generate(list(prompt), NEW).tokens == want
-    # each part loaded once, its graphs' signatures switched on that one session: a part opened
-    # per graph held the 1B shape's weights 3x (bench/results/48)
+    # each part loaded once, its graphs' signatures switched on that one session (a part opened
+    # per graph would hold its weights once per graph: the 1B shape's parts are 4.94 GB)
     parts = sorted(str(out / f) for f in set(data["part_files"]["decode"]))
     assert sorted(loads) == parts and set(loads.values()) == {1}, loads
     assert all(os.path.realpath(p) in _mapped_files() for p in parts)  # the weights are the files' pages (weights_mapped)
