@@ -38,7 +38,9 @@ MANIFEST_FORMAT = "circleops-generate"
 # version-2 directory instead of feeding rows back as caches.
 # 3: "parts" and "part_files": a graph split into consecutive files, a layer range each
 # (circleops.package.split: onert reads no file past 2 GiB); "signature_api": onert runs the graphs as
-# signatures of one file through its C API (circleops.runtime.onert_signatures). Written only
+# signatures of one file through its C API (circleops.runtime.onert_c): each file (or part) once
+# on disk and loaded once, its weights mapped (1x); without it a file per graph, each holding
+# every weight (onert 0.1.0: 3x for prefill, prefill_8, decode, on disk and in memory). Written only
 # when a directory uses them: a reader of version 2 refuses such a directory instead of
 # running the first part as the whole model; every other directory stays version 2.
 # 4: one schema for every kind: the common keys on top, a section per kind (text, vision,

@@ -78,9 +78,12 @@ class Session:
         failure: Exception | None = None
         with captured_stderr() as text:
             try:
-                self._session = infer.nnfw_session(load_path, backends)
-                self._session.set_prepare_config(prepare_config.ENABLE_INTERNAL_OUTPUT_ALLOC)
-                self._session.prepare()
+                from circleops.runtime.onert_c import weights_mapped
+
+                with weights_mapped():  # the weights stay pages of the file, not a heap copy
+                    self._session = infer.nnfw_session(load_path, backends)
+                    self._session.set_prepare_config(prepare_config.ENABLE_INTERNAL_OUTPUT_ALLOC)
+                    self._session.prepare()
             except Exception as err:  # noqa: BLE001 - onert raises its own OnertError types
                 failure = err
         _raise_or_echo(failure, text, "load", self.path)

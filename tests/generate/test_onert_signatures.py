@@ -9,8 +9,10 @@ onert 0.1.0, where they are skipped and the fallback tests run).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
+import os
 
 import pytest
 
@@ -59,9 +61,16 @@ def _opcodes(path):
     return {op.opcode for sub in read_model(str(path)).subgraphs for op in sub.operators}
 
 
-def test_a_file_per_graph_when_asked(model, tmp_path):
-    _convert(model, tmp_path / "out", onert_signatures=False)
-    data = manifest_json.read(tmp_path / "out")
+@pytest.fixture(scope="module")
+def per_graph(model, tmp_path_factory):
+    """A directory of a file per graph (what onert 0.1.0 runs)."""
+    out = tmp_path_factory.mktemp("per_graph") / "out"
+    _convert(model, out, onert_signatures=False)
+    return out
+
+
+def test_a_file_per_graph_when_asked(per_graph):
+    data = manifest_json.read(per_graph)
     assert data["files"] == {g: f"{g}.circle" for g in ("prefill", "decode")}
     assert set(data["signatures"].values()) == {None} and "signature_api" not in data and data["version"] == 4
 
@@ -105,7 +114,7 @@ def test_one_file_shared_by_every_graph_gives_transformers_tokens(model, expecte
 
 
 @needs_c_api
-def test_split_parts_with_signatures(model, expected, tmp_path):
+def test_split_parts_with_signatures(model, expected, tmp_path, monkeypatch):
     """A split model on onert 0.2: one file per layer range, each with every graph's signature."""
     from circleops.package.split import TABLE_BYTES, WEIGHT_SHARE, part_bytes
 
@@ -117,6 +126,41 @@ def test_split_parts_with_signatures(model, expected, tmp_path):
     assert data["parts"] == [[0, 1], [1, 2], [2, 3]]
     assert data["part_files"]["decode"] == data["part_files"]["prefill"] == ["part0.circle", "part1.circle",
                                                                              "part2.circle"]
+    loads = _count_loads(monkeypatch)
     gen = Generator(out, runtime="onert")
     for prompt, want in expected.items():
         assert gen.generate(list(prompt), NEW).tokens == want
+    # each part loaded once, its graphs' signatures switched on that one session (a part opened
+    # per graph would hold its weights once per graph: the 1B shape's parts are 4.94 GB)
+    parts = sorted(str(out / f) for f in set(data["part_files"]["decode"]))
+    assert sorted(loads) == parts and set(loads.values()) == {1}, loads
+    assert all(os.path.realpath(p) in _mapped_files() for p in parts)  # the weights are the files' pages (weights_mapped)
+
+
+def _count_loads(monkeypatch):
+    """{file: times onert's C API loaded it} from now on."""
+    loads = collections.Counter()
+    init = onert_c._Native.__init__
+
+    def counted(self, path, *args, **kw):
+        loads[str(path)] += 1
+        init(self, path, *args, **kw)
+
+    monkeypatch.setattr(onert_c._Native, "__init__", counted)
+    return loads
+
+
+def _mapped_files():
+    """The files this process maps now (/proc/self/maps)."""
+    return {line.split(None, 5)[5].strip() for line in open("/proc/self/maps") if len(line.split(None, 5)) == 6}
+
+
+@pytest.mark.skipif(not onert_c.library_path(), reason="needs onert")
+def test_onert_keeps_a_file_per_graph_mapped_not_copied(per_graph):
+    """onert 0.1.0's Python API (a file per graph) loads with USE_MMAPED_DATA as the C API
+    does: the constants stay pages of the file, so the files are in this process's maps after
+    the load (onert unmaps a file whose constants it copied: the heap held them). The tokens
+    on such files: tests/generate/test_generate.py."""
+    gen = Generator(per_graph, runtime="onert")
+    assert all(os.path.realpath(per_graph / f) in _mapped_files() for f in ("prefill.circle", "decode.circle"))
+    assert gen.generate([5, 17, 42], 2).tokens  # and they run
