@@ -3,6 +3,7 @@ path, interleaved inside one process (issue 34).
 
     python bench/int4_decode_inplace.py                       # print the table
     python bench/int4_decode_inplace.py --write               # -> bench/results/44-litert-caches-in-place.yaml
+    python bench/int4_decode_inplace.py --outputs --write --results bench/results/49-litert-outputs-in-place.yaml
 
 circleops' Generator on SmolLM2-135M's int4 and w8 files (`circleops convert smollm2 --graphs
 prefill,decode --target tflite --quantize int4|w8`, made in --work when missing, as
@@ -33,34 +34,48 @@ RESULTS_FILE = ROOT / "bench" / "results" / "44-litert-caches-in-place.yaml"
 FILES = {"int4": "circleops --target tflite --quantize int4 (blocks of 32)", "w8": "circleops --target tflite --quantize w8"}
 
 
-def child(artifact: str, threads: int, prompts: dict[str, list[int]], steps: int, blocks: int) -> dict:
+def child(artifact: str, threads: int, prompts: dict[str, list[int]], steps: int, blocks: int,
+          outputs: bool = False) -> dict:
     """One process's measurements: {prompt length: {"in place": [CPU ms/token per block], "copied": [...],
-    "wall in place": [...], "wall copied": [...]}} and the path each mode ran."""
+    "wall in place": [...], "wall copied": [...]}} and the path each mode ran. ``outputs``: both
+    paths read their caches in place; "in place" reads the step's outputs in place too (the
+    default), "copied" through TensorBuffer.read (a second Generator whose decode sessions
+    refuse outputs_in_place: circleops before that change)."""
     from circleops.generation.generator import Generator
 
     gen = Generator(artifact, runtime="litert", threads=threads)
+    gens = {True: gen, False: gen}
+    if outputs:
+        gens[False] = Generator(artifact, runtime="litert", threads=threads)
+        for _, s in [*gens[False].decode_windows, (0, gens[False].decode_session)]:
+            s.outputs_in_place = lambda: False
     out: dict = {"threads": gen.threads.get("decode"), "paths": {}}
     for n, ids in prompts.items():
         first = int(gen.prefill(ids).argmax())
+        if outputs:
+            gens[False].prefill(ids)
         start = len(gen.history)
         res: dict[str, list[float]] = {"in place": [], "copied": [], "wall in place": [], "wall copied": []}
         order = [True, False, False, True] * ((blocks + 1) // 2)
         for warm in (True, False):  # each path's first steps prepare its graphs and buffers
-            gen.caches_in_place = warm
-            del gen.history[start:]
-            gen.decode(first)
+            g = gens[warm]
+            g.caches_in_place = warm or outputs
+            del g.history[start:]
+            g.decode(first)
         for in_place in order[:2 * blocks]:
-            gen.caches_in_place = in_place
-            del gen.history[start:]  # rewind: the same positions every block
-            token = int(gen.decode(first).argmax())  # untimed: a switch of path copies the window once
+            g = gens[in_place]
+            g.caches_in_place = in_place or outputs
+            del g.history[start:]  # rewind: the same positions every block
+            token = int(g.decode(first).argmax())  # untimed: a switch of path copies the window once
             t, c = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                token = int(gen.decode(token).argmax())
+                token = int(g.decode(token).argmax())
             wall, cpu = time.perf_counter() - t, time.process_time() - c
             key = "in place" if in_place else "copied"
             res[key].append(1000 * cpu / steps)
             res["wall " + key].append(1000 * wall / steps)
-            out["paths"][key] = gen.cache_io
+            shared = any(g._store.outputs_shared(x) for _, x in [*g.decode_windows, (0, g.decode_session)])
+            out["paths"][key] = g.cache_io + (f", outputs {'in place' if shared else 'read'}" if outputs else "")
         out[n] = res
     return out
 
@@ -96,10 +111,11 @@ def _window(pos: int) -> int:
     return next(w for w in (32, 64, 128, 256, 512) if pos <= w)
 
 
-def table(summ: dict, threads: list[int], lengths: list[str]) -> dict:
-    columns = ["file", "threads", "prompt tokens (decode window)", "copied: CPU ms/token", "in place: CPU ms/token",
-               "in place / copied: CPU (median, range)", "in place / copied: wall (median)", "block pairs",
-               "int4 / w8 in place: CPU"]
+def table(summ: dict, threads: list[int], lengths: list[str], outputs: bool = False) -> dict:
+    a, b = ("outputs in place", "outputs read") if outputs else ("in place", "copied")
+    columns = ["file", "threads", "prompt tokens (decode window)", f"{b}: CPU ms/token", f"{a}: CPU ms/token",
+               f"{a} / {b}: CPU (median, range)", f"{a} / {b}: wall (median)", "block pairs",
+               f"int4 / w8 {a}: CPU"]
     rows = []
     for t in threads:
         for w in FILES:
@@ -130,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--results", default=str(RESULTS_FILE))
     ap.add_argument("--note", default="")
+    ap.add_argument("--outputs", action="store_true",
+                    help="both paths read their caches in place; compare the step outputs read in place (LiteRT's "
+                         "output buffers' memory) against TensorBuffer.read (issue 34; bench/results/49-*)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         spec = json.loads(Path(args.spec).read_text())
-        print(json.dumps(child(args.child, args.threads[0], spec["prompts"], spec["steps"], spec["blocks"])))
+        print(json.dumps(child(args.child, args.threads[0], spec["prompts"], spec["steps"], spec["blocks"],
+                               spec.get("outputs", False))))
         return 0
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -149,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {w: prepare(work, w) for w in FILES}
         spec_path = work / "inplace-spec.json"
         spec_path.write_text(json.dumps({"prompts": prompt_ids(args.prompts), "steps": args.steps,
-                                         "blocks": args.blocks}))
+                                         "blocks": args.blocks, "outputs": args.outputs}))
         data = {"runs": [], "loads": [], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "steps": args.steps,
                 "blocks": args.blocks, "rounds": args.rounds, "threads": args.threads,
-                "prompts": [str(n) for n in args.prompts]}
+                "prompts": [str(n) for n in args.prompts], "outputs": args.outputs}
         for rnd in range(args.rounds):
             for t in args.threads:
                 for w, d in dirs.items():
@@ -177,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         Path(args.json).write_text(json.dumps(data, indent=1))
     summ = summary(data["runs"], data["prompts"])
     summ["steps"] = data["steps"]
-    tab = table(summ, data["threads"], data["prompts"])
+    outputs = data.get("outputs", False)
+    tab = table(summ, data["threads"], data["prompts"], outputs)
     sys.path.insert(0, str(ROOT / "bench"))
     import report
 
@@ -187,13 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         import yaml
 
-        text = (f"`python bench/int4_decode_inplace.py --write` ({data['started']}; {data['rounds']} rounds, one child "
+        what = ("caches in place both ways; the step's outputs read in place (the output buffers' memory) and "
+                "through TensorBuffer.read (a second Generator)" if outputs else "in place and copied")
+        text = (f"`python bench/int4_decode_inplace.py{' --outputs' if outputs else ''} --write` ({data['started']}; "
+                f"{data['rounds']} rounds, one child "
                 f"per (file, threads) per round; in each child blocks of {data['steps']} greedy decode steps, "
-                f"{data['blocks']} per path per prompt, in place and copied alternately (ABBA), every block from the "
+                f"{data['blocks']} per path per prompt, {what} alternately (ABBA), every block from the "
                 f"same position; ratios per adjacent block pair, medians and ranges over all pairs). CPU: "
                 f"{data['cpu']}, {data['cores']} cores, flags {', '.join(data['flags']) or 'no avx512'}. Load average "
                 f"(1 min) around the children: {min(loads)}-{max(loads)}. {args.note}").rstrip() + "\n"
-        results = {"heading": "bench/int4_decode_inplace.py — LiteRT decode with the KV caches read in place (issue 34)",
+        heading = ("bench/int4_decode_inplace.py --outputs — LiteRT decode reading its outputs in place (issue 34)"
+                   if outputs else "bench/int4_decode_inplace.py — LiteRT decode with the KV caches read in place (issue 34)")
+        results = {"heading": heading,
                    "blocks": [{"text": text}, {"table": tab}]}
         Path(args.results).write_text(yaml.safe_dump(results, sort_keys=False, width=100, allow_unicode=True))
         report.main([])

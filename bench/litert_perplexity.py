@@ -53,6 +53,32 @@ def peer_nll(path: str, windows: list[list[int]]) -> list[float]:
     return out
 
 
+def executorch_nll(directory: str, windows: list[list[int]]) -> list[float]:
+    """Mean NLL per window of ExecuTorch's .pte (optimum-executorch's ExecuTorchModelForCausalLM,
+    XNNPACK), token by token from position 0 as the peers are: its custom SDPA attends only to
+    slots up to the position, so a window needs no cache reset."""
+    import numpy as np
+    import torch
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+    from optimum.executorch import ExecuTorchModelForCausalLM
+
+    threads = int(os.environ.get("NUM_THREADS", "2"))
+    torch.set_num_threads(threads)
+    _unsafe_reset_threadpool(threads)
+    model = ExecuTorchModelForCausalLM.from_pretrained(directory)
+    out = []
+    for ids in windows:
+        nll = []
+        for p, (tok, nxt) in enumerate(zip(ids[:-1], ids[1:])):
+            logits = model.forward(input_ids=torch.tensor([[tok]], dtype=torch.long),
+                                   cache_position=torch.tensor([p], dtype=torch.long))
+            x = logits.reshape(-1, logits.shape[-1])[-1].double().numpy()
+            x = x - x.max()
+            nll.append(math.log(np.exp(x).sum()) - x[nxt])
+        out.append(float(np.mean(nll)))
+    return out
+
+
 def generator_nll(directory: str, windows: list[list[int]]) -> list[float]:
     """Mean NLL per window of a `circleops convert --graphs` directory on LiteRT, scored as the
     peers are: token by token through circleops' Generator (the first token's prefill, then a
@@ -93,11 +119,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch fp32's perplexity on these windows, known already: no `circleops check` run")
     ap.add_argument("--circleops-dirs", nargs="*", default=[], metavar="DIR",
                     help="converted directories (`convert --graphs`) scored token by token on LiteRT, as the peers")
+    ap.add_argument("--executorch-python", default="/work/venvs/anchor-executorch/bin/python",
+                    help="the Python of the ExecuTorch venv (bench/llm_speed.py's --executorch-python)")
+    ap.add_argument("--executorch", action="store_true",
+                    help="ExecuTorch's 8da4w export too (--work/executorch-8da4w, made by bench/llm_speed.py)")
     ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)  # child: MODEL WINDOWS_JSON
+    ap.add_argument("--et", nargs=2, help=argparse.SUPPRESS)  # child: PTE_DIR WINDOWS_JSON
     ap.add_argument("--generator", nargs=2, help=argparse.SUPPRESS)  # child: DIR WINDOWS_JSON
     args = ap.parse_args(argv)
     if args.peer:
         print(json.dumps(peer_nll(args.peer[0], json.loads(Path(args.peer[1]).read_text()))))
+        return 0
+    if args.et:
+        print(json.dumps(executorch_nll(args.et[0], json.loads(Path(args.et[1]).read_text()))))
         return 0
     if args.generator:
         print(json.dumps(generator_nll(args.generator[0], json.loads(Path(args.generator[1]).read_text()))))
@@ -145,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         peers.insert(0, ("litert-torch 0.10 export_hf fp32 (LiteRT)", "model.tflite"))
     runs = [(label, [args.litert_python, __file__, "--peer", str(Path(args.work) / "litert-torch" / name), str(spec)])
             for label, name in peers]
+    if args.executorch:  # optimum-executorch 8da4w + 8-bit embedding, token by token in its venv
+        runs.append(("ExecuTorch 1.5.1 8da4w + 8-bit embedding (optimum-executorch, XNNPACK)",
+                     [args.executorch_python, __file__, "--et", str(Path(args.work) / "executorch-8da4w"), str(spec)]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     runs += [(f"circleops {Path(d).name} (Generator, token by token, LiteRT)",
               [sys.executable, __file__, "--generator", d, str(spec)]) for d in args.circleops_dirs]

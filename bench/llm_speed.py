@@ -446,7 +446,10 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
                 from circleops.sources.models import smollm2_dir
 
                 print(f"+ litert-torch export_hf -> {d}", flush=True)
-                subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True)
+                # transformers 5.25 asks the Hub's kernels package for its layers by default: the
+                # export then fails (kernels 0.19.1 rejects gemma3's rotary, or is absent); off
+                subprocess.run([litert_python, "-c", _LITERT_EXPORT, str(smollm2_dir()), str(d)], check=True,
+                               env=dict(os.environ, USE_HUB_KERNELS="0"))
             name = {"int8": "model_quantized.tflite", "fp32": "model.tflite"}.get(weights, f"model_{weights}.tflite")
             if engine in _LITERT_INT4_RECIPES and not (d / name).exists():
                 print(f"+ ai-edge-quantizer {_LITERT_INT4_RECIPES[engine]} -> {d / name}", flush=True)

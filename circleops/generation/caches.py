@@ -148,6 +148,9 @@ class WindowStore:
         self._current: int | None = None  # id of the session whose views equal the window, if any
         self._master: list[Any] | None = None  # the caches (list) they equal
         self.path: str = ""  # how the last step's caches reached its session: IN_PLACE, COPIED or "" (no views asked)
+        # ids of the sessions whose runs return their output memory itself (outputs_in_place):
+        # a step's new rows are read from there, its logits copied before the next run
+        self._shared_outputs: set[int] = set()
 
     def changed(self) -> None:
         """The caches changed other than through :meth:`stored`: no session's views are current."""
@@ -166,6 +169,11 @@ class WindowStore:
                 if len(views) != len(windows) or any(v.shape != w.shape or v.dtype != w.dtype
                                                      for v, w in zip(views, windows)):
                     views = None
+            ask_out = getattr(session, "outputs_in_place", None)
+            if views is not None and ask_out is not None and ask_out():
+                self._shared_outputs.add(key)
+            else:
+                self._shared_outputs.discard(key)
             self._views[key] = bound = (session, views)
             self.path = IN_PLACE if views is not None else COPIED if ask is not None else ""
         return bound[1]
@@ -192,6 +200,11 @@ class WindowStore:
             view[...] = window
         self._current, self._master, self.path = id(session), caches, IN_PLACE
         return views
+
+    def outputs_shared(self, session: Any) -> bool:
+        """Whether ``session``'s runs return arrays over its own output memory, which its next
+        run overwrites (what a caller keeps, such as the logits, must be copied)."""
+        return id(session) in self._shared_outputs and self._views.get(id(session), (None,))[0] is session
 
     def stored(self, session: Any, outputs: Sequence[Any], pos: int) -> None:
         """A step of ``session`` at ``pos`` returned the rows ``outputs``, already written into

@@ -350,6 +350,8 @@ class GenerationCore:
             self._store.stored(session, outs[1:], self.position)
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))
+        if store is not None and store.outputs_shared(session):  # the session's memory: its next run overwrites it
+            return outs[0][0, 0].copy()
         return outs[0][0, 0]
 
     # ------------------------------------------------------------------ the loop

@@ -225,7 +225,9 @@ def test_caches_read_in_place_stay_current(out):
     cache, a chunk fed between them (a prefill: the buffers go stale and are copied again) and
     a new prompt, each step's logits and the caches equal the copying path's bit for bit, and
     the buffer the step read equals the caches' window. Not writing the rows into the buffer
-    makes the next step read a stale window (logits off by ~1 on this model)."""
+    makes the next step read a stale window (logits off by ~1 on this model). The steps' outputs
+    are read in place too (their buffers' memory, no TensorBuffer.read): the logits a step
+    returned stay what they were after the next step overwrites that memory."""
     from circleops.runtime import litert
 
     if litert._c_api() is None:
@@ -235,6 +237,7 @@ def test_caches_read_in_place_stay_current(out):
     prompt = _prompt(90)
     for gen in (in_place, copied):
         gen.prefill(prompt[:20])
+    kept = None  # (a step's logits as returned, a copy of them)
     for i, t in enumerate(prompt[20:]):
         if i == 50:  # pos 70: a 6-token chunk through the prefill graph between decode steps
             got, want = in_place.feed(prompt[70:76]), copied.feed(prompt[70:76])
@@ -244,7 +247,12 @@ def test_caches_read_in_place_stay_current(out):
         got, want = in_place.decode(t), copied.decode(t)
         assert np.array_equal(got, want), f"step {i} at pos {in_place.position - 1}"
         assert in_place.cache_io == "in place" and copied.cache_io == "copied"
+        if kept is not None:
+            assert np.array_equal(*kept), f"step {i} overwrote the logits the step before returned"
+        kept = (got, got.copy())
         ran = next(w for w in (32, 64, CACHE) if in_place.position - 1 <= w)  # the step's window
+        session = dict([*in_place.decode_windows, (CACHE, in_place.decode_session)])[ran]
+        assert in_place._store.outputs_shared(session) and not copied._store.outputs_shared(session)
         assert _windows_in_place(in_place)[ran]  # the buffer it read, written a row a step, is the window
     assert all(np.array_equal(a, b) for a, b in zip(in_place.caches, copied.caches))
     again = [g.generate(prompt[:10], NEW, stop_at_eos=False) for g in (in_place, copied)]
