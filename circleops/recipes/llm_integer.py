@@ -58,9 +58,9 @@ class CacheSamples(Sequence):
     window's caches are kept once (the last state its fp32 steps wrote, shared by every graph's
     samples) and a sample taken at position p reads them with the slots from p on zeroed,
     what the caches held when it was taken (a window writes each slot once, in order, on
-    caches that start empty). A clone per sample instead held 32 decode steps x 8 windows of
-    SmolLM2-135M's 512-slot caches (23.6 MB each): 6 GB of the full int16 convert's 8.2 GB
-    peak (bench/results/51)."""
+    caches that start empty). A clone per sample instead held (2 prefill chunks + 32 decode
+    steps) x 8 windows of SmolLM2-135M's 512-slot caches (23.6 MB each): 6.8 GB of the full
+    int16 convert's 11.0 GB peak RSS (bench/results/51)."""
 
     def __init__(self, finals: list[list[Any]], layout: str):
         self.finals, self.layout = finals, layout  # window -> its last caches (shared list)
