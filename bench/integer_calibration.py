@@ -7,7 +7,10 @@ The integer recipes calibrate the decode graph on CALIBRATION_DECODE_STEPS steps
 (circleops.recipes.llm_integer): each step is one forward of the PT2E-prepared (observed)
 decode graph, and one fp32 step that writes the caches the next sample reads. This measures
 both on one torch thread and prints the CPU the steps beyond the former 4 per window cost at
-the default 8 windows. The quality and verify figures of bench/results/45 come from
+the default 8 windows. ``--held W`` instead builds the whole calibration of the default graphs
+(prefill 64 and 8, decode; cache 512) over W windows and prints the bytes its samples hold and
+the process's peak RSS (bench/results/51: a clone of every cache per sample, or one set per
+window). The quality and verify figures of bench/results/45 come from
 ``circleops convert smollm2 --graphs prefill,decode --target circle --quantize int16 ...``.
 """
 from __future__ import annotations
@@ -51,6 +54,37 @@ def measure(samples: int, cache: int, scheme: str, prefill: int = 64) -> tuple[f
     return observed / samples, fp32 / samples
 
 
+def held(windows: int, cache: int = 512) -> tuple[float, float, int]:
+    """(GB the calibration's samples hold, GB of peak RSS after it, samples) of SmolLM2-135M's
+    default graphs (prefill 64 and 8, decode) calibrated over ``windows`` windows."""
+    import gc
+    import resource
+
+    from circleops.recipes import llm_integer
+    from circleops.recipes.llm import decoder_step, io_names
+    from circleops.sources.models import load_smollm2
+
+    model, tok = load_smollm2()
+    step = decoder_step(model.eval(), cache, rope_tables=True)
+    named = {"prefill": ("prefill", 64), "prefill_8": ("prefill", 8), "decode": ("decode", 1)}
+    ids = llm_integer.calibration_windows(model, tok, windows, min(cache, 128 + llm_integer.CALIBRATION_DECODE_STEPS))
+    cal = llm_integer.calibrate(step, named, ids, io_names(step.num_layers)[0][2:], cache)
+    seen, storages, stack = set(), {}, [cal]
+    while stack:  # every tensor storage the samples hold, without making any (tests/generate/test_integer_graphs.py)
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, (list, tuple, dict)):
+            stack.extend(gc.get_referents(o))
+        elif type(o).__module__.startswith("circleops"):
+            stack.extend(vars(o).values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return sum(storages.values()) / 1e9, peak / 1e9, sum(len(v) for v in cal.samples.values())
+
+
 def main() -> None:
     from circleops.recipes.llm_integer import CALIBRATION_DECODE_STEPS
 
@@ -59,8 +93,14 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--scheme", default="int16", choices=["int16", "uint8"])
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--held", type=int, default=0, metavar="W",
+                        help="the memory the calibration over W windows holds instead")
     a = parser.parse_args()
     torch.set_num_threads(1)
+    if a.held:
+        gb, peak, n = held(a.held, a.cache)
+        print(f"{a.held} windows, {n} samples: the samples hold {gb:.2f} GB; peak RSS {peak:.2f} GB")
+        return
     observed, fp32 = measure(a.samples, a.cache, a.scheme)
     more = a.windows * (CALIBRATION_DECODE_STEPS - 4)
     print(f"per decode sample: observed graph {observed:.3f} s CPU, fp32 step {fp32:.3f} s CPU; "

@@ -38,7 +38,7 @@ def zero_caches(shapes: Sequence[Sequence[int]], dtype: str = "float32") -> list
     return [np.zeros(shape, dtype=dtype) for shape in shapes]
 
 
-def _slot_axis(layout: str, i: int, half: int) -> int:
+def slot_axis(layout: str, i: int, half: int) -> int:
     """The axis of the cache slots in cache ``i`` of ``layout``."""
     if layout == HEAD_MAJOR:
         return 2 if i < half else 3
@@ -108,7 +108,7 @@ def clear_slots(caches: list[Any], n: int, cache_layout: str = SLOT_MAJOR) -> No
     half = len(caches) // 2
     for i, cache in enumerate(caches):
         index = [slice(None)] * cache.ndim
-        index[_slot_axis(cache_layout, i, half)] = slice(0, n)
+        index[slot_axis(cache_layout, i, half)] = slice(0, n)
         cache[tuple(index)] = 0
 
 
@@ -119,7 +119,7 @@ def cache_window(caches: list[Any], window: int, cache_layout: str = SLOT_MAJOR)
     views = []
     for i, cache in enumerate(caches):
         index = [slice(None)] * cache.ndim
-        index[_slot_axis(cache_layout, i, half)] = slice(0, window)
+        index[slot_axis(cache_layout, i, half)] = slice(0, window)
         views.append(cache[tuple(index)])
     return views
 
@@ -218,4 +218,4 @@ class WindowStore:
 
 def _slots(caches: list[Any], layout: str) -> int:
     """How many slots ``caches`` hold."""
-    return caches[0].shape[_slot_axis(layout, 0, len(caches) // 2)] if caches else 0
+    return caches[0].shape[slot_axis(layout, 0, len(caches) // 2)] if caches else 0

@@ -41,7 +41,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Iterator, Mapping
 
 # decode steps per calibration window: the decode graph's calibration inputs (after the
 # prefill chunks of that window), each on the caches the steps before it wrote. 32, not 4:
@@ -52,11 +53,47 @@ CALIBRATION_DECODE_STEPS = 32
 QUALITY_DECODE_STEPS = 32
 
 
+class CacheSamples(Sequence):
+    """One graph's calibration inputs whose KV caches are made when a sample is read: each
+    window's caches are kept once (the last state its fp32 steps wrote, shared by every graph's
+    samples) and a sample taken at position p reads them with the slots from p on zeroed,
+    what the caches held when it was taken (a window writes each slot once, in order, on
+    caches that start empty). A clone per sample instead held (2 prefill chunks + 32 decode
+    steps) x 8 windows of SmolLM2-135M's 512-slot caches (23.6 MB each): 6.8 GB of the full
+    int16 convert's 11.0 GB peak RSS (bench/results/51)."""
+
+    def __init__(self, finals: list[list[Any]], layout: str):
+        self.finals, self.layout = finals, layout  # window -> its last caches (shared list)
+        self.entries: list[tuple[tuple, int, int]] = []  # (the inputs before the caches, window, pos)
+
+    def add(self, head: tuple, window: int, pos: int) -> None:
+        """A sample of inputs ``head`` then the caches of ``window`` as they are at ``pos``."""
+        self.entries.append((head, window, pos))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[k] for k in range(*index.indices(len(self)))]
+        from circleops.generation.caches import slot_axis
+
+        head, window, pos = self.entries[index]
+        caches = []
+        for i, final in enumerate(self.finals[window]):
+            c = final.clone()
+            at = [slice(None)] * c.ndim
+            at[slot_axis(self.layout, i, len(self.finals[window]) // 2)] = slice(pos, None)
+            c[tuple(at)] = 0
+            caches.append(c)
+        return (*head, *caches)
+
+
 @dataclass
 class IntegerCalibration:
     """What each graph is calibrated on, and the caches' fixed ranges."""
 
-    samples: dict[str, list[tuple]] = field(default_factory=dict)  # graph -> its calibration inputs
+    samples: dict[str, Sequence[tuple]] = field(default_factory=dict)  # graph -> its calibration inputs
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # cache input name -> (min, max)
 
     def note(self, names: Sequence[str], caches: Sequence[Any]) -> None:
@@ -89,17 +126,18 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
     caches those chunks wrote (each on the caches the steps before it wrote)."""
     import torch
 
-    cal = IntegerCalibration({g: [] for g in named})
+    finals: list[list[Any]] = []  # window -> its last caches (CacheSamples)
+    cal = IntegerCalibration({g: CacheSamples(finals, step.cache_layout) for g in named})
     n = max(length for kind, length in named.values() if kind == "prefill") if any(
         kind == "prefill" for kind, _ in named.values()) else 0
     with torch.no_grad():
-        for ids in windows:
+        for w, ids in enumerate(windows):
             caches, pos = list(step.empty_caches()), 0
             # a second chunk (a prefill at pos n) whenever it leaves a slot for a decode step
             for chunk in range(2 if 2 * n < max_cache_len else 1 if n else 0):
                 for g, (kind, m) in named.items():
                     if kind == "prefill" and pos + m <= max_cache_len:
-                        cal.samples[g].append(_prefill_args(ids[:, pos:pos + m], pos, caches))
+                        cal.samples[g].add((ids[:, pos:pos + m], torch.tensor([pos]), torch.tensor([m - 1])), w, pos)
                 caches = list(step(ids[:, pos:pos + n], torch.tensor([pos]), *caches)[1:])
                 cal.note(cache_names, caches)
                 pos += n
@@ -107,18 +145,12 @@ def calibrate(step: Any, named: Mapping[str, tuple[str, int]], windows: Sequence
                 if pos >= min(max_cache_len, ids.shape[1]):
                     break
                 token, at = ids[:, pos:pos + 1], torch.tensor([pos])
-                cal.samples["decode"].append((token, at, *[c.clone() for c in caches]))
+                cal.samples["decode"].add((token, at), w, pos)
                 caches = list(step(token, at, *caches)[1:])
                 cal.note(cache_names, caches)
                 pos += 1
+            finals.append(caches)
     return cal
-
-
-def _prefill_args(ids: Any, pos: int, caches: Sequence[Any]) -> tuple:
-    import torch
-
-    m = ids.shape[1]
-    return (ids, torch.tensor([pos]), torch.tensor([m - 1]), *[c.clone() for c in caches])
 
 
 # --------------------------------------------------------------------------- torch's quantized computation

@@ -6,6 +6,7 @@ through the same generation core)."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -15,8 +16,9 @@ from circleops.errors import TargetError
 from circleops.generation.generator import Generator
 from circleops.recipes.llm import convert_graphs
 from circleops.quantize.weights import NOISE_FLOORS
-from circleops.recipes.llm import decoder_step
-from circleops.recipes.llm_integer import CALIBRATION_DECODE_STEPS, QUALITY_DECODE_STEPS, torch_generator
+from circleops.recipes.llm import decoder_step, io_names
+from circleops.recipes.llm_integer import (CALIBRATION_DECODE_STEPS, QUALITY_DECODE_STEPS, IntegerCalibration,
+                                          calibrate, torch_generator)
 from circleops.serialize import read_model
 
 from generate_fixtures import TINY_PROMPTS, one_torch_thread
@@ -138,6 +140,47 @@ def test_decode_past_its_calibrated_positions(integer_graphs, tiny_model):
         f"{top:.3g}), at calibrated positions {near:.3g}"
     bound = max(report.tolerance * max(1.0, top), NOISE_FLOORS * (report.noise_floor or 0.0))
     assert own <= bound, f"{scheme}: decoded at {CACHE - 1} the file is {own:.3g} from torch's quantized step"
+
+
+def _held_bytes(cal: IntegerCalibration) -> int:
+    """Bytes of the distinct tensor storages ``cal`` holds (its samples not materialized)."""
+    seen, storages, stack = set(), {}, [cal]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, (list, tuple, dict)):
+            stack.extend(gc.get_referents(o))
+        elif type(o).__module__.startswith("circleops"):
+            stack.extend(vars(o).values())
+    return sum(storages.values())
+
+
+def test_calibration_caches_held_once_per_window(tiny_model):
+    """Each calibration sample reads the caches as they were when it was taken (the next decode
+    sample's caches are the fp32 step's output on this one's; the first prefill's are empty),
+    while the calibration holds one set of caches per window, not one per sample: a clone per
+    sample held 6 GB of SmolLM2's 512-slot caches at the default 8 windows x 32 decode steps."""
+    step = decoder_step(copy.deepcopy(tiny_model), CACHE, rope_tables=True)
+    names = io_names(step.num_layers)[0][2:]
+    vocab, windows = int(tiny_model.config.vocab_size), 2
+    ids = [torch.randint(0, vocab, (1, 2 * PREFILL + CALIBRATION_DECODE_STEPS),
+                         generator=torch.Generator().manual_seed(w)) for w in range(windows)]
+    with one_torch_thread(), torch.no_grad():
+        cal = calibrate(step, {"prefill": ("prefill", PREFILL), "decode": ("decode", 1)}, ids, names, CACHE)
+        one_set = sum(c.nbytes for c in step.empty_caches())
+        assert _held_bytes(cal) < (windows + 1) * one_set, "a set of caches held per calibration sample"
+        decode = cal.samples["decode"]
+        assert len(decode) == windows * CALIBRATION_DECODE_STEPS
+        assert not any(c.any() for c in cal.samples["prefill"][0][3:]), "the first prefill reads empty caches"
+        for k in range(len(decode) - 1):
+            if k % CALIBRATION_DECODE_STEPS == CALIBRATION_DECODE_STEPS - 1:
+                continue  # the window's last step: the next sample starts another window
+            wrote = step(*decode[k])[1:]
+            assert all(torch.equal(a, b) for a, b in zip(wrote, decode[k + 1][2:])), f"decode sample {k + 1}"
 
 
 def test_onert_refused_before_loading():
