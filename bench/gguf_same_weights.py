@@ -155,6 +155,11 @@ def write_f32(model_dir: Path, path: str) -> int:
                 if cfg["model_type"] == "llama" and short in ("attn_q", "attn_k"):
                     t = permute(t, n_head if short == "attn_q" else n_kv)
                 writer.add_tensor(f"blk.{i}.{short}.{kind}", t)
+    return _finish(writer, path)
+
+
+def _finish(writer, path) -> int:
+    """Write the GGUF's header, metadata and tensors, close it, say its size."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -222,12 +227,7 @@ def main(argv: list[str]) -> int:
             for proj, short in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
                 if hp + f"self_attn.{proj}_proj.bias" in names:
                     writer.add_tensor(f"blk.{i}.{short}.bias", st.get_tensor(hp + f"self_attn.{proj}_proj.bias").float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    print(f"wrote {path}: {Path(path).stat().st_size / 1e9:.3f} GB")
-    return 0
+    return _finish(writer, path)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,12 @@ def measure(samples: int, cache: int, scheme: str, prefill: int = 64) -> tuple[f
 def held(windows: int, cache: int = 512) -> tuple[float, float, int]:
     """(GB the calibration's samples hold, GB of peak RSS after it, samples) of SmolLM2-135M's
     default graphs (prefill 64 and 8, decode) calibrated over ``windows`` windows."""
-    import gc
     import resource
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from held_memory import held_bytes  # tests/held_memory.py, shared with the calibration test
 
     from circleops.recipes import llm_integer
     from circleops.recipes.llm import decoder_step, io_names
@@ -69,20 +73,8 @@ def held(windows: int, cache: int = 512) -> tuple[float, float, int]:
     named = {"prefill": ("prefill", 64), "prefill_8": ("prefill", 8), "decode": ("decode", 1)}
     ids = llm_integer.calibration_windows(model, tok, windows, min(cache, 128 + llm_integer.CALIBRATION_DECODE_STEPS))
     cal = llm_integer.calibrate(step, named, ids, io_names(step.num_layers)[0][2:], cache)
-    seen, storages, stack = set(), {}, [cal]
-    while stack:  # every tensor storage the samples hold, without making any (tests/generate/test_integer_graphs.py)
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-        elif isinstance(o, (list, tuple, dict)):
-            stack.extend(gc.get_referents(o))
-        elif type(o).__module__.startswith("circleops"):
-            stack.extend(vars(o).values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return sum(storages.values()) / 1e9, peak / 1e9, sum(len(v) for v in cal.samples.values())
+    return held_bytes(cal) / 1e9, peak / 1e9, sum(len(v) for v in cal.samples.values())
 
 
 def main() -> None:

@@ -6,7 +6,6 @@ through the same generation core)."""
 from __future__ import annotations
 
 import copy
-import gc
 
 import numpy as np
 import pytest
@@ -17,11 +16,12 @@ from circleops.generation.generator import Generator
 from circleops.recipes.llm import convert_graphs
 from circleops.quantize.weights import NOISE_FLOORS
 from circleops.recipes.llm import decoder_step, io_names
-from circleops.recipes.llm_integer import (CALIBRATION_DECODE_STEPS, QUALITY_DECODE_STEPS, IntegerCalibration,
-                                          calibrate, torch_generator)
+from circleops.recipes.llm_integer import (CALIBRATION_DECODE_STEPS, QUALITY_DECODE_STEPS, calibrate,
+                                          torch_generator)
 from circleops.serialize import read_model
 
 from generate_fixtures import TINY_PROMPTS, one_torch_thread
+from held_memory import held_bytes
 
 NEW = 8
 
@@ -142,23 +142,6 @@ def test_decode_past_its_calibrated_positions(integer_graphs, tiny_model):
     assert own <= bound, f"{scheme}: decoded at {CACHE - 1} the file is {own:.3g} from torch's quantized step"
 
 
-def _held_bytes(cal: IntegerCalibration) -> int:
-    """Bytes of the distinct tensor storages ``cal`` holds (its samples not materialized)."""
-    seen, storages, stack = set(), {}, [cal]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-        elif isinstance(o, (list, tuple, dict)):
-            stack.extend(gc.get_referents(o))
-        elif type(o).__module__.startswith("circleops"):
-            stack.extend(vars(o).values())
-    return sum(storages.values())
-
-
 def test_calibration_caches_held_once_per_window(tiny_model):
     """Each calibration sample reads the caches as they were when it was taken (the next decode
     sample's caches are the fp32 step's output on this one's; the first prefill's are empty),
@@ -172,7 +155,7 @@ def test_calibration_caches_held_once_per_window(tiny_model):
     with one_torch_thread(), torch.no_grad():
         cal = calibrate(step, {"prefill": ("prefill", PREFILL), "decode": ("decode", 1)}, ids, names, CACHE)
         one_set = sum(c.nbytes for c in step.empty_caches())
-        assert _held_bytes(cal) < (windows + 1) * one_set, "a set of caches held per calibration sample"
+        assert held_bytes(cal) < (windows + 1) * one_set, "a set of caches held per calibration sample"
         decode = cal.samples["decode"]
         assert len(decode) == windows * CALIBRATION_DECODE_STEPS
         assert not any(c.any() for c in cal.samples["prefill"][0][3:]), "the first prefill reads empty caches"
