@@ -160,9 +160,9 @@ def input_rounding(report: QuantReport | None, runtime: str | None) -> Callable[
       blocks of 32 (circleops.quantize.ggml.quantize_q8_0_input; FACTS.md);
     * w8 written for onert's hybrid FULLY_CONNECTED (onert, reference): per row, symmetric
       int8 (circleops.quantize.int8.quantize_rows);
-    * w8 in a TFLite file on LiteRT: XNNPACK's per-row asymmetric int8
-      (circleops.quantize.int8.quantize_rows_asymmetric); the reference interpreter runs
-      that file's kernel the same way.
+    * w8 and int4 in a TFLite file on LiteRT: XNNPACK's per-row asymmetric int8 (its qd8
+      kernels; circleops.quantize.int8.quantize_rows_asymmetric); the reference interpreter
+      runs those files' kernels the same way.
 
     None where the runtime computes in float (or ``runtime`` is None)."""
     if report is None or runtime is None:
@@ -177,7 +177,7 @@ def input_rounding(report: QuantReport | None, runtime: str | None) -> Callable[
             xq, sx = int8.quantize_rows(x)
             return (xq.to(torch.float32) * sx)
         return symmetric
-    if form == formats.PER_CHANNEL:
+    if form in (formats.PER_CHANNEL, formats.BLOCKWISE):  # int4: XNNPACK's qd8-f32-qb4w / qc4w rows
         def asymmetric(x: torch.Tensor) -> torch.Tensor:
             xq, sx, _ = int8.quantize_rows_asymmetric(x)
             return (xq.to(torch.float32) * sx)

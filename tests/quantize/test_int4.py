@@ -263,6 +263,9 @@ def test_graphs_int4_tflite_generate(tmp_path, llama):
     model = copy.deepcopy(llama)
     report = convert_graphs(model, out, target="tflite", prefill_len=8, max_cache_len=32, verify=True, quantize="int4")
     assert report.verify_runtime == "litert" and report.quantization.form == "blockwise"
+    # verified against torch with XNNPACK's int8 rounding of every linear's input (qd8), and
+    # the model's noise floor under it: the bound that holds at any depth (issue 32)
+    assert report.noise_floor is not None and report.noise_floor > 0
     manifest = read_manifest(out)
     assert manifest.quantize == "int4" and set(manifest.files) == {"prefill", "prefill_c16", "decode"}
     q = report.quantization
