@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from circleops.errors import CircleOpsError
-from circleops.generation.caches import WindowStore, store_caches, clear_slots, cache_window, zero_caches
+from circleops.generation.caches import WindowStore, cache_window, clear_slots, store_caches, write_rows, zero_caches
 from circleops.generation.chunks import (GGML_RUN_OVERHEAD, ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
                                          plan_chunks)
 from circleops.generation.sessions import choose_runtime, graph_threads, open_graph
@@ -153,13 +153,31 @@ class GenerationCore:
         self.decode_session = self.sessions[decode_graph]
         self.cache, self.one_row = cache, one_row
         self.max_cache_len = cache.slots
-        self.caches: list[Any] = []
+        self._caches: list[Any] = []
         self.history: list[int] = []  # the tokens whose keys/values fill cache slots 0..len-1
         self._written = 0  # cache slots 0.._written-1 may be non-zero (padding rows included)
         # the decode sessions' input memory holding the caches' window (cache_update "rows" only)
         self._store = WindowStore(cache.layout) if cache.update == "rows" else None
+        self._checked: dict[int, Session] = {}  # id -> decode session whose cache rows were checked once
         self.prefill_runs = 0  # runs of the prefill graphs so far (chunks)
         self.chunks: list[int] = []  # the length of each of those runs
+
+    @property
+    def caches(self) -> list[Any]:
+        """The self-attention caches (k caches then v caches, numpy, in the cache layout), whole:
+        rows a decode step left in a LiteRT session's own input memory are copied in first
+        (:meth:`WindowStore.flush`). The decode loop itself reads ``_caches``."""
+        store = getattr(self, "_store", None)
+        if store is not None:
+            store.flush()
+        return self._caches
+
+    @caches.setter
+    def caches(self, value: list[Any]) -> None:
+        store = getattr(self, "_store", None)
+        if store is not None:
+            store.flush()  # into the arrays they belong to, before those are replaced
+        self._caches = value
 
     @property
     def prefill_session(self) -> Session:
@@ -333,21 +351,31 @@ class GenerationCore:
         if not 0 <= token < self.manifest.vocab_size:  # the common case without building a list
             check_token_ids([token], self.manifest.vocab_size, "the token to decode", error=GenerationLimitError)
         self._ids[0, 0] = token
-        self._pos[0] = self.position
-        self._ensure_caches()
+        pos = self._pos[0] = self.position
+        if not self._caches:
+            self._ensure_caches()
         session, width = self.decode_session, self.max_cache_len
-        window = next(((w, s) for w, s in self.decode_windows if self.position <= w), None)
+        window = next(((w, s) for w, s in self.decode_windows if pos <= w), None)
         if window is not None:  # the slots before the position are all this step attends to
             width, session = window
         store = self._store
-        caches = (store.inputs(session, 2 + len(self.step_extras), self.caches, width, self.caches_in_place)
+        caches = (store.inputs(session, 2 + len(self.step_extras), self._caches, width, self.caches_in_place)
                   if store is not None else None)
         if caches is None:  # the window copied into the run (a view: the runtime copies it)
             caches = self.caches if window is None else cache_window(self.caches, width, self.cache.layout)
         outs = session.run([self._ids, self._pos, *self.step_extras, *caches, *self.constants])
-        self.caches = store_caches(self.caches, outs[1:], self.position, self.cache.update, self.cache.layout)
-        if self._store is not None:  # the session's own copy gets the rows too (or goes stale)
-            self._store.stored(session, outs[1:], self.position)
+        rows = outs[1:]
+        if self.cache.update == "rows" and self._checked.get(id(session)) is session:
+            # a session's graph returns rows of the same shapes every step (checked on its first);
+            # rows that stay in the session's own input memory reach the caches at the next
+            # flush (WindowStore.stored), the others are written now
+            if store is None or not store.stored(session, rows, pos, defer=True):
+                write_rows(self._caches, rows, pos, self.cache.layout)
+        else:
+            self.caches = store_caches(self.caches, rows, pos, self.cache.update, self.cache.layout)
+            if store is not None:  # the session's own copy gets the rows too (or goes stale)
+                store.stored(session, rows, pos)
+            self._checked[id(session)] = session
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))
         if store is not None and store.outputs_shared(session):  # the session's memory: its next run overwrites it

@@ -54,24 +54,29 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[Any], where: str,
     for i, (spec, value) in enumerate(zip(specs, inputs)):
         if trusted and value is trusted[i]:
             continue
-        shape = tuple(int(d) for d in value.shape)
-        dtype = dtype_name(value.dtype)
-        label = f"input #{i} {spec.name!r}" if spec.name else f"input #{i}"
-        if dtype != spec.dtype:
-            raise RuntimeRunError(
-                f"{where}: {label} is {dtype}, the file expects {spec.dtype}{list(spec.shape)}; cast it "
-                f"(e.g. array.astype(np.{spec.dtype})) before running")
-        if shape == () and spec.shape == (1,):
-            continue
-        if len(shape) != len(spec.shape) or any(w >= 0 and w != g for w, g in zip(spec.shape, shape)):
-            raise RuntimeRunError(
-                f"{where}: {label} has shape {list(shape)}, the file expects {list(spec.shape)} ({spec.dtype}); "
-                "the file was converted for that shape: pass an array of that shape, or convert again "
-                "with example inputs of the shape you need")
+        check_one(spec, value, i, where)
+
+
+def check_one(spec: TensorSpec, value: Any, i: int, where: str) -> None:
+    """RuntimeRunError unless input #``i`` ``value`` matches ``spec`` (:func:`check_inputs`)."""
+    shape = tuple(int(d) for d in value.shape)
+    dtype = dtype_name(value.dtype)
+    label = f"input #{i} {spec.name!r}" if spec.name else f"input #{i}"
+    if dtype != spec.dtype:
+        raise RuntimeRunError(
+            f"{where}: {label} is {dtype}, the file expects {spec.dtype}{list(spec.shape)}; cast it "
+            f"(e.g. array.astype(np.{spec.dtype})) before running")
+    if shape == () and spec.shape == (1,):
+        return
+    if len(shape) != len(spec.shape) or any(w >= 0 and w != g for w, g in zip(spec.shape, shape)):
+        raise RuntimeRunError(
+            f"{where}: {label} has shape {list(shape)}, the file expects {list(spec.shape)} ({spec.dtype}); "
+            "the file was converted for that shape: pass an array of that shape, or convert again "
+            "with example inputs of the shape you need")
 
 
 def _describe(spec: TensorSpec) -> str:
     return f"{spec.name or '?'} {spec.dtype}{list(spec.shape)}"
 
 
-__all__ = ["check_inputs", "dtype_name", "in_order"]
+__all__ = ["check_inputs", "check_one", "dtype_name", "in_order"]

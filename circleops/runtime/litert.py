@@ -21,7 +21,7 @@ import numpy as np
 from circleops.errors import RuntimeRunError
 from circleops.inputs.user_files import positive_whole_number
 from circleops.runtime import TensorSpec
-from circleops.runtime.inputs import check_inputs, in_order
+from circleops.runtime.inputs import check_inputs, check_one, in_order
 from circleops.runtime.isolated import WEIGHT_CACHE_ENV, note_in_process
 from circleops.serialize.integrity import check_file
 
@@ -292,6 +292,12 @@ class _SignatureRunner:
         self._reads = [_read_plan(self._out_buffers[n], d) for n, d in zip(self._outs, self.out_details)]
         self._views: list[Any] = [None] * len(self._ins)  # input_views(), once asked for
         self._out_views: list[np.ndarray] | None = None  # outputs_in_place(): run returns these
+        # the capsules RunByIndex takes, made once (CompiledModel.run_by_index builds both
+        # lists every run: 120 property reads per SmolLM2 step)
+        self._in_caps = [b.capsule for b in self._in_list]
+        self._out_caps = [b.capsule for b in self._out_list]
+        native = getattr(cm, "_model", None)
+        self._run_native = getattr(native, "RunByIndex", None)
 
     def input_views(self) -> list[np.ndarray] | None:
         """The host memory of this signature's input buffers as arrays (:func:`host_view`), in
@@ -328,9 +334,15 @@ class _SignatureRunner:
         for (buffer, dtype), x, view in zip(self._writes, arrays, self._views):
             if x is view:  # the buffer's own memory, written by the caller (input_views)
                 continue
+            if view is not None:  # a plain copy into that memory (TensorBuffer.write: ~15 us each)
+                view[...] = x
+                continue
             x = np.asarray(x, dtype=dtype)
             buffer.write(x.view(np.int32) if dtype == np.int64 else x)
-        self._cm.run_by_index(self._index, self._in_list, self._out_list)
+        if self._run_native is not None:
+            self._run_native(self._index, self._in_caps, self._out_caps)
+        else:
+            self._cm.run_by_index(self._index, self._in_list, self._out_list)
         if self._out_views:  # the buffers' memory itself, until the next run
             return list(self._out_views)
         return [buffer.read(n, dtype).view(view).reshape(shape) for buffer, n, dtype, view, shape in self._reads]
@@ -406,6 +418,7 @@ class Session:
             self._inputs = [_spec(n, d) for n, d in zip(self._names, self._in_details)]
             self._signature_specs = [_spec(n, d, "shape_signature") for n, d in zip(self._names, self._in_details)]
             self._shapes = [tuple(int(n) for n in d["shape"]) for d in self._in_details]
+            self._dtypes = [np.dtype(d["dtype"]) for d in self._in_details]
         return list(self._inputs)
 
     def input_views(self) -> list[np.ndarray] | None:
@@ -436,7 +449,15 @@ class Session:
         """Run on ``inputs`` (in :attr:`inputs` order, or a dict by name); returns the outputs
         in :attr:`outputs` order. Only a dimension the file declares dynamic (-1 in its
         shape signature) may differ from :attr:`inputs`' shapes: the input is resized to it."""
-        where = self.path if self.signature is None else f"{self.path} (signature {self.signature!r})"
+        views = getattr(self, "_views", None)
+        if views and isinstance(inputs, list) and len(inputs) == len(views):
+            # a generation step: most inputs are this session's own input memory (input_views),
+            # made from its specs; only the others are checked and copied (the generic path's
+            # per-input work was ~0.1 ms of a SmolLM2 int4 step's 62 inputs, issue 34)
+            odd = [i for i, (x, v) in enumerate(zip(inputs, views)) if x is not v]
+            if len(odd) < len(views):
+                return self._run_own(inputs, odd)
+        where = self._where()
         arrays = [np.asarray(x) for x in in_order(self.inputs, inputs, where)]
         # against the shape signature: only a dynamic (-1) dimension may be resized, any other
         # difference ends in an XNNPACK error or outputs of another shape
@@ -462,6 +483,28 @@ class Session:
             return self._run_main(arrays)
         except RuntimeRunError:
             raise
+        except (ValueError, RuntimeError) as err:
+            raise RuntimeRunError(f"LiteRT failed to run {self.path}: {err}") from None
+
+    def _where(self) -> str:
+        return self.path if self.signature is None else f"{self.path} (signature {self.signature!r})"
+
+    def _run_own(self, inputs: list[Any], odd: list[int]) -> list[np.ndarray]:
+        """:meth:`run` where every input but those at ``odd`` is the session's own input memory."""
+        arrays = list(inputs)
+        if getattr(self, "_inputs", None) is None:
+            self.inputs  # noqa: B018 (makes the specs and shapes)
+        for i in odd:
+            x = np.asarray(arrays[i])
+            if x.dtype != self._dtypes[i] or x.shape != self._shapes[i]:  # (dtype.name is slow)
+                check_one(self._signature_specs[i], x, i, self._where())
+            arrays[i] = x.reshape(1) if x.ndim == 0 and self._shapes[i] == (1,) else x
+            if arrays[i].shape != self._shapes[i]:
+                raise RuntimeRunError(f"{self._where()}: input #{i} has shape {list(arrays[i].shape)} where the file "
+                                      f"takes {list(self._shapes[i])}")
+        try:
+            with self._it.circleops_lock:
+                return self._compiled.run(arrays)
         except (ValueError, RuntimeError) as err:
             raise RuntimeRunError(f"LiteRT failed to run {self.path}: {err}") from None
 

@@ -271,3 +271,28 @@ def test_caches_copied_where_litert_gives_no_views(out, monkeypatch):
     result = Generator(out).generate(prompt, NEW, stop_at_eos=False)
     assert result.tokens == want and result.cache_io == "copied"
     assert "KV caches copied" in result.timing_line()
+
+
+def test_a_step_on_its_own_memory_still_checks_the_other_inputs(out):
+    """A decode step passing the session's own input memory for its caches (input_views) skips
+    their checks and copies (issue 34); the inputs that are not that memory (ids, pos) are still
+    checked: a float id or a [1, 2] ids array is refused by name, not cast or truncated into the
+    buffer."""
+    from circleops.errors import RuntimeRunError
+    from circleops.runtime import litert
+
+    if litert._c_api() is None:
+        pytest.skip("this LiteRT wheel has no LiteRtGetTensorBufferHostMemory: no input memory to pass")
+    gen = Generator(out)
+    gen.prefill(_prompt(5))
+    gen.decode(7)  # binds the decode session's views
+    session = gen.decode_windows[0][1]
+    views = session.input_views()
+    # LiteRT's own run: the suite wraps every Session in a cross-check whose reference
+    # interpreter would refuse these inputs too (tests/conftest.py)
+    own = next(c for c in type(session).__mro__ if c.__module__ == litert.__name__).run
+    good = [np.zeros((1, 1), np.int64), np.array([5], np.int64), *views[2:]]
+    assert len(own(session, good)) == len(session.outputs)
+    for bad, what in ((np.zeros((1, 1), np.float32), "is float32"), (np.zeros((1, 2), np.int64), r"has shape \[1, 2\]")):
+        with pytest.raises(RuntimeRunError, match=f"input #0 .*{what}"):
+            own(session, [bad, *good[1:]])
