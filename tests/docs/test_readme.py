@@ -26,7 +26,7 @@ import pytest
 
 import readme_fixture as fx
 import readme_llm
-from zygote import ForkServer
+from zygote import MODEL_WARM, WARM, ForkServer
 
 LANGS = {"python", "shell", "console", "text"}
 
@@ -213,7 +213,7 @@ def shell_run(tmp_path_factory):
     template = tmp_path_factory.mktemp("readme_sh")
     fx.prepare_shell_dir(template)
     env = fx.shell_env(tmp_path_factory.mktemp("bin"))
-    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"))
+    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"), warm=WARM + MODEL_WARM)  # convert/check MODEL
     env = server.client_env(tmp_path_factory.mktemp("bin_forked"), env)
     dirs: dict[str, Path] = {}
     done: dict[int, subprocess.CompletedProcess] = {}  # id() of a FAST command -> its result
