@@ -24,8 +24,9 @@ class SharedCheck:
     """check() of the real SmolLM2 in fp16, every policy, computed on first use."""
 
     def __init__(self, work_dir: Callable[[], Path]) -> None:
-        from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, CheckOptions
+        from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, CheckOptions, check
 
+        self._check = check  # the real one, taken before a test puts self.check in its place
         self._work_dir = work_dir  # made only when the report is computed
         self._options = CheckOptions(prompt=DEFAULT_PROMPT, dtype="fp16", new_tokens=DEFAULT_NEW_TOKENS,
                                      source=SOURCE)
@@ -36,14 +37,13 @@ class SharedCheck:
         """The report (files kept in the work dir: tests read the policies' .circle files)."""
         if self._report is None:
             from circleops.sources.models import load_smollm2
-            from circleops.tools.precision import check
 
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # measured: 2 threads on 2 shared cores is ~20x slower per forward
             try:
                 model, tokenizer = load_smollm2(torch.float32)
                 self._options = dataclasses.replace(self._options, work_dir=self._work_dir())
-                self._report = check(model, tokenizer, self._options)
+                self._report = self._check(model, tokenizer, self._options)
                 self._embedding = model.get_input_embeddings().weight.detach().clone()
             finally:
                 torch.set_num_threads(threads)
@@ -67,10 +67,10 @@ class SharedCheck:
     def check(self, model: Any, tokenizer: Any = None, options: Any = None, *, progress: Any = None,
               **fields: Any) -> Any:
         """circleops.tools.precision.check, answering the shared call from the report."""
-        from circleops.tools.precision import CheckOptions, check, options_with
+        from circleops.tools.precision import CheckOptions, options_with
 
         o = options_with(options or CheckOptions(), fields)
         if not self._answers(model, o):
-            return check(model, tokenizer, options, progress=progress, **fields)
+            return self._check(model, tokenizer, options, progress=progress, **fields)
         # the report check names for these options (its files are in the shared work dir)
         return dataclasses.replace(self.report(), source=o.source or type(model).__name__)
