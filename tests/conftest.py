@@ -210,8 +210,9 @@ def pytest_terminal_summary(terminalreporter):
 
 # session fixtures that several modules share and that cost seconds per worker: the modules
 # using one form one group, so one worker builds it (the tflite families' conversions, the
-# tiny VLMs converted with the CLI)
-_SHARED_FIXTURES = {"converted": "tests/tflite/conftest.py", "tiny_vlm_onert": "tests/generate/vlm_fixtures.py"}
+# tiny VLMs converted with the CLI, the real SmolLM2's fp16 check report)
+_SHARED_FIXTURES = {"converted": "tests/tflite/conftest.py", "tiny_vlm_onert": "tests/generate/vlm_fixtures.py",
+                    "smollm2_fp16_check": "tests/conftest.py"}
 
 
 def _shared_fixture_group(item) -> str | None:
@@ -254,7 +255,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 _LONG_GROUPS = ["readme_smollm2", "tests/generate/vlm_fixtures.py::tiny_vlm_onert", "readme_commands",
-                "tests/docs/test_readme.py", "tests/generate/test_cached_families.py", "mutation",
+                "tests/conftest.py::smollm2_fp16_check", "tests/generate/test_cached_families.py", "mutation",
                 "tests/ops/test_ops_generic.py", "tests/generate/test_cache_windows.py",
                 "tests/adapters/test_adapters_families.py", "tests/cli/test_cli_convert.py",
                 "tests/generate/test_docs_vlm.py"]
@@ -266,3 +267,13 @@ def readme_llm_out(tmp_path_factory):
     import readme_llm  # imported here: pytester sessions run a copy of this file without it
 
     return readme_llm.convert(tmp_path_factory.mktemp("readme_smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp16_check(tmp_path_factory):
+    """The real SmolLM2's fp16 check() report, computed on first use, once per test process
+    (tests/smollm2_shared.py): tests/check/test_check_smollm2.py's subject and docs/tools.md's
+    Python API block's call (tests/docs/test_readme.py)."""
+    from smollm2_shared import SharedCheck
+
+    return SharedCheck(lambda: tmp_path_factory.mktemp("smollm2_check"))

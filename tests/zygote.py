@@ -34,6 +34,16 @@ WARM = ("torch", "torch._dynamo", "torch.export", "numpy", "transformers", "tran
         "circleops", "circleops.cli", "circleops.cli.convert", "circleops.cli.generate", "circleops.cli.check",
         "circleops.cli.inspect", "circleops.cli.chat", "circleops.cli.run", "circleops.recipes.llm",
         "circleops.pipeline.stages", "circleops.adapters")
+# What a command on a model directory imports besides (ForkServer(..., warm=WARM + MODEL_WARM)):
+# transformers' Llama (the docs' MODEL, tests/families.py, is one) and the conversion's own
+# modules. Measured on the AVX2 EPYC: a `convert MODEL ... --verify` child spent 3.0-4.1 s of
+# CPU, 2.0-2.5 s of it importing these; with them here, 0.8-1.7 s. `generate` of a converted
+# directory imports none of them (the SmolLM2 server does without).
+MODEL_WARM = ("transformers.models.llama.modeling_llama", "circleops.sources.models", "circleops.pipeline.convert",
+              "circleops.lowering.program", "circleops.passes.fusion", "circleops.serialize.writer",
+              "circleops.serialize.reader", "circleops.tools.precision", "circleops.tools.quant_report",
+              "circleops.quantize.recipe", "circleops.quantize.integer.lower", "torch.export._trace",
+              "torch._functorch.aot_autograd", "torch._functorch.partitioners")
 
 CLIENT = '''#!{python} -S
 # circleops, run by the fork server at {sock} (tests/zygote.py)
@@ -87,12 +97,12 @@ def _child(conn: socket.socket, server: socket.socket, req: dict, fds: list[int]
         os._exit(int(code or 0) & 0xFF)
 
 
-def serve(path: str) -> None:
-    """Import WARM, listen at ``path``, run one command at a time (a docs page's commands run in
-    order; a second client waits in the backlog)."""
+def serve(path: str, warm: list[str]) -> None:
+    """Import ``warm``, listen at ``path``, run one command at a time (a docs page's commands run
+    in order; a second client waits in the backlog)."""
     import importlib
 
-    for name in WARM:
+    for name in warm:
         importlib.import_module(name)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.path.exists(path):
@@ -119,10 +129,11 @@ def serve(path: str) -> None:
 class ForkServer:
     """The server process for one test module; ``client_env`` puts its ``circleops`` on PATH."""
 
-    def __init__(self, env: dict, workdir: Path):
+    def __init__(self, env: dict, workdir: Path, warm: tuple[str, ...] = WARM):
         self.sock = str(workdir / "circleops.sock")
         self.log = open(workdir / "fork-server.log", "w")  # what imports print goes here
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), self.sock], env=env,
+        argv = [sys.executable, str(Path(__file__).resolve()), self.sock, json.dumps(list(warm))]
+        self.proc = subprocess.Popen(argv, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
@@ -150,4 +161,4 @@ class ForkServer:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], json.loads(sys.argv[2]))

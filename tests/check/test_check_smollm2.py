@@ -5,9 +5,8 @@ every policy converted once."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, check
+from circleops.tools.precision import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT
 from circleops.serialize import read_model
 from rounding import fp16_error_bound, fp16_roundings, native_fp16
 
@@ -25,17 +24,12 @@ def layer_bounds(result) -> list[float]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_report(tmp_path_factory):
-    from circleops.sources.models import load_smollm2
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # measured: 2 threads on 2 shared cores is ~20x slower per forward
-    try:
-        model, tokenizer = load_smollm2(torch.float32)
-        return check(model, tokenizer, prompt=DEFAULT_PROMPT, dtype="fp16", new_tokens=N,
-                     work_dir=tmp_path_factory.mktemp("smollm2_check"), source="smollm2")
-    finally:
-        torch.set_num_threads(threads)
+def smollm2_report(smollm2_fp16_check):
+    """check(SmolLM2, prompt, dtype="fp16", 32 tokens, every policy, files kept), run once per
+    process and shared with docs/tools.md's Python API block (tests/smollm2_shared.py)."""
+    report = smollm2_fp16_check.report()
+    assert (report.prompt, report.dtype, report.new_tokens) == (DEFAULT_PROMPT, "fp16", N)
+    return report
 
 
 def test_norm_inputs_pass_fp16_square_range(smollm2_report):

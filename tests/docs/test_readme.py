@@ -26,7 +26,7 @@ import pytest
 
 import readme_fixture as fx
 import readme_llm
-from zygote import ForkServer
+from zygote import MODEL_WARM, WARM, ForkServer
 
 LANGS = {"python", "shell", "console", "text"}
 
@@ -167,10 +167,15 @@ def kernels_restored():
 
 @pytest.mark.parametrize("section", [
     pytest.param(s, marks=[pytest.mark.slow] if _is_slow(s, bs) else []) for s, bs in PY_SECTIONS.items()])
-def test_python_blocks_run(section, python_dir, monkeypatch, kernels_restored, capsys):
+def test_python_blocks_run(section, python_dir, monkeypatch, kernels_restored, capsys, smollm2_fp16_check):
     import torch
 
+    import circleops.tools.precision
+
     monkeypatch.chdir(python_dir)
+    # docs/tools.md's check() of the real SmolLM2 in fp16 is tests/check/test_check_smollm2.py's
+    # report: computed once per process (tests/smollm2_shared.py); any other call runs check()
+    monkeypatch.setattr(circleops.tools.precision, "check", smollm2_fp16_check.check)
     namespace = fx.python_namespace(python_dir)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -208,7 +213,7 @@ def shell_run(tmp_path_factory):
     template = tmp_path_factory.mktemp("readme_sh")
     fx.prepare_shell_dir(template)
     env = fx.shell_env(tmp_path_factory.mktemp("bin"))
-    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"))
+    server = ForkServer(env, tmp_path_factory.mktemp("fork_server"), warm=WARM + MODEL_WARM)  # convert/check MODEL
     env = server.client_env(tmp_path_factory.mktemp("bin_forked"), env)
     dirs: dict[str, Path] = {}
     done: dict[int, subprocess.CompletedProcess] = {}  # id() of a FAST command -> its result
