@@ -60,10 +60,11 @@ RUNTIMES = {"tflite": "litert", "onert": "onert"}
 @contextlib.contextmanager
 def decoded_once() -> Iterator[None]:
     """dequantized_sources decodes each weight every forward (no second copy of the model's
-    weights: issue 32), 18 forwards here; inside, a decoded weight whose values fp16 holds
+    weights: issue 32), 20 forwards here; inside, a decoded weight whose values fp16 holds
     exactly (int4: a bf16 scale times an integer of 4 bits fits fp16's 11 bits) is kept as
     fp16 and widened per use: the same values bit for bit, half the bytes, no repeated unpack
-    (the 1.5B shape: ~65 s of CPU per forward otherwise). Others (w8's fp32 scales) decode as before."""
+    (135M int4, loaded: a 24-token forward in 2.3 s of CPU against 4.0-6.7 s decoding each
+    time). Others (w8's fp32 scales) decode as before."""
     import torch
 
     from circleops.quantize import weights
@@ -90,9 +91,10 @@ def decoded_once() -> Iterator[None]:
 
 @contextlib.contextmanager
 def unfused(model) -> Iterator[None]:
-    """The model's own HF forwards while inside (the package step fused it in place for export:
-    circle ops' reference kernels, the same numerics at ~30x the CPU: 3.5 s a 24-token forward
-    at 135M), the fused ones back after (circleops.adapters.unfuse, reversibly)."""
+    """The model's own HF forwards while inside, the fused ones back after (the package step
+    fused it in place for export: circle ops' reference kernels, the same numerics). The HF
+    forward is what verify's references run and what ``generate``'s KV cache is written for;
+    it is also cheaper (a 24-token forward at 135M, loaded: 1.6-3.5 s of CPU against 3.0-3.7 fused)."""
     from circleops.adapters import _instance
 
     swapped = {}
@@ -109,94 +111,122 @@ def unfused(model) -> Iterator[None]:
             sub.__dict__["forward"] = forward
 
 
-def torch_side(model, quant, runtime: str, ids: list[int], new: int) -> dict:
-    """transformers' greedy tokens on the file's own weights and the runtime's input rounding;
-    per step: the top-2 margin, the logits (kept for the gap to another token) and the noise."""
+def forced(model, quant, runtime: str, ids: list[int], tokens: list[int]) -> tuple:
+    """torch's logits at each new token's step, teacher-forced on ``tokens`` in one forward,
+    on the file's weights with the runtime's rounding, then with every rounded input nudged
+    (perturb=0); (the logits [new, V], each step's noise: the largest logit the nudge moved)."""
     import torch
 
     from circleops.quantize.weights import dequantized_sources
 
-    c = time.process_time()
-    model.eval()
-    with torch.no_grad(), decoded_once(), unfused(model):
-        with dequantized_sources(quant, model, runtime):
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            tokens = [int(t) for t in out.sequences[0, len(ids):]]
-            forced = torch.tensor([ids + tokens[:-1]])  # the same steps teacher-forced, in one forward
-            logits = model(input_ids=forced, use_cache=False).logits[0, len(ids) - 1:].float()
-        with dequantized_sources(quant, model, runtime, perturb=0):
-            nudged = model(input_ids=forced, use_cache=False).logits[0, len(ids) - 1:].float()
+    seq = torch.tensor([ids + tokens[:-1]])
+    with dequantized_sources(quant, model, runtime):
+        logits = model(input_ids=seq, use_cache=False).logits[0, len(ids) - 1:].float()
+    with dequantized_sources(quant, model, runtime, perturb=0):
+        nudged = model(input_ids=seq, use_cache=False).logits[0, len(ids) - 1:].float()
+    return logits, [float(n) for n in (nudged - logits).abs().max(dim=-1).values]
+
+
+def torch_greedy(model, quant, runtime: str, ids: list[int], new: int) -> dict:
+    """transformers' greedy tokens on the file's own weights and the runtime's input rounding;
+    per step: the top-2 margin of the logits it picked from, the logits and the noise."""
+    import torch
+
+    from circleops.quantize.weights import dequantized_sources
+
+    with dequantized_sources(quant, model, runtime):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = [int(t) for t in out.sequences[0, len(ids):]]
     generated = torch.stack(out.logits)[:, 0].float()  # the logits each greedy token was picked from
+    logits, noise = forced(model, quant, runtime, ids, tokens)
     top = torch.topk(generated, 2, dim=-1)
     return {"tokens": tokens,
             # the same steps in one forward of another length: another summation order, moved as the nudge moves it
             "generate_vs_forced": float((generated - logits).abs().max()),
-            "forced_argmax_same": [int(t) for t in logits.argmax(-1)] == tokens,
-            "margin": [float(m) for m in top.values[:, 0] - top.values[:, 1]],
-            "noise": [float(n) for n in (nudged - logits).abs().max(dim=-1).values],
-            "torch_cpu_s": time.process_time() - c, "logits": generated.numpy()}
+            "margin": [float(m) for m in top.values[:, 0] - top.values[:, 1]], "noise": noise,
+            "logits": generated.numpy()}
 
 
-def convert_with_torch(src: str, out: str, target: str, quantize: str, ids: list[int], new: int,
-                       verify: bool) -> tuple[dict, dict]:
-    """``circleops convert SRC --graphs prefill,decode --target T --quantize Q -o OUT`` in this
-    process, :func:`torch_side` run once the graphs are built; (torch's side, the convert's figures)."""
+def directory_tokens(out: Path, runtime: str, ids: list[int], new: int) -> dict:
+    """The second form on ``out`` in a child (its own LiteRT / onert copy of the weights)."""
+    import subprocess
+
+    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = subprocess.run([sys.executable, __file__, "--dir", str(out), "--runtime", runtime, "--new", str(new),
+                            "--ids", ",".join(map(str, ids))], capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit(f"scale_tokens: generate on {out} failed:\n{child.stderr[-3000:]}")
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    got["child_cpu_s"] = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+    return got
+
+
+def compare(model, quant, runtime: str, ids: list[int], new: int, out: Path) -> dict:
+    """Once the package step wrote ``out`` (its staging directory, the model still holding the
+    weights the files were written from): torch's greedy tokens, the directory's, and torch
+    teacher-forced on the directory's tokens: at each step the gap between torch's best logit
+    and the directory's token (0 where it is torch's argmax) beside that step's noise."""
+    import torch
+
+    c = time.process_time()
+    model.eval()
+    with torch.no_grad(), decoded_once(), unfused(model):
+        mine = torch_greedy(model, quant, runtime, ids, new)
+        torch_cpu = time.process_time() - c
+        got = directory_tokens(out, runtime, ids, new)
+        c = time.process_time()
+        logits, noise = forced(model, quant, runtime, ids, got["tokens"])
+        torch_cpu += time.process_time() - c
+    gaps = [float(row.max() - row[t]) for row, t in zip(logits, got["tokens"])]
+    want, tokens = mine["tokens"], got["tokens"]
+    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+    info = {"torch_tokens": want, "tokens": tokens, "agree": sum(a == b for a, b in zip(tokens, want)),
+            "of": len(want), "first_difference": first, "generate_vs_forced": mine["generate_vs_forced"],
+            "torch_min_margin": min(mine["margin"]), "torch_noise": mine["noise"],
+            "directory_gaps": gaps, "directory_noise": noise, "directory_argmax_steps": sum(g == 0 for g in gaps),
+            "directory_gap_over_noise": max(g / n for g, n in zip(gaps, noise)),
+            "directory": {k: got[k] for k in ("decode_ms", "wall_s", "cpu_s", "child_cpu_s", "peak_rss_gb")},
+            "torch_cpu_s": torch_cpu}
+    if first is not None:
+        row = mine["logits"][first]
+        info.update(margin_at_first=mine["margin"][first], noise_at_first=mine["noise"][first],
+                    gap_to_directory_token=float(row[want[first]] - row[tokens[first]]))
+    return info
+
+
+def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
+    """The third form (module docstring): ``circleops convert SRC --graphs prefill,decode
+    --target T --quantize Q -o OUT`` in this process, :func:`compare` run where the package
+    step has written the directory and still holds the weights it wrote it from."""
     from circleops.options import ConvertOptions
     from circleops.package import step
     from circleops.recipes.llm import LLMRecipe
 
-    runtime = RUNTIMES[target]
-    seen: dict = {}
-    build = step._build
-
-    def hooked(recipe, programs, eps, opts, weights, tracker):
-        lowered, quant = build(recipe, programs, eps, opts, weights, tracker)
-        seen.update(torch_side(recipe.weights_module(), quant, runtime, ids, new))
-        return lowered, quant
-
-    step._build = hooked
-    r0, ch0, t = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    options = ConvertOptions(target=target, quantize=quantize, graphs="prefill,decode", verify=verify)
-    report = step.run(LLMRecipe.from_source(src, options), out)
-    r1, ch1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    step._build = build
-    cpu = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime + ch1.ru_utime + ch1.ru_stime
-           - ch0.ru_utime - ch0.ru_stime)
-    figures = {"convert_wall_s": time.perf_counter() - t, "convert_cpu_s": cpu - seen["torch_cpu_s"],
-               "convert_peak_rss_gb": r1.ru_maxrss / 1e6, "noise_floor": report.noise_floor,
-               "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
-               "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
-    return seen, figures
-
-
-def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
-    """The third form (module docstring): torch on the file's weights against the directory."""
-    import gc
-    import subprocess
-
     vocab = json.loads((Path(args.quantized) / "config.json").read_text())["vocab_size"]
     if max(ids) >= vocab:
         sys.exit(f"scale_tokens: id {max(ids)} is past {args.quantized}'s vocabulary ({vocab}); pass --ids below it")
-    seen, figures = convert_with_torch(args.quantized, args.out, args.target, args.quantize, ids, args.new,
-                                       args.verify)
-    gc.collect()  # the model and its blocks are gone before the child loads the directory
-    runtime = RUNTIMES[args.target]
-    child = subprocess.run([sys.executable, __file__, "--dir", args.out, "--runtime", runtime, "--new", str(args.new),
-                            "--ids", ",".join(map(str, ids))], capture_output=True, text=True, check=True)
-    got = json.loads(child.stdout.strip().splitlines()[-1])
-    want, tokens = seen["tokens"], got["tokens"]
-    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
-    info = {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", "torch_tokens": want,
-            "tokens": tokens, "agree": sum(a == b for a, b in zip(tokens, want)), "of": len(want),
-            "first_difference": first, "directory": {k: got[k] for k in ("decode_ms", "wall_s", "cpu_s", "peak_rss_gb")},
-            **{k: seen[k] for k in ("generate_vs_forced", "forced_argmax_same", "torch_cpu_s")},
-            "min_margin": min(seen["margin"]), "max_noise": max(seen["noise"]), **figures}
-    if first is not None:
-        row = seen["logits"][first]
-        info.update(margin_at_first=seen["margin"][first], noise_at_first=seen["noise"][first],
-                    gap_to_directory_token=float(row[want[first]] - row[tokens[first]]))
-    return info
+    runtime, seen, package = RUNTIMES[args.target], {}, step._package
+
+    def hooked(recipe, pkg, weights, references):
+        report = package(recipe, pkg, weights, references)  # the manifest is written: the directory runs
+        seen.update(compare(recipe.weights_module(), report.quantization, runtime, ids, args.new, pkg.staging))
+        return report
+
+    step._package = hooked
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify)
+    report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    step._package = package
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime  # self only: the verify child's is apart
+    return {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", **seen,
+            "convert_wall_s": time.perf_counter() - t - seen["directory"]["wall_s"],
+            "convert_cpu_s": cpu - seen["torch_cpu_s"], "convert_peak_rss_gb": r1.ru_maxrss / 1e6,
+            "noise_floor": report.noise_floor,
+            "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
+            "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
 
 
 def main() -> int:
