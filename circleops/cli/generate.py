@@ -82,6 +82,7 @@ def sampler_from_args(args: argparse.Namespace, directory):
 
 
 def main(args: argparse.Namespace) -> int:
+    from circleops.generation.core import check_fits
     from circleops.generation.generator import (GenerationLimitError, Generator, TextStream, choose_runtime, encode_prompt,
                                     load_tokenizer)
     from circleops.inputs.token_ids import check_token_ids
@@ -115,9 +116,9 @@ def main(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(manifest) if manifest.tokenizer else None
         source = "--token-ids"
     ids = check_token_ids(ids, manifest.vocab_size, source, error=GenerationLimitError)  # before any graph opens
+    check_fits(manifest.max_cache_len, 0, len(ids), args.max_new_tokens, manifest.directory)  # so is this
     sampler = sampler_from_args(args, manifest.directory)
     gen = Generator(manifest, runtime=runtime, threads=args.threads)
-    gen.check_fits(len(ids), args.max_new_tokens)  # before any output
     if tokenizer is not None:
         if args.prompt is not None and not args.chat:
             sys.stdout.write(args.prompt)

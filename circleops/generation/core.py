@@ -93,6 +93,24 @@ class Generation:
         return line + (f"; stopped at EOS after {len(self.tokens)} new tokens" if self.stopped_at_eos else "")
 
 
+def check_fits(slots: int, used: int, prompt_len: int, max_new_tokens: Any, directory: Any) -> None:
+    """GenerationLimitError unless a prompt of ``prompt_len`` tokens plus ``max_new_tokens``
+    fit a cache of ``slots`` with ``used`` of them taken (the files in ``directory``). Needs no
+    session: a CLI refuses before it opens a model's graphs (seconds for a 1B model's files)."""
+    if prompt_len < 1:
+        raise GenerationLimitError("the prompt is empty: give at least one token.")
+    if max_new_tokens < 0:
+        raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
+    if used + prompt_len + max_new_tokens > slots:
+        before = f"the {used} tokens already in the cache, " if used else ""
+        raise GenerationLimitError(
+            f"{before}the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens "
+            f"{max_new_tokens} is {used + prompt_len + max_new_tokens} tokens, more than the {slots} "
+            f"slots of the KV cache in {directory}. Generate at most "
+            f"{max(0, slots - used - prompt_len)} new tokens, or convert again with --max-cache-len "
+            f"{used + prompt_len + max_new_tokens} or more.")
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """The self-attention caches of a kind's graphs: each array's shape (k caches, then v
@@ -219,21 +237,8 @@ class GenerationCore:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """GenerationLimitError unless prompt + new tokens fit the cache (after the tokens
-        already in it)."""
-        slots = self.max_cache_len
-        if prompt_len < 1:
-            raise GenerationLimitError("the prompt is empty: give at least one token.")
-        if max_new_tokens < 0:
-            raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
-        used = self.position
-        if used + prompt_len + max_new_tokens > slots:
-            before = f"the {used} tokens already in the cache, " if used else ""
-            raise GenerationLimitError(
-                f"{before}the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens "
-                f"{max_new_tokens} is {used + prompt_len + max_new_tokens} tokens, more than the {slots} "
-                f"slots of the KV cache in {self.manifest.directory}. Generate at most "
-                f"{max(0, slots - used - prompt_len)} new tokens, or convert again with --max-cache-len "
-                f"{used + prompt_len + max_new_tokens} or more.")
+        already in it): :func:`check_fits`."""
+        check_fits(self.max_cache_len, self.position, prompt_len, max_new_tokens, self.manifest.directory)
 
     def _ensure_caches(self) -> None:
         """Zero caches when there are none (a new conversation). With rows outputs they are

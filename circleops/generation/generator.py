@@ -32,7 +32,7 @@ from circleops.generation.caches import cache_window, clear_slots, empty_caches,
 from circleops.generation.chunks import (GGML_RUN_OVERHEAD, ONE_THREAD_RUN_OVERHEAD, PREFILL_RUN_OVERHEAD,
                                          plan_chunks)
 from circleops.generation.core import (DEFAULT_MAX_NEW_TOKENS, CacheSpec, Generation, GenerationCore,
-                                       GenerationLimitError)
+                                       GenerationLimitError, check_fits)
 from circleops.generation.sessions import (GRAPH_THREAD_CAPS, check_runtime, choose_runtime, graph_threads, open_graph,
                                            text_graph_rows)
 from circleops.generation.tokenizers import (FastTokenizer, TextStream, check_tokenizer_dir, encode_prompt, hf_tokenizer,
@@ -135,16 +135,17 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
     to write the text to as it is produced (needs the tokenizer). ``result.text`` holds the
     decoded new text when a tokenizer is there. ``threads``: as for :class:`Generator`.
     """
-    gen = Generator(directory, runtime=runtime, threads=threads)
+    manifest = read_manifest(directory)
     tokenizer = None
     if isinstance(prompt, str):
-        tokenizer = load_tokenizer(gen.manifest)
-        ids = encode_prompt(tokenizer, prompt, chat, max_tokens=gen.manifest.max_cache_len)
+        tokenizer = load_tokenizer(manifest)
+        ids = encode_prompt(tokenizer, prompt, chat, max_tokens=manifest.max_cache_len)
     else:
         ids = [int(i) for i in prompt]
-        if gen.manifest.tokenizer and stream is not None:
-            tokenizer = load_tokenizer(gen.manifest)
-    gen.check_fits(len(ids), max_new_tokens)
+        if manifest.tokenizer and stream is not None:
+            tokenizer = load_tokenizer(manifest)
+    check_fits(manifest.max_cache_len, 0, len(ids), max_new_tokens, manifest.directory)  # before any graph opens
+    gen = Generator(manifest, runtime=runtime, threads=threads)
     streamer = TextStream(tokenizer, stream) if tokenizer is not None and stream is not None else None
     result = gen.generate(ids, max_new_tokens, on_token=streamer, sampler=sampler)
     if streamer is not None:

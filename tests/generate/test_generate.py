@@ -161,6 +161,20 @@ def test_cli_errors_are_one_paragraph(capsys, tiny_onert, argv, message):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_cli_refuses_what_sizes_decide_before_opening_a_graph(capsys, tiny_onert, monkeypatch):
+    """A prompt plus --max-new-tokens past the cache is refused from the manifest alone: a 1B
+    model's sessions take seconds to open (issue 32: every refusal sizes decide comes first)."""
+    from circleops.generation import core
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("a graph was opened before the refusal")
+
+    monkeypatch.setattr(core, "open_graph", no_session)
+    rc = cli(["generate", str(tiny_onert.directory), "--token-ids", "1,2", "--max-new-tokens", "31"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is 33 tokens, more than the 32 slots" in err and "Generate at most 30 new tokens" in err
+
+
 def test_cli_not_a_graphs_directory(capsys, tmp_path):
     rc = cli(["generate", str(tmp_path), "--token-ids", "1"])
     assert rc == 2 and "has no manifest.json" in capsys.readouterr().err
