@@ -609,7 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write every child's raw result here")
     ap.add_argument("--write", action="store_true", help="write the results file (--results) and docs/benchmarks.md")
     ap.add_argument("--results", default=str(RESULTS_FILE), help=f"results file for --write (default {RESULTS_FILE.relative_to(ROOT)})")
-    ap.add_argument("--from-json", default=None, help="no measuring: the tables (and --write) from a --json file of an earlier run")
+    ap.add_argument("--from-json", nargs="+", default=None,
+                    help="no measuring: the tables (and --write) from the --json file of an earlier run; several files "
+                         "(runs of the same engines, back to back) are merged, their rounds numbered on")
     ap.add_argument("--note", default="", help="a sentence for the results text (the machine's state)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
@@ -624,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.threads, args.prompts, args.decode_steps = 1, [1], [5, 64], 8
     if args.from_json:
-        return report_runs(args, json.loads(Path(args.from_json).read_text()))
+        return report_runs(args, merged_runs([json.loads(Path(f).read_text()) for f in args.from_json]))
     ik_python = args.ik_python if Path(args.ik_python).exists() else None
     litert_python = args.litert_python if Path(args.litert_python).exists() else None
     et_python = args.executorch_python if Path(args.executorch_python).exists() else None
@@ -672,6 +674,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1))
     return report_runs(args, data)
+
+
+def merged_runs(parts: list[dict]) -> dict:
+    """One run's data from the --json files of runs made back to back: rounds numbered on,
+    the load averages concatenated, the start times joined."""
+    data = dict(parts[0], runs=list(parts[0]["runs"]), loads=list(parts[0]["loads"]))
+    for part in parts[1:]:
+        first = data.get("rounds", 0)
+        data["runs"] += [dict(r, round=r["round"] + first) for r in part["runs"]]
+        data["loads"] += part["loads"]
+        data["rounds"] = first + part.get("rounds", 0)
+        data["started"] = f"{data.get('started', '')} and {part.get('started', '')}"
+    return data
 
 
 def report_runs(args: argparse.Namespace, data: dict) -> int:
