@@ -125,8 +125,35 @@ def _silent_teardown() -> None:
         pass
 
 
+# The process's one LiteRT Environment (:func:`_environment`)
+_ENVIRONMENT: Any = None
+
+
+def _environment() -> Any:
+    """One LiteRT Environment for every CompiledModel of the process, kept until the
+    interpreter's teardown. CompiledModel.from_file made one per model, and an Environment
+    logs its accelerators' teardown on fd 2 (three "INFO: ... DestroyAccelerator" lines)
+    when the last object holding it goes: the input arrays of the in-place KV caches held
+    their TensorBuffers (and so it) past the sessions, so the lines came after every
+    `circleops generate` on LiteRT, wherever the generator happened to be dropped. Held here,
+    it goes after :func:`_silent_teardown` has sent fd 2 to /dev/null. None where this
+    ai-edge-litert has no Environment to share (each model then makes its own)."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        try:
+            from ai_edge_litert import compiled_model as cm
+
+            with delegate_banner_hidden(_SETUP_LOG):
+                _ENVIRONMENT = cm.Environment.create(
+                    options=cm.EnvironmentOptions(runtime_path=os.path.dirname(os.path.abspath(cm.__file__))))
+        except (ImportError, AttributeError, TypeError, RuntimeError):
+            return None
+    return _ENVIRONMENT
+
+
 def _compiled_model(path: str, threads: int, cache: Path) -> Any:
-    """LiteRT's CompiledModel on ``path`` (CPU, XNNPACK with the weight cache ``cache``)."""
+    """LiteRT's CompiledModel on ``path`` (CPU, XNNPACK with the weight cache ``cache``), in
+    the process's one Environment (:func:`_environment`)."""
     import atexit
 
     from ai_edge_litert.compiled_model import CompiledModel
@@ -137,8 +164,9 @@ def _compiled_model(path: str, threads: int, cache: Path) -> Any:
         atexit.register(_silent_teardown)
 
     options = Options(cpu_options=CpuOptions(num_threads=threads, xnnpack_weight_cache_path=str(cache)))
+    environment = _environment()
     with delegate_banner_hidden(_SETUP_LOG):
-        return CompiledModel.from_file(path, options=options)
+        return CompiledModel.from_file(path, options=options, environment=environment)
 
 
 def _quietly_drop(obj: Any, *names: str) -> None:

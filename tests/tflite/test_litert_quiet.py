@@ -33,3 +33,24 @@ def test_other_fd2_output_passes_through(capfd):
         os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\nsomething else\n")
     err = capfd.readouterr().err
     assert err == "something else\n"
+
+
+def test_generate_on_litert_ends_without_litert_teardown_lines(tmp_path):
+    """`circleops generate` on LiteRT: stderr holds the timing line and nothing LiteRT logs.
+    Each CompiledModel had an Environment of its own, whose teardown logged three "INFO: [...]
+    DestroyAccelerator" lines when the in-place cache arrays (holding its TensorBuffers) went
+    at the end of the command; one Environment kept for the process goes silently at exit."""
+    import subprocess
+    import sys
+
+    from circleops.recipes.llm import convert_graphs
+    from families import BY_NAME
+
+    out = tmp_path / "gen"
+    convert_graphs(BY_NAME["llama"].build(), out, target="tflite", prefill_len=(8,), max_cache_len=32)
+    done = subprocess.run([sys.executable, "-m", "circleops.cli", "generate", str(out), "--token-ids", "5,6,7",
+                           "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip(), "no tokens streamed"
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("circleops generate [litert]"), done.stderr
