@@ -36,6 +36,12 @@ SHAPES = {
     "Qwen2.5-1.5B shape": dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # sliding windows of 512 in 5 of every 6 layers (transformers' default layer_types); tied, embeddings x sqrt(1152)
+    "Gemma-3-1B shape": dict(family="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                             num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                             max_position_embeddings=32768, sliding_window=512, rms_norm_eps=1e-6,
+                             rope_theta=1000000.0, query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1,
+                             pad_token_id=0),
 }
 RUNS = [("tflite", None), ("tflite", "w8"), ("onert", "q4_0")]
 BIG = 1_000_000_000  # parameters from which a run takes the lock
@@ -55,6 +61,8 @@ def make_model(path: Path, sizes: dict) -> None:
     kwargs.update(sizes)
     if family == "qwen2":  # q/k/v biases (zero-initialised by transformers, as a real checkpoint's are not)
         cfg, cls = transformers.Qwen2Config(**kwargs), transformers.Qwen2ForCausalLM
+    elif family == "gemma3":
+        cfg, cls = transformers.Gemma3TextConfig(**kwargs), transformers.Gemma3ForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**kwargs), transformers.LlamaForCausalLM
     with torch.no_grad():

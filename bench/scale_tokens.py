@@ -227,7 +227,8 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
 
     step._package = hooked
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify)
+    options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify,
+                             max_cache_len=args.max_cache_len)
     report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     step._package = package
@@ -255,6 +256,7 @@ def main() -> int:
     ap.add_argument("--quantize", default="int4")
     ap.add_argument("--out", help="the directory the third form writes")
     ap.add_argument("--verify", action="store_true", help="the third form's convert with --verify")
+    ap.add_argument("--max-cache-len", type=int, default=512, help="the third form's convert --max-cache-len")
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
     t, c = time.perf_counter(), time.process_time()

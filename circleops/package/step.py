@@ -363,7 +363,12 @@ def lower_graph(ep: Any, graph: Graph, opts: Any) -> Any:
     from circleops.pipeline import stages
 
     stages.inline_fused_ops(ep, graph_inline_ops(opts))
-    return name_graph(stages.lower(ep, opts), graph.name, graph.inputs, graph.outputs)
+    model = name_graph(stages.lower(ep, opts), graph.name, graph.inputs, graph.outputs)
+    if opts.format == "tflite" and opts.quantize is None:  # XNNPACK packs no fp32 lm_head whole
+        from circleops.lowering.table_blocks import split_large_weights
+
+        split_large_weights(model)
+    return model
 
 
 def graph_inline_ops(opts: Any) -> frozenset[str]:
