@@ -260,3 +260,37 @@ def test_int16_auto_gives_the_worst_measured_ops_int16(tmp_path):
     sg = read_model(str(tmp_path / "auto.circle")).subgraphs[0]
     dtypes = {sg.tensors[op.outputs[0]].dtype for op in sg.operators}
     assert {"UINT8", "INT16"} <= dtypes
+
+
+def test_gptq_hessians_keep_the_inputs_not_a_matrix_per_linear(tiny_llama_model):
+    """Issue 32: a [cols, cols] XᵀX per linear held at once was 5.9 GB at the Llama-3.2-1B
+    shape (16 down_proj Hessians of 8192²) for 512 tokens of inputs (0.47 GB). While a
+    linear has seen fewer rows than columns its inputs are kept instead (one tensor for the
+    linears reading it), and each XᵀX, made when GPTQ reads it, is bit for bit the sum
+    sample by sample it always was."""
+    from circleops.quantize.gptq import eligible_linears, hessians
+
+    model = tiny_llama_model
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 8), generator=gen),) for _ in range(3)]  # 24 rows < 64 columns
+    linears = {n: m for n, m in eligible_linears(model).items() if n.startswith("model.layers.0.")}
+    seen: dict[str, list] = {n: [] for n in linears}
+    handles = [m.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n, m in linears.items()]
+    hs, tokens = hessians(model, linears, samples)
+    for h in handles:
+        h.remove()
+    assert tokens == 24 and set(hs) == set(linears)
+    inputs = {id(x): x for xs in seen.values() for x in xs}
+    # q/k/v read one tensor, gate/up another: 4 inputs per sample, kept as they are (no [cols, cols] matrix)
+    assert len(inputs) == 4 * len(samples)
+    squares = sum(m.weight.shape[1] ** 2 * 4 for m in linears.values())
+    assert hs.held_bytes() == sum(x.numel() * 4 for x in inputs.values()) < squares / 4
+    seen = {n: [x.reshape(-1, x.shape[-1]) for x in xs] for n, xs in seen.items()}
+    q = hs.pop("model.layers.0.self_attn.q_proj")
+    for n in linears:
+        want = None
+        for x in seen[n]:  # the per-sample sum, in order
+            want = x.T @ x if want is None else want + x.T @ x
+        got = q if n.endswith("q_proj") else hs.pop(n)
+        assert torch.equal(got, want), n
+    assert hs.held_bytes() == 0 and len(hs) == 0
