@@ -199,6 +199,8 @@ class GPTQReport:
     skipped: str | None = None
     wider: list[str] = field(default_factory=list)  # linears rounded to more bits (an LLM's lm_head)
     grouped: Any = None  # circleops.quantize.grouped.GroupedReport: the linears on the per-group grid
+    held_bytes: int = 0  # of the weights before, what is kept in memory to restore them (their files hold the rest)
+    spilled_bytes: int = 0  # ... and in a temporary file (circleops.system.snapshot.SpillFile)
 
     def summary_line(self) -> str:
         if self.linears:
@@ -336,7 +338,10 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
         how = ", ".join(w for w, on in (("act order", act_order), ("clipping search", clip_search),
                                         (f"{refine} passes of coordinate descent", refine)) if on)
         report.grouped = GroupedReport(4, group, f"GPTQ, {how}" if how else "GPTQ")
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    from circleops.system.snapshot import Snapshot, SpillFile
+
+    saved: list[tuple[torch.Tensor, Snapshot]] = []  # each linear's weight before: its file's, or spilled
+    spill = SpillFile()
     try:
         if not linears:
             report.skipped = "no linear layer"
@@ -354,7 +359,7 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
 
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
-                    saved.append((lin.weight, lin.weight.detach().clone()))
+                    saved.append((lin.weight, Snapshot(lin.weight, spill)))
                     if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
                         q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
                                                           clip_search=clip_search, refine=refine)
@@ -365,8 +370,12 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                     report.names.append(name)
             report.linears = len(report.names)
             report.seconds = time.perf_counter() - t
+            report.held_bytes = sum(snap.held_bytes for _, snap in saved)
+            report.spilled_bytes = spill.size
         yield report
     finally:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()

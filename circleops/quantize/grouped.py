@@ -189,8 +189,11 @@ def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tens
 def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Iterator[GroupedReport]:
     """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid (in
     place, restored on exit); the others are left to PT2E."""
+    from circleops.system.snapshot import Snapshot, SpillFile
+
     report = GroupedReport(4, group, "round to nearest")
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: list[tuple[torch.Tensor, Snapshot]] = []  # the weights before: their files', or spilled (no clone)
+    spill = SpillFile()
     t = time.perf_counter()
     try:
         with torch.no_grad():
@@ -199,14 +202,16 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
                     continue
                 q, s_r, m = rtn_grouped(lin.weight, 4, group)
                 w = record(report, name, lin, q, s_r, m)
-                saved.append((lin.weight, lin.weight.detach().clone()))
+                saved.append((lin.weight, Snapshot(lin.weight, spill)))
                 lin.weight.copy_(w)
         report.seconds = time.perf_counter() - t
         yield report
     finally:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()
 
 
 def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any]:
@@ -407,8 +412,11 @@ def int8_kept(model: torch.nn.Module, report: GroupedReport,
     """After the 4-bit rounding of ``report``: the linears of ``int8`` (name -> the int8
     rounding of its weight before the 4-bit one) set to those int8 weights (in place,
     restored on exit) and recorded as int8 in ``report``."""
+    from circleops.system.snapshot import Snapshot, SpillFile
+
     linears = eligible_linears(model)
-    saved = []
+    saved = []  # the weights before: spilled, no clone (circleops.system.snapshot)
+    spill = SpillFile()
     try:
         with torch.no_grad():
             for name, (q, s) in int8.items():
@@ -416,13 +424,15 @@ def int8_kept(model: torch.nn.Module, report: GroupedReport,
                 report.weights.pop(key(lin.weight), None)
                 report.names.remove(name)
                 report.int4_params -= lin.weight.numel()
-                saved.append((lin.weight, lin.weight.detach().clone()))
+                saved.append((lin.weight, Snapshot(lin.weight, spill)))
                 lin.weight.copy_(record(report, name, lin, q, s, None))
         yield list(int8)
     finally:
-        with torch.no_grad():
-            for param, value in saved:
-                param.copy_(value)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()
 
 
 _ACTIVE: contextvars.ContextVar[dict[tuple, GroupedWeight] | None] = contextvars.ContextVar(

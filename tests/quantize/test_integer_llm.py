@@ -294,3 +294,24 @@ def test_gptq_hessians_keep_the_inputs_not_a_matrix_per_linear(tiny_llama_model)
         got = q if n.endswith("q_proj") else hs.pop(n)
         assert torch.equal(got, want), n
     assert hs.held_bytes() == 0 and len(hs) == 0
+
+
+def test_gptq_keeps_no_clone_of_the_weights_it_rounds(tiny_llama_model):
+    """Issue 32: GPTQ restores every linear it rounds on exit; a clone of each was, after the
+    rotation had written them all, the Llama-3.2-1B shape's 5 GB beside its 6 GB of weights.
+    A weight its file no longer holds (a model built in memory, as here, or rotated) is
+    written to an unlinked temporary file instead and read back bit for bit."""
+    from circleops.quantize.gptq import eligible_linears, gptq_applied
+
+    model = tiny_llama_model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 16), generator=gen),) for _ in range(2)]
+    linears = eligible_linears(model)
+    weights = sum(m.weight.numel() * 4 for m in linears.values())
+    with gptq_applied(model, samples, 4, group=16) as report:
+        assert report.linears == len(linears)
+        assert report.held_bytes == 0 and report.spilled_bytes == weights
+        assert not torch.equal(model.model.layers[0].mlp.down_proj.weight,
+                               before["model.layers.0.mlp.down_proj.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
