@@ -315,3 +315,35 @@ def test_gptq_keeps_no_clone_of_the_weights_it_rounds(tiny_llama_model):
         assert not torch.equal(model.model.layers[0].mlp.down_proj.weight,
                                before["model.layers.0.mlp.down_proj.weight"])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_rotation_rounds_large_weights_a_block_of_rows_at_a_time(monkeypatch):
+    """Issue 32: the embedding and the untied lm_head were rotated whole in float64, 2 x 2.1 GB
+    at the Llama-3.2-1B shape beside the model (its convert peaked at 2.5x the fp32 weights
+    there). A block of rows at a time: no float64 copy of either table, the same weights bit
+    for bit."""
+    from families import FAMILIES
+
+    from circleops.quantize import rotate
+
+    def rotated_weights():
+        model = next(f for f in FAMILIES if f.name == "llama").build()
+        with rotate.rotated(model) as report:
+            assert report.layers
+            return model.model.embed_tokens.weight.numel(), {n: p.detach().clone()
+                                                             for n, p in model.named_parameters()}
+
+    _, whole = rotated_weights()
+    largest = [0]
+    double = torch.Tensor.double
+
+    def counted(self, *args, **kwargs):
+        out = double(self, *args, **kwargs)
+        largest[0] = max(largest[0], out.numel())
+        return out
+
+    monkeypatch.setattr(rotate, "ROTATE_ELEMENTS", 1024)
+    monkeypatch.setattr(torch.Tensor, "double", counted)
+    table, blocks = rotated_weights()
+    assert largest[0] < table  # neither table whole in float64
+    assert whole.keys() == blocks.keys() and all(torch.equal(whole[n], blocks[n]) for n in whole)
