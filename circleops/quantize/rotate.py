@@ -178,8 +178,10 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
         head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
 
     def keep(t: torch.Tensor) -> None:
-        if not any(t is p for p, _ in saved):
-            saved.append((t, Snapshot(t)))  # no clone of a weight its file still holds
+        # no clone of a weight its file still holds, nor of the untied head's own copy (dropped
+        # when the tie is restored: a snapshot of it was 1.05 GB at the Llama-3.2-1B shape)
+        if not any(t is p for p, _ in saved) and not (tie is not None and t is head.weight):
+            saved.append((t, Snapshot(t)))
 
     def reads(lin: torch.nn.Linear, gamma: torch.Tensor) -> None:  # W ← W · diag(gamma) · Q
         keep(lin.weight)

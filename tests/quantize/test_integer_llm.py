@@ -347,3 +347,33 @@ def test_rotation_rounds_large_weights_a_block_of_rows_at_a_time(monkeypatch):
     table, blocks = rotated_weights()
     assert largest[0] < table  # neither table whole in float64
     assert whole.keys() == blocks.keys() and all(torch.equal(whole[n], blocks[n]) for n in whole)
+
+
+def test_rotation_keeps_no_copy_of_the_untied_head():
+    """Issue 32: a tied lm_head is untied for the rotation (it takes the final norm's gamma);
+    its copy is dropped when the tie comes back, so it is not snapshotted for a restore (a
+    clone of it was 1.05 GB at the Llama-3.2-1B shape). The model is restored bit for bit."""
+    from families import FAMILIES
+
+    from circleops.quantize import rotate
+
+    model = next(f for f in FAMILIES if f.name == "llama").build()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    taken = []
+    snapshot = rotate.Snapshot
+
+    def watched(t, *args, **kwargs):
+        taken.append(t)
+        return snapshot(t, *args, **kwargs)
+
+    rotate.Snapshot = watched
+    try:
+        with rotate.rotated(model) as report:
+            assert report.layers and model.lm_head.weight is not model.model.embed_tokens.weight
+            assert not any(t is model.lm_head.weight for t in taken)
+    finally:
+        rotate.Snapshot = snapshot
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
