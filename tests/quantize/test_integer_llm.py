@@ -377,3 +377,31 @@ def test_rotation_keeps_no_copy_of_the_untied_head():
         rotate.Snapshot = snapshot
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_gptq_per_channel_rounds_a_large_weight_a_block_of_rows_at_a_time(monkeypatch, tiny_llama_model):
+    """Issue 32: GPTQ of the Llama-3.2-1B shape's lm_head (8-bit per channel, 128256 x 2048)
+    held ~3.2 GB of whole-weight copies (its 16a4w convert's peak, 11.0 GB). Each row is
+    rounded on its own, so blocks of rows give the same weights bit for bit, and no copy of
+    the whole weight is made."""
+    from circleops.quantize import gptq as G
+
+    model = tiny_llama_model
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 16), generator=gen),) for _ in range(2)]
+    head = model.lm_head.weight
+    with G.gptq_applied(model, samples, 8) as report:
+        assert "lm_head" in report.names
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    largest = [0]
+    compensate = G.compensate
+
+    def counted(w, *args, **kwargs):
+        largest[0] = max(largest[0], w.numel())
+        return compensate(w, *args, **kwargs)
+
+    monkeypatch.setattr(G, "GPTQ_ROW_ELEMENTS", head.shape[1] * 16)
+    monkeypatch.setattr(G, "compensate", counted)
+    with G.gptq_applied(model, samples, 8):
+        assert all(torch.equal(p, whole[n]) for n, p in model.named_parameters())
+    assert largest[0] == head.shape[1] * 16 < head.numel()
