@@ -405,3 +405,39 @@ def test_gptq_per_channel_rounds_a_large_weight_a_block_of_rows_at_a_time(monkey
     with G.gptq_applied(model, samples, 8):
         assert all(torch.equal(p, whole[n]) for n, p in model.named_parameters())
     assert largest[0] == head.shape[1] * 16 < head.numel()
+
+
+def test_integer_constants_are_quantized_a_block_of_rows_at_a_time(monkeypatch):
+    """Issue 32: the Llama-3.2-1B shape's 16a4w convert was OOM-killed lowering its graphs
+    (24.3 GB on 24 GB): its 128256 x 2048 embedding and lm_head were quantized whole in
+    float64, ~6 copies of 2.1 GB. A block of rows at a time: the same integers (the ops are
+    elementwise), no float64 copy of the whole table."""
+    import numpy as np
+
+    from circleops.quantize.integer import graph as G
+
+    def reference(x, dtype, q):  # the formula, whole
+        scale = q.scale.astype(np.float64)
+        zp = q.zero_point.astype(np.float64)
+        if scale.size > 1:
+            scale, zp = scale.reshape(-1, 1), zp.reshape(-1, 1)
+        v = x.double().numpy() / scale
+        return np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5) + zp, *G.RANGE[dtype]).astype(G.NP[dtype])
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(1000, 64, generator=gen) * 3
+    largest = [0]
+    to_float64 = G._float64
+
+    def counted(data):
+        out = to_float64(data)
+        largest[0] = max(largest[0], out.size)
+        return out
+
+    monkeypatch.setattr(G, "BLOCK_ELEMENTS", 64 * 100)
+    monkeypatch.setattr(G, "_float64", counted)
+    for dtype, axis in (("INT8", 0), ("INT16", None), ("UINT8", None)):
+        qp = G.params_from_data(table, dtype, axis)
+        got = G.quantize_array(table, dtype, qp)
+        assert got.dtype == G.NP[dtype] and np.array_equal(got, reference(table, dtype, qp)), dtype
+    assert largest[0] == 64 * 100 < table.numel()
