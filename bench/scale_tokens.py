@@ -5,6 +5,8 @@
     python bench/scale_tokens.py --hf /work/models/llama-3.2-1b-shape --round-weights fp16 --save /tmp/1b-hf16.json
     python bench/scale_tokens.py --quantized /work/models/qwen2.5-1.5b-shape --target tflite --quantize int4 \
         --out /tmp/1.5b-int4 --save /tmp/1.5b-int4.json
+    python bench/scale_tokens.py --quantized /work/models/llama-3.2-1b-shape --target circle --quantize int16 \
+        --weight-bits 4 --seq-len 8 --max-cache-len 64 --calibrate 2 --verify --new 8 --out /tmp/1b-16a4w
 
 The first form runs transformers (fp32, `generate(do_sample=False)`) on the prompt ids and
 saves its new tokens (``--round-weights fp16``: on the weights an fp16 file holds, each
@@ -24,6 +26,15 @@ moves the logits. The model is freed, then a child runs the second form on the w
 directory. It prints both token lists, how many agree, the first step that differs and there
 torch's top-2 logit margin, the logit gap to the directory's token and that step's noise: a
 flip at a margin within the noise is the runtime's rounding, not an error.
+
+An integer format (``--quantize int16 | uint8``, target circle; ``--verify``) compares the
+directory on the reference interpreter with torch running the same quantized computation:
+the converted (fake-quantized) graphs verify compares the files with, in the same generation
+loop (circleops.recipes.llm_integer.torch_generator), taken when the files are written and
+before the convert's verify restores the model's weights (those graphs compute with the
+rounded weights they share with it). Each step's noise there: how far the logits move when
+every activation rounds stochastically (the noise floor verify admits). The convert's
+figures leave the compare out (its CPU and wall; the peak before and after it is reported).
 """
 from __future__ import annotations
 
@@ -207,6 +218,57 @@ def compare(model, quant, runtime: str, ids: list[int], new: int, out: Path) -> 
     return info
 
 
+def integer_compare(converted: dict, ids: list[int], new: int, out: Path) -> dict:
+    """An integer (PT2E) directory against torch running the same quantized computation: the
+    converted (fake-quantized) graphs the files were verified against, run by the same
+    generation loop (circleops.recipes.llm_integer.torch_generator); the directory's tokens on
+    the reference interpreter (a child); torch teacher-forced on them, and again with every
+    activation rounded stochastically (the noise floor verify admits: how far the last-step
+    rounding integer kernels and float fake-quant differ by moves each step's logits)."""
+    import numpy as np
+
+    from circleops.recipes.llm_integer import stochastic_rounding, torch_generator
+
+    def run(forced: list[int] | None) -> tuple[list[int], list]:
+        gen, seen = torch_generator(out, converted), []
+
+        def sampler(scores, history):
+            seen.append(np.asarray(scores, dtype=np.float64).copy())
+            return int(np.argmax(scores)) if forced is None else int(forced[len(seen) - 1])
+
+        result = gen.generate(ids, new, stop_at_eos=False, sampler=sampler)
+        return list(result.tokens), seen
+
+    c = time.process_time()
+    want, generated = run(None)
+    torch_cpu = time.process_time() - c
+    got = directory_tokens(out, "reference", ids, new)
+    c = time.process_time()
+    tokens = got["tokens"]
+    _, logits = run(tokens)
+    with stochastic_rounding(converted):
+        _, nudged = run(tokens)
+    torch_cpu += time.process_time() - c
+    noise = [float(np.abs(a - b).max()) for a, b in zip(nudged, logits)]
+    gaps = [float(row.max() - row[t]) for row, t in zip(logits, tokens)]
+    margins = [float(np.sort(row)[-1] - np.sort(row)[-2]) for row in generated]
+    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+    info = {"torch_tokens": want, "tokens": tokens, "agree": sum(a == b for a, b in zip(tokens, want)),
+            "of": len(want), "first_difference": first, "torch_min_margin": min(margins), "torch_margins": margins,
+            "directory_gaps": gaps, "directory_noise": noise, "directory_argmax_steps": sum(g == 0 for g in gaps),
+            "directory_gap_over_noise": max(g / n if n > 0 else (0.0 if g == 0 else float("inf"))
+                                            for g, n in zip(gaps, noise)),
+            "directory": {k: got[k] for k in ("decode_ms", "wall_s", "cpu_s", "child_cpu_s", "peak_rss_gb")},
+            "torch_cpu_s": torch_cpu}
+    if first is not None:
+        row = generated[first]
+        info.update(margin_at_first=margins[first], gap_to_directory_token=float(row[want[first]] - row[tokens[first]]))
+    return info
+
+
+INTEGER = ("uint8", "int16")  # PT2E integer graphs: target circle, the reference interpreter
+
+
 def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     """The third form (module docstring): ``circleops convert SRC --graphs prefill,decode
     --target T --quantize Q -o OUT`` in this process, :func:`compare` run where the package
@@ -218,24 +280,55 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     vocab = json.loads((Path(args.quantized) / "config.json").read_text())["vocab_size"]
     if max(ids) >= vocab:
         sys.exit(f"scale_tokens: id {max(ids)} is past {args.quantized}'s vocabulary ({vocab}); pass --ids below it")
-    runtime, seen, package = RUNTIMES[args.target], {}, step._package
+    integer = args.quantize in INTEGER
+    if integer and not args.verify:
+        sys.exit("scale_tokens: an integer directory's compare runs inside its convert's verify: pass --verify")
+    runtime = "reference" if integer else RUNTIMES[args.target]
+    seen, package, check, at = {}, step._package, step._compare, {}
 
     def hooked(recipe, pkg, weights, references):
         report = package(recipe, pkg, weights, references)  # the manifest is written: the directory runs
         seen.update(compare(recipe.weights_module(), report.quantization, runtime, ids, args.new, pkg.staging))
         return report
 
-    step._package = hooked
+    def checked(recipe, manifest, references, report, pkg):
+        # an integer directory: its files are written, and torch's quantized graphs (report.converted) still
+        # compute with the rounded weights they share with the model, until this step restores them before its
+        # verify: torch's tokens and the directory's are taken here, first (the manifest written early)
+        manifest.write()
+        r, c = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        at.update(peak_before=peak_rss_gb())
+        seen.update(integer_compare(report.converted, ids, args.new, pkg.staging))
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        at.update(peak_after=peak_rss_gb(), wall=time.perf_counter() - c,
+                  cpu=u.ru_utime + u.ru_stime - r.ru_utime - r.ru_stime)
+        return check(recipe, manifest, references, report, pkg)
+
+    if integer:
+        step._compare = checked
+    else:
+        step._package = hooked
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    lengths = None if args.seq_len is None else tuple(int(n) for n in str(args.seq_len).split(","))
+    extra = {k: v for k, v in (("weight_bits", args.weight_bits),
+                               ("seq_len", lengths[0] if lengths and len(lengths) == 1 else lengths),
+                               ("max_cache_len", args.max_cache_len), ("calibrate", args.calibrate)) if v is not None}
     options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify,
-                             max_cache_len=args.max_cache_len)
+                             **extra)
     report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    step._package = package
+    step._package, step._compare = package, check
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime  # self only: the verify child's is apart
-    return {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", **seen,
-            "convert_wall_s": time.perf_counter() - t - seen["directory"]["wall_s"],
-            "convert_cpu_s": cpu - seen["torch_cpu_s"], "convert_peak_rss_gb": r1.ru_maxrss / 1e6,
+    if integer:  # the convert (load, export, calibration, write, verify) without the compare inside it
+        convert = {"convert_wall_s": time.perf_counter() - t - at["wall"], "convert_cpu_s": cpu - at["cpu"],
+                   "convert_peak_rss_gb": r1.ru_maxrss / 1e6, "peak_rss_gb_before_compare": at["peak_before"],
+                   "peak_rss_gb_after_compare": at["peak_after"]}
+    else:
+        convert = {"convert_wall_s": time.perf_counter() - t - seen["directory"]["wall_s"],
+                   "convert_cpu_s": cpu - seen["torch_cpu_s"], "convert_peak_rss_gb": r1.ru_maxrss / 1e6}
+    quality = getattr(report, "quality", None)
+    return {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", **seen, **convert,
+            "quality_vs_fp32": None if quality is None else quality.to_dict(),
             "noise_floor": report.noise_floor,
             "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
             "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
@@ -252,11 +345,14 @@ def main() -> int:
     ap.add_argument("--save")
     ap.add_argument("--against")
     ap.add_argument("--quantized", metavar="MODEL", help="convert MODEL quantized and compare (third form)")
-    ap.add_argument("--target", choices=sorted(RUNTIMES), default="tflite")
+    ap.add_argument("--target", choices=sorted(RUNTIMES) + ["circle"], default="tflite")
     ap.add_argument("--quantize", default="int4")
     ap.add_argument("--out", help="the directory the third form writes")
     ap.add_argument("--verify", action="store_true", help="the third form's convert with --verify")
-    ap.add_argument("--max-cache-len", type=int, default=512, help="the third form's convert --max-cache-len")
+    ap.add_argument("--weight-bits", type=int, default=None, help="the third form's convert --weight-bits")
+    ap.add_argument("--seq-len", default=None, help="the third form's convert --seq-len (prefill lengths)")
+    ap.add_argument("--max-cache-len", type=int, default=None, help="the third form's convert --max-cache-len")
+    ap.add_argument("--calibrate", type=int, default=None, help="the third form's convert --calibrate")
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
     t, c = time.perf_counter(), time.process_time()

@@ -199,6 +199,8 @@ class GPTQReport:
     skipped: str | None = None
     wider: list[str] = field(default_factory=list)  # linears rounded to more bits (an LLM's lm_head)
     grouped: Any = None  # circleops.quantize.grouped.GroupedReport: the linears on the per-group grid
+    held_bytes: int = 0  # of the weights before, what is kept in memory to restore them (their files hold the rest)
+    spilled_bytes: int = 0  # ... and in a temporary file (circleops.system.snapshot.SpillFile)
 
     def summary_line(self) -> str:
         if self.linears:
@@ -209,24 +211,110 @@ class GPTQReport:
         return f"no GPTQ: {self.skipped}"
 
 
+# GPTQ per output channel rounds each row on its own (its scale, its compensation): a large
+# weight goes a block of this many elements' rows at a time (the same values: the Llama-3.2-1B
+# shape's 128256 x 2048 lm_head whole held ~3.2 GB of copies beside the model, its 16a4w
+# convert's peak, issue 32)
+GPTQ_ROW_ELEMENTS = 1 << 24
+
+
+def row_blocks(w: torch.Tensor) -> list[slice]:
+    """Slices of ``w``'s rows of about GPTQ_ROW_ELEMENTS elements each."""
+    rows = max(1, GPTQ_ROW_ELEMENTS // max(1, w.shape[1]))
+    return [slice(i, min(i + rows, w.shape[0])) for i in range(0, w.shape[0], rows)]
+
+
+class Hessians:
+    """XᵀX per linear (name -> [cols, cols]), made when read: each linear's inputs are kept as
+    they came, per sample (the linears reading one tensor, q/k/v or gate/up, keep that one
+    tensor), while they are fewer rows than columns, and summed into XᵀX once they are not.
+    A [cols, cols] matrix per linear held at once was the Llama-3.2-1B shape's 16 down_proj
+    Hessians alone (8192² fp32 each) 4.3 GB, 5.9 GB in all, for 512 calibration tokens whose
+    inputs are 0.47 GB (issue 32). ``pop`` / ``[]`` give each the same sum in the same order
+    as accumulating it sample by sample (bit for bit); linears of the same inputs share it
+    until the last of them is popped."""
+
+    def __init__(self):
+        self.xs: dict[str, list[torch.Tensor]] = {}  # linear -> its inputs' rows not summed yet, in order
+        self.sums: dict[str, torch.Tensor | None] = {}  # linear -> XᵀX of the inputs before those
+        self.shared: dict[tuple, torch.Tensor] = {}  # the inputs' ids -> their XᵀX, while a linear of them is left
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        xs = self.xs.setdefault(name, [])
+        self.sums.setdefault(name, None)
+        xs.append(x)
+        if sum(t.shape[0] for t in xs) >= x.shape[1]:  # as many rows as XᵀX holds: summed now
+            self.sums[name] = self._sum(self.sums[name], xs)
+            xs.clear()
+
+    @staticmethod
+    def _sum(h: torch.Tensor | None, xs: list[torch.Tensor]) -> torch.Tensor:
+        for x in xs:  # in sample order, as the sum was always made
+            p = x.T @ x
+            h = p if h is None else h + p
+        return h
+
+    def _key(self, name: str) -> tuple | None:
+        return None if self.sums[name] is not None else tuple(id(x) for x in self.xs[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sums
+
+    def __len__(self) -> int:
+        return len(self.sums)
+
+    def __iter__(self):
+        return iter(self.sums)
+
+    def keys(self):
+        return self.sums.keys()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key = self._key(name)
+        if key is None:
+            return self._sum(self.sums[name], self.xs[name])
+        if key not in self.shared:
+            self.shared[key] = self._sum(None, self.xs[name])
+        return self.shared[key]
+
+    def pop(self, name: str, *default: Any) -> torch.Tensor:
+        if name not in self.sums and default:
+            return default[0]
+        h, key = self[name], self._key(name)
+        del self.xs[name], self.sums[name]
+        if key is not None and not any(self._key(n) == key for n in self.sums):
+            self.shared.pop(key, None)  # its last reader
+        return h
+
+    def held_bytes(self) -> int:
+        """What is held now (each input tensor once)."""
+        tensors = {id(t): t for xs in self.xs.values() for t in xs}
+        tensors.update({id(h): h for h in self.sums.values() if h is not None})
+        tensors.update({id(h): h for h in self.shared.values()})
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def hessians(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], samples: Sequence[Sequence[Any]],
-             ) -> tuple[dict[str, torch.Tensor], int]:
+             ) -> tuple[Hessians, int]:
     """XᵀX of every linear's input over ``samples`` (one forward each), linears reading the
-    same tensor (q/k/v, gate/up) sharing one matrix; and the token count."""
-    by_input: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive: ids stay unique; XᵀX)
-    result: dict[str, torch.Tensor] = {}
+    same tensor (q/k/v, gate/up) keeping it once (:class:`Hessians`: each sum made when
+    read); and the token count."""
+    by_input: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive: ids stay unique; x)
+    result = Hessians()
     tokens = [0]
     hooks = []
 
     def hook_for(name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
             key = id(args[0])
             if key not in by_input:  # the first reader of this tensor in this forward
-                by_input[key] = (args[0], x.T @ x)
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+                    x = x.clone()  # kept past this forward: not the larger tensor it is a view of
+                by_input[key] = (args[0], x)
                 if name == first:
                     tokens[0] += x.shape[0]
-            result[name] = result.get(name, 0) + by_input[key][1]
+            result.add(name, by_input[key][1])
         return hook
 
     first = next(iter(linears))
@@ -263,7 +351,10 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
         how = ", ".join(w for w, on in (("act order", act_order), ("clipping search", clip_search),
                                         (f"{refine} passes of coordinate descent", refine)) if on)
         report.grouped = GroupedReport(4, group, f"GPTQ, {how}" if how else "GPTQ")
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    from circleops.system.snapshot import Snapshot, SpillFile
+
+    saved: list[tuple[torch.Tensor, Snapshot]] = []  # each linear's weight before: its file's, or spilled
+    spill = SpillFile()
     try:
         if not linears:
             report.skipped = "no linear layer"
@@ -281,19 +372,26 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
 
                     items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
                 for name, lin in items:
-                    saved.append((lin.weight, lin.weight.detach().clone()))
+                    saved.append((lin.weight, Snapshot(lin.weight, spill)))
                     if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
                         q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
                                                           clip_search=clip_search, refine=refine)
                         lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
                     else:
-                        q, scale = gptq(lin.weight, hs.pop(name), bits[name])
-                        lin.weight.copy_((q * scale[:, None]).to(lin.weight.dtype))
+                        h = hs.pop(name)
+                        for rows in row_blocks(lin.weight):  # per channel: each row on its own
+                            block = lin.weight[rows]
+                            q, scale = gptq(block, h, bits[name])
+                            block.copy_((q * scale[:, None]).to(lin.weight.dtype))
                     report.names.append(name)
             report.linears = len(report.names)
             report.seconds = time.perf_counter() - t
+            report.held_bytes = sum(snap.held_bytes for _, snap in saved)
+            report.spilled_bytes = spill.size
         yield report
     finally:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()

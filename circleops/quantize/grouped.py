@@ -189,8 +189,11 @@ def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tens
 def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Iterator[GroupedReport]:
     """Round the linears of ``model`` named in ``bits`` with 4 bits to the grouped grid (in
     place, restored on exit); the others are left to PT2E."""
+    from circleops.system.snapshot import Snapshot, SpillFile
+
     report = GroupedReport(4, group, "round to nearest")
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: list[tuple[torch.Tensor, Snapshot]] = []  # the weights before: their files', or spilled (no clone)
+    spill = SpillFile()
     t = time.perf_counter()
     try:
         with torch.no_grad():
@@ -199,14 +202,16 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
                     continue
                 q, s_r, m = rtn_grouped(lin.weight, 4, group)
                 w = record(report, name, lin, q, s_r, m)
-                saved.append((lin.weight, lin.weight.detach().clone()))
+                saved.append((lin.weight, Snapshot(lin.weight, spill)))
                 lin.weight.copy_(w)
         report.seconds = time.perf_counter() - t
         yield report
     finally:
-        with torch.no_grad():
-            for param, original in saved:
-                param.copy_(original)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()
 
 
 def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any]:
@@ -217,11 +222,21 @@ def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any
     rows = gw.q.shape[0]
     s_r = gw.row_scale.numpy().astype(np.float32)
     zeros = np.zeros(rows, np.int64)
+    # the integers themselves, read-only (no copy per graph: the prefill and decode graphs of the
+    # Llama-3.2-1B shape held 0.88 GB of int8 each beside the report's, issue 32; the writer stores them once)
+    q = _read_only(gw.q, np.int8)
     if gw.mult is None:
-        return gw.q.numpy().astype(np.int8), "INT8", ir.QuantParams(s_r, zeros, 0)
-    scales = ir.Tensor(f"{name}_block_scales", tuple(gw.mult.shape), "UINT8", gw.mult.numpy().astype(np.uint8),
+        return q, "INT8", ir.QuantParams(s_r, zeros, 0)
+    scales = ir.Tensor(f"{name}_block_scales", tuple(gw.mult.shape), "UINT8", _read_only(gw.mult, np.uint8),
                        ir.QuantParams(s_r, zeros, 0))
-    return gw.q.numpy().astype(np.int8), "INT4", ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
+    return q, "INT4", ir.QuantParams(s_r, zeros.copy(), 0, ir.Blockwise(gw.group, scales))
+
+
+def _read_only(t: torch.Tensor, dtype: Any) -> np.ndarray:
+    """``t``'s values as a read-only array of ``dtype``: a view when it has that dtype already."""
+    a = np.asarray(t.numpy(), dtype=dtype).view()
+    a.flags.writeable = False
+    return a
 
 
 # the int8 rule before issue 34 (each linear's RTN int4 rounding alone, the worst first), kept for
@@ -407,8 +422,11 @@ def int8_kept(model: torch.nn.Module, report: GroupedReport,
     """After the 4-bit rounding of ``report``: the linears of ``int8`` (name -> the int8
     rounding of its weight before the 4-bit one) set to those int8 weights (in place,
     restored on exit) and recorded as int8 in ``report``."""
+    from circleops.system.snapshot import Snapshot, SpillFile
+
     linears = eligible_linears(model)
-    saved = []
+    saved = []  # the weights before: spilled, no clone (circleops.system.snapshot)
+    spill = SpillFile()
     try:
         with torch.no_grad():
             for name, (q, s) in int8.items():
@@ -416,13 +434,15 @@ def int8_kept(model: torch.nn.Module, report: GroupedReport,
                 report.weights.pop(key(lin.weight), None)
                 report.names.remove(name)
                 report.int4_params -= lin.weight.numel()
-                saved.append((lin.weight, lin.weight.detach().clone()))
+                saved.append((lin.weight, Snapshot(lin.weight, spill)))
                 lin.weight.copy_(record(report, name, lin, q, s, None))
         yield list(int8)
     finally:
-        with torch.no_grad():
-            for param, value in saved:
-                param.copy_(value)
+        try:
+            for param, snap in saved:
+                snap.restore(param)
+        finally:
+            spill.close()
 
 
 _ACTIVE: contextvars.ContextVar[dict[tuple, GroupedWeight] | None] = contextvars.ContextVar(

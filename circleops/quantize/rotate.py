@@ -178,13 +178,15 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
         head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
 
     def keep(t: torch.Tensor) -> None:
-        if not any(t is p for p, _ in saved):
-            saved.append((t, Snapshot(t)))  # no clone of a weight its file still holds
+        # no clone of a weight its file still holds, nor of the untied head's own copy (dropped
+        # when the tie is restored: a snapshot of it was 1.05 GB at the Llama-3.2-1B shape)
+        if not any(t is p for p, _ in saved) and not (tie is not None and t is head.weight):
+            saved.append((t, Snapshot(t)))
 
     def reads(lin: torch.nn.Linear, gamma: torch.Tensor) -> None:  # W ← W · diag(gamma) · Q
         keep(lin.weight)
-        w = lin.weight.double() * gamma.double()[None, :]
-        lin.weight.copy_((w @ q).to(lin.weight.dtype))
+        g = gamma.double()[None, :]
+        by_rows(lin.weight, lambda w: (w * g) @ q)
 
     def writes(lin: torch.nn.Linear) -> None:  # W ← Qᵀ · W, b ← b · Q
         keep(lin.weight)
@@ -195,7 +197,7 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
 
     with torch.no_grad():
         keep(embed.weight)
-        embed.weight.copy_((embed.weight.double() @ q).to(embed.weight.dtype))
+        by_rows(embed.weight, lambda w: w @ q)
         for layer in parts["layers"]:
             attn, mlp = layer.self_attn, layer.mlp
             for norm, lins in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
@@ -226,6 +228,21 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
             report.skipped = f"the fold changed the fp32 logits by {err:.2g} (relative): the model is not of the Llama shape"
             return None
     return tie
+
+
+# rows of a weight rotated at a time: its float64 copy and product stay ~2 x 64 MB (the
+# Llama-3.2-1B shape's embedding and lm_head, 128256 x 2048, whole: 2 x 2.1 GB of float64
+# beside the model, its convert's peak at 2.5x the fp32 weights, issue 32)
+ROTATE_ELEMENTS = 1 << 23
+
+
+def by_rows(weight: torch.Tensor, f: Any) -> None:
+    """``weight`` ← ``f(weight as float64)``, rounded back to its dtype, a block of rows at a
+    time (``f`` maps each row on its own: a product on the right)."""
+    rows = max(1, ROTATE_ELEMENTS // max(1, weight.shape[-1]))
+    for i in range(0, weight.shape[0], rows):
+        block = weight[i:i + rows]
+        block.copy_(f(block.double()).to(weight.dtype))
 
 
 def _rotate_heads(v_proj: torch.nn.Linear, o_proj: torch.nn.Linear, qh: torch.Tensor, head_dim: int, keep) -> None:

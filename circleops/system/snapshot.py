@@ -7,7 +7,11 @@ dequantized values) restore them afterwards. A clone of each doubles the weights
 none of its pages has been written, the file holds its values, so the snapshot keeps only
 the elements on the pages it shares with its neighbours, and restoring drops the written
 pages (MADV_DONTNEED: the mapping reads the file again) and copies those few elements back.
-Anything else (a model built in memory, a weight already written) is cloned.
+Anything else (a model built in memory, a weight already written) is cloned, or, given a
+:class:`SpillFile`, written to that unlinked temporary file and read back on restore: GPTQ
+keeps every linear it rounds, and after the rotation has written them none is its file's
+(the Llama-3.2-1B shape's 16a4w convert: 5 GB of clones beside the 6 GB of rotated weights,
+issue 32). The file's pages are the page cache's, not the process's resident set.
 
     snap = Snapshot(weight)
     weight.mul_(m)          # in place
@@ -32,8 +36,9 @@ from circleops.system import memory
 class Snapshot:
     """The values of a contiguous CPU tensor now (see the module docstring)."""
 
-    def __init__(self, tensor: Any):
+    def __init__(self, tensor: Any, spill: "SpillFile | None" = None):
         self.clone = None
+        self.spilled: tuple[SpillFile, int] | None = None  # (the file, the offset of the values in it)
         self.done = False  # restored once (restore_read): the owner's own restore skips it
         self.inner: tuple[int, int] | None = None  # [start, stop) element indices of the whole pages the file holds
         t = tensor.detach()
@@ -50,8 +55,16 @@ class Snapshot:
             self.head = flat[:self.inner[0]].clone()
             self.tail = flat[self.inner[1]:].clone()
             self.pages = (a, b - a)
+        elif spill is not None and t.is_contiguous() and t.device.type == "cpu":
+            self.spilled = (spill, spill.write(t))
         else:
             self.clone = t.clone()
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of its values this snapshot holds in memory."""
+        held = [self.clone] if self.clone is not None else [self.head, self.tail] if self.inner is not None else []
+        return sum(t.numel() * t.element_size() for t in held)
 
     @property
     def from_file(self) -> bool:
@@ -65,6 +78,9 @@ class Snapshot:
         self.done = True
         with torch.no_grad():
             t = tensor.detach()
+            if self.spilled is not None:
+                self.spilled[0].read_into(t, self.spilled[1])
+                return
             if self.inner is None:
                 t.copy_(self.clone)
                 return
@@ -73,6 +89,57 @@ class Snapshot:
             flat = t.reshape(-1)
             flat[:self.inner[0]].copy_(self.head)
             flat[self.inner[1]:].copy_(self.tail)
+
+
+class SpillFile:
+    """An unlinked temporary file that tensors' values are written to and read back from
+    (:class:`Snapshot` with ``spill``): memory the kernel may take back (the page cache), not
+    the process's. Closed (and gone) on :meth:`close` or leaving its ``with``."""
+
+    CHUNK = 1 << 30  # bytes per read / write call (Linux moves at most ~2 GiB per call)
+
+    def __init__(self, directory: str | None = None):
+        import tempfile
+
+        self.file = tempfile.TemporaryFile(dir=directory, buffering=0)
+        self.size = 0
+
+    def write(self, tensor: Any) -> int:
+        """``tensor``'s bytes (contiguous, on the CPU) appended; their offset."""
+        view = memoryview(tensor.detach().reshape(-1).view(_bytes_dtype()).numpy())
+        offset = self.size
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):
+            done += self.file.write(view[done:done + self.CHUNK])
+        self.size += len(view)
+        return offset
+
+    def read_into(self, tensor: Any, offset: int) -> None:
+        """``tensor`` (contiguous, the size written at ``offset``) holds those bytes again."""
+        view = memoryview(tensor.detach().reshape(-1).view(_bytes_dtype()).numpy())
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):
+            n = self.file.readinto(view[done:done + self.CHUNK])
+            if not n:
+                raise RuntimeError("internal: a spilled tensor's bytes ended early")
+            done += n
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "SpillFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _bytes_dtype() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 # (data_ptr, numel) -> (tensor, its Snapshot): the changed weights restore_read may restore
@@ -115,4 +182,4 @@ def restore_read(tensor: Any) -> bool:
     return True
 
 
-__all__ = ["Snapshot", "restored_once_read", "restore_read"]
+__all__ = ["Snapshot", "SpillFile", "restored_once_read", "restore_read"]

@@ -216,6 +216,24 @@ def test_blockwise_refinement_equals_the_per_column_definition(block):
     assert torch.equal(refine_grouped(w, h, q, s_r[:, None] * m, 16, passes=2, block=block), want)
 
 
+def test_blockwise_integers_are_the_reports_own_not_a_copy_per_graph():
+    """Issue 32: every graph lowered (prefill, decode) took its own int8 copy of each 4-bit
+    linear's integers (0.88 GB per graph at the Llama-3.2-1B shape) beside the report's; the
+    writer stores one buffer either way. The lowering now reads the report's integers
+    (read-only: a pass that wrote into them would change every graph's)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=gen)
+    q, s_r, m = grouped.rtn_grouped(w, 4, 16)
+    gw = grouped.GroupedWeight(q.to(torch.int8), s_r.float(), m.to(torch.uint8), 16, 4)
+    values, dtype, qp = grouped.blockwise_params("w", gw)
+    assert dtype == "INT4" and np.shares_memory(values, gw.q.numpy()) and not values.flags.writeable
+    assert np.array_equal(values, q.numpy().astype(np.int8))
+    assert np.shares_memory(qp.blockwise.scales.data, gw.mult.numpy())
+    per_channel = grouped.GroupedWeight(q.to(torch.int8), s_r.float(), None, 0, 8)
+    values, dtype, _ = grouped.blockwise_params("w", per_channel)
+    assert dtype == "INT8" and np.shares_memory(values, per_channel.q.numpy())
+
+
 def test_int16_grouped_int4_llm_end_to_end(tmp_path):
     """The recipe on the tiny Llama: every decoder linear (the FCs and the fused ATTENTION's
     wq..wo) blockwise INT4, the head int8, verified against the fake-quantized module; the

@@ -260,3 +260,184 @@ def test_int16_auto_gives_the_worst_measured_ops_int16(tmp_path):
     sg = read_model(str(tmp_path / "auto.circle")).subgraphs[0]
     dtypes = {sg.tensors[op.outputs[0]].dtype for op in sg.operators}
     assert {"UINT8", "INT16"} <= dtypes
+
+
+def test_gptq_hessians_keep_the_inputs_not_a_matrix_per_linear(tiny_llama_model):
+    """Issue 32: a [cols, cols] XᵀX per linear held at once was 5.9 GB at the Llama-3.2-1B
+    shape (16 down_proj Hessians of 8192²) for 512 tokens of inputs (0.47 GB). While a
+    linear has seen fewer rows than columns its inputs are kept instead (one tensor for the
+    linears reading it), and each XᵀX, made when GPTQ reads it, is bit for bit the sum
+    sample by sample it always was."""
+    from circleops.quantize.gptq import eligible_linears, hessians
+
+    model = tiny_llama_model
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 8), generator=gen),) for _ in range(3)]  # 24 rows < 64 columns
+    linears = {n: m for n, m in eligible_linears(model).items() if n.startswith("model.layers.0.")}
+    seen: dict[str, list] = {n: [] for n in linears}
+    handles = [m.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n, m in linears.items()]
+    hs, tokens = hessians(model, linears, samples)
+    for h in handles:
+        h.remove()
+    assert tokens == 24 and set(hs) == set(linears)
+    inputs = {id(x): x for xs in seen.values() for x in xs}
+    # q/k/v read one tensor, gate/up another: 4 inputs per sample, kept as they are (no [cols, cols] matrix)
+    assert len(inputs) == 4 * len(samples)
+    squares = sum(m.weight.shape[1] ** 2 * 4 for m in linears.values())
+    assert hs.held_bytes() == sum(x.numel() * 4 for x in inputs.values()) < squares / 4
+    seen = {n: [x.reshape(-1, x.shape[-1]) for x in xs] for n, xs in seen.items()}
+    q = hs.pop("model.layers.0.self_attn.q_proj")
+    for n in linears:
+        want = None
+        for x in seen[n]:  # the per-sample sum, in order
+            want = x.T @ x if want is None else want + x.T @ x
+        got = q if n.endswith("q_proj") else hs.pop(n)
+        assert torch.equal(got, want), n
+    assert hs.held_bytes() == 0 and len(hs) == 0
+
+
+def test_gptq_keeps_no_clone_of_the_weights_it_rounds(tiny_llama_model):
+    """Issue 32: GPTQ restores every linear it rounds on exit; a clone of each was, after the
+    rotation had written them all, the Llama-3.2-1B shape's 5 GB beside its 6 GB of weights.
+    A weight its file no longer holds (a model built in memory, as here, or rotated) is
+    written to an unlinked temporary file instead and read back bit for bit."""
+    from circleops.quantize.gptq import eligible_linears, gptq_applied
+
+    model = tiny_llama_model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 16), generator=gen),) for _ in range(2)]
+    linears = eligible_linears(model)
+    weights = sum(m.weight.numel() * 4 for m in linears.values())
+    with gptq_applied(model, samples, 4, group=16) as report:
+        assert report.linears == len(linears)
+        assert report.held_bytes == 0 and report.spilled_bytes == weights
+        assert not torch.equal(model.model.layers[0].mlp.down_proj.weight,
+                               before["model.layers.0.mlp.down_proj.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_rotation_rounds_large_weights_a_block_of_rows_at_a_time(monkeypatch):
+    """Issue 32: the embedding and the untied lm_head were rotated whole in float64, 2 x 2.1 GB
+    at the Llama-3.2-1B shape beside the model (its convert peaked at 2.5x the fp32 weights
+    there). A block of rows at a time: no float64 copy of either table, the same weights bit
+    for bit."""
+    from families import FAMILIES
+
+    from circleops.quantize import rotate
+
+    def rotated_weights():
+        model = next(f for f in FAMILIES if f.name == "llama").build()
+        with rotate.rotated(model) as report:
+            assert report.layers
+            return model.model.embed_tokens.weight.numel(), {n: p.detach().clone()
+                                                             for n, p in model.named_parameters()}
+
+    _, whole = rotated_weights()
+    largest = [0]
+    double = torch.Tensor.double
+
+    def counted(self, *args, **kwargs):
+        out = double(self, *args, **kwargs)
+        largest[0] = max(largest[0], out.numel())
+        return out
+
+    monkeypatch.setattr(rotate, "ROTATE_ELEMENTS", 1024)
+    monkeypatch.setattr(torch.Tensor, "double", counted)
+    table, blocks = rotated_weights()
+    assert largest[0] < table  # neither table whole in float64
+    assert whole.keys() == blocks.keys() and all(torch.equal(whole[n], blocks[n]) for n in whole)
+
+
+def test_rotation_keeps_no_copy_of_the_untied_head():
+    """Issue 32: a tied lm_head is untied for the rotation (it takes the final norm's gamma);
+    its copy is dropped when the tie comes back, so it is not snapshotted for a restore (a
+    clone of it was 1.05 GB at the Llama-3.2-1B shape). The model is restored bit for bit."""
+    from families import FAMILIES
+
+    from circleops.quantize import rotate
+
+    model = next(f for f in FAMILIES if f.name == "llama").build()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    taken = []
+    snapshot = rotate.Snapshot
+
+    def watched(t, *args, **kwargs):
+        taken.append(t)
+        return snapshot(t, *args, **kwargs)
+
+    rotate.Snapshot = watched
+    try:
+        with rotate.rotated(model) as report:
+            assert report.layers and model.lm_head.weight is not model.model.embed_tokens.weight
+            assert not any(t is model.lm_head.weight for t in taken)
+    finally:
+        rotate.Snapshot = snapshot
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_gptq_per_channel_rounds_a_large_weight_a_block_of_rows_at_a_time(monkeypatch, tiny_llama_model):
+    """Issue 32: GPTQ of the Llama-3.2-1B shape's lm_head (8-bit per channel, 128256 x 2048)
+    held ~3.2 GB of whole-weight copies (its 16a4w convert's peak, 11.0 GB). Each row is
+    rounded on its own, so blocks of rows give the same weights bit for bit, and no copy of
+    the whole weight is made."""
+    from circleops.quantize import gptq as G
+
+    model = tiny_llama_model
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (1, 16), generator=gen),) for _ in range(2)]
+    head = model.lm_head.weight
+    with G.gptq_applied(model, samples, 8) as report:
+        assert "lm_head" in report.names
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    largest = [0]
+    compensate = G.compensate
+
+    def counted(w, *args, **kwargs):
+        largest[0] = max(largest[0], w.numel())
+        return compensate(w, *args, **kwargs)
+
+    monkeypatch.setattr(G, "GPTQ_ROW_ELEMENTS", head.shape[1] * 16)
+    monkeypatch.setattr(G, "compensate", counted)
+    with G.gptq_applied(model, samples, 8):
+        assert all(torch.equal(p, whole[n]) for n, p in model.named_parameters())
+    assert largest[0] == head.shape[1] * 16 < head.numel()
+
+
+def test_integer_constants_are_quantized_a_block_of_rows_at_a_time(monkeypatch):
+    """Issue 32: the Llama-3.2-1B shape's 16a4w convert was OOM-killed lowering its graphs
+    (24.3 GB on 24 GB): its 128256 x 2048 embedding and lm_head were quantized whole in
+    float64, ~6 copies of 2.1 GB. A block of rows at a time: the same integers (the ops are
+    elementwise), no float64 copy of the whole table."""
+    import numpy as np
+
+    from circleops.quantize.integer import graph as G
+
+    def reference(x, dtype, q):  # the formula, whole
+        scale = q.scale.astype(np.float64)
+        zp = q.zero_point.astype(np.float64)
+        if scale.size > 1:
+            scale, zp = scale.reshape(-1, 1), zp.reshape(-1, 1)
+        v = x.double().numpy() / scale
+        return np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5) + zp, *G.RANGE[dtype]).astype(G.NP[dtype])
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(1000, 64, generator=gen) * 3
+    largest = [0]
+    to_float64 = G._float64
+
+    def counted(data):
+        out = to_float64(data)
+        largest[0] = max(largest[0], out.size)
+        return out
+
+    monkeypatch.setattr(G, "BLOCK_ELEMENTS", 64 * 100)
+    monkeypatch.setattr(G, "_float64", counted)
+    for dtype, axis in (("INT8", 0), ("INT16", None), ("UINT8", None)):
+        qp = G.params_from_data(table, dtype, axis)
+        got = G.quantize_array(table, dtype, qp)
+        assert got.dtype == G.NP[dtype] and np.array_equal(got, reference(table, dtype, qp)), dtype
+    assert largest[0] == 64 * 100 < table.numel()

@@ -30,29 +30,76 @@ FIXED_OUTPUT = {
 WEIGHTED = {"FULLY_CONNECTED": 3, "CONV_2D": 3, "DEPTHWISE_CONV_2D": 3}  # (input, filter, bias)
 
 
+# elements of a constant quantized (or measured) at a time in float64: the Llama-3.2-1B shape's
+# 128256 x 2048 embedding and lm_head whole were ~6 float64 copies of 2.1 GB each, and its 16a4w
+# convert was OOM-killed lowering them at 24.3 GB on 24 GB (issue 32); elementwise, so the
+# same integers block by block
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(shape: tuple, axis: int | None = None) -> list[slice]:
+    """Slices along the first axis of blocks of about BLOCK_ELEMENTS elements (the whole
+    array when it is a scalar or small)."""
+    if not shape or int(np.prod(shape)) <= BLOCK_ELEMENTS:
+        return [Ellipsis]
+    per_row = max(1, int(np.prod(shape[1:])))
+    rows = max(1, BLOCK_ELEMENTS // per_row)
+    return [slice(i, min(i + rows, shape[0])) for i in range(0, shape[0], rows)]
+
+
+def _float64(data: Any) -> np.ndarray:
+    return data.detach().to(torch.float64).numpy() if isinstance(data, torch.Tensor) else np.asarray(data, np.float64)
+
+
 def quantize_array(data: Any, dtype: str, q: ir.QuantParams) -> np.ndarray:
-    """round(x / scale) + zero_point, clamped to ``dtype`` (TFLite rounds half away from zero)."""
-    x = data.detach().to(torch.float64).numpy() if isinstance(data, torch.Tensor) else np.asarray(data, np.float64)
+    """round(x / scale) + zero_point, clamped to ``dtype`` (TFLite rounds half away from zero);
+    a large constant a block of rows at a time (BLOCK_ELEMENTS)."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach()
+    else:
+        data = np.asarray(data)
+    shape = tuple(data.shape)
     scale = q.scale.astype(np.float64)
     zp = q.zero_point.astype(np.float64)
+    per_row = scale.size > 1 and q.quantized_dimension == 0
     if scale.size > 1:
-        shape = [1] * x.ndim
-        shape[q.quantized_dimension] = -1
-        scale, zp = scale.reshape(shape), zp.reshape(shape)
-    v = x / scale
-    r = np.sign(v) * np.floor(np.abs(v) + 0.5) + zp
+        sh = [1] * len(shape)
+        sh[q.quantized_dimension] = -1
+        scale, zp = scale.reshape(sh), zp.reshape(sh)
     lo, hi = RANGE[dtype]
-    return np.clip(r, lo, hi).astype(NP[dtype])
+
+    def block(rows: Any) -> np.ndarray:
+        s, z = (scale[rows], zp[rows]) if per_row and rows is not Ellipsis else (scale, zp)
+        v = _float64(data[rows]) / s
+        return np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5) + z, lo, hi).astype(NP[dtype])
+
+    blocks = _row_blocks(shape)
+    if len(blocks) == 1:
+        return block(blocks[0])
+    out = np.empty(shape, NP[dtype])
+    for rows in blocks:
+        out[rows] = block(rows)
+    return out
 
 
 def params_from_data(data: Any, dtype: str, per_channel_axis: int | None = None) -> ir.QuantParams:
     """Parameters from a constant's own range (a constant the plan does not know)."""
-    x = data.detach().to(torch.float64).numpy() if isinstance(data, torch.Tensor) else np.asarray(data, np.float64)
-    if per_channel_axis is not None and x.ndim:
-        amax = np.abs(np.moveaxis(x, per_channel_axis, 0).reshape(x.shape[per_channel_axis], -1)).max(axis=1)
+    data = data.detach() if isinstance(data, torch.Tensor) else np.asarray(data)
+    shape = tuple(data.shape)
+    if per_channel_axis is not None and shape:
+        if per_channel_axis == 0:  # per row: a block of rows at a time
+            amax = np.concatenate([np.abs(_float64(data[rows]).reshape(-1 if rows is not Ellipsis else shape[0],
+                                                                        int(np.prod(shape[1:])))).max(axis=1)
+                                   for rows in _row_blocks(shape)])
+        else:
+            x = _float64(data)
+            amax = np.abs(np.moveaxis(x, per_channel_axis, 0).reshape(x.shape[per_channel_axis], -1)).max(axis=1)
         scale = np.maximum(amax / 127.0, 1e-12).astype(np.float32)
         return ir.QuantParams(scale, np.zeros(scale.size, np.int64), per_channel_axis)
-    lo, hi = min(float(x.min(initial=0.0)), 0.0), max(float(x.max(initial=0.0)), 0.0)
+    lo, hi = 0.0, 0.0  # the range over blocks of rows (min and max are exact in any order)
+    for rows in _row_blocks(shape):
+        x = _float64(data[rows])
+        lo, hi = min(float(x.min(initial=0.0)), lo), max(float(x.max(initial=0.0)), hi)
     if dtype == "UINT8":
         scale = max((hi - lo) / 255.0, 1e-12)
         zp = int(np.clip(round(-lo / scale), 0, 255))
