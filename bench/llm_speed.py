@@ -678,13 +678,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def merged_runs(parts: list[dict]) -> dict:
     """One run's data from the --json files of runs made back to back: rounds numbered on,
-    the load averages concatenated, the start times joined."""
+    the load averages concatenated, the start times joined, the thread counts united."""
     data = dict(parts[0], runs=list(parts[0]["runs"]), loads=list(parts[0]["loads"]))
     for part in parts[1:]:
         first = data.get("rounds", 0)
         data["runs"] += [dict(r, round=r["round"] + first) for r in part["runs"]]
         data["loads"] += part["loads"]
         data["rounds"] = first + part.get("rounds", 0)
+        # a later run may measure other thread counts (one thread while a core was busy, two later)
+        data["threads"] = sorted(set(data.get("threads") or []) | set(part.get("threads") or []))
         data["started"] = f"{data.get('started', '')} and {part.get('started', '')}"
     return data
 
