@@ -117,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
         source = "--token-ids"
     ids = check_token_ids(ids, manifest.vocab_size, source, error=GenerationLimitError)  # before any graph opens
     sampler = sampler_from_args(args, manifest.directory)
-    check_fits(manifest.max_cache_len, 0, len(ids), args.max_new_tokens, manifest.directory)  # so is this
+    check_fits(manifest.max_cache_len, 0, len(ids), args.max_new_tokens, manifest.directory,  # so is this
+               manifest.max_positions)
     gen = Generator(manifest, runtime=runtime, threads=args.threads)
     if tokenizer is not None:
         if args.prompt is not None and not args.chat:

@@ -93,22 +93,32 @@ class Generation:
         return line + (f"; stopped at EOS after {len(self.tokens)} new tokens" if self.stopped_at_eos else "")
 
 
-def check_fits(slots: int, used: int, prompt_len: int, max_new_tokens: Any, directory: Any) -> None:
+def check_fits(slots: int, used: int, prompt_len: int, max_new_tokens: Any, directory: Any,
+               max_positions: int | None = None) -> None:
     """GenerationLimitError unless a prompt of ``prompt_len`` tokens plus ``max_new_tokens``
     fit a cache of ``slots`` with ``used`` of them taken (the files in ``directory``). Needs no
-    session: a CLI refuses before it opens a model's graphs (seconds for a 1B model's files)."""
+    session: a CLI refuses before it opens a model's graphs (seconds for a 1B model's files).
+    ``max_positions`` (the model's, from the manifest) decides whether a longer cache could help:
+    past them the error names the model's limit instead of a conversion that would be refused."""
     if prompt_len < 1:
         raise GenerationLimitError("the prompt is empty: give at least one token.")
     if max_new_tokens < 0:
         raise GenerationLimitError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}.")
-    if used + prompt_len + max_new_tokens > slots:
+    need = used + prompt_len + max_new_tokens
+    if need > slots:
         before = f"the {used} tokens already in the cache, " if used else ""
+        room = max(0, slots - used - prompt_len)
+        if max_positions is not None and need > max_positions:
+            longest = max(0, max_positions - used - prompt_len)
+            advice = (f"; the model has {max_positions} positions (max_position_embeddings), so no cache holds "
+                      f"{need} tokens" + (f": convert again with --max-cache-len {max_positions} for at most {longest} "
+                                          f"new tokens." if max_positions > slots else "."))
+        else:
+            advice = f", or convert again with --max-cache-len {need} or more."
         raise GenerationLimitError(
             f"{before}the prompt ({prompt_len} token{'' if prompt_len == 1 else 's'}) plus --max-new-tokens "
-            f"{max_new_tokens} is {used + prompt_len + max_new_tokens} tokens, more than the {slots} "
-            f"slots of the KV cache in {directory}. Generate at most "
-            f"{max(0, slots - used - prompt_len)} new tokens, or convert again with --max-cache-len "
-            f"{used + prompt_len + max_new_tokens} or more.")
+            f"{max_new_tokens} is {need} tokens, more than the {slots} slots of the KV cache in {directory}. "
+            f"Generate at most {room} new tokens{advice}")
 
 
 @dataclass(frozen=True)
@@ -238,7 +248,8 @@ class GenerationCore:
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """GenerationLimitError unless prompt + new tokens fit the cache (after the tokens
         already in it): :func:`check_fits`."""
-        check_fits(self.max_cache_len, self.position, prompt_len, max_new_tokens, self.manifest.directory)
+        check_fits(self.max_cache_len, self.position, prompt_len, max_new_tokens, self.manifest.directory,
+                   getattr(self.manifest, "max_positions", None))
 
     def _ensure_caches(self) -> None:
         """Zero caches when there are none (a new conversation). With rows outputs they are

@@ -144,7 +144,8 @@ def generate(directory: str | Path, prompt: str | Sequence[int], max_new_tokens:
         ids = [int(i) for i in prompt]
         if manifest.tokenizer and stream is not None:
             tokenizer = load_tokenizer(manifest)
-    check_fits(manifest.max_cache_len, 0, len(ids), max_new_tokens, manifest.directory)  # before any graph opens
+    check_fits(manifest.max_cache_len, 0, len(ids), max_new_tokens, manifest.directory,  # before any graph opens
+               manifest.max_positions)
     gen = Generator(manifest, runtime=runtime, threads=threads)
     streamer = TextStream(tokenizer, stream) if tokenizer is not None and stream is not None else None
     result = gen.generate(ids, max_new_tokens, on_token=streamer, sampler=sampler)

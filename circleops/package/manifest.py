@@ -182,6 +182,9 @@ class Manifest:
     # an encoder-decoder text model's encoder and decoding rules (circleops.package.text2text_manifest.Text2TextSpec
     # .to_json): its encoder graph (a key of ``files``), source length and cross-attention K/V
     text2text: dict[str, Any] | None = None
+    # the model's positions (its config's max_position_embeddings; None: unknown or unlimited): a
+    # generation past the cache is told to convert with a longer cache only when the model has the positions
+    max_positions: int | None = None
 
     @property
     def windowed_prefills(self) -> dict[str, tuple[int, int]]:
@@ -248,7 +251,8 @@ class Manifest:
             "outputs": self.outputs, "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id,
             "tokenizer": self.tokenizer,
             **({"prefill_windows": self.prefill_windows} if self.prefill_windows else {}),
-            **({"decode_windows": self.decode_windows} if self.decode_windows else {})}
+            **({"decode_windows": self.decode_windows} if self.decode_windows else {}),
+            **({"max_positions": self.max_positions} if self.max_positions is not None else {})}
         extra = {k: getattr(self, k) for k in TEXT_PLUS if getattr(self, k) is not None}
         return manifest_json(self.kind, common, {"text": text, **extra})
 
@@ -410,7 +414,7 @@ def _from_fields(d: Path, data: dict[str, Any]) -> Manifest:
                     parts=data.get("parts"),
                     part_files=data.get("part_files"), part_embedding=data.get("part_embedding"),
                     signature_api=data.get("signature_api"),
-                    text2text=data.get("text2text"))
+                    text2text=data.get("text2text"), max_positions=data.get("max_positions"))
 
 
 def _check_values(m: Manifest, path: Path) -> None:
@@ -433,6 +437,10 @@ def _check_values(m: Manifest, path: Path) -> None:
         raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
                              f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
     again = "Convert again with --graphs."
+    p = m.max_positions
+    if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < m.max_cache_len):
+        raise ModelLoadError(f"{path}: max_positions must be an integer of at least max_cache_len "
+                             f"({m.max_cache_len}), got {p!r}. {again}")
     check_token_ids([m.pad_token_id], m.vocab_size, f"{path}: pad_token_id", fix=again)
     check_token_ids(m.eos_token_ids, m.vocab_size, f"{path}: eos_token_ids", fix=again)
     if isinstance(m.vision, dict) and "image_token_id" in m.vision:

@@ -104,6 +104,13 @@ def check_lengths(prefill_len: int, max_cache_len: int, max_positions: int | Non
 
 # --------------------------------------------------------------------------- build, export, lower
 
+def positions_of(config: Any, max_cache_len: int) -> int | None:
+    """The model's positions for the manifest (its config's max_position_embeddings), or None
+    when the config names none or names fewer than the cache holds (the manifest reader's rule)."""
+    p = getattr(config, "max_position_embeddings", None)
+    return p if isinstance(p, int) and not isinstance(p, bool) and p >= max_cache_len else None
+
+
 def decoder_step(model: Any, max_cache_len: int, cache_update: str = "full", cache_layout: str | None = None,
                  rope_tables: bool = False) -> Any:
     """The model as a :class:`DecoderWithCache` (fuses the model's modules in place); the
@@ -367,7 +374,8 @@ class LLMRecipe(Recipe):
             decode_windows={g: w for g, w in self.windows.items() if self.named[g][0] == "decode"} or None,
             parts=[list(r) for r in plan.parts] or None, signature_api=plan.signature_api,
             part_files={g: infos[g].part_files for g in graphs} if plan.parts else None,
-            part_embedding=self.part_embedding)
+            part_embedding=self.part_embedding,
+            max_positions=positions_of(self.model.config, self.max_cache_len))
 
     def compare(self, manifest: Manifest, runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
         return compare(manifest, list(self.named), runtime, refs)

@@ -198,7 +198,7 @@ class Text2TextRecipe(Recipe):
                              family=str(self.model.config.model_type), **decoding_rules(self.model))
 
     def manifest(self, directory: Path, opts: Any, plan: Any, infos: dict[str, Any]) -> Manifest:
-        from circleops.recipes.llm import save_tokenizer
+        from circleops.recipes.llm import positions_of, save_tokenizer
 
         n, files = self.num_layers, {g: plan.file(g) for g in self.graph_list}
         tokenizer_dir = save_tokenizer(self.tokenizer, directory)
@@ -214,7 +214,7 @@ class Text2TextRecipe(Recipe):
             vocab_size=int(self.model.config.vocab_size), inputs=ins, outputs=outs, eos_token_ids=eos,
             pad_token_id=pad_token_id(self.model.config, eos), tokenizer=tokenizer_dir, source=self.source,
             quantize=opts.quantize, num_threads=opts.threads, text2text=self.spec().to_json(),
-            signature_api=plan.signature_api)
+            signature_api=plan.signature_api, max_positions=positions_of(self.model.config, self.max_cache_len))
 
     def compare(self, manifest: Manifest, runtime: str, refs: "References") -> dict[str, tuple[float, float]]:
         return compare(manifest, runtime, refs)

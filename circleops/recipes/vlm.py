@@ -58,7 +58,7 @@ from circleops.package.report import GraphsReport
 from circleops.package.step import Graph
 from circleops.recipes.base import Recipe, eos_token_ids, pad_token_id, save_generation_config
 from circleops.recipes.llm import (check_lengths, decoder_step, default_cache_update, example_args, io_names,
-                                  prefill_lengths, save_tokenizer, text_lines)
+                                  positions_of, prefill_lengths, save_tokenizer, text_lines)
 from circleops.package.vision_manifest import (IMAGE_EMBEDS, PATCH_INDEX, PIXEL_VALUES, PREFIX_LEN, ROPE_DELTA,
                                                ROPE_POSITIONS, VISION_GRAPH, VLM_GRAPH_NAMES, VisionSpec,
                                                vlm_model_type)
@@ -392,7 +392,8 @@ class VLMRecipe(Recipe):
             cache_layout=step.cache_layout, vocab_size=int(self.model.config.text_config.vocab_size), inputs=k_names,
             outputs=outs, eos_token_ids=eos, pad_token_id=pad_token_id(getattr(text, "config", None), eos),
             tokenizer=tokenizer_dir, source=self.source, cache_update=self.cache_update, vision=self.spec.to_json(),
-            signature_api=plan.signature_api)
+            signature_api=plan.signature_api,
+            max_positions=positions_of(self.model.config.text_config, self.options.max_cache_len))
 
     def compare(self, manifest: Manifest, runtime: str, example: _Example) -> dict[str, tuple[float, float]]:
         return compare(manifest, runtime, example)

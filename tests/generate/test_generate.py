@@ -3,6 +3,7 @@ are clear errors; the decode graph runs once per token on sessions created once.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -173,6 +174,36 @@ def test_cli_refuses_what_sizes_decide_before_opening_a_graph(capsys, tiny_onert
     rc = cli(["generate", str(tiny_onert.directory), "--token-ids", "1,2", "--max-new-tokens", "31"])
     err = capsys.readouterr().err
     assert rc == 2 and "is 33 tokens, more than the 32 slots" in err and "Generate at most 30 new tokens" in err
+
+
+def test_a_length_past_the_models_positions_names_them_not_a_conversion(capsys, tiny_onert, tmp_path):
+    """--max-new-tokens past the model's own positions (max_position_embeddings, in the manifest)
+    says so: no --max-cache-len could hold it, and convert would refuse the one it once suggested."""
+    from circleops.package.manifest import read_manifest
+
+    positions = read_manifest(tiny_onert.directory).max_positions
+    assert positions == FAMILIES[0].build().config.max_position_embeddings > TINY_CACHE
+    rc = cli(["generate", str(tiny_onert.directory), "--token-ids", "1,2", "--max-new-tokens", str(10 ** 20)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"Generate at most {TINY_CACHE - 2} new tokens" in err
+    assert f"the model has {positions} positions" in err and str(10 ** 20 + 2) in err
+    assert f"--max-cache-len {positions} for at most {positions - 2} new tokens" in err
+    assert f"--max-cache-len {10 ** 20 + 2}" not in err
+    # within the model's positions the longer cache is the advice
+    rc = cli(["generate", str(tiny_onert.directory), "--token-ids", "1,2", "--max-new-tokens", "40"])
+    assert rc == 2 and "convert again with --max-cache-len 42 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["128", True, 1.5, TINY_CACHE - 1, -1])
+def test_manifest_max_positions_is_checked(tiny_onert, tmp_path, value):
+    from circleops.errors import ModelLoadError
+    from circleops.package.manifest import read_manifest
+
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_onert.directory, out)
+    manifest_json.edit(out, {"max_positions": value})
+    with pytest.raises(ModelLoadError, match="max_positions must be an integer of at least max_cache_len"):
+        read_manifest(out)
 
 
 def test_cli_not_a_graphs_directory(capsys, tmp_path):
