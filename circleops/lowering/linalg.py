@@ -90,9 +90,13 @@ def _elementwise_product(ctx, a, b, shape):
     if k == 1:  # [.., M, 1] * [.., 1, N]: each output one product, exactly the BATCH_MATMUL's
         return None if _integer_node(ctx) else ctx.mul(a, b, ctx.out_dtype)
     if b.shape[-1] == 1 and a.shape[-2] * k <= _ELEMENTWISE_MAX and not _integer_node(ctx):
-        # [.., M, K] @ [.., K, 1]: the column as a row [.., 1, K] (a reshape), MUL, SUM over K
-        row = ctx.reshape(b, b.shape[:-2] + (1, k))
-        return ctx.reshape(reduce(ctx, "SUM", ctx.mul(a, row, ctx.out_dtype), [-1], True), shape)
+        # [.., M, K] @ [.., K, 1]: the column as a row [.., 1, K] (a reshape), MUL, SUM over K;
+        # in fp32 for an fp16 graph, rounded once at the end as torch's fp16 matmul is
+        dtype = ctx.out_dtype
+        wide = torch.float32 if dtype == torch.float16 else dtype
+        row = ctx.cast(ctx.reshape(b, b.shape[:-2] + (1, k)), wide)
+        total = reduce(ctx, "SUM", ctx.mul(ctx.cast(a, wide), row, wide), [-1], True, wide)
+        return ctx.reshape(ctx.cast(total, dtype), shape)
     return None
 
 
