@@ -157,10 +157,14 @@ class _Circleops:
     def decode(self, ids: list[int], steps: int) -> tuple[float, float]:
         token = self.ttft(ids)
 
+        # the step as `circleops generate`'s greedy loop runs it: the argmax on the step's own
+        # output memory (decode() copies the logits for a caller that keeps them)
+        step = getattr(self.gen, "_step", self.gen.decode)
+
         def run():
             t = token
             for _ in range(steps):
-                t = int(self.gen.decode(t).argmax())
+                t = int(step(t).argmax())
         wall, cpu, _ = _timed(run)
         return wall, cpu
 

@@ -87,6 +87,7 @@ class TargetProfile:
     one_file_per_graph: bool  # generation graphs (convert --graphs) each in a file of their own, not signatures
     quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
     graph_inline_ops: frozenset[str]  # circle ops generation graphs (--graphs) write inline, decomposed, not fused
+    matmul_packs_rhs: bool  # BATCH_MATMUL packs a non-constant right operand every run: one-column products as MUL + SUM
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -177,6 +178,7 @@ CIRCLE = TargetProfile(
     one_file_per_graph=False,  # one file, a signature per graph: the reference interpreter runs any
     quantized_threads=None,
     graph_inline_ops=frozenset(),  # ATTENTION builtin: NPU compilers take it whole
+    matmul_packs_rhs=False,
 )
 
 ONERT = TargetProfile(
@@ -267,6 +269,7 @@ ONERT = TargetProfile(
     # (no CONV_2D form) is as fast at 1 as at 2 (bench/README.md)
     quantized_threads=1,
     graph_inline_ops=frozenset(),  # onert has no ATTENTION: decomposed there anyway
+    matmul_packs_rhs=False,
 )
 
 TFLITE = TargetProfile(
@@ -328,6 +331,11 @@ TFLITE = TargetProfile(
     # they write it inline. odml.rms_norm stays a composite (LiteRT's GPU delegate knows it;
     # litert-torch's own export keeps it too), and plain `convert` keeps every composite.
     graph_inline_ops=frozenset({"attention"}),
+    # XNNPACK packs a BATCH_MATMUL's dynamic right operand on every run (x32_packw_gemm):
+    # the decode step's products with its own new key (one column) and value (inner
+    # dimension 1) cost two packs a layer; as MUL (+ SUM) they cost less
+    # (circleops.lowering.linalg.batch_matmul; bench/results/60-*)
+    matmul_packs_rhs=True,
 )
 
 _PROFILES: dict[str, TargetProfile] = {p.name: p for p in (CIRCLE, ONERT, TFLITE)}

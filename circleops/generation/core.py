@@ -187,6 +187,7 @@ class GenerationCore:
         # the decode sessions' input memory holding the caches' window (cache_update "rows" only)
         self._store = WindowStore(cache.layout) if cache.update == "rows" else None
         self._checked: dict[int, Session] = {}  # id -> decode session whose cache rows were checked once
+        self._logits_shared = False  # the last step's logits are its session's output memory (_step)
         self.prefill_runs = 0  # runs of the prefill graphs so far (chunks)
         self.chunks: list[int] = []  # the length of each of those runs
 
@@ -362,6 +363,13 @@ class GenerationCore:
 
     def decode(self, token: int) -> Any:
         """Feed one token at the next position; returns its logits [V]."""
+        logits = self._step(token)
+        return logits.copy() if self._logits_shared else logits
+
+    def _step(self, token: int) -> Any:
+        """:meth:`decode`, but the logits may be the session's own output memory, which its
+        next run overwrites (then ``_logits_shared`` is True): for a caller that is done with
+        them before then (the greedy loop's argmax), not a copy of 4 x vocabulary bytes a step."""
         if self.position >= self.max_cache_len:
             raise GenerationLimitError(f"the KV cache of {self.max_cache_len} slots is full.")
         if not 0 <= token < self.manifest.vocab_size:  # the common case without building a list
@@ -394,8 +402,8 @@ class GenerationCore:
             self._checked[id(session)] = session
         self._written = max(self._written, self.position + 1)
         self.history.append(int(token))
-        if store is not None and store.outputs_shared(session):  # the session's memory: its next run overwrites it
-            return outs[0][0, 0].copy()
+        # the session's memory (its next run overwrites it): decode copies it
+        self._logits_shared = store is not None and store.outputs_shared(session)
         return outs[0][0, 0]
 
     # ------------------------------------------------------------------ the loop
@@ -456,5 +464,7 @@ class GenerationCore:
                 break
             if len(tokens) >= budget:
                 break
-            token = self.pick(self.decode(token), sampler, len(tokens))
+            # greedy: the argmax reads the logits before the next run, so they need no copy
+            logits = self._step(token) if sampler is None else self.decode(token)
+            token = self.pick(logits, sampler, len(tokens))
             result.decode_steps += 1

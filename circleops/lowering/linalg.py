@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from circleops.lowering.context import const_value
+from circleops.lowering.reduce import reduce
 from circleops.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -62,6 +63,43 @@ def _(ctx, node, x, weight, bias=None):
 _ADJOINT_RHS = {"circle": "adjointRhs", "tflite": "adjY"}
 
 
+# _elementwise_product's bound on a one-column product's [M, K] left operand: the MUL writes it
+# whole once more (a decode step's own-key score: G x D = 192 elements for SmolLM2)
+_ELEMENTWISE_MAX = 1 << 14
+
+
+def _integer_node(ctx) -> bool:
+    """Whether the node being lowered feeds a PT2E quantize marker (an integer graph, whose
+    passes quantize only the ops the calibrated graph observed)."""
+    if ctx.node is None:
+        return False
+    from circleops.quantize.integer import qdq
+
+    return any(user.target is qdq.quantized for user in ctx.node.users)
+
+
+def _elementwise_product(ctx, a, b, shape):
+    """a @ b as MUL (+ SUM) where the runtime packs a non-constant right operand on every run
+    (``TargetProfile.matmul_packs_rhs``: XNNPACK) and the product is an outer product (inner
+    dimension 1: a decode step's attention weight times its own new value row) or one column
+    of a few rows (its query times its own new key): two BATCH_MATMULs a layer whose packing
+    and dispatch cost more than the elementwise ops. None: write the BATCH_MATMUL."""
+    if not ctx.profile.matmul_packs_rhs or a.is_const or b.is_const or not ctx.out_dtype.is_floating_point:
+        return None
+    k = a.shape[-1]
+    if k == 1:  # [.., M, 1] * [.., 1, N]: each output one product, exactly the BATCH_MATMUL's
+        return None if _integer_node(ctx) else ctx.mul(a, b, ctx.out_dtype)
+    if b.shape[-1] == 1 and a.shape[-2] * k <= _ELEMENTWISE_MAX and not _integer_node(ctx):
+        # [.., M, K] @ [.., K, 1]: the column as a row [.., 1, K] (a reshape), MUL, SUM over K;
+        # in fp32 for an fp16 graph, rounded once at the end as torch's fp16 matmul is
+        dtype = ctx.out_dtype
+        wide = torch.float32 if dtype == torch.float16 else dtype
+        row = ctx.cast(ctx.reshape(b, b.shape[:-2] + (1, k)), wide)
+        total = reduce(ctx, "SUM", ctx.mul(ctx.cast(a, wide), row, wide), [-1], True, wide)
+        return ctx.reshape(ctx.cast(total, dtype), shape)
+    return None
+
+
 def batch_matmul(ctx, a, b):
     """a @ b for ranks >= 2 with broadcast batch dims."""
     dtype = ctx.out_dtype
@@ -82,6 +120,9 @@ def batch_matmul(ctx, a, b):
         return ctx.transpose(y, list(range(y.rank - 2)) + [y.rank - 1, y.rank - 2])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     shape = tuple(batch) + (a.shape[-2], b.shape[-1])
+    elementwise = _elementwise_product(ctx, a, b, shape)
+    if elementwise is not None:
+        return elementwise
     if a.shape[:-2] == b.shape[:-2] and not ctx.supports("BATCH_MATMUL", rank=len(shape)):
         # onert: rank 5+ fails at prepare; equal batch dims fold into one (SSM hybrids' [1, H, 1, L, L])
         merged = [ctx.reshape(v, (-1,) + v.shape[-2:]) for v in (a, b)]

@@ -296,3 +296,32 @@ def test_a_step_on_its_own_memory_still_checks_the_other_inputs(out):
     for bad, what in ((np.zeros((1, 1), np.float32), "is float32"), (np.zeros((1, 2), np.int64), r"has shape \[1, 2\]")):
         with pytest.raises(RuntimeRunError, match=f"input #0 .*{what}"):
             own(session, [bad, *good[1:]])
+
+
+def test_greedy_loop_reads_the_logits_in_place(out, monkeypatch):
+    """Greedy generation on LiteRT picks each token from the decode step's own output memory
+    (its argmax is done before the next run overwrites it): no copy of the vocabulary-sized
+    logits per step (issue 34); decode(), which returns logits the caller may keep, still
+    copies. The tokens equal those of a generator whose steps copy their outputs."""
+    from circleops.runtime import litert
+
+    if litert._c_api() is None:
+        pytest.skip("this LiteRT wheel has no LiteRtGetTensorBufferHostMemory: outputs are read by copy")
+    prompt = _prompt(12)
+    want = Generator(out)
+    want.caches_in_place = False  # every step reads its outputs through copies
+    want = want.generate(prompt, 2 * NEW, stop_at_eos=False).tokens
+    gen = Generator(out)
+
+    def copying(token):
+        raise AssertionError("the greedy loop copied a step's logits (Generator.decode)")
+
+    monkeypatch.setattr(gen, "decode", copying)
+    result = gen.generate(prompt, 2 * NEW, stop_at_eos=False)
+    assert result.tokens == want and result.decode_steps == 2 * NEW - 1 and result.cache_io == "in place"
+    assert gen._logits_shared  # the last step's logits were the session's memory, not a copy
+    monkeypatch.undo()
+    first = gen.decode(5)
+    kept = first.copy()
+    gen.decode(6)
+    assert np.array_equal(first, kept)  # decode's logits survive the next step
