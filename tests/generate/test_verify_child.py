@@ -127,3 +127,20 @@ def test_the_model_that_packed_the_weight_cache_is_replaced_by_one_mapping_it(tf
     assert [cached for _, cached in made] == [True]
     for got, want in zip(again.run(_inputs(manifest, "decode")), out, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_fresh_child_killed_for_memory_is_reported_as_such(tflite_dir):
+    """The kernel's OOM killer sends SIGKILL: from a fresh child as from a fork, the error says
+    out of memory, with the child's peak, not a fault in the file."""
+    import signal
+
+    from circleops.errors import RuntimeCrashError
+
+    manifest = read_manifest(tflite_dir)
+    session = isolated.IsolatedSession("litert", manifest.directory / manifest.files["decode"],
+                                       manifest.signatures["decode"], fresh=True)
+    pid = session.child_pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeCrashError, match="killed by SIGKILL while running .*out of memory"):
+        session.run(_inputs(manifest, "decode"))
+    assert not _alive(pid)
