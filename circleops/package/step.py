@@ -413,7 +413,10 @@ def _compare(recipe: Any, manifest: Any, references: Any, report: GraphsReport, 
     if pkg.restore is not None:  # written and referenced: the model's own weights again (ExitStack closes once)
         pkg.restore.close()
     stages.release_weights()  # and paged out: the runtime's child needs the memory now
-    with pkg.tracker.stage("verify"):
+    from circleops.runtime.isolated import sharing_children
+
+    # one child per LiteRT file serves all its graphs: it loads and compiles the file once
+    with pkg.tracker.stage("verify"), sharing_children():
         compared = recipe.compare(manifest, opts.runtime, references.own)
     what = f"max abs {recipe.compared} error" if recipe.compared else "max abs error"
     floors = {g: None if noise is None else float(noise[g] if isinstance(noise, Mapping) else noise) for g in compared}

@@ -290,6 +290,13 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
         if role == "linear" and not hybrid and not any(e[4] == "table" and e[0].data_ptr() == src.data_ptr()
                                                        for e in entries):
             chosen += [m for m in modules if isinstance(m, torch.nn.Embedding)]
+        # and a table whose blocks a tied head reads too (tflite int4: one INT8 table for the
+        # lookup and the head): the head's Linear computes on them, its input rounded. Left
+        # out, it ran on the checkpoint's fp32 values (not the file's), reading the whole
+        # table's file pages back (the Gemma-3-1B shape: 1.2 GB beside the decoded lookup table)
+        if role == "table" and not hybrid and not any(e[4] == "linear" and e[0].data_ptr() == src.data_ptr()
+                                                      for e in entries):
+            chosen += [m for m in modules if isinstance(m, torch.nn.Linear)]
         if not chosen:
             rest.append(entry)
             continue

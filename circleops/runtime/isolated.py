@@ -4,7 +4,9 @@ circleops checks every file's integrity before onert or LiteRT reads it (circleo
 but a runtime can still fault on a sound file: a kernel of onert reading past a tensor whose
 shape it did not expect, an op it half supports. In-process that kills the user's process
 with a signal, which no Python code can catch. ``circleops run``, ``convert --verify`` and
-``check`` run the runtime in a forked child instead: its death is reported as a
+``check`` run the runtime in a child process instead (forked; for a file of
+FRESH_FROM_BYTES or more a fresh interpreter, which holds none of the parent's memory;
+inside :func:`sharing_children` one child serves every signature of a LiteRT file): its death is reported as a
 RuntimeCrashError naming the file, the runtime and the signal (exit 2), and the command's
 own process survives. ``generate`` and ``chat`` keep in-process sessions: a token's decode
 step must not pay a round trip through a pipe.
@@ -15,11 +17,12 @@ step must not pay a round trip through a pipe.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from circleops.errors import RuntimeCrashError, RuntimeRunError
 from circleops.runtime import TensorSpec, runtime_module
@@ -135,40 +138,82 @@ def _quiet_exit() -> None:
         pass
 
 
-def _serve(runtime: str, path: str, signature: str | None, conn: Any, parent_end: Any,
-           env: dict[str, str] | None = None) -> None:
-    """The child: load the file in ``runtime``, then run what the parent sends until it closes."""
-    # the fork copied the parent's end too: closed, so the parent's death is an EOF here
+def _serve(conn: Any, parent_end: Any = None, env: dict[str, str] | None = None) -> None:
+    """The child: open the sessions the parent asks for (one file's signatures share what
+    the runtime loaded of it) and run what it sends, until it closes the connection."""
+    # a forked child got the parent's end too: closed, so the parent's death is an EOF here
     # (else an orphaned child would wait for itself forever)
-    parent_end.close()
+    if parent_end is not None:
+        parent_end.close()
     os.environ.update(env or {})
     torch = sys.modules.get("torch")
     if torch is not None:
-        # the parent's OpenMP thread pool did not survive the fork: torch code in the child
+        # the parent's OpenMP thread pool did not survive a fork: torch code in the child
         # (the test suite's cross-check runs the reference interpreter beside the runtime)
         # would wait forever for its workers; on one thread it never starts them
         torch.set_num_threads(1)
-    try:
-        session = runtime_module(runtime).Session(path, signature)
-        conn.send_bytes(_pack({"kind": "ok", "inputs": _specs(session.inputs), "outputs": _specs(session.outputs)}))
-    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
-        conn.send_bytes(_error(err))
-        return
+    sessions: dict[int, Any] = {}
+    # what a dropped session loaded stays while the child lives (LiteRT: the file's
+    # CompiledModel, which its signature sessions share through a weak reference): the next
+    # signature of the same file must not load and compile it again
+    loaded: list[Any] = []
     while True:
         try:
             header, arrays = _unpack(conn.recv_bytes())
         except (EOFError, OSError):  # the parent is gone
             return _quiet_exit()
-        if header.get("kind") != "run":
-            return _quiet_exit()
-        inputs: Any = dict(zip(header["names"], arrays)) if header.get("names") is not None else arrays
-        try:
-            import numpy as np
+        kind, sid = header.get("kind"), header.get("session")
+        if kind == "open":
+            try:
+                _set_env(header.get("env") or {})
+                session = runtime_module(header["runtime"]).Session(header["path"], header.get("signature"))
+                sessions[int(sid)] = session
+                loaded.append(getattr(session, "_it", None))
+                conn.send_bytes(_pack({"kind": "ok", "inputs": _specs(session.inputs),
+                                       "outputs": _specs(session.outputs)}))
+            except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
+                conn.send_bytes(_error(err))
+        elif kind == "run":
+            inputs: Any = dict(zip(header["names"], arrays)) if header.get("names") is not None else arrays
+            try:
+                import numpy as np
 
-            outputs = [np.asarray(o) for o in session.run(inputs)]
-            conn.send_bytes(_pack({"kind": "ok", "outputs": _specs(session.outputs)}, outputs))
-        except BaseException as err:  # noqa: BLE001
-            conn.send_bytes(_error(err))
+                session = sessions[int(sid)]
+                outputs = [np.asarray(o) for o in session.run(inputs)]
+                conn.send_bytes(_pack({"kind": "ok", "outputs": _specs(session.outputs)}, outputs))
+                del outputs
+            except BaseException as err:  # noqa: BLE001
+                conn.send_bytes(_error(err))
+        elif kind == "drop":  # no reply: the parent does not wait for it
+            sessions.pop(int(sid), None)
+        elif kind == "memory":  # this process's resident bytes as /proc says (tests, benchmarks)
+            conn.send_bytes(_pack({"kind": "ok", "pid": os.getpid(), "status": _own_status()}))
+        else:
+            return _quiet_exit()
+
+
+def _set_env(values: dict[str, Any]) -> None:
+    """The parent's values of the variables a runtime reads when a session is created
+    (NUM_THREADS), at the time it asked for this session; None unsets one."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = str(value)
+
+
+def _own_status() -> dict[str, int]:
+    """VmRSS / RssAnon / RssFile of this process in bytes ({} without /proc)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _killed_message(runtime: str, path: str, doing: str) -> str:
@@ -188,21 +233,141 @@ def _killed_message(runtime: str, path: str, doing: str) -> str:
             f"--verify, or run on a machine with more memory.")
 
 
-class IsolatedSession:
-    """``runtime``'s Session on ``path``, living in a forked child process (same interface:
-    ``inputs``, ``outputs``, ``run``). A signal that kills the child raises RuntimeCrashError."""
+# A file from this size up is run in a fresh interpreter, not a fork. A forked child's resident
+# set counts every page of the parent it shares (copy-on-write): at verify the convert of the
+# Gemma-3-1B shape held 1.15 GB (torch, the references), and its LiteRT child peaked at 5.41 GB
+# of which those were 1.15 (issue 32). A fresh interpreter pays its imports once (one child
+# serves every signature of a file, :func:`sharing_children`) and holds only what it loads.
+FRESH_FROM_BYTES = 256 * 2**20
 
-    def __init__(self, runtime: str, path: str | os.PathLike, signature: str | None = None):
-        self.runtime, self.path, self.signature = runtime, str(path), signature
-        ctx = multiprocessing.get_context("fork")
-        self._conn, child_conn = ctx.Pipe()
+# Runtimes whose sessions on one file share what the runtime loaded (LiteRT: one
+# CompiledModel, its weights packed once). Only those share a child: onert's sessions each
+# load the weights, and one child at a time must hold them once.
+_SHARES_LOADED = frozenset({"litert"})
+
+# (runtime, path) -> the child serving that file's sessions, while a sharing_children() scope is open
+_SCOPES: list[dict[tuple[str, str], "_Child"]] = []
+
+
+@contextlib.contextmanager
+def sharing_children() -> Iterator[None]:
+    """Inside, the isolated sessions of one file on a runtime that shares a loaded file
+    between sessions (LiteRT) are served by one child: it loads and compiles the file once
+    for every signature (convert --verify runs eleven graphs of one file) instead of once per
+    graph; the children end when the scope closes."""
+    scope: dict[tuple[str, str], _Child] = {}
+    _SCOPES.append(scope)
+    try:
+        yield
+    finally:
+        _SCOPES.remove(scope)
+        for child in scope.values():
+            child.close()
+
+
+def _fresh(path: str, fresh: bool | None) -> bool:
+    """Whether the child for ``path`` starts as a fresh interpreter (``fresh`` None: from
+    :data:`FRESH_FROM_BYTES` of file up, or where no sound child can be forked)."""
+    if fresh is not None:
+        return fresh
+    if not can_isolate():
+        return True
+    try:
+        return os.path.getsize(path) >= FRESH_FROM_BYTES
+    except OSError:
+        return False
+
+
+class _Child:
+    """A child process serving runtime sessions over a pipe: forked (it starts in
+    milliseconds with the parent's modules) or a fresh interpreter (circleops.runtime.fresh_child:
+    none of the parent's memory)."""
+
+    def __init__(self, runtime: str, fresh: bool):
+        self.runtime, self.fresh = runtime, fresh
         env = {}
         if runtime == "litert":
             env[WEIGHT_CACHE_ENV] = _scratch_dir()
-        self._proc = ctx.Process(target=_serve, args=(runtime, self.path, signature, child_conn, self._conn, env),
-                                 daemon=True, name=f"circleops-{runtime}")
-        self._proc.start()
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child_conn = ctx.Pipe()
+        self._next = 0
+        if fresh:
+            from circleops.runtime.fresh_child import start
+
+            self.proc: Any = start(child_conn, env)
+            self.pid = self.proc.pid
+        else:
+            self.proc = ctx.Process(target=_serve, args=(child_conn, self.conn, env), daemon=True,
+                                    name=f"circleops-{runtime}")
+            self.proc.start()
+            self.pid = self.proc.pid
         child_conn.close()  # only the child's copy stays open: its death ends our recv
+
+    def new_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def send(self, message: bytes) -> None:
+        try:
+            self.conn.send_bytes(message)
+        except (BrokenPipeError, OSError):
+            pass  # the child died: the reply's absence says how
+
+    def recv(self) -> bytes:
+        return self.conn.recv_bytes()
+
+    def exitcode(self, timeout: float) -> int | None:
+        """The child's exit status once it ended (negative: the signal that ended it)."""
+        if self.fresh:
+            import subprocess
+
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None if self.fresh else self.proc.is_alive()
+
+    def close(self) -> None:
+        """End the child (idempotent)."""
+        if self.proc is None:
+            return
+        self.send(_pack({"kind": "close"}))
+        self.conn.close()
+        if self.exitcode(5) is None:
+            self.proc.kill()
+            self.exitcode(30)
+        self.proc = None
+
+
+class IsolatedSession:
+    """``runtime``'s Session on ``path``, living in a child process (same interface:
+    ``inputs``, ``outputs``, ``run``). A signal that kills the child raises RuntimeCrashError.
+    ``fresh``: the child is a fresh interpreter (True), a fork (False) or, None, a fresh one
+    for a file of :data:`FRESH_FROM_BYTES` or more; inside :func:`sharing_children` the
+    sessions of one LiteRT file share their child."""
+
+    def __init__(self, runtime: str, path: str | os.PathLike, signature: str | None = None, *,
+                 fresh: bool | None = None):
+        self.runtime, self.path, self.signature = runtime, str(path), signature
+        key = (runtime, os.path.realpath(self.path))
+        scope = _SCOPES[-1] if _SCOPES and runtime in _SHARES_LOADED else None
+        child = scope.get(key) if scope is not None else None
+        if child is not None and child.proc is None:  # it crashed serving an earlier session
+            child = None
+        self._owned = child is None
+        if child is None:
+            child = _Child(runtime, _fresh(self.path, fresh))
+            if scope is not None:
+                scope[key] = child
+                self._owned = False  # the scope ends it
+        self._child, self._id = child, child.new_id()
+        threads = {k: os.environ.get(k) for k in ("NUM_THREADS",)}  # read by the runtime as the session opens
+        child.send(_pack({"kind": "open", "session": self._id, "runtime": runtime, "path": self.path,
+                          "signature": signature, "env": threads}))
         header, _ = self._reply("load")
         self._inputs, self._outputs = _tensor_specs(header["inputs"]), _tensor_specs(header["outputs"])
 
@@ -214,27 +379,39 @@ class IsolatedSession:
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
+    @property
+    def child_pid(self) -> int | None:
+        """The process id of the child serving this session (None once closed)."""
+        return self._child.pid if self._child is not None else None
+
+    def child_memory(self) -> dict[str, int]:
+        """The child's VmRSS / RssAnon / RssFile in bytes, as its /proc/self/status says."""
+        self._request(_pack({"kind": "memory", "session": self._id}))
+        header, _ = self._reply("run")
+        return {k: int(v) for k, v in header["status"].items()}
+
     def run(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
         """Run in the child on ``inputs`` (as the runtime's Session.run takes them)."""
         import numpy as np
 
-        if self._proc is None:
-            raise RuntimeRunError(f"the {self.runtime} session on {self.path} is closed")
         if isinstance(inputs, Mapping):
-            message = _pack({"kind": "run", "names": list(inputs)}, [np.asarray(v) for v in inputs.values()])
+            message = _pack({"kind": "run", "session": self._id, "names": list(inputs)},
+                            [np.asarray(v) for v in inputs.values()])
         else:
-            message = _pack({"kind": "run", "names": None}, [np.asarray(v) for v in inputs])
-        try:
-            self._conn.send_bytes(message)
-        except (BrokenPipeError, OSError):
-            pass  # the child died: _reply says how
+            message = _pack({"kind": "run", "session": self._id, "names": None}, [np.asarray(v) for v in inputs])
+        self._request(message)
         header, outputs = self._reply("run")
         self._outputs = _tensor_specs(header["outputs"])
         return outputs
 
+    def _request(self, message: bytes) -> None:
+        if self._child is None or self._child.proc is None:
+            raise RuntimeRunError(f"the {self.runtime} session on {self.path} is closed")
+        self._child.send(message)
+
     def _reply(self, stage: str) -> Any:
         try:
-            data = self._conn.recv_bytes()
+            data = self._child.recv()
         except (EOFError, OSError):
             raise self._crash(stage) from None
         try:
@@ -246,10 +423,10 @@ class IsolatedSession:
         return header, arrays
 
     def _crash(self, stage: str) -> RuntimeCrashError:
-        proc = self._proc
-        proc.join(10)
-        code = proc.exitcode
-        self.close()
+        child = self._child
+        code = child.exitcode(10)
+        child.close()
+        self._child = None
         if code is not None and code < 0:
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
@@ -268,19 +445,15 @@ class IsolatedSession:
             f"{'onert' if self.runtime == 'onert' else 'tflite'}.")
 
     def close(self) -> None:
-        """End the child (idempotent)."""
-        proc, self._proc = getattr(self, "_proc", None), None
-        if proc is None:
+        """End this session: its child too unless a :func:`sharing_children` scope serves
+        other sessions from it (idempotent)."""
+        child, self._child = getattr(self, "_child", None), None
+        if child is None:
             return
-        try:
-            self._conn.send_bytes(_pack({"kind": "close"}))
-        except (BrokenPipeError, OSError):
-            pass
-        self._conn.close()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        if self._owned:
+            child.close()
+        elif child.proc is not None:
+            child.send(_pack({"kind": "drop", "session": self._id}))
 
     def __del__(self) -> None:
         try:
@@ -289,4 +462,4 @@ class IsolatedSession:
             pass
 
 
-__all__ = ["IsolatedSession", "can_isolate"]
+__all__ = ["FRESH_FROM_BYTES", "IsolatedSession", "can_isolate", "sharing_children"]
