@@ -7,7 +7,8 @@ parameters come from the weight alone (per channel). At the Llama-3.2-1B shape t
 int16 embedding (0.53 GB) and the int8 lm_head (0.26 GB) again in every graph (issue 32).
 :class:`SharedIntegers` replaces a graph's tensor by an earlier graph's equal one (same
 dtype, shape, layout and values), in the converted module and its ExportedProgram alike, so
-the later graph's copy is freed as soon as it is made.
+the later graph's copy is freed as soon as it is made (the written file is the same: its
+writer stores equal buffers once anyway).
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from typing import Any
 
 import torch
 
-# integer tensors smaller than this stay as they are (biases, scales: not worth comparing)
-MIN_BYTES = 1 << 20
+# the name convert_pt2e gives the buffers of the integers it folds (never written in place,
+# unlike a model's own buffers: only these are shared)
+FOLDED = "_frozen_param"
 
 
 class SharedIntegers:
-    """The large integer constants of the graphs converted so far, by (dtype, shape, stride)."""
+    """The folded integer weights of the graphs converted so far, by (dtype, shape, stride)."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple, list[torch.Tensor]] = {}
@@ -28,8 +30,7 @@ class SharedIntegers:
 
     def _same(self, t: Any) -> torch.Tensor | None:
         """An earlier graph's tensor equal to ``t`` (``t`` is remembered when there is none)."""
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() \
-                or t.numel() * t.element_size() < MIN_BYTES or t.device.type != "cpu":
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.device.type != "cpu":
             return None
         key = (t.dtype, tuple(t.shape), t.stride())
         found = self.seen.setdefault(key, [])
@@ -42,8 +43,8 @@ class SharedIntegers:
         return None
 
     def share(self, module: torch.nn.Module | None, ep: Any) -> int:
-        """Replace ``module``'s and ``ep``'s large integer tensors that equal an earlier
-        graph's by that tensor; the bytes this graph no longer holds."""
+        """Replace ``module``'s and ``ep``'s folded integer weights (buffers named FOLDED*)
+        that equal an earlier graph's by that tensor; the bytes this graph no longer holds."""
         by_ptr: dict[int, torch.Tensor] = {}
 
         def swap(t: Any) -> Any:
@@ -62,21 +63,15 @@ class SharedIntegers:
         if ep is not None:
             for table in (ep.constants, ep._state_dict):  # noqa: SLF001 - state_dict returns this very dict
                 for k, v in list(table.items()):
-                    new = swap(v)
+                    new = swap(v) if k.rpartition(".")[2].startswith(FOLDED) else v
                     if new is not v:
                         table[k] = new
         if module is not None:
             for sub in module.modules():
-                for store in (sub._parameters, sub._buffers):  # noqa: SLF001 - replaced in place, as setattr would
-                    for k, v in list(store.items()):
-                        new = swap(v)
-                        if new is not v:
-                            store[k] = new
-                for k, v in list(vars(sub).items()):  # convert_pt2e's folded constants: plain attributes
-                    if isinstance(v, torch.Tensor):
-                        new = swap(v)
-                        if new is not v:
-                            object.__setattr__(sub, k, new)
+                for k, v in list(sub._buffers.items()):  # noqa: SLF001 - replaced in place, as register_buffer would
+                    new = swap(v) if k.startswith(FOLDED) else v
+                    if new is not v:
+                        sub._buffers[k] = new  # noqa: SLF001
         for ptr, new in by_ptr.items():
             if new.untyped_storage().data_ptr() != ptr:
                 freed += new.untyped_storage().nbytes()
