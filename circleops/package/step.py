@@ -305,7 +305,10 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
     opts, integer = pkg.opts, pkg.integer
     model = recipe.weights_module()
     head_module = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    from circleops.quantize.integer.shared import SharedIntegers
+
     qeps, converted = {}, {}
+    shared = SharedIntegers()  # one storage for the integer tables the graphs hold alike
     with pkg.tracker.stage("calibrate"), torch.no_grad():
         cal = recipe.integer_calibration(integer.calibrate)
         for name, ep in eps.items():
@@ -318,6 +321,7 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
                 getattr(pkg.tracker.progress, "bar", None) is not None, integer, head, samples=cal.samples[name],
                 fixed=fixed)
             converted[name], qeps[name] = stages.quantize_program(ep, g.module, opts, calibration)
+            shared.share(converted[name], qeps[name])
     return qeps, converted
 
 

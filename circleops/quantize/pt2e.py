@@ -91,13 +91,16 @@ def quantize(module: torch.nn.Module, example_args: Sequence[Any], quantizer: An
     pt2e, _ = torchao_pt2e()
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+    from circleops.quantize.blocked_fold import blocked_folding
+
     example_args = tuple(example_args)
     ep = exported if exported is not None else torch.export.export(module, example_args, strict=False)
     prepared = prepare_pt2e(ep.module(), quantizer)
     with torch.no_grad():
         for args in _progress(samples, progress):
             prepared(*args)
-    converted = convert_pt2e(prepared)
+    with blocked_folding():  # each large weight's integers made a block of rows at a time
+        converted = convert_pt2e(prepared)
     if _has_mode_ops(converted):  # torchao's rewrite traces its patterns each call: 2-4 s of CPU per graph
         pt2e.move_exported_model_to_eval(converted)
     export_fn = export_fn or (lambda m, a: torch.export.export(m, a, strict=False))

@@ -80,6 +80,21 @@ def test_written_integer_with_integer_caches(integer_graphs):
     assert q is not None and q.positions == QUALITY_DECODE_STEPS + 1 and "quality against fp32" in report.summary()
 
 
+def test_graphs_hold_one_copy_of_their_folded_integers(integer_graphs):
+    """The prefill and decode graphs' folded integer weights (PT2E's per-graph copies of the
+    same integers: the embedding and lm_head tables at 1B, issue 32) are one storage each."""
+    from circleops.quantize.integer.shared import FOLDED
+
+    _, _, report = integer_graphs
+    graphs = [{k: v for k, v in m.named_buffers() if k.startswith(FOLDED)} for m in report.converted.values()]
+    assert len(graphs) == 2 and graphs[0] and graphs[0].keys() == graphs[1].keys()
+    for k, v in graphs[0].items():
+        if v.dtype == torch.int32:  # biases: scale s_input · s_weight, each graph's own activations
+            continue
+        w = graphs[1][k]
+        assert torch.equal(v, w) and v.untyped_storage().data_ptr() == w.untyped_storage().data_ptr(), k
+
+
 def test_generate_matches_torch_quantized(integer_graphs):
     """The reference interpreter's greedy tokens are torch's on the converted modules: at every
     step torch, run on the same history (the file's tokens), scores the file's token within

@@ -6,7 +6,7 @@ from __future__ import annotations
 from circleops import ir
 from circleops.quantize.grouped import blockwise_params
 from circleops.quantize.grouped import lookup as grouped_lookup
-from circleops.quantize.integer.graph import FLOAT, WEIGHTED, Graph, params_from_data, quantize_array
+from circleops.quantize.integer.graph import FLOAT, NP, WEIGHTED, Graph, params_from_data, quantize_array
 from circleops.quantize.integer.qdq import QuantPlan
 
 
@@ -21,6 +21,7 @@ def quantize_consts(g: Graph, op: ir.Operator, ins: list[tuple[int, int]], plan:
         t = g.tensor(i)
         if t.data is None or t.dtype != FLOAT:
             continue
+        hit = None
         if op.opcode in WEIGHTED and pos == 2:
             qp = bias_params(g, op, t)
             dtype = int16_bias if g.tensor(op.inputs[0]).dtype == "INT16" else "INT32"
@@ -40,7 +41,10 @@ def quantize_consts(g: Graph, op: ir.Operator, ins: list[tuple[int, int]], plan:
             else:
                 dtype = act.dtype
                 qp = params_from_data(t.data, dtype)
-        idx = sg.add_tensor(ir.Tensor(t.name, t.shape, dtype, quantize_array(t.data, dtype, qp), qp))
+        values = plan.integers(t.data) if hit is not None else None
+        if values is None or str(values.dtype) != str(NP[dtype]().dtype):
+            values = quantize_array(t.data, dtype, qp)
+        idx = sg.add_tensor(ir.Tensor(t.name, t.shape, dtype, values, qp))
         op.inputs[pos] = idx
 
 

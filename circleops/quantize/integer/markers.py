@@ -46,5 +46,5 @@ def _(ctx, node, q, spec):
         raise ctx.unsupported("dequantizes a tensor computed at run time",
                               "Only constants (weights, biases) are stored quantized before an op.")
     t = spec.dequantize(q.const).contiguous()
-    spec.plan.remember(t, spec)
+    spec.plan.remember(t, spec, q.const)
     return const_value(t, q.name)

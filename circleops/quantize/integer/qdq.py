@@ -30,6 +30,8 @@ from circleops.errors import UnsupportedOpError
 
 _DTYPES = {torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16", torch.int32: "INT32"}
 _CONST_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_NARROW = (torch.int8, torch.uint8, torch.int16)  # integers float32 holds exactly, with their differences
+DEQUANTIZE_BLOCK = 1 << 22  # elements dequantized at a time (QSpec.dequantize)
 
 
 def _qd():
@@ -78,9 +80,24 @@ class QSpec:
         return ((q - z) * s).to(x.dtype)
 
     def dequantize(self, q: torch.Tensor) -> torch.Tensor:
+        """scale · (q - zero_point) in float32. Integers of at most 16 bits a block of rows at
+        a time in float32: q and zero_point are exact there, so is their difference (below
+        2^24), and the product is the same float32 as through int64; the int64 temporaries of a
+        whole 128256 x 2048 table (two of 2.1 GB each, for a 1.05 GB result) were most of the
+        16a4w lowering's peak at the Llama-3.2-1B shape (issue 32)."""
         s = self._shaped(self.scale.astype(np.float32), q.dim())
-        z = self._shaped(self.zero_point.astype(np.int64), q.dim())
-        return ((q.to(torch.int64) - z).to(torch.float32) * s)
+        if q.dtype not in _NARROW or q.dim() == 0 or self.zero_point.size and \
+                np.abs(self.zero_point).max() >= 1 << 16:
+            z = self._shaped(self.zero_point.astype(np.int64), q.dim())
+            return ((q.to(torch.int64) - z).to(torch.float32) * s)
+        z = self._shaped(self.zero_point.astype(np.float32), q.dim())
+        out = torch.empty(q.shape, dtype=torch.float32)
+        rows = max(1, DEQUANTIZE_BLOCK // max(1, q[0].numel()))
+        by_row = self.per_channel and self.axis == 0
+        for i in range(0, q.shape[0], rows):
+            r = slice(i, i + rows)
+            torch.mul(q[r].to(torch.float32) - (z[r] if by_row else z), s[r] if by_row else s, out=out[r])
+        return out
 
 
 def quantized(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
@@ -100,9 +117,35 @@ class QuantPlan:
 
     consts: dict[int, tuple[torch.Tensor, QSpec]] = field(default_factory=dict)
     integer_io: bool = False
+    # float constant's storage -> the integer tensor it was dequantized from (QSpec.dequantize)
+    sources: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def remember(self, t: torch.Tensor, spec: QSpec) -> None:
+    def remember(self, t: torch.Tensor, spec: QSpec, source: torch.Tensor | None = None) -> None:
+        """``t`` is a float constant stored as ``spec``; ``source``: the integers it was
+        dequantized from (the integer pass writes them as they are, no new copy)."""
         self.consts[t.untyped_storage().data_ptr()] = (t, spec)
+        if source is not None:
+            self.sources[t.untyped_storage().data_ptr()] = source
+
+    def integers(self, data: Any) -> np.ndarray | None:
+        """The integers a float constant was dequantized from, read-only and sharing their
+        storage with the converted program's tensor, when ``data`` is that constant itself
+        (same shape and layout, not a transposed or reshaped view of it); else None. Each
+        graph's own quantize_array of its embedding and lm_head was a second copy of PT2E's
+        integer tables per graph (0.79 GB at the Llama-3.2-1B shape, issue 32)."""
+        if not isinstance(data, torch.Tensor):
+            return None
+        ptr = data.untyped_storage().data_ptr()
+        source, hit = self.sources.get(ptr), self.consts.get(ptr)
+        if source is None or hit is None:
+            return None
+        base = hit[0]
+        if data.shape != base.shape or data.stride() != base.stride() or data.storage_offset() != 0 \
+                or not source.is_contiguous() or source.shape != base.shape:
+            return None
+        values = source.detach().numpy()
+        values.flags.writeable = False  # the converted module's own integers: no pass may write them
+        return values
 
     def lookup(self, data: Any) -> tuple[QSpec, int] | None:
         """(spec, quantized dimension in ``data``) for a constant the lowering derived from a
