@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any
 
+from convert_memory import _status  # RssAnon / RssFile / RssShmem / VmRSS of a pid (bench/ is sys.path[0])
+
 
 def _children(pid: int) -> list[int]:
     out: list[int] = []
@@ -43,19 +45,6 @@ def _tree(pid: int) -> list[int]:
         seen.append(p)
         todo += _children(p)
     return seen
-
-
-def _status(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def _smaps(pid: int) -> dict[str, dict[str, int]] | None:
