@@ -1,6 +1,8 @@
 """Matrix products: linear -> FULLY_CONNECTED, matmul/bmm -> BATCH_MATMUL."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from circleops.lowering.context import const_value
@@ -68,14 +70,18 @@ _ADJOINT_RHS = {"circle": "adjointRhs", "tflite": "adjY"}
 _ELEMENTWISE_MAX = 1 << 14
 
 
+# the targets of the FX nodes that mark their input as stored quantized (PT2E's integer graphs):
+# circleops.quantize.integer.qdq adds its marker when imported, so the lowering below it in
+# the layers needs no import of it (an integer graph's nodes hold the marker, so it is imported)
+QUANTIZE_MARKERS: set[Any] = set()
+
+
 def _integer_node(ctx) -> bool:
     """Whether the node being lowered feeds a PT2E quantize marker (an integer graph, whose
     passes quantize only the ops the calibrated graph observed)."""
     if ctx.node is None:
         return False
-    from circleops.quantize.integer import qdq
-
-    return any(user.target is qdq.quantized for user in ctx.node.users)
+    return any(user.target in QUANTIZE_MARKERS for user in ctx.node.users)
 
 
 def _elementwise_product(ctx, a, b, shape):

@@ -256,6 +256,42 @@ def _decoded(codec: Any, blocks: Any, dtype: str, shape2d: tuple[int, ...], like
     return codec.decode(blocks, dtype, shape2d).reshape(like.shape).to(like.dtype)
 
 
+def _weight_modules(model: torch.nn.Module) -> tuple[dict[int, torch.nn.Module], dict[tuple, list[torch.nn.Module]]]:
+    """Each module's parent (by id), and the ``nn.Linear`` / ``nn.Embedding`` modules of
+    ``model`` by their contiguous weight's (data pointer, size)."""
+    parents: dict[int, torch.nn.Module] = {}
+    by_weight: dict[tuple, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+        w = getattr(module, "weight", None)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and isinstance(w, torch.Tensor) \
+                and w.is_contiguous():
+            by_weight.setdefault((w.data_ptr(), w.numel()), []).append(module)
+    return parents, by_weight
+
+
+def _served_modules(entry: tuple, entries: list, modules: list[torch.nn.Module], hybrid: bool) -> list[torch.nn.Module]:
+    """The modules among ``modules`` (those holding the entry's source weight) that compute
+    on the entry's stored blocks."""
+    src, role = entry[0], entry[4]
+    # a linear entry serves the Linears (and, with shared blocks, the tied Embedding); a
+    # table entry the Embeddings; a hybrid format's tied table stays float in the file
+    chosen = [m for m in modules if (isinstance(m, torch.nn.Linear) if role == "linear" else
+                                     isinstance(m, torch.nn.Embedding))]
+    if role == "linear" and not hybrid and not any(e[4] == "table" and e[0].data_ptr() == src.data_ptr()
+                                                   for e in entries):
+        chosen += [m for m in modules if isinstance(m, torch.nn.Embedding)]
+    # and a table whose blocks a tied head reads too (tflite int4: one INT8 table for the
+    # lookup and the head): the head's Linear computes on them, its input rounded. Left
+    # out, it ran on the checkpoint's fp32 values (not the file's), reading the whole
+    # table's file pages back (the Gemma-3-1B shape: 1.2 GB beside the decoded lookup table)
+    if role == "table" and not hybrid and not any(e[4] == "linear" and e[0].data_ptr() == src.data_ptr()
+                                                  for e in entries):
+        chosen += [m for m in modules if isinstance(m, torch.nn.Linear)]
+    return chosen
+
+
 @contextlib.contextmanager
 def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybrid: bool,
                   rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[list]:
@@ -269,34 +305,13 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
     if model is None:
         yield entries
         return
-    parents: dict[int, torch.nn.Module] = {}
-    by_weight: dict[tuple, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        for child in module.children():
-            parents.setdefault(id(child), module)
-        w = getattr(module, "weight", None)
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and isinstance(w, torch.Tensor) \
-                and w.is_contiguous():
-            by_weight.setdefault((w.data_ptr(), w.numel()), []).append(module)
+    parents, by_weight = _weight_modules(model)
     groups: dict[int, tuple[torch.nn.Module, list]] = {}
     rest = []
     for entry in entries:
-        src, _, _, _, role = entry
+        src = entry[0]
         modules = by_weight.get((src.data_ptr(), src.numel()), []) if src.is_contiguous() else []
-        # a linear entry serves the Linears (and, with shared blocks, the tied Embedding); a
-        # table entry the Embeddings; a hybrid format's tied table stays float in the file
-        chosen = [m for m in modules if (isinstance(m, torch.nn.Linear) if role == "linear" else
-                                         isinstance(m, torch.nn.Embedding))]
-        if role == "linear" and not hybrid and not any(e[4] == "table" and e[0].data_ptr() == src.data_ptr()
-                                                       for e in entries):
-            chosen += [m for m in modules if isinstance(m, torch.nn.Embedding)]
-        # and a table whose blocks a tied head reads too (tflite int4: one INT8 table for the
-        # lookup and the head): the head's Linear computes on them, its input rounded. Left
-        # out, it ran on the checkpoint's fp32 values (not the file's), reading the whole
-        # table's file pages back (the Gemma-3-1B shape: 1.2 GB beside the decoded lookup table)
-        if role == "table" and not hybrid and not any(e[4] == "linear" and e[0].data_ptr() == src.data_ptr()
-                                                      for e in entries):
-            chosen += [m for m in modules if isinstance(m, torch.nn.Linear)]
+        chosen = _served_modules(entry, entries, modules, hybrid)
         if not chosen:
             rest.append(entry)
             continue

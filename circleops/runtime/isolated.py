@@ -138,9 +138,10 @@ def _quiet_exit() -> None:
         pass
 
 
-def _serve(conn: Any, parent_end: Any = None, env: dict[str, str] | None = None) -> None:
-    """The child: open the sessions the parent asks for (one file's signatures share what
-    the runtime loaded of it) and run what it sends, until it closes the connection."""
+def serve(conn: Any, parent_end: Any = None, env: dict[str, str] | None = None) -> None:
+    """The child's loop (a forked child's target, a fresh one's main: circleops.runtime.fresh_child):
+    open the sessions the parent asks for (one file's signatures share what the runtime loaded
+    of it) and run what it sends, until it closes the connection."""
     # a forked child got the parent's end too: closed, so the parent's death is an EOF here
     # (else an orphaned child would wait for itself forever)
     if parent_end is not None:
@@ -278,6 +279,20 @@ def _fresh(path: str, fresh: bool | None) -> bool:
         return False
 
 
+def _start_fresh(conn: Any, env: dict[str, str]) -> Any:
+    """A fresh interpreter serving ``conn`` (``python -m circleops.runtime.fresh_child FD``; a
+    multiprocessing Connection end passed by its descriptor, the caller closes its own copy),
+    with ``env`` over this process's environment and this process's import path (so it runs
+    the same circleops): a subprocess.Popen."""
+    import subprocess
+
+    path = [p for p in sys.path if p]
+    child_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(path)}
+    fd = conn.fileno()
+    return subprocess.Popen([sys.executable, "-m", "circleops.runtime.fresh_child", str(fd)], env=child_env,
+                            pass_fds=(fd,), stdin=subprocess.DEVNULL)
+
+
 class _Child:
     """A child process serving runtime sessions over a pipe: forked (it starts in
     milliseconds with the parent's modules) or a fresh interpreter (circleops.runtime.fresh_child:
@@ -292,12 +307,10 @@ class _Child:
         self.conn, child_conn = ctx.Pipe()
         self._next = 0
         if fresh:
-            from circleops.runtime.fresh_child import start
-
-            self.proc: Any = start(child_conn, env)
+            self.proc: Any = _start_fresh(child_conn, env)
             self.pid = self.proc.pid
         else:
-            self.proc = ctx.Process(target=_serve, args=(child_conn, self.conn, env), daemon=True,
+            self.proc = ctx.Process(target=serve, args=(child_conn, self.conn, env), daemon=True,
                                     name=f"circleops-{runtime}")
             self.proc.start()
             self.pid = self.proc.pid

@@ -27,6 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from circleops import ir
 from circleops.errors import UnsupportedOpError
+from circleops.lowering.linalg import QUANTIZE_MARKERS
 
 _DTYPES = {torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16", torch.int32: "INT32"}
 _CONST_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -103,6 +104,9 @@ class QSpec:
 def quantized(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
     """Marker: ``x`` is stored quantized with ``spec`` (evaluates the fake quantization)."""
     return spec.fake_quant(x)
+
+
+QUANTIZE_MARKERS.add(quantized)  # the lowering writes a decode step's own products as BATCH_MATMUL here
 
 
 def dequantized(q: torch.Tensor, spec: QSpec) -> torch.Tensor:
