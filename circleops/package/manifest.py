@@ -437,10 +437,6 @@ def _check_values(m: Manifest, path: Path) -> None:
         raise ModelLoadError(f"{path}: the sizes (prefill_len, max_cache_len, num_layers, vocab_size, cache_shape "
                              f"[1, C, H, D]) must be positive integers. Convert again with --graphs.")
     again = "Convert again with --graphs."
-    p = m.max_positions
-    if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < m.max_cache_len):
-        raise ModelLoadError(f"{path}: max_positions must be an integer of at least max_cache_len "
-                             f"({m.max_cache_len}), got {p!r}. {again}")
     check_token_ids([m.pad_token_id], m.vocab_size, f"{path}: pad_token_id", fix=again)
     check_token_ids(m.eos_token_ids, m.vocab_size, f"{path}: eos_token_ids", fix=again)
     if isinstance(m.vision, dict) and "image_token_id" in m.vision:
@@ -454,6 +450,10 @@ def _check_values(m: Manifest, path: Path) -> None:
         raise ModelLoadError(f"{path}: max_cache_len is {m.max_cache_len} but the caches (cache_shape "
                              f"{m.cache_shape}) hold {m.cache_shape[1]} slots; generating past them would write "
                              f"outside the cache. Convert again with --graphs.")
+    p = m.max_positions
+    if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < m.max_cache_len):
+        raise ModelLoadError(f"{path}: max_positions must be an integer of at least max_cache_len "
+                             f"({m.max_cache_len}), got {p!r}. Convert again with --graphs.")
     for graph, name in m.files.items():
         confined(d, name, f"the file of graph {graph!r}", path)
     for graph, names in (m.part_files or {}).items():
