@@ -85,6 +85,11 @@ ENGINES = {
     # the int4 file without cache windows (every decode step and prefill chunk over all C slots)
     "circleops-tflite-int4-nowindow": ("litert", "circleops --target tflite --quantize int4 --cache-windows none",
                                        "int4", "circleops-litert"),
+    # issue 34: int4 with the MLP down projections as before the measured choice (all 30 int8),
+    # and with all 30 at 4 bits (circleops.quantize.int4_choice.SHARE 0 / above 1 at convert)
+    "circleops-tflite-int4-down8": ("litert", "circleops int4, all 30 MLP downs int8 (before the measured choice)",
+                                    "int4", "circleops-litert"),
+    "circleops-tflite-int4-down4": ("litert", "circleops int4, all 30 MLP downs int4", "int4", "circleops-litert"),
     # the same files with every decode step copying its cache windows into LiteRT's input buffers
     # (Generator.caches_in_place False: circleops before the in-place caches, issue 34)
     "circleops-tflite-w8-copied": ("litert", "circleops --target tflite --quantize w8 on LiteRT, caches copied per step",
@@ -110,11 +115,15 @@ ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32":
           "litert-torch-int4-pc": "executorch-8da4w"}
 # a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
 SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
+                                                     "circleops-tflite-int4-down8", "circleops-tflite-int4-down4",
                                                      "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow")}
 # a third ratio column: the in-place caches against the same file's copying path (issue 34)
 BEFORE = {"circleops-tflite-w8": "circleops-tflite-w8-copied", "circleops-tflite-int4": "circleops-tflite-int4-copied"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
-CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
+# the int4 choice's share (circleops.quantize.int4_choice.SHARE) an engine's file is converted at
+CONVERT_SHARE = {"circleops-tflite-int4-down8": 0.0, "circleops-tflite-int4-down4": 1.01}
+CONVERT_EXTRA = {"circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [],
+                 "circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
                  "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
 # ai-edge-quantizer's recipe applied to litert-torch's fp32 model.tflite, per engine
 _LITERT_INT4_RECIPES = {"litert-torch-int4": "dynamic_wi4b32_afp32", "litert-torch-int4-pc": "dynamic_wi4_afp32"}
@@ -441,6 +450,10 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
             if fresh or not (d / "manifest.json").exists():
                 cmd = [_circleops_cli(), "convert", "smollm2", "--graphs", "prefill,decode", "--target", target,
                        "-o", str(d)] + (["--quantize", weights] if weights != "fp32" else []) + CONVERT_EXTRA.get(engine, [])
+                if engine in CONVERT_SHARE:  # the CLI with the choice's share set first
+                    cmd = [sys.executable, "-c", "import sys; from circleops.quantize import int4_choice; "
+                           f"int4_choice.SHARE = {CONVERT_SHARE[engine]}; from circleops.cli import main; "
+                           "raise SystemExit(main(sys.argv[1:]))", *cmd[1:]]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
             artifacts[engine] = str(d)
