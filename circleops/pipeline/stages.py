@@ -176,7 +176,6 @@ class WeightInputs:
     cache: dict = field(default_factory=dict)  # blocks by source memory, shared by several graphs
     fused_cache: dict = field(default_factory=dict)  # fused linears' weights, shared by several graphs
     report: Any = None  # the QuantReport, accumulated over the graphs
-    choice: Any = None  # int4: the linears kept int8 by their cost on the selection text (quantize.int4_choice)
 
 
 def prepare_weights(model: Any, opts: Options, restore: contextlib.ExitStack, *, example_args: tuple | None = None,
@@ -207,12 +206,6 @@ def prepare_weights(model: Any, opts: Options, restore: contextlib.ExitStack, *,
 
         with tracker.stage("calibrate", enter=False), hf_export_settings(model), dense_experts(model):
             weights.importance = input_importance(model, args, tokenizer)
-    if fmt.form == "blockwise":  # int4: which MLP downs stay int8, measured on the selection text
-        from circleops.quantize.int4_choice import CANDIDATES, choose
-
-        if fmt.name in CANDIDATES:
-            with tracker.stage("choose", enter=False), hf_export_settings(model), dense_experts(model):
-                weights.choice = choose(model, tokenizer, weights.importance, fmt.block_size or 0, fmt.name)
     weights.pretrained = pretrained_blocks(model)
     if fmt.gptq:  # the file's blocks, error-compensated over the calibration text
         from circleops.quantize.int4_gptq import gptq_blocks
@@ -370,7 +363,7 @@ def quantize(models: Mapping[str, Any], programs: Mapping[str, Any], opts: Optio
                 weights.report = quantize_weights(
                     model, fmt.name, parameters=parameter_names(programs[name]), pretrained=weights.pretrained,
                     cache=weights.cache, report=weights.report, importance=weights.importance,
-                    file_format=opts.profile.format, choice=weights.choice)
+                    file_format=opts.profile.format)
             weights.report.smoothing = weights.smoothing
     for model in models.values():  # onert: GGML q/k/v, gate/up as one FULLY_CONNECTED each
         fuse_for_target(model, opts.profile, cache=weights.fused_cache)

@@ -26,23 +26,23 @@ INT4_FC_VERSION = 13  # FULLY_CONNECTED with an INT4 filter (LiteRT 2.3.0 regist
 INT8_FC_VERSION = 5  # the dynamic-range (hybrid) FULLY_CONNECTED with per-channel scales
 
 
-# linears kept int8 per channel whatever they measure, per format: parameter names containing one
-# of these. None now: int4's MLP down projections (until issue 34's choice all int8: +8.32 % with
-# every linear int4 against +6.77 %, bench/results/28-int4-quality.yaml) are chosen one by one
-# by their measured cost on the selection text (circleops.quantize.int4_choice)
-EIGHT_BIT_LINEARS: dict[str, tuple[str, ...]] = {}
+# linears kept int8 per channel by choice, per format: parameter names containing one of these.
+# The MLP's down projection (its input is the gate * up product, the widest-ranging activation
+# of a Llama block): SmolLM2-135M's perplexity on the shipped text +8.32 % with every linear
+# int4, +6.77 % with the 30 down projections int8 (torch emulation of the file's arithmetic,
+# 8 windows of 256; bench/results/28-int4-quality.yaml), for 12 MB more file (0.19x fp32's)
+EIGHT_BIT_LINEARS: dict[str, tuple[str, ...]] = {"int4": ("mlp.down_proj.",)}
 
 
-def eight_bit_by_choice(name: str, fmt: WeightFormat, measured: bool = False) -> bool:
-    """Whether the linear weight ``name`` stays int8 by choice: ``measured`` (the convert's
-    measured choice keeps it, circleops.quantize.int4_choice) or :data:`EIGHT_BIT_LINEARS`."""
-    return measured or any(part in name for part in EIGHT_BIT_LINEARS.get(fmt.name, ()))
+def eight_bit_by_choice(name: str, fmt: WeightFormat) -> bool:
+    """Whether the linear weight ``name`` is one the format keeps int8 (:data:`EIGHT_BIT_LINEARS`)."""
+    return any(part in name for part in EIGHT_BIT_LINEARS.get(fmt.name, ()))
 
 
-def linear_dtype(k: int, fmt: WeightFormat, name: str = "", measured: bool = False) -> str:
-    """INT4 when a linear with inputs of length ``k`` takes the format's block and the weight
-    ``name`` does not stay int8 by choice (:func:`eight_bit_by_choice`), else INT8."""
-    if eight_bit_by_choice(name, fmt, measured):
+def linear_dtype(k: int, fmt: WeightFormat, name: str = "") -> str:
+    """INT4 when a linear with inputs of length ``k`` takes the format's block and the format
+    does not keep the weight ``name`` int8 (:data:`EIGHT_BIT_LINEARS`), else INT8."""
+    if eight_bit_by_choice(name, fmt):
         return int4.FALLBACK
     return int4.DTYPE if int4.block_for(k, fmt.block_size or 0) is not None else int4.FALLBACK
 
@@ -95,7 +95,7 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
             kept[w.name] = ((n, k), "one output channel")
             new_ops.append(op)
             continue
-        if dtype == int4.FALLBACK and not q.is_head(w) and not eight_bit_by_choice(q.name(w), q.format, q.kept_int8(w)):
+        if dtype == int4.FALLBACK and not q.is_head(w) and not eight_bit_by_choice(q.name(w), q.format):
             q.report.fallbacks[q.name(w)] = ((n, k), fallback_reason(k, q.format))
         version = INT4_FC_VERSION if dtype == int4.DTYPE else INT8_FC_VERSION
         new_ops.append(ir.Operator(op.opcode, [op.inputs[0], tensor(wi, (n, k), dtype, "linear"), *op.inputs[2:]],
@@ -156,8 +156,7 @@ def summary_lines(report: Any) -> list[str]:
     kinds = Counter(w.dtype for w in report.weights)
     block = fmt.block_size
     what = "one scale per output channel" if block == int4.PER_CHANNEL else f"blocks of {block} (FLOAT16 scales)"
-    measured = report.choice.written if report.choice is not None else set()
-    chosen = [w for w in report.weights if w.dtype == int4.FALLBACK and eight_bit_by_choice(w.name, fmt, w.name in measured)]
+    chosen = [w for w in report.weights if w.dtype == int4.FALLBACK and eight_bit_by_choice(w.name, fmt)]
     head = [w for w in report.weights if w.dtype == int4.FALLBACK and w.name not in report.fallbacks
             and w not in chosen]
     lines = [f"{kinds.get(int4.DTYPE, 0)} weights as INT4, {what}, {kinds.get(int4.FALLBACK, 0)} as INT8 per "
@@ -171,14 +170,10 @@ def summary_lines(report: Any) -> list[str]:
     if head:
         lines.append("the output head (lm_head) and embedding as INT8 per row, one shared table (EMBEDDING_LOOKUP): "
                      + ", ".join(f"{w.name} {list(w.shape)}" for w in head))
-    line = report.choice.summary_line() if report.choice is not None else ""
-    if line:  # which candidates stay int8 and why (their measured cost, or why none was measured)
-        lines.append(line)
-    fixed = [w for w in chosen if w.name not in measured]
-    if fixed:
-        lines.append(f"{len(fixed)} weights kept INT8 per channel by the format ("
-                     f"{', '.join(EIGHT_BIT_LINEARS.get(fmt.name, ()))}): " + ", ".join(w.name for w in fixed[:2])
-                     + (", ..." if len(fixed) > 2 else ""))
+    if chosen:
+        lines.append(f"{len(chosen)} weights kept INT8 per channel by measurement ("
+                     f"{', '.join(EIGHT_BIT_LINEARS.get(fmt.name, ()))}: the MLP down projections, whose input ranges "
+                     "widest): " + ", ".join(w.name for w in chosen[:2]) + (", ..." if len(chosen) > 2 else ""))
     for name, (shape, why) in report.fallbacks.items():
         lines.append(f"fell back: {name} {list(shape)} ({why})")
     return lines

@@ -2,8 +2,8 @@
 
 Three shipped texts, three jobs: ``calibration.txt`` is what rounding fits (importances, GPTQ),
 ``perplexity.txt`` is what `circleops check` scores, and ``selection.txt`` (Python Language
-Reference prose, PSF license; its header says where from) is what a recipe's choices read, e.g.
-which int4 linears stay int8 (circleops.quantize.int4_choice). A choice made on the scored text
+Reference prose, PSF license; its header says where from) is what a recipe's measured choices
+read, e.g. which int4 linears stay int8 (bench/int4_down.py). A choice made on the scored text
 would tune the reported perplexity to its test.
 """
 from __future__ import annotations

@@ -78,8 +78,6 @@ class QuantReport:
     form: str | None = None  # how the linears were written (formats.FORMS; None: the format's own form)
     # name -> (shape, why): linears stored at a higher type than the format's (int4: int8 per channel)
     fallbacks: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-    # int4: which candidate linears stay int8, measured on the selection text (circleops.quantize.int4_choice.Choice)
-    choice: Any = None
 
     def __post_init__(self) -> None:
         # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
@@ -99,8 +97,7 @@ class QuantReport:
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
                 "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision],
                 "smoothing": self.smoothing, "form": self.form or formats.get(self.format).form,
-                "fallbacks": [{"name": n, "shape": list(s), "reason": r} for n, (s, r) in self.fallbacks.items()],
-                "eight_bit_by_choice": dict(self.choice.eight_bit) if self.choice is not None else {}}
+                "fallbacks": [{"name": n, "shape": list(s), "reason": r} for n, (s, r) in self.fallbacks.items()]}
 
     @property
     def format_entry(self) -> formats.WeightFormat:
@@ -498,15 +495,8 @@ class _Quantizer:
         if self.blockwise:
             from circleops.quantize import int4_tflite
 
-            return int4_tflite.linear_dtype(k, self.format, self.name(w), self.kept_int8(w))
+            return int4_tflite.linear_dtype(k, self.format, self.name(w))
         return self.dtype
-
-    def kept_int8(self, w: ir.Tensor) -> bool:
-        """Whether the measured choice (QuantReport.choice, int4) keeps the linear weight ``w`` int8."""
-        if self.report.choice is None or not self.report.choice.keeps(source_key(w.data)):
-            return False
-        self.report.choice.written.add(self.name(w))  # the summary names it as the file does
-        return True
 
     def is_head(self, t: ir.Tensor) -> bool:
         """The output head: a linear reading an embedding table (tied), or lm_head.weight."""
@@ -582,7 +572,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
                      pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
                      report: QuantReport | None = None,
                      importance: dict[tuple, torch.Tensor] | None = None,
-                     file_format: str | None = None, choice: Any = None) -> QuantReport:
+                     file_format: str | None = None) -> QuantReport:
     """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
 
     parameters: the model's parameters (names, or a name -> tensor dict, which also names
@@ -598,14 +588,11 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     file_format: "circle" or "tflite", the file written (None: the format's own form):
         ``WeightFormat.form_for`` says how a linear is written there (w8 in a .tflite file:
         PER_CHANNEL, the weight carrying its scales, LiteRT's dynamic-range FULLY_CONNECTED).
-    choice: int4's measured choice of the linears kept int8 (circleops.quantize.int4_choice.Choice).
     """
     if fmt not in formats.names(formats.WEIGHTS):
         raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format "
                           f"({', '.join(formats.names(formats.WEIGHTS))})")
     report = report or QuantReport(fmt, form=formats.get(fmt).form_for(file_format))
-    if choice is not None:
-        report.choice = choice
     names = set(parameters) if parameters is not None else None
     if isinstance(parameters, dict):  # name -> tensor: GGML tensors are named after their parameter
         for name, value in parameters.items():
