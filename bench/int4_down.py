@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         with torch.no_grad():
             gen = model.generate(torch.full((8, 1), tok.bos_token_id or 1), do_sample=True, top_k=0, top_p=1.0,
-                                 temperature=1.0, max_new_tokens=255, min_new_tokens=255, pad_token_id=0)
+                                 temperature=1.0, max_new_tokens=255, min_new_tokens=255, pad_token_id=0,
+                                 use_cache=True)  # the loaded config says False: quadratic without
         samples += [(gen[i:i + 1],) for i in range(gen.shape[0])]
         out["generated_tokens"] = int(gen.numel())
         print("generated", tuple(gen.shape), repr(tok.decode(gen[0, :40])), flush=True)
