@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["rtn", "clip", "gptq", "gptq-d0.1", "had32", "b16"])
     ap.add_argument("--per-layer", default="", help="the rounding the per-layer ranking uses (empty: none)")
     ap.add_argument("--ks", type=int, nargs="*", default=[10, 15, 20, 25])
+    ap.add_argument("--head4", action="store_true",
+                    help="the tied head at int4 too (blocks of 32, importance-weighted; the embedding keeps the int8 "
+                         "table): scored with the downs int8 and with every --methods rounding")
     ap.add_argument("--kl", type=int, default=0,
                     help="rank the downs by the KL divergence each alone at 4 bits makes on the first N selection "
                          "tokens (against the file with every down int8), then score the --ks cheapest at 4 bits")
@@ -295,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(rounded_input)
     table = model.model.embed_tokens.weight
+    original_table = table.detach().clone()
     with torch.no_grad():
         table.copy_(int8.dequantize(int8.quantize_per_channel(table.detach().clone())))
         for n, m in linears.items():
@@ -334,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
 
     apply({}, set())
     score("current: downs int8")
+    if args.head4:  # an untied head of its own: int4 blocks, weighted by the final norm's output
+        head = model.lm_head
+        key = ("torch", table.untyped_storage().data_ptr(), table.numel(), str(table.dtype))
+        head.weight = torch.nn.Parameter(int4.dequantize(int4.quantize(original_table, 32, importance.get(key))),
+                                         requires_grad=False)
+        score("current + head int4")
     methods: dict[str, dict] = {}
     for method in args.methods:
         t0 = time.process_time()
