@@ -85,6 +85,13 @@ ENGINES = {
     # the int4 file without cache windows (every decode step and prefill chunk over all C slots)
     "circleops-tflite-int4-nowindow": ("litert", "circleops --target tflite --quantize int4 --cache-windows none",
                                        "int4", "circleops-litert"),
+    # issue 34: the int4 file as shipped (the 30 MLP down projections int8; its own directory, so a
+    # run of both rows measures two converts of one recipe) and with the 30 downs int4 too
+    # (int4_tflite.EIGHT_BIT_LINEARS emptied at convert: bench/int4_down.py measures the quality)
+    "circleops-tflite-int4-down8": ("litert", "circleops int4 as shipped (the 30 MLP downs int8)", "int4",
+                                    "circleops-litert"),
+    "circleops-tflite-int4-down4": ("litert", "circleops int4 with the 30 MLP downs int4 too (not shipped)", "int4",
+                                    "circleops-litert"),
     # the same files with every decode step copying its cache windows into LiteRT's input buffers
     # (Generator.caches_in_place False: circleops before the in-place caches, issue 34)
     "circleops-tflite-w8-copied": ("litert", "circleops --target tflite --quantize w8 on LiteRT, caches copied per step",
@@ -110,11 +117,16 @@ ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32":
           "litert-torch-int4-pc": "executorch-8da4w"}
 # a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
 SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
+                                                     "circleops-tflite-int4-down8", "circleops-tflite-int4-down4",
                                                      "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow")}
 # a third ratio column: the in-place caches against the same file's copying path (issue 34)
 BEFORE = {"circleops-tflite-w8": "circleops-tflite-w8-copied", "circleops-tflite-int4": "circleops-tflite-int4-copied"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
-CONVERT_EXTRA = {"circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
+# Python run before the CLI converts an engine's file (a recipe variant no option names)
+CONVERT_PATCH = {"circleops-tflite-int4-down4": "from circleops.quantize import int4_tflite; "
+                                                "int4_tflite.EIGHT_BIT_LINEARS = {}"}
+CONVERT_EXTRA = {"circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [],
+                 "circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
                  "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
 # ai-edge-quantizer's recipe applied to litert-torch's fp32 model.tflite, per engine
 _LITERT_INT4_RECIPES = {"litert-torch-int4": "dynamic_wi4b32_afp32", "litert-torch-int4-pc": "dynamic_wi4_afp32"}
@@ -441,6 +453,9 @@ def prepare(work: Path, engines: list[str], ik_python: str | None, litert_python
             if fresh or not (d / "manifest.json").exists():
                 cmd = [_circleops_cli(), "convert", "smollm2", "--graphs", "prefill,decode", "--target", target,
                        "-o", str(d)] + (["--quantize", weights] if weights != "fp32" else []) + CONVERT_EXTRA.get(engine, [])
+                if engine in CONVERT_PATCH:  # the CLI, after the engine's patch
+                    cmd = [sys.executable, "-c", f"import sys; {CONVERT_PATCH[engine]}; from circleops.cli import main; "
+                           "raise SystemExit(main(sys.argv[1:]))", *cmd[1:]]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
             artifacts[engine] = str(d)
