@@ -84,7 +84,8 @@ def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
     # files (circleops.package.split), whose plan refuses a layer too large alone: from the
     # headers here, before the model loads
     sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=quantize,
-                        max_cache_len=options.max_cache_len, file_limit=False)
+                        max_cache_len=options.max_cache_len, file_limit=False,
+                        peak=sizes.convert_peak(quantize, graphs=True, verify=bool(options.verify_runtime)))
     refuse_plan_from_sizes(args.model, options.config, options.target, quantize, options.max_file_bytes)
     validate_target_dtype(options.target, resolve_dtype(options.dtype, None), quantize)
 
