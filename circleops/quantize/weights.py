@@ -85,6 +85,7 @@ class QuantReport:
         self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...], str]] = []
         self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
         self._counted: set = set()  # source keys already in fp32_bytes
+        self.table_keys: set[tuple] = set()  # embedding tables the set's models look up (quantize_weights)
 
     @property
     def ggml_bytes(self) -> int:
@@ -592,7 +593,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
                      pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
                      report: QuantReport | None = None,
                      importance: dict[tuple, torch.Tensor] | None = None,
-                     file_format: str | None = None, tables: Iterable[tuple] = ()) -> QuantReport:
+                     file_format: str | None = None) -> QuantReport:
     """Store ``model``'s linear weights (and for q4_0 its embedding) as GGML blocks, in place.
 
     parameters: the model's parameters (names, or a name -> tensor dict, which also names
@@ -608,9 +609,10 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     file_format: "circle" or "tflite", the file written (None: the format's own form):
         ``WeightFormat.form_for`` says how a linear is written there (w8 in a .tflite file:
         PER_CHANNEL, the weight carrying its scales, LiteRT's dynamic-range FULLY_CONNECTED).
-    tables: the ``source_key`` of embedding tables other models of the set look up
-        (:func:`table_keys`): a split model's last part holds the tied head and no table (the
-        first part looks it up), and its head is stored at the format's head type all the same.
+    report: shared by the models of a set; its ``table_keys`` (:func:`table_keys` of every
+        model, filled by the caller) are tables other models look up: a split model's last
+        part holds the tied head and no table (the first part looks it up), and its head is
+        stored at the format's head type all the same.
     """
     if fmt not in formats.names(formats.WEIGHTS):
         raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format "
@@ -626,7 +628,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
     # the embedding tables first: a tied head reads one (in this model, or in another part of a split one)
-    q.tables |= table_keys(model, names) | set(tables)
+    q.tables |= table_keys(model, names) | report.table_keys
 
     # one worker per torch thread the caller allows, each on one intra-op thread (whole
     # weights in parallel instead of many small parallel ops: see ggml.one_thread)

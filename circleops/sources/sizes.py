@@ -248,20 +248,23 @@ def option_dtype(value: Any) -> str | None:
 
 def check_request(model: str | os.PathLike | None, config: str | os.PathLike | None, target: str, *,
                   dtype: Any = None, quantize: str | None = None, max_cache_len: int | None = None,
-                  file_limit: bool = True, build: bool = True, peak: float = CONVERT_PEAK) -> None:
+                  build: bool = True, graphs_verified: bool | None = None) -> None:
     """:func:`check` of the model at ``model`` (or ``config``) converted as asked (--dtype,
     --quantize as given), with the standard library only: a command's refusals that sizes
     decide come before torch's import (seconds: most of such a refusal's time). A dtype or
     format it does not know is left to the command's own checks (nothing refused here), and
     so is a ``config`` not of a dense family unless ``build`` (its causal LM built on meta:
-    torch, and only for a config that is a causal LM's)."""
+    torch, and only for a config that is a causal LM's). ``graphs_verified``: None for one
+    file (the target's file-size limit applies); True or False for a set of generation graphs
+    with or without --verify (split past the limit instead; the memory of :func:`convert_peak`)."""
     name = option_dtype(dtype)
     if name is None or (quantize is not None and quantize not in FORMAT_BYTES):
         return
     if not build and config is not None and not (Path(config).is_file() and _causal_dense(read_config_dict(config))):
         return
+    graphs = graphs_verified is not None
     check(estimate(model, config=config, quantize=quantize, dtype=name), target, max_cache_len=max_cache_len,
-          file_limit=file_limit, peak=peak)
+          file_limit=not graphs, peak=convert_peak(quantize, graphs=graphs, verify=bool(graphs_verified)))
 
 
 def _causal_dense(cfg: dict[str, Any]) -> bool:
