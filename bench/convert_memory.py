@@ -107,8 +107,9 @@ class Sampler:
                 peak[k] = max(peak.get(k, 0), v)
 
 
-def run(cmd: list[str]) -> tuple[Sampler, int, float, float]:
-    """Run ``cmd`` sampled: (sampler, exit code, wall seconds, CPU seconds of it and its children)."""
+def run(cmd: list[str]) -> tuple[Sampler, int, float, float, int]:
+    """Run ``cmd`` sampled: (sampler, exit code, wall seconds, CPU seconds of it and its children,
+    ru_maxrss in bytes: the largest resident set of it or a child it waited for, between samples too)."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     sampler = Sampler(proc.pid)
@@ -127,7 +128,8 @@ def run(cmd: list[str]) -> tuple[Sampler, int, float, float]:
     _, status, usage = os.wait4(proc.pid, 0)
     done.set()
     thread.join()
-    return sampler, os.waitstatus_to_exitcode(status), time.perf_counter() - t, usage.ru_utime + usage.ru_stime
+    return (sampler, os.waitstatus_to_exitcode(status), time.perf_counter() - t, usage.ru_utime + usage.ru_stime,
+            usage.ru_maxrss * 1024)
 
 
 def main() -> int:
@@ -140,7 +142,7 @@ def main() -> int:
     with open("/tmp/big-model.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         load = os.getloadavg()
-        sampler, code, wall, cpu = run(cmd)
+        sampler, code, wall, cpu, maxrss = run(cmd)
     rows = []
     keys = ("anon", "file", "rss", "child", "sum", "pss")
     print(f"{'stage':60s} " + " ".join(f"{k:>7s}" for k in keys) + "  (GB)")
@@ -154,14 +156,15 @@ def main() -> int:
     peak_one = max(max(p.get("rss", 0), p.get("child", 0)) for p in sampler.peaks.values() if p) / GB
     peak_pss = max(p.get("pss", 0) for p in sampler.peaks.values() if p) / GB
     print(f"exit {code}; wall {wall:.0f} s, CPU {cpu:.0f} s; peak of one process {peak_one:.2f} GB, of the command "
-          f"and its children at once {peak_sum:.2f} GB RSS, {peak_pss:.2f} GB Pss; load {load[0]:.1f} at the start")
+          f"and its children at once {peak_sum:.2f} GB RSS, {peak_pss:.2f} GB Pss; ru_maxrss {maxrss / GB:.2f} GB; "
+          f"load {load[0]:.1f} at the start")
     if a.yaml:
         import yaml
 
         Path(a.yaml).write_text(yaml.safe_dump({
             "command": " ".join(["circleops", "convert", *args]), "exit": code, "wall_s": round(wall),
             "cpu_s": round(cpu), "peak_one_gb": round(peak_one, 2), "peak_sum_gb": round(peak_sum, 2),
-            "peak_pss_gb": round(peak_pss, 2),
+            "peak_pss_gb": round(peak_pss, 2), "maxrss_gb": round(maxrss / GB, 2),
             "load": round(load[0], 1), "columns": ["stage", *keys], "rows": rows},
             sort_keys=False))
     return code

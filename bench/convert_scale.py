@@ -4,11 +4,12 @@ runs it (os.wait4 of the child: ru_maxrss is the largest resident set of the com
 verify child, CPU time is both together).
 
     python bench/convert_scale.py --only 1B --make-only                # make /work/models/llama-3.2-1b-shape
+    python bench/convert_scale.py --only 3B --make-only                # /work/models/llama-3.2-3b-shape (12.85 GB)
     python bench/convert_scale.py --work /tmp/scale --only 135M,0.5B   # the models are made when missing
     python bench/convert_scale.py --work /tmp/scale --yaml bench/results/24-convert-scale.yaml
 
 The models are random (std 0.05) HF directories of real shapes: SmolLM2-135M's, Qwen2.5-0.5B's
-sizes on the Llama architecture (494M), and the Llama-3.2-1B shape given with --1b. Every run
+sizes on the Llama architecture (494M), and the 1B, 1.5B and 3B shapes of the table below. Every run
 that loads a 1B-class model holds /tmp/big-model.lock (one big run on the machine at a time).
 """
 from __future__ import annotations
@@ -30,6 +31,12 @@ SHAPES = {
                                        head_dim=64),
     "Llama-3.2-1B shape": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                               max_position_embeddings=131072,
+                               rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
+                                                 low_freq_factor=1.0, original_max_position_embeddings=8192)),
+    # Llama-3.2-3B's config: 3.21 B parameters, 12.85 GB in fp32 (issue 32: the largest size people ship)
+    "Llama-3.2-3B shape": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                               num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                                max_position_embeddings=131072,
                                rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
                                                  low_freq_factor=1.0, original_max_position_embeddings=8192)),

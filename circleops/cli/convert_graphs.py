@@ -84,7 +84,7 @@ def _check_sizes(args: argparse.Namespace, options: Any, recipe: str) -> None:
     # files (circleops.package.split), whose plan refuses a layer too large alone: from the
     # headers here, before the model loads
     sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, quantize=quantize,
-                        max_cache_len=options.max_cache_len, file_limit=False)
+                        max_cache_len=options.max_cache_len, graphs_verified=bool(options.verify_runtime))
     refuse_plan_from_sizes(args.model, options.config, options.target, quantize, options.max_file_bytes)
     validate_target_dtype(options.target, resolve_dtype(options.dtype, None), quantize)
 
@@ -100,7 +100,7 @@ def _check_vlm_sizes(args: argparse.Namespace, options: Any) -> None:
     if vlm_model_type(args.model, options.config) is not None:
         sizes.check_request(args.model, options.config, options.target, dtype=options.dtype, build=False,
                             quantize=validate_quantize(options.quantize, options.target),
-                            max_cache_len=options.max_cache_len, file_limit=False)
+                            max_cache_len=options.max_cache_len, graphs_verified=bool(options.verify_runtime))
 
 
 def refuse_text2text(args: argparse.Namespace) -> None:

@@ -351,7 +351,7 @@ def quantize(models: Mapping[str, Any], programs: Mapping[str, Any], opts: Optio
 
     fmt = opts.weight_format
     if fmt is not None:
-        from circleops.quantize.weights import quantize_weights
+        from circleops.quantize.weights import QuantReport, quantize_weights, table_keys
 
         with (tracker or Tracker()).stage("quantize", enter=False):
             # what export and calibration read of the mapped checkpoint goes back first: the
@@ -359,6 +359,10 @@ def quantize(models: Mapping[str, Any], programs: Mapping[str, Any], opts: Optio
             # set is the blocks made, not the whole checkpoint beside them (the Gemma-3-1B
             # shape's int4 convert peaked here: 4.1 GB of mapped pages + 2.5 GB of heap, issue 32)
             release_weights()
+            weights.report = weights.report or QuantReport(fmt.name, form=fmt.form_for(opts.profile.format))
+            # every model's tables: a split model's tied head is in its last part, the table in its first
+            for name, model in models.items():
+                weights.report.table_keys |= table_keys(model, parameter_names(programs[name]))
             for name, model in models.items():
                 weights.report = quantize_weights(
                     model, fmt.name, parameters=parameter_names(programs[name]), pretrained=weights.pretrained,

@@ -85,6 +85,7 @@ class QuantReport:
         self.sources: list[tuple[torch.Tensor, np.ndarray, str, tuple[int, ...], str]] = []
         self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
         self._counted: set = set()  # source keys already in fp32_bytes
+        self.table_keys: set[tuple] = set()  # embedding tables the set's models look up (quantize_weights)
 
     @property
     def ggml_bytes(self) -> int:
@@ -568,6 +569,26 @@ class _Quantizer:
         return blocks
 
 
+def _parameter_test(parameters: Iterable[str] | None) -> Callable[[str], bool]:
+    """Whether a constant's name is a parameter's (among ``parameters``; None: any "...weight")."""
+    names = set(parameters) if parameters is not None else None
+    return (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
+
+
+def table_keys(model: ir.Model, parameters: Iterable[str] | None = None) -> set[tuple]:
+    """The ``source_key`` of each embedding table ``model`` looks up (a GATHER table among
+    ``parameters``, as :func:`quantize_weights` takes them)."""
+    is_param = _parameter_test(parameters)
+    keys = set()
+    for sg in model.subgraphs:
+        for op in sg.operators:
+            if op.opcode == "GATHER" and _is_table(sg, op, is_param):
+                key = source_key(sg.tensors[op.inputs[0]].data)
+                if key is not None:
+                    keys.add(key)
+    return keys
+
+
 def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | None = None,
                      pretrained: Pretrained | None = None, cache: dict[tuple, np.ndarray] | None = None,
                      report: QuantReport | None = None,
@@ -588,6 +609,10 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     file_format: "circle" or "tflite", the file written (None: the format's own form):
         ``WeightFormat.form_for`` says how a linear is written there (w8 in a .tflite file:
         PER_CHANNEL, the weight carrying its scales, LiteRT's dynamic-range FULLY_CONNECTED).
+    report: shared by the models of a set; its ``table_keys`` (:func:`table_keys` of every
+        model, filled by the caller) are tables other models look up: a split model's last
+        part holds the tied head and no table (the first part looks it up), and its head is
+        stored at the format's head type all the same.
     """
     if fmt not in formats.names(formats.WEIGHTS):
         raise TargetError(f"quantize_weights: {fmt!r} is not a weight-only format "
@@ -599,15 +624,11 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
             key = source_key(value.detach() if isinstance(value, torch.Tensor) else value)
             if key is not None:
                 report.parameter_names.setdefault(key, name)
-    is_param: Callable[[str], bool] = (lambda n: n in names) if names is not None else (lambda n: n.endswith("weight"))
+    is_param = _parameter_test(names)
     q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
-    for sg in model.subgraphs:  # the embedding tables first: a tied head reads one
-        for op in sg.operators:
-            if op.opcode == "GATHER" and _is_table(sg, op, is_param):
-                key = source_key(sg.tensors[op.inputs[0]].data)
-                if key is not None:
-                    q.tables.add(key)
+    # the embedding tables first: a tied head reads one (in this model, or in another part of a split one)
+    q.tables |= table_keys(model, names) | report.table_keys
 
     # one worker per torch thread the caller allows, each on one intra-op thread (whole
     # weights in parallel instead of many small parallel ops: see ggml.one_thread)

@@ -33,6 +33,13 @@ FORMAT_BYTES = {"q4_0": 18 / 32, "q4_0-pure": 18 / 32, "q8_0": 34 / 32, "w8": 1.
 # on the Llama-3.2-1B shape (bench/convert_scale.py): the memory-mapped weights once, plus
 # the torch reference's and the lowering's working set. The machine needs at least this much.
 CONVERT_PEAK = 1.3
+# The 16-bit-activation integer recipe's generation graphs (--quantize int16 --graphs) hold more:
+# the rotated weights and untied head beside PT2E's graphs and integer tables, then torch's runs
+# on the quantized model for --verify. Measured on the Llama-3.2-1B shape: 2.88x without
+# --verify (bench/results/61), 3.9-4.0x with it (bench/results/64). A model these put past the
+# machine's memory (the Llama-3.2-3B shape: 37 / 50 GB on 24 GiB) is refused before any work,
+# not killed out of memory an hour into it. uint8's graphs were not measured at 1B: CONVERT_PEAK.
+INTEGER_GRAPHS_PEAK = {False: 2.88, True: 3.9}  # by --verify
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,14 @@ class SizeEstimate:
     def convert_memory(self) -> int:
         """The least resident memory the conversion needs (:data:`CONVERT_PEAK` x the float weights)."""
         return int(CONVERT_PEAK * self.float_bytes)
+
+
+def convert_peak(quantize: str | None, *, graphs: bool = False, verify: bool = False) -> float:
+    """A conversion's peak resident memory as a multiple of the float weights, as measured:
+    :data:`INTEGER_GRAPHS_PEAK` for the int16 recipe's generation graphs, else :data:`CONVERT_PEAK`."""
+    if graphs and quantize == "int16":
+        return INTEGER_GRAPHS_PEAK[bool(verify)]
+    return CONVERT_PEAK
 
 
 def bytes_per_weight(quantize: str | None, dtype: str = "float32") -> float:
@@ -233,20 +248,23 @@ def option_dtype(value: Any) -> str | None:
 
 def check_request(model: str | os.PathLike | None, config: str | os.PathLike | None, target: str, *,
                   dtype: Any = None, quantize: str | None = None, max_cache_len: int | None = None,
-                  file_limit: bool = True, build: bool = True) -> None:
+                  build: bool = True, graphs_verified: bool | None = None) -> None:
     """:func:`check` of the model at ``model`` (or ``config``) converted as asked (--dtype,
     --quantize as given), with the standard library only: a command's refusals that sizes
     decide come before torch's import (seconds: most of such a refusal's time). A dtype or
     format it does not know is left to the command's own checks (nothing refused here), and
     so is a ``config`` not of a dense family unless ``build`` (its causal LM built on meta:
-    torch, and only for a config that is a causal LM's)."""
+    torch, and only for a config that is a causal LM's). ``graphs_verified``: None for one
+    file (the target's file-size limit applies); True or False for a set of generation graphs
+    with or without --verify (split past the limit instead; the memory of :func:`convert_peak`)."""
     name = option_dtype(dtype)
     if name is None or (quantize is not None and quantize not in FORMAT_BYTES):
         return
     if not build and config is not None and not (Path(config).is_file() and _causal_dense(read_config_dict(config))):
         return
+    graphs = graphs_verified is not None
     check(estimate(model, config=config, quantize=quantize, dtype=name), target, max_cache_len=max_cache_len,
-          file_limit=file_limit)
+          file_limit=not graphs, peak=convert_peak(quantize, graphs=graphs, verify=bool(graphs_verified)))
 
 
 def _causal_dense(cfg: dict[str, Any]) -> bool:
@@ -278,10 +296,11 @@ def exceeds_file_limit(est: SizeEstimate, target: str) -> bool:
 
 
 def check(est: SizeEstimate | None, target: str, *, max_cache_len: int | None = None,
-          file_limit: bool = True) -> None:
+          file_limit: bool = True, peak: float = CONVERT_PEAK) -> None:
     """Every refusal sizes decide, before any work: the target's file-size limit (``file_limit``
     False where the caller splits instead), the cache length against the model's positions,
-    and the memory the machine has against what the conversion needs."""
+    and the memory the machine has against what the conversion needs (``peak`` x the float
+    weights: :func:`convert_peak`)."""
     if est is None:
         return
     if max_cache_len is not None and est.max_positions is not None and max_cache_len > est.max_positions:
@@ -291,13 +310,16 @@ def check(est: SizeEstimate | None, target: str, *, max_cache_len: int | None = 
     if file_limit and exceeds_file_limit(est, target):
         raise TargetError(too_large_message(est.file_bytes, target, estimated=True))
     total, _ = machine_memory()
-    if total is not None and est.convert_memory > total:
+    needed = max(est.convert_memory, int(peak * est.float_bytes))
+    if total is not None and needed > total:
+        how = "" if peak <= CONVERT_PEAK else (
+            f" ({peak:g}x the weights: what --quantize {est.quantize} --graphs measured at 1B)")
         raise TargetError(f"converting {est.source} ({est.parameters / 1e9:.2f} B parameters, "
-                          f"{est.float_bytes / 1e9:.1f} GB of weights) needs about {est.convert_memory / 1e9:.1f} GB "
-                          f"of memory, and this machine has {total / 1e9:.1f} GB. Convert on a machine with more "
+                          f"{est.float_bytes / 1e9:.1f} GB of weights) needs about {needed / 1e9:.1f} GB "
+                          f"of memory{how}, and this machine has {total / 1e9:.1f} GB. Convert on a machine with more "
                           f"memory, or a smaller model.")
 
 
-__all__ = ["CONVERT_PEAK", "SizeEstimate", "bytes_per_weight", "check", "check_request", "dense_parameters", "dense_shapes", "estimate",
+__all__ = ["CONVERT_PEAK", "INTEGER_GRAPHS_PEAK", "SizeEstimate", "bytes_per_weight", "check", "check_request", "convert_peak", "dense_parameters", "dense_shapes", "estimate",
            "exceeds_file_limit", "machine_memory", "option_dtype", "safetensors_files", "safetensors_parameters", "tied_default", "too_large_message",
            "weight_bytes"]

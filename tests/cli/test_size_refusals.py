@@ -104,6 +104,36 @@ def test_machine_memory_refused_before_loading(capsys, tmp_path, config_1b, no_l
     assert "1.24 B parameters" in err and "needs about 6.4 GB of memory" in err and "has 4.3 GB" in err
 
 
+# Llama-3.2-3B's config: 3.21 B parameters, 12.85 GB in fp32
+LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)
+GIB_24 = (24 * 2**30, 20 * 2**30)  # the 24 GiB machine the 1B and 3B shapes were measured on
+
+
+@pytest.mark.parametrize("verify, needed", [(False, "37.0 GB"), (True, "50.1 GB")])
+def test_integer_graphs_memory_refused_before_loading(capsys, tmp_path, no_load, monkeypatch, verify, needed):
+    """The int16 recipe's graphs peak at 2.88x the fp32 weights (3.9x with --verify) at 1B: the
+    3B shape on a 24 GiB machine is refused from its headers, not OOM-killed an hour in (it
+    passed the 1.3x check every other convert is held to: 16.7 GB)."""
+    monkeypatch.setattr(sizes, "machine_memory", lambda: GIB_24)
+    model = header_only_dir(tmp_path / "llama-3b", LLAMA_3B)
+    err = _error(capsys, str(model), "--graphs", "prefill,decode", "--target", "circle", "--quantize", "int16",
+                 "--weight-bits", "4", *(["--verify"] if verify else []), "-o", str(tmp_path / "out"))
+    assert "3.21 B parameters" in err and f"needs about {needed} of memory" in err and "at 1B" in err, err
+
+
+def test_integer_graphs_peak_leaves_what_fits(tmp_path, monkeypatch):
+    """What that peak leaves on the same machine: the 1B shape's int16 graphs with --verify, and
+    the 3B shape's float and weight-only formats (1.3x: 16.7 GB)."""
+    monkeypatch.setattr(sizes, "machine_memory", lambda: GIB_24)
+    one_b = sizes.estimate(header_only_dir(tmp_path / "1b", LLAMA_1B), quantize="int16")
+    sizes.check(one_b, "circle", peak=sizes.convert_peak("int16", graphs=True, verify=True))
+    three_b = header_only_dir(tmp_path / "3b", LLAMA_3B)
+    for quantize, target in ((None, "tflite"), ("w8", "tflite"), ("q4_0", "onert")):
+        est = sizes.estimate(three_b, quantize=quantize)
+        sizes.check(est, target, file_limit=False, peak=sizes.convert_peak(quantize, graphs=True, verify=True))
+    assert sizes.convert_peak("int16", graphs=False) == sizes.CONVERT_PEAK  # one graph: not measured apart
+
+
 @pytest.fixture
 def dir_1b(tmp_path):
     return header_only_dir(tmp_path / "llama-1b", LLAMA_1B)

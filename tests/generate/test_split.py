@@ -74,6 +74,24 @@ def test_the_plan_counts_a_tied_table_twice_where_the_format_stores_it_twice(tie
     assert sizes.tied == tied and abs(sizes.whole - written) <= 0.02 * written, (sizes, written)
 
 
+def test_a_split_q4_0_keeps_its_tied_head_at_q8_0(tied_model, tmp_path):
+    """q4_0 stores a tied table Q4_0 and the head Q8_0. Split (the Llama-3.2-3B shape's q4_0 is
+    2.2 GB: two files), the last part holds the head without the table, and wrote it Q4_0: a
+    format other than the one asked, which verify (against the file's own weights) let pass."""
+    sizes = part_bytes(tied_model, "q4_0")
+    limit = int((max(sizes.embedding, sizes.head) + sizes.layers[0] + TABLE_BYTES) / WEIGHT_SHARE) + 4096
+    convert_graphs(copy.deepcopy(tied_model), tmp_path, target="onert", graphs="decode", prefill_len=8,
+                   max_cache_len=TINY_CACHE, quantize="q4_0", max_file_bytes=limit, verify=True)
+    files = manifest_json.fields(tmp_path)["part_files"]["decode"]
+    table = tuple(tied_model.model.embed_tokens.weight.shape)
+
+    def tables(name: str) -> list[str]:
+        return [t.dtype for sub in read_model(str(tmp_path / name)).subgraphs for t in sub.tensors
+                if t.data is not None and tuple(t.shape) == table]
+
+    assert len(files) > 1 and tables(files[0]) == ["GGML_Q4_0"] and tables(files[-1]) == ["GGML_Q8_0"], files
+
+
 def test_a_part_that_cannot_fit_is_refused_before_any_work(tied_model, tmp_path):
     """From the parameters' shapes alone: nothing exported, nothing written."""
     with pytest.raises(TargetError, match="cannot be split into files of at most 1000 bytes.*--quantize"):
