@@ -223,19 +223,14 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
     del eps
     if opts.runtime is not None and quantization is not None:
         references = _quantized_references(recipe, quantization, opts.runtime, tracker, references.own)
-    if converted is not None:
-        quantization = pkg.integer
-        if opts.runtime is not None:  # torch running the same quantized computation; fp32 is reported
-            with tracker.stage("torch reference logits", "verify", enter=False):
-                own = recipe.integer_references(converted, references.own)
-                with recipe.integer_rounding(converted):  # every integer op rounded stochastically: the noise floor
-                    noise = recipe.noise(own, recipe.integer_references(converted, references.own))
-            with tracker.stage("quality against fp32", "quality", enter=False):
-                references = References(own, noise, quality=recipe.integer_quality(converted, pkg.probe))
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
         manifest = recipe.manifest(pkg.staging, opts, pkg.plan, infos)  # and the assets beside it
+    if converted is not None:
+        quantization = pkg.integer
+        if opts.runtime is not None:  # torch running the same quantized computation; fp32 is reported
+            references = _integer_references(recipe, converted, references, pkg)
     report = GraphsReport(directory=str(pkg.out_dir), target=opts.target, dtype=manifest.dtype, graphs=infos,
                           manifest=manifest, timings=tracker.timings, source=recipe.source,
                           quantization=quantization, kind=recipe.kind, compared=recipe.compared,
@@ -244,6 +239,27 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
         _compare(recipe, manifest, references, report, pkg)
     manifest.write()
     return report
+
+
+def _integer_references(recipe: Any, converted: dict[str, Any], references: "References",
+                        pkg: Package) -> "References":
+    """torch's run of the converted (PT2E) modules: the references the written integer graphs
+    are compared with, their noise floor (every integer op rounded stochastically) and the
+    quality against fp32. Run after the files are written and the lowered models dropped
+    (their tables and the lowering's were the 16a4w 1B convert's peak beside these runs,
+    bench/results/64-npu-1b-verify.yaml, issue 32), each weight dequantized in float32 by
+    blocks (circleops.quantize.blocked_dequantize: the same values without int64 copies)."""
+    from circleops.quantize.blocked_dequantize import float32_dequantize
+
+    tracker = pkg.tracker
+    collect_garbage()  # the lowered models' cycles
+    with float32_dequantize(converted.values()):
+        with tracker.stage("torch reference logits", "verify", enter=False):
+            own = recipe.integer_references(converted, references.own)
+            with recipe.integer_rounding(converted):  # every integer op rounded stochastically: the noise floor
+                noise = recipe.noise(own, recipe.integer_references(converted, references.own))
+        with tracker.stage("quality against fp32", "quality", enter=False):
+            return References(own, noise, quality=recipe.integer_quality(converted, pkg.probe))
 
 
 @dataclass
@@ -372,7 +388,19 @@ def lower_graph(ep: Any, graph: Graph, opts: Any) -> Any:
         from circleops.lowering.table_blocks import split_large_weights
 
         split_large_weights(model)
+    collect_garbage()
     return model
+
+
+def collect_garbage() -> None:
+    """A full collection now: what a lowering (or a torch run) leaves in reference cycles
+    (torch.fx graphs, the lowering's float constants) is freed before the next graph's
+    lowering piles up its own beside it, not when the collector next happens to run (the
+    16a4w recipe at the 1B width: the lowering's dequantized tables of one graph were still
+    held while the next was lowered, issue 32)."""
+    import gc
+
+    gc.collect()
 
 
 def graph_inline_ops(opts: Any) -> frozenset[str]:

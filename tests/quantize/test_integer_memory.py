@@ -185,3 +185,117 @@ def test_graphs_share_their_equal_folded_integers():
     for k, v in qep_b.state_dict.items():  # the program the lowering reads: the same tensors
         if k.startswith(FOLDED):
             assert ptr(v) == ptr(fb[k])
+
+
+# --------------------------------------------------------------------------- torch's runs of the converted modules
+
+def _decomposed_dequantize(q: torch.Tensor, scales: torch.Tensor, zps: torch.Tensor | None) -> torch.Tensor:
+    from circleops.quantize.blocked_dequantize import _dequantize_per_channel
+
+    return _dequantize_per_channel()(
+        q, scales, zps, 0, int(torch.iinfo(q.dtype).min), int(torch.iinfo(q.dtype).max), q.dtype)
+
+
+@pytest.mark.parametrize("case", ["int16 per row", "int8 per row, zero points", "uint8 per row, zero points",
+                                  "int4 in int8", "int16 3-d"])
+def test_float32_dequantize_equals_the_op(monkeypatch, case):
+    from circleops.quantize import blocked_dequantize
+
+    monkeypatch.setattr(blocked_dequantize, "DEQUANTIZE_BLOCK", 7 * 33)  # blocks that do not divide the rows
+    rng = np.random.default_rng(2)
+    rows, cols = 101, 33
+    zps = None
+    if case == "int16 per row":
+        q = _int_table(rows, cols, np.int16)
+    elif case == "int8 per row, zero points":
+        q, zps = _int_table(rows, cols, np.int8), torch.from_numpy(rng.integers(-20, 20, rows))
+    elif case == "uint8 per row, zero points":
+        q, zps = _int_table(rows, cols, np.uint8), torch.from_numpy(rng.integers(0, 255, rows))
+    elif case == "int4 in int8":
+        q = torch.from_numpy(rng.integers(-8, 8, (rows, cols), dtype=np.int8))
+    else:
+        q = _int_table(rows, 3, np.int16).reshape(rows, 1, 3).expand(rows, 11, 3).contiguous()
+    scales = torch.from_numpy((rng.random(rows) * 1e-2 + 1e-6).astype(np.float32))
+    zeros = zps if zps is not None else torch.zeros(rows, dtype=torch.int64)
+    want = _decomposed_dequantize(q, scales, zeros)
+    got = blocked_dequantize.dequantize_per_channel(q, scales, zeros, 0, int(torch.iinfo(q.dtype).min),
+                                                    int(torch.iinfo(q.dtype).max), q.dtype)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_float32_dequantize_holds_the_float_result_and_blocks_only(monkeypatch):
+    # 32M int16 (the 1B shape's int16 embedding is 263M): the op's int64 difference (256 MB)
+    # beside its 128 MB result; by blocks the result, a block's float copy and what the
+    # allocator keeps of freed blocks: at most half the result more allowed
+    from circleops.quantize import blocked_dequantize
+
+    monkeypatch.setattr(blocked_dequantize, "DEQUANTIZE_BLOCK", 1 << 20)
+    q = _int_table(8192, 4096, np.int16)
+    scales = torch.from_numpy((np.random.default_rng(0).random(8192) * 1e-3 + 1e-6).astype(np.float32))
+    zps = torch.zeros(8192, dtype=torch.int64)
+    args = (0, -32768, 32767, torch.int16)
+    blocked_dequantize.dequantize_per_channel(q[:1024], scales[:1024], zps[:1024], *args)  # code pages, threads
+    out, rise = peak_rise(lambda: blocked_dequantize.dequantize_per_channel(q, scales, zps, *args))
+    bound = out.numel() * 4 * 3 // 2
+    assert rise <= bound, f"dequantize rose {rise / MB:.0f} MB (bound {bound / MB:.0f} MB)"
+
+
+def test_converted_modules_run_float32_dequantize_and_are_restored():
+    """Within float32_dequantize a converted module computes the same outputs through the
+    float32 form (its dequantize nodes call it), and afterwards its graph is the op's again."""
+    from circleops.quantize import blocked_dequantize
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40)).eval()
+    x = (torch.randn(3, 64),)
+    converted, _ = pt2e.quantize(lin, x, pt2e.make_quantizer("int16", weight="int8"), [x])
+    op = torch.ops.quantized_decomposed.dequantize_per_channel.default
+    targets = lambda: [n.target for n in converted.graph.nodes if n.op == "call_function"]  # noqa: E731
+    before = targets()
+    n = before.count(op)
+    assert n >= 2  # the two weights (and their biases)
+    with torch.no_grad():
+        want = converted(*x)
+        with blocked_dequantize.float32_dequantize([converted]):
+            assert op not in targets() and targets().count(blocked_dequantize.dequantize_per_channel) == n
+            got = converted(*x)
+    assert targets() == before
+    assert torch.equal(got, want)
+
+
+def test_integer_references_run_on_the_written_file_without_the_lowered_models(monkeypatch, tmp_path):
+    """verify's torch runs of the converted modules (references, noise floor, quality) come
+    after the file is written and the lowered models are gone (the 1B shape: 14.6 GB held
+    by the lowering beside 5 GB of those runs, bench/results/64-npu-1b-verify.yaml), with the
+    float32 dequantize in place; the file is verified as before."""
+    import weakref
+
+    from families import BY_NAME
+
+    from circleops.package import step
+    from circleops.quantize import blocked_dequantize
+    from circleops.recipes.llm import LLMRecipe, convert_graphs
+
+    lowered_refs, seen = [], []
+    write_files, references = step.write_files, LLMRecipe.integer_references
+
+    def writing(lowered, *args, **kwargs):
+        lowered_refs.extend(weakref.ref(m) for m in lowered.values())
+        return write_files(lowered, *args, **kwargs)
+
+    def referencing(self, converted, refs):
+        nodes = [n.target for m in converted.values() for n in m.graph.nodes if n.op == "call_function"]
+        written = list(tmp_path.glob(".*/model.circle"))
+        seen.append((len(written), [r() is None for r in lowered_refs],
+                     blocked_dequantize.dequantize_per_channel in nodes))
+        return references(self, converted, refs)
+
+    monkeypatch.setattr(step, "write_files", writing)
+    monkeypatch.setattr(LLMRecipe, "integer_references", referencing)
+    torch.manual_seed(0)
+    report = convert_graphs(BY_NAME["llama"].build(), tmp_path / "out", target="circle", quantize="int16",
+                            prefill_len=4, max_cache_len=16, verify="reference", calibrate=1, rotate="off",
+                            source="tiny llama")
+    assert len(seen) == 2  # the references and their stochastic rounding
+    assert len(lowered_refs) == 2 and all(s == (1, [True, True], True) for s in seen), seen
+    assert all(g.max_abs_error is not None for g in report.graphs.values()) and report.quality is not None
