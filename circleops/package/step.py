@@ -321,6 +321,8 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
     opts, integer = pkg.opts, pkg.integer
     model = recipe.weights_module()
     head_module = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    from circleops.quantize.integer.folded_floats import read_storages
+    from circleops.quantize.rotate import release_unread
     from circleops.quantize.integer.shared import SharedIntegers
 
     qeps, converted = {}, {}
@@ -338,6 +340,9 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
                 fixed=fixed)
             converted[name], qeps[name] = stages.quantize_program(ep, g.module, opts, calibration)
             shared.share(converted[name], qeps[name])
+        if integer.rotated is not None:  # the rotated weights every graph now holds as integers
+            # (the embedding, the untied head) given back: nothing reads them until the restore
+            release_unread(integer.rotated, read_storages(converted.values(), qeps.values()))
     return qeps, converted
 
 

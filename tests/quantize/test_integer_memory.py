@@ -338,3 +338,73 @@ def test_a_graphs_lowering_leaves_no_tables_in_reference_cycles():
     model = step.lower_graph(qep, step.Graph("main", lin, x, ["x"], ["y"]), opts)
     found, held = _cyclic_bytes()
     assert model.subgraphs[0].operators and (found, held) == (0, 0), (found, held)
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tied Llama from disk (its weights in the checkpoint's mapping, as convert loads
+    them) with an embedding of 1 MiB: what the rotation unties and writes."""
+    from families import BY_NAME
+
+    out = tmp_path_factory.mktemp("tied_llama")
+    BY_NAME["llama"].build(vocab_size=4096, tie_word_embeddings=True).save_pretrained(out)
+    return out
+
+
+def test_rotation_gives_back_what_nothing_reads(tied_llama_dir):
+    """release_unread: the embedding gets its file's values back (its written pages dropped),
+    the untied head's clone is freed; a weight still read keeps its rotated values; the exit
+    ties the head again and the model computes what it did."""
+    from circleops.quantize import rotate
+    from circleops.sources.models import load_hf_dir
+
+    model = load_hf_dir(tied_llama_dir)
+    ids = torch.tensor([[5, 77, 3000, 12]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    embed = model.get_input_embeddings().weight
+    original = embed.detach().clone()
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    with rotate.rotated(model) as report:
+        head = model.get_output_embeddings().weight
+        assert report.layers == 2 and head is not embed and report.untied is head
+        assert not torch.equal(embed, original)
+        rotated_q = q_proj.detach().clone()
+        read = {p.untyped_storage().data_ptr() for p in model.parameters() if p is not embed and p is not head}
+        released = rotate.release_unread(report, read)
+        assert released == 2 * embed.numel() * 4
+        assert torch.equal(embed, original) and head.untyped_storage().nbytes() == 0
+        assert torch.equal(q_proj, rotated_q)
+    assert model.get_output_embeddings().weight is embed
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_converted_graphs_written_the_same_without_the_rotated_tables(tied_llama_dir, monkeypatch, tmp_path):
+    """The 16a4w recipe (rotation on) gives the rotated embedding and untied head back once
+    PT2E has folded them, before the lowering; the file is byte for byte the one written
+    with them kept."""
+    from circleops.package import step
+    from circleops.quantize import rotate
+    from circleops.recipes.llm import convert_graphs
+    from circleops.sources.models import load_hf_dir
+
+    held, release = [], rotate.release_unread
+    build = step._build
+
+    def building(recipe, *args, **kwargs):
+        head = recipe.weights_module().get_output_embeddings().weight
+        held.append(head.untyped_storage().nbytes())
+        return build(recipe, *args, **kwargs)
+
+    monkeypatch.setattr(step, "_build", building)
+    files = []
+    for keep in (True, False):
+        monkeypatch.setattr(rotate, "release_unread", (lambda *a: 0) if keep else release)
+        out = tmp_path / f"keep{keep}"
+        convert_graphs(load_hf_dir(tied_llama_dir), out, target="circle", quantize="int16", weight_bits=4,
+                       prefill_len=4, max_cache_len=16, calibrate=1, rotate="on", gptq=False, int8_weights="none",
+                       source="tied llama")
+        files.append((out / "model.circle").read_bytes())
+    assert held == [4096 * 64 * 4, 0]
+    assert files[0] == files[1]
