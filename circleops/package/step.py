@@ -15,6 +15,8 @@ written graphs are compared with torch. This step does the rest, in this order:
 3. the weight format's steps on the torch model (SmoothQuant, importances, GGUF blocks);
 4. each graph exported, then ``circleops.pipeline.stages.build`` (fuse, lower, quantize);
 5. the files written into a staging directory beside the output, the assets, the manifest;
+   then, for integer (PT2E) graphs, torch's references on the converted graphs (after the
+   lowered models are dropped: issue 32);
 6. the numeric comparison of the written graphs with torch (``--verify``), one rule for all;
 7. the manifest written last and the directory published atomically (circleops.package.output).
 
@@ -401,8 +403,8 @@ def collect_garbage() -> None:
     """A full collection now: what a lowering (or a torch run) leaves in reference cycles
     (torch.fx graphs, the lowering's float constants) is freed before the next graph's
     lowering piles up its own beside it, not when the collector next happens to run (the
-    16a4w recipe at the 1B width: the lowering's dequantized tables of one graph were still
-    held while the next was lowered, issue 32)."""
+    16a4w recipe on 2 layers of the Llama-3.2-1B width, vocabulary 32768, with --verify: the
+    lowering's peak 3.46 -> 2.98 GB, verify's torch runs after it 3.98 -> 2.93 GB, issue 32)."""
     import gc
 
     gc.collect()
