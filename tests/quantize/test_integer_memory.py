@@ -408,3 +408,43 @@ def test_converted_graphs_written_the_same_without_the_rotated_tables(tied_llama
         files.append((out / "model.circle").read_bytes())
     assert held == [4096 * 64 * 4, 0]
     assert files[0] == files[1]
+
+
+def _ir_tensor(q: torch.Tensor, scale: np.ndarray, zp: np.ndarray, axis: int):
+    from circleops import ir
+
+    dtype = {torch.int8: "INT8", torch.uint8: "UINT8", torch.int16: "INT16"}[q.dtype]
+    return ir.Tensor("t", tuple(q.shape), dtype, q.numpy(), ir.QuantParams(scale, zp.astype(np.int64), axis))
+
+
+@pytest.mark.parametrize("case", ["int16 per row", "int8 per column, zero points", "uint8 per tensor"])
+def test_reference_interpreter_dequantize_equals_the_int64_form(case):
+    from circleops.runtime.kernels import quantized
+
+    rng = np.random.default_rng(3)
+    rows, cols = 101, 33
+    if case == "int16 per row":
+        q, scale, zp, axis = _int_table(rows, cols, np.int16), rng.random(rows) * 1e-3 + 1e-6, np.zeros(rows), 0
+    elif case == "int8 per column, zero points":
+        q, scale, zp, axis = _int_table(rows, cols, np.int8), rng.random(cols) * 0.1, rng.integers(-9, 9, cols), 1
+    else:
+        q, scale, zp, axis = _int_table(rows, cols, np.uint8), np.array([0.0371]), np.array([201]), 0
+    t = _ir_tensor(q, scale, zp, axis)
+    s, z = quantized.params(t, q.dim())
+    want = (q.to(torch.int64) - z).to(torch.float32) * s.to(torch.float32)
+    got = quantized.dequantize(q, t)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_reference_interpreter_dequantize_holds_the_float_result_only():
+    # 32M int16: through int64 a 256 MB difference beside the 128 MB result; in place in
+    # float32 the result alone (a quarter more allowed for the allocator)
+    from circleops.runtime.kernels import quantized
+
+    q = _int_table(8192, 4096, np.int16)
+    scale = np.random.default_rng(0).random(8192) * 1e-3 + 1e-6
+    t = _ir_tensor(q, scale, np.zeros(8192), 0)
+    quantized.dequantize(q[:64], _ir_tensor(q[:64], scale[:64], np.zeros(64), 0))  # code pages, before the counter
+    out, rise = peak_rise(lambda: quantized.dequantize(q, t))
+    bound = out.numel() * 4 * 5 // 4
+    assert rise <= bound, f"dequantize rose {rise / MB:.0f} MB (bound {bound / MB:.0f} MB)"
