@@ -32,16 +32,16 @@ def _dequantize_per_channel() -> Any:
     return torch.ops.quantized_decomposed.dequantize_per_channel.default
 
 
-def dequantize_per_channel(input: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, axis: int,
-                           quant_min: int, quant_max: int, dtype: torch.dtype, *,
-                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``quantized_decomposed.dequantize_per_channel`` (same arguments, same float32 result)
-    computed in float32 a block of rows at a time where that is exact (see the module's
-    docstring), for channels along axis 0 (a weight's rows); anything else (wider integers,
-    float64 scales, another axis or output dtype, a zero point of 2^16 or more) by the op itself."""
+def dequantize_per_channel(*args: Any, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``quantized_decomposed.dequantize_per_channel`` (the same arguments, as its schema lists
+    them: input, scales, zero_points, axis, quant_min, quant_max, dtype; the same float32
+    result) computed in float32 a block of rows at a time where that is exact (see the
+    module's docstring), for channels along axis 0 (a weight's rows); anything else (wider
+    integers, float64 scales, another axis or output dtype, a zero point of 2^16 or more) by
+    the op itself."""
+    input, scales, zero_points, axis, _, _, dtype = args
     if not _exact_in_float32(input, scales, zero_points, axis, dtype, out_dtype):
-        return _dequantize_per_channel()(input, scales, zero_points, axis, quant_min, quant_max, dtype,
-                                         out_dtype=out_dtype)
+        return _dequantize_per_channel()(*args, out_dtype=out_dtype)
     shape = [-1] + [1] * (input.dim() - 1)  # axis 0: the scales follow the blocks' rows
     s = scales.reshape(shape)
     z = zero_points.to(torch.float32).reshape(shape) if zero_points is not None else None
