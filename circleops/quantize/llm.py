@@ -36,6 +36,8 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
             raise TargetError(f"rotate='on': {report.summary_line()}")
         recipe.lines.append(report.summary_line())
         recipe.rotation = report.matrix if report.layers else None
+        recipe.rotated = report if report.layers else None
+        restore.callback(setattr, recipe, "rotated", None)  # before the rotation's own exit
     head = model.get_output_embeddings() if is_llm else None
     bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
     grouped = None

@@ -50,6 +50,7 @@ class IntegerRecipe:
     group_size: int = 0
     lines: list[str] = field(default_factory=list)  # what each step reported
     rotation: Any = None  # the residual stream's Q while the rotation is folded in (h_rotated = h · Q)
+    rotated: Any = None  # its circleops.quantize.rotate.RotateReport while folded in (release_unread)
     int8_weights: str = ""  # "auto": the 4-bit linears measured most sensitive stay int8 per channel
     act_order: bool = False  # GPTQ on groups: static group scales, columns by decreasing Hessian diagonal
     clip_search: bool = False  # GPTQ on groups: each group's scale by a Hessian-weighted clipping search

@@ -46,6 +46,9 @@ class RotateReport:
     fold_error: float = 0.0  # measured max |Δlogit| / max |logit| on the calibration text
     construction: str = ""
     matrix: torch.Tensor | None = None  # Q [hidden, hidden]: the rotated residual stream is h · Q
+    # while folded in: each changed tensor and its snapshot, and the untied head's own clone
+    saved: list = field(default_factory=list, repr=False)
+    untied: torch.Tensor | None = field(default=None, repr=False)
 
     def summary_line(self) -> str:
         if self.layers:
@@ -176,6 +179,8 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
     if head.weight is embed.weight:  # the lm_head takes the final gamma: untie it (restored on exit)
         tie = head.weight
         head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+        report.untied = head.weight
+    report.saved = saved
 
     def keep(t: torch.Tensor) -> None:
         # no clone of a weight its file still holds, nor of the untied head's own copy (dropped
@@ -258,6 +263,29 @@ def _rotate_heads(v_proj: torch.nn.Linear, o_proj: torch.nn.Linear, qh: torch.Te
     keep(o_proj.weight)
     wo = o_proj.weight.double().reshape(o_proj.out_features, -1, head_dim)
     o_proj.weight.copy_((wo @ qh).reshape(o_proj.weight.shape).to(o_proj.weight.dtype))
+
+
+def release_unread(report: RotateReport, read: set[int]) -> int:
+    """Give back the rotated copies of the weights nothing reads any more (``read``: the
+    storages still read, by data pointer; what PT2E folded into integers is not), before the
+    restore: a weight its file holds gets the file's values again now (its snapshot's
+    restore, which the exit repeats), the untied head's clone is freed (its storage resized
+    to nothing: a later read fails loudly; the exit ties the head again). The model computes
+    nothing sensible until the exit, and nothing runs it. At the Llama-3.2-1B shape: the
+    rotated embedding and the untied head, 2.1 GB through the lowering and verify (issue 32).
+    The bytes given back."""
+    released = 0
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    for param, snap in report.saved:
+        if snap.from_file and ptr(param) not in read and not snap.done:
+            snap.restore(param)
+            released += param.numel() * param.element_size()
+    if report.untied is not None and ptr(report.untied) not in read:
+        storage = report.untied.untyped_storage()
+        released += storage.nbytes()
+        storage.resize_(0)
+        report.untied = None
+    return released
 
 
 def _restore(parts, saved, tie) -> None:

@@ -185,3 +185,266 @@ def test_graphs_share_their_equal_folded_integers():
     for k, v in qep_b.state_dict.items():  # the program the lowering reads: the same tensors
         if k.startswith(FOLDED):
             assert ptr(v) == ptr(fb[k])
+
+
+# --------------------------------------------------------------------------- torch's runs of the converted modules
+
+def _decomposed_dequantize(q: torch.Tensor, scales: torch.Tensor, zps: torch.Tensor | None) -> torch.Tensor:
+    from circleops.quantize.blocked_dequantize import _dequantize_per_channel
+
+    return _dequantize_per_channel()(
+        q, scales, zps, 0, int(torch.iinfo(q.dtype).min), int(torch.iinfo(q.dtype).max), q.dtype)
+
+
+@pytest.mark.parametrize("case", ["int16 per row", "int8 per row, zero points", "uint8 per row, zero points",
+                                  "int4 in int8", "int16 3-d"])
+def test_float32_dequantize_equals_the_op(monkeypatch, case):
+    from circleops.quantize import blocked_dequantize
+
+    monkeypatch.setattr(blocked_dequantize, "DEQUANTIZE_BLOCK", 7 * 33)  # blocks that do not divide the rows
+    rng = np.random.default_rng(2)
+    rows, cols = 101, 33
+    zps = None
+    if case == "int16 per row":
+        q = _int_table(rows, cols, np.int16)
+    elif case == "int8 per row, zero points":
+        q, zps = _int_table(rows, cols, np.int8), torch.from_numpy(rng.integers(-20, 20, rows))
+    elif case == "uint8 per row, zero points":
+        q, zps = _int_table(rows, cols, np.uint8), torch.from_numpy(rng.integers(0, 255, rows))
+    elif case == "int4 in int8":
+        q = torch.from_numpy(rng.integers(-8, 8, (rows, cols), dtype=np.int8))
+    else:
+        q = _int_table(rows, 3, np.int16).reshape(rows, 1, 3).expand(rows, 11, 3).contiguous()
+    scales = torch.from_numpy((rng.random(rows) * 1e-2 + 1e-6).astype(np.float32))
+    zeros = zps if zps is not None else torch.zeros(rows, dtype=torch.int64)
+    want = _decomposed_dequantize(q, scales, zeros)
+    got = blocked_dequantize.dequantize_per_channel(q, scales, zeros, 0, int(torch.iinfo(q.dtype).min),
+                                                    int(torch.iinfo(q.dtype).max), q.dtype)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_float32_dequantize_holds_the_float_result_and_blocks_only(monkeypatch):
+    # 32M int16 (the 1B shape's int16 embedding is 263M): the op's int64 difference (256 MB)
+    # beside its 128 MB result; by blocks the result, a block's float copy and what the
+    # allocator keeps of freed blocks: at most half the result more allowed
+    from circleops.quantize import blocked_dequantize
+
+    monkeypatch.setattr(blocked_dequantize, "DEQUANTIZE_BLOCK", 1 << 20)
+    q = _int_table(8192, 4096, np.int16)
+    scales = torch.from_numpy((np.random.default_rng(0).random(8192) * 1e-3 + 1e-6).astype(np.float32))
+    zps = torch.zeros(8192, dtype=torch.int64)
+    args = (0, -32768, 32767, torch.int16)
+    blocked_dequantize.dequantize_per_channel(q[:1024], scales[:1024], zps[:1024], *args)  # code pages, threads
+    out, rise = peak_rise(lambda: blocked_dequantize.dequantize_per_channel(q, scales, zps, *args))
+    bound = out.numel() * 4 * 3 // 2
+    assert rise <= bound, f"dequantize rose {rise / MB:.0f} MB (bound {bound / MB:.0f} MB)"
+
+
+def test_converted_modules_run_float32_dequantize_and_are_restored():
+    """Within float32_dequantize a converted module computes the same outputs through the
+    float32 form (its dequantize nodes call it), and afterwards its graph is the op's again."""
+    from circleops.quantize import blocked_dequantize
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40)).eval()
+    x = (torch.randn(3, 64),)
+    converted, _ = pt2e.quantize(lin, x, pt2e.make_quantizer("int16", weight="int8"), [x])
+    op = torch.ops.quantized_decomposed.dequantize_per_channel.default
+    targets = lambda: [n.target for n in converted.graph.nodes if n.op == "call_function"]  # noqa: E731
+    before = targets()
+    n = before.count(op)
+    assert n >= 2  # the two weights (and their biases)
+    with torch.no_grad():
+        want = converted(*x)
+        with blocked_dequantize.float32_dequantize([converted]):
+            assert op not in targets() and targets().count(blocked_dequantize.dequantize_per_channel) == n
+            got = converted(*x)
+    assert targets() == before
+    assert torch.equal(got, want)
+
+
+def test_integer_references_run_on_the_written_file_without_the_lowered_models(monkeypatch, tmp_path):
+    """verify's torch runs of the converted modules (references, noise floor, quality) come
+    after the file is written and the lowered models are gone (the 1B shape: 14.6 GB held
+    by the lowering beside 5 GB of those runs, bench/results/64-npu-1b-verify.yaml), with the
+    float32 dequantize in place; the file is verified as before."""
+    import weakref
+
+    from families import BY_NAME
+
+    from circleops.package import step
+    from circleops.quantize import blocked_dequantize
+    from circleops.recipes.llm import LLMRecipe, convert_graphs
+
+    lowered_refs, seen = [], []
+    write_files, references = step.write_files, LLMRecipe.integer_references
+
+    def writing(lowered, *args, **kwargs):
+        lowered_refs.extend(weakref.ref(m) for m in lowered.values())
+        return write_files(lowered, *args, **kwargs)
+
+    def referencing(self, converted, refs):
+        nodes = [n.target for m in converted.values() for n in m.graph.nodes if n.op == "call_function"]
+        written = list(tmp_path.glob(".*/model.circle"))
+        seen.append((len(written), [r() is None for r in lowered_refs],
+                     blocked_dequantize.dequantize_per_channel in nodes))
+        return references(self, converted, refs)
+
+    monkeypatch.setattr(step, "write_files", writing)
+    monkeypatch.setattr(LLMRecipe, "integer_references", referencing)
+    torch.manual_seed(0)
+    report = convert_graphs(BY_NAME["llama"].build(), tmp_path / "out", target="circle", quantize="int16",
+                            prefill_len=4, max_cache_len=16, verify="reference", calibrate=1, rotate="off",
+                            source="tiny llama")
+    assert len(seen) == 2  # the references and their stochastic rounding
+    assert len(lowered_refs) == 2 and all(s == (1, [True, True], True) for s in seen), seen
+    assert all(g.max_abs_error is not None for g in report.graphs.values()) and report.quality is not None
+
+
+def _cyclic_bytes() -> tuple[int, int]:
+    """(objects, bytes of the tensors and arrays among or beside them) a full collection finds unreachable now."""
+    import gc
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        found = gc.collect()
+        held = 0
+        for o in gc.garbage:
+            for r in (o, *gc.get_referents(o)):
+                if isinstance(r, np.ndarray):
+                    held += r.nbytes
+                elif isinstance(r, torch.Tensor):
+                    held += r.numel() * r.element_size()
+        return found, held
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+def test_a_graphs_lowering_leaves_no_tables_in_reference_cycles():
+    """What the integer lowering of a graph leaves in reference cycles (its float constants,
+    torch.fx graphs) is collected before the next graph's lowering: without that, a 2-layer
+    model of the Llama-3.2-1B width (vocabulary 32768) peaked 0.5 GB higher in the lowering
+    and 1.0 GB higher in verify's torch runs after it (bench/results/65-npu-1b-verify-memory.yaml)."""
+    from circleops.package import step
+    from circleops.pipeline import stages
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)).eval()
+    x = (torch.randn(3, 512),)
+    _, qep = pt2e.quantize(lin, x, pt2e.make_quantizer("int16", weight="int8"), [x])
+    opts = stages.Options("circle", torch.float32, quantize="int16")
+    _cyclic_bytes()
+    model = step.lower_graph(qep, step.Graph("main", lin, x, ["x"], ["y"]), opts)
+    found, held = _cyclic_bytes()
+    assert model.subgraphs[0].operators and (found, held) == (0, 0), (found, held)
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tied Llama from disk (its weights in the checkpoint's mapping, as convert loads
+    them) with an embedding of 1 MiB: what the rotation unties and writes."""
+    from families import BY_NAME
+
+    out = tmp_path_factory.mktemp("tied_llama")
+    BY_NAME["llama"].build(vocab_size=4096, tie_word_embeddings=True).save_pretrained(out)
+    return out
+
+
+def test_rotation_gives_back_what_nothing_reads(tied_llama_dir):
+    """release_unread: the embedding gets its file's values back (its written pages dropped),
+    the untied head's clone is freed; a weight still read keeps its rotated values; the exit
+    ties the head again and the model computes what it did."""
+    from circleops.quantize import rotate
+    from circleops.sources.models import load_hf_dir
+
+    model = load_hf_dir(tied_llama_dir)
+    ids = torch.tensor([[5, 77, 3000, 12]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    embed = model.get_input_embeddings().weight
+    original = embed.detach().clone()
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    with rotate.rotated(model) as report:
+        head = model.get_output_embeddings().weight
+        assert report.layers == 2 and head is not embed and report.untied is head
+        assert not torch.equal(embed, original)
+        rotated_q = q_proj.detach().clone()
+        read = {p.untyped_storage().data_ptr() for p in model.parameters() if p is not embed and p is not head}
+        released = rotate.release_unread(report, read)
+        assert released == 2 * embed.numel() * 4
+        assert torch.equal(embed, original) and head.untyped_storage().nbytes() == 0
+        assert torch.equal(q_proj, rotated_q)
+    assert model.get_output_embeddings().weight is embed
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_converted_graphs_written_the_same_without_the_rotated_tables(tied_llama_dir, monkeypatch, tmp_path):
+    """The 16a4w recipe (rotation on) gives the rotated embedding and untied head back once
+    PT2E has folded them, before the lowering; the file is byte for byte the one written
+    with them kept."""
+    from circleops.package import step
+    from circleops.quantize import rotate
+    from circleops.recipes.llm import convert_graphs
+    from circleops.sources.models import load_hf_dir
+
+    held, release = [], rotate.release_unread
+    build = step._build
+
+    def building(recipe, *args, **kwargs):
+        head = recipe.weights_module().get_output_embeddings().weight
+        held.append(head.untyped_storage().nbytes())
+        return build(recipe, *args, **kwargs)
+
+    monkeypatch.setattr(step, "_build", building)
+    files = []
+    for keep in (True, False):
+        monkeypatch.setattr(rotate, "release_unread", (lambda *a: 0) if keep else release)
+        out = tmp_path / f"keep{keep}"
+        convert_graphs(load_hf_dir(tied_llama_dir), out, target="circle", quantize="int16", weight_bits=4,
+                       prefill_len=4, max_cache_len=16, calibrate=1, rotate="on", gptq=False, int8_weights="none",
+                       source="tied llama")
+        files.append((out / "model.circle").read_bytes())
+    assert held == [4096 * 64 * 4, 0]
+    assert files[0] == files[1]
+
+
+def _ir_tensor(q: torch.Tensor, scale: np.ndarray, zp: np.ndarray, axis: int):
+    from circleops import ir
+
+    dtype = {torch.int8: "INT8", torch.uint8: "UINT8", torch.int16: "INT16"}[q.dtype]
+    return ir.Tensor("t", tuple(q.shape), dtype, q.numpy(), ir.QuantParams(scale, zp.astype(np.int64), axis))
+
+
+@pytest.mark.parametrize("case", ["int16 per row", "int8 per column, zero points", "uint8 per tensor"])
+def test_reference_interpreter_dequantize_equals_the_int64_form(case):
+    from circleops.runtime.kernels import quantized
+
+    rng = np.random.default_rng(3)
+    rows, cols = 101, 33
+    if case == "int16 per row":
+        q, scale, zp, axis = _int_table(rows, cols, np.int16), rng.random(rows) * 1e-3 + 1e-6, np.zeros(rows), 0
+    elif case == "int8 per column, zero points":
+        q, scale, zp, axis = _int_table(rows, cols, np.int8), rng.random(cols) * 0.1, rng.integers(-9, 9, cols), 1
+    else:
+        q, scale, zp, axis = _int_table(rows, cols, np.uint8), np.array([0.0371]), np.array([201]), 0
+    t = _ir_tensor(q, scale, zp, axis)
+    s, z = quantized.params(t, q.dim())
+    want = (q.to(torch.int64) - z).to(torch.float32) * s.to(torch.float32)
+    got = quantized.dequantize(q, t)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_reference_interpreter_dequantize_holds_the_float_result_only():
+    # 32M int16: through int64 a 256 MB difference beside the 128 MB result; in place in
+    # float32 the result alone (a quarter more allowed for the allocator)
+    from circleops.runtime.kernels import quantized
+
+    q = _int_table(8192, 4096, np.int16)
+    scale = np.random.default_rng(0).random(8192) * 1e-3 + 1e-6
+    t = _ir_tensor(q, scale, np.zeros(8192), 0)
+    quantized.dequantize(q[:64], _ir_tensor(q[:64], scale[:64], np.zeros(64), 0))  # code pages, before the counter
+    out, rise = peak_rise(lambda: quantized.dequantize(q, t))
+    bound = out.numel() * 4 * 5 // 4
+    assert rise <= bound, f"dequantize rose {rise / MB:.0f} MB (bound {bound / MB:.0f} MB)"
