@@ -41,16 +41,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:
-    nll, n = 0.0, 0
-    with torch.no_grad():
-        for w in windows:
-            logits = model(torch.tensor([w])).logits[0, :-1].double()
-            nll += torch.nn.functional.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum").item()
-            n += len(w) - 1
-    return math.exp(nll / n)
+from int4_quality import perplexity  # noqa: E402 - the same teacher-forced perplexity as the int4 table's
 
 
 def hadamard(n: int) -> torch.Tensor:
