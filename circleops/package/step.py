@@ -254,7 +254,7 @@ def _integer_references(recipe: Any, converted: dict[str, Any], references: "Ref
     from circleops.quantize.blocked_dequantize import float32_dequantize
 
     tracker = pkg.tracker
-    collect_garbage()  # the lowered models' cycles
+    collect_garbage(sum(_weight_bytes(m) for m in converted.values()))  # the lowered models' cycles
     with float32_dequantize(converted.values()):
         with tracker.stage("torch reference logits", "verify", enter=False):
             own = recipe.integer_references(converted, references.own)
@@ -395,19 +395,39 @@ def lower_graph(ep: Any, graph: Graph, opts: Any) -> Any:
         from circleops.lowering.table_blocks import split_large_weights
 
         split_large_weights(model)
-    collect_garbage()
+    collect_garbage(_weight_bytes(ep))
     return model
 
 
-def collect_garbage() -> None:
-    """A full collection now: what a lowering (or a torch run) leaves in reference cycles
+# A full collection costs ~0.3 s with torch and transformers loaded (600k objects; 18 % of a
+# generate test run's time when every graph's lowering collected): worth it only where the
+# cycles hold weights of a size that moves the peak.
+COLLECT_FROM_BYTES = 64 * 2**20
+
+
+def collect_garbage(weight_bytes: int) -> None:
+    """A full collection now, for a graph of ``weight_bytes`` of weights of at least
+    :data:`COLLECT_FROM_BYTES`: what a lowering (or a torch run) leaves in reference cycles
     (torch.fx graphs, the lowering's float constants) is freed before the next graph's
     lowering piles up its own beside it, not when the collector next happens to run (the
     16a4w recipe on 2 layers of the Llama-3.2-1B width, vocabulary 32768, with --verify: the
     lowering's peak 3.46 -> 2.98 GB, verify's torch runs after it 3.98 -> 2.93 GB, issue 32)."""
     import gc
 
-    gc.collect()
+    if weight_bytes >= COLLECT_FROM_BYTES:
+        gc.collect()
+
+
+def _weight_bytes(program: Any) -> int:
+    """The bytes of an exported program's parameters, buffers and constants (a module's
+    state dict: PT2E's converted graphs)."""
+    import torch
+
+    if isinstance(program, torch.nn.Module):
+        tensors = list(program.state_dict().values())
+    else:
+        tensors = [*program.state_dict.values(), *getattr(program, "constants", {}).values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def graph_inline_ops(opts: Any) -> frozenset[str]:
