@@ -81,7 +81,7 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
     new_ops: list[ir.Operator] = []
     for op in sg.operators:
         if op.opcode == "GATHER" and linears.is_table(sg, op, is_param):
-            new_ops.extend(_lookup(sg, op, q, tensor))
+            new_ops.extend(lookup(sg, op, q, tensor))
             continue
         lin = linears.linear_weight(sg, op)
         if lin is None or op.opcode != "FULLY_CONNECTED":
@@ -103,7 +103,7 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
     sg.operators = new_ops
 
 
-def _lookup(sg: ir.Subgraph, op: ir.Operator, q: Any, tensor: Callable) -> list[ir.Operator]:
+def lookup(sg: ir.Subgraph, op: ir.Operator, q: Any, tensor: Callable) -> list[ir.Operator]:
     """GATHER(table, ids) as EMBEDDING_LOOKUP(1-D int32 ids, the quantized table) -> [ids, H]:
     LiteRT's GATHER of a quantized table returns its integers, EMBEDDING_LOOKUP the dequantized
     rows (measured), and it takes only 1-D ids."""

@@ -21,7 +21,10 @@ onert 0.1.0 executes (shared/FACTS.md, "onert quantized weights"):
 for onert's hybrid FULLY_CONNECTED (float input and output), then a MUL by the per-channel
 scales [N] (onert reads only scale[0]), then the bias ADD and the activation as above, in
 the same FULLY_CONNECTED form; any K; the embedding stays FLOAT32 (onert loads no INT8
-GATHER table), so a tied lm_head gets its own INT8 weight.
+GATHER table), so a tied lm_head gets its own INT8 weight. In a .tflite file (form
+PER_CHANNEL: LiteRT's dynamic-range FULLY_CONNECTED, the weight carrying its per-row scales)
+the table is that same INT8 tensor, read by an EMBEDDING_LOOKUP (which LiteRT dequantizes),
+so a tied table and head are one buffer, as in litert-torch's int8 files.
 
 It runs after lowering, on the IR, so it needs nothing from the lowering beyond the ops it
 wrote. GGML weights whose K is not a multiple of 32 stay FLOAT32 and the report names them.
@@ -125,9 +128,10 @@ class QuantReport:
         higher = self.higher_precision
         count = f"{len(self.weights) - len(higher)} weights as {dtype}" + \
             "".join(f", {n} as {d}" for d, n in sorted(Counter(w.dtype for w in higher).items()))
+        table = "INT8 per row, an EMBEDDING_LOOKUP" if form == formats.PER_CHANNEL else "GGML_Q4_0 (int32 ids)"
         lines = [f"{count} ({self.fp32_bytes / 1e6:.1f} MB fp32 -> "
-                 f"{self.ggml_bytes / 1e6:.1f} MB)" + (f"; embedding {self.embedding} as GGML_Q4_0 "
-                                                       "(int32 ids)" if self.embedding else "")]
+                 f"{self.ggml_bytes / 1e6:.1f} MB)" + (f"; embedding {self.embedding} as {table}"
+                                                       if self.embedding else "")]
         if higher:
             lines.append("kept at higher precision: the output head (lm_head) " + ", ".join(
                 f"{w.name} {list(w.shape)} as {w.dtype}" for w in higher) + "; --quantize q4_0-pure stores it at 4 bits")
@@ -433,10 +437,10 @@ def _swapped_in_place(entries: list, report: QuantReport | None, model: torch.nn
 
 
 def _hybrid(report: QuantReport) -> bool:
-    """Whether the report's format writes int8 linears with float inputs (HYBRID or
-    PER_CHANNEL: an embedding table then stays float in the file while its tied head is
-    quantized)."""
-    return (report.form or formats.get(report.format).form) in (formats.HYBRID, formats.PER_CHANNEL)
+    """Whether the report's format writes onert's hybrid int8 linears (HYBRID: an embedding
+    table then stays float in the file while its tied head is quantized; PER_CHANNEL
+    .tflite files store the table as the head's INT8 tensor)."""
+    return (report.form or formats.get(report.format).form) == formats.HYBRID
 
 
 @contextlib.contextmanager
@@ -477,6 +481,9 @@ class _Quantizer:
         self.codec_options = self.format.codec_options()
         self.codec = self.format.codec_module()  # packs the format's types (the head's too)
         self.pure = self.format.tied_table  # the embedding table's blocks serve a tied head too
+        # the GATHER tables stored quantized: the format's (q4_0, int4), or w8's in a .tflite
+        # file, where an INT8 table with per-row scales is an EMBEDDING_LOOKUP LiteRT dequantizes
+        self.tables_quantized = self.format.embedding or self.per_channel
         self.report = report
         self.pretrained = pretrained or {}
         self.cache = cache if cache is not None else {}
@@ -645,7 +652,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
 def _jobs(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str], bool]) -> Iterator[tuple]:
     """The (tensor, [N, K], dtype, role) blocks _quantize_subgraph will ask for, in its order."""
     for op in sg.operators:
-        if op.opcode == "GATHER" and q.format.embedding:
+        if op.opcode == "GATHER" and q.tables_quantized:
             t = sg.tensors[op.inputs[0]]
             if _is_table(sg, op, is_param) and t.shape[1] % q.block == 0:
                 yield t, tuple(t.shape), q.format.table_type or q.dtype, "table"
@@ -668,6 +675,9 @@ def _quantize_subgraph(sg: ir.Subgraph, q: _Quantizer, is_param: Callable[[str],
     rw = _Rewrite(sg, q)
     new_ops: list[ir.Operator] = []
     for op in sg.operators:
+        if op.opcode == "GATHER" and q.per_channel:
+            new_ops.extend(_per_channel_lookup(sg, op, q, is_param, rw))
+            continue
         if op.opcode == "GATHER" and q.format.embedding:
             new_ops.extend(_gather(sg, op, q, is_param, kept, ggml_tensor=rw.ggml_tensor, new_tensor=rw.new_tensor))
             continue
@@ -717,14 +727,15 @@ class _Rewrite:
                 ir.Tensor(f"{name}_scale", (shape2d[0],), "FLOAT32", packed.scale))
         return self.converted[key], self.converted[(index, "scale", shape2d)]
 
-    def int8_per_channel(self, index: int, shape2d: tuple[int, int]) -> int:
+    def int8_per_channel(self, index: int, shape2d: tuple[int, int], role: str = "linear") -> int:
         """The INT8 weight carrying its per-output-channel scales (quantized_dimension 0, zero
-        points 0): TFLite's dynamic-range FULLY_CONNECTED, as LiteRT's own quantizer writes it."""
+        points 0): TFLite's dynamic-range FULLY_CONNECTED, as LiteRT's own quantizer writes it;
+        an embedding table's rows the same way (one tensor with its tied head)."""
         key = (index, "per_channel", shape2d)
         if key not in self.converted:
             t = self.sg.tensors[index]
-            packed = self.q.blocks(t, shape2d, self.q.dtype)
-            name = self.q.name(t) + self._tied_suffix(t, "_int8")
+            packed = self.q.blocks(t, shape2d, self.q.dtype, role)
+            name = self.q.name(t)
             self.converted[key] = self.sg.add_tensor(ir.Tensor(name, shape2d, self.q.dtype, packed.q, ir.QuantParams(
                 np.asarray(packed.scale, np.float32), np.zeros(shape2d[0], np.int64), 0)))
         return self.converted[key]
@@ -801,6 +812,18 @@ class _Rewrite:
         if y != out_i:
             post.append(self.reshape(y, tuple(out.shape), out_i)[0])
         return post
+
+
+def _per_channel_lookup(sg: ir.Subgraph, op: ir.Operator, q: _Quantizer, is_param: Callable[[str], bool],
+                        rw: _Rewrite) -> list[ir.Operator]:
+    """w8 in a .tflite file: the GATHER of an embedding table as an EMBEDDING_LOOKUP of the
+    table's INT8 rows, each with its scale (a tied head's FULLY_CONNECTED reads the same
+    tensor); any other GATHER as it is."""
+    if not _is_table(sg, op, is_param):
+        return [op]
+    from circleops.quantize import int4_tflite
+
+    return int4_tflite.lookup(sg, op, q, lambda index, shape2d, dtype, role: rw.int8_per_channel(index, shape2d, role))
 
 
 def _gather(sg, op, q, is_param, kept, *, ggml_tensor, new_tensor) -> list[ir.Operator]:

@@ -347,11 +347,13 @@ def test_cli_convert_w8(capsys, tmp_path, llama_config):
     _check_w8_layout(out)
 
 
-def _check_w8_tflite_layout(path, subgraphs=None):
+def _check_w8_tflite_layout(path, subgraphs=None, tied=False):
     """TFLite's dynamic-range form (litert-torch's own int8 recipe writes the same): every
     FULLY_CONNECTED weight INT8 [N, K] carrying its N per-channel scales (quantized dimension 0,
     zero points 0), float input and output, no MUL after it; the scales are those of
-    quantize_per_channel of the values they encode; the embedding table stays FLOAT32."""
+    quantize_per_channel of the values they encode; the embedding table is INT8 with one scale
+    per row too, read by an EMBEDDING_LOOKUP (LiteRT dequantizes its rows), no FLOAT32 copy of
+    it in the file, and a tied head's FULLY_CONNECTED reads that same tensor."""
     from ai_edge_litert import schema_py_generated as S  # LiteRT's own reading of the file
 
     model = S.ModelT.InitFromPackedBuf(path.read_bytes(), 0)
@@ -360,10 +362,17 @@ def _check_w8_tflite_layout(path, subgraphs=None):
     for si in subgraphs if subgraphs is not None else [0]:
         sg = model.subgraphs[si]
         readers = {i: op for op in sg.operators for i in op.inputs}
+        fc_weights, lookups = set(), []
         for op in sg.operators:
             code = model.operatorCodes[op.opcodeIndex]
-            if names[max(code.builtinCode, code.deprecatedBuiltinCode)] != "FULLY_CONNECTED":
+            opname = names[max(code.builtinCode, code.deprecatedBuiltinCode)]
+            assert opname != "GATHER" or sg.tensors[op.inputs[0]].buffer == 0 \
+                or model.buffers[sg.tensors[op.inputs[0]].buffer].data is None, "a constant table GATHERed"
+            if opname == "EMBEDDING_LOOKUP":
+                lookups.append(op.inputs[1])
+            if opname != "FULLY_CONNECTED":
                 continue
+            fc_weights.add(op.inputs[1])
             x, w, y = (sg.tensors[i] for i in (op.inputs[0], op.inputs[1], op.outputs[0]))
             assert (x.type, w.type, y.type) == (S.TensorType.FLOAT32, S.TensorType.INT8, S.TensorType.FLOAT32)
             assert code.version >= 5  # LiteRT's per-channel hybrid FULLY_CONNECTED
@@ -381,7 +390,12 @@ def _check_w8_tflite_layout(path, subgraphs=None):
             checked += 1
         tables = [t for t in sg.tensors if t.buffer and model.buffers[t.buffer].data is not None
                   and len(t.shape) == 2 and int(t.shape[0]) == 256 and int(t.shape[1]) == 64]
-        assert tables and any(t.type == S.TensorType.FLOAT32 for t in tables)  # the embedding table
+        assert tables and all(t.type == S.TensorType.INT8 for t in tables)  # the embedding table (and head)
+        assert len(lookups) == 1
+        table = sg.tensors[lookups[0]]
+        assert table.type == S.TensorType.INT8 and np.asarray(table.quantization.scale).shape == (256,)
+        if tied:  # one tensor for the lookup and the head
+            assert lookups[0] in fc_weights
     assert checked
     return checked
 
@@ -400,7 +414,8 @@ def test_convert_w8_tflite_runs_in_litert(tmp_path, llama):
     # float inputs (its interface): kept FLOAT32 and named (generation graphs write attention inline)
     assert _check_w8_tflite_layout(path) == 2 * 2 + 1  # per layer gate/up fused (passes.fuse_linears), down; head
     q = report.quantization
-    assert q.form == "per_channel" and len(q.weights) == 2 * 3 + 1 and all(w.dtype == "INT8" for w in q.weights)
+    # and the embedding table (int8 rows, untied here)
+    assert q.form == "per_channel" and len(q.weights) == 2 * 3 + 2 and all(w.dtype == "INT8" for w in q.weights)
     assert len(q.kept_fp32) == 2 * 4 and all("circle.attention composite" in why for _, _, why in q.kept_fp32)
     assert "dynamic-range FULLY_CONNECTED" in report.summary()
     got = litert.run(path, [ids.numpy()])[0]
@@ -415,6 +430,30 @@ def test_convert_w8_tflite_runs_in_litert(tmp_path, llama):
     fp32_path = tmp_path / "fp32.tflite"
     circleops.convert(llama, (ids,), fp32_path, target="tflite")
     assert path.stat().st_size / fp32_path.stat().st_size < 0.75  # the tiny model's fp32 table weighs a layer
+
+
+def test_w8_tflite_tied_table_is_one_int8_tensor(tmp_path, llama):
+    """A tied table and head in a w8 .tflite file: one INT8 tensor with per-row scales, read by
+    the EMBEDDING_LOOKUP and the head's FULLY_CONNECTED (litert-torch's int8 files store the
+    table int8 too; a FLOAT32 table beside an INT8 head was 1.6 of a 3B file's 4.9 GB), and
+    verify, torch on those same int8 rows for the lookup and the head, passes in LiteRT."""
+    model = copy.deepcopy(llama)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    ids = example_ids(8)
+    path = tmp_path / "tied.tflite"
+    report = circleops.convert(model, (ids,), path, target="tflite", quantize="w8", verify=True)
+    assert report.verify.passed and report.verify.runtime == "litert"
+    assert _check_w8_tflite_layout(path, tied=True) == 2 * 2 + 1
+    q = report.quantization
+    assert q.embedding.endswith("embed_tokens.weight") and "EMBEDDING_LOOKUP" in report.summary()
+    assert sum(w.shape == (256, 64) for w in q.weights) == 1  # stored once
+    fp32_path = tmp_path / "fp32.tflite"
+    circleops.convert(model, (ids,), fp32_path, target="tflite")
+    table = 256 * 64
+    # the file holds the table once, at a byte per value: an fp32 copy beside it would add 4 x table
+    untied_bytes = path.stat().st_size
+    assert untied_bytes < fp32_path.stat().st_size - 3 * 4 * table * 0.9
 
 
 def test_graphs_w8_tflite_generate(tmp_path, llama):
@@ -438,7 +477,8 @@ def test_graphs_w8_tflite_generate(tmp_path, llama):
     subgraphs = [s.subgraph_index for s in read_signatures(str(path))]
     # per layer q/k/v and gate/up fused (passes.fuse_linears), o, down; the head
     assert _check_w8_tflite_layout(path, subgraphs) == 3 * (2 * 4 + 1)
-    assert len(report.quantization.weights) == 2 * 7 + 1  # the signatures share one set of int8 weights
+    # the signatures share one set of int8 weights (the linears, the head, the table)
+    assert len(report.quantization.weights) == 2 * 7 + 2
     gen = Generator(manifest).generate([5, 17, 42], 6)
     assert gen.runtime == "litert" and (len(gen.tokens) == 6 or gen.stopped_at_eos)
     err = max(info.max_abs_error for info in report.graphs.values())
@@ -466,7 +506,9 @@ def test_quant_check_w8_litert(llama):
     r = quant_check(llama, None, quantize="w8", prompt_ids=[5, 17, 42], new_tokens=6, window=64, max_windows=2,
                     runtime="litert")
     assert r.runtime == "litert" and r.perplexity_tokens == 2 * 63
-    assert any("15 weights as INT8 per channel (dynamic-range" in line for line in r.quantization), r.quantization
+    # 14 linears, the head and the (untied) embedding table
+    assert any("16 weights as INT8 per channel (dynamic-range" in line and "as INT8 per row, an EMBEDDING_LOOKUP"
+               in line for line in r.quantization), r.quantization
     assert abs(r.perplexity_ratio - 1) < 0.05  # measured -2.2 % on the sharp tiny Llama (random weights)
 
 
