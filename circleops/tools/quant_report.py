@@ -504,8 +504,10 @@ def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example,
         if recipe is not None and opts.target == "onert":
             lines[0] = lines[0].replace(recipe.weight_label, "uint8 per-tensor weights (target onert)")
         weights = pipeline.WeightInputs()
-    else:  # a fresh report per file, the blocks shared
-        weights = dataclasses.replace(weights, report=None, cache={}, fused_cache={})
+    # else the files share ``weights`` (report, blocks, fused linears), as a convert's graphs
+    # do: w8's SmoothQuant gives each folded weight its own values back once its blocks exist
+    # (circleops.system.snapshot.restore_read), so a second file quantizing afresh read the
+    # unsmoothed weights beside the smoothed norms (SmolLM2's w8 perplexity 1.9e6, not 28.7)
     built = pipeline.build({"main": ep}, opts, weights)
     pipeline.write(built.models["main"], path, opts)
     return lines if lines is not None else built.quantization.summary_lines()
