@@ -325,11 +325,13 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
     head_module = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     from circleops.quantize.integer.folded_floats import read_storages
     from circleops.quantize.rotate import release_unread
+    from circleops.quantize.blocked_fold import shared_folds
     from circleops.quantize.integer.shared import SharedIntegers
 
     qeps, converted = {}, {}
     shared = SharedIntegers()  # one storage for the integer tables the graphs hold alike
-    with pkg.tracker.stage("calibrate"), torch.no_grad():
+    # the later graphs' folds of the same tables return the earlier graph's integers (none made twice)
+    with pkg.tracker.stage("calibrate"), torch.no_grad(), shared_folds():
         cal = recipe.integer_calibration(integer.calibrate)
         for name, ep in eps.items():
             g = programs[name]
