@@ -1,0 +1,170 @@
+"""The memory of the 16a4w NPU recipe before and through PT2E, issue 32: what the rotation's
+fold check, the per-group rounding and the graphs' folds of the same tables held beside the
+rotated weights (the Llama-3.2-1B shape's convert peaked in calibration at 2.17x its fp32
+weights). Each fix writes the same file byte for byte."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from circleops.quantize import blocked_fold, grouped, rotate
+
+
+# --------------------------------------------------------------------------- the per-group integers
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_integers_are_read_back_exactly_from_the_float_weight(bits, monkeypatch):
+    """The rounding keeps its scales only (its int8 integers were 0.97 GB at the 1B shape from
+    before export to the write); the lowering reads q back from the float weight s_r·m·q it
+    finds, exactly, over the whole grid and row scales from 1e-15 to 1e3, once for all graphs."""
+    monkeypatch.setattr(grouped, "INTEGERS_BLOCK", 7 * 256)  # blocks of 7 rows: they do not divide the 96
+    gen = torch.Generator().manual_seed(0)
+    rows, cols, group = 96, 256, 16
+    qmax = grouped.qmax_for(bits)
+    q = torch.randint(-qmax, qmax + 1, (rows, cols), generator=gen).to(torch.float32)
+    q[0, :2 * qmax + 1] = torch.arange(-qmax, qmax + 1)  # every integer of the grid
+    s_r = (10.0 ** (torch.rand(rows, generator=gen) * 18 - 15)).to(torch.float32)
+    mult = torch.randint(1, grouped.MULT_MAX + 1, (rows, cols // group), generator=gen) if bits == 4 else None
+    mult = None if mult is None else mult.index_fill_(1, torch.tensor([0]), grouped.MULT_MAX)
+    report = grouped.GroupedReport(4, group, "test")
+    w = grouped.record(report, "lin", torch.nn.Linear(cols, rows, bias=False), q, s_r, mult)
+    (gw,) = report.weights.values()
+    assert gw.q is None  # nothing of the size of the weight held from the rounding on
+    values, dtype, qp = grouped.blockwise_params("lin", gw, w)
+    assert dtype == ("INT4" if bits == 4 else "INT8")
+    assert np.array_equal(values, q.numpy().astype(np.int8)) and not values.flags.writeable
+    again, _, _ = grouped.blockwise_params("lin", gw, w.clone())  # the next graph's lowering
+    assert np.shares_memory(again, values)
+
+
+def test_grouped_integers_refuse_a_weight_off_the_grid():
+    report = grouped.GroupedReport(4, 16, "test")
+    q = torch.ones(4, 32)
+    w = grouped.record(report, "lin", torch.nn.Linear(32, 4, bias=False), q, torch.full((4,), 0.01), torch.ones(4, 2))
+    (gw,) = report.weights.values()
+    with pytest.raises(ValueError, match="not s_r·m·q"):
+        gw.integers(w * 9)
+
+
+def _frame_tensors(cm) -> list[str]:
+    """The tensors a @contextmanager generator's frame holds while its block runs."""
+    return [k for k, v in cm.gen.gi_frame.f_locals.items() if isinstance(v, torch.Tensor)]
+
+
+def test_roundings_hold_no_float_copy_while_applied(tied_llama):
+    """rtn_applied's and gptq_applied's frames stay suspended while the rounding is applied:
+    their last linear's float integers and weight (0.13 GB at the 1B shape's MLP width) were
+    kept alive by them through export and calibration."""
+    from circleops.quantize.gptq import gptq_applied
+
+    model = tied_llama()
+    bits = {n: 4 for n in grouped.eligible_linears(model) if n != "lm_head"}
+    cm = grouped.rtn_applied(model, bits, 16)
+    report = cm.__enter__()
+    try:
+        assert report.names and _frame_tensors(cm) == []
+    finally:
+        cm.__exit__(None, None, None)
+    ids = [(torch.arange(12)[None],)]
+    cm = gptq_applied(model, ids, bits, group=16)
+    report = cm.__enter__()
+    try:
+        assert report.linears and _frame_tensors(cm) == []
+    finally:
+        cm.__exit__(None, None, None)
+
+
+# --------------------------------------------------------------------------- the rotation's fold check
+
+def test_fold_error_by_blocks_is_the_whole_float64_figure(monkeypatch):
+    """The fold check compares the fp32 logits a block at a time (its float64 copies of the
+    1B shape's logits and their difference were 4 x 131 MB): the same figure, NaN included."""
+    monkeypatch.setattr(rotate, "FOLD_ELEMENTS", 1000)  # blocks that do not divide the logits
+    gen = torch.Generator().manual_seed(0)
+    before = torch.randn(1, 37, 301, generator=gen) * 30
+    after = before + torch.randn(before.shape, generator=gen) * 1e-4
+    whole = float((after.double() - before.double()).abs().max()) / max(float(before.double().abs().max()), 1.0)
+    assert rotate.fold_error(before, after) == whole
+    after.view(-1)[-1] = float("nan")
+    assert rotate.fold_error(before, after) != rotate.fold_error(before, after)  # NaN: the check fails
+
+
+def test_fold_check_keeps_the_models_logits_dtype(tied_llama):
+    model = tied_llama()
+    assert rotate._logits(model, torch.arange(6)[None]).dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- the graphs' folds and the file
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tied Llama from disk (its weights in the checkpoint's mapping, as convert loads them)."""
+    from families import BY_NAME
+
+    out = tmp_path_factory.mktemp("tied_llama")
+    BY_NAME["llama"].build(vocab_size=4096, tie_word_embeddings=True).save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def tied_llama(tied_llama_dir):
+    from circleops.sources.models import load_hf_dir
+
+    return lambda: load_hf_dir(tied_llama_dir)
+
+
+def _convert(model, out, **kw):
+    from circleops.recipes.llm import convert_graphs
+
+    convert_graphs(model, out, target="circle", quantize="int16", weight_bits=4, prefill_len=4, max_cache_len=16,
+                   calibrate=1, rotate="on", source="tied llama", **kw)
+    return (out / "model.circle").read_bytes()
+
+
+def test_later_graphs_fold_no_second_table_and_the_file_is_the_same(tied_llama, monkeypatch, tmp_path):
+    """The decode graph's convert_pt2e returns the prefill graph's integer tables (the 1B
+    shape's int16 embedding and int8 head, 0.79 GB, were made again, then swapped for the
+    first graph's); with the per-group integers read back in the lowering too, the file is
+    byte for byte the one written with the integers kept and every table folded per graph."""
+    import contextlib
+
+    from circleops.quantize.integer.shared import SharedIntegers
+
+    monkeypatch.setattr(blocked_fold, "FOLD_BLOCK", 1 << 12)  # the tiny model's 4096 x 64 tables count as large
+    freed = []
+    share = SharedIntegers.share
+    monkeypatch.setattr(SharedIntegers, "share", lambda self, *a: freed.append(share(self, *a)) or freed[-1])
+    record = grouped.record
+
+    def eager(report, name, lin, q, row_scale, mult):  # the integers kept from the rounding on, as before
+        w = record(report, name, lin, q, row_scale, mult)
+        report.weights[grouped.key(w)].q = q.to(torch.int8)
+        return w
+
+    files, swapped = [], []
+    for before in (True, False):
+        freed.clear()
+        with monkeypatch.context() as m:
+            if before:
+                m.setattr(grouped, "record", eager)
+                m.setattr(blocked_fold, "shared_folds", contextlib.nullcontext)
+            files.append(_convert(tied_llama(), tmp_path / f"before{before}", gptq=False, int8_weights="none"))
+        swapped.append(list(freed))  # per graph: the bytes of its copies swapped for earlier equal tensors
+    # the decode graph no longer makes the int16 embedding and int8 head (4096 x 64) to swap them
+    assert swapped[1][0] == swapped[0][0] and swapped[0][1] - swapped[1][1] == 4096 * 64 * (2 + 1), swapped
+    assert files[0] == files[1]
+
+
+def test_default_recipe_gives_back_the_gptq_rounded_head(tied_llama, monkeypatch, tmp_path):
+    """GPTQ spills the untied head it rounds through numpy, which leaves its storage
+    unresizable: giving it back after PT2E failed ("Trying to resize storage that is not
+    resizable") and the default 16a4w recipe stopped on any tied LLM. Now the parameter lets
+    go of it; the file is the one written with it kept."""
+    files = []
+    for keep in (True, False):
+        with monkeypatch.context() as m:
+            if keep:
+                m.setattr(rotate, "release_unread", lambda *a: 0)
+            files.append(_convert(tied_llama(), tmp_path / f"keep{keep}"))
+    assert files[0] == files[1]
