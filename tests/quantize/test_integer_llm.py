@@ -343,6 +343,7 @@ def test_rotation_rounds_large_weights_a_block_of_rows_at_a_time(monkeypatch):
         return out
 
     monkeypatch.setattr(rotate, "ROTATE_ELEMENTS", 1024)
+    monkeypatch.setattr(rotate, "FOLD_ELEMENTS", 1024)  # the fold check's logits by blocks too
     monkeypatch.setattr(torch.Tensor, "double", counted)
     table, blocks = rotated_weights()
     assert largest[0] < table  # neither table whole in float64
