@@ -304,11 +304,13 @@ def _prepare_integer(recipe: Any, integer: Any, restore: contextlib.ExitStack, t
 
     from circleops.pipeline.stages import hf_export_settings
     from circleops.quantize.llm import prepare_llm
+    from circleops.system.memory import trim_heap
 
     model = recipe.weights_module()
     example = (torch.zeros(1, 1, dtype=torch.int64),)  # an LLM's GPTQ windows come from the calibration text
     with hf_export_settings(model), torch.no_grad():
         prepare_llm(model, example, integer, restore, (recipe.options.calibration_data, recipe.tokenizer), tracker)
+    trim_heap()  # the steps' freed temporaries between what they keep, before export and calibration
 
 
 def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, Any],
@@ -326,6 +328,7 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
     from circleops.quantize.integer.folded_floats import read_storages
     from circleops.quantize.rotate import release_unread
     from circleops.quantize.blocked_fold import shared_folds
+    from circleops.system.memory import trim_heap
     from circleops.quantize.integer.shared import SharedIntegers
 
     qeps, converted = {}, {}
@@ -344,6 +347,7 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
                 fixed=fixed)
             converted[name], qeps[name] = stages.quantize_program(ep, g.module, opts, calibration)
             shared.share(converted[name], qeps[name])
+            trim_heap()  # calibration's and convert_pt2e's freed temporaries, before the next graph's
         if integer.rotated is not None:  # the rotated weights every graph now holds as integers
             # (the embedding, the untied head) given back: nothing reads them until the restore
             release_unread(integer.rotated, read_storages(converted.values(), qeps.values()))
