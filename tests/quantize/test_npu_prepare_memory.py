@@ -168,3 +168,50 @@ def test_default_recipe_gives_back_the_gptq_rounded_head(tied_llama, monkeypatch
                 m.setattr(rotate, "release_unread", lambda *a: 0)
             files.append(_convert(tied_llama(), tmp_path / f"keep{keep}"))
     assert files[0] == files[1]
+
+
+# --------------------------------------------------------------------------- the lowering's float tables
+
+def _mapping_of(t: torch.Tensor) -> str:
+    """The /proc/self/maps line of the mapping holding ``t``'s first byte."""
+    ptr = t.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= ptr < end:
+            return line.strip()
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.parametrize("dtype, per_row", [(torch.int16, True), (torch.int8, True), (torch.int8, False)])
+def test_lowering_float_table_is_the_same_values_in_a_file_not_in_memory(monkeypatch, dtype, per_row):
+    """The integer lowering's float constant of a large table (2 x 1.05 GB per graph at the 1B
+    shape, its lowering's peak) is the dequantized table, value for value, in a deleted
+    temporary file's mapping: not anonymous memory, nothing resident until read."""
+    from circleops.quantize.integer import qdq, spilled
+
+    monkeypatch.setattr(spilled, "SPILL_BYTES", 1 << 16)
+    monkeypatch.setattr(qdq, "DEQUANTIZE_BLOCK", 7 * 64)  # blocks that do not divide the rows
+    info = torch.iinfo(dtype)
+    rows = 1001
+    q = torch.randint(info.min, info.max + 1, (rows, 64), dtype=dtype, generator=torch.Generator().manual_seed(0))
+    rng = np.random.default_rng(0)
+    scale = (rng.random(rows if per_row else 1) * 1e-2 + 1e-5).astype(np.float32)
+    spec = qdq.QSpec("INT16" if dtype == torch.int16 else "INT8", scale, np.zeros(scale.size, np.int64),
+                     0, info.min, info.max, qdq.QuantPlan())
+    table = spilled.dequantized_table(q, spec)
+    where = _mapping_of(table)
+    assert where.endswith("(deleted)"), where  # a file's pages, not the heap's
+    assert table.dtype == torch.float32 and table.is_contiguous() and torch.equal(table, spec.dequantize(q))
+    small = spilled.dequantized_table(q[:10], spec if not per_row else qdq.QSpec(
+        spec.dtype, scale[:10], np.zeros(10, np.int64), 0, info.min, info.max, qdq.QuantPlan()))
+    assert not _mapping_of(small).endswith("(deleted)")  # below SPILL_BYTES: in memory
+
+
+def test_lowering_with_every_table_spilled_writes_the_same_file(tied_llama, monkeypatch, tmp_path):
+    from circleops.quantize.integer import spilled
+
+    files = []
+    for spill in (False, True):
+        monkeypatch.setattr(spilled, "SPILL_BYTES", 1 if spill else 1 << 62)
+        files.append(_convert(tied_llama(), tmp_path / f"spill{spill}", gptq=False, int8_weights="none"))
+    assert files[0] == files[1]
