@@ -212,6 +212,7 @@ def _references(recipe: Any, opts: Any, tracker: Any) -> "References | None":
 def _package(recipe: Any, pkg: Package, weights: Any, references: "References | None") -> GraphsReport:
     """The step's work into the staging directory: export, build, write, compare."""
     from circleops.pipeline import stages
+    from circleops.quantize.grouped import forget_integers
 
     opts, tracker = pkg.opts, pkg.tracker
     with tracker.stage("export"), recipe.exporting():  # the recipe's settings hold while its graphs are built
@@ -228,6 +229,7 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
+        forget_integers()  # the per-group integers the lowering read back: written, no longer read
         manifest = recipe.manifest(pkg.staging, opts, pkg.plan, infos)  # and the assets beside it
     if converted is not None:
         quantization = pkg.integer

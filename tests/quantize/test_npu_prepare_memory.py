@@ -38,6 +38,23 @@ def test_grouped_integers_are_read_back_exactly_from_the_float_weight(bits, monk
     assert np.shares_memory(again, values)
 
 
+def test_integers_read_back_are_dropped_once_written():
+    """After the write nothing reads the integers the lowering read back (0.97 GB at the 1B
+    shape through verify's torch runs and runtime): forget_integers drops them, and a later
+    lowering reads them back, the same."""
+    report = grouped.GroupedReport(4, 16, "test")
+    q = torch.randint(-7, 8, (8, 32), generator=torch.Generator().manual_seed(0)).to(torch.float32)
+    w = grouped.record(report, "lin", torch.nn.Linear(32, 8, bias=False), q, torch.full((8,), 0.01),
+                       torch.randint(1, 256, (8, 2)))
+    with grouped.written_as_blockwise(report.weights):
+        gw = grouped.lookup(w)
+        first, _, _ = grouped.blockwise_params("lin", gw, w)
+        assert gw.q is not None and grouped.forget_integers() == 8 * 32 and gw.q is None
+        again, _, _ = grouped.blockwise_params("lin", gw, w)
+        assert np.array_equal(first, again)
+    assert grouped.forget_integers() == 0  # outside the rounding's block: nothing open
+
+
 def test_grouped_integers_refuse_a_weight_off_the_grid():
     report = grouped.GroupedReport(4, 16, "test")
     q = torch.ones(4, 32)
