@@ -232,3 +232,28 @@ def test_lowering_with_every_table_spilled_writes_the_same_file(tied_llama, monk
         monkeypatch.setattr(spilled, "SPILL_BYTES", 1 if spill else 1 << 62)
         files.append(_convert(tied_llama(), tmp_path / f"spill{spill}", gptq=False, int8_weights="none"))
     assert files[0] == files[1]
+
+
+# --------------------------------------------------------------------------- verify's reference interpreter
+
+@pytest.mark.parametrize("zero_points", ["per row", "none", "per tensor"])
+def test_reference_integer_fc_by_row_blocks_is_the_whole_product(monkeypatch, zero_points):
+    """The reference interpreter's integer FULLY_CONNECTED made the offsets of a whole weight
+    in int64 and float64 (2 x 2.1 GB for the 1B shape's int8 lm_head, verify's peak); by
+    blocks of rows it gives the same accumulator exactly (sums of integers below 2^53)."""
+    from circleops import ir
+    from circleops.runtime.kernels import quantized
+
+    monkeypatch.setattr(quantized, "FC_BLOCK", 7 * 64)  # blocks that do not divide the 1001 rows
+    gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    rows = 1001
+    w = torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=gen)
+    scale = rng.random(rows).astype(np.float32) + 1e-3
+    zp = {"per row": rng.integers(-20, 20, rows), "none": np.zeros(rows, np.int64),
+          "per tensor": np.array([3])}[zero_points].astype(np.int64)
+    wt = ir.Tensor("w", (rows, 64), "INT8", w.numpy(),
+                   ir.QuantParams(scale if zp.size > 1 else scale[:1], zp, 0))
+    xs = torch.randint(-32768, 32768, (5, 64), generator=gen).to(torch.float64)
+    whole = xs @ (w.to(torch.int64) - quantized.params(wt, 2)[1]).to(torch.float64).T
+    assert torch.equal(quantized._rows_product(xs, w, wt), whole)
