@@ -257,3 +257,34 @@ def test_reference_integer_fc_by_row_blocks_is_the_whole_product(monkeypatch, ze
     xs = torch.randint(-32768, 32768, (5, 64), generator=gen).to(torch.float64)
     whole = xs @ (w.to(torch.int64) - quantized.params(wt, 2)[1]).to(torch.float64).T
     assert torch.equal(quantized._rows_product(xs, w, wt), whole)
+
+
+def test_reference_integer_fc_holds_no_whole_offsets():
+    """The kernel's rise above what it starts with, for a 4096 x 4096 int8 weight (16 MB): the
+    whole offsets were an int64 and a float64 copy, 2 x 128 MiB (measured 256 MiB); by blocks
+    a few 8 MiB blocks and the first product's own buffers (measured 56-69 MiB): less than one
+    whole copy allowed."""
+    from circleops import ir
+    from circleops.runtime.kernels import KernelContext, quantized
+
+    rows = cols = 4096
+    w = torch.from_numpy(np.random.default_rng(0).integers(-127, 128, (rows, cols), dtype=np.int8))
+    x = torch.from_numpy(np.random.default_rng(1).integers(-100, 100, (1, cols), dtype=np.int16))
+    qp = lambda n: ir.QuantParams(np.full(n, 1e-3, np.float32), np.zeros(n, np.int64), 0)  # noqa: E731
+    ctx = KernelContext([ir.Tensor("y", (1, rows), "INT16", None, qp(1))], None,
+                        [ir.Tensor("x", (1, cols), "INT16", None, qp(1)), ir.Tensor("w", (rows, cols), "INT8", None, qp(rows))])
+    op = ir.Operator("FULLY_CONNECTED", [0, 1], [2])
+    quantized._fc(op, [x, w], ctx)  # the first product's one-time buffers
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _rss("VmRSS")
+    (y,) = quantized._fc(op, [x, w], ctx)
+    rise = _rss("VmHWM") - start
+    assert tuple(y.shape) == (1, rows) and rise < rows * cols * 8, f"{rise / 2**20:.0f} MiB"
+
+
+def _rss(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
