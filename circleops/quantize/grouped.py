@@ -86,6 +86,8 @@ def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips:
     column) weights each column's squared error: the output error, not the weight's."""
     qmax = 2 ** (bits - 1) - 1
     amax = groups.abs().amax(2)  # [rows, n]
+    if len(clips) == 1:  # nothing to choose between: no rounding error to measure (4 weight-sized temporaries)
+        return torch.clamp(torch.round(clips[0] * amax / qmax / row_scale[:, None]), 1, MULT_MAX).to(torch.int64)
     weight = None if importance is None else importance.to(torch.float32)[None]
     best, best_err = None, None
     for c in clips:
@@ -128,7 +130,8 @@ def key(data: Any) -> tuple:
     views of the parameter the rounding wrote, never the parameter object itself."""
     t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(np.asarray(data))
     a = np.ascontiguousarray(t.to(torch.float32).numpy())
-    return tuple(a.shape), hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+    # the bytes hashed where they are (tobytes() was a copy of every weight rounded or looked up)
+    return tuple(a.shape), hashlib.blake2b(a.reshape(-1).view(np.uint8), digest_size=16).hexdigest()
 
 
 # weights read back at a time by GroupedWeight.integers (a few float32 temporaries of this size)
