@@ -212,6 +212,7 @@ def _references(recipe: Any, opts: Any, tracker: Any) -> "References | None":
 def _package(recipe: Any, pkg: Package, weights: Any, references: "References | None") -> GraphsReport:
     """The step's work into the staging directory: export, build, write, compare."""
     from circleops.pipeline import stages
+    from circleops.quantize.grouped import forget_integers
 
     opts, tracker = pkg.opts, pkg.tracker
     with tracker.stage("export"), recipe.exporting():  # the recipe's settings hold while its graphs are built
@@ -228,6 +229,7 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
     with tracker.stage("write"):
         infos = write_files(lowered, graphs, pkg.plan, opts, pkg.staging)
         del lowered
+        forget_integers()  # the per-group integers the lowering read back: written, no longer read
         manifest = recipe.manifest(pkg.staging, opts, pkg.plan, infos)  # and the assets beside it
     if converted is not None:
         quantization = pkg.integer
@@ -304,11 +306,13 @@ def _prepare_integer(recipe: Any, integer: Any, restore: contextlib.ExitStack, t
 
     from circleops.pipeline.stages import hf_export_settings
     from circleops.quantize.llm import prepare_llm
+    from circleops.system.memory import trim_heap
 
     model = recipe.weights_module()
     example = (torch.zeros(1, 1, dtype=torch.int64),)  # an LLM's GPTQ windows come from the calibration text
     with hf_export_settings(model), torch.no_grad():
         prepare_llm(model, example, integer, restore, (recipe.options.calibration_data, recipe.tokenizer), tracker)
+    trim_heap()  # the steps' freed temporaries between what they keep, before export and calibration
 
 
 def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, Any],
@@ -325,11 +329,14 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
     head_module = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     from circleops.quantize.integer.folded_floats import read_storages
     from circleops.quantize.rotate import release_unread
+    from circleops.quantize.blocked_fold import shared_folds
+    from circleops.system.memory import trim_heap
     from circleops.quantize.integer.shared import SharedIntegers
 
     qeps, converted = {}, {}
     shared = SharedIntegers()  # one storage for the integer tables the graphs hold alike
-    with pkg.tracker.stage("calibrate"), torch.no_grad():
+    # the later graphs' folds of the same tables return the earlier graph's integers (none made twice)
+    with pkg.tracker.stage("calibrate"), torch.no_grad(), shared_folds():
         cal = recipe.integer_calibration(integer.calibrate)
         for name, ep in eps.items():
             g = programs[name]
@@ -342,6 +349,7 @@ def _quantize_graphs(recipe: Any, programs: Mapping[str, Graph], eps: dict[str, 
                 fixed=fixed)
             converted[name], qeps[name] = stages.quantize_program(ep, g.module, opts, calibration)
             shared.share(converted[name], qeps[name])
+            trim_heap()  # calibration's and convert_pt2e's freed temporaries, before the next graph's
         if integer.rotated is not None:  # the rotated weights every graph now holds as integers
             # (the embedding, the untied head) given back: nothing reads them until the restore
             release_unread(integer.rotated, read_storages(converted.values(), qeps.values()))

@@ -8,10 +8,18 @@ Llama-3.2-1B shape's 128256 x 2048 embedding and lm_head (1.05 GB each) that was
 above what the process held, per graph, the peak of the 16a4w convert's calibrate stage
 (issue 32). The op is elementwise (per channel along its axis), so computing it on slices
 of rows and writing each into the integer output gives the same integers.
+
+The graphs of a set (an LLM's prefill and decode) are converted one after the other from
+the same model: each folds the same quantization of the same weights. Within
+:func:`shared_folds` a large weight's integers are made once and a later graph's fold
+returns that very tensor: at the Llama-3.2-1B shape the decode graph's int16 embedding and
+int8 lm_head (0.79 GB) are no longer made beside the prefill graph's before
+circleops.quantize.integer.shared swaps them for those (issue 32).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 import torch
@@ -55,6 +63,55 @@ def blocked_quantize(target: Any, args: tuple, kwargs: dict, per_channel: bool) 
     return out
 
 
+# the folds of the graphs converted so far (shared_folds): key -> [(the op's arguments, its integers)]
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("circleops_shared_folds", default=None)
+
+
+@contextlib.contextmanager
+def shared_folds() -> Iterator[dict]:
+    """Within the block, a large weight's folded integers are made once: a later fold of the
+    same op on the same weight (the same memory, not written since: its version counter)
+    with equal parameters returns the same integer tensor. The memo holds the weights it
+    saw, so that no other tensor can take their memory's address while it is open."""
+    memo: dict = {}
+    token = _SHARED.set(memo)
+    try:
+        yield memo
+    finally:
+        _SHARED.reset(token)
+
+
+def _same_args(a: tuple, b: tuple) -> bool:
+    """Whether two argument tuples of a quantize op are equal (tensors by value)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                    and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _folded(target: Any, args: tuple, kwargs: dict, per_channel: bool) -> torch.Tensor | None:
+    """:func:`blocked_quantize`, through the open :func:`shared_folds` memo when there is one."""
+    memo = _SHARED.get()
+    x = args[0] if args else None
+    if memo is None or kwargs or not isinstance(x, torch.Tensor) or x.numel() <= FOLD_BLOCK:
+        return blocked_quantize(target, args, kwargs, per_channel)
+    key = (target, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
+           x._version)
+    for seen, held, out in memo.get(key, ()):
+        if _same_args(seen, args[1:]):
+            return out
+    out = blocked_quantize(target, args, kwargs, per_channel)
+    if out is not None:
+        memo.setdefault(key, []).append((args[1:], x, out))
+    return out
+
+
 @contextlib.contextmanager
 def blocked_folding() -> Iterator[None]:
     """Within the block, torchao's ConstantFolder (convert_pt2e's constant folding) computes
@@ -72,7 +129,7 @@ def blocked_folding() -> Iterator[None]:
             # computing it was a float copy of the table and its temporaries, thrown away
             return self.unknown_value
         if target in ops:
-            out = blocked_quantize(target, tuple(args), dict(kwargs), ops[target])
+            out = _folded(target, tuple(args), dict(kwargs), ops[target])
             if out is not None:
                 return out
         return original(self, target, args, kwargs)

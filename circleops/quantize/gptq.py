@@ -340,7 +340,7 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
     all; ``group``: 4-bit linears get per-group scales (circleops.quantize.grouped), recorded
     in the report's ``grouped`` for the lowering; ``act_order`` / ``clip_search`` / ``refine``:
     as :func:`gptq_grouped` takes them, for those."""
-    from circleops.quantize.grouped import GroupedReport, record
+    from circleops.quantize.grouped import GroupedReport
     linears = eligible_linears(model)
     if isinstance(bits, int):
         bits = {name: bits for name in linears}
@@ -365,25 +365,9 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
             # many small ops: on busy cores a second torch thread makes them ~40x slower (measured:
             # SmolLM2's GPTQ had done 14 of 30 layers after 45 min at load 18 on two threads)
             with one_thread(), torch.no_grad():
-                hs, report.tokens = hessians(model, linears, samples)
-                items = [(n, m) for n, m in linears.items() if n in hs]
-                if progress:
-                    from tqdm import tqdm
-
-                    items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
-                for name, lin in items:
-                    saved.append((lin.weight, Snapshot(lin.weight, spill)))
-                    if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
-                        q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group, act_order=act_order,
-                                                          clip_search=clip_search, refine=refine)
-                        lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
-                    else:
-                        h = hs.pop(name)
-                        for rows in row_blocks(lin.weight):  # per channel: each row on its own
-                            block = lin.weight[rows]
-                            q, scale = gptq(block, h, bits[name])
-                            block.copy_((q * scale[:, None]).to(lin.weight.dtype))
-                    report.names.append(name)
+                _round_all(model, linears, samples, bits, report, saved=saved, spill=spill,
+                           how=dict(group=group, act_order=act_order, clip_search=clip_search, refine=refine,
+                                    progress=progress))
             report.linears = len(report.names)
             report.seconds = time.perf_counter() - t
             report.held_bytes = sum(snap.held_bytes for _, snap in saved)
@@ -395,3 +379,35 @@ def gptq_applied(model: torch.nn.Module, samples: Sequence[Sequence[Any]], bits:
                 snap.restore(param)
         finally:
             spill.close()
+
+
+def _round_all(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], samples: Sequence[Sequence[Any]],
+               bits: dict[str, int], report: GPTQReport, *, saved: list, spill: Any, how: dict[str, Any]) -> None:
+    """gptq_applied's rounding (``how``: its keywords group, act_order, clip_search, refine,
+    progress), in a frame of its own: its last linear's integers and Hessian are not kept
+    alive by the generator's locals while the rounding stays applied."""
+    from circleops.quantize.grouped import record
+    from circleops.system.snapshot import Snapshot
+
+    group = how["group"]
+    hs, report.tokens = hessians(model, linears, samples)
+    items = [(n, m) for n, m in linears.items() if n in hs]
+    if how["progress"]:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="GPTQ", unit="linear", leave=False)
+    for name, lin in items:
+        saved.append((lin.weight, Snapshot(lin.weight, spill)))
+        if group and bits[name] == 4 and lin.weight.shape[1] % group == 0:
+            q, row_scale, mult = gptq_grouped(lin.weight, hs.pop(name), 4, group,
+                                              act_order=how["act_order"],
+                                              clip_search=how["clip_search"],
+                                              refine=how["refine"])
+            lin.weight.copy_(record(report.grouped, name, lin, q, row_scale, mult))
+        else:
+            h = hs.pop(name)
+            for rows in row_blocks(lin.weight):  # per channel: each row on its own
+                block = lin.weight[rows]
+                q, scale = gptq(block, h, bits[name])
+                block.copy_((q * scale[:, None]).to(lin.weight.dtype))
+        report.names.append(name)

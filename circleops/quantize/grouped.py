@@ -86,6 +86,8 @@ def search_mult(groups: torch.Tensor, row_scale: torch.Tensor, bits: int, clips:
     column) weights each column's squared error: the output error, not the weight's."""
     qmax = 2 ** (bits - 1) - 1
     amax = groups.abs().amax(2)  # [rows, n]
+    if len(clips) == 1:  # nothing to choose between: no rounding error to measure (4 weight-sized temporaries)
+        return torch.clamp(torch.round(clips[0] * amax / qmax / row_scale[:, None]), 1, MULT_MAX).to(torch.int64)
     weight = None if importance is None else importance.to(torch.float32)[None]
     best, best_err = None, None
     for c in clips:
@@ -128,20 +130,59 @@ def key(data: Any) -> tuple:
     views of the parameter the rounding wrote, never the parameter object itself."""
     t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(np.asarray(data))
     a = np.ascontiguousarray(t.to(torch.float32).numpy())
-    return tuple(a.shape), hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+    # the bytes hashed where they are (tobytes() was a copy of every weight rounded or looked up)
+    return tuple(a.shape), hashlib.blake2b(a.reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+
+
+# weights read back at a time by GroupedWeight.integers (a few float32 temporaries of this size)
+INTEGERS_BLOCK = 1 << 20
 
 
 @dataclass
 class GroupedWeight:
     """One linear's weight as rounded before PT2E: int4 in groups (integers, row scales,
     group multipliers), or, for a linear measured too sensitive for 4 bits (``group`` 0),
-    int8 per output channel (integers, row scales)."""
+    int8 per output channel (integers, row scales).
 
-    q: torch.Tensor  # int8 [rows, cols], in [-qmax, qmax]
+    The integers are not kept from the rounding on: the float weight the model computes
+    with is s_r·m·q rounded once to float32, and q is read back from it exactly where the
+    lowering meets it (:meth:`integers`), then kept for the other graphs. Kept from the
+    rounding they were 0.97 GB of int8 at the Llama-3.2-1B shape through export and
+    calibration, the 16a4w convert's peak (issue 32)."""
+
+    q: torch.Tensor | None  # int8 [rows, cols], in [-qmax, qmax]; None until the lowering reads them
     row_scale: torch.Tensor  # float32 [rows]
     mult: torch.Tensor | None  # uint8 [rows, groups]; None per channel
     group: int
     bits: int = 4
+
+    def scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Each weight's float32 scale in ``rows``, [rows, cols] (s_r·m, as :func:`dequantize`
+        and :func:`record` compute it; s_r per channel)."""
+        if self.mult is None:
+            return self.row_scale[rows, None]
+        return (self.row_scale[rows, None] * self.mult[rows].to(torch.float32)).repeat_interleave(self.group, dim=1)
+
+    def integers(self, data: Any) -> torch.Tensor:
+        """q of the float weight ``data`` this rounding wrote (found by :func:`key`): w / scale
+        rounded, by blocks of rows (their float temporaries small beside the lowering).
+        Exact: w = fl(q · s) is within a relative 2^-24 of q · s, so w / s is within
+        |q| · 2^-23 <= 127 · 2^-23 of the integer q. Computed once, then kept."""
+        if self.q is None:
+            w = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(np.asarray(data))
+            qmax = qmax_for(self.bits)
+            if w.dim() != 2 or w.shape[0] != self.row_scale.shape[0]:
+                raise ValueError(f"internal: a grouped weight {tuple(w.shape)} is not s_r·m·q with |q| <= {qmax}")
+            q = torch.empty(w.shape, dtype=torch.int8)
+            step = max(1, INTEGERS_BLOCK // max(1, w.shape[1]))
+            for i in range(0, w.shape[0], step):
+                rows = slice(i, i + step)
+                block = torch.round(w[rows].to(torch.float32) / self.scales(rows))
+                if block.shape != q[rows].shape or bool((block.abs() > qmax).any()):
+                    raise ValueError(f"internal: a grouped weight {tuple(w.shape)} is not s_r·m·q with |q| <= {qmax}")
+                q[rows] = block.to(torch.int8)
+            self.q = q
+        return self.q
 
 
 @dataclass
@@ -173,12 +214,12 @@ def record(report: GroupedReport, name: str, lin: torch.nn.Linear, q: torch.Tens
     (returned), its integers remembered."""
     if mult is None:
         w = (q.to(torch.float32) * row_scale.to(torch.float32)[:, None]).to(lin.weight.dtype)
-        report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(), None, 0, 8)
+        report.weights[key(w)] = GroupedWeight(None, row_scale.to(torch.float32).clone(), None, 0, 8)
         report.int8.append(name)
         report.int8_params += q.numel()
         return w
     w = dequantize(q, row_scale, mult, report.group).to(lin.weight.dtype)
-    report.weights[key(w)] = GroupedWeight(q.to(torch.int8), row_scale.to(torch.float32).clone(),
+    report.weights[key(w)] = GroupedWeight(None, row_scale.to(torch.float32).clone(),
                                            mult.to(torch.uint8), report.group, report.bits)
     report.names.append(name)
     report.int4_params += q.numel()
@@ -196,14 +237,7 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
     spill = SpillFile()
     t = time.perf_counter()
     try:
-        with torch.no_grad():
-            for name, lin in eligible_linears(model).items():
-                if bits.get(name) != 4 or lin.weight.shape[1] % group:
-                    continue
-                q, s_r, m = rtn_grouped(lin.weight, 4, group)
-                w = record(report, name, lin, q, s_r, m)
-                saved.append((lin.weight, Snapshot(lin.weight, spill)))
-                lin.weight.copy_(w)
+        _round_linears(model, bits, report, saved, spill)
         report.seconds = time.perf_counter() - t
         yield report
     finally:
@@ -214,17 +248,37 @@ def rtn_applied(model: torch.nn.Module, bits: dict[str, int], group: int) -> Ite
             spill.close()
 
 
-def blockwise_params(name: str, gw: GroupedWeight) -> tuple[np.ndarray, str, Any]:
+def _round_linears(model: torch.nn.Module, bits: dict[str, int], report: GroupedReport, saved: list, spill: Any) -> None:
+    """rtn_applied's rounding, in a frame of its own: its last linear's float integers and
+    weight (0.13 GB at the Llama-3.2-1B shape's MLP width) are not kept alive by the
+    generator's locals while the rounding stays applied."""
+    from circleops.system.snapshot import Snapshot
+
+    with torch.no_grad():
+        for name, lin in eligible_linears(model).items():
+            if bits.get(name) != 4 or lin.weight.shape[1] % report.group:
+                continue
+            q, s_r, m = rtn_grouped(lin.weight, 4, report.group)
+            w = record(report, name, lin, q, s_r, m)
+            saved.append((lin.weight, Snapshot(lin.weight, spill)))
+            lin.weight.copy_(w)
+
+
+def blockwise_params(name: str, gw: GroupedWeight, data: Any = None) -> tuple[np.ndarray, str, Any]:
     """(the integer values [rows, cols], their dtype, their ir.QuantParams): INT4 with the
-    Blockwise scales tensor, or INT8 per channel for a linear kept at 8 bits."""
+    Blockwise scales tensor, or INT8 per channel for a linear kept at 8 bits. ``data``: the
+    float weight the lowering found ``gw`` by, which the integers are read from
+    (:meth:`GroupedWeight.integers`) unless an earlier graph read them."""
     from circleops import ir
 
-    rows = gw.q.shape[0]
+    rows = gw.row_scale.shape[0]
     s_r = gw.row_scale.numpy().astype(np.float32)
     zeros = np.zeros(rows, np.int64)
     # the integers themselves, read-only (no copy per graph: the prefill and decode graphs of the
     # Llama-3.2-1B shape held 0.88 GB of int8 each beside the report's, issue 32; the writer stores them once)
-    q = _read_only(gw.q, np.int8)
+    if gw.q is None and data is None:
+        raise ValueError(f"internal: the grouped weight {name} has no integers yet and no float weight to read them from")
+    q = _read_only(gw.integers(data) if gw.q is None else gw.q, np.int8)
     if gw.mult is None:
         return q, "INT8", ir.QuantParams(s_r, zeros, 0)
     scales = ir.Tensor(f"{name}_block_scales", tuple(gw.mult.shape), "UINT8", _read_only(gw.mult, np.uint8),
@@ -460,6 +514,19 @@ def written_as_blockwise(weights: dict[tuple, GroupedWeight]) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def forget_integers() -> int:
+    """Drop the integers the lowering read back (:meth:`GroupedWeight.integers`) of every
+    rounding open (:func:`written_as_blockwise`): once the files are written nothing reads
+    them, and verify's torch runs and runtime come after (0.97 GB of int8 at the
+    Llama-3.2-1B shape, issue 32); a later lowering reads them back again. The bytes dropped."""
+    dropped = 0
+    for gw in (_ACTIVE.get() or {}).values():
+        if gw.q is not None:
+            dropped += gw.q.numel() * gw.q.element_size()
+            gw.q = None
+    return dropped
 
 
 def lookup(data: Any) -> GroupedWeight | None:

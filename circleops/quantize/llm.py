@@ -25,6 +25,7 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
     per-group rounding stays registered for the integer lowering until ``restore`` closes."""
     from circleops.quantize.gptq import eligible_linears, gptq_applied
     from circleops.quantize.rotate import rotated
+    from circleops.system.memory import trim_heap
 
     data, tokenizer = data_and_tokenizer
     config = getattr(model, "config", None)
@@ -38,6 +39,7 @@ def prepare_llm(model: Any, example_args: tuple, recipe: IntegerRecipe, restore:
         recipe.rotation = report.matrix if report.layers else None
         recipe.rotated = report if report.layers else None
         restore.callback(setattr, recipe, "rotated", None)  # before the rotation's own exit
+        trim_heap()  # the rotation's freed float64 temporaries, before the rounding's pile up beside them
     head = model.get_output_embeddings() if is_llm else None
     bits = {name: 8 if lin is head else recipe.weight_bits for name, lin in eligible_linears(model).items()}
     grouped = None

@@ -37,6 +37,22 @@ def page_out(keep: Callable[[str], bool]) -> int:
     return sum(pager.release(start, end - start) for start, end in pager.ranges)
 
 
+def trim_heap() -> bool:
+    """glibc's malloc_trim(0): the free pages inside the C heap given back to the kernel.
+    torch allocates tensors under 32 MiB from that heap once glibc's mmap threshold has
+    grown to them (a freed mapped block raises it), and a freed block between live ones
+    stays resident: after the 16a4w recipe's rotation and rounding, which interleave such
+    temporaries with the integers and scales they keep (issue 32). False where there is no
+    glibc (nothing else changes)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
 def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's madvise(addr, length, advice), or None where there is none."""
     try:

@@ -343,9 +343,12 @@ def test_rotation_rounds_large_weights_a_block_of_rows_at_a_time(monkeypatch):
         return out
 
     monkeypatch.setattr(rotate, "ROTATE_ELEMENTS", 1024)
+    monkeypatch.setattr(rotate, "FOLD_ELEMENTS", 1024)  # the fold check's logits by blocks too
     monkeypatch.setattr(torch.Tensor, "double", counted)
     table, blocks = rotated_weights()
     assert largest[0] < table  # neither table whole in float64
+    mlp = blocks["model.layers.0.mlp.down_proj.weight"].numel()
+    assert largest[0] < mlp  # nor an MLP weight (o_proj / down_proj by columns, issue 32)
     assert whole.keys() == blocks.keys() and all(torch.equal(whole[n], blocks[n]) for n in whole)
 
 

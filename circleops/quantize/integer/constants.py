@@ -29,7 +29,7 @@ def quantize_consts(g: Graph, op: ir.Operator, ins: list[tuple[int, int]], plan:
             hit = plan.lookup(t.data)
             grouped = grouped_lookup(t.data) if hit is None else None  # FC weights, ATTENTION's wq..wo
             if grouped is not None:  # per-group int4 rounded before PT2E: the integers as they are
-                values, dtype, qp = blockwise_params(t.name, grouped)
+                values, dtype, qp = blockwise_params(t.name, grouped, t.data)
                 op.inputs[pos] = sg.add_tensor(ir.Tensor(t.name, t.shape, dtype, values, qp))
                 continue
             if hit is not None:

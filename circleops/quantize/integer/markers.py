@@ -13,6 +13,7 @@ from __future__ import annotations
 from circleops.lowering.context import const_value
 from circleops.lowering.registry import lower
 from circleops.quantize.integer import qdq
+from circleops.quantize.integer.spilled import dequantized_table
 
 
 def quantize_marker(ctx, x, spec: qdq.QSpec):
@@ -45,6 +46,6 @@ def _(ctx, node, q, spec):
     if not q.is_const:
         raise ctx.unsupported("dequantizes a tensor computed at run time",
                               "Only constants (weights, biases) are stored quantized before an op.")
-    t = spec.dequantize(q.const).contiguous()
+    t = dequantized_table(q.const, spec)  # a large table's float values in a temporary file, not in memory
     spec.plan.remember(t, spec, q.const)
     return const_value(t, q.name)

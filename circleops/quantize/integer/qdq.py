@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -86,19 +86,30 @@ class QSpec:
         2^24), and the product is the same float32 as through int64; the int64 temporaries of a
         whole 128256 x 2048 table (two of 2.1 GB each, for a 1.05 GB result) were most of the
         16a4w lowering's peak at the Llama-3.2-1B shape (issue 32)."""
+        out = None
+        for r, block in self.dequantize_blocks(q):
+            if r is None:
+                return block
+            if out is None:
+                out = torch.empty(q.shape, dtype=torch.float32)
+            out[r] = block
+        return out if out is not None else torch.empty(q.shape, dtype=torch.float32)
+
+    def dequantize_blocks(self, q: torch.Tensor) -> Iterator[tuple[slice | None, torch.Tensor]]:
+        """:meth:`dequantize` a block of rows at a time: (rows, their float32 values); one
+        (None, the whole result) where it is computed whole (wider integers, a scalar)."""
         s = self._shaped(self.scale.astype(np.float32), q.dim())
         if q.dtype not in _NARROW or q.dim() == 0 or self.zero_point.size and \
                 np.abs(self.zero_point).max() >= 1 << 16:
             z = self._shaped(self.zero_point.astype(np.int64), q.dim())
-            return ((q.to(torch.int64) - z).to(torch.float32) * s)
+            yield None, ((q.to(torch.int64) - z).to(torch.float32) * s)
+            return
         z = self._shaped(self.zero_point.astype(np.float32), q.dim())
-        out = torch.empty(q.shape, dtype=torch.float32)
         rows = max(1, DEQUANTIZE_BLOCK // max(1, q[0].numel()))
         by_row = self.per_channel and self.axis == 0
         for i in range(0, q.shape[0], rows):
             r = slice(i, i + rows)
-            torch.mul(q[r].to(torch.float32) - (z[r] if by_row else z), s[r] if by_row else s, out=out[r])
-        return out
+            yield r, torch.mul(q[r].to(torch.float32) - (z[r] if by_row else z), s[r] if by_row else s)
 
 
 def quantized(x: torch.Tensor, spec: QSpec) -> torch.Tensor:

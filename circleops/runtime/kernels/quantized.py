@@ -200,7 +200,7 @@ def _fc(op, inputs, ctx):
     xt, wt, ot = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
     check_alloc([x.numel() // max(w.shape[1], 1), w.shape[0]], torch.int64, "FULLY_CONNECTED")
     xs = _offsets(x, xt).reshape(-1, w.shape[1])
-    acc = _blockwise_acc(xs, w, wt) if wt.quant.blockwise is not None else xs @ _offsets(w, wt).T
+    acc = _blockwise_acc(xs, w, wt) if wt.quant.blockwise is not None else _rows_product(xs, w, wt)
     if b is not None:
         acc = acc + _bias(b)
     acc = acc.round().to(torch.int64)
@@ -208,6 +208,26 @@ def _fc(op, inputs, ctx):
     if option(op, "keepNumDims", default=False):
         y = y.reshape(*x.shape[:-1], w.shape[0])
     return [y]
+
+
+# weight elements whose offsets are made at a time by _rows_product (8 bytes each in float64)
+FC_BLOCK = 1 << 20
+
+
+def _rows_product(xs: Tensor, w: Tensor, wt: ir.Tensor) -> Tensor:
+    """xs @ (w - zero point)ᵀ in float64, a block of the weight's rows at a time: every sum is
+    of integers below 2^53, exact in any order, so the same values as the whole product.
+    Whole, the offsets of the 16a4w recipe's int8 lm_head at the Llama-3.2-1B shape were an
+    int64 and a float64 copy of it (2 x 2.1 GB) on every step verify ran (issue 32)."""
+    _, zp = params(wt, w.dim())
+    per_row = zp.dim() == 2 and zp.shape[0] == w.shape[0] and zp.shape[0] > 1
+    out = torch.empty(xs.shape[0], w.shape[0], dtype=torch.float64)
+    step = max(1, FC_BLOCK // max(1, w.shape[1]))
+    for i in range(0, w.shape[0], step):
+        r = slice(i, i + step)
+        offsets = w[r].to(torch.float64) - (zp[r] if per_row else zp).to(torch.float64)
+        out[:, r] = xs @ offsets.T
+    return out
 
 
 def _blockwise_acc(xs: Tensor, w: Tensor, wt: ir.Tensor) -> Tensor:
