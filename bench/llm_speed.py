@@ -92,6 +92,10 @@ ENGINES = {
                                     "circleops-litert"),
     "circleops-tflite-int4-down4": ("litert", "circleops int4 with the 30 MLP downs int4 too (not shipped)", "int4",
                                     "circleops-litert"),
+    # issue 34: the int4 file with q and k rotated apart, as before TargetProfile.attention_joint_rope
+    # (the same weights, converted with that switch off: an A/B of the graph form in one run)
+    "circleops-tflite-int4-rope-apart": ("litert", "circleops int4, q and k rotated apart (before results 71)", "int4",
+                                         "circleops-litert"),
     # the same files with every decode step copying its cache windows into LiteRT's input buffers
     # (Generator.caches_in_place False: circleops before the in-place caches, issue 34)
     "circleops-tflite-w8-copied": ("litert", "circleops --target tflite --quantize w8 on LiteRT, caches copied per step",
@@ -114,18 +118,22 @@ ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32":
           "circleops-tflite-w8-nowindow": "litert-torch-int8", "circleops-tflite-int4": "executorch-8da4w",
           "circleops-tflite-int4-b128": "executorch-8da4w", "circleops-tflite-int4-pc": "executorch-8da4w",
           "circleops-tflite-int4-nowindow": "executorch-8da4w", "litert-torch-int4": "executorch-8da4w",
-          "litert-torch-int4-pc": "executorch-8da4w"}
+          "litert-torch-int4-pc": "executorch-8da4w", "circleops-tflite-int4-rope-apart": "executorch-8da4w"}
 # a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
 SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
                                                      "circleops-tflite-int4-down8", "circleops-tflite-int4-down4",
-                                                     "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow")}
+                                                     "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow",
+                                                     "circleops-tflite-int4-rope-apart")}
 # a third ratio column: the in-place caches against the same file's copying path (issue 34)
 BEFORE = {"circleops-tflite-w8": "circleops-tflite-w8-copied", "circleops-tflite-int4": "circleops-tflite-int4-copied"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
 # Python run before the CLI converts an engine's file (a recipe variant no option names)
 CONVERT_PATCH = {"circleops-tflite-int4-down4": "from circleops.quantize import int4_tflite; "
-                                                "int4_tflite.EIGHT_BIT_LINEARS = {}"}
-CONVERT_EXTRA = {"circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [],
+                                                "int4_tflite.EIGHT_BIT_LINEARS = {}",
+                 "circleops-tflite-int4-rope-apart": "import dataclasses; from circleops import targets; "
+                                                     "targets._PROFILES['tflite'] = dataclasses.replace("
+                                                     "targets.TFLITE, attention_joint_rope=False)"}
+CONVERT_EXTRA = {"circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [], "circleops-tflite-int4-rope-apart": [],
                  "circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
                  "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
 # ai-edge-quantizer's recipe applied to litert-torch's fp32 model.tflite, per engine

@@ -88,6 +88,7 @@ class TargetProfile:
     quantized_threads: int | None  # the NUM_THREADS quantized-weight files are made for by default (None: any)
     graph_inline_ops: frozenset[str]  # circle ops generation graphs (--graphs) write inline, decomposed, not fused
     matmul_packs_rhs: bool  # BATCH_MATMUL packs a non-constant right operand every run: one-column products as MUL + SUM
+    attention_joint_rope: bool  # an inline attention rotates q and k as one tensor (circleops.lowering.attention_rope)
 
     def runs(self, opcode: str, dtype: str | None = None, rank: int | None = None) -> bool:
         """Whether the runtime executes builtin ``opcode`` (on ``dtype`` data of ``rank``)."""
@@ -179,6 +180,7 @@ CIRCLE = TargetProfile(
     quantized_threads=None,
     graph_inline_ops=frozenset(),  # ATTENTION builtin: NPU compilers take it whole
     matmul_packs_rhs=False,
+    attention_joint_rope=False,
 )
 
 ONERT = TargetProfile(
@@ -270,6 +272,7 @@ ONERT = TargetProfile(
     quantized_threads=1,
     graph_inline_ops=frozenset(),  # onert has no ATTENTION: decomposed there anyway
     matmul_packs_rhs=False,
+    attention_joint_rope=False,
 )
 
 TFLITE = TargetProfile(
@@ -336,6 +339,10 @@ TFLITE = TargetProfile(
     # dimension 1) cost two packs a layer; as MUL (+ SUM) they cost less
     # (circleops.lowering.linalg.batch_matmul; bench/results/60-*)
     matmul_packs_rhs=True,
+    # q and k rotated as one tensor, rotate_half a product with a constant signed permutation,
+    # a power-of-two 1/sqrt(D) folded into q: 8 fewer ops a layer besides free RESHAPEs, bit-equal outputs
+    # (SmolLM2's int4 decode step: 1917 -> 1737 ops; bench/results/71-*)
+    attention_joint_rope=True,
 )
 
 _PROFILES: dict[str, TargetProfile] = {p.name: p for p in (CIRCLE, ONERT, TFLITE)}

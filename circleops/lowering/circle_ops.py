@@ -263,12 +263,22 @@ def _attention_with_rope_op(**bound):
     return REGISTRY["attention"].reference(**bound, rope=torch.ops.circle.rope)
 
 
+def _attention_with_joint_rope(**bound):
+    """attention's reference kernel with q and k rotated as one tensor, in plain ops
+    (``TargetProfile.attention_joint_rope``: circleops.lowering.attention_rope)."""
+    from circleops.lowering.attention_rope import joint_rope
+
+    return REGISTRY["attention"].reference(**bound, rope_qk=joint_rope)
+
+
 @lower(torch.ops.circle.attention)
 def _(ctx, node, *args, **kwargs):
     spec = REGISTRY["attention"]
     bound = spec.bind(args, kwargs)
     if form(ctx, spec) == DECOMPOSED:
         return ctx.call(_attention_with_rope_op, **bound)
+    if ctx.profile.attention_joint_rope and node is not None and node.meta.get(LOWERING_META) == DECOMPOSED:
+        return ctx.call(_attention_with_joint_rope, **bound)  # written inline (graph_inline_ops)
     return fused(ctx, spec, bound, _attention_builtin)
 
 

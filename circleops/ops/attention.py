@@ -112,12 +112,17 @@ def compute_dtype(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> 
 
 def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Tensor, sin: Tensor,
               mask: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, cache_update: str,
-              *, rope: Callable[..., Tensor] = _rope.reference) -> tuple[Tensor, Tensor, Tensor]:
+              *, rope: Callable[..., Tensor] = _rope.reference,
+              rope_qk: Callable[..., tuple[Tensor, Tensor, float]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The reference kernel (also the decomposition).
 
     ``rope(x, cos, sin, mode)`` rotates q and k (GPT-NeoX layout, the ATTENTION contract's): the rope reference kernel, or (when a lowering
     traces this kernel) ``torch.ops.circle.rope``, so that the rotation is lowered as the
     rope op is on that target (onert: the ROPE builtin in a decode step).
+    ``rope_qk(q, k, cos, sin, scaling) -> (q', k', scaling')``, when given, rotates q and k in
+    one step instead (a lowering's form with fewer ops: circleops.lowering.attention_rope); q'
+    may carry part of the scores' scaling, the scores then take ``scaling'``: q'·kᵀ·scaling' must
+    equal rope(q)·rope(k)ᵀ·scaling exactly.
     """
     _check(x, wq, wk, wv, wo, cos, sin, mask, k_cache, v_cache, pos, cache_update)
     dtype = compute_dtype(x, wq, wk, wv, wo)
@@ -128,10 +133,13 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     q = F.linear(x, wq).view(b, s, hq, d).transpose(1, 2)
     k = F.linear(x, wk).view(b, s, hkv, d).transpose(1, 2)
     v = F.linear(x, wv).view(b, s, hkv, d)
-    q = rope(q, cos, sin, "gpt_neox")
-    k = rope(k, cos, sin, "gpt_neox")
-    m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
     scaling = scale if scale != 0.0 else d ** -0.5
+    if rope_qk is not None:
+        q, k, scaling = rope_qk(q, k, cos, sin, scaling)
+    else:
+        q = rope(q, cos, sin, "gpt_neox")
+        k = rope(k, cos, sin, "gpt_neox")
+    m = mask if mask.dim() == 4 else (mask[None, None] if mask.dim() == 2 else mask.unsqueeze(1))
     if cache_update == "rows":
         k_new, v_new = k.transpose(1, 2).to(k_cache.dtype), v.to(v_cache.dtype)
         out = attend_rows(q, k_cache, v_cache, k_new, v_new, m, scaling, dtype)
@@ -140,6 +148,11 @@ def reference(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, cos: Te
     v_cache = update_cache(v_cache, v, pos)
     out = attend_cache(q, k_cache, v_cache, m, scaling, dtype)
     return F.linear(out.transpose(1, 2).reshape(b, s, hq * d), wo), k_cache, v_cache
+
+
+def _scaled(scores: Tensor, scaling: float) -> Tensor:
+    # a scaling of 1 (folded into q by a rope_qk) writes no multiply: x·1 is x exactly
+    return scores if scaling == 1.0 else scores * scaling
 
 
 def _capped(scores: Tensor, softcap: float | None) -> Tensor:
@@ -161,7 +174,7 @@ def attend_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scal
     c, g = k_cache.shape[1], hq // hkv
     keys = k_cache.transpose(1, 2).to(dtype)  # [B, Hkv, C, D]
     values = v_cache.transpose(1, 2).to(dtype)
-    scores = torch.matmul(q.reshape(b, hkv, g * s, d), keys.transpose(2, 3)).view(b, hq, s, c) * scaling
+    scores = _scaled(torch.matmul(q.reshape(b, hkv, g * s, d), keys.transpose(2, 3)).view(b, hq, s, c), scaling)
     scores = _capped(scores, softcap) + mask
     probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(dtype)).to(dtype)
     return torch.matmul(probs.reshape(b, hkv, g * s, c), values).view(b, hq, s, d)
@@ -179,10 +192,10 @@ def attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_ne
     c, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     qg = q.reshape(b, hkv, g * s, d)
-    cached = _capped(torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c) * scaling,
-                     softcap) + (mask if mask.shape[-1] == c else mask[..., :c])
+    cached = _capped(_scaled(torch.matmul(qg, k_cache.transpose(1, 2).to(dtype).transpose(2, 3)).view(b, hq, s, c),
+                             scaling), softcap) + (mask if mask.shape[-1] == c else mask[..., :c])
     # the new keys through the cache dtype and back: the values the "full" form reads from its cache
-    own = _capped(torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s) * scaling, softcap)
+    own = _capped(_scaled(torch.matmul(qg, k_new.to(dtype).permute(0, 2, 3, 1)).view(b, hq, s, s), scaling), softcap)
     if mask.shape[-1] == c + s:  # the mask orders the new tokens (a prefix-LM's bidirectional prefix)
         own = own + mask[..., c:]
     elif own_mask is not None:

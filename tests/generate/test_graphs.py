@@ -56,12 +56,15 @@ def test_tflite_graphs_write_attention_inline(tiny_tflite):
                         if op.opcode == "STABLEHLO_COMPOSITE")
         assert names == {"odml.rms_norm": 2 * LAYERS + 1}, (sig.key, names)
         assert ops["FULLY_CONNECTED"] == 7 * LAYERS + 1, sig.key  # q, k, v, o, gate, up, down; lm_head
+        # q and k rotated as one tensor, rotate_half a product with a constant (one BATCH_MATMUL
+        # a layer, no NEG: TargetProfile.attention_joint_rope, tests/lowering/test_attention_rope.py)
+        assert ops["NEG"] == 0, sig.key
         if sig.key.startswith("decode"):
             # q·kᵀ and p·v over the cache; the one new token's own key and value as MUL (+ SUM):
             # XNNPACK would pack them as right operands on every run (TargetProfile.matmul_packs_rhs)
-            assert ops["BATCH_MATMUL"] == 2 * LAYERS and ops["SUM"] == LAYERS, sig.key
+            assert ops["BATCH_MATMUL"] == 3 * LAYERS and ops["SUM"] == LAYERS, sig.key
         else:
-            assert ops["BATCH_MATMUL"] == 4 * LAYERS, sig.key  # q·kᵀ and p·v, over the cache and the new rows
+            assert ops["BATCH_MATMUL"] == 5 * LAYERS, sig.key  # q·kᵀ and p·v, over the cache and the new rows
     # a plain `convert` of the same family keeps circle.attention (test_lowering_attention_form)
 
 
