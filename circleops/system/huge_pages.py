@@ -75,24 +75,39 @@ def _populate(libc, fd: int, size: int) -> int | None:
         libc.munmap(address, size)
 
 
+# file systems (st_dev) where dropping a file's cache and reading it again gave no 2 MiB
+# folios (a kernel or file system without large folios): no further file of theirs is
+# dropped and read again, which would cost a whole re-read from disk at every load
+_NO_GAIN: set[int] = set()
+
+
+def _thp_enabled() -> bool:
+    """Whether transparent huge pages are not turned off on this system (Linux sysfs)."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
 def huge_page_cache(path: str | os.PathLike) -> tuple[int, int] | None:
     """Make ``path``'s page cache 2 MiB folios where it is not (see the module docstring); returns
     (bytes mapped with 2 MiB entries before, after), or None where this cannot be done or
     measured here (nothing is changed then). Files under 2 MiB are left alone."""
     libc = _libc()
-    if libc is None or not hasattr(os, "posix_fadvise"):
+    if libc is None or not hasattr(os, "posix_fadvise") or not _thp_enabled():
         return None
     try:
         fd = os.open(Path(path), os.O_RDONLY)
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        size = stat.st_size
         span = size // HUGE * HUGE
         if span == 0:
             return None
         before = _populate(libc, fd, size)
-        if before is None or before >= ENOUGH * span:
+        if before is None or before >= ENOUGH * span or stat.st_dev in _NO_GAIN:
             return None if before is None else (before, before)
         # small folios: dropped (clean, unmapped pages only: a page another process maps
         # stays; written back first, a dirty page is not dropped) and read again through a
@@ -100,6 +115,8 @@ def huge_page_cache(path: str | os.PathLike) -> tuple[int, int] | None:
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         after = _populate(libc, fd, size)
+        if after is None or after < ENOUGH * span:
+            _NO_GAIN.add(stat.st_dev)
         return None if after is None else (before, after)
     except OSError:
         return None

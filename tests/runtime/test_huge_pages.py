@@ -58,6 +58,25 @@ def _small_folios(path: Path) -> None:
         os.close(fd)
 
 
+def test_no_second_reread_where_it_gave_no_huge_pages(tmp_path, monkeypatch):
+    """A kernel or file system that makes no 2 MiB folios: the first file is dropped and read
+    again once, and no later file of that file system is (each would be a whole re-read from
+    disk at every load, for nothing)."""
+    monkeypatch.setattr(huge_pages, "_NO_GAIN", set())
+    monkeypatch.setattr(huge_pages, "_thp_enabled", lambda: True)
+    populated, dropped = [], []
+    monkeypatch.setattr(huge_pages, "_populate", lambda libc, fd, size: populated.append(size) or 0)
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(advice)
+                        or real_fadvise(fd, off, n, advice))
+    for name in ("a.xnnpack", "b.xnnpack"):
+        (tmp_path / name).write_bytes(b"\1" * (2 * huge_pages.HUGE))
+    assert huge_pages.huge_page_cache(tmp_path / "a.xnnpack") == (0, 0)
+    assert len(populated) == 2 and dropped == [os.POSIX_FADV_DONTNEED]
+    assert huge_pages.huge_page_cache(tmp_path / "b.xnnpack") == (0, 0)
+    assert len(populated) == 3 and len(dropped) == 1  # mapped once, never dropped
+
+
 def test_small_files_are_left_alone(tmp_path):
     path = tmp_path / "small.xnnpack"
     path.write_bytes(b"\0" * 4096)
