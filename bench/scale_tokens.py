@@ -273,7 +273,7 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     """The third form (module docstring): ``circleops convert SRC --graphs prefill,decode
     --target T --quantize Q -o OUT`` in this process, :func:`compare` run where the package
     step has written the directory and still holds the weights it wrote it from."""
-    from circleops.options import ConvertOptions
+    from circleops.options import ConvertOptions, int16_parts
     from circleops.package import step
     from circleops.recipes.llm import LLMRecipe
 
@@ -310,9 +310,12 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
         step._package = hooked
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     lengths = None if args.seq_len is None else tuple(int(n) for n in str(args.seq_len).split(","))
+    int16 = None if args.int16 is None else int16_parts(args.int16)
     extra = {k: v for k, v in (("weight_bits", args.weight_bits),
                                ("seq_len", lengths[0] if lengths and len(lengths) == 1 else lengths),
-                               ("max_cache_len", args.max_cache_len), ("calibrate", args.calibrate)) if v is not None}
+                               ("max_cache_len", args.max_cache_len), ("calibrate", args.calibrate),
+                               ("gptq", args.gptq), ("int8_weights", args.int8_weights), ("int16", int16),
+                               ("rotate", args.rotate)) if v is not None}
     options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify,
                              **extra)
     report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
@@ -329,7 +332,7 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     quality = getattr(report, "quality", None)
     return {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", **seen, **convert,
             "quality_vs_fp32": None if quality is None else quality.to_dict(),
-            "noise_floor": report.noise_floor,
+            "noise_floor": report.noise_floor, "tolerance": report.tolerance,
             "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
             "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
 
@@ -353,6 +356,13 @@ def main() -> int:
     ap.add_argument("--seq-len", default=None, help="the third form's convert --seq-len (prefill lengths)")
     ap.add_argument("--max-cache-len", type=int, default=None, help="the third form's convert --max-cache-len")
     ap.add_argument("--calibrate", type=int, default=None, help="the third form's convert --calibrate")
+    # the integer recipe's own options, as circleops convert spells them (left out: the recipe's defaults)
+    ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                    help="the third form's convert --gptq / --no-gptq")
+    ap.add_argument("--int8-weights", choices=["auto", "none"], default=None,
+                    help="the third form's convert --int8-weights")
+    ap.add_argument("--int16", default=None, metavar="PARTS", help="the third form's convert --int16 (uint8)")
+    ap.add_argument("--rotate", default=None, help="the third form's convert --rotate")
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
     t, c = time.perf_counter(), time.process_time()
