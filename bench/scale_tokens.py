@@ -266,6 +266,54 @@ def integer_compare(converted: dict, ids: list[int], new: int, out: Path) -> dic
     return info
 
 
+@contextlib.contextmanager
+def stage_memory(every: float = 0.5) -> Iterator["StageMemory"]:
+    """Per stage of the convert (its progress lines), the largest resident memory of this process
+    and of its children (the compare's generate child, the verify runtime's) at one sample:
+    bench/convert_memory.py's sampler on this process, every ``every`` seconds."""
+    import os
+    import threading
+
+    from convert_memory import Sampler  # bench/, beside this script
+
+    memory = StageMemory(Sampler(os.getpid()))
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            memory.sampler.sample()
+            done.wait(every)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield memory
+    finally:
+        done.set()
+        thread.join()
+
+
+class StageMemory:
+    """The progress callback that names the stage, and the per-stage table (GB)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def enter(self, stage: str) -> None:
+        print(f"{time.strftime('%H:%M:%S', time.gmtime())} circleops: {stage}", file=sys.stderr, flush=True)
+        self.sampler.enter(stage[:70])
+
+    def table(self) -> list[dict]:
+        """[{stage, rss (this process), anon, child (largest child), sum (at once)}], in order."""
+        rows = []
+        for stage in self.sampler.order:
+            p = self.sampler.peaks[stage]
+            if p:
+                rows.append({"stage": stage, **{k: round(p.get(k, 0) / 1e9, 2)
+                                                for k in ("rss", "anon", "child", "sum")}})
+        return rows
+
+
 INTEGER = ("uint8", "int16")  # PT2E integer graphs: target circle, the reference interpreter
 
 
@@ -296,6 +344,9 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
         # compute with the rounded weights they share with the model, until this step restores them before its
         # verify: torch's tokens and the directory's are taken here, first (the manifest written early)
         manifest.write()
+        progress = pkg.tracker.progress
+        if progress is not None:
+            progress("compare with torch (its quantized graphs; the directory in a child)")
         r, c = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         at.update(peak_before=peak_rss_gb())
         seen.update(integer_compare(report.converted, ids, args.new, pkg.staging))
@@ -318,7 +369,8 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
                                ("rotate", args.rotate)) if v is not None}
     options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify,
                              **extra)
-    report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
+    with stage_memory() as memory:
+        report = step.run(LLMRecipe.from_source(args.quantized, options), args.out, progress=memory.enter)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     step._package, step._compare = package, check
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime  # self only: the verify child's is apart
@@ -334,7 +386,8 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
             "quality_vs_fp32": None if quality is None else quality.to_dict(),
             "noise_floor": report.noise_floor, "tolerance": report.tolerance,
             "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
-            "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
+            "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary(),
+            "stages_rss_gb": memory.table()}
 
 
 def main() -> int:
