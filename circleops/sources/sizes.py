@@ -39,8 +39,14 @@ CONVERT_PEAK = 1.3
 # (bench/results/65; 2.88x / 3.9-4.0x before the lowering's garbage and the folded head were given
 # back and verify's torch runs moved after the write, results 61 / 64). A model this puts past
 # the machine's memory (the Llama-3.2-3B shape: 27.9 / 28.9 GB on 24 GiB) is refused before any work,
-# not killed out of memory an hour into it. uint8's graphs were not measured at 1B: CONVERT_PEAK.
+# not killed out of memory an hour into it.
 INTEGER_GRAPHS_PEAK = {False: 2.17, True: 2.25}  # by --verify
+# The 8-bit NPU recipe's graphs (--quantize uint8 --graphs; for an LLM --int16 auto and the rotation):
+# 3.57x the fp32 weights' bytes at the Llama-3.2-1B shape with --verify (ru_maxrss 17219504 kB,
+# bench/results/72), in calibration, where --int16 auto calibrates every graph twice and scores
+# each activation's rounding between. Without --verify not measured apart: its peak stage is the
+# same work, so the same factor (the Llama-3.2-3B shape: 45.9 GB, refused on 24 GiB).
+UINT8_GRAPHS_PEAK = 3.57
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,12 @@ class SizeEstimate:
 
 def convert_peak(quantize: str | None, *, graphs: bool = False, verify: bool = False) -> float:
     """A conversion's peak resident memory as a multiple of the float weights, as measured:
-    :data:`INTEGER_GRAPHS_PEAK` for the int16 recipe's generation graphs, else :data:`CONVERT_PEAK`."""
+    :data:`INTEGER_GRAPHS_PEAK` for the int16 recipe's generation graphs, :data:`UINT8_GRAPHS_PEAK`
+    for uint8's, else :data:`CONVERT_PEAK`."""
     if graphs and quantize == "int16":
         return INTEGER_GRAPHS_PEAK[bool(verify)]
+    if graphs and quantize == "uint8":
+        return UINT8_GRAPHS_PEAK
     return CONVERT_PEAK
 
 
@@ -321,6 +330,6 @@ def check(est: SizeEstimate | None, target: str, *, max_cache_len: int | None = 
                           f"memory, or a smaller model.")
 
 
-__all__ = ["CONVERT_PEAK", "INTEGER_GRAPHS_PEAK", "SizeEstimate", "bytes_per_weight", "check", "check_request", "convert_peak", "dense_parameters", "dense_shapes", "estimate",
+__all__ = ["CONVERT_PEAK", "INTEGER_GRAPHS_PEAK", "UINT8_GRAPHS_PEAK", "SizeEstimate", "bytes_per_weight", "check", "check_request", "convert_peak", "dense_parameters", "dense_shapes", "estimate",
            "exceeds_file_limit", "machine_memory", "option_dtype", "safetensors_files", "safetensors_parameters", "tied_default", "too_large_message",
            "weight_bytes"]
