@@ -227,6 +227,7 @@ def integer_compare(converted: dict, ids: list[int], new: int, out: Path) -> dic
     rounding integer kernels and float fake-quant differ by moves each step's logits)."""
     import numpy as np
 
+    from circleops.quantize.blocked_dequantize import float32_dequantize
     from circleops.recipes.llm_integer import stochastic_rounding, torch_generator
 
     def run(forced: list[int] | None) -> tuple[list[int], list]:
@@ -236,7 +237,11 @@ def integer_compare(converted: dict, ids: list[int], new: int, out: Path) -> dic
             seen.append(np.asarray(scores, dtype=np.float64).copy())
             return int(np.argmax(scores)) if forced is None else int(forced[len(seen) - 1])
 
-        result = gen.generate(ids, new, stop_at_eos=False, sampler=sampler)
+        # each weight dequantized in float32 by blocks, as verify's torch runs do (the same floats): through
+        # PT2E's int64 (q - zero_point) every step made 2.1 GB of int64 beside each 1.05 GB table of the 1B
+        # shape, and this compare's torch side peaked at 16.4 GB, 5.7 GB over the convert's own peak
+        with float32_dequantize(converted.values()):
+            result = gen.generate(ids, new, stop_at_eos=False, sampler=sampler)
         return list(result.tokens), seen
 
     c = time.process_time()
@@ -266,6 +271,54 @@ def integer_compare(converted: dict, ids: list[int], new: int, out: Path) -> dic
     return info
 
 
+@contextlib.contextmanager
+def stage_memory(every: float = 0.5) -> Iterator["StageMemory"]:
+    """Per stage of the convert (its progress lines), the largest resident memory of this process
+    and of its children (the compare's generate child, the verify runtime's) at one sample:
+    bench/convert_memory.py's sampler on this process, every ``every`` seconds."""
+    import os
+    import threading
+
+    from convert_memory import Sampler  # bench/, beside this script
+
+    memory = StageMemory(Sampler(os.getpid()))
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            memory.sampler.sample()
+            done.wait(every)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield memory
+    finally:
+        done.set()
+        thread.join()
+
+
+class StageMemory:
+    """The progress callback that names the stage, and the per-stage table (GB)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def enter(self, stage: str) -> None:
+        print(f"{time.strftime('%H:%M:%S', time.gmtime())} circleops: {stage}", file=sys.stderr, flush=True)
+        self.sampler.enter(stage[:70])
+
+    def table(self) -> list[dict]:
+        """[{stage, rss (this process), anon, child (largest child), sum (at once)}], in order."""
+        rows = []
+        for stage in self.sampler.order:
+            p = self.sampler.peaks[stage]
+            if p:
+                rows.append({"stage": stage, **{k: round(p.get(k, 0) / 1e9, 2)
+                                                for k in ("rss", "anon", "child", "sum")}})
+        return rows
+
+
 INTEGER = ("uint8", "int16")  # PT2E integer graphs: target circle, the reference interpreter
 
 
@@ -273,7 +326,7 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     """The third form (module docstring): ``circleops convert SRC --graphs prefill,decode
     --target T --quantize Q -o OUT`` in this process, :func:`compare` run where the package
     step has written the directory and still holds the weights it wrote it from."""
-    from circleops.options import ConvertOptions
+    from circleops.options import ConvertOptions, int16_parts
     from circleops.package import step
     from circleops.recipes.llm import LLMRecipe
 
@@ -296,6 +349,9 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
         # compute with the rounded weights they share with the model, until this step restores them before its
         # verify: torch's tokens and the directory's are taken here, first (the manifest written early)
         manifest.write()
+        progress = pkg.tracker.progress
+        if progress is not None:
+            progress("compare with torch (its quantized graphs; the directory in a child)")
         r, c = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         at.update(peak_before=peak_rss_gb())
         seen.update(integer_compare(report.converted, ids, args.new, pkg.staging))
@@ -310,12 +366,16 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
         step._package = hooked
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     lengths = None if args.seq_len is None else tuple(int(n) for n in str(args.seq_len).split(","))
+    int16 = None if args.int16 is None else int16_parts(args.int16)
     extra = {k: v for k, v in (("weight_bits", args.weight_bits),
                                ("seq_len", lengths[0] if lengths and len(lengths) == 1 else lengths),
-                               ("max_cache_len", args.max_cache_len), ("calibrate", args.calibrate)) if v is not None}
+                               ("max_cache_len", args.max_cache_len), ("calibrate", args.calibrate),
+                               ("gptq", args.gptq), ("int8_weights", args.int8_weights), ("int16", int16),
+                               ("rotate", args.rotate)) if v is not None}
     options = ConvertOptions(target=args.target, quantize=args.quantize, graphs="prefill,decode", verify=args.verify,
                              **extra)
-    report = step.run(LLMRecipe.from_source(args.quantized, options), args.out)
+    with stage_memory() as memory:
+        report = step.run(LLMRecipe.from_source(args.quantized, options), args.out, progress=memory.enter)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     step._package, step._compare = package, check
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime  # self only: the verify child's is apart
@@ -329,9 +389,10 @@ def quantized(args: argparse.Namespace, ids: list[int]) -> dict:
     quality = getattr(report, "quality", None)
     return {"source": f"{args.quantized} {args.target} {args.quantize} on {runtime}", **seen, **convert,
             "quality_vs_fp32": None if quality is None else quality.to_dict(),
-            "noise_floor": report.noise_floor,
+            "noise_floor": report.noise_floor, "tolerance": report.tolerance,
             "verify_errors": {g: i.max_abs_error for g, i in report.graphs.items() if i.max_abs_error is not None},
-            "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary()}
+            "files": {i.file: i.file_size for i in report.graphs.values()}, "summary": report.summary(),
+            "stages_rss_gb": memory.table()}
 
 
 def main() -> int:
@@ -353,6 +414,13 @@ def main() -> int:
     ap.add_argument("--seq-len", default=None, help="the third form's convert --seq-len (prefill lengths)")
     ap.add_argument("--max-cache-len", type=int, default=None, help="the third form's convert --max-cache-len")
     ap.add_argument("--calibrate", type=int, default=None, help="the third form's convert --calibrate")
+    # the integer recipe's own options, as circleops convert spells them (left out: the recipe's defaults)
+    ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                    help="the third form's convert --gptq / --no-gptq")
+    ap.add_argument("--int8-weights", choices=["auto", "none"], default=None,
+                    help="the third form's convert --int8-weights")
+    ap.add_argument("--int16", default=None, metavar="PARTS", help="the third form's convert --int16 (uint8)")
+    ap.add_argument("--rotate", default=None, help="the third form's convert --rotate")
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
     t, c = time.perf_counter(), time.process_time()

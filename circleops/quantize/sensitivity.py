@@ -93,6 +93,10 @@ def _readers(node: torch.fx.Node) -> list[str]:
     return names
 
 
+# elements of one block of rows tensor_sqnr rounds at a time (float64: 16 MB per temporary)
+SQNR_BLOCK = 1 << 21
+
+
 def tensor_sqnr(prepared: torch.fx.GraphModule, samples: Sequence[Sequence[Any]]) -> list[TensorScore]:
     """Per uint8 activation observer of a calibrated ``prepared`` module, the SQNR of rounding
     its tensor to the observer's uint8 grid over ``samples``, worst first."""
@@ -105,18 +109,27 @@ def tensor_sqnr(prepared: torch.fx.GraphModule, samples: Sequence[Sequence[Any]]
         scale, zp = float(scale.reshape(-1)[0]), int(zp.reshape(-1)[0])
 
         def hook(module, args, output):
-            x = args[0].detach().to(torch.float64)
-            q = torch.clamp(torch.round(x / scale) + zp, obs.quant_min, obs.quant_max)
-            err = (q - zp) * scale - x
+            x = args[0].detach()
             # per token (row): one token with a huge norm (an attention sink) must not hide
             # that the others got no levels left
             rows = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
-            errs = err.reshape(rows.shape)
-            signal = rows.pow(2).sum(-1)
-            keep = signal > 0
+            # by blocks of rows: an observer an op's output shares with its input (the embedding's
+            # gather) also sees the whole table, 128256 x 2048 at 1B, whose float64 temporaries were
+            # 8 GB at once (uint8 --int16 auto's peak, bench/results/72); each row's ratio is the
+            # same float64 either way, and they are summed as one vector as before
+            step = max(1, SQNR_BLOCK // max(1, rows.shape[-1]))
+            kept, ratios = 0.0, []
+            for start in range(0, rows.shape[0], step):
+                block = rows[start:start + step].to(torch.float64)
+                q = torch.clamp(torch.round(block / scale) + zp, obs.quant_min, obs.quant_max)
+                err = (q - zp) * scale - block
+                signal = block.pow(2).sum(-1)
+                keep = signal > 0
+                kept += float(keep.sum())
+                ratios.append(err.pow(2).sum(-1)[keep] / signal[keep])
             acc = sums.setdefault(key, [0.0, 0.0])
-            acc[0] += float(keep.sum())
-            acc[1] += float((errs.pow(2).sum(-1)[keep] / signal[keep]).sum())
+            acc[0] += kept
+            acc[1] += float(torch.cat(ratios).sum())
         return hook
 
     for node, obs in observers:
