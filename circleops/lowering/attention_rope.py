@@ -49,15 +49,6 @@ def power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
 
-def _broadcastable(t: Tensor) -> Tensor:
-    """cos/sin [S, D], [B, S, D] or [B, 1, S, D] as [B|1, 1, S, D] (circle::rope's layouts)."""
-    if t.dim() == 2:
-        return t[None, None]
-    if t.dim() == 3:
-        return t.unsqueeze(1)
-    return t
-
-
 def joint_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, scaling: float) -> tuple[Tensor, Tensor, float]:
     """GPT-NeoX RoPE of q [B, Hq, S, D] and k [B, Hkv, S, D] as one rotation; returns (q', k',
     scaling'): q' = rope(q)·scaling and scaling' = 1 when scaling is a power of two and q is
@@ -69,7 +60,7 @@ def joint_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, scaling: float) -
         return rope.reference(q, cos, sin, "gpt_neox"), rope.reference(k, cos, sin, "gpt_neox"), scaling
     qk = torch.cat((q, k), 1)
     heads = qk.shape[1]
-    c, sn = _broadcastable(cos), _broadcastable(sin)
+    c, sn = rope.broadcastable(cos), rope.broadcastable(sin)
     r = rotate_half_matrix(d, qk.dtype, qk.device)
     rotated = torch.matmul(qk.reshape(1, b * heads * s, d), r).reshape(qk.shape)
     y = (qk * c) + (rotated * sn)  # circle::rope's order (HF's): x·cos + rotate_half(x)·sin

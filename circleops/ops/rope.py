@@ -40,7 +40,8 @@ def _rotate(x: Tensor, mode: str) -> Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def _broadcastable(t: Tensor) -> Tensor:
+def broadcastable(t: Tensor) -> Tensor:
+    """cos/sin [S, D], [B, S, D] or [B, 1, S, D] as [B|1, 1, S, D] (circle::rope's layouts)."""
     if t.dim() == 2:
         return t[None, None]
     if t.dim() == 3:
@@ -51,7 +52,7 @@ def _broadcastable(t: Tensor) -> Tensor:
 def reference(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
     """The reference kernel (also the decomposition)."""
     _check(x, cos, sin, mode)
-    cos, sin = _broadcastable(cos), _broadcastable(sin)
+    cos, sin = broadcastable(cos), broadcastable(sin)
     r = cos.shape[-1]
     if r == x.shape[-1]:
         return (x * cos) + (_rotate(x, mode) * sin)
