@@ -139,10 +139,25 @@ def quality(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- ops in LiteRT
 
 def _head_file(path: str, p8, p4, k: int) -> None:
-    """x [1, H] -> logits [1, V]: the INT8 head (k = 0) or the two-stage head with ``k``."""
+    """x [1, H] -> logits [1, V]: the INT8 head (k = 0), the INT4 copy alone (k < 0) or the
+    two-stage head with ``k``."""
     from circleops.quantize import topk_head_tflite
     from circleops.serialize import write_model
 
+    if k < 0:  # the INT4 copy alone (every logit 4-bit): the floor the rescoring's ops add to
+        from circleops import ir
+        from circleops.quantize import int4_tflite
+
+        v, h = p4.q.shape
+        sg = ir.Subgraph("main")
+        x = sg.add_tensor(ir.Tensor("x", (1, h), "FLOAT32"))
+        y = sg.add_tensor(ir.Tensor("logits", (1, v), "FLOAT32"))
+        w4 = sg.add_tensor(int4_tflite.weight_tensor("table_int4", (v, h), p4))
+        sg.operators.append(ir.Operator("FULLY_CONNECTED", [x, w4, -1], [y], "FullyConnectedOptions",
+                                        {"fusedActivationFunction": 0, "keepNumDims": False}, 13))
+        sg.inputs, sg.outputs = [x], [y]
+        write_model(ir.Model([sg]), path, "tflite")
+        return
     write_model(topk_head_tflite.head_model(p8, p4 if k else None, k), path, "tflite")
 
 
@@ -163,7 +178,7 @@ def ops(args: argparse.Namespace) -> int:
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load0": os.getloadavg()[0],
                  "cpu": _cpu(), "rows": []}
     work = tempfile.mkdtemp(prefix="int4head-ops-")
-    variants = [0, *args.ks]
+    variants = [0, -1, *args.ks]
     paths = {}
     for k in variants:
         paths[k] = os.path.join(work, f"head_k{k}.tflite")
@@ -289,7 +304,8 @@ def write(args: argparse.Namespace) -> int:
         blocks.append({"table": {"columns": ["head", "threads", "wall us", "CPU us", "wall vs INT8 head",
                                              "CPU vs INT8 head"],
                                  "align": ["left", "right", "right", "right", "right", "right"],
-                                 "rows": [["INT8 (one product)" if r["k"] == 0 else f"two-stage k={r['k']}",
+                                 "rows": [[{0: "INT8 (one product)", -1: "INT4 copy alone (no rescoring)"}.get(
+                                     r["k"], f"two-stage k={r['k']}"),
                                            str(r["threads"]), f"{r['wall_us']:.0f}", f"{r['cpu_us']:.0f}",
                                            f"{r['ratio_wall']:.2f}x", f"{r['ratio_cpu']:.2f}x"] for r in o["rows"]]}})
     for note in args.note:

@@ -186,7 +186,7 @@ def summary_lines(report: Any) -> list[str]:
         lines.append("the output head (lm_head) and embedding as INT8 per row, one shared table (EMBEDDING_LOOKUP): "
                      + ", ".join(f"{w.name} {list(w.shape)}" for w in head))
     for name, k in report.two_stage.items():
-        lines.append(f"the output head two-stage: {name} as an INT4 copy ({what}) for every "
+        lines.append(f"the output head two-stage: {name} as an INT4 copy in {what} for every "
                      f"logit, its {k} largest rescored with the INT8 table's rows (TOPK_V2, EMBEDDING_LOOKUP, "
                      "SCATTER_ND; circleops.quantize.topk_head)")
     if chosen:

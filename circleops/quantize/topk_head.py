@@ -49,19 +49,33 @@ def applies(vocab: int, k: int) -> bool:
     return k > 0 and vocab >= MIN_VOCAB_PER_K * k
 
 
-def two_stage(h: torch.Tensor, approx_weight: torch.Tensor, exact_weight: torch.Tensor, k: int,
+# rows of the 4-bit head decoded at a time for torch's reference (a 1B model's head in float32
+# would be another 1.05 GB beside the verify's weights, issue 32)
+_DECODE_ROWS = 8192
+
+
+def two_stage(h: torch.Tensor, approx_weight: torch.Tensor | Any, exact_weight: torch.Tensor, k: int,
               rounding: Callable[[torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, approx, exact) of the two-stage head on ``h`` [..., H]: ``approx`` the product
-    with ``approx_weight`` [V, H] (the 4-bit head's values) of ``rounding(h)`` (the runtime's
-    int8 rounding of a quantized linear's input; None: h), ``exact`` the product of the float
-    ``h`` with ``exact_weight`` [V, H] (the INT8 table's values) at every logit, ``logits``
-    approx with its ``k`` largest replaced by their exact values as the file adds them
-    (approx + (exact - approx), in float32)."""
+    with ``approx_weight`` [V, H] (the 4-bit head's values, or its circleops.quantize.int4
+    blocks, decoded a slice of rows at a time) of ``rounding(h)`` (the runtime's int8 rounding of
+    a quantized linear's input; None: h), ``exact`` the product of the float ``h`` with
+    ``exact_weight`` [V, H] (the INT8 table's values) at every logit, ``logits`` approx with its
+    ``k`` largest replaced by their exact values as the file adds them (approx + (exact -
+    approx), in float32)."""
     shape = h.shape
     x = h.reshape(-1, shape[-1]).to(torch.float32)
     xr = rounding(x).to(torch.float32) if rounding is not None else x
-    approx = xr @ approx_weight.to(torch.float32).T
+    if isinstance(approx_weight, torch.Tensor):
+        approx = xr @ approx_weight.to(torch.float32).T
+    else:
+        from circleops.quantize import int4
+
+        p, v = approx_weight, approx_weight.q.shape[0]
+        approx = torch.cat([xr @ int4.dequantize(p._replace(q=p.q[a:a + _DECODE_ROWS],
+                                                            scales=p.scales[a:a + _DECODE_ROWS])).T
+                            for a in range(0, v, _DECODE_ROWS)], dim=-1)
     exact = x @ exact_weight.to(torch.float32).T
     values, idx = approx.topk(k, dim=-1)
     logits = approx.scatter_add(-1, idx, exact.gather(-1, idx) - values)
@@ -87,11 +101,11 @@ def recorded() -> dict | None:
 
 
 @contextlib.contextmanager
-def install(head: torch.nn.Module, approx_weight: torch.Tensor, k: int,
+def install(head: torch.nn.Module, approx_weight: torch.Tensor | Any, k: int,
             rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
     """While inside, ``head`` (an ``nn.Linear`` whose weight, as it runs, holds the INT8 table's
     values: circleops.quantize.weights.dequantized_sources) returns the two-stage logits, with
-    ``approx_weight`` the 4-bit copy's values, its input rounded by ``rounding`` for the 4-bit
+    ``approx_weight`` the 4-bit copy's values or blocks (:func:`two_stage`), its input rounded by ``rounding`` for the 4-bit
     product only."""
     def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -2,11 +2,11 @@
 
 One FULLY_CONNECTED ``x [.., H] -> out [.., V]`` over an INT8 head becomes
 
-    approx [R, V]  = FULLY_CONNECTED(x, head INT4 blocks)          (XNNPACK's qd8-f32-qb4w)
-    values, idx    = TOPK_V2(approx, k)                            [R, k], int32 [R, k]
-    rows [R*k, H]  = EMBEDDING_LOOKUP(idx, the INT8 table)         (dequantized rows)
-    exact [R, 1, k] = BATCH_MATMUL(x [R, 1, H], rows [R, k, H], adjY)
-    out            = approx + SCATTER_ND(idx (+ r V), exact - values, [R V])
+    approx [.., V] = FULLY_CONNECTED(x, head INT4 blocks)          (XNNPACK's qd8-f32-qb4w)
+    values, idx    = TOPK_V2(approx, k)                            [.., k], int32 [.., k]
+    rows [R k, H]  = EMBEDDING_LOOKUP(idx, the INT8 table)         (dequantized rows)
+    exact [.., k]  = FULLY_CONNECTED(x, rows)  (one row; R rows: BATCH_MATMUL with their own k rows)
+    out            = approx + SCATTER_ND((row, idx), exact - values, out's shape)
 
 LiteRT 2.3.0 runs TOPK_V2, EMBEDDING_LOOKUP and SCATTER_ND on its builtin kernels (XNNPACK
 delegates none of them), the products on XNNPACK (bench/topk_head.py measured their cost). The
@@ -40,48 +40,56 @@ def _reshape(sg: ir.Subgraph, src: int, shape: tuple[int, ...], out: int | None 
 def head_ops(sg: ir.Subgraph, op: ir.Operator, approx_weight: int, table: int, k: int) -> list[ir.Operator]:
     """The ops replacing the head ``op`` (a FULLY_CONNECTED without bias or activation: its input
     ``op.inputs[0]`` [.., H], its output ``op.outputs[0]`` [.., V]): ``approx_weight`` the INT4 copy
-    of the head [V, H], ``table`` the INT8 table [V, H] with one scale per row, ``k`` candidates."""
+    of the head [V, H], ``table`` the INT8 table [V, H] with one scale per row, ``k`` candidates.
+
+    No op reshapes a [.., V] tensor (XNNPACK copies on a reshape): the 4-bit product writes the
+    output's shape, SCATTER_ND writes into it by full coordinates and the ADD writes the output."""
     x_i, out_i = op.inputs[0], op.outputs[0]
+    out_shape = tuple(int(d) for d in sg.tensors[out_i].shape)
     v, h = (int(d) for d in sg.tensors[approx_weight].shape)
-    x = sg.tensors[x_i]
-    rows = int(np.prod(x.shape, dtype=np.int64)) // h
+    lead = out_shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
     name = sg.tensors[out_i].name
     ops: list[ir.Operator] = []
-    approx = _new(sg, f"{name}_approx", (rows, v))
+    approx = _new(sg, f"{name}_approx", out_shape)
     ops.append(ir.Operator("FULLY_CONNECTED", [x_i, approx_weight, -1], [approx], "FullyConnectedOptions",
-                           {"fusedActivationFunction": 0, "keepNumDims": False}, INT4_FC_VERSION))
-    values, idx = _new(sg, f"{name}_topv", (rows, k)), _new(sg, f"{name}_topi", (rows, k), "INT32")
+                           dict(op.options), INT4_FC_VERSION))
+    values, idx = _new(sg, f"{name}_topv", (*lead, k)), _new(sg, f"{name}_topi", (*lead, k), "INT32")
     ops.append(ir.Operator("TOPK_V2", [approx, _const(sg, f"{name}_k", np.array(k, np.int32))], [values, idx],
                            "TopKV2Options", {}))
     ops.append(_reshape(sg, idx, (rows * k,)))
     looked = _new(sg, f"{name}_rows", (rows * k, h))
     ops.append(ir.Operator("EMBEDDING_LOOKUP", [ops[-1].outputs[0], table], [looked]))
-    ops.append(_reshape(sg, looked, (rows, k, h)))
-    cand = ops[-1].outputs[0]
-    ops.append(_reshape(sg, x_i, (rows, 1, h)))
-    x3 = ops[-1].outputs[0]
-    exact3 = _new(sg, f"{name}_exact", (rows, 1, k))
-    ops.append(ir.Operator("BATCH_MATMUL", [x3, cand], [exact3], "BatchMatMulOptions",
-                           {"adjX": False, "adjY": True, "asymmetricQuantizeInputs": False}))
-    ops.append(_reshape(sg, exact3, (rows, k)))
-    delta = _new(sg, f"{name}_delta", (rows, k))
+    if rows == 1:  # one row (decode, prefill's logits row): a float product with the k rows as its filter
+        exact2 = _new(sg, f"{name}_exact", (1, k))
+        ops.append(ir.Operator("FULLY_CONNECTED", [x_i, looked, -1], [exact2], "FullyConnectedOptions",
+                               {"fusedActivationFunction": 0, "keepNumDims": False}))
+    else:  # each row against its own k rows
+        ops.append(_reshape(sg, looked, (rows, k, h)))
+        cand = ops[-1].outputs[0]
+        ops.append(_reshape(sg, x_i, (rows, 1, h)))
+        exact2 = _new(sg, f"{name}_exact", (rows, 1, k))
+        ops.append(ir.Operator("BATCH_MATMUL", [ops[-1].outputs[0], cand], [exact2], "BatchMatMulOptions",
+                               {"adjX": False, "adjY": True, "asymmetricQuantizeInputs": False}))
+    ops.append(_reshape(sg, exact2, (*lead, k)))
+    delta = _new(sg, f"{name}_delta", (*lead, k))
     ops.append(ir.Operator("SUB", [ops[-1].outputs[0], values], [delta], "SubOptions",
                            {"fusedActivationFunction": 0}))
-    at = idx
-    if rows > 1:  # row r's logits start at r V in the flat output
-        at = _new(sg, f"{name}_flat_idx", (rows, k), "INT32")
-        offsets = _const(sg, f"{name}_row_offsets", (np.arange(rows, dtype=np.int32) * v).reshape(rows, 1))
-        ops.append(ir.Operator("ADD", [idx, offsets], [at], "AddOptions", {"fusedActivationFunction": 0}))
-    ops.append(_reshape(sg, at, (rows, k, 1)))
-    scattered = _new(sg, f"{name}_scattered", (rows * v,))
-    ops.append(ir.Operator("SCATTER_ND", [ops[-1].outputs[0], delta,
-                                          _const(sg, f"{name}_flat_shape", np.array([rows * v], np.int32))],
+    # SCATTER_ND's coordinates into the output's shape: each candidate's leading indices, then its column
+    ops.append(_reshape(sg, idx, (*lead, k, 1)))
+    at = ops[-1].outputs[0]
+    if lead:
+        grid = np.stack(np.meshgrid(*[np.arange(d, dtype=np.int32) for d in lead], indexing="ij"), -1)
+        prefix = _const(sg, f"{name}_coords", np.ascontiguousarray(
+            np.broadcast_to(grid[..., None, :], (*lead, k, len(lead)))))
+        coords = _new(sg, f"{name}_at", (*lead, k, len(lead) + 1), "INT32")
+        ops.append(ir.Operator("CONCATENATION", [prefix, at], [coords], "ConcatenationOptions",
+                               {"axis": len(lead) + 1, "fusedActivationFunction": 0}))
+        at = coords
+    scattered = _new(sg, f"{name}_scattered", out_shape)
+    ops.append(ir.Operator("SCATTER_ND", [at, delta, _const(sg, f"{name}_shape", np.array(out_shape, np.int32))],
                            [scattered]))
-    ops.append(_reshape(sg, approx, (rows * v,)))
-    total = _new(sg, f"{name}_two_stage", (rows * v,))
-    ops.append(ir.Operator("ADD", [ops[-1].outputs[0], scattered], [total], "AddOptions",
-                           {"fusedActivationFunction": 0}))
-    ops.append(_reshape(sg, total, tuple(sg.tensors[out_i].shape), out_i))
+    ops.append(ir.Operator("ADD", [approx, scattered], [out_i], "AddOptions", {"fusedActivationFunction": 0}))
     return ops
 
 

@@ -410,10 +410,9 @@ def _two_stage_heads(heads: list, report: QuantReport | None, model: torch.nn.Mo
     _, by_weight = _weight_modules(model)
     with contextlib.ExitStack() as stack:
         for src, blocks, dtype, shape2d, _ in heads:
-            approx = codec.decode(blocks, dtype, shape2d).to(torch.float32)
             for m in by_weight.get((src.data_ptr(), src.numel()), []):
-                if isinstance(m, torch.nn.Linear):
-                    stack.enter_context(topk_head.install(m, approx, k, rounding))
+                if isinstance(m, torch.nn.Linear):  # the blocks, decoded by slices as the head runs
+                    stack.enter_context(topk_head.install(m, blocks, k, rounding))
         yield
 
 
