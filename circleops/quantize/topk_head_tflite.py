@@ -37,6 +37,48 @@ def _reshape(sg: ir.Subgraph, src: int, shape: tuple[int, ...], out: int | None 
                        "ReshapeOptions", {"newShape": list(shape)})
 
 
+# logits per group of the two-level top-k: the k largest lie in the k groups of largest maxima
+# (a group holding one of them has its maximum above every logit outside them, so fewer than k
+# groups rank above it), so TOPK_V2 runs over V / GROUP maxima and k GROUP candidates instead of V
+GROUP = 64
+
+
+def _grouped_topk(sg: ir.Subgraph, ops: list[ir.Operator], approx: int, v: int, k: int, lead: tuple[int, ...],
+                  name: str) -> tuple[int, int]:
+    """(values, indices) [.., k] of the k largest of the one row ``approx`` [.., V]: TOPK_V2 of the
+    groups' maxima, TOPK_V2 of the k best groups' logits, each index back to its column."""
+    groups = v // GROUP
+    ops.append(_reshape(sg, approx, (groups, GROUP)))
+    grid = ops[-1].outputs[0]
+    gmax = _new(sg, f"{name}_gmax", (groups,))
+    ops.append(ir.Operator("REDUCE_MAX", [grid, _const(sg, f"{name}_axis", np.array([1], np.int32))],
+                           [gmax], "ReducerOptions", {"keepDims": False}))
+    kk = _const(sg, f"{name}_k", np.array(k, np.int32))
+    gv, gi1 = _new(sg, f"{name}_gv", (k,)), _new(sg, f"{name}_gi", (k,), "INT32")
+    ops.append(ir.Operator("TOPK_V2", [gmax, kk], [gv, gi1], "TopKV2Options", {}))
+    cand = _new(sg, f"{name}_cand", (k, GROUP))
+    ops.append(ir.Operator("GATHER", [grid, gi1], [cand], "GatherOptions", {"axis": 0, "batchDims": 0}))
+    ops.append(_reshape(sg, cand, (1, k * GROUP)))
+    cv, ci = _new(sg, f"{name}_topv", (1, k)), _new(sg, f"{name}_ci", (1, k), "INT32")
+    ops.append(ir.Operator("TOPK_V2", [ops[-1].outputs[0], kk], [cv, ci], "TopKV2Options", {}))
+    g = _const(sg, f"{name}_group", np.array(GROUP, np.int32))
+    slot, within = _new(sg, f"{name}_slot", (1, k), "INT32"), _new(sg, f"{name}_within", (1, k), "INT32")
+    ops.append(ir.Operator("FLOOR_DIV", [ci, g], [slot]))
+    ops.append(ir.Operator("FLOOR_MOD", [ci, g], [within]))
+    base = _new(sg, f"{name}_base", (1, k), "INT32")
+    ops.append(ir.Operator("GATHER", [gi1, slot], [base], "GatherOptions", {"axis": 0, "batchDims": 0}))
+    start = _new(sg, f"{name}_start", (1, k), "INT32")
+    ops.append(ir.Operator("MUL", [base, g], [start], "MulOptions", {"fusedActivationFunction": 0}))
+    idx = _new(sg, f"{name}_topi", (1, k), "INT32")
+    ops.append(ir.Operator("ADD", [start, within], [idx], "AddOptions", {"fusedActivationFunction": 0}))
+    if lead != (1,):
+        ops.append(_reshape(sg, cv, (*lead, k)))
+        cv = ops[-1].outputs[0]
+        ops.append(_reshape(sg, idx, (*lead, k)))
+        idx = ops[-1].outputs[0]
+    return cv, idx
+
+
 def head_ops(sg: ir.Subgraph, op: ir.Operator, approx_weight: int, table: int, k: int) -> list[ir.Operator]:
     """The ops replacing the head ``op`` (a FULLY_CONNECTED without bias or activation: its input
     ``op.inputs[0]`` [.., H], its output ``op.outputs[0]`` [.., V]): ``approx_weight`` the INT4 copy
@@ -54,9 +96,12 @@ def head_ops(sg: ir.Subgraph, op: ir.Operator, approx_weight: int, table: int, k
     approx = _new(sg, f"{name}_approx", out_shape)
     ops.append(ir.Operator("FULLY_CONNECTED", [x_i, approx_weight, -1], [approx], "FullyConnectedOptions",
                            dict(op.options), INT4_FC_VERSION))
-    values, idx = _new(sg, f"{name}_topv", (*lead, k)), _new(sg, f"{name}_topi", (*lead, k), "INT32")
-    ops.append(ir.Operator("TOPK_V2", [approx, _const(sg, f"{name}_k", np.array(k, np.int32))], [values, idx],
-                           "TopKV2Options", {}))
+    if rows == 1 and v % GROUP == 0 and v // GROUP > k:
+        values, idx = _grouped_topk(sg, ops, approx, v, k, lead, name)
+    else:
+        values, idx = _new(sg, f"{name}_topv", (*lead, k)), _new(sg, f"{name}_topi", (*lead, k), "INT32")
+        ops.append(ir.Operator("TOPK_V2", [approx, _const(sg, f"{name}_k", np.array(k, np.int32))], [values, idx],
+                               "TopKV2Options", {}))
     ops.append(_reshape(sg, idx, (rows * k,)))
     looked = _new(sg, f"{name}_rows", (rows * k, h))
     ops.append(ir.Operator("EMBEDDING_LOOKUP", [ops[-1].outputs[0], table], [looked]))

@@ -28,9 +28,9 @@ def _asymmetric(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def head():
     """A [V, H] head whose rows differ in norm (a real head's do), int8 and int4 blocks of 32, and
-    64 input rows; V = 8 k (the smallest vocabulary the head is written two-stage for)."""
+    64 input rows."""
     g = torch.Generator().manual_seed(0)
-    v, h = max(2048, topk_head.MIN_VOCAB_PER_K * K), 64
+    v, h = max(8192, 2 * topk_head_tflite.GROUP * K), 64  # more groups than k: the two-level top-k
     table = torch.randn(v, h, generator=g) * torch.rand(v, 1, generator=g)
     x = torch.randn(64, h, generator=g) * 2.0
     return int8.quantize_per_channel(table), int4.quantize(table, 32), x
