@@ -4,19 +4,25 @@ One FULLY_CONNECTED ``x [.., H] -> out [.., V]`` over an INT8 head becomes
 
     approx [.., V] = FULLY_CONNECTED(x, head INT4 blocks)          (XNNPACK's qd8-f32-qb4w)
     values, idx    = TOPK_V2(approx, k)                            [.., k], int32 [.., k]
+                     (one row: in two levels, over the groups' maxima then the best groups)
     rows [R k, H]  = EMBEDDING_LOOKUP(idx, the INT8 table)         (dequantized rows)
     exact [.., k]  = FULLY_CONNECTED(x, rows)  (one row; R rows: BATCH_MATMUL with their own k rows)
     out            = approx + SCATTER_ND((row, idx), exact - values, out's shape)
 
 LiteRT 2.3.0 runs TOPK_V2, EMBEDDING_LOOKUP and SCATTER_ND on its builtin kernels (XNNPACK
-delegates none of them), the products on XNNPACK (bench/topk_head.py measured their cost). The
+delegates none of them), the products on XNNPACK (bench/int4_head.py measured their cost). The
 indices are unique (a top-k), so SCATTER_ND's summing of repeated indices never applies.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from circleops import ir
+
+if TYPE_CHECKING:
+    from circleops.quantize import int4, int8
 
 INT4_FC_VERSION = 13  # FULLY_CONNECTED with an INT4 filter (LiteRT 2.3.0 registers it)
 

@@ -155,3 +155,18 @@ def test_generation_graphs_with_the_two_stage_head(tmp_path, tied_llama):
         logits = model(torch.tensor([[5, 17, 42, *gen.tokens]])).logits[0, 2:2 + len(gen.tokens)]
     gaps = [float(row.max() - row[t]) for row, t in zip(logits, gen.tokens)]
     assert max(gaps) <= 2 * err, f"two-stage head: tokens {gen.tokens} off torch's greedy by logit gaps {gaps}"
+
+
+def test_single_graph_convert_with_the_two_stage_head(tmp_path, tied_llama):
+    """circleops.convert of the whole sequence (8 rows of logits): the head two-stage per row, and
+    verify's torch runs it too (its record reaches compare_file): LiteRT within fp32's tolerance
+    of it, its boundary candidates either way."""
+    import circleops
+    from families import example_ids
+
+    ids = example_ids(8, tied_llama.config.vocab_size)
+    report = circleops.convert(copy.deepcopy(tied_llama), (ids,), tmp_path / "m.tflite", target="tflite",
+                               quantize=FMT, verify=True)
+    assert report.verify.passed and list(report.quantization.two_stage.values()) == [K]
+    assert report.ops["TOPK_V2"] == 1 and report.ops["SCATTER_ND"] == 1
+    assert report.verify.max_abs_error <= 1e-3 * max(1.0, report.verify.reference_max_abs)
