@@ -119,8 +119,9 @@ def test_head_error_takes_a_boundary_candidate_either_way():
 
 @pytest.fixture(scope="module")
 def tied_llama():
-    """A tiny Llama with a tied head over a vocabulary the two-stage head applies to."""
-    return BY_NAME["llama"].build(vocab_size=max(1024, topk_head.MIN_VOCAB_PER_K * K), tie_word_embeddings=True)
+    """A tiny Llama with a tied head over a vocabulary the two-stage head applies to, in more groups
+    than k (a generation graph's one row takes the two-level top-k)."""
+    return BY_NAME["llama"].build(vocab_size=max(8192, 2 * topk_head_tflite.GROUP * K), tie_word_embeddings=True)
 
 
 def test_generation_graphs_with_the_two_stage_head(tmp_path, tied_llama):
@@ -148,7 +149,9 @@ def test_generation_graphs_with_the_two_stage_head(tmp_path, tied_llama):
     for sig in m.signatures:
         sg = m.subgraphs[sig.subgraph_index]
         ops = Counter(op.opcode for op in sg.operators)
-        assert ops["TOPK_V2"] == 1 and ops["SCATTER_ND"] == 1 and ops["EMBEDDING_LOOKUP"] == 2, (sig.key, ops)
+        # one row: the two-level top-k (the groups' maxima, then the best groups' logits)
+        assert ops["TOPK_V2"] == 2 and ops["REDUCE_MAX"] == 1, (sig.key, ops)
+        assert ops["SCATTER_ND"] == 1 and ops["EMBEDDING_LOOKUP"] == 2, (sig.key, ops)
     gen = Generator(read_manifest(out)).generate([5, 17, 42], 6)
     err = max(info.max_abs_error for info in report.graphs.values())
     with dequantized_sources(q, model, "litert"), torch.no_grad():
