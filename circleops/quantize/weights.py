@@ -46,9 +46,9 @@ from circleops.quantize.linears import is_f32_const as _is_f32_const
 from circleops.quantize.linears import is_table as _is_table
 from circleops.quantize.linears import linear_weight as _linear_weight
 from circleops.quantize.linears import note_float_inputs
+from circleops.quantize.topk_head import HEAD_ROLE
 from circleops.system.memory import Pager
 from circleops.system.snapshot import restore_read
-from circleops.quantize.topk_head import HEAD_ROLE
 
 _ACTIVATION_OPS = {1: "RELU", 2: "RELU_N1_TO_1", 3: "RELU6", 4: "TANH"}
 _ACTIVATION_NAMES = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4, "NONE": 0}
