@@ -58,6 +58,8 @@ RESULTS_FILE = ROOT / "bench" / "results" / "09-llm-speed.yaml"
 TEXT = ("The lighthouse keeper counted the ships that passed the harbour, wrote their names in a ledger "
         "and watched the weather turn. ")
 
+# the two-stage head's k in the int4 variants below (bench/int4_head.py chose it)
+_TOPK = 64
 # engine name -> (table, label, weights label, kind); the anchor of each circleops row is the
 # ik_llama.cpp row with the same weights (onert table) at the same thread count
 ENGINES = {
@@ -92,6 +94,14 @@ ENGINES = {
                                     "circleops-litert"),
     "circleops-tflite-int4-down4": ("litert", "circleops int4 with the 30 MLP downs int4 too (not shipped)", "int4",
                                     "circleops-litert"),
+    # issue 34: the int4 file's head one INT8 product (as before results 76) and two-stage (a 4-bit
+    # copy for every logit, the k best rescored with the INT8 rows: circleops.quantize.topk_head),
+    # and two-stage with the 30 MLP downs int4 too (WeightFormat.head_topk / EIGHT_BIT_LINEARS set at convert)
+    "circleops-tflite-int4-head8": ("litert", "circleops int4, the head one INT8 product (before results 76)", "int4",
+                                    "circleops-litert"),
+    "circleops-tflite-int4-topk": ("litert", f"circleops int4, two-stage head (k={_TOPK})", "int4", "circleops-litert"),
+    "circleops-tflite-int4-topk-down4": ("litert", f"circleops int4, two-stage head (k={_TOPK}), the 30 MLP downs "
+                                         "int4 too", "int4", "circleops-litert"),
     # issue 34: the int4 file with q and k rotated apart, as before TargetProfile.attention_joint_rope
     # (the same weights, converted with that switch off: an A/B of the graph form in one run)
     "circleops-tflite-int4-rope-apart": ("litert", "circleops int4, q and k rotated apart (before results 71)", "int4",
@@ -118,22 +128,32 @@ ANCHOR = {"circleops-fp32": "ik-F32", "circleops-q4_0": "ik-Q4_0", "torch-fp32":
           "circleops-tflite-w8-nowindow": "litert-torch-int8", "circleops-tflite-int4": "executorch-8da4w",
           "circleops-tflite-int4-b128": "executorch-8da4w", "circleops-tflite-int4-pc": "executorch-8da4w",
           "circleops-tflite-int4-nowindow": "executorch-8da4w", "litert-torch-int4": "executorch-8da4w",
-          "litert-torch-int4-pc": "executorch-8da4w", "circleops-tflite-int4-rope-apart": "executorch-8da4w"}
+          "litert-torch-int4-pc": "executorch-8da4w", "circleops-tflite-int4-rope-apart": "executorch-8da4w",
+          "circleops-tflite-int4-head8": "executorch-8da4w", "circleops-tflite-int4-topk": "executorch-8da4w",
+          "circleops-tflite-int4-topk-down4": "executorch-8da4w"}
 # a second ratio column: the int4 rows against circleops' own w8 (issue 34: decode <= 0.6x)
 SECOND_ANCHOR = {e: "circleops-tflite-w8" for e in ("circleops-tflite-int4", "circleops-tflite-int4-b128",
                                                      "circleops-tflite-int4-down8", "circleops-tflite-int4-down4",
                                                      "circleops-tflite-int4-pc", "circleops-tflite-int4-nowindow",
-                                                     "circleops-tflite-int4-rope-apart")}
+                                                     "circleops-tflite-int4-rope-apart", "circleops-tflite-int4-head8",
+                                                     "circleops-tflite-int4-topk", "circleops-tflite-int4-topk-down4")}
 # a third ratio column: the in-place caches against the same file's copying path (issue 34)
 BEFORE = {"circleops-tflite-w8": "circleops-tflite-w8-copied", "circleops-tflite-int4": "circleops-tflite-int4-copied"}
 # convert options of an engine beyond its target and weights (its directory: the engine's name)
 # Python run before the CLI converts an engine's file (a recipe variant no option names)
-CONVERT_PATCH = {"circleops-tflite-int4-down4": "from circleops.quantize import int4_tflite; "
+_HEAD_TOPK = ("import dataclasses; from circleops.quantize import formats; formats._FORMATS['int4'] = "
+              "dataclasses.replace(formats._FORMATS['int4'], head_topk={k})")
+CONVERT_PATCH = {"circleops-tflite-int4-head8": _HEAD_TOPK.format(k=0),
+                 "circleops-tflite-int4-topk": _HEAD_TOPK.format(k=_TOPK),
+                 "circleops-tflite-int4-topk-down4": _HEAD_TOPK.format(k=_TOPK) + "; from circleops.quantize import "
+                                                     "int4_tflite; int4_tflite.EIGHT_BIT_LINEARS = {}",
+                 "circleops-tflite-int4-down4": "from circleops.quantize import int4_tflite; "
                                                 "int4_tflite.EIGHT_BIT_LINEARS = {}",
                  "circleops-tflite-int4-rope-apart": "import dataclasses; from circleops import targets; "
                                                      "targets._PROFILES['tflite'] = dataclasses.replace("
                                                      "targets.TFLITE, attention_joint_rope=False)"}
-CONVERT_EXTRA = {"circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [], "circleops-tflite-int4-rope-apart": [],
+CONVERT_EXTRA = {"circleops-tflite-int4-head8": [], "circleops-tflite-int4-topk": [], "circleops-tflite-int4-topk-down4": [],
+                 "circleops-tflite-int4-down8": [], "circleops-tflite-int4-down4": [], "circleops-tflite-int4-rope-apart": [],
                  "circleops-tflite-w8-nowindow": ["--cache-windows", "none"],
                  "circleops-tflite-int4-nowindow": ["--cache-windows", "none"]}
 # ai-edge-quantizer's recipe applied to litert-torch's fp32 model.tflite, per engine

@@ -514,11 +514,17 @@ def _run(ep: Any, opts: Options, job: Job) -> Report:
         tracker.say("verify")
         t = time.perf_counter()
         # torch runs the weights the file holds, its linears' inputs rounded as the runtime rounds them
-        with dequantized_sources(quant, job.fusion_model, opts.runtime):
+        from circleops.quantize import topk_head
+
+        with dequantized_sources(quant, job.fusion_model, opts.runtime), topk_head.recording() as heads:
             expected = job.reference()
         release_weights()
-        compare = job.compare or compare_file
-        report.verify = compare(tmp, opts.runtime, job.example_args, expected, opts.dtype, opts.verify_tolerance())
+        if job.compare is not None:
+            report.verify = job.compare(tmp, opts.runtime, job.example_args, expected, opts.dtype,
+                                        opts.verify_tolerance())
+        else:  # a two-stage head's boundary candidates compared either way (topk_head.head_error)
+            report.verify = compare_file(tmp, opts.runtime, job.example_args, expected, opts.dtype,
+                                         opts.verify_tolerance(), heads=heads or None)
         verify_seconds[0] = time.perf_counter() - t
         if not report.verify.passed:
             v = report.verify
@@ -737,8 +743,10 @@ def run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Te
 
 
 def compare_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], expected: list[torch.Tensor],
-                 dtype: torch.dtype, tolerance: float | None = None) -> VerifyResult:
-    """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs."""
+                 dtype: torch.dtype, tolerance: float | None = None, heads: dict | None = None) -> VerifyResult:
+    """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs (``heads``: a
+    two-stage head's record, circleops.quantize.topk_head.recording: the output of its shape is
+    compared row by row by topk_head.head_error)."""
     import numpy as np
 
     from circleops.runtime import open_session
@@ -759,6 +767,12 @@ def compare_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], e
         # all -inf row, log(0)); anything else non-finite is an error of nan
         same = (np.isnan(g) & np.isnan(w)) | (np.isinf(w) & (g == w))
         diff = np.where(same, 0.0, np.abs(g - w))
+        if heads is not None and tuple(heads["approx"].shape) == tuple(w.shape):
+            from circleops.quantize import topk_head
+
+            v = w.shape[-1]
+            diff = np.array([topk_head.head_error(o, a, e, int(heads["k"])) for o, a, e in zip(
+                g.reshape(-1, v), heads["approx"].reshape(-1, v), heads["exact"].reshape(-1, v))])
         err = max(err, float(np.nanmax(diff)) if diff.size else 0.0)
         if np.isnan(diff).any():
             err = float("nan")

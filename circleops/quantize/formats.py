@@ -67,6 +67,10 @@ class WeightFormat:
     block_size: int | None = None  # the codec's block (BLOCKWISE: columns per scale, 0 per channel; None: codec's)
     embedding: bool = False  # the embedding table is stored at tensor_type too
     tied_table: bool = True  # a tied head may share the embedding table's blocks (else its own higher type)
+    # BLOCKWISE: the head two-stage with this many candidates (0: one head_type product): every
+    # logit from a 4-bit copy of the head, the k best rescored with the head_type rows the
+    # embedding lookup reads (circleops.quantize.topk_head)
+    head_topk: int = 0
     importance: bool = False  # block scales fitted to the linears' inputs (quantize.importance)
     smoothing: bool = False  # SmoothQuant folded into the weights first (quantize.smooth)
     rotation: bool = False  # an LLM's Hadamard rotation folded into the weights first (quantize.rotate)
@@ -199,6 +203,8 @@ _INT4_REFUSAL = ("writes INT4 block weights for LiteRT's XNNPACK FULLY_CONNECTED
                  "use target 'tflite' (for onert or circle: q4_0)")
 _INT4_STEP = 2.0 ** -7  # XNNPACK rounds each linear's input to int8 per row (as w8): torch on the
 # dequantized weights does not; the weights' own rounding is in the reference's weights
+# the two-stage head's candidates per format (WeightFormat.head_topk; circleops.quantize.topk_head)
+_HEAD_TOPK = {"int4": 64}
 for _name, _block, _what in (("int4", 32, "blocks of 32 (an fp16 scale each: 4.5 bits/weight)"),
                              ("int4-b64", 64, "blocks of 64 (4.25 bits/weight)"),
                              ("int4-b128", 128, "blocks of 128 (4.125 bits/weight; a width without one: "
@@ -208,7 +214,8 @@ for _name, _block, _what in (("int4", 32, "blocks of 32 (an fp16 scale each: 4.5
         _name, f"int4 linear weights in {_what}, dynamically quantized int8 activations (LiteRT's XNNPACK "
         "qd8 FULLY_CONNECTED); embedding and lm_head int8 per row, sharing one table; target tflite", WEIGHTS,
         "INT4", "circleops.quantize.int4", form=BLOCKWISE, head_type="INT8", table_type="INT8", embedding=True,
-        importance=True, block_size=_block, file_formats=frozenset({"tflite"}), target_refusal=_INT4_REFUSAL,
+        importance=True, block_size=_block, head_topk=_HEAD_TOPK.get(_name, 0), file_formats=frozenset({"tflite"}),
+        target_refusal=_INT4_REFUSAL,
         runtimes=frozenset({"litert", "reference"}), step=_INT4_STEP,
         # odml.rms_norm inline too: its 61 composites split XNNPACK's decode graph into 62
         # partitions, each norm on LiteRT's builtin kernels; inline, a SmolLM2 decode step

@@ -150,6 +150,10 @@ def quantize(weight: Tensor | np.ndarray, block: int = DEFAULT_BLOCK, importance
         lv, s = _quantize_blocks(blocks, imp.expand(r, -1, -1).reshape(-1, g))
         q[start:start + r] = lv.reshape(r, k)
         scales[start:start + r] = s.reshape(r, k // g)
+    # an all-zero block (a padding token's row of a tied head) has levels 0 at any scale: the
+    # smallest one instead of 0, which XNNPACK refuses ("unsupported scale value (0.000000)"):
+    # the whole file then fails to prepare
+    scales = torch.where(scales == 0, torch.full_like(scales, _SCALE_MIN), scales)
     if block == PER_CHANNEL:  # fp32 scales in the QuantizationParameters (qc4w)
         return Int4Weight(q.numpy(), scales.reshape(n).numpy(), PER_CHANNEL)
     return Int4Weight(q.numpy(), scales.to(torch.float16).numpy(), block)

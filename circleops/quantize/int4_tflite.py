@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from circleops import ir
-from circleops.quantize import int4, int8, linears
+from circleops.quantize import int4, int8, linears, topk_head, topk_head_tflite
 from circleops.quantize.formats import WeightFormat
 
 INT4_FC_VERSION = 13  # FULLY_CONNECTED with an INT4 filter (LiteRT 2.3.0 registers it)
@@ -71,11 +71,12 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
     quantizer, circleops.quantize.weights; ``kept``: name -> (shape, why) of weights left float)."""
     converted: dict[tuple, int] = {}
 
-    def tensor(index: int, shape2d: tuple[int, int], dtype: str, role: str) -> int:
+    def tensor(index: int, shape2d: tuple[int, int], dtype: str, role: str, suffix: str = "") -> int:
         key = (index, dtype, shape2d)
         if key not in converted:
             t = sg.tensors[index]
-            converted[key] = sg.add_tensor(weight_tensor(q.name(t), shape2d, q.blocks(t, shape2d, dtype, role)))
+            converted[key] = sg.add_tensor(weight_tensor(q.name(t) + suffix, shape2d,
+                                                         q.blocks(t, shape2d, dtype, role)))
         return converted[key]
 
     new_ops: list[ir.Operator] = []
@@ -97,10 +98,24 @@ def rewrite_subgraph(sg: ir.Subgraph, q: Any, is_param: Callable[[str], bool], k
             continue
         if dtype == int4.FALLBACK and not q.is_head(w) and not eight_bit_by_choice(q.name(w), q.format):
             q.report.fallbacks[q.name(w)] = ((n, k), fallback_reason(k, q.format))
+        top = q.format.head_topk
+        if dtype == int4.FALLBACK and q.is_head(w) and topk_head.applies(n, top) and _plain(sg, op):
+            # the two-stage head: every logit from an INT4 copy, the k best from the INT8 rows
+            head4 = tensor(wi, (n, k), int4.DTYPE, topk_head.HEAD_ROLE, "_int4")
+            q.report.two_stage[q.name(w)] = top
+            new_ops.extend(topk_head_tflite.head_ops(sg, op, head4, tensor(wi, (n, k), dtype, "linear"), top))
+            continue
         version = INT4_FC_VERSION if dtype == int4.DTYPE else INT8_FC_VERSION
         new_ops.append(ir.Operator(op.opcode, [op.inputs[0], tensor(wi, (n, k), dtype, "linear"), *op.inputs[2:]],
                                    list(op.outputs), op.options_type, dict(op.options), max(op.version, version)))
     sg.operators = new_ops
+
+
+def _plain(sg: ir.Subgraph, op: ir.Operator) -> bool:
+    """Whether the FULLY_CONNECTED ``op`` has no bias and no fused activation (a head does not)."""
+    bias = op.inputs[2] if len(op.inputs) > 2 else -1
+    act = op.options.get("fusedActivationFunction", 0) or 0
+    return bias < 0 and (act == 0 or str(act).upper() == "NONE")
 
 
 def lookup(sg: ir.Subgraph, op: ir.Operator, q: Any, tensor: Callable) -> list[ir.Operator]:
@@ -170,6 +185,10 @@ def summary_lines(report: Any) -> list[str]:
     if head:
         lines.append("the output head (lm_head) and embedding as INT8 per row, one shared table (EMBEDDING_LOOKUP): "
                      + ", ".join(f"{w.name} {list(w.shape)}" for w in head))
+    for name, k in report.two_stage.items():
+        lines.append(f"the output head two-stage: {name} as an INT4 copy in {what} for every "
+                     f"logit, its {k} largest rescored with the INT8 table's rows (TOPK_V2, EMBEDDING_LOOKUP, "
+                     "SCATTER_ND; circleops.quantize.topk_head)")
     if chosen:
         lines.append(f"{len(chosen)} weights kept INT8 per channel by measurement ("
                      f"{', '.join(EIGHT_BIT_LINEARS.get(fmt.name, ()))}: the MLP down projections, whose input ranges "

@@ -46,6 +46,7 @@ from circleops.quantize.linears import is_f32_const as _is_f32_const
 from circleops.quantize.linears import is_table as _is_table
 from circleops.quantize.linears import linear_weight as _linear_weight
 from circleops.quantize.linears import note_float_inputs
+from circleops.quantize.topk_head import HEAD_ROLE
 from circleops.system.memory import Pager
 from circleops.system.snapshot import restore_read
 
@@ -81,6 +82,8 @@ class QuantReport:
     form: str | None = None  # how the linears were written (formats.FORMS; None: the format's own form)
     # name -> (shape, why): linears stored at a higher type than the format's (int4: int8 per channel)
     fallbacks: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    # head name -> k: heads written two-stage (a 4-bit copy, the k best rescored: quantize.topk_head)
+    two_stage: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # (torch source tensor, blocks, dtype, [N, K], "linear" | "table"): what verify swaps
@@ -101,7 +104,8 @@ class QuantReport:
                 "requantized_from": self.requantized_from, "fp32_bytes": self.fp32_bytes,
                 "ggml_bytes": self.ggml_bytes, "higher_precision": [w.name for w in self.higher_precision],
                 "smoothing": self.smoothing, "form": self.form or formats.get(self.format).form,
-                "fallbacks": [{"name": n, "shape": list(s), "reason": r} for n, (s, r) in self.fallbacks.items()]}
+                "fallbacks": [{"name": n, "shape": list(s), "reason": r} for n, (s, r) in self.fallbacks.items()],
+                "two_stage": dict(self.two_stage)}
 
     @property
     def format_entry(self) -> formats.WeightFormat:
@@ -385,9 +389,31 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     rounding = input_rounding(report, runtime) if entries else None
     if rounding is not None and perturb is not None:
         rounding = perturbed(rounding, perturb)
+    heads = [e for e in entries if e[4] == HEAD_ROLE]  # a two-stage head's 4-bit copy: the head's hook reads it
+    entries = [e for e in entries if e[4] != HEAD_ROLE]
     with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding) as rest:
-        with _swapped_in_place(rest, report, model, codec):
+        with _swapped_in_place(rest, report, model, codec), _two_stage_heads(heads, report, model, codec, rounding):
             yield
+
+
+@contextlib.contextmanager
+def _two_stage_heads(heads: list, report: QuantReport | None, model: torch.nn.Module | None, codec: Any,
+                     rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
+    """Inside: each ``nn.Linear`` of ``model`` reading a two-stage head's source computes the
+    two-stage head (circleops.quantize.topk_head.install) on the file's 4-bit copy and INT8 rows."""
+    from circleops.quantize import topk_head
+
+    if not heads or model is None:
+        yield
+        return
+    k = next(iter(report.two_stage.values()), formats.get(report.format).head_topk)
+    _, by_weight = _weight_modules(model)
+    with contextlib.ExitStack() as stack:
+        for src, blocks, dtype, shape2d, _ in heads:
+            for m in by_weight.get((src.data_ptr(), src.numel()), []):
+                if isinstance(m, torch.nn.Linear):  # the blocks, decoded by slices as the head runs
+                    stack.enter_context(topk_head.install(m, blocks, k, rounding))
+        yield
 
 
 @contextlib.contextmanager
@@ -526,7 +552,7 @@ class _Quantizer:
         data = t.data if isinstance(t.data, torch.Tensor) else torch.from_numpy(np.asarray(t.data))
         # a table's rows are read as they are: weighted by a linear's inputs only when a
         # tied head shares its blocks (q4_0-pure)
-        imp = self.importance.get(key) if key is not None and (role == "linear" or self.pure) else None
+        imp = self.importance.get(key) if key is not None and (role in ("linear", HEAD_ROLE) or self.pure) else None
         if imp is not None and (not self.format.importance or dtype != self.dtype or imp.numel() != shape2d[-1]):
             imp = None
         blocks = self.codec.encode(data.reshape(shape2d), dtype, importance=imp, **self.codec_options)

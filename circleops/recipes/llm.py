@@ -515,6 +515,16 @@ def convert_graphs(model: Any, out_dir: str | os.PathLike, options: ConvertOptio
 class References:
     ids: Any  # [P + 1] int64
     logits: Any  # [P + 1, V]: the model's logits of every prefix of ``ids``
+    # a two-stage head's approximate and exact logits, [P + 1, V] each, and k
+    # (circleops.quantize.topk_head.recording); None: one head product
+    heads: dict | None = None
+
+    def error(self, out: Any, row: int) -> float:
+        """The largest error of a graph's logits ``out`` [V] at ``row`` (compare's rule; with a
+        two-stage head its boundary candidates either way: topk_head.head_error)."""
+        from circleops.quantize import topk_head
+
+        return topk_head.rows_error(out, self.logits[row], self.heads, row)
 
 
 def references(model: Any, lengths: Sequence[int]) -> References:
@@ -525,11 +535,13 @@ def references(model: Any, lengths: Sequence[int]) -> References:
 
     from circleops.sources.models import example_token_ids
 
+    from circleops.quantize import topk_head
+
     p = checked_tokens(max(lengths))
     ids = example_token_ids(p + 1, int(model.config.vocab_size))[0]
-    with torch.no_grad():
+    with torch.no_grad(), topk_head.recording() as heads:
         logits = model(input_ids=ids[None], use_cache=False).logits[0].float().numpy()
-    return References(ids, logits)
+    return References(ids, logits, heads or None)
 
 
 def checked_tokens(length: int) -> int:
@@ -564,7 +576,7 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
         buf[0, :p] = ids[:p]
         caches = [z.copy() for z in zeros]
         outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
-        errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
+        errors[g], wants[g] = refs.error(outs[0][0, 0], p - 1), refs.logits[p - 1]
         if "decode" in graphs and after is None:  # after the longest prefill
             after = (store_caches(caches, outs[1:], 0, manifest.cache_update, manifest.cache_layout), p)
         del outs
@@ -576,16 +588,16 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
         buf[0, :p] = ids[:p]
         caches = [np.ascontiguousarray(c) for c in cache_window(zeros, w, manifest.cache_layout)]
         outs = open_graph(manifest, g, runtime, isolated=True).run([buf, np.zeros(1, np.int64), np.array([p - 1], np.int64), *caches])
-        errors[g], wants[g] = float(np.abs(outs[0][0, 0] - refs.logits[p - 1]).max()), refs.logits[p - 1]
+        errors[g], wants[g] = refs.error(outs[0][0, 0], p - 1), refs.logits[p - 1]
     if "decode" in graphs:
         decode = open_graph(manifest, "decode", runtime, isolated=True)
         if after is not None:
             caches, p = after
             step = decode.run([np.array([[ids[p]]], np.int64), np.array([p], np.int64), *caches])[0][0, 0]
-            errors["decode"], wants["decode"] = float(np.abs(step - refs.logits[p]).max()), refs.logits[p]
+            errors["decode"], wants["decode"] = refs.error(step, p), refs.logits[p]
         else:
             out = decode.run([np.array([ids[:1]], np.int64), np.zeros(1, np.int64), *zeros])[0][0, 0]
-            errors["decode"], wants["decode"] = float(np.abs(out - refs.logits[0]).max()), refs.logits[0]
+            errors["decode"], wants["decode"] = refs.error(out, 0), refs.logits[0]
         del decode  # its child ends (IsolatedSession.__del__)
     for g, w in manifest.windowed_decodes.items():  # the same step, reading the first W slots
         if g not in graphs:
@@ -595,5 +607,5 @@ def compare(manifest: Manifest, graphs: Sequence[str], runtime: str, refs: "Refe
         window = [np.ascontiguousarray(c) for c in cache_window(caches, w, manifest.cache_layout)]
         out = open_graph(manifest, g, runtime, isolated=True).run([np.array([[token]], np.int64),
                                                                    np.array([p], np.int64), *window])[0][0, 0]
-        errors[g], wants[g] = float(np.abs(out - refs.logits[p]).max()), refs.logits[p]
+        errors[g], wants[g] = refs.error(out, p), refs.logits[p]
     return {g: (err, float(np.abs(wants[g]).max())) for g, err in errors.items()}
