@@ -94,10 +94,10 @@ ENGINES = {
                                     "circleops-litert"),
     "circleops-tflite-int4-down4": ("litert", "circleops int4 with the 30 MLP downs int4 too (not shipped)", "int4",
                                     "circleops-litert"),
-    # issue 34: the int4 file's head one INT8 product (as before results 76) and two-stage (a 4-bit
+    # issue 34: the int4 file's head one INT8 product (int4's) and two-stage (int4-topk's: a 4-bit
     # copy for every logit, the k best rescored with the INT8 rows: circleops.quantize.topk_head),
     # and two-stage with the 30 MLP downs int4 too (WeightFormat.head_topk / EIGHT_BIT_LINEARS set at convert)
-    "circleops-tflite-int4-head8": ("litert", "circleops int4, the head one INT8 product (before results 76)", "int4",
+    "circleops-tflite-int4-head8": ("litert", "circleops int4, the head one INT8 product (int4's own)", "int4",
                                     "circleops-litert"),
     "circleops-tflite-int4-topk": ("litert", f"circleops int4, two-stage head (k={_TOPK})", "int4", "circleops-litert"),
     "circleops-tflite-int4-topk-down4": ("litert", f"circleops int4, two-stage head (k={_TOPK}), the 30 MLP downs "

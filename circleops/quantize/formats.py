@@ -203,13 +203,17 @@ _INT4_REFUSAL = ("writes INT4 block weights for LiteRT's XNNPACK FULLY_CONNECTED
                  "use target 'tflite' (for onert or circle: q4_0)")
 _INT4_STEP = 2.0 ** -7  # XNNPACK rounds each linear's input to int8 per row (as w8): torch on the
 # dequantized weights does not; the weights' own rounding is in the reference's weights
-# the two-stage head's candidates per format (WeightFormat.head_topk; circleops.quantize.topk_head)
-_HEAD_TOPK = {"int4": 64}
+# the two-stage head's candidates per format (WeightFormat.head_topk; circleops.quantize.topk_head):
+# not int4's default, since its measured gain is thin (SmolLM2, results 76: decode CPU 0.95x at 1
+# thread, 1.00x at 2) for +0.6 points of perplexity and a file 15 % larger
+_HEAD_TOPK = {"int4-topk": 64}
 for _name, _block, _what in (("int4", 32, "blocks of 32 (an fp16 scale each: 4.5 bits/weight)"),
                              ("int4-b64", 64, "blocks of 64 (4.25 bits/weight)"),
                              ("int4-b128", 128, "blocks of 128 (4.125 bits/weight; a width without one: "
                                                 "the largest multiple of 32 dividing it)"),
-                             ("int4-pc", 0, "one scale per output channel (fastest, least accurate)")):
+                             ("int4-pc", 0, "one scale per output channel (fastest, least accurate)"),
+                             ("int4-topk", 32, "blocks of 32, the tied head two-stage (every logit from a 4-bit "
+                                               "copy of it, the 64 largest rescored with its INT8 rows)")):
     register(WeightFormat(
         _name, f"int4 linear weights in {_what}, dynamically quantized int8 activations (LiteRT's XNNPACK "
         "qd8 FULLY_CONNECTED); embedding and lm_head int8 per row, sharing one table; target tflite", WEIGHTS,

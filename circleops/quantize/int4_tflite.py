@@ -31,7 +31,7 @@ INT8_FC_VERSION = 5  # the dynamic-range (hybrid) FULLY_CONNECTED with per-chann
 # of a Llama block): SmolLM2-135M's perplexity on the shipped text +8.32 % with every linear
 # int4, +6.77 % with the 30 down projections int8 (torch emulation of the file's arithmetic,
 # 8 windows of 256; bench/results/28-int4-quality.yaml), for 12 MB more file (0.19x fp32's)
-EIGHT_BIT_LINEARS: dict[str, tuple[str, ...]] = {"int4": ("mlp.down_proj.",)}
+EIGHT_BIT_LINEARS: dict[str, tuple[str, ...]] = {"int4": ("mlp.down_proj.",), "int4-topk": ("mlp.down_proj.",)}
 
 
 def eight_bit_by_choice(name: str, fmt: WeightFormat) -> bool:

@@ -241,7 +241,8 @@ def test_convert_int4_tflite_runs_in_litert(tmp_path, llama, fmt):
     # the table (EMBEDDING_LOOKUP) and the head, int8 per row; int4 keeps the MLP down
     # projections int8 too (measured better: int4_tflite.EIGHT_BIT_LINEARS)
     layers = llama.config.num_hidden_layers
-    assert eight == sorted(["embed_tokens", "lm_head"] + (["down_proj"] * layers if fmt == "int4" else []))
+    downs = ["down_proj"] * layers if fmt in ("int4", "int4-topk") else []
+    assert eight == sorted(["embed_tokens", "lm_head"] + downs)
     assert {w.dtype for w in q.weights} == {"INT4", "INT8"} and not q.fallbacks
     got = litert.run(path, [ids.numpy()])[0]
     np.testing.assert_allclose(reference.run(path, [ids.numpy()])[0], got, atol=1e-5 * max(1, np.abs(got).max()))

@@ -15,7 +15,7 @@ from circleops.quantize import formats, int4, int8, topk_head, topk_head_tflite
 from circleops.serialize import write_model
 from families import BY_NAME
 
-FMT = "int4"
+FMT = "int4-topk"
 K = formats.get(FMT).head_topk
 EPS = 2.0 ** -24  # fp32's unit roundoff
 
