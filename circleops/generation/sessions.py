@@ -122,18 +122,23 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
     files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
-    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.package.split)
+    head = getattr(manifest, "part_embedding", None) == "head"
+    if len(files) > 1 or head:
+        # a split model: one file per layer range, run as one graph (circleops.package.split);
+        # or one file that takes the embeddings: a chain of one, the ids' rows read from its head
         from circleops.runtime.chain import ChainSession, HeadEmbedding
 
-        embed = (HeadEmbedding(manifest.directory / files[-1], manifest.signatures.get(graph))
-                 if getattr(manifest, "part_embedding", None) == "head" else None)
+        if head:
+            confined(manifest.directory, files[-1], f"the file of graph {graph!r}", manifest.directory / MANIFEST)
+        embed = HeadEmbedding(manifest.directory / files[-1], manifest.signatures.get(graph)) if head else None
+        ranges = manifest.parts if len(files) > 1 else [[0, manifest.num_layers]]
         one_row = graph != "decode" and manifest.prefill_one_row
         if isolated:
             openers = [functools.partial(_open_file, manifest, graph, f, runtime, isolated, threads) for f in files]
-            return ChainSession(openers, manifest.parts, one_row=one_row, embed=embed, lazy=True,
+            return ChainSession(openers, ranges, one_row=one_row, embed=embed, lazy=True,
                                 paths=[str(manifest.directory / f) for f in files])
         sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
-        return ChainSession(sessions, manifest.parts, one_row=one_row, embed=embed)
+        return ChainSession(sessions, ranges, one_row=one_row, embed=embed)
     return _open_file(manifest, graph, files[0], runtime, isolated, threads)
 
 
