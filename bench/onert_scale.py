@@ -84,7 +84,9 @@ def child(directory: str, ids: list[int], new: int, threads: int | None) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", action="append", default=[], metavar="PYTHON:DIR")
+    # CODE: the circleops checkout the child imports (default this one): "before" and "after"
+    # directories of a change, each run by its own code, interleaved
+    parser.add_argument("--run", action="append", default=[], metavar="PYTHON:DIR[:CODE]")
     parser.add_argument("--ids", default=DEFAULT_IDS)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
@@ -101,17 +103,18 @@ def main() -> int:
         gbps = streaming_read_gbps()
         print(f"round {r + 1}: streaming read {gbps:.1f} GB/s, load {os.getloadavg()[0]:.1f}", flush=True)
         for spec in args.run:
-            python, directory = spec.split(":", 1)
+            python, directory, *code = spec.split(":", 2)
             cmd = [python, __file__, "--child", directory, "--ids", args.ids, "--new", str(args.new)]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(
-                Path(__file__).resolve().parents[1])})
+                code[0] if code else Path(__file__).resolve().parents[1])})
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
                 continue
-            res = {**json.loads(line[7:]), "round": r + 1, "gbps": gbps, "load": os.getloadavg()[0]}
+            res = {**json.loads(line[7:]), "round": r + 1, "gbps": gbps, "load": os.getloadavg()[0],
+                   "code": code[0] if code else None}
             res["floor_ms"] = res["decode_bytes"] / (gbps * 1e9) * 1000
             rows.append(res)
             print(f"  {directory}: decode {res['decode_ms']:.1f} ms/token (floor {res['floor_ms']:.1f}, "

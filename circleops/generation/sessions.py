@@ -122,19 +122,42 @@ def open_graph(manifest: Any, graph: str, runtime: str, *, isolated: bool = Fals
         raise ModelLoadError(f"{manifest.directory} has no {graph} graph (it has {', '.join(manifest.files)}). "
                              f"Convert with --graphs prefill,decode.")
     files = manifest.graph_files(graph) if hasattr(manifest, "graph_files") else [manifest.files[graph]]
-    if len(files) > 1:  # a split model: one file per layer range, run as one graph (circleops.package.split)
-        from circleops.runtime.chain import ChainSession, HeadEmbedding
+    head = getattr(manifest, "part_embedding", None) == "head"
+    if len(files) > 1 or head:
+        # a split model: one file per layer range, run as one graph (circleops.package.split);
+        # or one file that takes the embeddings: a chain of one, the ids' rows read from its head
+        from circleops.runtime.chain import ChainSession
 
-        embed = (HeadEmbedding(manifest.directory / files[-1], manifest.signatures.get(graph))
-                 if getattr(manifest, "part_embedding", None) == "head" else None)
+        embed = _head_embedding(manifest, graph) if head else None
+        ranges = manifest.parts if len(files) > 1 else [[0, manifest.num_layers]]
         one_row = graph != "decode" and manifest.prefill_one_row
         if isolated:
             openers = [functools.partial(_open_file, manifest, graph, f, runtime, isolated, threads) for f in files]
-            return ChainSession(openers, manifest.parts, one_row=one_row, embed=embed, lazy=True,
+            return ChainSession(openers, ranges, one_row=one_row, embed=embed, lazy=True,
                                 paths=[str(manifest.directory / f) for f in files])
         sessions = [_open_file(manifest, graph, f, runtime, isolated, threads) for f in files]
-        return ChainSession(sessions, manifest.parts, one_row=one_row, embed=embed)
+        return ChainSession(sessions, ranges, one_row=one_row, embed=embed)
     return _open_file(manifest, graph, files[0], runtime, isolated, threads)
+
+
+def _head_embedding(manifest: Any, graph: str) -> Any:
+    """The HeadEmbedding of ``graph``'s embeddings: the decode graph's head (every graph's file
+    holds the same head values, one set of blocks: read one, so onert 0.1.0's file per graph
+    has one file's head pages and flatbuffer tables touched, not three), shared by the graphs."""
+    from circleops.runtime.chain import HeadEmbedding
+
+    source = "decode" if "decode" in manifest.files else graph
+    name = manifest.graph_files(source)[-1] if hasattr(manifest, "graph_files") else manifest.files[source]
+    confined(manifest.directory, name, f"the file of graph {source!r}", manifest.directory / MANIFEST)
+    path = manifest.directory / name
+    key = (str(path), manifest.signatures.get(source), path.stat().st_mtime_ns)
+    if key not in _HEADS:
+        _HEADS.clear()  # one directory's head at a time: a view of its mapped file
+        _HEADS[key] = HeadEmbedding(path, key[1])
+    return _HEADS[key]
+
+
+_HEADS: dict[tuple, Any] = {}
 
 
 def _open_file(manifest: Any, graph: str, name: str, runtime: str, isolated: bool, threads: int | None) -> Session:

@@ -120,7 +120,7 @@ def refuse_plan_from_sizes(model: str | None, config: str | None, target: str, q
     if not shapes:
         return
     tied = "lm_head.weight" not in shapes or bool(cfg.get("tie_word_embeddings", sizes.tied_default(cfg)))
-    part_sizes = split.named_part_bytes(shapes, tied, quantize)
+    part_sizes = split.named_part_bytes(shapes, tied, quantize, target)
     if part_sizes is None:
         return
     parts = split.plan_parts(part_sizes, limit)

@@ -62,8 +62,10 @@ COMMON_KEYS = {"source": "", "target": None, "dtype": None, "default_runtime": N
 #   rows: every cache output is the step's new rows [1, S, Hkv, D]; the caller writes them
 #         into its caches at slots pos..pos+S-1 (in place: no cache is copied per step)
 TOKENIZER_DIR = "tokenizer"
-# where a split model's first part gets its embeddings: None, its own table; "head", the
-# generator looks them up in the tied lm_head of the last part (circleops.package.split)
+# where the graphs (a split model's first part) get their embeddings: None, their own table;
+# "head", the generator looks them up in the tied lm_head of the graph's (last part's) file,
+# dequantizing its rows where it is quantized (circleops.package.split). Without ``parts``
+# (written since the quantized head tables): one file per graph that takes the embeddings
 PART_EMBEDDINGS = (None, "head")
 # the prefill input naming the one row of the chunk whose logits it computes (absent in
 # manifests written before it: those prefills compute the logits of every row)
@@ -172,9 +174,10 @@ class Manifest:
     # order (files[g] is the first). None: every graph is one file.
     parts: list[list[int]] | None = None
     part_files: dict[str, list[str]] | None = None
-    # "head": a split model's first part takes the embeddings, which the generator looks up in
-    # the tied lm_head weight of the graph's last part (the table stored once). None: the
-    # first part takes the token ids
+    # "head": each graph (a split model's first part) takes the embeddings, which the generator
+    # looks up in the tied lm_head weight of the graph's (last part's) file: the table stored
+    # once (fp32 split), or not at all where the head is quantized (onert's w8, q4_0, q8_0: its
+    # rows dequantized). None: the graphs take the token ids
     part_embedding: str | None = None
     # how the target's runtime selects a graph's signature where one file holds several:
     # "nnfw-c" (onert >= 0.2.0.dev's C API, nnfw_set_signature_run). None: the runtime's own way
@@ -242,7 +245,7 @@ class Manifest:
                   "one_file_per_graph": len(set(self.files.values())) > 1, "quantize": self.quantize,
                   "num_threads": self.num_threads, "parts": self.parts or None,
                   "part_files": self.part_files if self.parts else None,
-                  "part_embedding": self.part_embedding if self.parts else None, "signature_api": self.signature_api}
+                  "part_embedding": self.part_embedding, "signature_api": self.signature_api}
         text = {
             "prefill_len": self.prefill_len, "prefill_lens": list(self.prefill_graphs),
             "prefill_inputs": self.prefill_inputs or self.inputs, "max_cache_len": self.max_cache_len,
@@ -335,9 +338,9 @@ def _check_parts(m: Manifest, path: Path) -> None:
     if m.signature_api is not None and m.signature_api not in SIGNATURE_APIS:
         raise ModelLoadError(f"{path}: unknown signature_api {m.signature_api!r} (this circleops knows "
                              f"{', '.join(SIGNATURE_APIS)}). Convert again with --graphs.")
-    if m.part_embedding not in PART_EMBEDDINGS or (m.part_embedding is not None and m.parts is None):
-        raise ModelLoadError(f"{path}: unknown part_embedding {m.part_embedding!r} (this circleops knows \"head\", "
-                             f"with parts). Convert again with --graphs.")
+    if m.part_embedding not in PART_EMBEDDINGS:
+        raise ModelLoadError(f"{path}: unknown part_embedding {m.part_embedding!r} (this circleops knows \"head\"). "
+                             f"Convert again with --graphs.")
     if m.parts is None and m.part_files is None:
         return
     ok = isinstance(m.parts, list) and len(m.parts) >= 2 and isinstance(m.part_files, dict)

@@ -131,6 +131,9 @@ class GraphsReport:
             lines.append(f"  split: {len(parts)} consecutive files per graph (layers "
                          f"{', '.join(f'{a}-{b - 1}' for a, b in parts)}): each within the target's file limit; "
                          f"{table}; the generator passes the hidden state")
+        elif getattr(self.manifest, "part_embedding", None) == "head":
+            lines.append("  embeddings: each graph takes the token ids' rows (hidden_in), which the generator reads "
+                         "from its lm_head's quantized weight (dequantized): the tied table is not stored beside it")
         if self.one_file_per_graph:
             lines.append("  files: one per graph: onert 0.1.0 runs only subgraph 0 of a file and cannot select a "
                          "signature, so the weights are stored in each file")

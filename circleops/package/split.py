@@ -17,8 +17,13 @@ rows are scaled by sqrt(hidden): :attr:`PartBytes.host_table`), it is stored onc
 part's lm_head: the first part takes the table's rows [1, S, hidden] (and scales them, Gemma's
 rows) and the generator looks the token ids' rows up in that weight
 (circleops.runtime.chain.HeadEmbedding; the manifest's ``part_embedding`` "head").
-Where the format stores the head at another type than the table (w8, q4_0), both are
-written (in one file too).
+Where the format stores a tied head at another type than the table (w8: an fp32 table beside
+the head's INT8; q4_0: Q4_0 beside Q8_0; q8_0: fp32 beside Q8_0), a file for onert stored both
+(onert 0.1.0 GATHERs neither an INT8 nor a Q8_0 table): there the table is not written at all
+(:attr:`PartBytes.head_rows`), split or not: the graphs (a split one's first part) take the
+rows, which the generator dequantizes from the head's weight (INT8 rows times their scales,
+Q8_0 blocks), and verify's torch reference looks its embeddings up in those same rows. Other
+targets keep the table beside the head (an NPU compiler wants the GATHER in the graph).
 """
 from __future__ import annotations
 
@@ -48,6 +53,10 @@ class PartBytes:
     # reads the rows from it
     host_table: bool = False
     quantize: str | None = None  # the format the bytes are of (None: fp32)
+    # the table is not stored at all, split or not (``embedding`` 0): the tied head is at another
+    # type than the format stores tables (w8, q4_0, q8_0 for onert), and the generator reads the
+    # rows from the head's quantized weight; ``host_table`` is then true too
+    head_rows: bool = False
 
     @property
     def whole(self) -> int:
@@ -79,10 +88,22 @@ def _format_types(quantize: str | None) -> tuple[str | None, str | None, str | N
     return linear, (fmt.table_type or linear) if fmt.embedding else None, fmt.head_type or linear
 
 
+def head_rows_target(target: str | None) -> bool:
+    """Whether ``target``'s generation graphs take a tied table's rows from the quantized head
+    (:attr:`PartBytes.head_rows`): onert's, whose runtime GATHERs neither the head's INT8 nor
+    its Q8_0 (FACTS.md), so the table was a second copy beside the head."""
+    from circleops.targets import PROFILES
+
+    return target in PROFILES and PROFILES[target].runtime == "onert"
+
+
 def _sizes(embed: tuple[int, ...], layers: Sequence[Sequence[tuple[int, ...]]], norm: Sequence[tuple[int, ...]],
-           head: tuple[int, ...], *, one_table: bool, rows: bool, quantize: str | None) -> PartBytes:
+           head: tuple[int, ...], *, one_table: bool, rows: bool, quantize: str | None,
+           head_table: bool = False) -> PartBytes:
     """The PartBytes of weights of these shapes: ``one_table``, the lm_head is the embedding
-    table; ``rows``, the embedding is the table's rows (scaled or not: rows_embedding)."""
+    table; ``rows``, the embedding is the table's rows (scaled or not: rows_embedding);
+    ``head_table``, a tied table the format stores at another type than the head is read from
+    the head instead (:func:`head_rows_target`)."""
     linear, embed_type, head_type = _format_types(quantize)
 
     def shape_bytes(shape: tuple[int, ...], two_d: str | None) -> int:
@@ -95,18 +116,21 @@ def _sizes(embed: tuple[int, ...], layers: Sequence[Sequence[tuple[int, ...]]], 
     # the table fp32 and the head int8, q4_0 the table Q4_0 and the head Q8_0 (the 1B shape's
     # w8 file: 2.29 GB against an estimate of 2.03, refused by the writer after the work)
     tied = one_table and embed_type == head_type
+    head_rows = head_table and one_table and rows and not tied and quantize is not None
     return PartBytes(
-        embedding=shape_bytes(embed, embed_type),
+        embedding=0 if head_rows else shape_bytes(embed, embed_type),
         layers=tuple(sum(shape_bytes(p, linear) for p in layer) for layer in layers),
         head=sum(shape_bytes(p, None) for p in norm) + shape_bytes(head, head_type),
-        tied=tied, host_table=tied and embed_type is None and rows, quantize=quantize)
+        tied=tied, host_table=(tied and embed_type is None and rows) or head_rows, quantize=quantize,
+        head_rows=head_rows)
 
 
-def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
+def part_bytes(model: Any, quantize: str | None = None, target: str | None = None) -> PartBytes:
     """The weight bytes of ``model``'s parts in format ``quantize`` (None: fp32): linears
     (2-D weights of a layer) at the format's tensor type, the embedding table too when the
-    format stores it so, the lm_head at the format's head type; the rest fp32. An estimate
-    from the parameters' shapes (no weight is read); the writer checks each file exactly."""
+    format stores it so (none where ``target`` reads a tied table from the head:
+    :func:`head_rows_target`), the lm_head at the format's head type; the rest fp32. An
+    estimate from the parameters' shapes (no weight is read); the writer checks each file exactly."""
     from circleops.adapters.decode import rows_embedding
 
     base, head = model.model, model.lm_head
@@ -114,14 +138,16 @@ def part_bytes(model: Any, quantize: str | None = None) -> PartBytes:
     # the rows, or the rows times a scalar (Gemma's sqrt(hidden), which the first part applies)
     return _sizes(tuple(embed.shape), [[tuple(p.shape) for p in layer.parameters()] for layer in base.layers],
                   [tuple(p.shape) for p in base.norm.parameters()], tuple(head.weight.shape),
-                  one_table=head.weight is embed, rows=rows_embedding(base.embed_tokens), quantize=quantize)
+                  one_table=head.weight is embed, rows=rows_embedding(base.embed_tokens), quantize=quantize,
+                  # the head's product must give the logits (Gemma 2's final softcap follows it)
+                  head_table=head_rows_target(target) and getattr(model.config, "final_logit_softcapping", None) is None)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer's parameter, by transformers' name
 
 
-def named_part_bytes(shapes: Mapping[str, Sequence[int]], tied: bool, quantize: str | None = None
-                     ) -> PartBytes | None:
+def named_part_bytes(shapes: Mapping[str, Sequence[int]], tied: bool, quantize: str | None = None,
+                     target: str | None = None) -> PartBytes | None:
     """The weight bytes of the parts of a causal LM whose parameters have these ``shapes``
     (transformers' names: ``model.embed_tokens.weight``, ``model.layers.N.*``,
     ``model.norm.*``, ``lm_head.weight`` unless ``tied``), before the model exists: the
@@ -142,7 +168,7 @@ def named_part_bytes(shapes: Mapping[str, Sequence[int]], tied: bool, quantize: 
     if embed is None or head is None or not layers or sorted(layers) != list(range(len(layers))):
         return None
     return _sizes(tuple(embed), [layers[i] for i in range(len(layers))], norm, tuple(head), one_table=tied,
-                  rows=True, quantize=quantize)
+                  rows=True, quantize=quantize, head_table=head_rows_target(target))
 
 
 def plan_parts(sizes: PartBytes, limit: int | None) -> list[tuple[int, int]]:

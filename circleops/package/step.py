@@ -219,6 +219,7 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
         graphs = recipe.graphs(opts, pkg.plan.parts)
         programs = {name: g for graph in graphs for name, g in graph.programs().items()}
         eps = _export(programs)
+    _note_head_table(recipe, opts, weights)
     converted = None
     if pkg.integer is not None:  # PT2E per graph: calibrated, converted, exported again
         eps, converted = _quantize_graphs(recipe, programs, eps, pkg)
@@ -243,6 +244,23 @@ def _package(recipe: Any, pkg: Package, weights: Any, references: "References | 
         _compare(recipe, manifest, references, report, pkg)
     manifest.write()
     return report
+
+
+def _note_head_table(recipe: Any, opts: Any, weights: Any) -> None:
+    """A tied table no graph stores (the recipe's ``head_table``: the generator reads its rows
+    from the quantized head, circleops.package.split.PartBytes.head_rows) named to the weight
+    pass before it runs: the head is stored at the format's head type, and verify's torch
+    embedding looks its rows up in the head's stored values, as the generator does."""
+    table = getattr(recipe, "head_table", None)
+    fmt = opts.weight_format
+    if table is None or fmt is None or weights is None:
+        return
+    from circleops.quantize.weights import QuantReport, source_key
+
+    weights.report = weights.report or QuantReport(fmt.name, form=fmt.form_for(opts.profile.format))
+    key = source_key(table.detach())
+    if key is not None:
+        weights.report.host_tables.add(key)
 
 
 def _integer_references(recipe: Any, converted: dict[str, Any], references: "References",

@@ -92,6 +92,9 @@ class QuantReport:
         self.parameter_names: dict[tuple, str] = {}  # source_key -> parameter name
         self._counted: set = set()  # source keys already in fp32_bytes
         self.table_keys: set[tuple] = set()  # embedding tables the set's models look up (quantize_weights)
+        # tied tables no graph looks up: the generator reads their rows from the quantized head
+        # (circleops.package.split.PartBytes.head_rows), so verify's torch embedding does too
+        self.host_tables: set[tuple] = set()
 
     @property
     def ggml_bytes(self) -> int:
@@ -282,9 +285,10 @@ def _weight_modules(model: torch.nn.Module) -> tuple[dict[int, torch.nn.Module],
 
 def _served_modules(entry: tuple, entries: list, modules: list[torch.nn.Module], hybrid: bool) -> list[torch.nn.Module]:
     """The modules among ``modules`` (those holding the entry's source weight) that compute
-    on the entry's stored blocks."""
+    on the entry's stored blocks (``hybrid``: a tied table stays float in the file)."""
     src, role = entry[0], entry[4]
-    # a linear entry serves the Linears (and, with shared blocks, the tied Embedding); a
+    # a linear entry serves the Linears (and, with shared blocks, the tied Embedding; a head
+    # whose rows the generator reads as the embeddings too: QuantReport.host_tables); a
     # table entry the Embeddings; a hybrid format's tied table stays float in the file
     chosen = [m for m in modules if (isinstance(m, torch.nn.Linear) if role == "linear" else
                                      isinstance(m, torch.nn.Embedding))]
@@ -303,7 +307,8 @@ def _served_modules(entry: tuple, entries: list, modules: list[torch.nn.Module],
 
 @contextlib.contextmanager
 def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybrid: bool,
-                  rounding: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[list]:
+                  rounding: Callable[[torch.Tensor], torch.Tensor] | None,
+                  host_tables: set[tuple] = frozenset()) -> Iterator[list]:
     """The entries whose weight is a whole ``nn.Linear`` / ``nn.Embedding`` weight of
     ``model``: their stored weights are decoded while the module's parent runs (forward
     hooks: a fused op reads its children's weights in the parent's forward) and dropped
@@ -320,7 +325,8 @@ def _lazy_modules(entries: list, model: torch.nn.Module | None, codec: Any, hybr
     for entry in entries:
         src = entry[0]
         modules = by_weight.get((src.data_ptr(), src.numel()), []) if src.is_contiguous() else []
-        chosen = _served_modules(entry, entries, modules, hybrid)
+        # a hybrid head whose rows are the generator's embeddings (host_tables) serves the table too
+        chosen = _served_modules(entry, entries, modules, hybrid and source_key(src) not in host_tables)
         if not chosen:
             rest.append(entry)
             continue
@@ -382,7 +388,9 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
     A tied embedding stored twice (q4_0: the GATHER's Q4_0 table, the lm_head's Q8_0 weight;
     w8: the fp32 table, the lm_head's int8 weight) cannot hold both in one tensor: the shared
     tensor takes the lm_head's values and every ``nn.Embedding`` of ``model`` reading it gets
-    its own tensor of the table's values.
+    its own tensor of the table's values. A tied table no graph stores (the report's
+    ``host_tables``: the generator reads its rows from the head) takes the head's values in
+    the ``nn.Embedding`` too, as the generator feeds them.
     """
     entries = report.sources if report is not None else []
     codec = formats.get(report.format).codec_module() if entries else None  # unpacks the format's types
@@ -391,7 +399,8 @@ def dequantized_sources(report: QuantReport | None, model: torch.nn.Module | Non
         rounding = perturbed(rounding, perturb)
     heads = [e for e in entries if e[4] == HEAD_ROLE]  # a two-stage head's 4-bit copy: the head's hook reads it
     entries = [e for e in entries if e[4] != HEAD_ROLE]
-    with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding) as rest:
+    host = report.host_tables if report is not None else set()
+    with _lazy_modules(entries, model, codec, bool(entries) and _hybrid(report), rounding, host) as rest:
         with _swapped_in_place(rest, report, model, codec), _two_stage_heads(heads, report, model, codec, rounding):
             yield
 
@@ -443,7 +452,9 @@ def _swapped_in_place(entries: list, report: QuantReport | None, model: torch.nn
             for (src, _, dtype, _, _), (values, old) in zip(entries, pool(swap_in, entries)):
                 if old is not None:
                     saved.append((src, old))
-                    if _hybrid(report):  # w8: a tied table stays fp32 in the file, its head int8
+                    # w8: a tied table stays fp32 in the file, its head int8 (unless the
+                    # generator reads the table's rows from that head: host_tables)
+                    if _hybrid(report) and source_key(src) not in report.host_tables:
                         for module in (model.modules() if model is not None else ()):
                             if isinstance(module, torch.nn.Embedding) and module.weight.data_ptr() == src.data_ptr():
                                 swapped.append((module, module.weight))
@@ -661,7 +672,7 @@ def quantize_weights(model: ir.Model, fmt: str, *, parameters: Iterable[str] | N
     q = _Quantizer(fmt, report, pretrained, cache, importance)
     kept: dict[str, tuple] = {}
     # the embedding tables first: a tied head reads one (in this model, or in another part of a split one)
-    q.tables |= table_keys(model, names) | report.table_keys
+    q.tables |= table_keys(model, names) | report.table_keys | report.host_tables
 
     # one worker per torch thread the caller allows, each on one intra-op thread (whole
     # weights in parallel instead of many small parallel ops: see ggml.one_thread)

@@ -261,6 +261,8 @@ class LLMRecipe(Recipe):
     kind = "text"
     graph_names = GRAPH_NAMES
     part_embedding: str | None = None  # the manifest's: set by graphs() (circleops.package.split)
+    head_table: Any = None  # the tied table read from the quantized head, if so: set by graphs()
+    target: str | None = None  # set by check()
 
     @classmethod
     def check_options(cls, options: ConvertOptions, source: str | None = None) -> None:
@@ -294,6 +296,7 @@ class LLMRecipe(Recipe):
     def check(self, opts: Any) -> None:
         o = self.options
         self.check_options(o)
+        self.target = opts.target  # the checked name (the size plan asks it: split.head_rows_target)
         self.names = parse_graph_names(o.graphs if o.graphs is not None else GRAPH_NAMES)
         self.cache_update = o.cache_update if o.cache_update is not None else default_cache_update(opts.target)
         if self.cache_update not in CACHE_UPDATES:
@@ -325,7 +328,7 @@ class LLMRecipe(Recipe):
                               f"--cache-update {self.cache_update} and --cache-windows.")
 
     def layer_bytes(self, quantize: str | None) -> Any:
-        return split.part_bytes(self.model, quantize)
+        return split.part_bytes(self.model, quantize, self.target)
 
     def references(self) -> "References":
         return references(self.model, self.lengths)
@@ -337,13 +340,27 @@ class LLMRecipe(Recipe):
         # saturate an in-graph angle (fp32 graphs compute them, the tables' exact values too)
         self.step = step = decoder_step(self.model, self.max_cache_len, self.cache_update,
                                         rope_tables=opts.integer_format is not None)
-        # split with a tied fp32 table: stored once, as the last part's lm_head (circleops.package.split)
-        host = len(parts) > 1 and split.part_bytes(self.model, opts.quantize).host_table
+        # split with a tied fp32 table: stored once, as the last part's lm_head; a tied table the
+        # format stores at another type than the head (onert's w8, q4_0, q8_0): not stored at
+        # all, split or not, its rows read from the head (circleops.package.split)
+        sizes = split.part_bytes(self.model, opts.quantize, opts.target)
+        host = sizes.head_rows or (len(parts) > 1 and sizes.host_table)
         self.part_embedding = "head" if host else None
+        # the table whose rows the generator reads from the head: verify's torch reference
+        # looks its embeddings up in the head's stored values (circleops.package.step)
+        self.head_table = self.model.get_input_embeddings().weight if host and opts.quantize else None
+        num_layers = step.num_layers
         graphs = []
         for g, (kind, n) in self.named.items():
             module = windowed_step(step, self.windows[g]) if g in self.windows else step
             rows = n if kind == "prefill" else 1
+            if host and not parts:  # one file that takes the rows: the one part of every layer
+                graph = Graph(g, split.part_module(module, kind, 0, num_layers, True),
+                              split.part_example_args(module, kind, n, 0, num_layers, True),
+                              *split.part_io_names(kind, 0, num_layers, num_layers, self.cache_update, True),
+                              rows=rows)
+                graphs.append(graph)
+                continue
             graph = Graph(g, OneRowPrefill(module) if kind == "prefill" else module, example_args(module, kind, n),
                           *io_names(step.num_layers, kind, self.cache_update), rows=rows)
             graph.parts = [Graph(g, split.part_module(module, kind, a, b, host),

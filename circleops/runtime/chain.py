@@ -9,9 +9,12 @@ only its own layers' caches and returns their new rows (or whole caches). A
 ``logits, *k_rows, *v_rows``, so generation and verify run a split graph unchanged.
 
 Where the first part takes the embeddings (the manifest's ``part_embedding`` "head": a tied
-fp32 table stored once, as the last part's lm_head), :class:`HeadEmbedding` looks the token
-ids' rows up in that weight, read from the last part's file where it lies (mapped, not copied);
-the first part scales them where the model's embedding does (Gemma's sqrt(hidden)).
+table stored once, as the last part's lm_head, or, onert's quantized heads, not at all),
+:class:`HeadEmbedding` looks the token ids' rows up in that weight, read from the last part's
+file where it lies (mapped, not copied): fp32 rows as they are, an INT8 head's rows times
+the scales of the MUL after its product (w8), a GGML head's rows unpacked from their blocks
+(Q8_0); the first part scales them where the model's embedding does (Gemma's sqrt(hidden)).
+A one-file graph that takes the embeddings runs as a chain of one.
 """
 from __future__ import annotations
 
@@ -24,14 +27,20 @@ from circleops.runtime import TensorSpec
 # ops between the lm_head's product and the logits output that only reshape
 _RESHAPES = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS")
 _PRODUCTS = ("FULLY_CONNECTED", "CONV_2D")
+# the head's weight types whose rows the generator reads (FLOAT32 as stored; INT8 times the
+# scales the MUL after the product applies; GGML blocks unpacked)
+_HEAD_TYPES = ("FLOAT32", "INT8", "GGML_Q8_0", "GGML_Q4_0")
 
 
 class HeadEmbedding:
     """The embeddings of token ids: rows of the tied lm_head weight [vocab, hidden] of a split
-    graph's last part ``path`` (the FULLY_CONNECTED that computes its ``logits`` output, in
-    the subgraph of ``signature``, or the first), a view of the file's mapped bytes."""
+    graph's last part (or a one-file graph) ``path`` (the FULLY_CONNECTED that computes its
+    ``logits`` output, in the subgraph of ``signature``, or the first), read from a view of
+    the file's mapped bytes: only the rows asked for are touched (and dequantized)."""
 
     def __init__(self, path: str | Any, signature: str | None = None):
+        import numpy as np
+
         from circleops.serialize import read_model
 
         model = read_model(str(path))
@@ -41,21 +50,58 @@ class HeadEmbedding:
         t, op = sub.outputs[0] if sub.outputs else -1, None
         while t in made and made[t].opcode in _RESHAPES:
             t = made[t].inputs[0]
+        scale = None
+        if t in made and made[t].opcode == "MUL":  # w8: the per-channel scales after the INT8 product
+            mul = made[t]
+            consts = [i for i in mul.inputs if i >= 0 and sub.tensors[i].data is not None]
+            if len(consts) == 1:
+                scale = sub.tensors[consts[0]]
+                t = next(i for i in mul.inputs if i != consts[0])
         op = made.get(t)
         # FULLY_CONNECTED [vocab, hidden], or the 1x1 CONV_2D [vocab, 1, 1, hidden] onert's
         # profile writes a widening linear as (circleops.targets.Conv1x1Rule)
         w = sub.tensors[op.inputs[1]] if op is not None and op.opcode in _PRODUCTS else None
-        if w is None or w.data is None or w.dtype != "FLOAT32" or len(w.shape) not in (2, 4) \
-                or tuple(w.shape[1:-1]) not in ((), (1, 1)):
-            raise ModelLoadError(f"{path} should compute its logits with the tied lm_head, an fp32 [vocab, hidden] "
-                                 f"weight whose rows are the first part's embeddings; it does not. The directory is "
-                                 f"damaged: convert again.")
-        self.table = w.data.reshape(w.shape[0], w.shape[-1])  # float32 view of the mapped file
+        ok = (w is not None and w.data is not None and w.dtype in _HEAD_TYPES and len(w.shape) in (2, 4)
+              and tuple(w.shape[1:-1]) in ((), (1, 1)))
+        vocab = int(w.shape[0]) if ok else 0
+        if ok and w.dtype == "INT8":  # onert's hybrid form: scale [1.0] in the weight, the rows' in the MUL
+            q = w.quant
+            ok = (scale is not None and scale.dtype == "FLOAT32" and int(np.asarray(scale.data).size) == vocab
+                  and q is not None and np.all(np.asarray(q.scale) == 1.0) and not np.any(np.asarray(q.zero_point)))
+        elif ok:
+            ok = scale is None
+        if not ok:
+            raise ModelLoadError(f"{path} should compute its logits with the tied lm_head, a [vocab, hidden] weight "
+                                 f"(FLOAT32, INT8 with its scales after the product, or GGML_Q8_0) whose rows are the "
+                                 f"first part's embeddings; it does not. The directory is damaged: convert again.")
+        self.dtype = w.dtype
+        self.shape = (vocab, int(w.shape[-1]))
+        if w.dtype in ("FLOAT32", "INT8"):
+            self.table = w.data.reshape(self.shape)  # a view of the mapped file
+        else:
+            from circleops.quantize.ggml import BlockTensor
+
+            self.table = BlockTensor(w.data, w.dtype, self.shape)
+        self.scale = np.asarray(scale.data, dtype=np.float32).reshape(-1) if scale is not None else None
 
     def __call__(self, ids: Any) -> Any:
+        """[1, S] token ids -> their rows [1, S, hidden] float32, as the file's head computes with
+        them (the same products as circleops.quantize's decoders: verify's torch reference
+        looks its embeddings up in exactly these values)."""
         import numpy as np
 
-        return self.table[np.asarray(ids, dtype=np.int64)]  # [1, S] -> [1, S, hidden]
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise ModelLoadError(f"token ids must be in [0, {self.shape[0]}) (the head's rows); got "
+                                 f"{int(ids.min())}..{int(ids.max())}.")
+        if self.dtype == "FLOAT32":
+            return self.table[ids]
+        if self.dtype == "INT8":
+            return self.table[ids].astype(np.float32) * self.scale[ids][..., None]
+        import torch
+
+        rows = self.table.rows(torch.from_numpy(ids.reshape(-1)))
+        return rows.numpy().reshape(*ids.shape, self.shape[1])
 
 
 class ChainSession:

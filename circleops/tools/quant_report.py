@@ -183,7 +183,7 @@ def quant_check(model: Any, tokenizer: Any = None, options: QuantCheckOptions | 
         layers = _layer_errors(job, weights)
         t = time.perf_counter()
         say(f"perplexity: fp32 (torch) and {o.quantize} ({plan.runtime}), windows of {o.window}")
-        run = _session(plan.runtime, job.write(logits_module, torch.tensor([chunks[0]]), "logits", weights)[0])
+        run = _perplexity_run(job, logits_module, chunks[0], weights)
         q_nll = [_nll(holdout.compare(k, run([np.array([c], dtype=np.int64)])[0][0]), c) for k, c in enumerate(chunks)]
         timings["perplexity"] = time.perf_counter() - t + fp32_seconds
     tico_result = None
@@ -511,6 +511,51 @@ def _write(ep: Any, path: Path, opts: Any, weights: Any, example: Example,
     built = pipeline.build({"main": ep}, opts, weights)
     pipeline.write(built.models["main"], path, opts)
     return lines if lines is not None else built.quantization.summary_lines()
+
+
+def _rows_logits(model: Any) -> Any:
+    """An HF CausalLM as a module ``embedding rows [1, S, hidden] -> logits``, the rows scaled
+    as the model's embedding scales them: the file of a tied model whose generation graphs take
+    the rows the generator reads from the quantized head (circleops.package.split.PartBytes.head_rows)."""
+    import torch
+
+    from circleops.adapters.decode import scale_rows
+
+    class RowsLogits(torch.nn.Module):
+        def __init__(self, inner: Any):
+            super().__init__()
+            self.model = inner
+
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            embeds = scale_rows(self.model.get_input_embeddings(), rows)
+            return self.model(inputs_embeds=embeds, use_cache=False, return_dict=True).logits
+
+    return RowsLogits(model).eval()
+
+
+def _perplexity_run(job: _Job, logits_module: Any, window: Sequence[int], weights: Any) -> Callable[[list[Any]], list[Any]]:
+    """The quantized logits file's run on ``[ids]``, as generation computes them: where the
+    generation graphs of the format take the tied table's rows from the quantized head (onert's
+    w8, q4_0, q8_0: the table is not stored), the file takes rows too and they are read from
+    its head (circleops.runtime.chain.HeadEmbedding), so the perplexity is the directory's;
+    else the file takes the ids."""
+    import torch
+
+    from circleops.package import split
+
+    model = job.ref.model
+    if job.plan.integer or not split.part_bytes(model, job.o.quantize, job.plan.target).head_rows:
+        return _session(job.plan.runtime, job.write(logits_module, torch.tensor([window]), "logits", weights)[0])
+    from circleops.quantize.weights import QuantReport, source_key
+    from circleops.runtime.chain import HeadEmbedding
+
+    fmt = job.opts.weight_format
+    weights.report = weights.report or QuantReport(fmt.name, form=fmt.form_for(job.opts.profile.format))
+    weights.report.host_tables.add(source_key(model.get_input_embeddings().weight.detach()))
+    rows = torch.zeros((1, len(window), int(model.config.hidden_size)), dtype=torch.float32)
+    path = job.write(_rows_logits(model), rows, "logits", weights)[0]
+    embed, run = HeadEmbedding(path), _session(job.plan.runtime, path)
+    return lambda inputs: run([embed(inputs[0])])
 
 
 def _session(runtime: str, path: Path) -> Callable[[list[Any]], list[Any]]:

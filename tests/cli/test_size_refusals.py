@@ -204,9 +204,10 @@ def test_split_sizes_from_headers_are_the_models(family, tied, tmp_path):
     headers = {n: i["shape"] for n, i in read_safetensors_header(tmp_path / "model.safetensors").items()}
     cfg = json.loads((tmp_path / "config.json").read_text())
     for quantize in (None, "q4_0", "w8"):
-        want = split.part_bytes(model, quantize)
-        assert split.named_part_bytes(headers, tied, quantize) == want, quantize
-        assert split.named_part_bytes(sizes.dense_shapes(cfg), tied, quantize) == want, quantize
+        for target in (None, "onert"):  # onert: a tied table read from the quantized head, not stored
+            want = split.part_bytes(model, quantize, target)
+            assert split.named_part_bytes(headers, tied, quantize, target) == want, (quantize, target)
+            assert split.named_part_bytes(sizes.dense_shapes(cfg), tied, quantize, target) == want, (quantize, target)
 
 
 def test_vlm_cache_length_refused_before_torch(tmp_path):
