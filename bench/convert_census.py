@@ -10,11 +10,19 @@ the last census (VmHWM: /proc/self/clear_refs resets it, Linux) and a 0.2 s RSS 
 
 The 2-layer model keeps the 1B shape's 128256 x 2048 embedding and (rotated, untied) lm_head,
 the tables PT2E quantizes per graph: bench/results/61-npu-1b-memory.yaml.
+
+Where the anonymous memory lies (``CENSUS_SMAPS=1``): at each census, /proc/self/smaps's
+Anonymous bytes by kind of mapping (the weights' file mappings, glibc's main heap, anonymous
+mappings holding tensors, anonymous mappings holding none: thread arenas, allocator pools),
+beside the bytes of the live tensor storages (of any size) that lie in each; what no tensor
+accounts for is printed by mapping. ``CENSUS_STOP=TAG`` ends the run at the first census
+whose tag starts with TAG (e.g. "before calibrate": the rotation's stage and export only).
 """
 from __future__ import annotations
 
 import collections
 import gc
+import os
 import runpy
 import sys
 import threading
@@ -88,6 +96,8 @@ def census(tag: str, top: int = 8) -> None:
             if isinstance(r, np.ndarray) and id(r) not in seen:
                 seen.add(id(r))
                 array(r, type(o).__name__)
+    if os.environ.get("CENSUS_SMAPS"):
+        smaps_census()
     s = status()
     total = sum(n for n, _ in storages.values())
     print(f"\n=== [{time.time() - T0:7.1f} s] {tag}: RSS {s['VmRSS']:.2f} GB (anonymous {s['RssAnon']:.2f}), "
@@ -95,6 +105,87 @@ def census(tag: str, top: int = 8) -> None:
           f"live storages >= 1 MiB: {total:.2e} B in {len(storages)}", flush=True)
     for n, what in sorted(storages.values(), reverse=True)[:top]:
         print(f"    {n / 1e9:7.3f} GB  {what}", flush=True)
+    stop = os.environ.get("CENSUS_STOP")
+    if stop and tag.startswith(stop):
+        print(f"=== stopped at {tag!r} (CENSUS_STOP)", flush=True)
+        os._exit(0)
+
+
+def _mappings() -> list[dict]:
+    """/proc/self/smaps: each mapping's start, end, path and Anonymous / Rss bytes."""
+    maps: list[dict] = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                maps.append({"lo": lo, "hi": hi, "path": head[5].strip() if len(head) == 6 else "",
+                             "anon": 0, "rss": 0, "tensors": 0})
+            elif line.startswith("Anonymous:"):
+                maps[-1]["anon"] = int(line.split()[1]) * 1024
+            elif line.startswith("Rss:"):
+                maps[-1]["rss"] = int(line.split()[1]) * 1024
+    return maps
+
+
+def smaps_census(top: int = 8) -> None:
+    """Anonymous bytes by kind of mapping against the live storages (any size) inside them."""
+    import bisect
+
+    import numpy as np
+    import torch
+
+    maps = _mappings()
+    starts = [m["lo"] for m in maps]
+    seen: set[int] = set()
+
+    def place(ptr: int, size: int) -> None:
+        if not ptr or ptr in seen:
+            return
+        seen.add(ptr)
+        i = bisect.bisect_right(starts, ptr) - 1
+        while size > 0 and 0 <= i < len(maps) and maps[i]["lo"] <= ptr < maps[i]["hi"]:
+            part = min(size, maps[i]["hi"] - ptr)
+            maps[i]["tensors"] += part
+            ptr, size, i = ptr + part, size - part, i + 1
+
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                if o.device.type == "cpu" and not o.is_meta:
+                    st = o.untyped_storage()
+                    place(st.data_ptr(), st.nbytes())
+            except Exception:  # noqa: BLE001 - fake or functional wrappers
+                pass
+        else:
+            for r in gc.get_referents(o):
+                if isinstance(r, np.ndarray):
+                    a = r
+                    while isinstance(a.base, np.ndarray):
+                        a = a.base
+                    place(a.__array_interface__["data"][0], a.nbytes)
+
+    def kind(m: dict) -> str:
+        if m["path"].endswith(".safetensors"):
+            return "weights file (written pages)"
+        if m["path"] == "[heap]":
+            return "glibc main heap"
+        if m["path"] == "":
+            return "anonymous, tensors" if m["tensors"] else "anonymous, no tensor"
+        return "libraries / other"
+
+    kinds: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for m in maps:
+        kinds[kind(m)][0] += m["anon"]
+        kinds[kind(m)][1] += m["tensors"] if kind(m) != "weights file (written pages)" else 0
+    print("    smaps Anonymous by mapping kind (GB): " + "; ".join(
+        f"{k} {a / 1e9:.3f} (tensors {t / 1e9:.3f})" for k, (a, t) in sorted(kinds.items())), flush=True)
+    loose = sorted(((m["anon"] - min(m["anon"], m["tensors"]), m) for m in maps if m["path"] in ("", "[heap]")),
+                   key=lambda x: -x[0])[:top]
+    for extra, m in loose:
+        print(f"    {extra / 1e9:7.3f} GB anonymous beyond tensors in {m['path'] or 'anon'} {m['lo']:#x} "
+              f"size {(m['hi'] - m['lo']) / 1e6:.1f} MB (anonymous {m['anon'] / 1e6:.1f} MB, tensors "
+              f"{m['tensors'] / 1e6:.1f} MB)", flush=True)
 
 
 def around(owner: Any, name: str, label: str) -> None:

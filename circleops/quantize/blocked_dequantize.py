@@ -74,9 +74,14 @@ def _exact_in_float32(input: Any, scales: Any, zero_points: Any, axis: Any, dtyp
 @contextlib.contextmanager
 def float32_dequantize(modules: Iterable[Any]) -> Iterator[None]:
     """Within the block, every ``dequantize_per_channel`` node of the converted modules
-    (torch.fx GraphModules) runs :func:`dequantize_per_channel`; the graphs are restored on
+    (torch.fx GraphModules) runs :func:`dequantize_per_channel`, where it is used (a table at
+    the rows gathered, a large linear's weight by blocks of rows, anything else made just
+    before its first user: circleops.quantize.dequantize_at_use); the graphs are restored on
     exit (torch.export of them must still see the op)."""
+    from circleops.quantize.dequantize_at_use import dequantized_at_use
+
     op = _dequantize_per_channel()
+    modules = list(modules)
     changed, touched = [], []
     for module in modules:
         nodes = [n for n in module.graph.nodes if n.op == "call_function" and n.target is op]
@@ -87,7 +92,9 @@ def float32_dequantize(modules: Iterable[Any]) -> Iterator[None]:
             touched.append(module)
             module.recompile()
     try:
-        yield
+        per_tensor = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+        with dequantized_at_use(modules, {dequantize_per_channel: True, per_tensor: False}):
+            yield
     finally:
         for node in changed:
             node.target = op

@@ -387,6 +387,7 @@ def _round_all(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], samp
     progress), in a frame of its own: its last linear's integers and Hessian are not kept
     alive by the generator's locals while the rounding stays applied."""
     from circleops.quantize.grouped import record
+    from circleops.system.memory import trim_heap
     from circleops.system.snapshot import Snapshot
 
     group = how["group"]
@@ -411,3 +412,4 @@ def _round_all(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], samp
                 q, scale = gptq(block, h, bits[name])
                 block.copy_((q * scale[:, None]).to(lin.weight.dtype))
         report.names.append(name)
+        trim_heap()  # this linear's temporaries, between the scales kept

@@ -252,6 +252,7 @@ def _round_linears(model: torch.nn.Module, bits: dict[str, int], report: Grouped
     """rtn_applied's rounding, in a frame of its own: its last linear's float integers and
     weight (0.13 GB at the Llama-3.2-1B shape's MLP width) are not kept alive by the
     generator's locals while the rounding stays applied."""
+    from circleops.system.memory import trim_heap
     from circleops.system.snapshot import Snapshot
 
     with torch.no_grad():
@@ -262,6 +263,8 @@ def _round_linears(model: torch.nn.Module, bits: dict[str, int], report: Grouped
             w = record(report, name, lin, q, s_r, m)
             saved.append((lin.weight, Snapshot(lin.weight, spill)))
             lin.weight.copy_(w)
+            del q, w
+            trim_heap()  # this linear's temporaries, between the scales kept (heap: 1-1.5 GB at the 1B shape)
 
 
 def blockwise_params(name: str, gw: GroupedWeight, data: Any = None) -> tuple[np.ndarray, str, Any]:

@@ -165,6 +165,7 @@ def rotated(model: torch.nn.Module, tokenizer: Any = None, seed: int = SEED) -> 
 
 def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
     from circleops.quantize.importance import calibration_ids
+    from circleops.system.memory import trim_heap
 
     ids = calibration_ids(model, tokenizer)
     before = _logits(model, ids) if ids is not None else None
@@ -216,10 +217,12 @@ def _apply(model, parts, tokenizer, seed, report, saved) -> Any:
             writes(mlp.down_proj)
             _rotate_heads(attn.v_proj, attn.o_proj, qh, head_dim, keep)
             report.layers += 1
+            trim_heap()  # the layer's float64 temporaries, before the next layer's pile up beside them
         gamma = parts["norm"].weight.detach().clone()
         reads(head, gamma)
         keep(parts["norm"].weight)
         parts["norm"].weight.fill_(1.0)
+    trim_heap()  # before the fold check's forward
     report.hidden, report.head_dim, report.construction = hidden, head_dim, how
     report.matrix = q
     if before is not None:

@@ -35,20 +35,21 @@ FORMAT_BYTES = {"q4_0": 18 / 32, "q4_0-pure": 18 / 32, "q8_0": 34 / 32, "w8": 1.
 CONVERT_PEAK = 1.3
 # The 16-bit-activation integer recipe's generation graphs (--quantize int16 --graphs) hold more:
 # the rotated weights and the untied head beside PT2E's calibrated graphs and their integer tables.
-# Measured on the Llama-3.2-1B shape (bench/results/69: no per-group integers kept before the
-# lowering, one fold per table for all graphs, the lowering's float tables in a file, verify's
-# integer FULLY_CONNECTED by blocks): 1.69x without --verify, in the rotation (2.17x before,
-# results 65's last block), 1.87x with it, in verify's torch runs (2.25x before, results 65;
-# 2.88x / 3.9-4.0x before that, results 61 / 64). A model this puts past the machine's memory is
+# Measured on the Llama-3.2-1B shape (bench/results/74: the C heap trimmed through the rotation
+# and the rounding, verify's torch runs dequantizing each integer weight where it is used):
+# 1.54x without --verify, in the calibration (1.69x before, in the rotation, results 69; 2.17x,
+# results 65), 1.58x with it, in the write (1.87x before, in verify's torch runs; 2.25x; 2.88x /
+# 3.9-4.0x before that, results 61 / 64). A model this puts past the machine's memory is
 # refused before any work, not killed out of memory an hour into it (the Llama-3.2-3B shape:
-# 21.7 / 24.0 GB, which a 24 GiB machine passes; 27.9 / 28.9 GB before, refused).
-INTEGER_GRAPHS_PEAK = {False: 1.69, True: 1.87}  # by --verify
+# 19.8 / 20.3 GB, which a 24 GiB machine passes; 27.9 / 28.9 GB at results 65, refused).
+INTEGER_GRAPHS_PEAK = {False: 1.54, True: 1.58}  # by --verify
 # The 8-bit NPU recipe's graphs (--quantize uint8 --graphs; for an LLM --int16 auto and the rotation),
-# at the Llama-3.2-1B shape (bench/results/72): without --verify 2.10x the fp32 weights' bytes
-# (ru_maxrss 10116576 kB, in calibration); with --verify 3.57x (17219504 kB), measured before the
-# sensitivity scoring rounded by blocks of rows (its float64 copies of the embedding table were
-# that peak) and kept until it is measured again (the Llama-3.2-3B shape: 45.9 GB, refused).
-UINT8_GRAPHS_PEAK = {False: 2.10, True: 3.57}  # by --verify
+# at the Llama-3.2-1B shape (bench/results/74, with the heap trimmed through the rotation and
+# verify's weights dequantized at their use): without --verify 1.72x the fp32 weights' bytes
+# (ru_maxrss 8292012 kB, in calibration; 2.10x before, results 72), with --verify 1.78x (8608052 kB,
+# in calibration; 3.57x before results 72's blocked sensitivity scoring). The Llama-3.2-3B shape:
+# 22.1 / 22.9 GB, which a 24 GiB machine passes (45.9 GB with --verify before, refused).
+UINT8_GRAPHS_PEAK = {False: 1.72, True: 1.78}  # by --verify
 
 
 @dataclass(frozen=True)

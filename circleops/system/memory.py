@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 from typing import Any, Callable
 
@@ -41,16 +42,24 @@ def trim_heap() -> bool:
     """glibc's malloc_trim(0): the free pages inside the C heap given back to the kernel.
     torch allocates tensors under 32 MiB from that heap once glibc's mmap threshold has
     grown to them (a freed mapped block raises it), and a freed block between live ones
-    stays resident: after the 16a4w recipe's rotation and rounding, which interleave such
-    temporaries with the integers and scales they keep (issue 32). False where there is no
-    glibc (nothing else changes)."""
+    stays resident: the 16a4w recipe's rotation and rounding interleave such temporaries
+    with the integers and scales they keep, and the heap grew through them to 1-1.5 GB
+    resident above what it held (issue 32), so they trim it after each layer or linear.
+    False where there is no glibc (nothing else changes)."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """libc's malloc_trim, looked up once (find_library runs ldconfig: ~10 ms a call), or None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
-    return bool(trim(0))
+    return trim
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:

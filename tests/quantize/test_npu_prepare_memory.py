@@ -288,3 +288,33 @@ def _rss(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no {field} in /proc/self/status")
+
+
+# --------------------------------------------------------------------------- the heap between linears
+
+def test_rounding_trims_the_heap_between_linears():
+    """The per-group rounding's temporaries of a linear (a few weight-sized tensors, under
+    glibc's mmap threshold once it has risen) come from the C heap, between the scales each
+    linear keeps: untrimmed, the heap kept them resident and grew with depth (1-1.5 GB at the
+    Llama-3.2-1B shape, its rotation stage's peak; here 20x the largest weight for 6 layers).
+    Trimmed after each linear, the rounding rises by one linear's temporaries (5 weight-sized
+    tensors in rtn_grouped and dequantize) and the scales: at most 10 of its largest weight."""
+    import transformers
+
+    from circleops.system.memory import trim_heap
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=6,
+                                   num_attention_heads=16, num_key_value_heads=4, vocab_size=1000)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    linears = grouped.eligible_linears(model)
+    bits = {n: 4 for n in linears if n != "lm_head"}
+    largest = max(lin.weight.numel() * lin.weight.element_size() for lin in linears.values())
+    trim_heap()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _rss("VmRSS")
+    with torch.no_grad(), grouped.rtn_applied(model, bits, 16) as report:
+        rise = _rss("VmHWM") - start
+    assert len(report.names) == len(bits)
+    assert rise <= 10 * largest, f"the rounding rose {rise / 2**20:.0f} MiB ({rise / largest:.1f}x its largest weight)"
