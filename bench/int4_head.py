@@ -141,12 +141,11 @@ def quality(args: argparse.Namespace) -> int:
 def _head_file(path: str, p8, p4, k: int) -> None:
     """x [1, H] -> logits [1, V]: the INT8 head (k = 0), the INT4 copy alone (k < 0) or the
     two-stage head with ``k``."""
-    from circleops.quantize import topk_head_tflite
+    from circleops.quantize import int4_tflite
     from circleops.serialize import write_model
 
     if k < 0:  # the INT4 copy alone (every logit 4-bit): the floor the rescoring's ops add to
         from circleops import ir
-        from circleops.quantize import int4_tflite
 
         v, h = p4.q.shape
         sg = ir.Subgraph("main")
@@ -158,7 +157,7 @@ def _head_file(path: str, p8, p4, k: int) -> None:
         sg.inputs, sg.outputs = [x], [y]
         write_model(ir.Model([sg]), path, "tflite")
         return
-    write_model(topk_head_tflite.head_model(p8, p4 if k else None, k), path, "tflite")
+    write_model(int4_tflite.head_model(p8, p4 if k else None, k), path, "tflite")
 
 
 def ops(args: argparse.Namespace) -> int:

@@ -743,7 +743,7 @@ def run_torch(module: torch.nn.Module, args: tuple, model: Any) -> list[torch.Te
 
 
 def compare_file(path: str | os.PathLike, runtime: str, inputs: Sequence[Any], expected: list[torch.Tensor],
-                 dtype: torch.dtype, tolerance: float | None = None, heads: dict | None = None) -> VerifyResult:
+                 dtype: torch.dtype, tolerance: float | None = None, *, heads: dict | None = None) -> VerifyResult:
     """Run ``path`` with ``runtime`` on ``inputs`` and compare with the torch outputs (``heads``: a
     two-stage head's record, circleops.quantize.topk_head.recording: the output of its shape is
     compared row by row by topk_head.head_error)."""

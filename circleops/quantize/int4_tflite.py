@@ -150,6 +150,26 @@ def lookup(sg: ir.Subgraph, op: ir.Operator, q: Any, tensor: Callable) -> list[i
     return ops
 
 
+def head_model(table: int8.Int8Weight, head4: int4.Int4Weight | None, k: int, rows: int = 1) -> ir.Model:
+    """A one-head file: x [rows, H] -> logits [rows, V], the INT8 head as int4 ships it
+    (``head4`` None) or the two-stage head with ``k`` candidates (bench/int4_head.py measures
+    its ops; the tests check its arithmetic)."""
+    v, h = table.q.shape
+    sg = ir.Subgraph("main")
+    x = sg.add_tensor(ir.Tensor("x", (rows, h), "FLOAT32"))
+    y = sg.add_tensor(ir.Tensor("logits", (rows, v), "FLOAT32"))
+    w8 = sg.add_tensor(weight_tensor("table", (v, h), table))
+    fc = ir.Operator("FULLY_CONNECTED", [x, w8, -1], [y], "FullyConnectedOptions",
+                     {"fusedActivationFunction": 0, "keepNumDims": False}, 5)
+    if head4 is None:
+        sg.operators.append(fc)
+    else:
+        w4 = sg.add_tensor(weight_tensor("table_int4", (v, h), head4))
+        sg.operators.extend(topk_head_tflite.head_ops(sg, fc, w4, w8, k))
+    sg.inputs, sg.outputs = [x], [y]
+    return ir.Model([sg])
+
+
 def _reshape(sg: ir.Subgraph, src: int, shape: tuple[int, ...], out: int | None = None) -> ir.Operator:
     s = sg.tensors[src]
     shape_t = sg.add_tensor(ir.Tensor(f"{s.name}_shape{len(sg.tensors)}", (len(shape),), "INT32",

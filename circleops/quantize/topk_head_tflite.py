@@ -15,14 +15,9 @@ indices are unique (a top-k), so SCATTER_ND's summing of repeated indices never 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from circleops import ir
-
-if TYPE_CHECKING:
-    from circleops.quantize import int4, int8
 
 INT4_FC_VERSION = 13  # FULLY_CONNECTED with an INT4 filter (LiteRT 2.3.0 registers it)
 
@@ -49,7 +44,7 @@ def _reshape(sg: ir.Subgraph, src: int, shape: tuple[int, ...], out: int | None 
 GROUP = 64
 
 
-def _grouped_topk(sg: ir.Subgraph, ops: list[ir.Operator], approx: int, v: int, k: int, lead: tuple[int, ...],
+def _grouped_topk(sg: ir.Subgraph, ops: list[ir.Operator], approx: int, v: int, k: int, *, lead: tuple[int, ...],
                   name: str) -> tuple[int, int]:
     """(values, indices) [.., k] of the k largest of the one row ``approx`` [.., V]: TOPK_V2 of the
     groups' maxima, TOPK_V2 of the k best groups' logits, each index back to its column."""
@@ -103,7 +98,7 @@ def head_ops(sg: ir.Subgraph, op: ir.Operator, approx_weight: int, table: int, k
     ops.append(ir.Operator("FULLY_CONNECTED", [x_i, approx_weight, -1], [approx], "FullyConnectedOptions",
                            dict(op.options), INT4_FC_VERSION))
     if rows == 1 and v % GROUP == 0 and v // GROUP > k:
-        values, idx = _grouped_topk(sg, ops, approx, v, k, lead, name)
+        values, idx = _grouped_topk(sg, ops, approx, v, k, lead=lead, name=name)
     else:
         values, idx = _new(sg, f"{name}_topv", (*lead, k)), _new(sg, f"{name}_topi", (*lead, k), "INT32")
         ops.append(ir.Operator("TOPK_V2", [approx, _const(sg, f"{name}_k", np.array(k, np.int32))], [values, idx],
@@ -143,24 +138,3 @@ def head_ops(sg: ir.Subgraph, op: ir.Operator, approx_weight: int, table: int, k
     ops.append(ir.Operator("ADD", [approx, scattered], [out_i], "AddOptions", {"fusedActivationFunction": 0}))
     return ops
 
-
-def head_model(table: "int8.Int8Weight", head4: "int4.Int4Weight | None", k: int, rows: int = 1) -> ir.Model:
-    """A one-head file: x [rows, H] -> logits [rows, V], the INT8 head as int4 ships it
-    (``head4`` None) or the two-stage head with ``k`` candidates (bench/int4_head.py measures
-    its ops; the tests check its arithmetic)."""
-    from circleops.quantize import int4_tflite
-
-    v, h = table.q.shape
-    sg = ir.Subgraph("main")
-    x = sg.add_tensor(ir.Tensor("x", (rows, h), "FLOAT32"))
-    y = sg.add_tensor(ir.Tensor("logits", (rows, v), "FLOAT32"))
-    w8 = sg.add_tensor(int4_tflite.weight_tensor("table", (v, h), table))
-    fc = ir.Operator("FULLY_CONNECTED", [x, w8, -1], [y], "FullyConnectedOptions",
-                     {"fusedActivationFunction": 0, "keepNumDims": False}, 5)
-    if head4 is None:
-        sg.operators.append(fc)
-    else:
-        w4 = sg.add_tensor(int4_tflite.weight_tensor("table_int4", (v, h), head4))
-        sg.operators.extend(head_ops(sg, fc, w4, w8, k))
-    sg.inputs, sg.outputs = [x], [y]
-    return ir.Model([sg])

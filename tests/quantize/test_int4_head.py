@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from circleops.quantize import formats, int4, int8, topk_head, topk_head_tflite
+from circleops.quantize import formats, int4, int4_tflite, int8, topk_head, topk_head_tflite
 from circleops.serialize import write_model
 from families import BY_NAME
 
@@ -61,7 +61,7 @@ def test_two_stage_head_in_litert_is_torchs(tmp_path, head, rows):
     p8, p4, xs = head
     x = xs[:rows]
     path = tmp_path / "head.tflite"
-    write_model(topk_head_tflite.head_model(p8, p4, K, rows), str(path), "tflite")
+    write_model(int4_tflite.head_model(p8, p4, K, rows), str(path), "tflite")
     got = _run(path, x.numpy())
     w8, w4 = int8.dequantize(p8), int4.dequantize(p4)
     logits, approx, exact = topk_head.two_stage(x, w4, w8, K, _asymmetric)
