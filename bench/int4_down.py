@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from int4_quality import perplexity  # noqa: E402 - the same teacher-forced perplexity as the int4 table's
+from int4_quality import perplexity, scorer  # noqa: E402 - the same teacher-forced perplexity as the int4 table's
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -206,16 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                  "windows": {k: len(v) for k, v in wins.items()}, "rows": []}
     cpu0 = time.process_time()
 
-    def score(label: str) -> dict:
-        row = {"variant": label}
-        for t, w in wins.items():
-            p = perplexity(model, w)
-            row[t] = round(p, 4)
-            row[t + "_pct"] = round(100 * (p / out["fp32"][t] - 1), 3)
-        print(json.dumps(row), flush=True)
-        out["rows"].append(row)
-        Path(args.out).write_text(json.dumps(out, indent=1))
-        return row
+    score = scorer(model, wins, out, args.out)
 
     out["fp32"] = {}
     for t, w in wins.items():

@@ -49,7 +49,7 @@ def _asymmetric(x: torch.Tensor) -> torch.Tensor:
 
 
 def quality(args: argparse.Namespace) -> int:
-    from int4_quality import perplexity
+    from int4_quality import perplexity, scorer
 
     from circleops.quantize import int4, int8, topk_head
     from circleops.quantize.importance import input_importance
@@ -70,16 +70,7 @@ def quality(args: argparse.Namespace) -> int:
         out["fp32"][t] = perplexity(model, w)
     print("fp32", out["fp32"], flush=True)
 
-    def score(label: str, **extra) -> dict:
-        row = {"variant": label, **extra}
-        for t, w in wins.items():
-            p = perplexity(model, w)
-            row[t] = round(p, 4)
-            row[t + "_pct"] = round(100 * (p / out["fp32"][t] - 1), 3)
-        print(json.dumps(row), flush=True)
-        out["rows"].append(row)
-        Path(args.out).write_text(json.dumps(out, indent=1))
-        return row
+    score = scorer(model, wins, out, args.out)
 
     importance = input_importance(model, (), tok)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}

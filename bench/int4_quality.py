@@ -49,6 +49,26 @@ def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:
     return math.exp(nll / n)
 
 
+def scorer(model: torch.nn.Module, wins: dict[str, list[list[int]]], out: dict, path: str):
+    """score(label, **extra): the perplexity on each text's windows, as % over out["fp32"], one
+    row appended to out["rows"] and the run's JSON rewritten at ``path`` (bench/int4_down.py,
+    bench/int4_head.py: a run interrupted keeps its rows)."""
+    import json
+
+    def score(label: str, **extra) -> dict:
+        row = {"variant": label, **extra}
+        for t, w in wins.items():
+            p = perplexity(model, w)
+            row[t] = round(p, 4)
+            row[t + "_pct"] = round(100 * (p / out["fp32"][t] - 1), 3)
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        Path(path).write_text(json.dumps(out, indent=1))
+        return row
+
+    return score
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
