@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from int4_quality import perplexity, scorer  # noqa: E402 - the same teacher-forced perplexity as the int4 table's
+from int4_quality import perplexity, scorer, text_windows  # noqa: E402 - the same teacher-forced perplexity as the int4 table's
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -192,16 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from circleops.sources.models import load_smollm2
-    from circleops.tools.quant_report import text_ids
     from circleops.quantize import int4, int8
     from circleops.quantize.importance import input_importance, calibration_ids
     from circleops.quantize.selection import selection_ids
 
     model, tok = load_smollm2()
     model.eval()
-    wins = {}
-    for label, ids in (("selection", selection_ids(tok, 49152)), ("shipped", text_ids(tok, 49152))):
-        wins[label] = [ids[k * args.window:(k + 1) * args.window] for k in range(len(ids) // args.window)]
+    wins = text_windows(tok, args.window)
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load0": os.getloadavg()[0],
                  "windows": {k: len(v) for k, v in wins.items()}, "rows": []}
     cpu0 = time.process_time()

@@ -49,20 +49,16 @@ def _asymmetric(x: torch.Tensor) -> torch.Tensor:
 
 
 def quality(args: argparse.Namespace) -> int:
-    from int4_quality import perplexity, scorer
+    from int4_quality import perplexity, scorer, text_windows
 
     from circleops.quantize import int4, int8, topk_head
     from circleops.quantize.importance import input_importance
-    from circleops.quantize.selection import selection_ids
     from circleops.sources.models import load_smollm2
-    from circleops.tools.quant_report import text_ids
 
     torch.set_num_threads(1)
     model, tok = load_smollm2()
     model.eval()
-    wins = {}
-    for label, ids in (("selection", selection_ids(tok, 49152)), ("shipped", text_ids(tok, 49152))):
-        wins[label] = [ids[k * args.window:(k + 1) * args.window] for k in range(len(ids) // args.window)]
+    wins = text_windows(tok, args.window)
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load0": os.getloadavg()[0],
                  "windows": {k: len(v) for k, v in wins.items()}, "rows": [], "fp32": {}}
     cpu0 = time.process_time()

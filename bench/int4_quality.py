@@ -49,6 +49,18 @@ def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:
     return math.exp(nll / n)
 
 
+def text_windows(tok, window: int) -> dict[str, list[list[int]]]:
+    """The SELECTION text (choices) and the shipped perplexity text (the figure), each as
+    consecutive windows of ``window`` token ids (bench/int4_down.py, bench/int4_head.py)."""
+    from circleops.quantize.selection import selection_ids
+    from circleops.tools.quant_report import text_ids
+
+    wins = {}
+    for label, ids in (("selection", selection_ids(tok, 49152)), ("shipped", text_ids(tok, 49152))):
+        wins[label] = [ids[k * window:(k + 1) * window] for k in range(len(ids) // window)]
+    return wins
+
+
 def scorer(model: torch.nn.Module, wins: dict[str, list[list[int]]], out: dict, path: str):
     """score(label, **extra): the perplexity on each text's windows, as % over out["fp32"], one
     row appended to out["rows"] and the run's JSON rewritten at ``path`` (bench/int4_down.py,
